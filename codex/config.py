@@ -1,0 +1,210 @@
+"""The whole configuration of a run as one typed dataclass tree, and how it is built.
+
+    Config
+      data.clean / data.tokenizer / data.shard   pipeline/config.py
+      model                                      model/config.py
+      train                                      train/config.py
+      eval                                       eval/config.py
+
+Built in this order, later wins: dataclass defaults -> `--model NAME` preset
+(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> each `--set a.b.c=value`.
+An unknown key anywhere is a ConfigError naming it and suggesting the nearest valid key; a value
+of the wrong type names the key and the type it needs. The resolved config is saved (YAML) next to
+every artifact a stage writes, so a run directory says how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from eval.config import EvalConfig
+from model.config import ModelConfig
+from pipeline.config import DataConfig
+from train.config import TrainConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration. The CLI turns it into a usage error (exit 2)."""
+
+
+@dataclass
+class Config:
+    run: str = "runs/default"   # the run directory (local path or gs://bucket/run)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key, e.g. 'model.n_layer', 'data.clean.workers'."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _field_type(cls, f.name)
+        if dataclasses.is_dataclass(t):
+            keys += all_keys(t, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _suggest(bad: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
+    if not close:  # compare the last component too: "model.n_layerz" -> "n_layer"
+        leaf = {k.rsplit(".", 1)[-1]: k for k in valid}
+        close = [leaf[m] for m in difflib.get_close_matches(bad.rsplit(".", 1)[-1], list(leaf), n=1, cutoff=0.6)]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, value, typ):
+    """Convert a YAML/--set value to the field's type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(typ) or (str,)
+        return [_coerce(key, v, item) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if f != int(f):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(f)
+    if typ is float:
+        try:
+            return float(str(value).replace("_", "")) if not isinstance(value, (int, float)) else float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if typ is str:
+        return "" if value is None else str(value)
+    return value
+
+
+def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
+    """Set fields of dataclass `obj` from a nested dict, validating every key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    names = {f.name for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in names:
+            raise ConfigError(f"{source}unknown config key '{key}'{_suggest(key, all_keys())}")
+        typ = _field_type(type(obj), k)
+        if dataclasses.is_dataclass(typ):
+            apply_dict(getattr(obj, k), v, key + ".", source)
+        else:
+            setattr(obj, k, _coerce(key, v, typ))
+
+
+def set_key(cfg: Config, assignment: str) -> None:
+    """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b])."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. --set model.n_layer=4")
+    key, raw = assignment.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if key not in all_keys():
+        raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
+    parts = key.split(".")
+    nested: dict = {}
+    d = nested
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+    d[parts[-1]] = raw if isinstance(value, (dict,)) else value
+    apply_dict(cfg, nested)
+
+
+def preset_path(kind: str, name: str) -> Path:
+    path = CONFIGS_DIR / kind / f"{name}.yaml"
+    if not path.exists():
+        names = preset_names(kind)
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"no {kind} preset '{name}' (have: {', '.join(names)}){hint}")
+    return path
+
+
+def preset_names(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
+
+
+def load_yaml(path: str) -> dict:
+    from codex import fsio
+
+    try:
+        text = fsio.read_text(str(path))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    return data
+
+
+def build_config(config_file: str | None = None, overrides: tuple[str, ...] | list[str] = (),
+                 model: str | None = None, run: str | None = None) -> Config:
+    cfg = Config()
+    if model:
+        apply_dict(cfg.model, load_yaml(str(preset_path("model", model))), "model.", f"configs/model/{model}.yaml: ")
+    if config_file:
+        apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
+    for o in overrides:
+        set_key(cfg, o)
+    if run:
+        cfg.run = run
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config (YAML) next to an artifact, atomically."""
+    from codex import fsio
+
+    fsio.write_text(path, to_yaml(cfg))

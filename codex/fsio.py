@@ -1,0 +1,203 @@
+"""All file I/O in codex goes through here: local paths and any fsspec URL (gs://bucket/run).
+
+Why one layer: every stage writes into the same run directory contract, locally or on GCS, and
+every write must be atomic so that a killed job never leaves a half-written file under its final
+name. Locally that is temp file + os.replace. On an object store an object only appears once its
+upload has finished, so writing the final name directly is already atomic per object; a stage
+that writes several objects marks completion by writing its manifest / marker object last.
+
+GCS: install the `gcs` extra (gcsfs). Tests point gcsfs at a local emulator through
+STORAGE_EMULATOR_HOST (see tests/conftest.py); nothing here knows about the emulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import tempfile
+import uuid
+from typing import IO, Iterator
+
+import fsspec
+
+
+def is_remote(path: str) -> bool:
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def _strip_file(path: str) -> str:
+    path = str(path)
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path within it). Remote filesystems are created with our retry/emulator options."""
+    path = _strip_file(path)
+    if not is_remote(path):
+        return fsspec.filesystem("file"), os.path.abspath(path)
+    protocol = path.split("://", 1)[0]
+    options: dict = {}
+    if protocol in ("gs", "gcs"):
+        _gcs_env_defaults()
+        endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+        if endpoint:
+            options = {"endpoint_url": endpoint, "token": "anon"}
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError as e:  # no silent fallback: say how to fix it
+            raise RuntimeError(f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'") from e
+    fs, _, paths = fsspec.get_fs_token_paths(path, storage_options=options)
+    return fs, paths[0]
+
+
+def _gcs_env_defaults() -> None:
+    # gcsfs 2026.x probes the bucket type over gRPC first and waits ~60 s when the server does not
+    # speak it (the emulator, some proxies). The probe only matters for zonal/HNS buckets.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def join(base: str, *parts: str) -> str:
+    base = str(base)
+    if is_remote(base):
+        return posixpath.join(base, *parts)
+    return os.path.join(base, *parts)
+
+
+def _url(fs: fsspec.AbstractFileSystem, path: str, like: str) -> str:
+    """Put the protocol back on a path returned by fs.ls/glob, so callers get what they passed in."""
+    if not is_remote(like):
+        return path
+    protocol = like.split("://", 1)[0]
+    return path if "://" in path else f"{protocol}://{path}"
+
+
+def exists(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    fs, p = filesystem(path)
+    return fs.isdir(p)
+
+
+def makedirs(path: str) -> None:
+    fs, p = filesystem(path)
+    if not is_remote(path):  # object stores have no directories
+        fs.makedirs(p, exist_ok=True)
+
+
+def listdir(path: str) -> list[str]:
+    """Full paths of the entries directly under `path`, sorted; [] when it does not exist."""
+    fs, p = filesystem(path)
+    if not fs.exists(p):
+        return []
+    return sorted(_url(fs, e, path) for e in fs.ls(p, detail=False))
+
+
+def glob(pattern: str) -> list[str]:
+    fs, p = filesystem(pattern)
+    return sorted(_url(fs, e, pattern) for e in fs.glob(p))
+
+
+def size(path: str) -> int:
+    fs, p = filesystem(path)
+    return int(fs.size(p))
+
+
+def rm(path: str, recursive: bool = False) -> None:
+    fs, p = filesystem(path)
+    if fs.exists(p):
+        fs.rm(p, recursive=recursive)
+
+
+def open(path: str, mode: str = "rb", **kwargs) -> IO:  # noqa: A001 - mirrors builtins.open
+    fs, p = filesystem(path)
+    return fs.open(p, mode, **kwargs)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "wb") -> Iterator[IO]:
+    """Write `path` so that readers see either the old file or the whole new one, never a part.
+
+    Local: a temp file in the same directory, fsync, os.replace. Remote: the object store's upload
+    is atomic per object (it appears only when complete); on error nothing is committed.
+    """
+    assert mode in ("wb", "w"), mode
+    if is_remote(path):
+        fs, p = filesystem(path)
+        # Write to a temp object then move: gcsfs uploads large files in chunks and a crash
+        # mid-upload must not leave a partial object under the final name.
+        tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with fs.open(tmp, mode) as f:
+                yield f
+            fs.mv(tmp, p)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs.rm(tmp)
+            raise
+        return
+    path = os.path.abspath(_strip_file(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def read_json(path: str):
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+
+
+def upload(local_path: str, remote_path: str) -> None:
+    """Copy a local file to any path, atomically (used by `codex data upload` and checkpoints)."""
+    with builtins_open(local_path, "rb") as src, atomic_open(remote_path, "wb") as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+
+
+def download(remote_path: str, local_path: str) -> None:
+    with open(remote_path, "rb") as src, atomic_open(local_path, "wb") as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+
+
+import builtins as _builtins  # noqa: E402
+
+builtins_open = _builtins.open

@@ -1,0 +1,22 @@
+"""Model settings (`model.*`). Size presets live in configs/model/*.yaml (`codex train --model NAME`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4        # < n_head: grouped-query attention
+    n_embd: int = 128
+    mlp: str = "swiglu"       # "swiglu" or "relu2"
+    mlp_hidden: int = 0       # 0: derived (swiglu: 8/3 * n_embd rounded up to 64; relu2: 4 * n_embd)
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    vocab_size: int = 0       # 0: taken from the run's tokenizer; padded to a multiple of 128
+    max_seq_len: int = 1024
+    init_std: float = 0.02

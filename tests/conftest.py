@@ -1,0 +1,93 @@
+"""Shared fixtures: a real GCS emulator, small corpora, and the XLA subprocess runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tests never depend on the network or a wandb account.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A real gcp-storage-emulator on 127.0.0.1 for the whole session; yields its URL.
+
+    Sets STORAGE_EMULATOR_HOST so codex.fsio (gcsfs) talks to it; the test makes its own bucket
+    through `gcs_bucket`.
+    """
+    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).parent / "gcp-storage-emulator")
+    if not Path(exe).exists():
+        pytest.fail("gcp-storage-emulator is not installed: pip install -e '.[dev]'")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("GCS emulator did not start within 30 s")
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    yield url
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator):
+    """A fresh bucket on the emulator; yields 'gs://NAME'."""
+    import gcsfs
+
+    name = f"codex-test-{uuid.uuid4().hex[:10]}"
+    fs = gcsfs.GCSFileSystem(endpoint_url=gcs_emulator, token="anon")
+    fs.mkdir(name)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    yield f"gs://{name}"
+
+
+def run_xla(script: str, devices: int = 1, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run `script` (Python source) in a fresh process on the XLA CPU backend with `devices` devices.
+
+    The XLA runtime cannot be re-initialised inside one process, so every device count gets its own
+    subprocess. Raises with the child's output when it fails.
+    """
+    full_env = dict(os.environ)
+    full_env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONPATH": str(ROOT)})
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise AssertionError(f"XLA subprocess failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc

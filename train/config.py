@@ -1,0 +1,40 @@
+"""Training settings (`train.*`). Hardware presets live in configs/hardware/*.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    hardware: str = "cpu"           # cpu, a100-8, h100, h200-8, v6e-4, v5litepod-8, ... (`codex hardware`)
+    device_batch: int = 0           # sequences per device per micro-batch; 0 = the preset's default
+    seq_len: int = 0                # 0 = the preset's default
+    batch_tokens: int = 0           # tokens per optimizer step; 0 = device_batch * seq_len * world
+    max_steps: int = 1000
+    max_tokens: int = 0             # > 0: a token budget instead of max_steps
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: str = "cosine"        # "cosine" or "wsd" (warmup-stable-decay)
+    decay_fraction: float = 0.2     # wsd: the last fraction of steps decays
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    dtype: str = "auto"             # auto (bf16 on CUDA/TPU, fp32 on CPU), bf16, fp32
+    compile: bool = True            # torch.compile on CUDA
+    log_every: int = 10
+    eval_every: int = 200
+    eval_tokens: int = 0            # 0 = the whole validation split
+    save_every: int = 500
+    keep_last: int = 3
+    keep_every: int = 0             # also keep every M-th step forever (0 = off)
+    resume: str = "auto"            # auto (resume when a checkpoint exists) or never
+    wandb: str = "auto"             # auto (online with an API key, else offline), online, offline, off
+    wandb_project: str = "codex"
+    xla_mode: str = "spmd"          # spmd or spawn
+    xla_cache: str = ""             # persistent compilation cache; default RUN/xla_cache
+    max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
+    allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)
