@@ -17,10 +17,14 @@ import json
 import os
 import posixpath
 import tempfile
-import uuid
 from typing import IO, Iterator
 
 import fsspec
+
+# gcsfs 2026.x probes every bucket's type over gRPC first and waits ~60 s when the server does not
+# speak it (the emulator, some proxies); the probe only matters for zonal/HNS buckets. gcsfs reads
+# this at import time, so it is set before anything imports gcsfs. setdefault: the user may opt in.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def is_remote(path: str) -> bool:
@@ -40,7 +44,6 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     protocol = path.split("://", 1)[0]
     options: dict = {}
     if protocol in ("gs", "gcs"):
-        _gcs_env_defaults()
         endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
         if endpoint:
             options = {"endpoint_url": endpoint, "token": "anon"}
@@ -50,12 +53,6 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
             raise RuntimeError(f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'") from e
     fs, _, paths = fsspec.get_fs_token_paths(path, storage_options=options)
     return fs, paths[0]
-
-
-def _gcs_env_defaults() -> None:
-    # gcsfs 2026.x probes the bucket type over gRPC first and waits ~60 s when the server does not
-    # speak it (the emulator, some proxies). The probe only matters for zonal/HNS buckets.
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def join(base: str, *parts: str) -> str:
@@ -123,22 +120,21 @@ def atomic_open(path: str, mode: str = "wb") -> Iterator[IO]:
     """Write `path` so that readers see either the old file or the whole new one, never a part.
 
     Local: a temp file in the same directory, fsync, os.replace. Remote: the object store's upload
-    is atomic per object (it appears only when complete); on error nothing is committed.
+    is atomic per object (it appears only when complete); on error the upload is discarded.
     """
     assert mode in ("wb", "w"), mode
     if is_remote(path):
+        # An object appears only when its upload is finalised, so writing the final name is atomic;
+        # on error the upload is discarded instead of closed (closing would commit the part).
         fs, p = filesystem(path)
-        # Write to a temp object then move: gcsfs uploads large files in chunks and a crash
-        # mid-upload must not leave a partial object under the final name.
-        tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+        f = fs.open(p, mode)
         try:
-            with fs.open(tmp, mode) as f:
-                yield f
-            fs.mv(tmp, p)
+            yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                fs.rm(tmp)
+                f.discard()
             raise
+        f.close()
         return
     path = os.path.abspath(_strip_file(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tests never depend on the network or a wandb account.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# gcsfs reads this at import: without it every bucket access waits 60 s on a gRPC probe the
+# emulator cannot answer (NOTES.md section 4).
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 
 def _free_port() -> int:
@@ -52,7 +55,6 @@ def gcs_emulator():
         pytest.fail("GCS emulator did not start within 30 s")
     old = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = url
-    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
     yield url
     if old is None:
         os.environ.pop("STORAGE_EMULATOR_HOST", None)

@@ -1,0 +1,37 @@
+# The two front-door commands (README.md):  make demo  |  make test
+# Each creates what it needs on a fresh machine and reuses venvs that already match pyproject.toml.
+PY ?= python3
+VENV := .venv
+XLA_VENV := .venv-xla
+
+.PHONY: demo test test-main test-xla venv venv-xla
+
+venv: $(VENV)/.codex-installed
+venv-xla: $(XLA_VENV)/.codex-installed
+
+# Main venv: torch 2.13.0 (the CPU wheel; an unpinned torch would pull GBs of CUDA wheels).
+$(VENV)/.codex-installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# XLA venv: torch_xla 2.9.0 needs torch 2.9.0 exactly; runs the real XLA path with PJRT_DEVICE=CPU.
+$(XLA_VENV)/.codex-installed: pyproject.toml
+	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.9.0 torch_xla==2.9.0
+	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(VENV)/bin/codex demo
+
+# pytest exits 5 when it collects no test: that fails `make test` on purpose (a suite that runs
+# nothing must not pass).
+test: test-main test-xla
+
+test-main: venv
+	$(VENV)/bin/python -m pytest -m "not xla" -q
+
+test-xla: venv-xla
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -q

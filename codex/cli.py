@@ -1,0 +1,303 @@
+"""The `codex` command line. Each command builds the typed Config and calls one stage function.
+
+Every command takes `--run DIR` (local or gs://), `--config FILE` and repeated `--set key=value`;
+its own flags are shortcuts for config keys (`--workers 4` is `--set data.clean.workers=4`).
+User mistakes (unknown key, bad value, missing input) exit 2 with one clear line, no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from codex.config import ConfigError, build_config
+from codex.progress import setup_logging
+
+
+class UserError(click.UsageError):
+    """Exit 2 with one line."""
+
+
+def stage(fn):
+    """Run a command body, turning user mistakes into one-line usage errors (exit 2)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (ConfigError, FileNotFoundError) as e:
+            raise UserError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from None
+
+    return wrapper
+
+
+def config_options(fn):
+    """--run, --config, --set: shared by every command that builds a Config."""
+    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override one config key, e.g. --set model.n_layer=6 (repeatable).")(fn)
+    fn = click.option("--config", "config_file", type=str, default=None, metavar="FILE",
+                      help="YAML config (see configs/runs/).")(fn)
+    fn = click.option("--run", type=str, default=None, metavar="DIR",
+                      help="Run directory, local path or gs://bucket/run (default: runs/default).")(fn)
+    return fn
+
+
+def make_config(run, config_file, overrides, flags: dict | None = None, model: str | None = None):
+    """Build the Config: flags are applied as --set overrides before the explicit --set ones."""
+    pairs = [f"{k}={_yaml_value(v)}" for k, v in (flags or {}).items() if v is not None]
+    return build_config(config_file, tuple(pairs) + tuple(overrides), model=model, run=run)
+
+
+def _yaml_value(v) -> str:
+    if isinstance(v, (list, tuple)):
+        import json
+
+        return json.dumps(list(v))
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="codex")
+def cli():
+    """codex: raw text to a trained, evaluated language model, on TPUs, GPUs or a laptop.
+
+    \b
+    Try it end to end on the Python standard library's sources (no download):
+      codex demo
+    \b
+    The stages, chained by one run directory:
+      codex data clean --run runs/my --input 'data/*.jsonl'
+      codex data tokenize --run runs/my
+      codex data shard --run runs/my
+      codex train --run runs/my --hardware v6e-4 --model 124m
+      codex eval --run runs/my
+    """
+    setup_logging()
+
+
+@cli.group()
+def data():
+    """Data stages: clean -> tokenize -> shard (and verify, upload)."""
+
+
+# --- codex data clean -------------------------------------------------------------------------
+
+@data.command("clean")
+@config_options
+@click.option("--input", "inputs", multiple=True, metavar="PATH",
+              help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// (repeatable).")
+@click.option("--workers", type=int, default=None, help="Processes on this machine.")
+@click.option("--num-tasks", type=int, default=None, help="Split input files across N tasks (a job array).")
+@click.option("--task-index", type=int, default=None, help="Which task this process runs (0..N-1).")
+@click.option("--text-field", default=None, help="JSONL field holding the text (default: text).")
+@click.option("--text-column", default=None, help="Parquet column holding the text (default: text).")
+@click.option("--preset", type=click.Choice(["web", "code"]), default=None, help="Filter preset.")
+@click.option("--keep-rejected/--no-keep-rejected", default=None, help="Also write dropped documents with their reason.")
+@stage
+def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_index, text_field, text_column,
+               preset, keep_rejected):
+    """Clean raw text into parquet shards under RUN/clean/.
+
+    \b
+    Example:
+      codex data clean --run runs/web --input 'raw/*.jsonl.zst' --workers 2
+      codex data clean --run gs://bucket/run --input gs://bucket/raw --num-tasks 8 --task-index 3
+    """
+    cfg = make_config(run, config_file, overrides, {
+        "data.clean.inputs": list(inputs) if inputs else None, "data.clean.workers": workers,
+        "data.clean.num_tasks": num_tasks, "data.clean.task_index": task_index,
+        "data.clean.text_field": text_field, "data.clean.text_column": text_column,
+        "data.clean.preset": preset, "data.clean.keep_rejected": keep_rejected})
+    if not cfg.data.clean.inputs:
+        raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
+    from pipeline.clean import run_clean
+
+    run_clean(cfg)
+
+
+# --- codex data tokenize ----------------------------------------------------------------------
+
+@data.command("tokenize")
+@config_options
+@click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default 32768).")
+@click.option("--max-chars", type=int, default=None, help="Characters of training text to use.")
+@click.option("--input", "inputs", multiple=True, metavar="PATH", help="Train on these parquet files instead of RUN/clean/.")
+@stage
+def data_tokenize(run, config_file, overrides, vocab_size, max_chars, inputs):
+    """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
+
+    \b
+    Example:
+      codex data tokenize --run runs/web --vocab-size 32768
+    """
+
+    cfg = make_config(run, config_file, overrides, {
+        "data.tokenizer.vocab_size": vocab_size, "data.tokenizer.max_chars": max_chars,
+        "data.tokenizer.inputs": list(inputs) if inputs else None})
+    from pipeline.tokenizer import run_tokenizer
+
+    run_tokenizer(cfg)
+
+
+# --- codex data shard / verify / upload ---------------------------------------------------------
+
+@data.command("shard")
+@config_options
+@click.option("--out", default=None, help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).")
+@click.option("--shard-tokens", type=int, default=None, help="Tokens per shard.")
+@click.option("--val-fraction", type=float, default=None, help="Fraction of documents in the validation split.")
+@click.option("--format", "fmt", type=click.Choice(["npy", "parquet", "both"]), default=None, help="Shard format.")
+@click.option("--workers", type=int, default=None, help="Worker processes.")
+@stage
+def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt, workers):
+    """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.
+
+    \b
+    Example:
+      codex data shard --run runs/web --shard-tokens 50000000 --workers 2
+      codex data shard --run runs/web --out gs://bucket/web/shards
+    """
+
+    cfg = make_config(run, config_file, overrides, {
+        "data.shard.out": out, "data.shard.shard_tokens": shard_tokens, "data.shard.val_fraction": val_fraction,
+        "data.shard.format": fmt, "data.shard.workers": workers})
+    from pipeline.shard import run_shard
+
+    run_shard(cfg)
+
+
+# --- codex train --------------------------------------------------------------------------------
+
+@cli.command("train")
+@config_options
+@click.option("--hardware", default=None, help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).")
+@click.option("--model", default=None, help="Model size preset: tiny, 124m, 350m, 1b (configs/model/).")
+@click.option("--max-steps", type=int, default=None, help="Optimizer steps to train.")
+@click.option("--batch-tokens", type=int, default=None, help="Tokens per optimizer step (grad accumulation is derived).")
+@click.option("--device-batch", type=int, default=None, help="Sequences per device per micro-batch.")
+@click.option("--seq-len", type=int, default=None, help="Sequence length.")
+@click.option("--save-every", type=int, default=None, help="Checkpoint every N steps.")
+@click.option("--wandb", type=click.Choice(["auto", "online", "offline", "off"]), default=None, help="Weights & Biases logging.")
+@click.option("--resume/--no-resume", default=None, help="Resume from the latest checkpoint (default: when one exists).")
+@stage
+def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tokens, device_batch, seq_len,
+              save_every, wandb, resume):
+    """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
+
+    \b
+    Example:
+      codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
+      torchrun --nproc_per_node=8 -m train -- --run runs/web --hardware h100-8 --model 124m
+    """
+
+    cfg = make_config(run, config_file, overrides, {
+        "train.hardware": hardware, "train.max_steps": max_steps, "train.batch_tokens": batch_tokens,
+        "train.device_batch": device_batch, "train.seq_len": seq_len, "train.save_every": save_every,
+        "train.wandb": wandb, "train.resume": None if resume is None else ("auto" if resume else "never")},
+        model=model)
+    from train.loop import train
+
+    train(cfg)
+
+
+# --- codex eval ---------------------------------------------------------------------------------
+
+@cli.command("eval")
+@config_options
+@click.option("--checkpoint", default=None, help="Checkpoint step or 'latest'.")
+@click.option("--max-tokens", type=int, default=None, help="Evaluate at most this many tokens (0 = all).")
+@click.option("--data", "data_paths", multiple=True, metavar="PATH", help="Evaluate on other text instead of the validation split.")
+@click.option("--hardware", default=None, help="Where to evaluate (a preset, `codex hardware`; default cpu).")
+@click.option("--device-batch", type=int, default=None, help="Sequences per device per batch (default: the preset's).")
+@stage
+def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, hardware, device_batch):
+    """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
+    (and RUN/eval/loss.png from the training metrics).
+
+    \b
+    Example:
+      codex eval --run runs/web
+      codex eval --run runs/web --checkpoint 2000 --data 'heldout/*.txt'
+      torchrun --nproc_per_node=8 -m codex.cli eval --run runs/web --hardware h100-8
+    """
+
+    cfg = make_config(run, config_file, overrides, {
+        "eval.checkpoint": checkpoint, "eval.max_tokens": max_tokens,
+        "eval.data": list(data_paths) if data_paths else None, "train.hardware": hardware,
+        "eval.device_batch": device_batch})
+    from eval.evaluate import run_eval
+
+    run_eval(cfg, checkpoint=cfg.eval.checkpoint, max_tokens=cfg.eval.max_tokens, data_paths=cfg.eval.data or None)
+
+
+@cli.command("sample")
+@config_options
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--checkpoint", default=None, help="Checkpoint step or 'latest'.")
+@click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate (default 200).")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature; 0 = greedy (default 0.8).")
+@click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens; 0 = all (default 50).")
+@click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same text.")
+@stage
+def sample_cmd(run, config_file, overrides, prompt, checkpoint, max_new_tokens, temperature, top_k, seed):
+    """Generate text from a checkpoint (on the CPU).
+
+    \b
+    Example:
+      codex sample --run runs/web --prompt "def fibonacci(n):" --temperature 0.7 --top-k 40
+    """
+    cfg = make_config(run, config_file, overrides, {
+        "eval.checkpoint": checkpoint, "eval.max_new_tokens": max_new_tokens, "eval.temperature": temperature,
+        "eval.top_k": top_k, "eval.seed": seed})
+    from eval.sample import run_sample
+
+    click.echo(run_sample(cfg, prompt, checkpoint=cfg.eval.checkpoint))
+
+
+# --- codex demo / hardware ----------------------------------------------------------------------
+
+@cli.command("demo")
+@click.option("--run", default="runs/demo", show_default=True, help="Run directory.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a demo config key.")
+@stage
+def demo_cmd(run, overrides):
+    """The whole pipeline on the Python standard library's own sources, on this machine's CPU.
+
+    clean -> tokenize -> shard -> train a small model -> eval, through the same code as the real
+    commands; ends with validation perplexity and bits per byte. About 5-10 minutes on 2 cores.
+
+    \b
+    Example:
+      codex demo
+      codex demo --run runs/demo2 --set train.max_steps=50
+    """
+    from codex.demo import run_demo
+
+    run_demo(run, overrides)
+
+
+@cli.command("hardware")
+def hardware_cmd():
+    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch).
+
+    \b
+    Example:
+      codex hardware
+    """
+    from train.hardware import format_hardware_table
+
+    click.echo(format_hardware_table())
+
+
+def main():
+    cli(prog_name="codex")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

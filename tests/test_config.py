@@ -1,0 +1,79 @@
+"""The config tree: overrides, typed values, unknown keys with suggestions, YAML round trip."""
+
+import pytest
+from click.testing import CliRunner
+
+from codex.cli import cli
+from codex.config import ConfigError, all_keys, build_config, from_dict, preset_names, to_dict, to_yaml
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = build_config(overrides=["model.n_layer=6", "train.lr=3e-4", "data.clean.inputs=[a, b]",
+                                  "train.compile=false", "data.shard.val_fraction=0.01"])
+    assert cfg.model.n_layer == 6 and isinstance(cfg.model.n_layer, int)
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.data.clean.inputs == ["a", "b"]
+    assert cfg.train.compile is False
+    assert cfg.data.shard.val_fraction == 0.01
+
+
+@pytest.mark.parametrize("bad,suggestion", [("model.n_layerz=4", "model.n_layer"),
+                                            ("train.lrr=1", "train.lr"),
+                                            ("data.clean.workrs=2", "data.clean.workers")])
+def test_unknown_key_names_it_and_suggests(bad, suggestion):
+    with pytest.raises(ConfigError) as e:
+        build_config(overrides=[bad])
+    assert bad.split("=")[0] in str(e.value) and suggestion in str(e.value)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="model.n_layer: expected an integer"):
+        build_config(overrides=["model.n_layer=four"])
+    with pytest.raises(ConfigError, match="train.compile: expected true or false"):
+        build_config(overrides=["train.compile=maybe"])
+
+
+def test_yaml_file_unknown_key_names_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model:\n  n_heads: 4\n")
+    with pytest.raises(ConfigError) as e:
+        build_config(str(f))
+    assert str(f) in str(e.value) and "model.n_heads" in str(e.value) and "model.n_head" in str(e.value)
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  n_layer: 4\n bad: [\n")
+    with pytest.raises(ConfigError, match="line"):
+        build_config(str(f))
+
+
+def test_precedence_preset_then_file_then_set(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("model:\n  n_layer: 3\ntrain:\n  lr: 0.5\n")
+    cfg = build_config(str(f), ["train.lr=0.25"], model="tiny")
+    assert cfg.model.n_layer == 3 and cfg.train.lr == 0.25
+
+
+def test_round_trip_through_yaml_dict():
+    import yaml
+
+    cfg = build_config(overrides=["model.n_layer=7", "data.clean.inputs=[x]"])
+    again = from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert to_dict(again) == to_dict(cfg)
+    assert "model.n_layer" in all_keys() and "tiny" in preset_names("model")
+
+
+def test_cli_bad_key_exits_2_with_one_clear_line():
+    res = CliRunner().invoke(cli, ["train", "--set", "model.n_layerz=4"])
+    assert res.exit_code == 2
+    assert "model.n_layerz" in res.output and "did you mean 'model.n_layer'" in res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["data", "shard", "--help"], ["train", "--help"], ["eval", "--help"],
+                                  ["data", "clean", "--help"], ["data", "tokenize", "--help"], ["demo", "--help"]])
+def test_help_has_an_example(args):
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert "codex" in res.output and ("Example" in res.output or args == ["--help"])
