@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -10,3 +10,8 @@ class EvalConfig:
     checkpoint: str = "latest"      # a step number or "latest"
     max_tokens: int = 0             # 0 = the whole validation split
     device_batch: int = 0           # 0 = the training device batch
+    data: list[str] = field(default_factory=list)  # other text to evaluate (files/globs/dirs); [] = the val split
+    max_new_tokens: int = 200       # codex sample: tokens to generate
+    temperature: float = 0.8        # codex sample: 0 = greedy
+    top_k: int = 50                 # codex sample: 0 = the whole vocabulary
+    seed: int = 0                   # codex sample: same seed, same text
