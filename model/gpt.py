@@ -1,0 +1,240 @@
+"""The network: a decoder-only transformer in one readable file (nanoGPT / nanochat style).
+
+    idx -> wte -> [block] * n_layer -> RMSNorm -> lm_head -> logits[..., :vocab_size]
+    block: x + attn(norm(x)),  x + mlp(norm(x))
+    attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
+           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA)
+    mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
+
+No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
+(matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
+loss, so the padding rows never receive probability mass.
+
+Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask) and
+enable_gqa, plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
+survives moving the model to a device (see GPT._apply).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return ((vocab_size + 127) // 128) * 128
+
+
+def mlp_hidden(cfg: ModelConfig) -> int:
+    if cfg.mlp_hidden:
+        return cfg.mlp_hidden
+    if cfg.mlp == "swiglu":  # 8/3 * d keeps the parameter count of a 4*d ReLU MLP; round up to 64
+        return ((8 * cfg.n_embd // 3 + 63) // 64) * 64
+    return 4 * cfg.n_embd
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the model.* key that makes the shapes impossible."""
+    if cfg.vocab_size <= 0:
+        raise ValueError("model.vocab_size must be set (> 0); it is normally taken from the run's tokenizer")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
+    if (cfg.n_embd // cfg.n_head) % 2:
+        raise ValueError(f"head dim n_embd/n_head = {cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+    if cfg.n_kv_head <= 0 or cfg.n_head % cfg.n_kv_head:
+        raise ValueError(f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})")
+    if cfg.mlp not in ("swiglu", "relu2"):
+        raise ValueError(f"model.mlp must be 'swiglu' or 'relu2', got {cfg.mlp!r}")
+    if cfg.n_layer <= 0 or cfg.max_seq_len <= 0:
+        raise ValueError("model.n_layer and model.max_seq_len must be positive")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32 (bf16 sums of squares lose precision), return in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim // 2] (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, D]; rotate the pairs (x[..., i], x[..., i + D/2]) by position-dependent angles."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+        # QK-norm (per head, before RoPE) keeps attention logits bounded at high learning rates.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        # enable_gqa: the kernels read the n_kv_head shared K/V heads without materialising copies
+        # (flash on CUDA); torch_xla 2.9 lowers it too (checked: no aten fallback, matches CPU).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = mlp_hidden(cfg)
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            self.w_gate = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w_up = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        if self.kind == "swiglu":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(F.relu(self.w_up(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        check_config(cfg)
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab = padded_vocab(cfg.vocab_size)
+        self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        # Not persistent: derived from the config, so checkpoints hold only learned weights.
+        cos, sin = rope_cache(cfg.max_seq_len, cfg.n_embd // cfg.n_head, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Moving to a device whose tensors cannot share storage with CPU ones (XLA, meta -> CPU)
+        # makes a new Parameter per module and silently unties wte and lm_head: tie them again.
+        super()._apply(fn, *args, **kwargs)
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """GPT-2 style: N(0, init_std) everywhere, residual output projections scaled by
+        1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth; norms 1.
+        Draws only from `generator`, so the result depends on the seed alone."""
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():  # named_parameters yields a tied weight once
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.fill_(1.0)
+            elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
+                p.normal_(0.0, resid_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+        cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, idx, targets=None, reduction: str = "mean"):
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} > model.max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm_f(x))[..., : self.vocab_size]
+        if targets is None:
+            return logits
+        # fp32 cross-entropy: bf16 log-softmax over a 32K+ vocab loses ~2 digits of the loss.
+        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), targets.reshape(-1),
+                               ignore_index=-1, reduction="none" if reduction == "none" else "mean")
+        if reduction == "none":
+            return loss.view(B, T)
+        if reduction != "mean":
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        return loss
+
+
+def build_model(cfg: ModelConfig, seed: int) -> GPT:
+    """The model on the CPU with weights drawn from `seed` only: every rank calling this with the
+    same seed gets bit-identical weights, whatever the global RNG state (which is left untouched).
+
+    Modules are created on the meta device (no wasted default init of a 1B model), then
+    materialised on the CPU and initialised from a local generator. The backend moves the model
+    to its device afterwards.
+    """
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = model.to_empty(device="cpu")  # GPT._apply keeps wte and lm_head tied
+    model.init_weights(torch.Generator(device="cpu").manual_seed(int(seed)))
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Unique parameters (a tied embedding/head matrix counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every weight except the embedding lookup.
+    The output head counts (over the padded vocab: those are the FLOPs the hardware does), also
+    when tied to the embedding. Norm weights are included (negligible)."""
+    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    attn = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * mlp_hidden(cfg)
+    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
+    return cfg.n_layer * (attn + mlp + norms) + d + d * padded_vocab(cfg.vocab_size)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) for MFU, as in PaLM / nanochat:
+    6 * N (N = matmul parameters, embedding lookups excluded) + 12 * L * H * head_dim * T for the
+    attention scores and the weighted sum of values (computed in full, not halved for causality)."""
+    hd = cfg.n_embd // cfg.n_head
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.n_head * hd * seq_len
