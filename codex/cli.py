@@ -127,18 +127,26 @@ def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_ind
 @config_options
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default 32768).")
 @click.option("--max-chars", type=int, default=None, help="Characters of training text to use.")
-@click.option("--input", "inputs", multiple=True, metavar="PATH", help="Train on these parquet files instead of RUN/clean/.")
+@click.option("--doc-max-chars", type=int, default=None, help="Use at most this many characters of each document.")
+@click.option("--input", "inputs", multiple=True, metavar="PATH",
+              help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] 'text' "
+                   "field, .txt = one document) instead of RUN/clean/ (repeatable).")
 @stage
-def data_tokenize(run, config_file, overrides, vocab_size, max_chars, inputs):
+def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_chars, inputs):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
+
+    Documents are sampled by a hash of their text (smallest hashes until --max-chars), so the
+    result does not depend on how many shard files exist or their order.
 
     \b
     Example:
       codex data tokenize --run runs/web --vocab-size 32768
+      codex data tokenize --run runs/web --vocab-size 65536 --max-chars 2000000000
     """
 
     cfg = make_config(run, config_file, overrides, {
         "data.tokenizer.vocab_size": vocab_size, "data.tokenizer.max_chars": max_chars,
+        "data.tokenizer.doc_max_chars": doc_max_chars,
         "data.tokenizer.inputs": list(inputs) if inputs else None})
     from pipeline.tokenizer import run_tokenizer
 
@@ -172,6 +180,52 @@ def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt
     run_shard(cfg)
 
 
+@data.command("verify")
+@click.argument("run_dir", metavar="RUN", required=False)
+@config_options
+@click.option("--out", default=None, help="The shards folder to check (default RUN/shards).")
+@stage
+def data_verify(run_dir, run, config_file, overrides, out):
+    """Check every shard against RUN/shards/manifest.json (sha256, dtype, counts, tokenizer).
+
+    \b
+    Example:
+      codex data verify runs/web
+      codex data verify gs://bucket/web
+    """
+    cfg = make_config(run_dir or run, config_file, overrides, {"data.shard.out": out})
+    from codex import rundir
+    from pipeline.shard import verify_shards
+
+    shards = cfg.data.shard.out or rundir.shards_dir(cfg.run)
+    problems = verify_shards(shards, rundir.tokenizer_dir(cfg.run))
+    for p in problems:
+        click.echo(p, err=True)
+    if problems:
+        raise click.ClickException(f"{len(problems)} problem(s) in {shards}")
+    click.echo(f"{shards}: every shard matches manifest.json")
+
+
+@data.command("upload")
+@click.argument("local_run", metavar="LOCAL_RUN")
+@click.argument("remote", metavar="REMOTE")
+@stage
+def data_upload(local_run, remote):
+    """Copy a local run directory to gs:// (any fsspec URL), verifying each object's size and checksum.
+
+    A rerun resumes: objects that already match are skipped, differing ones are re-uploaded.
+
+    \b
+    Example:
+      codex data upload runs/web gs://bucket/web
+    """
+    from pipeline.upload import upload_run
+
+    r = upload_run(local_run, remote)
+    click.echo(f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
+               f"all verified ({', '.join(r['checksum'])}) -> {remote}")
+
+
 # --- codex train --------------------------------------------------------------------------------
 
 @cli.command("train")
@@ -185,25 +239,39 @@ def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps.")
 @click.option("--wandb", type=click.Choice(["auto", "online", "offline", "off"]), default=None, help="Weights & Biases logging.")
 @click.option("--resume/--no-resume", default=None, help="Resume from the latest checkpoint (default: when one exists).")
+@click.option("--xla-mode", type=click.Choice(["spmd", "spawn"]), default=None,
+              help="TPU: spmd (default, one process per host) or spawn (one process per chip).")
+@click.option("--xla-cache", default=None, metavar="DIR", help="TPU: persistent compilation cache (default RUN/xla_cache).")
+@click.option("--max-compiles", type=int, default=None, help="TPU: fail when XLA compiles more programs than this.")
+@click.option("--allow-cpu-xla", is_flag=True, default=None,
+              help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).")
 @stage
 def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tokens, device_batch, seq_len,
-              save_every, wandb, resume):
+              save_every, wandb, resume, xla_mode, xla_cache, max_compiles, allow_cpu_xla):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
 
     \b
     Example:
       codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
       torchrun --nproc_per_node=8 -m train -- --run runs/web --hardware h100-8 --model 124m
+      PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
     """
 
     cfg = make_config(run, config_file, overrides, {
         "train.hardware": hardware, "train.max_steps": max_steps, "train.batch_tokens": batch_tokens,
         "train.device_batch": device_batch, "train.seq_len": seq_len, "train.save_every": save_every,
-        "train.wandb": wandb, "train.resume": None if resume is None else ("auto" if resume else "never")},
+        "train.wandb": wandb, "train.resume": None if resume is None else ("auto" if resume else "never"),
+        "train.xla_mode": xla_mode, "train.xla_cache": xla_cache, "train.max_compiles": max_compiles,
+        "train.allow_cpu_xla": allow_cpu_xla},
         model=model)
     from train.loop import train
 
-    train(cfg)
+    if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
+        from train.xla_backend import spawn_train
+
+        spawn_train(cfg)
+    else:
+        train(cfg)
 
 
 # --- codex eval ---------------------------------------------------------------------------------

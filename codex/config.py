@@ -104,6 +104,9 @@ def _coerce(key: str, value, typ):
         except ValueError:
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if typ is str:
+        if isinstance(value, bool):  # YAML 1.1 reads off/no/yes/on as booleans
+            raise ConfigError(f"{key}: expected a string, got {value!r} (YAML reads off/on/no/yes as booleans: "
+                              f"quote it, e.g. {key.rsplit('.', 1)[-1]}: \"off\")")
         return "" if value is None else str(value)
     return value
 
@@ -137,6 +140,11 @@ def set_key(cfg: Config, assignment: str) -> None:
     if key not in all_keys():
         raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
     parts = key.split(".")
+    owner = Config
+    for p in parts[:-1]:
+        owner = _field_type(owner, p)
+    if _field_type(owner, parts[-1]) is str:  # --set train.wandb=off means the string "off"
+        value = raw.strip().strip("'\"")
     nested: dict = {}
     d = nested
     for p in parts[:-1]:

@@ -77,3 +77,16 @@ def test_help_has_an_example(args):
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert "codex" in res.output and ("Example" in res.output or args == ["--help"])
+
+
+def test_string_keys_keep_their_text():
+    # YAML would read `off` as False; on the command line a string key takes the text as given.
+    cfg = build_config(overrides=["train.wandb=off", "train.hardware=v6e-4"])
+    assert cfg.train.wandb == "off" and cfg.train.hardware == "v6e-4"
+
+
+def test_yaml_boolean_for_string_key_says_quote_it(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("train:\n  wandb: off\n")
+    with pytest.raises(ConfigError, match="train.wandb: expected a string.*quote it"):
+        build_config(str(f))

@@ -1,0 +1,422 @@
+"""codex train on the CPU: data parallel == grad accumulation == one big batch, exact resume after
+SIGKILL, SIGTERM checkpoints, damaged checkpoints, the batch arithmetic, wandb offline, presets."""
+
+from __future__ import annotations
+
+import json
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from codex.config import ConfigError, build_config
+from tests.train_helpers import base_overrides, child_env, make_run
+from train import checkpoint
+from train.loop import grad_accum_steps, train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Bitwise comparisons with child processes (OMP_NUM_THREADS=1) need the same thread count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def run_train(run: str, **train_keys) -> dict:
+    return train(build_config(overrides=base_overrides(**train_keys), run=run))
+
+
+def final_model(run: str) -> dict:
+    return checkpoint.load(run, "latest")["model"]
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k].double() - b[k].double()).abs().max().item()
+        assert diff <= atol, f"{k}: max abs diff {diff:.3g} > {atol}"
+
+
+def train_cli_args(run: str, **train_keys) -> list[str]:
+    args = ["--run", run]
+    for o in base_overrides(**train_keys):
+        args += ["--set", o]
+    return args
+
+
+# --- batch arithmetic ---------------------------------------------------------------------------
+
+def test_grad_accum_formula():
+    assert grad_accum_steps(0, 4, 16, 2) == 1                 # 0 = one micro-batch per step
+    assert grad_accum_steps(4 * 16 * 2 * 3, 4, 16, 2) == 3
+    assert grad_accum_steps(524288, 16, 1024, 8) == 4         # 0.5M tokens on 8 GPUs
+    with pytest.raises(ConfigError) as e:                     # 1000 is no multiple of 4*16*2 = 128
+        grad_accum_steps(1000, 4, 16, 2)
+    msg = str(e.value)
+    assert "1024 (accum 8)" in msg and "896 (accum 7)" in msg
+    assert "multiple of seq_len * world_size = 32" in msg     # 1000 % 32 != 0: no device batch fits
+    with pytest.raises(ConfigError) as e:                     # 3072 = 96 seqs per rank; B=5 does not divide
+        grad_accum_steps(3072, 5, 16, 2)
+    msg = str(e.value)
+    assert "3040 (accum 19)" in msg and "3200 (accum 20)" in msg
+    assert "device_batch in [3, 4, 6, 8]" in msg
+
+
+def test_cli_bad_batch_tokens_exits_2(tmp_path):
+    from click.testing import CliRunner
+
+    from codex.cli import cli
+
+    run = make_run(tmp_path / "run")
+    result = CliRunner().invoke(cli, ["train", "--batch-tokens", "1000", "--device-batch", "4", "--seq-len", "16",
+                                      *train_cli_args(run)])
+    assert result.exit_code == 2, result.output
+    assert "train.batch_tokens=1000" in result.output and "1024 (accum 16)" in result.output
+    assert not (Path(run) / "checkpoints" / "step_00000001").exists()
+
+
+# --- equivalence: 1 process / 2 processes (torchrun, gloo) / grad accumulation -------------------
+
+@pytest.mark.slow
+def test_one_process_two_processes_and_accumulation_agree(tmp_path):
+    """The same global batch of 8 sequences per step three ways; parameters agree after 5 steps."""
+    runs = {name: make_run(tmp_path / name) for name in ("big", "accum", "ddp")}
+    # lr 1e-3: at 1e-2 Adam's first steps (update ~ lr * g/|g|) amplify summation-order rounding
+    # in near-zero gradients to ~3e-5 (measured); at 1e-3 the three runs agree to ~5e-8.
+    steps = dict(max_steps=5, save_every=5, lr=1e-3)
+    # torchrun first (a subprocess), so the in-process runs overlap nothing.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", "--",
+           *train_cli_args(runs["ddp"], device_batch=4, **steps)]
+    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr   # really two ranks, no accumulation
+
+    big = run_train(runs["big"], device_batch=8, **steps)
+    acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
+    assert (big["accum"], acc["accum"]) == (1, 2)
+
+    init = build_init(runs["big"])
+    m_big, m_acc, m_ddp = (final_model(runs[n]) for n in ("big", "accum", "ddp"))
+    assert max((m_big[k] - init[k]).abs().max().item() for k in init) > 1e-3   # it did train
+    assert_close(m_big, m_acc, 1e-5)
+    assert_close(m_big, m_ddp, 1e-5)
+    # The logged losses are the mean over every token of the step, whichever way it was split.
+    losses = {n: [json.loads(l)["loss"] for l in open(Path(runs[n]) / "metrics.jsonl") if '"train"' in l]
+              for n in runs}
+    assert len(losses["big"]) == 5
+    for n in ("accum", "ddp"):
+        assert losses[n] == pytest.approx(losses["big"], abs=1e-5)
+
+
+def build_init(run: str) -> dict:
+    from model.gpt import build_model
+
+    cfg = build_config(overrides=base_overrides(), run=run)
+    cfg.model.vocab_size = 300
+    return {k: v.clone() for k, v in build_model(cfg.model, seed=cfg.train.seed).state_dict().items()}
+
+
+# --- exact resume after SIGKILL ------------------------------------------------------------------
+
+KILL_AT_SAVE = """
+import os, signal, sys
+from train import checkpoint
+real_save = checkpoint.save
+def save(run, state, **kw):
+    if state["step"] == {kill_step}:
+        # Die while writing: a partial ckpt.pt and no DONE, like a SIGKILL mid-upload.
+        folder = checkpoint.step_dir(run, state["step"])
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, "ckpt.pt"), "wb").write(b"PK\\x03\\x04 half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(run, state, **kw)
+checkpoint.save = save
+from train.__main__ import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    steps = dict(max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128)  # accum 2
+    ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
+    ref = run_train(ref_run, **steps)
+
+    script = KILL_AT_SAVE.format(kill_step=6, args=train_cli_args(run, **steps))
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert checkpoint.latest_step(run) == 4                     # step 6 has no DONE
+    assert (Path(run) / "checkpoints" / "step_00000006" / "ckpt.pt").exists()
+
+    resumed = run_train(run, **steps)
+    assert resumed["step"] == 8 and not resumed["stopped"]
+    a, b = checkpoint.load(ref_run), checkpoint.load(run)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for pid, st in a["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, b["optimizer"]["state"][pid][name]), (pid, name)
+    assert a["loader"] == b["loader"] and a["tokens"] == b["tokens"] == 8 * 128
+    assert resumed["val_loss"] == ref["val_loss"]
+    # metrics.jsonl reads like one run: the killed run's lines after step 4 were dropped, not doubled.
+    recs = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == list(range(1, 9))
+    ref_recs = [json.loads(l) for l in open(Path(ref_run) / "metrics.jsonl")]
+    assert [r["loss"] for r in recs if r["kind"] == "train"] == [r["loss"] for r in ref_recs if r["kind"] == "train"]
+    # Retention (keep_last=3) removed the oldest, and the half-written step 6 was replaced.
+    assert checkpoint.complete_steps(run) == [4, 6, 8]
+    # Every checkpoint is a plain weights_only file with the contract's keys.
+    raw = torch.load(Path(run) / "checkpoints" / "step_00000008" / "ckpt.pt", weights_only=True)
+    assert {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version"} <= raw.keys()
+    assert raw["config"]["train"]["max_steps"] == 8 and raw["step"] == 8
+
+
+# --- SIGTERM: finish the step, save, exit 0 ------------------------------------------------------
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    run = make_run(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "train", *train_cli_args(run, max_steps=100_000)],
+                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = Path(run) / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM" in err and "Resume: run the same command again" in err
+    step = checkpoint.latest_step(run)
+    assert step is not None and 3 <= step < 100_000
+    last_logged = [json.loads(l) for l in metrics.read_text().splitlines()][-1]["step"]
+    assert last_logged == step                                 # the step in flight finished, then saved
+    state = checkpoint.load(run)
+    assert state["step"] == step and state["tokens"] == step * 64
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
+    """torchrun forwards SIGTERM to every worker; the ranks agree on the stop step (a host-side
+    flag all-reduce), rank 0 saves, the workers exit 0. torchrun itself then reports the signal."""
+    run = make_run(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "train", "--", *train_cli_args(run, max_steps=100_000)],
+                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = Path(run) / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert err.count("SIGTERM received") == 2, err[-3000:]      # both workers got it
+    assert "checkpoint (preempted)" in err and "Resume: run the same command again" in err
+    step = checkpoint.latest_step(run)
+    last_logged = [json.loads(l) for l in metrics.read_text().splitlines()][-1]["step"]
+    assert step is not None and step == last_logged and checkpoint.load(run)["tokens"] == step * 128
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def _state(step: int) -> dict:
+    return {"step": step, "tokens": step * 10, "model": {"w": torch.full((64,), float(step))},
+            "config": {"train": {"lr": 0.1}}, "rng": checkpoint.rng_state()}
+
+
+def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+    run = str(tmp_path / "run")
+    for s in (1, 2, 3):
+        checkpoint.save(run, _state(s), keep_last=5)
+    ckpt3 = Path(checkpoint.step_dir(run, 3)) / "ckpt.pt"
+    data = ckpt3.read_bytes()
+    ckpt3.write_bytes(data[: len(data) // 2])                   # truncated
+    assert checkpoint.latest_step(run) == 3
+    state = checkpoint.load(run)
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
+    assert "step_00000003" in caplog.text and "damaged" in caplog.text
+    with pytest.raises(ValueError, match="truncated"):
+        checkpoint.load(run, 3)                                 # an explicit step is never swapped
+    ckpt3.write_bytes(b"\0" * len(data))                        # right size, garbage content
+    assert checkpoint.load(run)["step"] == 2
+    (Path(checkpoint.step_dir(run, 2)) / "ckpt.pt").write_bytes(b"junk")
+    assert checkpoint.load(run)["step"] == 1
+
+
+def test_retention_keeps_last_k_and_every_m(tmp_path):
+    run = str(tmp_path / "run")
+    Path(checkpoint.step_dir(run, 1)).mkdir(parents=True)       # a leftover save with no DONE
+    for s in range(2, 13):
+        checkpoint.save(run, _state(s), keep_last=2, keep_every=5)
+    assert checkpoint.complete_steps(run) == [5, 10, 11, 12]
+    assert not Path(checkpoint.step_dir(run, 1)).exists()
+    with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
+        checkpoint.load(str(tmp_path / "empty"))
+
+
+@pytest.mark.gcs
+def test_checkpoint_round_trip_on_gcs(gcs_bucket):
+    run = f"{gcs_bucket}/run"
+    for s in (1, 2):
+        checkpoint.save(run, _state(s), keep_last=1)
+    assert checkpoint.complete_steps(run) == [2]
+    state = checkpoint.load(run)
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
+
+
+@pytest.mark.gcs
+def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
+    """A gs:// run: shards read through the loader's cache, checkpoints and metrics.jsonl on GCS."""
+    from codex import fsio
+
+    local = Path(make_run(tmp_path / "local"))
+    run = f"{gcs_bucket}/run"
+    for f in local.rglob("*"):
+        if f.is_file():
+            fsio.upload(str(f), f"{run}/{f.relative_to(local)}")
+    first = run_train(run, max_steps=2, save_every=1)
+    assert first["step"] == 2 and checkpoint.complete_steps(run) == [1, 2]
+    second = run_train(run, max_steps=3, save_every=1)          # resumes at 2, one more step
+    assert second["step"] == 3
+    steps = [json.loads(l)["step"] for l in fsio.read_text(f"{run}/metrics.jsonl").splitlines()]
+    assert steps == [1, 2, 3]
+
+
+# --- wandb offline -------------------------------------------------------------------------------
+
+def read_wandb_history(path: Path) -> list[dict]:
+    """Decode a .wandb file (LevelDB-style log of protobuf Records) into its history rows."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, rows, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:                             # block trailer padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4: pos + 7])
+        payload = data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        buf = payload if kind in (1, 2) else buf + payload
+        if kind in (1, 4):                                      # FULL or LAST: a whole record
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = make_run(tmp_path / "run")
+    run_train(run, max_steps=3, wandb="auto")
+    files = list((Path(run) / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    # wandb-core (a separate service process) may still be writing after finish() returns.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        rows = [r for r in read_wandb_history(files[0]) if "train/loss" in r]
+        if len(rows) == 3:
+            break
+        time.sleep(0.2)
+    logged = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
+    assert [r["_step"] for r in rows] == [1, 2, 3]
+    assert [r["train/loss"] for r in rows] == pytest.approx([l["loss"] for l in logged])
+    assert [r["tokens"] for r in rows] == [64, 128, 192]
+
+
+def test_wandb_failure_never_stops_training(tmp_path, monkeypatch):
+    import wandb
+
+    def broken_init(*a, **k):
+        raise RuntimeError("wandb service unreachable")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    run = make_run(tmp_path / "run")
+    out = run_train(run, max_steps=2, wandb="online")
+    assert out["step"] == 2 and len(open(Path(run) / "metrics.jsonl").readlines()) == 2
+
+
+# --- schedule, parameter groups, presets, backend errors -----------------------------------------
+
+def test_lr_schedules():
+    from train.optim import lr_at
+
+    kw = dict(max_lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0) and lr_at(99, **kw) == pytest.approx(0.1)
+    mid = 10 + (99 - 10) / 2
+    assert lr_at(int(mid), **kw) == pytest.approx(0.55, abs=0.02)
+    c = [lr_at(s, **kw) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(c, c[1:]))               # cosine never goes up
+    w = dict(kw, schedule="wsd", decay_fraction=0.2)
+    assert [lr_at(s, **w) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]
+    assert lr_at(80, **w) < 1.0 and lr_at(99, **w) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="train.schedule"):
+        lr_at(50, **dict(kw, schedule="linear"))
+
+
+def test_no_weight_decay_on_norms_embeddings_and_vectors():
+    from model.gpt import build_model
+    from train.optim import param_groups
+
+    cfg = build_config(overrides=base_overrides())
+    cfg.model.vocab_size = 300
+    model = build_model(cfg.model, seed=0)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert "wte.weight" in nd and "norm_f.weight" in nd and "blocks.0.attn.q_norm.weight" in nd
+    assert "lm_head.weight" in d and "blocks.0.attn.c_q.weight" in d and "blocks.1.mlp.w_down.weight" in d
+    assert all(model.get_parameter(n).ndim == 2 for n in d)
+    assert len(d) + len(nd) == len(list(model.parameters()))
+
+
+def test_hardware_presets_and_table():
+    from train.hardware import format_hardware_table, get_preset
+
+    table = format_hardware_table()
+    for name in ("cpu", "a100", "h100-8", "h200", "v4-8", "v5litepod-16", "v5p-8", "v6e-1", "v6e-16"):
+        assert f"\n{name} " in table
+    assert get_preset("v5p-8").devices == 4 and get_preset("v6e-8").devices == 8
+    p = get_preset("v6e-16")
+    assert (p.hosts, p.devices_per_host, p.peak_flops) == (4, 4, 918e12)
+    assert get_preset("h100-4").devices_per_host == 4 and get_preset("h200").peak_flops == 989e12
+    with pytest.raises(ConfigError, match="did you mean 'h100'"):
+        get_preset("h10")
+
+
+def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from train.backend import BackendError, make_backend
+
+    cfg = build_config(overrides=base_overrides(hardware="h100-8"), run=str(tmp_path))
+    with pytest.raises(BackendError) as e:
+        make_backend(cfg)
+    assert "needs CUDA" in str(e.value) and "--hardware cpu" in str(e.value)
+
+
+def test_default_batch_comes_from_the_preset(tmp_path):
+    from train.hardware import device_defaults, get_preset
+
+    cfg = build_config(model="124m")
+    assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)
+    assert device_defaults(get_preset("v5litepod-4"), cfg.model) == (8, 1024)
+    with pytest.raises(ConfigError, match="does not fit"):
+        device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)
+    run = make_run(tmp_path / "run")
+    out = run_train(run, device_batch=0, max_steps=1)   # a custom model shape: the 'default' entry
+    assert (out["device_batch"], out["seq_len"], out["batch_tokens"]) == (4, 16, 64)

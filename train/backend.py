@@ -1,0 +1,304 @@
+"""The backend interface: everything the training loop needs from a device, in one small place.
+
+    backend = make_backend(cfg)            # CPU or CUDA here; TPU in train/xla_backend.py
+    model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
+    for each optimizer step:
+        for each micro-batch:
+            x, y = backend.to_device(batch)
+            with backend.autocast():
+                loss = model(x, y) / accum
+            loss.backward()
+        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step
+        clip, optimizer.step()
+        backend.step_boundary()            # XLA: cut the graph; CPU/CUDA: nothing
+
+Why not DistributedDataParallel: DDP all-reduces inside every backward unless each micro-batch
+but the last is wrapped in no_sync(), and hides where the communication happens. Here the one
+all-reduce per optimizer step is a plain call you can find, time and test. Gradients are summed
+in fp32 buckets and divided by the world size, so the result is the gradient of the mean loss
+over every token of the global batch.
+
+Launch: one process, or `torchrun --nproc_per_node=N -m train ...` (and --nnodes for several
+machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL on CUDA.
+There is no silent fallback: a CUDA preset without CUDA, or a device count that does not match
+the launch, is an error that says what was found and how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from codex.config import ConfigError
+
+
+class BackendError(ConfigError):
+    """The requested hardware does not match what this machine / launch provides. A ConfigError,
+    so the CLI reports it in one line and exits 2."""
+
+
+class Backend(Protocol):
+    """What train/loop.py uses. TorchBackend (CPU/CUDA) and train/xla_backend.py implement it."""
+
+    kind: str                 # "cpu", "cuda" or "xla"
+    device: torch.device
+    rank: int                 # global rank of this process (0 .. world_size-1 on CPU/CUDA)
+    world_size: int           # data-parallel replicas = devices (batch arithmetic, MFU)
+    local_rank: int
+    autocast_dtype: torch.dtype | None   # bf16 on CUDA/TPU by default, None = fp32
+
+    @property
+    def is_main(self) -> bool: ...
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def any_flag(self, flag: bool) -> bool: ...   # True on every rank if any rank's flag is set
+    def step_boundary(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def barrier(self) -> None: ...
+    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+    def memory_stats(self) -> dict[str, float]: ...
+    def compile_count(self) -> int | None: ...
+    def close(self) -> None: ...
+
+    # Optional (read through loader_layout / replica_mean below; TorchBackend leaves them out and
+    # gets the one-device-per-process defaults). XLA SPMD sets them: one process per host feeds
+    # all its chips, and its one program already holds global values.
+    #   loader_rank, loader_world: this process among the processes that load data (rank, world_size)
+    #   devices_per_loader: devices one process's batch is split over (1)
+    #   global_values: a loss on this process is already the mean over every replica (False)
+    #   fixed_shapes: validation needs full, masked batches, one shape only (False)
+
+
+def loader_layout(backend, device_batch: int) -> tuple[int, int, int]:
+    """(rank, world, rows) for this process's train/val loader: the global batch of
+    device_batch * world_size rows is split over `world` loaders of `rows` rows each."""
+    per = getattr(backend, "devices_per_loader", 1)
+    return (getattr(backend, "loader_rank", backend.rank), getattr(backend, "loader_world", backend.world_size),
+            device_batch * per)
+
+
+def replica_mean(backend, tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-replica value (e.g. a loss) over all replicas, on every rank."""
+    if getattr(backend, "global_values", False):
+        return tensor
+    return backend.all_reduce_sum(tensor.clone()) / backend.world_size
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under torch.compile's wrapper (its state_dict keys have no '_orig_mod.')."""
+    return getattr(model, "_orig_mod", model)
+
+
+@dataclass
+class TorchBackend:
+    """CPU or CUDA, one process or several under torchrun (gloo / NCCL)."""
+
+    kind: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    autocast_dtype: torch.dtype | None = None
+    compile: bool = False
+    bucket_bytes: int = 64 << 20     # gradient all-reduce bucket size (fewer, larger collectives)
+    distributed: bool = False
+    control_group: Any = None        # a gloo group for host-side flags (no device sync on CUDA)
+    _compiled: list = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Parameters stay fp32 (the master weights); autocast runs the matmuls in bf16.
+        model = model.to(self.device)
+        if self.compile:
+            model = torch.compile(model)
+            self._compiled.append(model)
+        return model
+
+    def to_device(self, batch):
+        non_blocking = self.device.type == "cuda"
+        return tuple(t.to(self.device, non_blocking=non_blocking) for t in batch)
+
+    @torch.no_grad()
+    def all_reduce_grads(self, model: torch.nn.Module) -> None:
+        """THE gradient all-reduce: average .grad over the replicas. Call once per optimizer step,
+        after the last micro-batch's backward and before clipping."""
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # Buckets of same-dtype grads, flattened into one buffer each: a handful of collectives
+        # instead of one per parameter, issued async so they pipeline.
+        pending = []
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads:
+            if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > self.bucket_bytes):
+                pending.append(self._reduce_bucket(bucket))
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
+            pending.append(self._reduce_bucket(bucket))
+        for work, flat, members in pending:
+            work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for g in members:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+
+    def _reduce_bucket(self, bucket: list[torch.Tensor]):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        # SUM then divide: gloo has no AVG op, and the result is the same on NCCL.
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        return work, flat, bucket
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over all replicas, in place; returns it (a no-op on one process)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank (all ranks stop at the same step).
+        Runs on the host through gloo, so on CUDA it does not wait for the GPU."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(t.item())
+
+    def step_boundary(self) -> None:
+        pass  # eager CPU/CUDA: nothing to cut; XLA cuts the graph here
+
+    def synchronize(self) -> None:
+        """Block until the device has finished all queued work (timing must come after this)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Model weights on the CPU, keys without a torch.compile prefix."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+
+    def memory_stats(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
+                    "mem_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9}
+        try:
+            import resource
+
+            return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
+        except ImportError:  # pragma: no cover - Windows
+            return {}
+
+    def compile_count(self) -> int | None:
+        return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _launch_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1 process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
+
+
+def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
+    """train.dtype -> autocast dtype: auto = bf16 on accelerators, fp32 (None) on the CPU."""
+    if setting == "auto":
+        return None if device_kind == "cpu" else torch.bfloat16
+    if setting == "bf16":
+        return torch.bfloat16
+    if setting == "fp32":
+        return None
+    raise ConfigError(f"train.dtype: expected auto, bf16 or fp32, got {setting!r}")
+
+
+def make_backend(cfg) -> Backend:
+    """The backend for cfg.train.hardware: CPU or CUDA here, TPU presets go to train/xla_backend.py."""
+    from train.hardware import get_preset
+
+    preset = get_preset(cfg.train.hardware)
+    if preset.kind == "tpu":
+        from train import xla_backend  # written by the XLA issue; imported only for TPU presets
+
+        return xla_backend.make_xla_backend(cfg, preset)
+
+    rank, world, local_rank, local_world = _launch_env()
+    launched = "WORLD_SIZE" in os.environ and world > 1
+    if preset.kind == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendError(
+                f"hardware preset '{preset.name}' needs CUDA GPUs, but torch {torch.__version__} found none "
+                f"(torch.cuda.is_available() is False; torch.version.cuda={torch.version.cuda}). "
+                "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu.")
+        found = torch.cuda.device_count()
+        if local_world != preset.devices_per_host:
+            raise BackendError(
+                f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host but this launch "
+                f"runs {local_world} process(es) per host. Fix: torchrun --nproc_per_node={preset.devices_per_host} "
+                f"-m train ... (or pick the preset that matches, e.g. --hardware {preset.family}-{local_world}).")
+        if found < local_world:
+            raise BackendError(
+                f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, found {found} "
+                f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
+                f"Fix: use --hardware {preset.family}-{found}" + (" or" if found else "") +
+                " check CUDA_VISIBLE_DEVICES.")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        pg_backend = "nccl"
+    elif preset.kind == "cpu":
+        device = torch.device("cpu")
+        pg_backend = "gloo"
+    else:
+        raise BackendError(f"hardware preset '{preset.name}': unknown kind {preset.kind!r}")
+
+    if launched:
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": datetime.timedelta(minutes=30)}
+            if pg_backend == "nccl":
+                kwargs["device_id"] = device
+            dist.init_process_group(**kwargs)
+        if dist.get_world_size() != world:
+            raise BackendError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}")
+    control_group = None
+    if launched:
+        control_group = dist.new_group(backend="gloo") if pg_backend != "gloo" else dist.group.WORLD
+    return TorchBackend(
+        kind=preset.kind, device=device, rank=rank, world_size=world, local_rank=local_rank,
+        autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
+        compile=bool(cfg.train.compile) and preset.kind == "cuda",
+        distributed=launched, control_group=control_group,
+    )

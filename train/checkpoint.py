@@ -1,0 +1,154 @@
+"""Checkpoints: RUN/checkpoints/step_NNNNNNNN/ckpt.pt, then DONE written last (local or gs://).
+
+ckpt.pt is one torch.save dict that loads with torch.load(weights_only=True): only tensors,
+dicts, lists, numbers and strings. So the config is a plain dict, RNG states are uint8 tensors
+and the loader state is {"epoch", "position"}:
+
+    {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version", ...}
+
+A checkpoint counts only once DONE exists; DONE records ckpt.pt's size, so a truncated file is
+detected before unpickling. load(run, "latest") walks back from the newest complete checkpoint
+and skips any that is truncated or unreadable, saying so. Retention: the last `keep_last`, plus
+every step that is a multiple of `keep_every` (when > 0), the rest is deleted after a save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+
+import torch
+
+from codex import fsio, rundir
+
+log = logging.getLogger("codex.checkpoint")
+
+_STEP_DIR = re.compile(r"step_(\d{8,})$")
+
+
+def step_dir(run: str, step: int) -> str:
+    return fsio.join(rundir.checkpoints_dir(run), f"step_{step:08d}")
+
+
+def _all_steps(run: str) -> list[tuple[int, str]]:
+    """(step, dir) of every step_* folder, complete or not, oldest first."""
+    out = []
+    for path in fsio.listdir(rundir.checkpoints_dir(run)):
+        m = _STEP_DIR.search(path.rstrip("/"))
+        if m:
+            out.append((int(m.group(1)), path.rstrip("/")))
+    return sorted(out)
+
+
+def complete_steps(run: str) -> list[int]:
+    """Steps whose DONE marker exists, oldest first."""
+    return [s for s, d in _all_steps(run) if fsio.exists(fsio.join(d, "DONE"))]
+
+
+def latest_step(run: str) -> int | None:
+    """The newest step with a DONE marker (load() also checks the file is intact), or None."""
+    steps = complete_steps(run)
+    return steps[-1] if steps else None
+
+
+def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0) -> str:
+    """Write `state` (must hold "step") as a checkpoint, then DONE, then prune old ones. Call on
+    one process only (rank 0). Returns the checkpoint folder."""
+    step = int(state["step"])
+    folder = step_dir(run, step)
+    path = fsio.join(folder, "ckpt.pt")
+    fsio.makedirs(folder)
+    if fsio.is_remote(run):
+        # Serialise locally, then upload (temp object + move in fsio.upload): torch.save wants
+        # a seekable file and a crash mid-upload must leave no partial ckpt.pt.
+        fd, tmp = tempfile.mkstemp(suffix=".pt")
+        os.close(fd)
+        try:
+            torch.save(state, tmp)
+            nbytes = os.path.getsize(tmp)
+            fsio.upload(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    else:
+        with fsio.atomic_open(path, "wb") as f:
+            torch.save(state, f)
+        nbytes = fsio.size(path)
+    fsio.write_json(fsio.join(folder, "DONE"), {"step": step, "bytes": nbytes})
+    prune(run, keep_last, keep_every)
+    return folder
+
+
+def prune(run: str, keep_last: int, keep_every: int = 0) -> None:
+    """Delete complete checkpoints beyond the last `keep_last` (except multiples of keep_every), and
+    incomplete folders older than the newest complete one (leftovers of a killed save)."""
+    complete = complete_steps(run)
+    if not complete:
+        return
+    keep = set(complete[-max(1, keep_last):])
+    if keep_every > 0:
+        keep |= {s for s in complete if s % keep_every == 0}
+    for s, d in _all_steps(run):
+        done = s in complete
+        if (done and s not in keep) or (not done and s < complete[-1]):
+            fsio.rm(d, recursive=True)
+
+
+def _read(folder: str, map_location) -> dict:
+    done = fsio.read_json(fsio.join(folder, "DONE"))
+    path = fsio.join(folder, "ckpt.pt")
+    actual = fsio.size(path)
+    if actual != done.get("bytes", actual):
+        raise ValueError(f"{path}: {actual} bytes, DONE says {done['bytes']} (truncated or overwritten)")
+    with fsio.open(path, "rb") as f:
+        if fsio.is_remote(path):
+            import io
+
+            f = io.BytesIO(f.read())  # torch.load needs a seekable file
+        return torch.load(f, map_location=map_location, weights_only=True)
+
+
+def load(run: str, step: int | str = "latest", map_location="cpu") -> dict:
+    """The checkpoint dict at `step`, or the newest intact one for "latest".
+
+    "latest" skips (with a warning) a newest checkpoint that is truncated or unreadable and uses
+    the one before; an explicit step that is damaged is an error. FileNotFoundError when none.
+    """
+    ckpt_dir = rundir.checkpoints_dir(run)
+    if step != "latest":
+        step = int(step)
+        folder = step_dir(run, step)
+        if not fsio.exists(fsio.join(folder, "DONE")):
+            raise FileNotFoundError(f"{folder}: no complete checkpoint (have steps: {complete_steps(run) or 'none'})")
+        return _read(folder, map_location)
+    errors = []
+    for s in reversed(complete_steps(run)):
+        folder = step_dir(run, s)
+        try:
+            state = _read(folder, map_location)
+        except Exception as e:  # truncated zip, bad pickle, size mismatch: try the previous one
+            log.warning("checkpoint %s is damaged (%s: %s); trying the previous one", folder, type(e).__name__, e)
+            errors.append(f"{folder}: {e}")
+            continue
+        if errors:
+            log.warning("resuming from %s instead of the newest checkpoint", folder)
+        return state
+    detail = ("; damaged: " + "; ".join(errors)) if errors else ""
+    raise FileNotFoundError(f"no intact checkpoint under {ckpt_dir}{detail}")
+
+
+def rng_state() -> dict:
+    """RNG states as tensors (weights_only-loadable): torch CPU, and every CUDA device's."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

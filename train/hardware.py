@@ -1,0 +1,136 @@
+"""Hardware presets (configs/hardware/*.yaml): what a device is, how fast, how much memory, and
+which device batch / sequence length fit each model preset.
+
+    --hardware cpu | a100 | a100-8 | h100 | h100-8 | h200 | h200-8 | v4-8 | v5litepod-1/4/8/16 |
+               v5p-8 | v6e-1/4/8/16          (`codex hardware` prints the table)
+
+A GPU name with any device count works too (`h100-4`): it is the `h100` file with 4 GPUs per host.
+TPU names follow Cloud TPU: v4 and v5p names count TensorCores (v5p-8 = 4 chips), v5e and v6e
+names count chips. Slices over 8 chips are multi-host: the same command runs on every worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
+
+
+@dataclass
+class HardwarePreset:
+    name: str
+    kind: str                   # "cpu", "cuda" or "tpu"
+    family: str                 # a100, h100, h200, v4, v5e, v5p, v6e, cpu
+    device_name: str
+    devices_per_host: int       # GPUs or TPU chips per host (a replica each)
+    hosts: int
+    memory_gb: float            # per device (HBM)
+    peak_tflops_bf16: float     # dense bf16 per device; MFU = achieved / (peak * devices)
+    defaults: dict = field(default_factory=dict)   # model preset -> {device_batch, seq_len} | None
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_host * self.hosts
+
+    @property
+    def peak_flops(self) -> float:
+        """Per-device peak in FLOP/s (0 when unknown, e.g. the CPU: no MFU then)."""
+        return float(self.peak_tflops_bf16) * 1e12
+
+
+def _load(name: str, path) -> HardwarePreset:
+    data = yaml.safe_load(open(path)) or {}
+    names = {f.name for f in dataclasses.fields(HardwarePreset)} - {"name"}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (have: {sorted(names)})")
+    missing = names - set(data) - {"defaults"}
+    if missing:
+        raise ConfigError(f"{path}: missing keys {sorted(missing)}")
+    return HardwarePreset(name=name, **data)
+
+
+def get_preset(name: str) -> HardwarePreset:
+    """The preset called `name`; `h100-4` is the h100 file with 4 GPUs per host."""
+    if (CONFIGS_DIR / "hardware" / f"{name}.yaml").exists():
+        return _load(name, CONFIGS_DIR / "hardware" / f"{name}.yaml")
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", name)
+    if m and (CONFIGS_DIR / "hardware" / f"{m.group(1)}.yaml").exists():
+        base = _load(m.group(1), CONFIGS_DIR / "hardware" / f"{m.group(1)}.yaml")
+        n = int(m.group(2))
+        if base.kind == "cuda" and 1 <= n <= 16:
+            return dataclasses.replace(base, name=name, devices_per_host=n)
+    try:
+        preset_path("hardware", name)  # raises the error with the list and a suggestion
+    except ConfigError as e:
+        raise ConfigError(f"train.hardware: {e}") from None
+    raise AssertionError("unreachable")
+
+
+def list_presets() -> list[HardwarePreset]:
+    return [get_preset(n) for n in preset_names("hardware")]
+
+
+def model_preset_name(model_cfg) -> str | None:
+    """Which configs/model/NAME.yaml `model_cfg` is (ignoring vocab_size / max_seq_len), or None."""
+    from model.config import ModelConfig
+    from codex.config import apply_dict, load_yaml
+
+    ignore = {"vocab_size", "max_seq_len"}
+
+    def key(c):
+        return {k: v for k, v in dataclasses.asdict(c).items() if k not in ignore}
+
+    want = key(model_cfg)
+    for name in preset_names("model"):
+        c = ModelConfig()
+        apply_dict(c, load_yaml(str(preset_path("model", name))), "model.")
+        if key(c) == want:
+            return name
+    return None
+
+
+def device_defaults(preset: HardwarePreset, model_cfg) -> tuple[int, int]:
+    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when it does not fit."""
+    name = model_preset_name(model_cfg)
+    entry_name = name if name in preset.defaults else "default"
+    if entry_name not in preset.defaults:
+        raise ConfigError(f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' nor a 'default' "
+                          "entry; set train.device_batch and train.seq_len")
+    entry = preset.defaults[entry_name]
+    if entry is None:
+        raise ConfigError(f"model preset '{name}' does not fit on {preset.name} ({preset.memory_gb:g} GB per "
+                          "device) with data parallelism; pick larger hardware, or set train.device_batch and "
+                          "train.seq_len to try anyway")
+    return int(entry["device_batch"]), int(entry["seq_len"])
+
+
+def format_hardware_table() -> str:
+    """The `codex hardware` listing: one row per preset, plus the device batch / seq_len defaults."""
+    presets = list_presets()
+    models = []
+    for p in presets:
+        for k in p.defaults:
+            if k not in models:
+                models.append(k)
+    head = ["preset", "kind", "device", "hosts", "dev/host", "mem GB", "bf16 TFLOP/s"] + [f"{m} B×T" for m in models]
+    rows = [head]
+    for p in presets:
+        cells = [p.name, p.kind, p.device_name, str(p.hosts), str(p.devices_per_host), f"{p.memory_gb:g}",
+                 f"{p.peak_tflops_bf16:g}" if p.peak_tflops_bf16 else "-"]
+        for m in models:
+            e = p.defaults.get(m, "?")
+            cells.append("-" if e is None else "?" if e == "?" else f"{e['device_batch']}×{e['seq_len']}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
+                 "torchrun --nproc_per_node=N -m train ...; B×T = default device batch × sequence length "
+                 "(- = does not fit). v4/v5p names count TensorCores, v5e/v6e names count chips.")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""AdamW with the usual parameter groups, and the learning-rate schedule as a pure function.
+
+Weight decay applies to matrices only: embeddings, norms (weights and biases) and every other
+1-D parameter (biases, scalar gains) are excluded, as in GPT-2/nanoGPT practice: decaying a norm
+gain or an embedding row pulls it towards zero for no regularisation benefit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """[{params with decay}, {params without}]. Tied weights appear once (named_parameters dedups)."""
+    no_decay_ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            no_decay_ids.add(id(module.weight))
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = "norm" in name.lower() or "ln_" in name.lower()
+        if p.ndim < 2 or id(p) in no_decay_ids or is_norm or "wte" in name.split(".") or leaf == "bias":
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(model: torch.nn.Module, tcfg, device_type: str = "cpu") -> torch.optim.AdamW:
+    """AdamW over `model` with train.* settings. The lr set here is replaced every step by lr_at()."""
+    kwargs = {}
+    if device_type == "cuda":
+        kwargs["fused"] = True  # one kernel for all parameters
+    return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
+                             betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, **kwargs)
+
+
+def lr_at(step: int, *, max_lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine",
+          min_lr_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+    """Learning rate for optimizer step `step` (0-based).
+
+    warmup: linear from max_lr/warmup to max_lr over the first warmup_steps steps; then
+    cosine: half a cosine from max_lr down to min_lr_ratio*max_lr at the last step, or
+    wsd (warmup-stable-decay): max_lr until the last decay_fraction of the steps, then linear down
+    to min_lr_ratio*max_lr.
+    """
+    min_lr = max_lr * min_lr_ratio
+    if warmup_steps > 0 and step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if schedule == "cosine":
+        span = max(1, total_steps - 1 - warmup_steps)
+        progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+        return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_steps = max(1, int(round(decay_fraction * total_steps)))
+        decay_start = total_steps - decay_steps
+        if step < decay_start:
+            return max_lr
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return max_lr + (min_lr - max_lr) * progress
+    from codex.config import ConfigError
+
+    raise ConfigError(f"train.schedule: expected 'cosine' or 'wsd', got {schedule!r}")
+
+
+def lr_for(step: int, tcfg, total_steps: int) -> float:
+    """lr_at with the train.* settings."""
+    return lr_at(step, max_lr=tcfg.lr, total_steps=total_steps, warmup_steps=tcfg.warmup_steps,
+                 schedule=tcfg.schedule, min_lr_ratio=tcfg.min_lr_ratio, decay_fraction=tcfg.decay_fraction)

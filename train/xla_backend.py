@@ -1,0 +1,367 @@
+"""TPU training on PyTorch/XLA: the Backend of train/backend.py for XLA devices.
+
+Two modes (train.xla_mode, `--xla-mode`):
+
+spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a 1-D
+                mesh ("data",) over every chip of the slice, each batch sharded on dim 0 across
+                the mesh; parameters and optimizer state are replicated. The program is written
+                for the global batch, so the SPMD partitioner inserts the gradient all-reduce
+                itself and all_reduce_grads is a no-op. The host's loader loads
+                device_batch * local chips rows per micro-batch; hosts split the data by process
+                index (loader_rank / loader_world / devices_per_loader, see train/backend.py).
+spawn           One process per chip through torch_xla's launcher (spawn_train). Each process has
+                its own batch; all_reduce_grads is an explicit xm.all_reduce(SUM, scale=1/W) once
+                per optimizer step.
+
+No recompilation: shapes are fixed (full batches, masked validation batches), the graph is cut
+once per optimizer step (step_boundary = torch_xla.sync()), nothing is read back to the host
+inside a step (the loop reads the loss every log_every steps), and XLA_NO_SPECIAL_SCALARS=1 makes
+Python scalars (the learning rate, AdamW's bias corrections) device data instead of compile-time
+constants, so a new learning rate is not a new graph. Compiled programs persist in RUN/xla_cache
+(or train.xla_cache), compile_count() is logged, and train.max_compiles > 0 fails loudly.
+
+No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
+what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla.
+
+Everything torch_xla-specific lives in this file: torch_xla is being superseded (RFC pytorch/xla
+#9684), so the rest of codex only sees the Backend interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from train.backend import BackendError
+
+log = logging.getLogger("codex.xla")
+
+SPAWNED_ENV = "CODEX_XLA_SPAWNED"   # set inside the processes spawn_train starts
+STOP_CHECK_EVERY = 10               # steps between cross-process stop-flag checks (multi-process only)
+
+
+class CompileLimitError(RuntimeError):
+    """More XLA compilations than train.max_compiles: something recompiles every step."""
+
+
+def _env_defaults() -> None:
+    """Environment torch_xla reads at start-up; set before the runtime exists."""
+    # Python scalars become device data, not constants baked into the graph: a changing learning
+    # rate (or AdamW's step-dependent bias correction) would otherwise compile a new graph a step.
+    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
+
+
+# --- the no-silent-fallback check -------------------------------------------------------------
+
+def _tpu_chips_on_host() -> int:
+    """TPU chips on this host's PCI bus (does not start the XLA runtime)."""
+    try:
+        from torch_xla._internal import tpu
+
+        return int(tpu.num_available_chips())
+    except Exception:  # no /sys (containers), or torch_xla internals moved: count /dev/accel*
+        return len([d for d in os.listdir("/dev") if d.startswith("accel")]) if os.path.isdir("/dev") else 0
+
+
+def check_platform(cfg, preset) -> str:
+    """"TPU" or "CPU" (the XLA CPU backend, only with train.allow_cpu_xla); otherwise a
+    BackendError naming PJRT_DEVICE, the devices found and the fix. Starts nothing."""
+    # Read before importing torch_xla: the import sets PJRT_DEVICE=CPU when it is unset.
+    pjrt = os.environ.get("PJRT_DEVICE", "")
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError as e:
+        raise BackendError(
+            f"hardware preset '{preset.name}' runs on PyTorch/XLA, but torch_xla cannot be imported ({e}). "
+            "Fix: on the TPU VM, pip install -e '.[tpu,gcs]' -f https://storage.googleapis.com/libtpu-releases/index.html "
+            "(torch==2.9.0 + torch_xla[tpu]==2.9.0); or pick --hardware cpu or a GPU preset.") from None
+    chips = _tpu_chips_on_host()
+    found = f"{chips} TPU chip(s) on this host's PCI bus"
+    if pjrt == "TPU":
+        if chips == 0:
+            raise BackendError(
+                f"hardware preset '{preset.name}' needs TPUs and PJRT_DEVICE=TPU, but found {found} (no TPU here). "
+                "Fix: run on a TPU VM of that type (gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...), "
+                "or pick --hardware cpu or a GPU preset.")
+        return "TPU"
+    if pjrt == "CPU":
+        if cfg.train.allow_cpu_xla:
+            log.warning("PJRT_DEVICE=CPU with --allow-cpu-xla: the XLA path runs on the CPU (%s devices); "
+                        "this is for tests, not for training", os.environ.get("CPU_NUM_DEVICES", "1"))
+            return "CPU"
+        raise BackendError(
+            f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE=CPU selects the XLA CPU backend ({found}). "
+            "Fix: export PJRT_DEVICE=TPU on a TPU VM; to run the XLA path on the CPU on purpose (tests), "
+            "also pass --allow-cpu-xla (train.allow_cpu_xla=true).")
+    raise BackendError(
+        f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE={pjrt or '(unset)'} (torch_xla would fall back "
+        f"to the CPU) and found {found}. Fix: export PJRT_DEVICE=TPU on the TPU VM; or pick --hardware cpu or a GPU "
+        "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests.")
+
+
+def cache_dir(cfg) -> str:
+    """The persistent compilation cache: train.xla_cache, else RUN/xla_cache. XLA writes it with
+    local file I/O, so a gs:// run keeps its cache on the local disk (one per host)."""
+    from codex import fsio
+
+    if cfg.train.xla_cache:
+        path = cfg.train.xla_cache
+    elif fsio.is_remote(cfg.run):
+        key = hashlib.sha1(cfg.run.rstrip("/").encode()).hexdigest()[:12]
+        path = os.path.join(os.path.expanduser("~"), ".cache", "codex", "xla_cache", key)
+    else:
+        path = fsio.join(cfg.run, "xla_cache")
+    if fsio.is_remote(path):
+        raise BackendError(f"train.xla_cache={path}: the XLA compilation cache must be a local directory")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# --- the backend --------------------------------------------------------------------------------
+
+@dataclass
+class XLABackend:
+    """The Backend protocol (train/backend.py) on XLA devices, SPMD or one process per chip."""
+
+    device: torch.device
+    mode: str                        # "spmd" or "spawn"
+    rank: int                        # spmd: process index (host); spawn: global ordinal (chip)
+    world_size: int                  # data-parallel replicas = chips in the slice (both modes)
+    local_rank: int
+    autocast_dtype: torch.dtype | None
+    loader_rank: int                 # which of loader_world host loaders this process is
+    loader_world: int
+    devices_per_loader: int          # spmd: local chips (one loader feeds them all); spawn: 1
+    global_values: bool              # spmd: one program holds global values (no cross-rank sums)
+    fixed_shapes: bool = True        # XLA compiles one graph per shape: masked full val batches
+    max_compiles: int = 0
+    mesh: Any = None
+    kind: str = "xla"
+    _specs: dict = field(default_factory=dict)
+    _stop_calls: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("xla", dtype=self.autocast_dtype)  # bf16 matmuls, fp32 master weights
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Under SPMD an unannotated tensor is replicated on every chip: the data-parallel layout.
+        return model.to(self.device)
+
+    def _spec(self, ndim: int):
+        """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
+        batch (on one host, the whole batch)."""
+        if ndim not in self._specs:
+            import torch_xla.distributed.spmd as xs
+
+            self._specs[ndim] = xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1), minibatch=True)
+        return self._specs[ndim]
+
+    def to_device(self, batch):
+        if self.mesh is None:
+            return tuple(t.to(self.device) for t in batch)
+        import torch_xla.core.xla_model as xm
+
+        # One host-to-device transfer per tensor, each host sending only its local shards.
+        return tuple(xm.send_cpu_data_to_device([t], self.device, self._spec(t.dim()))[0] for t in batch)
+
+    @torch.no_grad()
+    def all_reduce_grads(self, model: torch.nn.Module) -> None:
+        """THE gradient all-reduce. SPMD: nothing to do here, the partitioner already inserted it
+        into the step's graph (the program computes the gradient of the global batch's mean loss).
+        spawn: one xm.all_reduce(SUM, scale=1/W) over all gradients, once per optimizer step."""
+        if self.mode == "spmd":
+            return
+        import torch_xla.core.xla_model as xm
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # In place, one collective for the list (XLA fuses it); a no-op on one chip unless
+        # XLA_ALWAYS_ALLREDUCE=1 (the tests set it so the collective really runs).
+        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.world_size)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.global_values:
+            return tensor  # SPMD: the value is already the sum over the global (sharded) batch
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every process when any process's flag is set. One process: the flag. Several:
+        a tiny collective every STOP_CHECK_EVERY calls (a host read-back every step would stall the
+        device pipeline); every process calls this once per step, so all stop at the same step."""
+        n_proc = self.loader_world
+        if n_proc == 1:
+            return flag
+        self._stop_calls += 1
+        if self._stop_calls % STOP_CHECK_EVERY:
+            return False
+        import torch_xla.core.xla_model as xm
+
+        if self.mode == "spawn":
+            t = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([int(flag)], dtype=torch.int32).to(self.device))
+        else:  # SPMD over hosts: each host supplies its part of a [chips] vector, the max is global
+            local = torch.full((self.devices_per_loader,), int(flag), dtype=torch.int32)
+            t = xm.send_cpu_data_to_device([local], self.device, self._spec(1))[0].max()
+        return bool(t.cpu().item())
+
+    def step_boundary(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()  # cut the graph: one compiled program per optimizer step, dispatched async
+        if self.max_compiles > 0:
+            n = self.compile_count()
+            if n > self.max_compiles:
+                raise CompileLimitError(
+                    f"XLA compiled {n} programs, more than train.max_compiles={self.max_compiles}: a shape or a "
+                    "constant changes between steps, or a tensor is read on the host inside the step. "
+                    "Run with PT_XLA_DEBUG_LEVEL=2 to see what triggers each compilation.")
+
+    def synchronize(self) -> None:
+        """Run what is still pending and wait for the device. The sync also materialises small
+        host-side updates made between steps (the loop zeroing its loss sum after a log line), so
+        the next step's graph is the usual one instead of a variant that costs a compilation."""
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    def barrier(self) -> None:
+        if self.loader_world > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous("codex-barrier")
+
+    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
+        from train.backend import unwrap
+
+        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+
+    def memory_stats(self) -> dict[str, float]:
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(self.device)
+        except Exception:  # the XLA CPU backend has no memory info
+            return {}
+        out = {"mem_gb": info.get("bytes_used", 0) / 1e9}
+        if "peak_bytes_used" in info:
+            out["mem_peak_gb"] = info["peak_bytes_used"] / 1e9
+        return out
+
+    def compile_count(self) -> int:
+        """XLA compilations in this process so far (persistent-cache hits are not compilations)."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+def make_xla_backend(cfg, preset) -> XLABackend:
+    """The XLA backend for a TPU preset (called by train.backend.make_backend)."""
+    from codex.config import ConfigError
+    from train.backend import resolve_dtype
+
+    mode = cfg.train.xla_mode
+    if mode not in ("spmd", "spawn"):
+        raise ConfigError(f"train.xla_mode: expected spmd or spawn, got {mode!r}")
+    platform = check_platform(cfg, preset)
+    if mode == "spawn" and os.environ.get(SPAWNED_ENV) != "1":
+        raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
+                           "`codex train --xla-mode spawn ...` (train.xla_backend.spawn_train), not train() directly")
+    _env_defaults()
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if not torch_xla._XLAC._xla_computation_cache_is_initialized():
+        # Before any computation. spawn: one writer per host (the others read), no racing writes.
+        readonly = mode == "spawn" and int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) != 0
+        xr.initialize_cache(cache_dir(cfg), readonly=readonly)
+    dtype = resolve_dtype(cfg.train.dtype, "tpu")
+    fix = (f"Fix: use the preset that matches this machine (`codex hardware`)" +
+           (", or set CPU_NUM_DEVICES" if platform == "CPU" else "") + ".")
+
+    if mode == "spmd":
+        xr.use_spmd()
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        n = xr.global_runtime_device_count()
+        local = xr.addressable_runtime_device_count()
+        hosts, host = xr.process_count(), xr.process_index()
+        if n != preset.devices or (platform == "TPU" and hosts != preset.hosts):
+            raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips on {preset.hosts} host(s), "
+                               f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
+                               f"({xr.device_type()}). {fix}")
+        mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+        backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
+                             autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
+                             global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh)
+    else:
+        world, rank = xr.world_size(), xr.global_ordinal()
+        if world != preset.devices:
+            raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips, but torch_xla's launcher "
+                               f"started {world} process(es) on PJRT_DEVICE={platform}. {fix}")
+        backend = XLABackend(device=torch_xla.device(), mode=mode, rank=rank, world_size=world,
+                             local_rank=xr.local_ordinal(), autocast_dtype=dtype, loader_rank=rank,
+                             loader_world=world, devices_per_loader=1, global_values=False,
+                             max_compiles=cfg.train.max_compiles)
+    if backend.is_main:
+        log.info("XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s", mode, platform,
+                 backend.world_size, backend.loader_world, os.environ.get("XLA_PERSISTENT_CACHE_PATH"))
+    return backend
+
+
+# --- --xla-mode spawn: one process per chip -----------------------------------------------------
+
+def _spawn_main(index: int, cfg_dict: dict, result_path: str) -> None:
+    """Runs in every process torch_xla's launcher starts: the ordinary training loop."""
+    os.environ[SPAWNED_ENV] = "1"
+    from codex.config import from_dict
+    from train.loop import train
+
+    result = train(from_dict(cfg_dict))
+    if index == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f, default=str)
+
+
+def spawn_train(cfg) -> dict:
+    """`codex train --xla-mode spawn`: train with one process per local chip (torch_xla.launch);
+    returns process 0's summary. Multi-host: the same command on every worker."""
+    from codex.config import ConfigError, to_dict
+    from train.hardware import get_preset
+
+    preset = get_preset(cfg.train.hardware)
+    if preset.kind != "tpu":
+        raise ConfigError(f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
+                          "(use torchrun for several GPUs)")
+    check_platform(cfg, preset)  # fail here, in the parent, before any process starts
+    _env_defaults()
+    import torch_xla
+
+    with tempfile.TemporaryDirectory(prefix="codex-spawn-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        torch_xla.launch(_spawn_main, args=(to_dict(cfg), result_path))
+        if not os.path.exists(result_path):
+            raise RuntimeError("xla spawn: process 0 finished without a result (see the log above)")
+        with open(result_path) as f:
+            return json.load(f)
