@@ -51,8 +51,9 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
             import gcsfs  # noqa: F401
         except ImportError as e:  # no silent fallback: say how to fix it
             raise RuntimeError(f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'") from e
-    fs, _, paths = fsspec.get_fs_token_paths(path, storage_options=options)
-    return fs, paths[0]
+    # url_to_fs, not get_fs_token_paths: the latter expands globs (and fails on no match).
+    fs, p = fsspec.core.url_to_fs(path, **options)
+    return fs, p
 
 
 def join(base: str, *parts: str) -> str:

@@ -9,19 +9,105 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# --- settings of each clean filter (data.clean.<filter>.*); the defaults are the published
+# thresholds, documented in pipeline/filters.py. A threshold of 0 switches that one rule off.
+
+@dataclass
+class LengthFilterConfig:
+    enabled: bool = True
+    min_chars: int = 1                # documents shorter than this (after normalisation) are dropped
+    max_chars: int = 1_000_000        # ... and longer than this
+
+
+@dataclass
+class GopherQualityConfig:
+    enabled: bool = True
+    min_doc_words: int = 50
+    max_doc_words: int = 100_000
+    min_avg_word_length: float = 3
+    max_avg_word_length: float = 10
+    max_symbol_word_ratio: float = 0.1
+    max_bullet_lines_ratio: float = 0.9
+    max_ellipsis_lines_ratio: float = 0.3
+    max_non_alpha_words_ratio: float = 0.8
+    min_stop_words: int = 2
+
+
+@dataclass
+class GopherRepetitionConfig:
+    enabled: bool = True
+    dup_line_frac: float = 0.3
+    dup_para_frac: float = 0.3
+    dup_line_char_frac: float = 0.2
+    dup_para_char_frac: float = 0.2
+    top_ngram_fracs: list[float] = field(default_factory=lambda: [0.20, 0.18, 0.16])   # for 2-, 3-, 4-grams
+    dup_ngram_fracs: list[float] = field(default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10])  # 5..10-grams
+
+
+@dataclass
+class C4FilterConfig:
+    enabled: bool = True
+    remove_citations: bool = True
+    filter_no_terminal_punct: bool = True
+    min_num_sentences: int = 5
+    min_words_per_line: int = 3
+    max_word_length: int = 1000
+    filter_lorem_ipsum: bool = True
+    filter_javascript: bool = True
+    filter_curly_bracket: bool = True
+    filter_policy: bool = True
+
+
+@dataclass
+class FineWebFilterConfig:
+    enabled: bool = True
+    line_punct_thr: float = 0.12
+    short_line_thr: float = 0.67
+    short_line_length: int = 30
+    char_duplicates_ratio: float = 0.01
+    new_line_ratio: float = 0.3
+
+
+@dataclass
+class CodeFilterConfig:
+    enabled: bool = True
+    max_line_length: int = 1000
+    max_mean_line_length: float = 100
+    min_alnum_fraction: float = 0.25
+
+
+@dataclass
+class DedupConfig:
+    enabled: bool = True              # exact dedup on the normalised text, across the whole corpus
+
+
 @dataclass
 class CleanConfig:
     inputs: list[str] = field(default_factory=list)  # paths, globs or directories, local or gs://
     text_field: str = "text"          # .jsonl(.gz/.zst): the field holding the document text
     text_column: str = "text"         # .parquet: the column holding the document text
     txt_delimiter: str = ""           # .txt: split on this string; "" = one document per file
-    preset: str = "web"               # "web" (prose rules) or "code" (source-code corpora)
+    preset: str = "web"               # "web" (prose rules), "code" (source-code corpora) or "all"
     workers: int = 1                  # processes on this machine
     num_tasks: int = 1                # tasks across machines (a job array); task I takes files I, I+N, ...
     task_index: int = 0
     keep_rejected: bool = False       # also write dropped documents with their reason
     docs_per_shard: int = 20_000      # rows per output parquet file
     row_group_size: int = 2_000
+    text_extensions: list[str] = field(default_factory=lambda: [  # read as text (.txt rules) in dirs/globs
+        ".txt", ".text", ".md", ".rst", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js",
+        ".ts", ".java", ".sh", ".rb", ".lua", ".swift", ".kt", ".scala", ".sql", ".tex"])
+    chunk_bytes: int = 8_000_000      # input bytes per unit of work (resume + parallelism); a file is never split
+    max_record_bytes: int = 8_000_000  # records bigger than this on disk are dropped unread (bounded memory)
+    # filters, in the order they run; the preset picks which apply ("web": all prose rules,
+    # "code": length + code, "all": every enabled one), `enabled: false` switches one off
+    length: LengthFilterConfig = field(default_factory=LengthFilterConfig)
+    gopher_repetition: GopherRepetitionConfig = field(default_factory=GopherRepetitionConfig)
+    gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
+    c4: C4FilterConfig = field(default_factory=C4FilterConfig)
+    fineweb: FineWebFilterConfig = field(default_factory=FineWebFilterConfig)
+    code: CodeFilterConfig = field(default_factory=CodeFilterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
 
 
 @dataclass
@@ -39,8 +125,10 @@ class ShardConfig:
     val_fraction: float = 0.005       # documents hashed into the validation split
     format: str = "npy"               # "npy", "parquet" or "both"
     append_eos: bool = False          # each document is <|bos|> + tokens (+ <|eos|>)
-    workers: int = 1
+    workers: int = 1                  # 1: encode in this process (tokenizers' threads); N: N processes
     out: str = ""                     # default: RUN/shards (any fsspec URL)
+    dtype: str = "auto"               # "auto" (uint16 when the vocab fits, else uint32), "uint16" or "uint32"
+    chunk_chars: int = 100_000        # longer documents are cut at line/space boundaries before encoding (BPE is quadratic)
 
 
 @dataclass

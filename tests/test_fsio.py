@@ -52,3 +52,10 @@ def test_gcs_round_trip(gcs_bucket, tmp_path):
             f.write(b"x" * 100)
             raise RuntimeError("killed")
     assert not fsio.exists(f"{gcs_bucket}/run/half.bin")
+
+
+@pytest.mark.gcs
+def test_gcs_glob_no_match_is_empty(gcs_bucket):
+    fsio.write_text(f"{gcs_bucket}/d/a.txt", "a")
+    assert fsio.glob(f"{gcs_bucket}/d/*.json") == []
+    assert fsio.glob(f"{gcs_bucket}/d/*.txt") == [f"{gcs_bucket}/d/a.txt"]

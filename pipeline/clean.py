@@ -1,0 +1,525 @@
+"""`codex data clean`: raw text -> normalised, filtered, exactly deduplicated parquet shards.
+
+    files --(sorted, task I takes files I, I+N, ...)--> chunks of <= chunk_bytes (a file never split)
+    chunk --read--> normalize --> filters (preset) --> in-chunk dedup --> part-TTTTT-CCCCC-SSS.parquet
+                                                                     + hashes/TTTTT-CCCCC.npy
+                                                                     + markers/TTTTT-CCCCC.json  (last)
+    all chunks done --> cross-chunk dedup over the hash files --> rewrite affected shards
+                    --> stats.json, config.yaml (last)
+
+Units of work: a chunk (consecutive files of one task, about chunk_bytes of input) is processed by
+one worker start to finish and writes its own shards, so 1 or N workers give byte-identical output
+and a killed run redoes only the chunks without a marker. The plan depends only on the inputs and
+settings (not on --workers), and every machine of a job array computes the same plan.
+
+Exact dedup across the whole corpus: each chunk drops duplicates inside itself and writes the
+128-bit BLAKE2b hash (+ byte length) of every document it kept. When every chunk has its marker,
+the final pass groups all hashes (in hash-prefix buckets to bound memory) and keeps the first
+occurrence in (task, chunk) order; shards holding later copies are rewritten without them. The
+rewrite is idempotent (rows are matched by hash, not position), so a rerun after a kill during
+the final pass gives the same result. The last task of a job array to finish runs it; any rerun
+does too.
+
+Bad input is counted per file and reported in stats.json and the log; it never stops the run. A
+file that cannot be used at all (unreadable, parquet without the text column) is reported as
+failed, the other files are cleaned; its chunk gets no completion credit (its marker lists the
+failure), so a rerun after fixing the file redoes that chunk, and run_clean raises at the end so
+the job does not look successful.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import io
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from codex import fsio
+from codex.config import ConfigError, save_config
+from codex.progress import Progress, setup_logging
+from codex.rundir import clean_dir
+from pipeline.filters import Doc, active_filters, apply_filters, normalize
+from pipeline.readers import BadInputFile, FileReport, InputFile, Record, list_inputs, read_records
+
+log = logging.getLogger("codex.clean")
+
+# Settings that change what is written (part of the plan fingerprint); others (workers,
+# task_index) only change how it is computed.
+_RUNTIME_KEYS = ("workers", "task_index")
+_MAX_ROW_GROUP_BYTES = 256 << 20   # a row group is cut early only if its text would exceed this
+_HASH_BUCKET_BYTES = 256 << 20     # memory for one bucket of the final dedup pass
+
+
+class CleanError(RuntimeError):
+    """Some input files could not be used; everything else was cleaned (see stats.json)."""
+
+
+@dataclass
+class Chunk:
+    task: int
+    index: int
+    files: list[InputFile]
+
+    @property
+    def name(self) -> str:
+        return f"{self.task:05d}-{self.index:05d}"
+
+
+def plan_chunks(files: list[InputFile], num_tasks: int, chunk_bytes: int) -> list[Chunk]:
+    """Task I takes files I, I+N, ...; its files are cut into consecutive chunks of ~chunk_bytes."""
+    chunks: list[Chunk] = []
+    for task in range(num_tasks):
+        current: list[InputFile] = []
+        size = 0
+        for f in files[task::num_tasks]:
+            if current and size + f.size > chunk_bytes:
+                chunks.append(Chunk(task, len([c for c in chunks if c.task == task]), current))
+                current, size = [], 0
+            current.append(f)
+            size += f.size
+        if current:
+            chunks.append(Chunk(task, len([c for c in chunks if c.task == task]), current))
+    return chunks
+
+
+def _fingerprint(c, files: list[InputFile]) -> str:
+    settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
+    blob = json.dumps({"settings": settings, "files": [(f.path, f.size) for f in files]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# writing parquet shards
+
+class ShardWriter:
+    """Streams rows into prefix-000.parquet, prefix-001.parquet, ... (docs_per_shard rows each,
+    zstd, row groups of row_group_size rows), each file written atomically."""
+
+    def __init__(self, out_dir: str, prefix: str, docs_per_shard: int, row_group_size: int, with_reason: bool = False):
+        import pyarrow as pa
+
+        self.out_dir, self.prefix = out_dir, prefix
+        self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
+        cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
+        self.schema = pa.schema(cols + ([("reason", pa.string())] if with_reason else []))
+        self.rows: list[list] = [[] for _ in self.schema.names]
+        self.row_bytes = 0
+        self.shards: list[str] = []
+        self._ctx = self._writer = None
+        self._in_shard = 0
+
+    def add(self, *values: str) -> None:
+        for col, v in zip(self.rows, values):
+            col.append(v)
+        self.row_bytes += len(values[0])
+        if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        while self.rows[0]:
+            if self._writer is None:
+                name = f"{self.prefix}-{len(self.shards):03d}.parquet"
+                self.shards.append(name)
+                self._ctx = fsio.atomic_open(fsio.join(self.out_dir, name), "wb")
+                self._writer = pq.ParquetWriter(self._ctx.__enter__(), self.schema, compression="zstd")
+                self._in_shard = 0
+            take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
+            table = pa.table([col[:take] for col in self.rows], schema=self.schema)
+            self._writer.write_table(table, row_group_size=self.row_group_size)
+            self.rows = [col[take:] for col in self.rows]
+            self._in_shard += take
+            if self._in_shard >= self.docs_per_shard:
+                self._close_shard()
+        self.row_bytes = 0
+
+    def _close_shard(self) -> None:
+        self._writer.close()
+        self._ctx.__exit__(None, None, None)
+        self._writer = self._ctx = None
+
+    def close(self) -> list[str]:
+        self._flush()
+        if self._writer is not None:
+            self._close_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            finally:
+                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)   # removes the temp file
+
+
+# ----------------------------------------------------------------------------------------------
+# one chunk (runs in a worker process)
+
+_progress_queue = None
+_parent_pid = None
+
+
+def _init_worker(q, parent_pid: int) -> None:
+    global _progress_queue, _parent_pid
+    _progress_queue, _parent_pid = q, parent_pid
+    setup_logging()
+
+
+def _remove_chunk_outputs(out: str, name: str) -> None:
+    """Delete what an interrupted earlier attempt at this chunk may have left (stale shard counts)."""
+    for sub, pattern in (("", f"part-{name}-*.parquet"), ("rejected", f"part-{name}-*.parquet"), ("hashes", f"{name}.npy")):
+        for path in _ls(fsio.join(out, sub) if sub else out, pattern):
+            fsio.rm(path)
+
+
+def _ls(folder: str, pattern: str) -> list[str]:
+    """Paths in `folder` whose name matches `pattern`; [] when there is none (fsio.glob fails on
+    an empty remote match)."""
+    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
+
+
+def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None) -> dict:
+    """Clean one chunk; write its shards, its hash file, then its marker. Returns the marker."""
+    _remove_chunk_outputs(out, chunk.name)
+    dedup = "dedup" in filters
+    writer = ShardWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
+    rejected = ShardWriter(fsio.join(out, "rejected"), f"part-{chunk.name}", c.docs_per_shard, c.row_group_size,
+                           with_reason=True) if c.keep_rejected else None
+    seen: set[bytes] = set()
+    hashes = bytearray()       # 16-byte hash + 8-byte length per kept document
+    stats = {"docs_in": 0, "bytes_in": 0, "docs_kept": 0, "bytes_kept": 0, "drops": {}}
+    reports: list[dict] = []
+    pending_docs = pending_bytes = 0
+    last_report = time.perf_counter()
+
+    def drop(reason: str, rec: Record, text: str, source: str) -> None:
+        stats["drops"][reason] = stats["drops"].get(reason, 0) + 1
+        if rejected is not None:
+            rejected.add(text, rec.id, source, reason)
+
+    try:
+        for f in chunk.files:
+            report = FileReport(f.path)
+            try:
+                for rec in read_records(f, c, report):
+                    report.records += 1
+                    stats["docs_in"] += 1
+                    stats["bytes_in"] += rec.nbytes
+                    pending_docs += 1
+                    pending_bytes += rec.nbytes
+                    if rec.text is None:
+                        drop("length:too_long", rec, "", f.path)
+                        continue
+                    text, nuls = normalize(rec.text)
+                    report.nul_chars += nuls
+                    doc = Doc(text)
+                    reason = apply_filters(doc, c, filters)
+                    if reason is not None:
+                        drop(reason, rec, doc.text, f.path)
+                        continue
+                    data = doc.text.encode("utf-8")
+                    if dedup:
+                        h = hashlib.blake2b(data, digest_size=16).digest()
+                        if h in seen:
+                            drop("dedup:duplicate", rec, doc.text, f.path)
+                            continue
+                        seen.add(h)
+                        hashes += h + len(data).to_bytes(8, "little")
+                    writer.add(doc.text, rec.id, f.path)
+                    stats["docs_kept"] += 1
+                    stats["bytes_kept"] += len(data)
+                    if pending_docs >= 256:
+                        now = time.perf_counter()
+                        if now - last_report > 0.5:
+                            _send_progress(report_progress, pending_docs, pending_bytes)
+                            pending_docs = pending_bytes = 0
+                            last_report = now
+            except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow/zstd decode errors
+                report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
+                if f.path not in report.error:
+                    report.error = f"{f.path}: {report.error}"
+                log.error("clean: file failed, continuing with the others: %s", report.error)
+            if report.bad():
+                reports.append(dataclasses.asdict(report))
+                if not report.error:   # empty files are common (__init__.py): summarised at the end instead
+                    (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, _describe(report))
+        shards = writer.close()
+        if rejected is not None:
+            rejected.close()
+    except BaseException:
+        writer.abort()
+        if rejected is not None:
+            rejected.abort()
+        raise
+    _send_progress(report_progress, pending_docs, pending_bytes)
+    if dedup:
+        with fsio.atomic_open(fsio.join(out, "hashes", f"{chunk.name}.npy"), "wb") as fh:
+            np.save(fh, np.frombuffer(bytes(hashes), dtype=np.uint64).reshape(-1, 3))
+    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": shards,
+              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **stats}
+    fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)   # last: the chunk is done
+    return marker
+
+
+def _send_progress(report_progress, docs: int, nbytes: int) -> None:
+    if not docs:
+        return
+    if report_progress is not None:
+        report_progress(docs, nbytes)
+    elif _progress_queue is not None:
+        _progress_queue.put((docs, nbytes))
+        if os.getppid() != _parent_pid:   # the parent was killed: do not keep writing as an orphan
+            os._exit(3)
+
+
+def _describe(r: FileReport) -> str:
+    parts = []
+    if r.empty:
+        parts.append("empty file")
+    if r.invalid_utf8_records:
+        parts.append(f"invalid UTF-8 in {r.invalid_utf8_records} records ({r.replaced_bytes} replaced)")
+    if r.nul_chars:
+        parts.append(f"{r.nul_chars} NUL characters removed")
+    if r.oversized_records:
+        parts.append(f"{r.oversized_records} records over max_record_bytes skipped")
+    if r.malformed_lines:
+        parts.append(f"{r.malformed_lines} malformed lines skipped (first: {'; '.join(r.malformed_first)})")
+    if r.null_values:
+        parts.append(f"{r.null_values} null values skipped")
+    return ", ".join(parts)
+
+
+def _chunk_job(args) -> dict:
+    return clean_chunk(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage
+
+def run_clean(cfg) -> dict:
+    """Clean cfg.data.clean.inputs into RUN/clean/. Returns the stats (also RUN/clean/stats.json);
+    when other tasks of a job array are still running, returns this task's stats and writes none."""
+    c = cfg.data.clean
+    if c.num_tasks < 1 or not 0 <= c.task_index < c.num_tasks:
+        raise ConfigError(f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 (num_tasks={c.num_tasks})")
+    if c.workers < 1:
+        raise ConfigError(f"data.clean.workers must be >= 1, got {c.workers}")
+    if not c.inputs:
+        raise ConfigError("data.clean.inputs is empty: pass --input PATH")
+    filters = active_filters(c)
+    out = clean_dir(cfg.run)
+    try:
+        files, skipped = list_inputs(c.inputs, c.text_extensions)
+    except BadInputFile as e:
+        raise ConfigError(str(e)) from None
+    if not files:
+        raise ConfigError(f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})")
+    fingerprint = _fingerprint(c, files)
+    chunks = plan_chunks(files, c.num_tasks, c.chunk_bytes)
+    markers = _read_markers(out, fingerprint)
+    mine = [ch for ch in chunks if ch.task == c.task_index]
+    todo = [ch for ch in mine if ch.name not in markers or markers[ch.name]["failed"]]
+    log.info("clean: %d files (%.1f MB), %d skipped (unsupported type); task %d/%d: %d chunks, %d to do; filters: %s",
+             len(files), sum(f.size for f in files) / 1e6, len(skipped), c.task_index, c.num_tasks, len(mine),
+             len(todo), ", ".join(filters))
+    fsio.makedirs(out)
+    for m in _process(todo, c, out, filters, fingerprint):
+        markers[m["chunk"]] = m
+    if all(ch.name in markers for ch in chunks):
+        stats = _finalize(cfg, chunks, markers, out, filters, files, skipped)
+    else:
+        waiting = sorted({ch.task for ch in chunks if ch.name not in markers})
+        log.info("clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
+                 c.task_index, waiting)
+        stats = _summarize([markers[ch.name] for ch in mine], filters, files, skipped)
+    failed = stats["bad_input"]["failed_files"]
+    if failed:
+        raise CleanError(f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
+                         + "; ".join(f["error"] for f in failed[:3]))
+    return stats
+
+
+def _read_markers(out: str, fingerprint: str) -> dict[str, dict]:
+    markers = {}
+    for path in _ls(fsio.join(out, "markers"), "*.json"):
+        m = fsio.read_json(path)
+        if m.get("fingerprint") != fingerprint:
+            raise ConfigError(f"{out} holds output cleaned from other inputs or settings ({path}); "
+                              f"use another --run or delete {out}")
+        markers[m["chunk"]] = m
+    return markers
+
+
+def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: str) -> list[dict]:
+    if not todo:
+        return []
+    total_bytes = sum(f.size for ch in todo for f in ch.files)
+    done: list[dict] = []
+    with Progress("clean", total=len(todo), unit="chunks") as progress:
+        def on_progress(docs, nbytes):
+            progress.update(0, docs=docs, bytes=nbytes)
+
+        progress.update(0, bytes=0)
+        if c.workers == 1 or len(todo) == 1:
+            for ch in todo:
+                done.append(clean_chunk(ch, c, out, filters, fingerprint, on_progress))
+                progress.update(1)
+        else:
+            ctx = mp.get_context("spawn")   # fork is unsafe with gcsfs' event-loop threads
+            q = ctx.Queue()
+            with ctx.Pool(min(c.workers, len(todo)), initializer=_init_worker, initargs=(q, os.getpid())) as pool:
+                pending = [pool.apply_async(_chunk_job, ((ch, c, out, filters, fingerprint),)) for ch in todo]
+                while pending:
+                    try:
+                        while True:
+                            on_progress(*q.get(timeout=0.2))
+                    except queue_mod.Empty:
+                        pass
+                    for r in [r for r in pending if r.ready()]:
+                        done.append(r.get())   # re-raises a worker's exception
+                        pending.remove(r)
+                        progress.update(1)
+                while True:
+                    try:
+                        on_progress(*q.get_nowait())
+                    except queue_mod.Empty:
+                        break
+    log.info("clean: processed %.1f MB in %d chunks", total_bytes / 1e6, len(todo))
+    return done
+
+
+# ----------------------------------------------------------------------------------------------
+# final pass: exact dedup across chunks, then stats.json
+
+def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[str], files, skipped) -> dict:
+    c = cfg.data.clean
+    ordered = [markers[ch.name] for ch in chunks]
+    cross_docs = cross_bytes = 0
+    if "dedup" in filters:
+        drops = _cross_chunk_duplicates(out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered))
+        for ch in chunks:
+            if ch.name in drops:
+                cross_docs += len(drops[ch.name])
+                cross_bytes += sum(drops[ch.name].values())
+                _rewrite_without(out, markers[ch.name]["shards"], drops[ch.name], c)
+    stats = _summarize(ordered, filters, files, skipped)
+    if cross_docs:
+        stats["drops"].setdefault("dedup", {}).setdefault("duplicate", 0)
+        stats["drops"]["dedup"]["duplicate"] += cross_docs
+        stats["drops_total"] += cross_docs
+        stats["docs_out"] -= cross_docs
+        stats["bytes_out"] -= cross_bytes
+    stats["dedup_across_chunks"] = cross_docs
+    stats["shards"] = [s for m in ordered for s in m["shards"]]
+    save_config(cfg, fsio.join(out, "config.yaml"))
+    fsio.write_json(fsio.join(out, "stats.json"), stats)
+    log.info("clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s", stats["docs_in"], stats["docs_out"],
+             stats["bytes_in"] / 1e6, stats["bytes_out"] / 1e6, stats["drops_total"],
+             ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none")
+    bad = stats["bad_input"]
+    summary = [f"{bad[k]['count']} {k.replace('_', ' ')} in {bad[k]['files']} files" for k in
+               ("empty_files", "invalid_utf8_records", "nul_chars", "oversized_records", "null_values", "malformed_lines")
+               if bad[k]["count"]]
+    if summary or bad["failed_files"]:
+        log.warning("clean: bad input (details in stats.json): %s%s", ", ".join(summary),
+                    f", {len(bad['failed_files'])} failed files" if bad["failed_files"] else "")
+    return stats
+
+
+def _cross_chunk_duplicates(out: str, names: list[str], total: int) -> dict[str, dict[bytes, int]]:
+    """{chunk: {hash: nbytes}} of documents whose first copy is in an earlier chunk.
+
+    Hashes are grouped in buckets (by hash value mod B) so that one bucket of all chunks fits in
+    _HASH_BUCKET_BYTES; each bucket reads every hash file once.
+    """
+    buckets = max(1, -(-total * 40 // _HASH_BUCKET_BYTES))
+    drops: dict[str, dict[bytes, int]] = {}
+    for b in range(buckets):
+        parts, owners = [], []
+        for i, name in enumerate(names):
+            with fsio.open(fsio.join(out, "hashes", f"{name}.npy"), "rb") as fh:
+                h = np.load(io.BytesIO(fh.read()))
+            if buckets > 1:
+                h = h[h[:, 0] % buckets == b]
+            parts.append(h)
+            owners.append(np.full(len(h), i, dtype=np.int64))
+        if not parts:
+            continue
+        h = np.concatenate(parts)
+        owner = np.concatenate(owners)
+        order = np.lexsort((owner, h[:, 1], h[:, 0]))   # by hash, then chunk order
+        hs, ow = h[order], owner[order]
+        repeat = np.zeros(len(hs), dtype=bool)
+        repeat[1:] = (hs[1:, 0] == hs[:-1, 0]) & (hs[1:, 1] == hs[:-1, 1])
+        for row, i in zip(hs[repeat], ow[repeat]):
+            drops.setdefault(names[i], {})[row[:2].tobytes()] = int(row[2])
+    return drops
+
+
+def _rewrite_without(out: str, shards: list[str], drop: dict[bytes, int], c) -> None:
+    """Rewrite the shards of one chunk without the rows whose text hash is in `drop` (idempotent)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name in shards:
+        path = fsio.join(out, name)
+        with fsio.open(path, "rb") as fh:
+            table = pq.read_table(fh)
+        texts = table.column("text").to_pylist()
+        keep = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts]
+        if all(keep):
+            continue
+        if c.keep_rejected:
+            gone = table.filter(pa.array([not k for k in keep]))
+            gone = gone.append_column("reason", pa.array(["dedup:duplicate"] * len(gone), pa.string()))
+            with fsio.atomic_open(fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb") as fh:
+                pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
+        with fsio.atomic_open(path, "wb") as fh:
+            pq.write_table(table.filter(pa.array(keep)), fh, compression="zstd", row_group_size=c.row_group_size)
+
+
+def _summarize(ms: list[dict], filters: list[str], files: list[InputFile], skipped: list[str]) -> dict:
+    drops: dict[str, dict[str, int]] = {}
+    for m in ms:
+        for key, n in m["drops"].items():
+            flt, reason = key.split(":", 1)
+            drops.setdefault(flt, {})
+            drops[flt][reason] = drops[flt].get(reason, 0) + n
+    bad = [r for m in ms for r in m["bad_files"]]
+
+    def files_with(key):
+        hit = [r for r in bad if r[key]]
+        return {"files": len(hit), "count": sum(int(r[key]) for r in hit), "first_files": [r["path"] for r in hit[:20]]}
+
+    return {
+        "docs_in": sum(m["docs_in"] for m in ms), "bytes_in": sum(m["bytes_in"] for m in ms),
+        "docs_out": sum(m["docs_kept"] for m in ms), "bytes_out": sum(m["bytes_kept"] for m in ms),
+        "drops_total": sum(sum(v.values()) for v in drops.values()),
+        "drops": drops,   # filter -> reason -> documents
+        "filters": filters,
+        "files": {"inputs": len(files), "skipped_unsupported": len(skipped), "first_skipped": skipped[:20]},
+        "bad_input": {
+            "failed_files": [{"path": r["path"], "error": r["error"]} for r in bad if r["error"]],
+            "empty_files": files_with("empty"),
+            "invalid_utf8_records": files_with("invalid_utf8_records"),
+            "nul_chars": files_with("nul_chars"),
+            "oversized_records": files_with("oversized_records"),
+            "null_values": files_with("null_values"),
+            "malformed_lines": {"files": sum(1 for r in bad if r["malformed_lines"]),
+                                "count": sum(r["malformed_lines"] for r in bad),
+                                "first": [{"path": r["path"], "lines": r["malformed_first"]}
+                                          for r in bad if r["malformed_lines"]][:20]},
+        },
+        "chunks": len(ms),
+    }

@@ -1,0 +1,377 @@
+"""Text normalisation and the document filters of `codex data clean`.
+
+Every filter is a plain function `f(doc: Doc, cfg) -> str | None`: None keeps the document, a
+string is the drop reason (e.g. "short_doc"). The stage records it as "<filter>:<reason>" in
+stats.json, so every dropped document says which rule dropped it. A filter may also rewrite
+`doc.text` (C4 removes lines). Thresholds live in the filter's settings dataclass in
+pipeline/config.py; the defaults are the published ones, copied from datatrove 0.10 (which copies
+them from the papers), and written next to each function below.
+
+Which filters run: `FILTERS` in order, each only if `enabled` and named by the preset
+(`PRESETS`): "web" = prose rules, "code" = source-code rules, "all" = every enabled filter.
+Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean.py.
+
+Words: datatrove splits words with nltk/spacy tokenizers (slow); we use one regex
+(`\\w+|[^\\w\\s]+`: runs of word characters, runs of punctuation), which splits punctuation off
+words the same way for English text. Sentences (C4) are counted as runs of . ! ? followed by
+whitespace or the end, instead of nltk's punkt. Both are documented approximations.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass, field
+
+# ----------------------------------------------------------------------------------------------
+# normalisation
+
+# Unicode category Cc (C0, DEL, C1) except \t and \n; \r is turned into \n before this runs.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def normalize(text: str) -> tuple[str, int]:
+    """NFC, \\r\\n and \\r -> \\n, drop control characters except \\n and \\t, strip.
+
+    Returns (text, number of NUL characters removed) so the stage can report NUL bytes.
+    """
+    if not text.isascii() and not unicodedata.is_normalized("NFC", text):
+        text = unicodedata.normalize("NFC", text)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    nuls = 0
+    if _CONTROL.search(text):
+        nuls = text.count("\x00")
+        text = _CONTROL.sub("", text)
+    return text.strip(), nuls
+
+
+# ----------------------------------------------------------------------------------------------
+# the document and its lazily computed views (shared by filters so words are split once)
+
+_WORD = re.compile(r"\w+|[^\w\s]+")
+
+
+@dataclass
+class Doc:
+    text: str
+    _words: list[str] | None = field(default=None, repr=False)
+    _lines: list[str] | None = field(default=None, repr=False)
+
+    def set_text(self, text: str) -> None:
+        self.text, self._words, self._lines = text, None, None
+
+    @property
+    def words(self) -> list[str]:
+        if self._words is None:
+            self._words = _WORD.findall(self.text)
+        return self._words
+
+    @property
+    def lines(self) -> list[str]:
+        if self._lines is None:
+            self._lines = self.text.splitlines()
+        return self._lines
+
+
+# ----------------------------------------------------------------------------------------------
+# length
+
+
+def length_filter(doc: Doc, cfg) -> str | None:
+    """Drop documents shorter than `min_chars` or longer than `max_chars` characters.
+
+    Defaults: min_chars=1 (drops documents empty after normalisation: empty files, whitespace),
+    max_chars=1_000_000. Records bigger than `data.clean.max_record_bytes` on disk are dropped as
+    "too_long" by the reader without being loaded, which keeps memory bounded.
+    """
+    n = len(doc.text)
+    if n == 0:
+        return "empty"
+    if cfg.min_chars and n < cfg.min_chars:
+        return "too_short"
+    if cfg.max_chars and n > cfg.max_chars:
+        return "too_long"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Gopher quality (Rae et al. 2021, https://arxiv.org/abs/2112.11446, Table A1; datatrove
+# GopherQualityFilter)
+
+PUNCTUATION = set("!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»")
+STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
+
+
+def gopher_quality_filter(doc: Doc, cfg) -> str | None:
+    """Gopher quality rules. Defaults (datatrove = the paper):
+
+    - words (tokens with a non-punctuation character) between min_doc_words=50 and
+      max_doc_words=100_000
+    - mean word length between min_avg_word_length=3 and max_avg_word_length=10
+    - "#" per word and "..."/"…" per word at most max_symbol_word_ratio=0.1
+    - at most max_bullet_lines_ratio=0.9 of lines start with "•" or "-"
+    - at most max_ellipsis_lines_ratio=0.3 of lines end with "..." or "…"
+    - at least max_non_alpha_words_ratio=0.8 of tokens contain an alphabetic character
+    - at least min_stop_words=2 distinct stop words of: the be to of and that have with
+    A threshold of 0 switches that rule off.
+    """
+    text, words = doc.text, doc.words
+    n_words = len(words)
+    real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]  # not all punctuation
+    n_real = len(real)
+    if cfg.min_doc_words and n_real < cfg.min_doc_words:
+        return "short_doc"
+    if cfg.max_doc_words and n_real > cfg.max_doc_words:
+        return "long_doc"
+    if n_real == 0:
+        return "short_doc"
+    avg = sum(map(len, real)) / n_real
+    if cfg.min_avg_word_length and avg < cfg.min_avg_word_length:
+        return "below_avg_word_length"
+    if cfg.max_avg_word_length and avg > cfg.max_avg_word_length:
+        return "above_avg_word_length"
+    if cfg.max_symbol_word_ratio and text.count("#") / n_words > cfg.max_symbol_word_ratio:
+        return "too_many_hashes"
+    if cfg.max_symbol_word_ratio and (text.count("...") + text.count("…")) / n_words > cfg.max_symbol_word_ratio:
+        return "too_many_ellipsis"
+    lines = doc.lines
+    if cfg.max_bullet_lines_ratio and sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines) > cfg.max_bullet_lines_ratio:
+        return "too_many_bullets"
+    if cfg.max_ellipsis_lines_ratio and sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines) > cfg.max_ellipsis_lines_ratio:
+        return "too_many_end_ellipsis"
+    if cfg.max_non_alpha_words_ratio and sum(w[0].isalpha() or _has_alpha(w) for w in words) / n_words < cfg.max_non_alpha_words_ratio:
+        return "below_alpha_threshold"
+    if cfg.min_stop_words and len(STOP_WORDS.intersection(words)) < cfg.min_stop_words:
+        return "not_enough_stop_words"
+    return None
+
+
+def _has_alpha(w: str) -> bool:
+    return any(c.isalpha() for c in w)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gopher repetition (same paper, Table A1; datatrove GopherRepetitionFilter)
+
+_PARAGRAPHS = re.compile(r"\n{2,}")
+
+
+def _duplicates(items: list[str]) -> tuple[int, int]:
+    """(number of items seen before, characters in them)."""
+    seen: set[str] = set()
+    n = chars = 0
+    for x in items:
+        if x in seen:
+            n += 1
+            chars += len(x)
+        else:
+            seen.add(x)
+    return n, chars
+
+
+def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
+    """Gopher repetition rules. Defaults (datatrove = the paper):
+
+    - duplicate paragraphs: fraction <= dup_para_frac=0.3, their characters <= dup_para_char_frac=0.2
+    - duplicate lines: fraction <= dup_line_frac=0.3, their characters <= dup_line_char_frac=0.2
+    - most frequent n-gram's characters / all characters: 2-gram <= 0.20, 3-gram <= 0.18,
+      4-gram <= 0.16 (top_ngram_fracs)
+    - characters in duplicated n-grams: 5..10-grams <= 0.15, 0.14, 0.13, 0.12, 0.11, 0.10
+      (dup_ngram_fracs)
+    """
+    text = doc.text
+    n_chars = len(text)
+    paragraphs = _PARAGRAPHS.split(text)
+    n, chars = _duplicates(paragraphs)
+    if cfg.dup_para_frac and n / len(paragraphs) > cfg.dup_para_frac:
+        return "dup_para_frac"
+    if cfg.dup_para_char_frac and chars / n_chars > cfg.dup_para_char_frac:
+        return "dup_para_char_frac"
+    lines = doc.lines
+    n, chars = _duplicates(lines)
+    if cfg.dup_line_frac and n / len(lines) > cfg.dup_line_frac:
+        return "dup_line_frac"
+    if cfg.dup_line_char_frac and chars / n_chars > cfg.dup_line_char_frac:
+        return "dup_line_char_frac"
+    words = doc.words
+    for n, frac in zip((2, 3, 4), cfg.top_ngram_fracs):
+        if frac and len(words) >= n:
+            grams = Counter(zip(*(words[i:] for i in range(n))))
+            gram, count = grams.most_common(1)[0]
+            if (sum(map(len, gram)) + n - 1) * count / n_chars > frac:
+                return f"top_{n}_gram"
+    for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs):
+        if frac and len(words) >= n and _dup_ngram_chars(words, n) / n_chars > frac:
+            return f"duplicated_{n}_grams"
+    return None
+
+
+def _dup_ngram_chars(words: list[str], n: int) -> int:
+    """Characters in n-grams that repeat an earlier n-gram, skipping past each repeat (datatrove)."""
+    seen: set[tuple[str, ...]] = set()
+    chars = i = 0
+    last = len(words) - n + 1
+    while i < last:
+        gram = tuple(words[i:i + n])
+        if gram in seen:
+            chars += sum(map(len, gram)) + n - 1
+            i += n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
+# ----------------------------------------------------------------------------------------------
+# C4 (Raffel et al. 2020, https://jmlr.org/papers/v21/20-074.html; datatrove C4QualityFilter)
+
+_CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
+_END_PUNCT = (".", "?", "!", '"', "'")
+_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s|$)")
+
+
+def c4_filter(doc: Doc, cfg) -> str | None:
+    """C4 rules. Line rules remove lines (and rewrite the text); document rules drop it. Defaults:
+
+    - lines: drop a line with a word over max_word_length=1000 characters; remove citations like
+      [1] [edit]; keep only lines ending in . ? ! " ' (not "...") when filter_no_terminal_punct;
+      keep lines with at least min_words_per_line=3 words; drop lines containing "javascript" or
+      a cookie / terms-of-use phrase
+    - document: dropped if it contains "lorem ipsum", a "{" (filter_curly_bracket), or keeps
+      fewer than min_num_sentences=5 sentences.
+    """
+    kept: list[str] = []
+    sentences = 0
+    for line in doc.lines:
+        line = line.strip()
+        words = line.split()
+        if cfg.max_word_length and any(len(w) > cfg.max_word_length for w in words):
+            continue
+        if cfg.remove_citations and "[" in line:
+            line = _CITATION.sub("", line)
+        if cfg.filter_no_terminal_punct and (not line.endswith(_END_PUNCT) or line.endswith("...")):
+            continue
+        if len(words) < cfg.min_words_per_line:
+            continue
+        low = line.lower()
+        if cfg.filter_lorem_ipsum and "lorem ipsum" in low:
+            return "lorem_ipsum"
+        if cfg.filter_javascript and "javascript" in low:
+            continue
+        if cfg.filter_curly_bracket and "{" in line:
+            return "curly_bracket"
+        if cfg.filter_policy and any(p in low for p in _POLICY):
+            continue
+        sentences += max(1, len(_SENTENCE_END.findall(line)))
+        kept.append(line)
+    if sentences < cfg.min_num_sentences:
+        return "too_few_sentences"
+    text = "\n".join(kept).strip()
+    if text != doc.text:
+        doc.set_text(text)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# FineWeb (Penedo et al. 2024, https://arxiv.org/abs/2406.17557; datatrove FineWebQualityFilter)
+
+_STOP_CHARS = (".", "'", '"', "!", "?")
+
+
+def fineweb_filter(doc: Doc, cfg) -> str | None:
+    """FineWeb's extra rules. Defaults (datatrove):
+
+    - fraction of lines ending in . ' " ! ? must be > line_punct_thr=0.12
+    - fraction of lines with <= short_line_length=30 characters must be < short_line_thr=0.67
+    - characters in duplicated non-empty lines / all non-newline characters < char_duplicates_ratio=0.01
+    - newlines per word <= new_line_ratio=0.3
+    """
+    text = doc.text
+    lines = text.split("\n")
+    if cfg.line_punct_thr and sum(line.endswith(_STOP_CHARS) for line in lines) / len(lines) <= cfg.line_punct_thr:
+        return "line_punct_ratio"
+    if cfg.short_line_thr and sum(len(line) <= cfg.short_line_length for line in lines) / len(lines) >= cfg.short_line_thr:
+        return "short_line_ratio"
+    if cfg.char_duplicates_ratio:
+        chars = _duplicates([line for line in lines if line.strip()])[1]
+        if chars / max(1, len(text) - text.count("\n")) >= cfg.char_duplicates_ratio:
+            return "char_dup_ratio"
+    if cfg.new_line_ratio and text.count("\n") / max(1, len(doc.words)) > cfg.new_line_ratio:
+        return "list_ratio"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# code (the StarCoder / The Stack rules, https://arxiv.org/abs/2305.06161 section 3)
+
+
+_NOT_ALNUM = re.compile(r"[\W_]+")
+_ASCII_NOT_ALNUM = bytes(b for b in range(128) if not chr(b).isalnum())
+
+
+def _alnum_count(text: str) -> int:
+    if text.isascii():   # bytes.translate is ~50x faster than the regex
+        return len(text.encode("ascii").translate(None, _ASCII_NOT_ALNUM))
+    return len(_NOT_ALNUM.sub("", text))
+
+
+def code_filter(doc: Doc, cfg) -> str | None:
+    """Source-code sanity rules (StarCoder): drop generated/minified/data files. Defaults:
+
+    - any line longer than max_line_length=1000 characters
+    - mean line length over max_mean_line_length=100 characters
+    - fewer than min_alnum_fraction=0.25 of characters alphanumeric
+    """
+    text, lines = doc.text, doc.lines
+    if cfg.max_line_length and max(map(len, lines)) > cfg.max_line_length:
+        return "long_line"
+    if cfg.max_mean_line_length and len(text) / len(lines) > cfg.max_mean_line_length:
+        return "long_mean_line"
+    if cfg.min_alnum_fraction and _alnum_count(text) / len(text) < cfg.min_alnum_fraction:
+        return "low_alnum_fraction"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# registry: the order filters run in, and the presets
+
+FILTERS = {  # name -> function; settings are cfg.data.clean.<name>
+    # gopher_quality before gopher_repetition: both read the unmodified text, so the kept set is
+    # the same as datatrove's order, but the cheap one rejects most junk before the n-gram work
+    "length": length_filter,
+    "gopher_quality": gopher_quality_filter,
+    "gopher_repetition": gopher_repetition_filter,
+    "c4": c4_filter,
+    "fineweb": fineweb_filter,
+    "code": code_filter,
+}
+
+PRESETS = {
+    "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "dedup"),
+    "code": ("length", "code", "dedup"),   # prose rules (Gopher, C4, FineWeb) make no sense on code
+    "all": tuple(FILTERS) + ("dedup",),
+}
+
+
+def active_filters(clean_cfg) -> list[str]:
+    """Names of the filters that run, in order (incl. "dedup"): named by the preset and enabled."""
+    if clean_cfg.preset not in PRESETS:
+        from codex.config import ConfigError
+
+        raise ConfigError(f"data.clean.preset: unknown preset {clean_cfg.preset!r} (have: {', '.join(PRESETS)})")
+    return [name for name in PRESETS[clean_cfg.preset] if getattr(clean_cfg, name).enabled]
+
+
+def apply_filters(doc: Doc, clean_cfg, names: list[str]) -> str | None:
+    """Run the named filters (not dedup) in order; return "<filter>:<reason>" or None to keep."""
+    for name in names:
+        fn = FILTERS.get(name)
+        if fn is None:
+            continue
+        reason = fn(doc, getattr(clean_cfg, name))
+        if reason is not None:
+            return f"{name}:{reason}"
+    return None
