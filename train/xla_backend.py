@@ -296,7 +296,7 @@ def make_xla_backend(cfg, preset) -> XLABackend:
         readonly = mode == "spawn" and int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) != 0
         xr.initialize_cache(cache_dir(cfg), readonly=readonly)
     dtype = resolve_dtype(cfg.train.dtype, "tpu")
-    fix = (f"Fix: use the preset that matches this machine (`codex hardware`)" +
+    fix = ("Fix: use the preset that matches this machine (`codex hardware`)" +
            (", or set CPU_NUM_DEVICES" if platform == "CPU" else "") + ".")
 
     if mode == "spmd":

@@ -1,0 +1,357 @@
+"""codex data tokenize: lossless byte-level BPE, fixed specials, order-independent sampling."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from codex import fsio, rundir
+from codex.config import Config, ConfigError
+from pipeline import tokenizer as T
+
+VOCAB = 600
+
+
+def make_docs(n: int = 300, seed: int = 0) -> list[str]:
+    """Prose, code, numbers and non-Latin text, ~150 KB: enough for a few hundred merges."""
+    rng = random.Random(seed)
+    words = ["the", "model", "token", "train", "data", "river", "stone", "quickly", "über", "naïve",
+             "東京", "言語", "モデル", "данные", "🙂", "def", "return", "self", "import", "print"]
+    docs = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            docs.append(" ".join(rng.choice(words) for _ in range(rng.randint(20, 120))) + ".")
+        elif kind == 1:
+            name = rng.choice(words[15:])
+            docs.append(f"def f_{i}(x):\n    # {name} {rng.randint(0, 10**6)}\n    return x * {rng.random():.5f}\n\n"
+                        f"class C{i}:\n\tpass\n")
+        else:
+            docs.append(f"Invoice {rng.randint(1000, 99999)}: total ${rng.randint(1, 10**7)}.{rng.randint(0, 99):02d} "
+                        f"on 2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}\n" * rng.randint(1, 5))
+    return docs
+
+
+def write_parquet(path, docs: list[str]) -> None:
+    pq.write_table(pa.table({"text": docs, "id": [str(i) for i in range(len(docs))]}), str(path))
+
+
+def config(run, inputs=(), vocab=VOCAB, **kw) -> Config:
+    cfg = Config(run=str(run))
+    cfg.data.tokenizer.inputs = [str(p) for p in inputs]
+    cfg.data.tokenizer.vocab_size = vocab
+    cfg.data.tokenizer.heldout_docs = 20
+    for k, v in kw.items():
+        setattr(cfg.data.tokenizer, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tokenizer trained through the default path RUN/clean/part-*.parquet."""
+    run = tmp_path_factory.mktemp("run")
+    clean = run / "clean"
+    clean.mkdir()
+    docs = make_docs()
+    for i in range(3):
+        write_parquet(clean / f"part-00000-{i:05d}.parquet", docs[i::3])
+    write_parquet(clean / "part-99999-00000.parquet", ["leftover of a crashed chunk, not in stats.json"])
+    fsio.write_json(str(clean / "stats.json"), {"shards": [f"part-00000-{i:05d}.parquet" for i in range(3)]})
+    meta = T.run_tokenizer(config(run))
+    out = rundir.tokenizer_dir(str(run))
+    return {"run": run, "dir": out, "meta": meta, "tok": T.load_tokenizer(out), "docs": docs}
+
+
+TRICKY = [
+    "",
+    "hello world",
+    "  leading and trailing   ",
+    "\t\t\n\n\r\n   \u00a0\u2003 whitespace runs \n\n\n\n",
+    "replacement \ufffd\ufffd chars and " + b"\xff\xfe invalid \xc3\x28 bytes".decode("utf-8", errors="replace"),
+    "emoji 🙂👍🏽👨‍👩‍👧‍👦 flags 🇯🇵",
+    "CJK 東京で言語モデルを訓練する 한국어 텍스트",
+    "combining e\u0301 vs \u00e9, zero width \u200b\u200d joiner, RTL \u202e text \u05e9\u05dc\u05d5\u05dd",
+    "def f(x):\n\treturn {'a': [1, 2, 3]}  # code\n",
+    "123456789 0.000001 1e-9 -42 ١٢٣ ⅷ",
+    "a" * 5000,
+    "supercalifragilisticexpialidocious" * 50,
+    "<|bos|> <|eos|><|pad|> <|endoftext|> literal specials",
+    "\x00\x01\x7f control \x1b[31m chars",
+    "'s 're 've 'll 'd 'm 't IT'S",
+]
+
+
+def random_strings(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        cps = [rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])
+               for _ in range(rng.randint(0, 200))]
+        out.append("".join(map(chr, cps)))
+        out.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode("utf-8", errors="replace"))
+    return out
+
+
+def test_roundtrip_is_lossless(trained):
+    tok = trained["tok"]
+    for text in TRICKY + random_strings(100, seed=1) + trained["docs"][:20]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids, skip_special_tokens=False) == text, repr(text[:80])
+        assert not set(ids) & {0, 1, 2}, repr(text[:80])
+
+
+def test_specials_have_fixed_ids_and_are_never_split(trained):
+    tok, meta, out = trained["tok"], trained["meta"], trained["dir"]
+    assert meta["special_ids"] == {"bos": 0, "eos": 1, "pad": 2}
+    assert [tok.id_to_token(i) for i in range(3)] == ["<|bos|>", "<|eos|>", "<|pad|>"]
+    # From plain text (load_tokenizer: encode_special_tokens=True) a literal special is bytes.
+    ids = tok.encode("x <|bos|> y <|eos|><|pad|>").ids
+    assert min(ids) > 2 and len(ids) > 6
+    # Given as specials (the stock tokenizer.json, as transformers would load it) each is one id.
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(fsio.join(out, "tokenizer.json"))
+    assert raw.encode("<|bos|>hi<|eos|><|pad|>").ids[0] == 0
+    assert raw.encode("<|bos|>hi<|eos|><|pad|>").ids[-2:] == [1, 2]
+    body = tok.encode("hi there").ids
+    assert tok.decode([0] + body + [1], skip_special_tokens=False) == "<|bos|>hi there<|eos|>"
+    assert tok.decode([0] + body + [1, 2]) == "hi there"
+
+
+def test_corpus_full_of_literal_specials_never_yields_special_ids(tmp_path):
+    docs = [f"<|bos|>doc {i} <|eos|> body<|pad|><|pad|> <|bos|>" * 20 for i in range(60)]
+    write_parquet(tmp_path / "a.parquet", docs)
+    meta = T.run_tokenizer(config(tmp_path / "run", [tmp_path / "a.parquet"], vocab=400))
+    tok = T.load_tokenizer(rundir.tokenizer_dir(str(tmp_path / "run")))
+    assert meta["vocab_size"] == tok.get_vocab_size()
+    # the merges could only rebuild "<|bos|>" if the split regex let it be one pre-token
+    assert sorted(t for t in tok.get_vocab() if t.startswith("<|") and t.endswith("|>")) == \
+        ["<|bos|>", "<|eos|>", "<|pad|>"]
+    for d in docs[:5]:
+        ids = tok.encode(d).ids
+        assert min(ids) > 2
+        assert tok.decode(ids) == d
+
+
+def test_token_bytes_sum_to_utf8_length(trained):
+    tok = trained["tok"]
+    tb = T.load_token_bytes(trained["dir"])
+    assert tb.dtype == np.int32 and tb.shape == (trained["meta"]["vocab_size"],)
+    assert list(tb[:3]) == [0, 0, 0] and tb[3:].min() >= 1
+    for text in TRICKY + random_strings(20, seed=2) + trained["docs"][:10]:
+        ids = tok.encode(text).ids
+        assert int(tb[ids].sum()) == len(tok.decode(ids).encode("utf-8")) == len(text.encode("utf-8"))
+    # with specials in the sequence they count 0 bytes
+    ids = [0] + tok.encode("abc def").ids + [1]
+    assert int(tb[ids].sum()) == len(b"abc def")
+
+
+def test_meta_and_outputs(trained):
+    meta, out = trained["meta"], trained["dir"]
+    assert meta == T.load_meta(out)
+    assert meta["vocab_size"] == VOCAB == meta["vocab_size_requested"]
+    assert meta["token_dtype"] == "uint16"
+    assert meta["sha256"] == hashlib.sha256(fsio.read_bytes(fsio.join(out, "tokenizer.json"))).hexdigest()
+    c = meta["corpus"]
+    assert c["docs_seen"] == len(trained["docs"]) and c["files"] == 3
+    assert c["heldout_docs"] == 20 and c["docs_used"] == c["docs_seen"] - 20
+    assert meta["chars_used"] == c["chars_used"] == sum(map(len, trained["docs"])) - _heldout_chars(trained)
+    comp = meta["compression"]
+    assert comp["sample"] == "heldout" and comp["docs"] == 20
+    assert comp["bytes_per_token"] == pytest.approx(comp["bytes"] / comp["tokens"], rel=1e-3)
+    assert comp["bytes_per_token"] > 1.5  # real merges happened (a bytes-only tokenizer gives 1.0)
+    assert meta["peak_rss_mb"] > 0
+    assert (fsio.exists(fsio.join(out, "config.yaml")))
+    assert "vocab_size: 600" in fsio.read_text(fsio.join(out, "config.yaml"))
+
+
+def _heldout_chars(trained) -> int:
+    # the held-out documents are the 20 with the largest hashes
+    hashes = sorted(((T.doc_hash(d), len(d)) for d in trained["docs"]), reverse=True)
+    return sum(n for _, n in hashes[:20])
+
+
+def test_same_tokenizer_from_different_shard_layouts(tmp_path):
+    docs = make_docs(240, seed=3)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    for i in range(2):
+        write_parquet(a / f"part-{i}.parquet", docs[i::2])
+    shuffled = docs[:]
+    random.Random(7).shuffle(shuffled)
+    for i in range(5):  # 5 shards, different names, documents in another order, mixed formats
+        if i == 4:
+            (b / "z.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in shuffled[i::5]))
+        else:
+            write_parquet(b / f"x{4 - i}.parquet", shuffled[i::5])
+    budget = sum(map(len, docs)) // 2  # a real sample: about half of the corpus
+    ma = T.run_tokenizer(config(tmp_path / "ra", [a], max_chars=budget))
+    mb = T.run_tokenizer(config(tmp_path / "rb", [b / "*.parquet", b / "z.jsonl"], max_chars=budget))
+    ja = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "ra")), "tokenizer.json"))
+    jb = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "rb")), "tokenizer.json"))
+    assert ja == jb and ma["sha256"] == mb["sha256"]
+    assert ma["corpus"]["fingerprint"] == mb["corpus"]["fingerprint"]
+    assert ma["chars_used"] <= budget and ma["corpus"]["docs_used"] < len(docs) - 20
+    assert ma["compression"] == mb["compression"]
+    # a different sample gives a different fingerprint
+    mc = T.run_tokenizer(config(tmp_path / "rc", [a], max_chars=budget // 2))
+    assert mc["corpus"]["fingerprint"] != ma["corpus"]["fingerprint"]
+
+
+def test_hash_budget_keeps_the_smallest_hashes_in_any_order():
+    rng = random.Random(0)
+    docs = [(rng.getrandbits(128), rng.randint(1, 100), 0, i) for i in range(2000)]
+    docs += docs[:50]  # exact duplicates (same hash, same length)
+    for budget in (1, 150, 5_000, 50_000, 10**9):
+        expect, total = [], 0
+        for h, c, _, _ in sorted(docs):
+            if total + c > budget:
+                break
+            expect.append(h)
+            total += c
+        for seed in range(3):
+            order = docs[:]
+            random.Random(seed).shuffle(order)
+            hb = T.HashBudget(budget)
+            for d in order:
+                hb.offer(*d)
+            assert [h for h, *_ in hb.kept()] == expect
+            assert hb.chars == total <= budget
+
+
+def test_tiny_corpus_records_the_real_vocab_size(tmp_path, caplog):
+    write_parquet(tmp_path / "t.parquet", ["hello world", "hello there world", "abc"])
+    with caplog.at_level("WARNING"):
+        meta = T.run_tokenizer(config(tmp_path / "run", [tmp_path / "t.parquet"], vocab=4096))
+    out = rundir.tokenizer_dir(str(tmp_path / "run"))
+    tok = T.load_tokenizer(out)
+    assert meta["vocab_size_requested"] == 4096
+    assert T.MIN_VOCAB <= meta["vocab_size"] < 4096
+    assert meta["vocab_size"] == tok.get_vocab_size() == len(T.load_token_bytes(out))
+    assert "only supports" in caplog.text
+    # nothing held out from 3 documents: compression is measured on the training text, and says so
+    assert meta["compression"]["sample"] == "training" and meta["compression"]["docs"] == 3
+    assert tok.decode(tok.encode("hello world").ids) == "hello world"
+
+
+def test_doc_cap_and_budget(tmp_path):
+    docs = make_docs(100, seed=5) + ["x" * 50_000]
+    write_parquet(tmp_path / "d.parquet", docs)
+    meta = T.run_tokenizer(config(tmp_path / "run", [tmp_path / "d.parquet"], doc_max_chars=1000, heldout_docs=0))
+    c = meta["corpus"]
+    assert c["docs_capped"] == 1
+    assert c["chars_seen"] == sum(min(len(d), 1000) for d in docs) == meta["chars_used"]
+    assert meta["compression"]["sample"] == "none" and meta["compression"]["bytes_per_token"] is None
+
+
+def test_rerun_is_a_no_op_and_config_change_retrains(trained, monkeypatch):
+    run = trained["run"]
+
+    def boom(*a, **k):
+        raise AssertionError("retrained")
+
+    monkeypatch.setattr(T, "train_tokenizer", boom)
+    assert T.run_tokenizer(config(run)) == trained["meta"]
+    with pytest.raises(AssertionError, match="retrained"):
+        T.run_tokenizer(config(run, vocab=VOCAB + 1))
+
+
+def test_load_rejects_a_modified_tokenizer(tmp_path, trained):
+    import shutil
+
+    out = tmp_path / "tok"
+    shutil.copytree(trained["dir"], out)
+    data = (out / "tokenizer.json").read_text().replace('"model"', '"model" ', 1)
+    (out / "tokenizer.json").write_text(data)
+    with pytest.raises(ValueError, match="sha256"):
+        T.load_tokenizer(str(out))
+    (out / "tokenizer_meta.json").unlink()
+    with pytest.raises(FileNotFoundError, match="not a finished tokenizer"):
+        T.load_tokenizer(str(out))
+
+
+def test_bad_settings_and_inputs(tmp_path):
+    write_parquet(tmp_path / "ok.parquet", ["some text"])
+    with pytest.raises(ConfigError, match="data.tokenizer.vocab_size"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "ok.parquet"], vocab=100))
+    with pytest.raises(ConfigError, match="data.tokenizer.max_chars"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "ok.parquet"], max_chars=0))
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "missing.parquet"]))
+    with pytest.raises(FileNotFoundError, match="run `codex data clean"):
+        T.run_tokenizer(config(tmp_path / "r"))
+    (tmp_path / "r" / "clean").mkdir(parents=True)
+    write_parquet(tmp_path / "r" / "clean" / "part-00000-00000.parquet", ["half-cleaned"])
+    with pytest.raises(FileNotFoundError, match="stats.json not found: `codex data clean` has not finished"):
+        T.run_tokenizer(config(tmp_path / "r"))
+    pq.write_table(pa.table({"body": ["x"]}), str(tmp_path / "nocol.parquet"))
+    with pytest.raises(ValueError, match="nocol.parquet: no 'text' column"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "nocol.parquet"]))
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "bad.jsonl"]))
+    (tmp_path / "sur.jsonl").write_text('{"text": "lone \\ud800 surrogate"}\n')
+    with pytest.raises(ValueError, match="sur.jsonl: row 0: text is not valid Unicode"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "sur.jsonl"]))
+    assert not (tmp_path / "r" / "tokenizer").exists()  # nothing half-written
+
+
+def test_loads_in_transformers_unchanged(trained):
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=fsio.join(trained["dir"], "tokenizer.json"))
+    for text in TRICKY[1:10]:
+        ids = fast.encode(text, add_special_tokens=False)
+        assert ids == trained["tok"].encode(text).ids
+        assert fast.decode(ids, clean_up_tokenization_spaces=False) == text
+
+
+@pytest.mark.gcs
+def test_run_directory_on_gcs(gcs_bucket, tmp_path):
+    run = f"{gcs_bucket}/run"
+    docs = make_docs(60, seed=9)
+    write_parquet(tmp_path / "p.parquet", docs)
+    fsio.upload(str(tmp_path / "p.parquet"), f"{run}/clean/part-00000-00000.parquet")
+    fsio.write_json(f"{run}/clean/stats.json", {"shards": ["part-00000-00000.parquet"]})
+    meta = T.run_tokenizer(config(run, vocab=300))
+    out = rundir.tokenizer_dir(run)
+    assert T.load_meta(out)["sha256"] == meta["sha256"]
+    tok = T.load_tokenizer(out)
+    assert tok.decode(tok.encode(docs[0]).ids) == docs[0]
+    assert len(T.load_token_bytes(out)) == meta["vocab_size"] == 300
+
+
+def test_token_dtype_boundary():
+    assert T.token_dtype(32_768) == T.token_dtype(65_536) == "uint16"  # max id 65,535
+    assert T.token_dtype(65_537) == T.token_dtype(200_000) == "uint32"
+
+
+def test_cli_data_tokenize(tmp_path):
+    from click.testing import CliRunner
+
+    from codex.cli import cli
+
+    write_parquet(tmp_path / "c.parquet", make_docs(40, seed=11))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["data", "tokenize", "--run", str(run), "--input", str(tmp_path / "c.parquet"),
+                                   "--vocab-size", "300", "--max-chars", "50000", "--doc-max-chars", "500"])
+    assert res.exit_code == 0, res.output
+    meta = T.load_meta(str(run / "tokenizer"))
+    assert meta["vocab_size"] == 300 and meta["settings"]["doc_max_chars"] == 500
+    assert meta["chars_used"] <= 50_000
+    res = CliRunner().invoke(cli, ["data", "tokenize", "--run", str(run), "--input", str(tmp_path / "c.parquet"),
+                                   "--vocab-size", "10"])
+    assert res.exit_code == 2 and "data.tokenizer.vocab_size" in res.output
+
+
+def test_digits_are_grouped_in_threes(trained):
+    tok = trained["tok"]
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("x 1234567 and 89")]
+    assert pieces == ["x", "Ġ", "123", "456", "7", "Ġand", "Ġ", "89"]  # Ġ is the byte-level space
+    digit_tokens = [t for t in tok.get_vocab() if t.isdigit()]
+    assert digit_tokens and max(map(len, digit_tokens)) <= 3
