@@ -8,6 +8,7 @@ User mistakes (unknown key, bad value, missing input) exit 2 with one clear line
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -21,18 +22,34 @@ class UserError(click.UsageError):
 
 
 def stage(fn):
-    """Run a command body, turning user mistakes into one-line usage errors (exit 2)."""
+    """Run a command body so that the user sees one clear line, never a traceback, for:
+
+    - a usage mistake (ConfigError: unknown key, bad value, hardware mismatch; missing input
+      file): exit 2, as Click does for its own usage errors;
+    - bad input data or a failed stage (ValueError, OSError, the stages' own errors, which name
+      the file, line or key): exit 1.
+    Set CODEX_DEBUG=1 to get the traceback instead.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if os.environ.get("CODEX_DEBUG"):
+            return fn(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
         except click.ClickException:
             raise
         except (ConfigError, FileNotFoundError) as e:
-            raise UserError(str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from None
+            raise UserError(_one_line(e)) from None
+        except (ValueError, OSError, RuntimeError) as e:
+            raise click.ClickException(f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)") from None
 
     return wrapper
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def config_options(fn):

@@ -23,6 +23,8 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def _human(x: float) -> str:
+    if abs(x) < 10:
+        return f"{x:.2f}"
     for unit in ("", "K", "M", "G", "T"):
         if abs(x) < 1000:
             return f"{x:.1f}{unit}" if unit else f"{x:.0f}"

@@ -120,7 +120,7 @@ def _make_loader(cfg, backend, B: int, T: int):
     # One loader per process; under XLA SPMD it loads the batch of all the host's chips.
     rank, world, rows = loader_layout(backend, B)
     return TrainLoader(rundir.shards_dir(cfg.run), seq_len=T, batch_size=rows, rank=rank,
-                       world_size=world, seed=cfg.train.seed,
+                       world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
                        device=backend.device if backend.device.type == "cuda" else None)
 
 

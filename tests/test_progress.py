@@ -1,0 +1,31 @@
+"""Progress lines: rates for every counter, a plain log line when not a TTY."""
+
+import io
+import logging
+
+from codex.progress import Progress
+
+
+def test_line_has_counts_and_rates():
+    p = Progress("shard", total=10, unit="docs", stream=io.StringIO())
+    p.update(5, tokens=5000, bytes=2_000_000)
+    line = p.line()
+    assert line.startswith("shard:  50.0% 5/10 docs")
+    assert "docs/s" in line and "tokens/s" in line and "MB/s" in line
+
+
+def test_not_a_tty_logs_plain_lines(caplog):
+    stream = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="codex"):
+        with Progress("clean", unit="files", stream=stream, log_every=0) as p:
+            p.update(1)
+            p.update(1)
+    assert stream.getvalue() == ""  # no carriage-return bar written into a log file
+    assert any("clean: 2 files" in r.getMessage() for r in caplog.records)
+
+
+def test_slow_rates_are_not_rounded_to_zero():
+    p = Progress("train", unit="steps", stream=io.StringIO())
+    p.t0 -= 10.0
+    p.update(3)
+    assert "0.30 steps/s" in p.line()
