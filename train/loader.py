@@ -201,6 +201,7 @@ class ShardReader:
             arr = self.maps[i] = self._open(i, path)
             self.on_disk[i] = path
             self.on_disk.move_to_end(i)
+            self._evict()  # a shard fetched on demand counts against the bound like a prefetched one
         return arr
 
     def _evict(self) -> None:
