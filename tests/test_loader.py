@@ -247,3 +247,19 @@ def test_gs_shard_with_a_wrong_checksum_is_an_error(tmp_path, gcs_bucket):
     ld = TrainLoader(remote, T, 20, prefetch=0, cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match="sha256"):
         next(ld)
+
+
+def test_parquet_entries_of_format_both_are_skipped(tmp_path):
+    import json
+
+    d = write_shards(tmp_path / "s", {"train": [8 * 10 + 1] * 2, "val": [30]})
+    mpath = os.path.join(d, "manifest.json")
+    m = json.load(open(mpath))
+    npy_only = TrainLoader(d, T, 5, seed=1, prefetch=0)
+    expect = [next(npy_only) for _ in range(3)]
+    m["shards"] += [dict(s, path=s["path"].replace(".npy", ".parquet"), format="parquet") for s in m["shards"]]
+    json.dump(m, open(mpath, "w"))
+    both = TrainLoader(d, T, 5, seed=1, prefetch=0)
+    for a in expect:
+        b = next(both)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

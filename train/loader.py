@@ -72,8 +72,8 @@ def load_manifest(shards_dir: str) -> dict:
         for key in ("split", "path", "tokens"):
             if key not in s:
                 raise ValueError(f"{path}: shards[{i}] has no '{key}'")
-        if s.get("format", "npy") != "npy":
-            raise ValueError(f"{path}: shards[{i}] format {s.get('format')!r} is not supported (expected 'npy')")
+        if s.get("format", "npy") not in ("npy", "parquet"):
+            raise ValueError(f"{path}: shards[{i}] format {s.get('format')!r} is not supported (expected npy or parquet)")
         if not isinstance(s["tokens"], int) or s["tokens"] < 0:
             raise ValueError(f"{path}: shards[{i}].tokens must be a non-negative integer, got {s['tokens']!r}")
     return m
@@ -100,7 +100,11 @@ def load_split(shards_dir: str, split: str, seq_len: int, manifest: dict | None 
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     m = manifest if manifest is not None else load_manifest(shards_dir)
-    entries = [s for s in m["shards"] if s["split"] == split]
+    # The loader memory-maps the .npy shards; parquet copies (--format both) are for other readers.
+    entries = [s for s in m["shards"] if s["split"] == split and s.get("format", "npy") == "npy"]
+    if not entries and any(s["split"] == split for s in m["shards"]):
+        raise ValueError(f"{fsio.join(shards_dir, 'manifest.json')}: the {split} split has only parquet shards; "
+                         "training reads .npy: re-run `codex data shard --format both` (or npy)")
     tokens = np.array([s["tokens"] for s in entries], dtype=np.int64)
     per_shard = np.maximum(tokens - 1, 0) // seq_len
     split_obj = Split(split, shards_dir, [fsio.join(shards_dir, s["path"]) for s in entries], tokens,

@@ -1,0 +1,136 @@
+"""`codex data upload LOCAL_RUN gs://bucket/run`: copy a run directory and verify every object.
+
+Each file is uploaded atomically (fsio.upload: a temp object, then a move), so an interrupted upload
+never leaves a partial object under a final name. Afterwards every object's size and checksum are
+compared with the local file: the MD5 the object store reports (GCS `md5Hash`) when it has one, else
+the object is read back and hashed (sha256). A rerun skips objects that already match, so it
+resumes an interrupted upload, and re-uploads any that differ (corrupt, truncated, stale).
+
+Commit markers (manifest.json, DONE, stats.json, tokenizer_meta.json, clean's markers/) are
+uploaded after everything else, so a reader of the remote run never sees a marker before the data
+it vouches for.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+
+from codex import fsio
+from codex.progress import Progress
+from pipeline.shard import ShardError, with_retries
+
+log = logging.getLogger("codex.upload")
+
+MARKER_NAMES = {"manifest.json", "DONE", "stats.json", "tokenizer_meta.json"}
+TEMP_NAME = re.compile(r"(^\.tmp-)|(\.tmp-[0-9a-f]{8}$)")   # fsio.atomic_open's temp files, local and remote
+
+
+def _local_files(root: str) -> list[str]:
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if TEMP_NAME.search(name):
+                continue   # a killed local write; never part of the run
+            rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
+    # markers last, so the remote copy only ever shows a marker once its data is there
+    return sorted(rels, key=lambda r: (_is_marker(r), r))
+
+
+def _is_marker(rel: str) -> bool:
+    parts = rel.split("/")
+    return parts[-1] in MARKER_NAMES or (len(parts) > 1 and parts[-2] == "markers")
+
+
+def _local_digests(path: str) -> tuple[str, str]:
+    """(md5 base64 as GCS reports it, sha256 hex) of a local file."""
+    md5, sha = hashlib.md5(), hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            md5.update(chunk)
+            sha.update(chunk)
+    return base64.b64encode(md5.digest()).decode(), sha.hexdigest()
+
+
+def _remote_matches(remote_path: str, size: int, md5_b64: str, sha_hex: str) -> tuple[bool, str]:
+    """Whether the object exists with this size and checksum; (match, method used)."""
+    fs, p = fsio.filesystem(remote_path)
+    fs.invalidate_cache(p)
+    try:
+        info = fs.info(p)
+    except FileNotFoundError:
+        return False, "missing"
+    if int(info.get("size", -1)) != size:
+        return False, "size"
+    if info.get("md5Hash"):
+        return info["md5Hash"] == md5_b64, "md5"
+    h = hashlib.sha256()   # no server-side checksum (other stores, composite objects): read it back
+    with fs.open(p, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest() == sha_hex, "sha256-readback"
+
+
+def _remove_stale_temps(remote: str) -> int:
+    fs, p = fsio.filesystem(remote)
+    if not fs.exists(p):
+        return 0
+    stale = [f for f in fs.find(p) if TEMP_NAME.search(f.rsplit("/", 1)[-1])]
+    for f in stale:
+        fs.rm(f)
+    return len(stale)
+
+
+def upload_run(local_run: str, remote: str) -> dict:
+    """Copy every file under local_run to remote (any fsspec URL), verifying size + checksum of each
+    object after upload. Returns counts; raises naming the objects that still differ."""
+    if fsio.is_remote(local_run):
+        raise ShardError(f"upload: {local_run} must be a local directory (the source of the copy)")
+    if not os.path.isdir(local_run):
+        raise FileNotFoundError(f"upload: {local_run} is not a directory")
+    files = _local_files(local_run)
+    if not files:
+        raise ShardError(f"upload: {local_run} holds no files")
+    stale = _remove_stale_temps(remote)
+    if stale:
+        log.info("upload: removed %d temp object(s) left by an interrupted upload", stale)
+    result = {"files": len(files), "uploaded": 0, "skipped": 0, "bytes_uploaded": 0, "verified": 0,
+              "checksum": set(), "remote": remote}
+    failed = []
+    total = sum(os.path.getsize(os.path.join(local_run, r)) for r in files)
+    with Progress("upload", total=len(files), unit="files") as prog:
+        for rel in files:
+            src, dst = os.path.join(local_run, rel), fsio.join(remote, rel)
+            size = os.path.getsize(src)
+            md5_b64, sha_hex = _local_digests(src)
+            ok, method = _remote_matches(dst, size, md5_b64, sha_hex)
+            if ok:
+                result["skipped"] += 1
+            else:
+                for attempt in range(3):   # a mismatch after upload (rare: corruption in transit) is retried
+                    with_retries(lambda: fsio.upload(src, dst), dst)
+                    ok, method = _remote_matches(dst, size, md5_b64, sha_hex)
+                    if ok:
+                        break
+                    log.warning("upload: %s does not match %s after upload (%s); retrying", dst, src, method)
+                result["uploaded"] += 1
+                result["bytes_uploaded"] += size
+            if ok:
+                result["verified"] += 1
+                result["checksum"].add(method)
+            else:
+                failed.append(f"{dst} ({method} differs from {src})")
+            prog.update(1, bytes=size)
+    result["checksum"] = sorted(result["checksum"])
+    result["bytes"] = total
+    if failed:
+        raise RuntimeError(f"upload: {len(failed)} object(s) do not match their local file after 3 attempts: "
+                           + "; ".join(failed[:5]))
+    log.info("upload: %d files (%d uploaded, %d already there), %.1f MB, all verified (%s) -> %s",
+             result["files"], result["uploaded"], result["skipped"], total / 1e6, ", ".join(result["checksum"]),
+             remote)
+    return result

@@ -1,0 +1,422 @@
+"""codex data shard / verify / upload: round trip, determinism, resume after SIGKILL, GCS, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from codex import fsio
+from codex.config import Config
+from pipeline import shard as shard_mod
+from pipeline.shard import ShardError, run_shard, split_long_text, verify_shards
+from pipeline.upload import upload_run
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the quick brown fox jumps over lazy dog river stone light night morning king queen sword "
+         "castle bread water fire shadow garden thunder whisper silver golden ancient forest").split()
+
+
+def make_docs(n: int = 160, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 120))]
+        text = " ".join(words).capitalize() + "."
+        if i % 7 == 0:
+            text += "\n\n  indented line\twith tab\n"
+        if i % 11 == 0:
+            text += " naïve café 東京 🙂 — “quotes”"
+        docs.append(text)
+    docs[3] = "a literal <|bos|> and <|eos|> inside text must stay text"
+    docs[5] = ("line of a very long document\n" * 150) + ("x" * 2500) + (" word" * 700)  # > chunk_chars
+    docs[8] = ""          # an empty document is still a document: just <|bos|>
+    docs[9] = docs[10]    # an exact duplicate lands in the same split as its twin
+    return docs
+
+
+def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
+    clean = run / "clean"
+    clean.mkdir(parents=True, exist_ok=True)
+    per = -(-len(docs) // files)
+    for k in range(files):
+        part = docs[k * per:(k + 1) * per]
+        pq.write_table(pa.table({"text": part, "id": [f"d{k}-{i}" for i in range(len(part))],
+                                 "source": ["test"] * len(part)}), clean / f"part-00000-{k:05d}-000.parquet")
+    (clean / "stats.json").write_text("{}")
+
+
+def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
+    from pipeline.tokenizer import SPECIAL_IDS, train_tokenizer
+
+    tok = train_tokenizer(iter([docs]), vocab_size)
+    text = tok.to_str(pretty=True)
+    d = run / "tokenizer"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_text(text, encoding="utf-8")
+    (d / "tokenizer_meta.json").write_text(json.dumps({
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_ids": dict(SPECIAL_IDS),
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return make_docs()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory, corpus):
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d, corpus)
+    return d / "tokenizer"
+
+
+def make_run(tmp_path: Path, corpus, tokenizer_files, name: str = "run") -> Path:
+    run = tmp_path / name
+    write_clean(run, corpus)
+    (run / "tokenizer").mkdir(parents=True)
+    for f in tokenizer_files.iterdir():
+        (run / "tokenizer" / f.name).write_bytes(f.read_bytes())
+    return run
+
+
+def make_cfg(run, **shard) -> Config:
+    cfg = Config()
+    cfg.run = str(run)
+    s = cfg.data.shard
+    s.shard_tokens, s.val_fraction, s.chunk_chars = 1500, 0.2, 1000
+    for k, v in shard.items():
+        setattr(s, k, v)
+    return cfg
+
+
+def expected_split(docs: list[str], val_fraction: float) -> dict:
+    out = {"train": [], "val": []}
+    for d in docs:
+        h = int.from_bytes(hashlib.blake2b(d.encode(), digest_size=8).digest(), "big") / 2**64
+        out["val" if h < val_fraction else "train"].append(d)
+    return out
+
+
+def load_split(shards_dir: Path, manifest: dict, split: str, fmt: str = "npy") -> np.ndarray:
+    arrays = []
+    for e in manifest["shards"]:
+        if e["split"] == split and e["format"] == fmt:
+            p = shards_dir / e["path"]
+            arrays.append(np.load(p, mmap_mode="r") if fmt == "npy" else pq.read_table(p).column(0).to_numpy())
+    return np.concatenate(arrays)
+
+
+def decode_docs(tokens: np.ndarray, tok, bos: int = 0, eos: int | None = None) -> list[str]:
+    starts = np.flatnonzero(tokens == bos)
+    assert starts[0] == 0, "a split starts with <|bos|>"
+    docs = []
+    for a, b in zip(starts, list(starts[1:]) + [len(tokens)]):
+        ids = tokens[a + 1:b].tolist()
+        if eos is not None:
+            assert ids[-1] == eos
+            ids = ids[:-1]
+        docs.append(tok.decode(ids, skip_special_tokens=False))
+    return docs
+
+
+def shas(manifest: dict) -> list[tuple]:
+    return [(e["path"], e["sha256"], e["tokens"], e["documents"]) for e in manifest["shards"]]
+
+
+# --- round trip and the manifest contract ----------------------------------------------------------
+
+def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
+    from pipeline.tokenizer import load_tokenizer
+
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    m = run_shard(make_cfg(run))
+    out = run / "shards"
+    tok = load_tokenizer(str(run / "tokenizer"))
+    want = expected_split(corpus, 0.2)
+    assert len(want["val"]) > 0 and len(want["train"]) > 0
+    for split in ("train", "val"):
+        tokens = load_split(out, m, split)
+        assert tokens.dtype == np.uint16
+        assert decode_docs(tokens, tok) == want[split]
+        assert not np.any(tokens == 2), "never a padding token"
+        assert m["totals"][split]["documents"] == len(want[split])
+        assert m["totals"][split]["tokens"] == len(tokens)
+        sizes = [e["tokens"] for e in m["shards"] if e["split"] == split]
+        assert all(s == 1500 for s in sizes[:-1]) and 0 < sizes[-1] <= 1500
+    assert m["format_version"] == 1 and m["dtype"] == "uint16"
+    assert m["tokenizer"]["sha256"] == json.loads((run / "tokenizer/tokenizer_meta.json").read_text())["sha256"]
+    assert m["special_ids"] == {"bos": 0, "eos": 1, "pad": 2}
+    assert all("/" not in e["path"] for e in m["shards"])
+    for e in m["shards"]:
+        assert hashlib.sha256((out / e["path"]).read_bytes()).hexdigest() == e["sha256"]
+    assert (out / "config.yaml").exists()
+    assert verify_shards(str(out), str(run / "tokenizer")) == []
+    from train.loader import load_manifest   # the training loader accepts the manifest as written
+
+    assert load_manifest(str(out))["totals"] == m["totals"]
+
+
+def test_append_eos_and_parquet_format(tmp_path, corpus, tokenizer_files):
+    from pipeline.tokenizer import load_tokenizer
+
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    m = run_shard(make_cfg(run, append_eos=True, format="both"))
+    out = run / "shards"
+    tok = load_tokenizer(str(run / "tokenizer"))
+    want = expected_split(corpus, 0.2)
+    for split in ("train", "val"):
+        npy, par = load_split(out, m, split, "npy"), load_split(out, m, split, "parquet")
+        assert np.array_equal(npy, par)
+        assert decode_docs(npy, tok, eos=1) == want[split]
+    assert {e["format"] for e in m["shards"]} == {"npy", "parquet"}
+    assert verify_shards(str(out)) == []
+
+
+def test_uint32_shards_hold_the_same_tokens(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    m16 = run_shard(make_cfg(run, out=str(tmp_path / "u16")))
+    m32 = run_shard(make_cfg(run, out=str(tmp_path / "u32"), dtype="uint32"))
+    assert m32["dtype"] == "uint32"
+    for split in ("train", "val"):
+        a, b = load_split(tmp_path / "u16", m16, split), load_split(tmp_path / "u32", m32, split)
+        assert b.dtype == np.uint32 and np.array_equal(a, b)
+    assert verify_shards(str(tmp_path / "u32")) == []
+
+
+def test_split_long_text_pieces():
+    text = ("abc def\n" * 400) + ("y" * 3000) + (" z" * 900)
+    pieces = split_long_text(text, 1000)
+    assert "".join(pieces) == text
+    assert all(0 < len(p) <= 1000 for p in pieces)
+    assert pieces[0].endswith("\n")                   # cut after a newline where there is one
+    assert any(p.startswith(" z") for p in pieces)    # else before a space
+    assert split_long_text("short", 1000) == ["short"]
+
+
+# --- determinism and resume -------------------------------------------------------------------------
+
+def test_same_shards_across_reruns_and_worker_counts(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    one = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
+    two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), workers=2))
+    assert shas(one) == shas(two) and len(one["shards"]) >= 4
+    again = run_shard(make_cfg(run, out=str(tmp_path / "w1")))   # complete: nothing redone, same manifest
+    assert again == one
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from pipeline import shard
+from tests.test_shard import make_cfg
+after, where = int(sys.argv[2]), sys.argv[3]
+count = [0]
+orig_npy = shard.write_npy
+def write_npy(path, tokens):
+    res = orig_npy(path, tokens)
+    count[0] += 1
+    if where == "before_progress" and count[0] == after:
+        os.kill(os.getpid(), signal.SIGKILL)   # shard file written, progress not yet updated
+    return res
+shard.write_npy = write_npy
+orig_commit = shard._SplitWriter._write
+def _write(self, nxt):
+    orig_commit(self, nxt)
+    if where == "after_commit" and count[0] == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+shard._SplitWriter._write = _write
+shard.run_shard(make_cfg(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("where", ["after_commit", "before_progress"])
+def test_sigkill_mid_run_then_rerun_gives_same_manifest(tmp_path, corpus, tokenizer_files, where, monkeypatch):
+    ref_run = make_run(tmp_path, corpus, tokenizer_files, "ref")
+    ref = run_shard(make_cfg(ref_run))
+    run = make_run(tmp_path, corpus, tokenizer_files, "killed")
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=str(ROOT)), str(run), "3", where],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    out = run / "shards"
+    assert not (out / "manifest.json").exists()
+    progress = json.loads((out / "shard_progress.json").read_text())
+    done = sum(len(v) for v in progress["splits"].values())
+    assert done == (3 if where == "after_commit" else 2)
+
+    rewritten = []
+    orig = shard_mod.write_npy
+    monkeypatch.setattr(shard_mod, "write_npy", lambda p, t: (rewritten.append(os.path.basename(p)), orig(p, t))[1])
+    again = run_shard(make_cfg(run))
+    assert again == ref
+    assert len(rewritten) == len(ref["shards"]) - done      # finished shards were skipped, not redone
+    assert not [p for p in os.listdir(out) if ".tmp" in p]
+    assert verify_shards(str(out)) == []
+
+
+def test_corrupt_shard_is_caught_and_redone(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    m = run_shard(make_cfg(run))
+    out = run / "shards"
+    victim = out / m["shards"][1]["path"]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    problems = verify_shards(str(out))
+    assert problems and all(victim.name in p for p in problems) and "sha256" in problems[0]
+    (out / m["shards"][2]["path"]).write_bytes(victim.read_bytes()[:200])   # truncated
+    assert len(verify_shards(str(out))) >= 2
+    assert run_shard(make_cfg(run)) == m
+    assert verify_shards(str(out)) == []
+
+
+def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, monkeypatch):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref")))
+    failures = {"left": 2}
+    real = fsio.atomic_open
+
+    def flaky(path, mode="wb"):
+        if path.endswith(".npy") and failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("connection reset by peer")
+        return real(path, mode)
+
+    monkeypatch.setattr(fsio, "atomic_open", flaky)
+    monkeypatch.setattr(shard_mod.time, "sleep", lambda s: None)
+    assert shas(run_shard(make_cfg(run, out=str(tmp_path / "flaky")))) == shas(ref)
+    assert failures["left"] == 0
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def test_missing_or_changed_tokenizer(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    os.rename(run / "tokenizer", run / "tok_away")
+    with pytest.raises(ShardError, match="codex data tokenize"):
+        run_shard(make_cfg(run))
+    os.rename(run / "tok_away", run / "tokenizer")
+    run_shard(make_cfg(run))
+    write_tokenizer(run, corpus, vocab_size=350)   # another tokenizer under the same run
+    with pytest.raises(ShardError, match="made with another tokenizer"):
+        run_shard(make_cfg(run))
+    assert any("were made with" in p for p in verify_shards(str(run / "shards"), str(run / "tokenizer")))
+    (run / "tokenizer" / "tokenizer.json").write_text("{}")   # edited after training: sha256 mismatch
+    with pytest.raises(ShardError, match="does not match"):
+        run_shard(make_cfg(run, out=str(tmp_path / "other")))
+
+
+def test_dtype_too_small_for_vocab():
+    with pytest.raises(ShardError, match="cannot hold vocab_size 70000"):
+        shard_mod._dtype_for(70000, "uint16", "RUN/tokenizer")
+    assert shard_mod._dtype_for(70000, "auto", "x") == "uint32"
+    assert shard_mod._dtype_for(65536, "auto", "x") == "uint16"
+
+
+def test_val_fraction_too_small_suggests_a_value(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    with pytest.raises(ShardError, match=r"--val-fraction ([0-9.]+)") as e:
+        run_shard(make_cfg(run, val_fraction=1e-6))
+    assert not (run / "shards" / "manifest.json").exists()
+    suggested = float(e.value.args[0].split("--val-fraction ")[1].split()[0])
+    m = run_shard(make_cfg(run, val_fraction=suggested))
+    assert m["totals"]["val"]["documents"] >= 1
+
+
+def test_empty_corpus_and_bad_parquet(tmp_path, corpus, tokenizer_files):
+    run = make_run(tmp_path, [], tokenizer_files)
+    with pytest.raises(ShardError, match="empty corpus"):
+        run_shard(make_cfg(run))
+    for p in (run / "clean").glob("*.parquet"):
+        p.unlink()
+    with pytest.raises(ShardError, match="no part-\\*.parquet"):
+        run_shard(make_cfg(run))
+    pq.write_table(pa.table({"text": ["ok", None]}), run / "clean" / "part-00000-00000-000.parquet")
+    with pytest.raises(ShardError, match="part-00000-00000-000.parquet: row 1: text is null"):
+        run_shard(make_cfg(run))
+    pq.write_table(pa.table({"body": ["ok"]}), run / "clean" / "part-00000-00000-000.parquet")
+    with pytest.raises(ShardError, match="no 'text' column"):
+        run_shard(make_cfg(run))
+
+
+# --- GCS (emulator) ---------------------------------------------------------------------------------
+
+@pytest.mark.gcs
+def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_files, gcs_bucket):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    local = run_shard(make_cfg(run))
+    remote_out = f"{gcs_bucket}/direct/shards"
+    direct = run_shard(make_cfg(run, out=remote_out))                # write straight to gs://
+    assert shas(direct) == shas(local)
+    assert verify_shards(remote_out) == []
+
+    # an interrupted upload: 3 files in, then the connection dies; a temp object is left behind
+    real_upload, calls = fsio.upload, {"n": 0}
+
+    def dying_upload(src, dst):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("killed")
+        real_upload(src, dst)
+
+    remote_run = f"{gcs_bucket}/copy"
+    fsio.write_bytes(f"{remote_run}/shards/train_00000.npy.tmp-0123abcd", b"partial")
+    fsio.upload, saved = dying_upload, fsio.upload
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            upload_run(str(run), remote_run)
+    finally:
+        fsio.upload = saved
+    assert not fsio.exists(f"{remote_run}/shards/manifest.json"), "markers go last"
+    res = upload_run(str(run), remote_run)
+    assert res["skipped"] == 3 and res["uploaded"] == res["files"] - 3 and res["checksum"] == ["md5"]
+    assert not fsio.exists(f"{remote_run}/shards/train_00000.npy.tmp-0123abcd")
+    assert verify_shards(f"{remote_run}/shards") == []
+
+    # corrupt one object in the bucket: verify names it, a re-upload repairs it
+    victim = f"{remote_run}/shards/{local['shards'][0]['path']}"
+    data = bytearray(fsio.read_bytes(victim))
+    data[-1] ^= 0xFF
+    fs, p = fsio.filesystem(victim)
+    fs.pipe(p, bytes(data))
+    fs.invalidate_cache()
+    problems = verify_shards(f"{remote_run}/shards")
+    assert problems and all(local["shards"][0]["path"] in p for p in problems) and "sha256" in problems[0]
+    res = upload_run(str(run), remote_run)
+    assert res["uploaded"] == 1
+    assert verify_shards(f"{remote_run}/shards") == []
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
+    from click.testing import CliRunner
+
+    from codex.cli import cli
+
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    out = tmp_path / "elsewhere"
+    r = CliRunner().invoke(cli, ["data", "shard", "--run", str(run), "--out", str(out), "--shard-tokens", "3000",
+                                 "--val-fraction", "0.25", "--format", "both", "--workers", "1",
+                                 "--set", "data.shard.chunk_chars=1000"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["shard_tokens"] == 3000 and m["val_fraction"] == 0.25 and {e["format"] for e in m["shards"]} == {"npy", "parquet"}
+    assert CliRunner().invoke(cli, ["data", "verify", str(run), "--out", str(out)]).exit_code == 0
+    (out / m["shards"][0]["path"]).write_bytes(b"garbage")
+    r = CliRunner().invoke(cli, ["data", "verify", str(run), "--out", str(out)])
+    assert r.exit_code == 1 and m["shards"][0]["path"] in r.output
+    r = CliRunner().invoke(cli, ["data", "shard", "--run", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "codex data tokenize" in r.output
+    r = CliRunner().invoke(cli, ["data", "upload", str(run), str(tmp_path / "copy")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "copy" / "clean" / "stats.json").read_bytes() == (run / "clean" / "stats.json").read_bytes()
