@@ -145,11 +145,16 @@ def atomic_open(path: str, mode: str = "wb") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def write_bytes(path: str, data: bytes) -> None:

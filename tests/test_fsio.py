@@ -59,3 +59,11 @@ def test_gcs_glob_no_match_is_empty(gcs_bucket):
     fsio.write_text(f"{gcs_bucket}/d/a.txt", "a")
     assert fsio.glob(f"{gcs_bucket}/d/*.json") == []
     assert fsio.glob(f"{gcs_bucket}/d/*.txt") == [f"{gcs_bucket}/d/a.txt"]
+
+
+def test_atomic_write_has_normal_permissions(tmp_path):
+    p = tmp_path / "out.json"
+    fsio.write_json(str(p), {})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (p.stat().st_mode & 0o777) == (0o666 & ~umask)
