@@ -220,6 +220,10 @@ class TorchBackend:
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
+            # Wait for every rank before tearing down: a rank that destroys its gloo group while a
+            # peer is still connected can abort at exit ("terminate called without an active
+            # exception"). If a peer died instead, torchrun has already stopped this process.
+            dist.barrier(group=self.control_group)
             dist.destroy_process_group()
 
 
