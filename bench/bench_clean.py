@@ -11,15 +11,16 @@ C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench
 its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
 every 50 ms.
 
-Measured here (2 shared CPU cores, ~7 other jobs running, 102 MB = stdlib .py x3 + tinyshakespeare):
-                         MB/s    peak RSS    kept docs
-  codex workers=1        0.53    124 MB      124      (filter order repetition -> quality)
-  codex workers=2        0.87    281 MB      124      (same)
-  codex workers=1       ~1.44      -         124      (quality -> repetition, current order; 71 s)
-  datatrove workers=1   ~0.18      -          -       (14 of 16 tasks done in 490 s, then stopped)
-So codex is ~8x datatrove on one worker, but both are slow on this input: it is source code,
-which the prose rules reject only after the word-level work. The datatrove numbers are from an
-interrupted run (estimated from its per-task completion files); rerun the command for a full table.
+Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files):
+
+                        seconds    MB/s  peak RSS MB  docs kept
+codex workers=1            23.9    4.26          104        124
+datatrove workers=1       213.2    0.48          294
+codex workers=2            13.9    7.35          243        124
+datatrove workers=2       122.1    0.84          598
+
+codex is 8.8x datatrove (target 1.5x). Both are slow on this input: it is mostly source code,
+which the prose rules reject only after the word-level work (the Gopher repetition n-gram loop).
 """
 
 from __future__ import annotations
