@@ -18,20 +18,20 @@ The same --spm-python venv also checks that transformers' PreTrainedTokenizerFas
 tokenizer.json unchanged and encodes/decodes like `tokenizers`. With --codex-heldout 0 (default)
 codex trains on exactly the bare contender's documents, so their tokenizer.json must be identical.
 
-Measured (2-core VM shared with other jobs, load average 7-10: wall times swing up to 2x between
-runs; CPU seconds are steadier), 102.9 MB (6,855 docs), vocab 32,768, tokenizers 0.23.3,
-sentencepiece 0.2.3:
+Measured (2-core VM, quiet; wall times drift up to 1.5x between runs, CPU seconds are steadier),
+102.9 MB (6,855 docs), vocab 32,768, tokenizers 0.23.3, sentencepiece 0.2.3:
 
     contender                            wall s  x bare   CPU s  x bare  peak RSS MB  bytes/token
-    codex run_tokenizer                   115.1    1.44    58.6    1.19          535        4.069
-    bare tokenizers.train_from_iterator    80.0    1.00    49.3    1.00          902        4.069
-    sentencepiece bpe                      26.4    0.33    25.9    0.53         1025        4.360
-    (an earlier run, same corpus: codex 79.1 s, bare 95.2 s, sentencepiece 64.5 s wall)
+    codex run_tokenizer                    28.4    1.01    50.4    1.02          528        4.040
+    bare tokenizers.train_from_iterator    28.3    1.00    49.3    1.00          887        4.040
+    sentencepiece bpe                      22.7    0.80    27.1    0.55         1008        4.346
+    (another run, codex vs bare only: 24.1 s vs 28.1 s. Before codex fed the trainer one document
+    at a time instead of 4M-character lists it was 1.24x: 23.6 s vs 19.0 s.)
 
 codex's tokenizer.json was byte-identical to the bare call's; transformers loaded it unchanged
 (same ids, lossless). codex's own overhead is the hash scan (2.2 s) and re-reading the parquet;
 its RSS is lower than bare's because the text is streamed, not held. sentencepiece BPE trains
-about 2x faster (CPU) than HF tokenizers here; codex does not beat it.
+about 1.8x faster (CPU) than HF tokenizers here; codex does not beat it.
 """
 
 from __future__ import annotations

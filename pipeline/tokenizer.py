@@ -3,7 +3,7 @@
     RUN/clean/part-*.parquet (or data.tokenizer.inputs)
       -> pass 1: hash every document, keep the smallest hashes up to max_chars (and the largest
                  `heldout_docs` hashes aside to measure compression)
-      -> pass 2: re-read, feed the selected documents to the HF `tokenizers` BPE trainer in batches
+      -> pass 2: re-read, feed the selected documents to the HF `tokenizers` BPE trainer one at a time
       -> RUN/tokenizer/ tokenizer.json, token_bytes.npy, config.yaml, tokenizer_meta.json (last)
 
 The tokenizer (see ARCHITECTURE.md, "Tokenizer contract"):
@@ -57,7 +57,6 @@ SPECIAL_IDS = {"bos": 0, "eos": 1, "pad": 2}
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256
-FEED_BATCH_CHARS = 4_000_000  # texts handed to the Rust trainer per Python->Rust call
 READ_BATCH_ROWS = 1024        # parquet rows decoded at a time
 COMPRESSION_MAX_CHARS = 2_000_000  # held-out text encoded to measure bytes/token
 
@@ -81,8 +80,8 @@ def new_tokenizer() -> Tokenizer:
     return tok
 
 
-def train_tokenizer(batches, vocab_size: int, length: int | None = None) -> Tokenizer:
-    """Train on an iterator of lists of strings; specials get ids 0..2, then the 256 bytes."""
+def train_tokenizer(texts, vocab_size: int, length: int | None = None) -> Tokenizer:
+    """Train on an iterator of strings (or of lists of strings); specials get ids 0..2, then the 256 bytes."""
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -91,7 +90,7 @@ def train_tokenizer(batches, vocab_size: int, length: int | None = None) -> Toke
         min_frequency=0,
         show_progress=sys.stderr.isatty(),
     )
-    tok.train_from_iterator(batches, trainer=trainer, length=length)
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
 
@@ -323,10 +322,11 @@ def select_documents(files: list[str], max_chars: int, doc_max_chars: int, heldo
 # --- pass 2: read the selected texts --------------------------------------------------------------
 
 def iter_selected(files: list[str], train_rows: dict[int, list[int]], heldout_rows: dict[int, list[int]],
-                  doc_max_chars: int, heldout_out: list[str], total_docs: int) -> Iterator[list[str]]:
-    """Training texts in batches of ~FEED_BATCH_CHARS, capped per document; collects held-out texts."""
-    batch: list[str] = []
-    batch_chars = 0
+                  doc_max_chars: int, heldout_out: list[str], total_docs: int) -> Iterator[str]:
+    """Training texts one at a time, capped per document; collects held-out texts.
+
+    One document per item, not lists: measured on the demo corpus x3, the Rust trainer took 16.8 s
+    fed single documents, 18.6 s fed a Python list and 19.2 s fed 4M-character lists."""
     with Progress("tokenize: train (feeding)", total=total_docs, unit="docs") as p:
         for fi, path in enumerate(files):
             want = set(train_rows.get(fi, ()))
@@ -335,21 +335,17 @@ def iter_selected(files: list[str], train_rows: dict[int, list[int]], heldout_ro
                 continue
             row = 0
             for texts in iter_text_batches(path):
+                n_docs = n_chars = 0
                 for text in texts:
                     if row in want:
                         text = text[:doc_max_chars]
-                        batch.append(text)
-                        batch_chars += len(text)
-                        if batch_chars >= FEED_BATCH_CHARS:
-                            p.update(len(batch), chars=batch_chars)
-                            yield batch
-                            batch, batch_chars = [], 0
+                        n_docs += 1
+                        n_chars += len(text)
+                        yield text
                     elif row in held:
                         heldout_out.append(text[:doc_max_chars])
                     row += 1
-        if batch:
-            p.update(len(batch), chars=batch_chars)
-            yield batch
+                p.update(n_docs, chars=n_chars)
 
 
 def compression(tok: Tokenizer, texts: list[str], max_chars: int = COMPRESSION_MAX_CHARS) -> dict:
@@ -460,7 +456,7 @@ def run_tokenizer(cfg: Config) -> dict:
     else:  # fewer than 10 documents, none could be held out: measure on (tiny) training text, say so
         log.warning("tokenize: %d documents, too few to hold any out; compression measured on training text",
                     sel.docs_seen)
-        sample = [d for b in iter_selected(files, sel.train, {}, t.doc_max_chars, [], sel.train_docs) for d in b]
+        sample = list(iter_selected(files, sel.train, {}, t.doc_max_chars, [], sel.train_docs))
         comp = {**compression(tok, sample[: t.heldout_docs]), "sample": "training"}
 
     meta = {
