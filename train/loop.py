@@ -86,30 +86,24 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
 # --- run inputs -------------------------------------------------------------------------------
 
 def _read_vocab(cfg) -> tuple[int, torch.Tensor | None]:
-    """Vocab size from RUN/tokenizer/tokenizer_meta.json (checked against the shard manifest), and
-    token_bytes for bits per byte."""
+    """Vocab size from the run's tokenizer meta (checked against the shard manifest), and
+    token_bytes for bits per byte (None when absent; validation then says what is missing)."""
+    from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
+    from train.loader import load_manifest
+
     tok_dir = rundir.tokenizer_dir(cfg.run)
-    meta_path = fsio.join(tok_dir, "tokenizer_meta.json")
-    if not fsio.exists(meta_path):
-        raise FileNotFoundError(f"{meta_path} not found: run `codex data tokenize --run {cfg.run}` first")
-    meta = fsio.read_json(meta_path)
-    vocab = int(meta["vocab_size"])
-    manifest_path = fsio.join(rundir.shards_dir(cfg.run), "manifest.json")
-    if not fsio.exists(manifest_path):
-        raise FileNotFoundError(f"{manifest_path} not found: run `codex data shard --run {cfg.run}` first")
-    manifest = fsio.read_json(manifest_path)
+    vocab = int(load_meta(tok_dir)["vocab_size"])
+    manifest = load_manifest(rundir.shards_dir(cfg.run))
     m_vocab = int(manifest.get("tokenizer", {}).get("vocab_size", vocab))
     if m_vocab != vocab:
-        raise ConfigError(f"{manifest_path}: shards were made with vocab_size {m_vocab}, but {meta_path} says "
-                          f"{vocab}; re-run `codex data shard`")
+        raise ConfigError(f"{fsio.join(rundir.shards_dir(cfg.run), 'manifest.json')}: shards were made with "
+                          f"vocab_size {m_vocab}, but the tokenizer in {tok_dir} has {vocab}; re-run `codex data shard`")
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but the run's tokenizer has {vocab} tokens; "
                           "leave model.vocab_size at 0 (taken from the tokenizer)")
-    tb_path = fsio.join(tok_dir, "token_bytes.npy")
     token_bytes = None
-    if fsio.exists(tb_path):
-        with fsio.open(tb_path, "rb") as f:
-            token_bytes = torch.from_numpy(np.load(f).astype(np.int64))
+    if fsio.exists(fsio.join(tok_dir, TOKEN_BYTES_FILE)):
+        token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype(np.int64))
     return vocab, token_bytes
 
 
