@@ -145,25 +145,29 @@ def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_ind
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default 32768).")
 @click.option("--max-chars", type=int, default=None, help="Characters of training text to use.")
 @click.option("--doc-max-chars", type=int, default=None, help="Use at most this many characters of each document.")
+@click.option("--trainer", type=click.Choice(["rustbpe", "hf"]), default=None,
+              help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB of text).")
 @click.option("--input", "inputs", multiple=True, metavar="PATH",
               help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] 'text' "
                    "field, .txt = one document) instead of RUN/clean/ (repeatable).")
 @stage
-def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_chars, inputs):
+def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_chars, trainer, inputs):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
 
     Documents are sampled by a hash of their text (smallest hashes until --max-chars), so the
-    result does not depend on how many shard files exist or their order.
+    result does not depend on how many shard files exist or their order. Either trainer writes
+    the same kind of HF tokenizer.json.
 
     \b
     Example:
       codex data tokenize --run runs/web --vocab-size 32768
-      codex data tokenize --run runs/web --vocab-size 65536 --max-chars 2000000000
+      codex data tokenize --run runs/web --vocab-size 65536 --max-chars 1000000000
+      codex data tokenize --run runs/web --max-chars 4000000000 --trainer hf
     """
 
     cfg = make_config(run, config_file, overrides, {
         "data.tokenizer.vocab_size": vocab_size, "data.tokenizer.max_chars": max_chars,
-        "data.tokenizer.doc_max_chars": doc_max_chars,
+        "data.tokenizer.doc_max_chars": doc_max_chars, "data.tokenizer.trainer": trainer,
         "data.tokenizer.inputs": list(inputs) if inputs else None})
     from pipeline.tokenizer import run_tokenizer
 

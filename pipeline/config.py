@@ -117,6 +117,7 @@ class TokenizerConfig:
     max_chars: int = 200_000_000      # training-text budget (characters)
     doc_max_chars: int = 100_000      # per-document cap
     heldout_docs: int = 500           # documents held out to report compression
+    trainer: str = "rustbpe"          # "rustbpe" (fast, the default) or "hf" (HF tokenizers' BpeTrainer)
 
 
 @dataclass

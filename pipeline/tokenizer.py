@@ -68,9 +68,9 @@ FORMAT_VERSION = 1
 
 # --- the tokenizer itself ------------------------------------------------------------------------
 
-def new_tokenizer() -> Tokenizer:
-    """An untrained byte-level BPE tokenizer with codex's split regex and no normalizer."""
-    tok = Tokenizer(models.BPE())
+def new_tokenizer(model: models.BPE | None = None) -> Tokenizer:
+    """A byte-level BPE tokenizer (untrained unless `model` is given): codex's split regex, no normalizer."""
+    tok = Tokenizer(model if model is not None else models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
         # use_regex=False: the split above replaces ByteLevel's GPT-2 regex; this only maps bytes.
@@ -80,8 +80,30 @@ def new_tokenizer() -> Tokenizer:
     return tok
 
 
-def train_tokenizer(texts, vocab_size: int, length: int | None = None) -> Tokenizer:
-    """Train on an iterator of strings (or of lists of strings); specials get ids 0..2, then the 256 bytes."""
+TRAINERS = ("rustbpe", "hf")
+# rustbpe counts words and pairs in int32: no count can exceed the training text's byte count, so
+# up to this many bytes nothing can overflow. Above it, train with trainer="hf" (64-bit counts).
+RUSTBPE_MAX_BYTES = 2**31 - 1
+
+
+def train_tokenizer(texts, vocab_size: int, trainer: str = "rustbpe", length: int | None = None,
+                    buffer_docs: int = 1024) -> Tokenizer:
+    """Train on an iterator of strings (or of lists of strings); specials get ids 0..2, then the 256 bytes.
+
+    trainer="rustbpe" (default): nanochat's rustbpe counts the pre-tokens and runs the merge loop
+    (1.75x faster than HF's BpeTrainer on 2 cores, see bench/bench_tokenizer.py); its merges become
+    an HF `tokenizers` BPE model, saved and loaded exactly like the other trainer's.
+    trainer="hf": HF tokenizers' BpeTrainer. Both are byte-level BPE on the same split regex, and
+    both are deterministic functions of the multiset of documents.
+    """
+    if trainer == "hf":
+        return _train_hf(texts, vocab_size, length)
+    if trainer == "rustbpe":
+        return _train_rustbpe(texts, vocab_size, buffer_docs)
+    raise ConfigError(f"data.tokenizer.trainer={trainer!r}: must be one of {', '.join(TRAINERS)}")
+
+
+def _train_hf(texts, vocab_size: int, length: int | None) -> Tokenizer:
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -94,13 +116,121 @@ def train_tokenizer(texts, vocab_size: int, length: int | None = None) -> Tokeni
     return tok
 
 
+def _strings(texts) -> Iterator[str]:
+    for item in texts:
+        if isinstance(item, str):
+            yield item
+        else:
+            yield from item
+
+
+def _train_rustbpe(texts, vocab_size: int, buffer_docs: int) -> Tokenizer:
+    import rustbpe
+
+    _quiet_rustbpe_log()
+    n_tokens = vocab_size - len(SPECIAL_TOKENS)
+    # A few spare merges: rustbpe can (rarely) build the same bytes by two different merges, which
+    # makes one token in the HF vocabulary; the spares keep the vocabulary at the size asked for.
+    spare = max(16, n_tokens // 256)
+    bpe = rustbpe.Tokenizer()
+    # rustbpe pulls `buffer_docs` documents at a time under the GIL, then splits and counts them
+    # in parallel without it: the buffer bounds memory (documents are capped at doc_max_chars).
+    bpe.train_from_iterator(_strings(texts), n_tokens + spare, buffer_size=buffer_docs, pattern=SPLIT_PATTERN)
+    ranks = sorted(bpe.get_mergeable_ranks(), key=lambda item: item[1])
+    return tokenizer_from_merges(_merge_pairs([b for b, _ in ranks]), vocab_size)
+
+
+def _merge_pairs(token_bytes: list[bytes]) -> list[tuple[int, int]]:
+    """Which pair of earlier tokens each merged token (rank >= 256) was made from.
+
+    rustbpe gives each token's bytes by rank, not the pair that was merged. The pair is recovered
+    exactly by encoding the token's bytes with the merges before it: no merge ever crosses the edges
+    of the two tokens being merged (tokens are never split), so the training process inside that
+    span is the same as encoding the span alone, which must end in exactly those two tokens.
+    """
+    if [bytes([i]) for i in range(256)] != token_bytes[:256]:
+        raise RuntimeError("rustbpe: the first 256 ranks are not the 256 single bytes")
+    rank: dict[tuple[int, int], int] = {}
+    pairs: list[tuple[int, int]] = []
+    for new_id in range(256, len(token_bytes)):
+        ids = list(token_bytes[new_id])
+        while len(ids) > 2:
+            best = min((rank.get(p, new_id), p) for p in zip(ids, ids[1:]))
+            if best[0] == new_id:
+                break
+            ids = _apply_merge(ids, best[1], best[0])
+        if len(ids) != 2 or token_bytes[ids[0]] + token_bytes[ids[1]] != token_bytes[new_id]:
+            raise RuntimeError(f"rustbpe: token {new_id} {token_bytes[new_id]!r} is not a merge of two earlier tokens")
+        rank[(ids[0], ids[1])] = new_id
+        pairs.append((ids[0], ids[1]))
+    return pairs
+
+
+def _apply_merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
+    """Merge every non-overlapping occurrence of `pair`, left to right (as training does)."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def tokenizer_from_merges(pairs: list[tuple[int, int]], vocab_size: int) -> Tokenizer:
+    """An HF byte-level BPE tokenizer from merges over byte ids (0..255 bytes, 256+k = k-th merge).
+
+    Layout: specials 0..2, byte b at id 3 + b, then merged tokens in merge order, up to vocab_size.
+    A merge that rebuilds bytes already in the vocabulary (a second way to the same token) is kept
+    as a merge but adds no token, as HF's own trainer does.
+    """
+    to_char = _byte_encoder()
+    strings = [to_char[b] for b in range(256)]
+    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    for s in strings:
+        vocab[s] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for a, b in pairs:
+        if len(vocab) >= vocab_size:
+            break
+        merged = strings[a] + strings[b]
+        strings.append(merged)
+        merges.append((strings[a], strings[b]))
+        vocab.setdefault(merged, len(vocab))
+    tok = new_tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+_quiet_rustbpe_log_done = False
+
+
+def _quiet_rustbpe_log() -> None:
+    """rustbpe logs (through Python logging) a line per 1% of merges: keep every 10th, at INFO."""
+    global _quiet_rustbpe_log_done
+    if _quiet_rustbpe_log_done:
+        return
+    _quiet_rustbpe_log_done = True
+
+    def keep(record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("Progress: "):
+            pct = msg[len("Progress: "):].split("%", 1)[0]
+            return pct.isdigit() and int(pct) % 10 == 0
+        return True
+
+    logging.getLogger("rustbpe").addFilter(keep)
+
+
 def token_dtype(vocab_size: int) -> str:
     """The smallest unsigned dtype holding ids 0..vocab_size-1 (vocab 65,536 still fits uint16)."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 bytes->unicode map used by the ByteLevel pre-tokenizer."""
+def _byte_encoder() -> list[str]:
+    """The GPT-2 bytes->unicode map used by the ByteLevel pre-tokenizer: byte b is the char [b]."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -109,7 +239,12 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of `_byte_encoder`."""
+    return {c: b for b, c in enumerate(_byte_encoder())}
 
 
 def token_bytes_of(tok: Tokenizer) -> np.ndarray:
@@ -214,7 +349,11 @@ def iter_text_batches(path: str) -> Iterator[list]:
 
 def doc_hash(text: str) -> int:
     """128-bit hash of a document's text: decides selection and order, independent of where it lives."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), "big")
+    return _hash_utf8(text.encode("utf-8"))
+
+
+def _hash_utf8(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "big")
 
 
 # --- pass 1: which documents --------------------------------------------------------------------
@@ -226,6 +365,7 @@ class Selection:
     heldout: dict[int, list[int]] = field(default_factory=dict)
     train_docs: int = 0
     train_chars: int = 0
+    train_bytes: int = 0          # UTF-8 bytes of the training text (rustbpe counts in int32)
     heldout_docs: int = 0
     docs_seen: int = 0
     chars_seen: int = 0           # after the per-document cap
@@ -244,23 +384,23 @@ class HashBudget:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.heap: list[tuple[int, int, int, int]] = []  # (-hash, chars, file, row)
+        self.heap: list[tuple[int, int, int, int, int]] = []  # (-hash, chars, file, row, bytes)
         self.chars = 0
         self.ceiling: int | None = None
 
-    def offer(self, h: int, chars: int, file: int, row: int) -> None:
+    def offer(self, h: int, chars: int, file: int, row: int, nbytes: int = 0) -> None:
         if self.ceiling is not None and h >= self.ceiling:
             return
-        heapq.heappush(self.heap, (-h, chars, file, row))
+        heapq.heappush(self.heap, (-h, chars, file, row, nbytes))
         self.chars += chars
         while self.chars > self.budget:
-            neg, c, _, _ = heapq.heappop(self.heap)
+            neg, c, *_ = heapq.heappop(self.heap)
             self.chars -= c
             self.ceiling = -neg
 
-    def kept(self) -> list[tuple[int, int, int, int]]:
-        """(hash, chars, file, row) in hash order."""
-        return sorted((-neg, c, f, r) for neg, c, f, r in self.heap)
+    def kept(self) -> list[tuple[int, int, int, int, int]]:
+        """(hash, chars, file, row, bytes) in hash order."""
+        return sorted((-neg, c, f, r, b) for neg, c, f, r, b in self.heap)
 
 
 def select_documents(files: list[str], max_chars: int, doc_max_chars: int, heldout_docs: int) -> Selection:
@@ -283,15 +423,18 @@ def select_documents(files: list[str], max_chars: int, doc_max_chars: int, heldo
                         sel.docs_empty += 1
                         continue
                     try:
-                        h = doc_hash(text)
+                        data = text.encode("utf-8")
                     except UnicodeEncodeError as e:
                         raise ValueError(f"{path}: row {r}: text is not valid Unicode ({e.reason} at {e.start})") from None
-                    chars = min(len(text), doc_max_chars)
-                    sel.docs_capped += len(text) > doc_max_chars
+                    h = _hash_utf8(data)
+                    capped = len(text) > doc_max_chars
+                    chars = doc_max_chars if capped else len(text)
+                    nbytes = len(text[:doc_max_chars].encode("utf-8")) if capped else len(data)
+                    sel.docs_capped += capped
                     sel.docs_seen += 1
                     sel.chars_seen += chars
                     nchars += len(text)
-                    budget.offer(h, chars, fi, r)
+                    budget.offer(h, chars, fi, r, nbytes)
                     if heldout_docs:
                         if len(top) < heldout_docs:
                             heapq.heappush(top, (h, fi, r))
@@ -305,12 +448,13 @@ def select_documents(files: list[str], max_chars: int, doc_max_chars: int, heldo
     for _, fi, r in top:
         sel.heldout.setdefault(fi, []).append(r)
     fp = hashlib.sha256()
-    for h, chars, fi, r in budget.kept():
+    for h, chars, fi, r, nbytes in budget.kept():
         if h in held_hashes:  # also drops exact duplicates of a held-out document
             continue
         sel.train.setdefault(fi, []).append(r)
         sel.train_docs += 1
         sel.train_chars += chars
+        sel.train_bytes += nbytes
         fp.update(h.to_bytes(16, "big"))
     for rows in (*sel.train.values(), *sel.heldout.values()):
         rows.sort()
@@ -368,7 +512,8 @@ def compression(tok: Tokenizer, texts: list[str], max_chars: int = COMPRESSION_M
 def _settings(cfg: Config) -> dict:
     t = cfg.data.tokenizer
     return {"vocab_size": t.vocab_size, "max_chars": t.max_chars, "doc_max_chars": t.doc_max_chars,
-            "heldout_docs": t.heldout_docs, "split_pattern": SPLIT_PATTERN, "format_version": FORMAT_VERSION}
+            "heldout_docs": t.heldout_docs, "trainer": t.trainer, "split_pattern": SPLIT_PATTERN,
+            "format_version": FORMAT_VERSION}
 
 
 def _validate(cfg: Config) -> None:
@@ -383,6 +528,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"data.tokenizer.{key}={getattr(t, key)}: must be positive")
     if t.heldout_docs < 0:
         raise ConfigError(f"data.tokenizer.heldout_docs={t.heldout_docs}: must be >= 0")
+    if t.trainer not in TRAINERS:
+        raise ConfigError(f"data.tokenizer.trainer={t.trainer!r}: must be one of {', '.join(TRAINERS)}")
 
 
 def _peak_rss_mb() -> float:
@@ -431,11 +578,17 @@ def run_tokenizer(cfg: Config) -> dict:
                          f"and none fits data.tokenizer.max_chars={t.max_chars}")
     log.info("tokenize: training on %d of %d documents (%d chars, %d capped at %d chars), %d held out",
              sel.train_docs, sel.docs_seen, sel.train_chars, sel.docs_capped, t.doc_max_chars, sel.heldout_docs)
+    if t.trainer == "rustbpe" and sel.train_bytes > RUSTBPE_MAX_BYTES:
+        raise ConfigError(f"data.tokenizer.trainer=rustbpe counts in 32-bit integers: at most {RUSTBPE_MAX_BYTES:,} "
+                          f"bytes of training text, and data.tokenizer.max_chars={t.max_chars:,} selected "
+                          f"{sel.train_bytes:,}; lower max_chars or set data.tokenizer.trainer=hf")
     t_scan = time.perf_counter() - t0
 
     heldout: list[str] = []
+    # rustbpe's buffer: ~64M characters of documents at a time (memory), at least 64 (parallelism).
+    buffer_docs = max(64, min(8192, 64_000_000 // t.doc_max_chars))
     tok = train_tokenizer(iter_selected(files, sel.train, sel.heldout, t.doc_max_chars, heldout, sel.train_docs),
-                          t.vocab_size)
+                          t.vocab_size, trainer=t.trainer, buffer_docs=buffer_docs)
     t_train = time.perf_counter() - t0 - t_scan
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     for name, i in SPECIAL_IDS.items():
@@ -477,6 +630,7 @@ def run_tokenizer(cfg: Config) -> dict:
             "chars_seen": sel.chars_seen,
             "docs_used": sel.train_docs,
             "chars_used": sel.train_chars,
+            "bytes_used": sel.train_bytes,
             "heldout_docs": sel.heldout_docs,
         },
         "chars_used": sel.train_chars,
@@ -484,7 +638,9 @@ def run_tokenizer(cfg: Config) -> dict:
         "peak_rss_mb": _peak_rss_mb(),
         "seconds": {"scan": round(t_scan, 2), "train": round(t_train, 2),
                     "total": round(time.perf_counter() - t0, 2)},
-        "tokenizers_version": _tokenizers_version(),
+        "trainer": t.trainer,
+        "tokenizers_version": _version("tokenizers"),
+        **({"rustbpe_version": _version("rustbpe")} if t.trainer == "rustbpe" else {}),
         "settings": settings,
         "inputs": inputs,
     }
@@ -503,10 +659,10 @@ def run_tokenizer(cfg: Config) -> dict:
     return meta
 
 
-def _tokenizers_version() -> str:
-    import tokenizers
+def _version(package: str) -> str:
+    from importlib.metadata import version
 
-    return tokenizers.__version__
+    return version(package)
 
 
 # --- loading ------------------------------------------------------------------------------------

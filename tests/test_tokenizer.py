@@ -52,9 +52,9 @@ def config(run, inputs=(), vocab=VOCAB, **kw) -> Config:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One tokenizer trained through the default path RUN/clean/part-*.parquet."""
+@pytest.fixture(scope="module", params=T.TRAINERS)
+def trained(tmp_path_factory, request):
+    """One tokenizer per trainer, trained through the default path RUN/clean/part-*.parquet."""
     run = tmp_path_factory.mktemp("run")
     clean = run / "clean"
     clean.mkdir()
@@ -63,9 +63,10 @@ def trained(tmp_path_factory):
         write_parquet(clean / f"part-00000-{i:05d}.parquet", docs[i::3])
     write_parquet(clean / "part-99999-00000.parquet", ["leftover of a crashed chunk, not in stats.json"])
     fsio.write_json(str(clean / "stats.json"), {"shards": [f"part-00000-{i:05d}.parquet" for i in range(3)]})
-    meta = T.run_tokenizer(config(run))
+    meta = T.run_tokenizer(config(run, trainer=request.param))
     out = rundir.tokenizer_dir(str(run))
-    return {"run": run, "dir": out, "meta": meta, "tok": T.load_tokenizer(out), "docs": docs}
+    return {"run": run, "dir": out, "meta": meta, "tok": T.load_tokenizer(out), "docs": docs,
+            "trainer": request.param}
 
 
 TRICKY = [
@@ -167,6 +168,8 @@ def test_meta_and_outputs(trained):
     assert comp["bytes_per_token"] == pytest.approx(comp["bytes"] / comp["tokens"], rel=1e-3)
     assert comp["bytes_per_token"] > 1.5  # real merges happened (a bytes-only tokenizer gives 1.0)
     assert meta["peak_rss_mb"] > 0
+    assert meta["trainer"] == trained["trainer"] == meta["settings"]["trainer"]
+    assert meta["corpus"]["bytes_used"] == sum(len(d.encode()) for d in trained["docs"]) - _heldout_bytes(trained)
     assert (fsio.exists(fsio.join(out, "config.yaml")))
     assert "vocab_size: 600" in fsio.read_text(fsio.join(out, "config.yaml"))
 
@@ -177,7 +180,84 @@ def _heldout_chars(trained) -> int:
     return sum(n for _, n in hashes[:20])
 
 
-def test_same_tokenizer_from_different_shard_layouts(tmp_path):
+def _heldout_bytes(trained) -> int:
+    hashes = sorted(((T.doc_hash(d), len(d.encode())) for d in trained["docs"]), reverse=True)
+    return sum(n for _, n in hashes[:20])
+
+
+# --- the rustbpe trainer: its merges, rebuilt as an HF BPE model -------------------------------------
+
+def reference_bpe(words: dict[bytes, int], n_merges: int) -> list[tuple[int, int]]:
+    """Plain BPE training (minbpe-style): merge the most frequent pair, ties to the smallest pair."""
+    seqs = {w: list(w) for w in words}
+    merges = []
+    for new_id in range(256, 256 + n_merges):
+        counts: dict[tuple[int, int], int] = {}
+        for w, ids in seqs.items():
+            for p in zip(ids, ids[1:]):
+                counts[p] = counts.get(p, 0) + words[w]
+        if not counts:
+            break
+        best = max(counts, key=lambda p: (counts[p], (-p[0], -p[1])))
+        merges.append(best)
+        seqs = {w: T._apply_merge(ids, best, new_id) for w, ids in seqs.items()}
+    return merges
+
+
+def test_merge_pairs_recovers_the_pairs_training_merged():
+    rng = random.Random(5)
+    alphabet = b"aab ccd\x00\xff"
+    words = {bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 12))): rng.randint(1, 50) for _ in range(300)}
+    words[b"aaaaaaaa"] = 40  # overlapping pairs: merged left to right
+    pairs = reference_bpe(words, 150)
+    token_bytes = [bytes([i]) for i in range(256)]
+    for a, b in pairs:
+        token_bytes.append(token_bytes[a] + token_bytes[b])
+    assert len(pairs) > 100
+    assert T._merge_pairs(token_bytes) == pairs
+
+
+def test_tokenizer_from_merges_collapses_a_token_built_twice():
+    a, b, c = ord("a"), ord("b"), ord("c")
+    # "abc" is built twice (ab+c, a+bc); the vocabulary still reaches the requested size
+    pairs = [(a, b), (b, c), (256, c), (a, 257), (258, a), (b, b)]
+    tok = T.tokenizer_from_merges(pairs, vocab_size=3 + 256 + 5)
+    vocab = tok.get_vocab()
+    assert tok.get_vocab_size() == 264 and sorted(vocab.values()) == list(range(264))
+    assert "abc" in vocab and "abca" in vocab and "bb" in vocab
+    assert [vocab[t] for t in ("<|bos|>", "<|eos|>", "<|pad|>")] == [0, 1, 2]
+    assert vocab[T._byte_encoder()[0]] == 3 and vocab["a"] == 3 + a
+    for text in ("abcabc bb", "abca\x00\xff", "bcbc"):
+        assert tok.decode(tok.encode(text).ids) == text
+    assert tok.encode("abc").ids == [vocab["abc"]]
+
+
+def test_rustbpe_tokenizer_encodes_as_rustbpe_itself():
+    """The HF model built from rustbpe's merges splits and merges exactly as rustbpe does."""
+    import rustbpe
+
+    docs = make_docs()
+    bpe = rustbpe.Tokenizer()
+    bpe.train_from_iterator(iter(docs), VOCAB - 3, pattern=T.SPLIT_PATTERN)
+    ranks = sorted(bpe.get_mergeable_ranks(), key=lambda item: item[1])
+    tok = T.tokenizer_from_merges(T._merge_pairs([t for t, _ in ranks]), VOCAB)
+    tok.encode_special_tokens = True
+    assert tok.get_vocab_size() == VOCAB
+    for text in TRICKY + random_strings(30, seed=4) + docs[:30]:
+        assert [i - 3 for i in tok.encode(text).ids] == bpe.encode(text), repr(text[:80])
+
+
+def test_rustbpe_refuses_more_text_than_int32_counts(tmp_path, monkeypatch):
+    write_parquet(tmp_path / "d.parquet", make_docs(40, seed=2))
+    monkeypatch.setattr(T, "RUSTBPE_MAX_BYTES", 1000)
+    with pytest.raises(ConfigError, match="data.tokenizer.trainer=rustbpe.*trainer=hf"):
+        T.run_tokenizer(config(tmp_path / "r", [tmp_path / "d.parquet"], vocab=300))
+    meta = T.run_tokenizer(config(tmp_path / "r", [tmp_path / "d.parquet"], vocab=300, trainer="hf"))
+    assert meta["trainer"] == "hf" and meta["corpus"]["bytes_used"] > 1000
+
+
+@pytest.mark.parametrize("trainer", T.TRAINERS)
+def test_same_tokenizer_from_different_shard_layouts(tmp_path, trainer):
     docs = make_docs(240, seed=3)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -191,8 +271,8 @@ def test_same_tokenizer_from_different_shard_layouts(tmp_path):
         else:
             write_parquet(b / f"x{4 - i}.parquet", shuffled[i::5])
     budget = sum(map(len, docs)) // 2  # a real sample: about half of the corpus
-    ma = T.run_tokenizer(config(tmp_path / "ra", [a], max_chars=budget))
-    mb = T.run_tokenizer(config(tmp_path / "rb", [b / "*.parquet", b / "z.jsonl"], max_chars=budget))
+    ma = T.run_tokenizer(config(tmp_path / "ra", [a], max_chars=budget, trainer=trainer))
+    mb = T.run_tokenizer(config(tmp_path / "rb", [b / "*.parquet", b / "z.jsonl"], max_chars=budget, trainer=trainer))
     ja = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "ra")), "tokenizer.json"))
     jb = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "rb")), "tokenizer.json"))
     assert ja == jb and ma["sha256"] == mb["sha256"]
@@ -200,7 +280,7 @@ def test_same_tokenizer_from_different_shard_layouts(tmp_path):
     assert ma["chars_used"] <= budget and ma["corpus"]["docs_used"] < len(docs) - 20
     assert ma["compression"] == mb["compression"]
     # a different sample gives a different fingerprint
-    mc = T.run_tokenizer(config(tmp_path / "rc", [a], max_chars=budget // 2))
+    mc = T.run_tokenizer(config(tmp_path / "rc", [a], max_chars=budget // 2, trainer=trainer))
     assert mc["corpus"]["fingerprint"] != ma["corpus"]["fingerprint"]
 
 
@@ -257,9 +337,13 @@ def test_rerun_is_a_no_op_and_config_change_retrains(trained, monkeypatch):
         raise AssertionError("retrained")
 
     monkeypatch.setattr(T, "train_tokenizer", boom)
-    assert T.run_tokenizer(config(run)) == trained["meta"]
+    trainer = trained["trainer"]
+    assert T.run_tokenizer(config(run, trainer=trainer)) == trained["meta"]
     with pytest.raises(AssertionError, match="retrained"):
-        T.run_tokenizer(config(run, vocab=VOCAB + 1))
+        T.run_tokenizer(config(run, vocab=VOCAB + 1, trainer=trainer))
+    other = [t for t in T.TRAINERS if t != trainer][0]
+    with pytest.raises(AssertionError, match="retrained"):
+        T.run_tokenizer(config(run, trainer=other))
 
 
 def test_load_rejects_a_modified_tokenizer(tmp_path, trained):
