@@ -1,37 +1,42 @@
-"""Tokenizer training: codex (`run_tokenizer`) vs a bare HF `tokenizers` call vs sentencepiece BPE.
+"""Tokenizer training: codex (`run_tokenizer`, both trainers) vs bare HF `tokenizers` vs bare rustbpe vs sentencepiece.
 
     .venv/bin/python bench/bench_tokenizer.py [--mb 110] [--vocab 32768] [--spm-python PY]
 
 Corpus: the Python stdlib's .py files + tinyshakespeare + this venv's site-packages .py files,
 sorted by path, until --mb megabytes; files cut into 100K-character documents (= codex's
-doc_max_chars, so all three train on the same text), written as parquet shards (for codex) and
+doc_max_chars, so all train on the same text), written as parquet shards (for codex) and
 one-sentence-per-line text (for sentencepiece).
 
 Each contender runs in its own fresh process so its peak RSS (ru_maxrss) is its own:
-- codex: the whole `run_tokenizer` (scan + hash pass, training, held-out compression, writes);
+- codex: the whole `run_tokenizer` (scan + hash pass, training, held-out compression, writes),
+         once with the default trainer (rustbpe) and once with --trainer hf;
 - bare:  the same text already in a Python list, timing only `Tokenizer.train_from_iterator`
-         with the same pre-tokenizer/trainer settings (what codex's overhead is measured against);
+         with the same pre-tokenizer/trainer settings (the issue's baseline for "our overhead");
+- bare rustbpe: the same list, timing only `rustbpe.Tokenizer.train_from_iterator`;
 - spm:   `SentencePieceTrainer.train(model_type="bpe", byte_fallback=True)` on the text file,
          run with --spm-python (a venv with sentencepiece; default /work/benchenv-tok).
-All use every core (tokenizers: rayon; spm: num_threads=os.cpu_count()).
+All use every core (tokenizers/rustbpe: rayon; spm: num_threads=os.cpu_count()).
 The same --spm-python venv also checks that transformers' PreTrainedTokenizerFast loads codex's
-tokenizer.json unchanged and encodes/decodes like `tokenizers`. With --codex-heldout 0 (default)
-codex trains on exactly the bare contender's documents, so their tokenizer.json must be identical.
+(rustbpe-trained) tokenizer.json unchanged and encodes/decodes like `tokenizers`. With
+--codex-heldout 0 (default) codex trains on exactly the bare contenders' documents, so codex
+--trainer hf's tokenizer.json must be identical to the bare HF call's.
 
 Measured (2-core VM, quiet; wall times drift up to 1.5x between runs, CPU seconds are steadier),
-102.9 MB (6,855 docs), vocab 32,768, tokenizers 0.23.3, sentencepiece 0.2.3:
+101.8 MB (6,946 docs), vocab 32,768, tokenizers 0.23.3, rustbpe 0.1.0, sentencepiece 0.2.3:
 
-    contender                            wall s  x bare   CPU s  x bare  peak RSS MB  bytes/token
-    codex run_tokenizer                    28.4    1.01    50.4    1.02          528        4.040
-    bare tokenizers.train_from_iterator    28.3    1.00    49.3    1.00          887        4.040
-    sentencepiece bpe                      22.7    0.80    27.1    0.55         1008        4.346
-    (another run, codex vs bare only: 24.1 s vs 28.1 s. Before codex fed the trainer one document
-    at a time instead of 4M-character lists it was 1.24x: 23.6 s vs 19.0 s.)
+    contender                               wall s  x bare   CPU s  x bare  peak RSS MB  bytes/token
+    codex run_tokenizer (rustbpe)             17.1    0.62    28.1    0.56          491        4.040
+    codex run_tokenizer --trainer hf          31.4    1.13    52.5    1.05          518        4.040
+    bare tokenizers.train_from_iterator       27.7    1.00    50.0    1.00          888        4.040
+    bare rustbpe.train_from_iterator          14.4    0.52    25.6    0.51          833        4.040
+    sentencepiece bpe                         22.6    0.82    27.8    0.56         1009        4.346
 
-codex's tokenizer.json was byte-identical to the bare call's; transformers loaded it unchanged
-(same ids, lossless). codex's own overhead is the hash scan (2.2 s) and re-reading the parquet;
-its RSS is lower than bare's because the text is streamed, not held. sentencepiece BPE trains
-about 1.8x faster (CPU) than HF tokenizers here; codex does not beat it.
+codex --trainer hf's tokenizer.json was byte-identical to the bare call's; transformers loaded
+codex's default one unchanged (same ids, lossless). codex beats sentencepiece (0.76x wall) only
+with rustbpe: HF's trainer spends 21 of its 26 s pre-tokenizing (a 259-token vocabulary, i.e. no
+merges, takes that long), so no feeding trick gets it under sentencepiece on 2 cores. codex's
+overhead over bare rustbpe (1.19x) is the hash scan (0.8 s), reading parquet under the GIL while
+rustbpe waits, and rebuilding the merge pairs; its RSS is lower because the text is streamed.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ cfg.data.tokenizer.inputs = [{corpus!r}]
 cfg.data.tokenizer.vocab_size = {vocab}
 cfg.data.tokenizer.max_chars = 10**12
 cfg.data.tokenizer.heldout_docs = {heldout}  # 0: train on exactly the bare contender's documents
+cfg.data.tokenizer.trainer = {trainer!r}
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 t0, c0 = time.perf_counter(), cpu()
 meta = run_tokenizer(cfg)
@@ -97,6 +103,26 @@ bpt = sum(len(d.encode()) for d in held) / sum(len(e.ids) for e in tok.encode_ba
 sha = hashlib.sha256(tok.to_str(pretty=True).encode()).hexdigest()
 print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": tok.get_vocab_size(), "bpt": bpt,
                   "chars": sum(map(len, docs)), "sha256": sha}}))
+"""
+
+RUSTBPE_CHILD = r"""
+import glob, json, sys, time, resource
+sys.path.insert(0, {root!r})
+import pyarrow.parquet as pq
+import rustbpe
+from pipeline.tokenizer import SPLIT_PATTERN
+docs = []
+for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
+    docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
+bpe = rustbpe.Tokenizer()
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+t0, c0 = time.perf_counter(), cpu()
+bpe.train_from_iterator(iter(docs), {vocab} - 3, pattern=SPLIT_PATTERN)
+dt, cpu_s = time.perf_counter() - t0, cpu() - c0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
+bpt = sum(len(d.encode()) for d in held) / sum(map(len, bpe.batch_encode(held)))
+print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": bpe.vocab_size + 3, "bpt": bpt}}))
 """
 
 SPM_CHILD = r"""
@@ -187,7 +213,8 @@ def main() -> None:
     ap.add_argument("--spm-python", default="/work/benchenv-tok/bin/python")
     ap.add_argument("--codex-heldout", type=int, default=0,
                     help="codex's data.tokenizer.heldout_docs (0 = same documents as bare, so tokenizer.json must match)")
-    ap.add_argument("--skip", default="", help="comma list of contenders to skip: codex,bare,spm,hf")
+    ap.add_argument("--skip", default="",
+                    help="comma list of contenders to skip: codex (both), codex-rustbpe, codex-hf, bare, rustbpe, spm, hf")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
 
@@ -201,23 +228,30 @@ def main() -> None:
         py = sys.executable
         held = tmp / "held.txt"
         results = {}
-        if "codex" not in skip:
-            results["codex run_tokenizer"] = child(py, CODEX_CHILD.format(
-                root=str(ROOT), run=str(tmp / "run"), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held),
-                heldout=args.codex_heldout))
-            print("codex:", results["codex run_tokenizer"], flush=True)
+        for trainer in ("rustbpe", "hf"):
+            if "codex" in skip or f"codex-{trainer}" in skip:
+                continue
+            name = "codex run_tokenizer" + ("" if trainer == "rustbpe" else " --trainer hf")
+            results[name] = child(py, CODEX_CHILD.format(
+                root=str(ROOT), run=str(tmp / f"run-{trainer}"), corpus=str(tmp / "corpus"), vocab=args.vocab,
+                held=str(held), heldout=args.codex_heldout, trainer=trainer))
+            print(f"{name}:", results[name], flush=True)
         if "bare" not in skip:
             results["bare tokenizers.train_from_iterator"] = child(py, BARE_CHILD.format(
                 root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)))
             print("bare:", results["bare tokenizers.train_from_iterator"], flush=True)
+        if "rustbpe" not in skip:
+            results["bare rustbpe.train_from_iterator"] = child(py, RUSTBPE_CHILD.format(
+                root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)))
+            print("bare rustbpe:", results["bare rustbpe.train_from_iterator"], flush=True)
         if "spm" not in skip:
             results["sentencepiece bpe"] = child(args.spm_python, SPM_CHILD.format(
                 txt=str(tmp / "corpus.txt"), prefix=str(tmp / "spm"), vocab=args.vocab, held=str(held)))
             print("spm:", results["sentencepiece bpe"], flush=True)
         hf = None
-        if "hf" not in skip and "codex" not in skip:
-            hf = child(args.spm_python, HF_CHECK_CHILD.format(path=str(tmp / "run" / "tokenizer" / "tokenizer.json"),
-                                                              held=str(held)))
+        if "hf" not in skip and "codex run_tokenizer" in results:
+            hf = child(args.spm_python, HF_CHECK_CHILD.format(
+                path=str(tmp / "run-rustbpe" / "tokenizer" / "tokenizer.json"), held=str(held)))
 
     base = results.get("bare tokenizers.train_from_iterator", {}).get("seconds")
     print()
@@ -230,12 +264,17 @@ def main() -> None:
         bpt = f"{r['bpt']:.3f}" if r.get("bpt") else "-"
         print(f"{name:38s} {r['seconds']:7.1f} {ratio:>7s} {r['cpu_s']:7.1f} {cratio:>7s} {r['rss_mb']:12.0f} "
               f"{r['vocab']:6d} {bpt:>12s}")
-    if "codex run_tokenizer" in results:
-        print(f"codex breakdown (s): {results['codex run_tokenizer']['detail']}")
-    if "codex run_tokenizer" in results and base:
-        same = results["codex run_tokenizer"]["sha256"] == results["bare tokenizers.train_from_iterator"]["sha256"]
-        print(f"codex tokenizer.json identical to bare (sha256): {same}"
+    for name in ("codex run_tokenizer", "codex run_tokenizer --trainer hf"):
+        if name in results:
+            print(f"{name} breakdown (s): {results[name]['detail']}")
+    hf_name = "codex run_tokenizer --trainer hf"
+    if hf_name in results and base:
+        same = results[hf_name]["sha256"] == results["bare tokenizers.train_from_iterator"]["sha256"]
+        print(f"codex --trainer hf tokenizer.json identical to bare tokenizers (sha256): {same}"
               + ("" if args.codex_heldout == 0 else " (expected False: codex held documents out)"))
+    if "sentencepiece bpe" in results and "codex run_tokenizer" in results:
+        r = results["codex run_tokenizer"]["seconds"] / results["sentencepiece bpe"]["seconds"]
+        print(f"codex (default trainer) / sentencepiece wall time: {r:.2f}")
     if hf:
         print(f"transformers PreTrainedTokenizerFast check: {hf}")
 
