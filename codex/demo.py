@@ -12,6 +12,7 @@ import os
 import sysconfig
 import time
 
+from codex import fsio, rundir
 from codex.config import CONFIGS_DIR, build_config
 
 log = logging.getLogger("codex.demo")
@@ -28,6 +29,32 @@ def stdlib_inputs() -> list[str]:
     return inputs
 
 
+def drop_stale_outputs(run: str) -> None:
+    """Remove the demo's shards, checkpoints and eval when they were made with another tokenizer.
+
+    `codex data shard` refuses to mix two tokenizers in one folder (it never deletes a user's
+    shards). The demo owns its run directory, so after an upgrade that retrains the tokenizer it
+    starts its downstream stages over instead of failing.
+    """
+    from pipeline.shard import MANIFEST, PROGRESS
+    from pipeline.tokenizer import load_meta
+
+    shards = rundir.shards_dir(run)
+    made_with = None
+    for name in (PROGRESS, MANIFEST):
+        path = fsio.join(shards, name)
+        if fsio.exists(path):
+            made_with = fsio.read_json(path).get("settings", {}).get("tokenizer_sha256")
+            break
+    current = load_meta(rundir.tokenizer_dir(run))["sha256"]
+    if made_with is None or made_with == current:
+        return
+    log.warning("demo: %s was made with another tokenizer (%s, now %s): removing the demo's shards, "
+                "checkpoints, eval and metrics to redo them", shards, made_with[:12], current[:12])
+    for path in (shards, rundir.checkpoints_dir(run), rundir.eval_dir(run), rundir.metrics_path(run)):
+        fsio.rm(path, recursive=True)
+
+
 def run_demo(run: str, overrides=()) -> dict:
     from eval.evaluate import run_eval
     from pipeline.clean import run_clean
@@ -42,6 +69,8 @@ def run_demo(run: str, overrides=()) -> dict:
     steps = [("clean", run_clean), ("tokenize", run_tokenizer), ("shard", run_shard), ("train", train)]
     for i, (name, fn) in enumerate(steps, 1):
         log.info("demo %d/5: %s (%.0fs elapsed)", i, name, time.time() - t0)
+        if name == "shard":
+            drop_stale_outputs(cfg.run)
         fn(cfg)
     log.info("demo 5/5: eval (%.0fs elapsed)", time.time() - t0)
     result = run_eval(cfg, checkpoint="latest", max_tokens=cfg.eval.max_tokens)

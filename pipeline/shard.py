@@ -210,6 +210,9 @@ def read_text_batches(files: list[str]):
 
 # --- shard files ---------------------------------------------------------------------------------
 
+SHARD_NAME = re.compile(r"(train|val)_\d{5,}\.(npy|parquet)")
+
+
 def shard_name(split: str, index: int, fmt: str) -> str:
     return f"{split}_{index:05d}.{fmt}"
 
@@ -722,4 +725,12 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
         for fmt, t in by_format.items():
             if t != totals.get(sp):
                 problems.append(f"{manifest_path}: {sp} {fmt} shards add up to {t}, totals say {totals.get(sp)}")
+    # Shard-named files the manifest does not list: the loader ignores them, but a copy of this
+    # folder would carry them and a reader could take them for data, so say so.
+    listed = {e["path"] for e in shards}
+    for path in fsio.listdir(shards_dir):
+        name = path.replace("\\", "/").rsplit("/", 1)[-1]
+        if SHARD_NAME.fullmatch(name) and name not in listed:
+            problems.append(f"{path}: a shard file that {MANIFEST} does not list (left from another run?); "
+                            f"delete it")
     return problems

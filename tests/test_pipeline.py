@@ -67,3 +67,24 @@ def test_stages_chain_through_the_run_directory(tmp_path):
     # the val numbers the training loop logged at step 4 are the same evaluation
     val = [r for r in rows if r["kind"] == "val" and r["step"] == 4]
     assert val and math.isclose(val[0]["loss"], out["loss"], rel_tol=1e-5)
+
+
+def test_demo_redoes_outputs_made_with_another_tokenizer(tmp_path):
+    import json
+
+    from codex.demo import drop_stale_outputs
+
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer_meta.json").write_text(json.dumps({"sha256": "a" * 64}))
+    for d in ("shards", "checkpoints/step_00000010", "eval"):
+        (run / d).mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "shards" / "manifest.json").write_text(json.dumps({"settings": {"tokenizer_sha256": "a" * 64}}))
+    drop_stale_outputs(str(run))   # same tokenizer: everything kept
+    assert (run / "shards" / "manifest.json").exists() and (run / "checkpoints").exists()
+    (run / "shards" / "manifest.json").write_text(json.dumps({"settings": {"tokenizer_sha256": "b" * 64}}))
+    drop_stale_outputs(str(run))
+    assert not any((run / d).exists() for d in ("shards", "checkpoints", "eval", "metrics.jsonl"))
+    assert (run / "tokenizer" / "tokenizer_meta.json").exists()
+    drop_stale_outputs(str(run))   # nothing there: nothing to do

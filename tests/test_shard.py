@@ -277,6 +277,11 @@ def test_corrupt_shard_is_caught_and_redone(tmp_path, corpus, tokenizer_files):
     assert len(verify_shards(str(out))) >= 2
     assert run_shard(make_cfg(run)) == m
     assert verify_shards(str(out)) == []
+    stray = out / "train_09999.npy"   # shard-named but not in the manifest
+    stray.write_bytes(victim.read_bytes())
+    (out / "notes.txt").write_text("not a shard name: not reported")
+    problems = verify_shards(str(out))
+    assert len(problems) == 1 and "train_09999.npy" in problems[0] and "does not list" in problems[0]
 
 
 def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, monkeypatch):
