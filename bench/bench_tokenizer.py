@@ -30,6 +30,7 @@ Measured (2-core VM, quiet; wall times drift up to 1.5x between runs, CPU second
     bare tokenizers.train_from_iterator       27.7    1.00    50.0    1.00          888        4.040
     bare rustbpe.train_from_iterator          14.4    0.52    25.6    0.51          833        4.040
     sentencepiece bpe                         22.6    0.82    27.8    0.56         1009        4.346
+    (a second run: codex 15.5 s, --trainer hf 28.5 s, bare HF 27.3 s, bare rustbpe 15.8 s, spm 23.6 s)
 
 codex --trainer hf's tokenizer.json was byte-identical to the bare call's; transformers loaded
 codex's default one unchanged (same ids, lossless). codex beats sentencepiece (0.76x wall) only
