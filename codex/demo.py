@@ -36,16 +36,11 @@ def drop_stale_outputs(run: str) -> None:
     shards). The demo owns its run directory, so after an upgrade that retrains the tokenizer it
     starts its downstream stages over instead of failing.
     """
-    from pipeline.shard import MANIFEST, PROGRESS
+    from pipeline.shard import existing_state
     from pipeline.tokenizer import load_meta
 
     shards = rundir.shards_dir(run)
-    made_with = None
-    for name in (PROGRESS, MANIFEST):
-        path = fsio.join(shards, name)
-        if fsio.exists(path):
-            made_with = fsio.read_json(path).get("settings", {}).get("tokenizer_sha256")
-            break
+    made_with = (existing_state(shards) or {}).get("settings", {}).get("tokenizer_sha256")
     current = load_meta(rundir.tokenizer_dir(run))["sha256"]
     if made_with is None or made_with == current:
         return

@@ -95,6 +95,11 @@ def listdir(path: str) -> list[str]:
     return sorted(_url(fs, e, path) for e in fs.ls(p, detail=False))
 
 
+def basename(path: str) -> str:
+    """The last component of a local path or URL ("gs://b/run/x.npy" -> "x.npy", "dir/" -> "dir")."""
+    return posixpath.basename(path.replace(os.sep, "/").rstrip("/"))
+
+
 def glob(pattern: str) -> list[str]:
     fs, p = filesystem(pattern)
     return sorted(_url(fs, e, pattern) for e in fs.glob(p))

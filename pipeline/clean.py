@@ -186,7 +186,7 @@ def _remove_chunk_outputs(out: str, name: str) -> None:
 def _ls(folder: str, pattern: str) -> list[str]:
     """Paths in `folder` whose name matches `pattern`; [] when there is none (fsio.glob fails on
     an empty remote match)."""
-    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
+    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(fsio.basename(p), pattern)]
 
 
 def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None) -> dict:

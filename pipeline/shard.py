@@ -422,7 +422,7 @@ def _good_prefix(out: str, entries: list[dict]) -> int:
 def _remove_temp_files(out: str) -> None:
     """Temp files of a killed write (never under a final name): remove them."""
     for p in fsio.listdir(out):
-        name = p.rstrip("/").rsplit("/", 1)[-1]
+        name = fsio.basename(p)
         if name.startswith(".tmp-") or re.search(r"\.tmp-[0-9a-f]{8}$", name):
             fsio.rm(p)
 
@@ -466,11 +466,7 @@ def run_shard(cfg: Config) -> dict:
 
     # An existing manifest or progress file must come from the same settings: never mix two runs.
     manifest_path, progress_path = fsio.join(out, MANIFEST), fsio.join(out, PROGRESS)
-    state = None
-    if fsio.exists(progress_path):
-        state = fsio.read_json(progress_path)
-    elif fsio.exists(manifest_path):
-        state = {"settings": fsio.read_json(manifest_path).get("settings", {})}
+    state = existing_state(out)
     if state is not None:
         diff = _mismatch(state["settings"], settings)
         if diff:
@@ -520,6 +516,17 @@ def run_shard(cfg: Config) -> dict:
              t["train"]["tokens"], t["train"]["documents"], t["train"]["shards"],
              t["val"]["tokens"], t["val"]["documents"], t["val"]["shards"], out)
     return manifest
+
+
+def existing_state(out: str) -> dict | None:
+    """What an output folder already holds: the progress file (resume state), else {"settings"} of
+    the manifest, else None."""
+    progress_path, manifest_path = fsio.join(out, PROGRESS), fsio.join(out, MANIFEST)
+    if fsio.exists(progress_path):
+        return fsio.read_json(progress_path)
+    if fsio.exists(manifest_path):
+        return {"settings": fsio.read_json(manifest_path).get("settings", {})}
+    return None
 
 
 def _manifest(state: dict, meta: dict, dtype: str, s, docs: dict) -> dict:
@@ -729,7 +736,7 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
     # folder would carry them and a reader could take them for data, so say so.
     listed = {e["path"] for e in shards}
     for path in fsio.listdir(shards_dir):
-        name = path.replace("\\", "/").rsplit("/", 1)[-1]
+        name = fsio.basename(path)
         if SHARD_NAME.fullmatch(name) and name not in listed:
             problems.append(f"{path}: a shard file that {MANIFEST} does not list (left from another run?); "
                             f"delete it")

@@ -47,8 +47,6 @@ import heapq
 import io
 import json
 import logging
-import os
-import posixpath
 import resource
 import sys
 import time
@@ -140,7 +138,7 @@ def _strings(texts) -> Iterator[str]:
 def _train_rustbpe(texts, vocab_size: int, buffer_docs: int) -> Tokenizer:
     import rustbpe
 
-    _quiet_rustbpe_log()
+    logging.getLogger("rustbpe").addFilter(_every_tenth_percent)  # a no-op when already added
     n_tokens = vocab_size - len(SPECIAL_TOKENS)
     # A few spare merges: rustbpe can (rarely) build the same bytes by two different merges, which
     # makes one token in the HF vocabulary; the spares keep the vocabulary at the size asked for.
@@ -217,24 +215,13 @@ def tokenizer_from_merges(pairs: list[tuple[int, int]], vocab_size: int) -> Toke
     return tok
 
 
-_quiet_rustbpe_log_done = False
-
-
-def _quiet_rustbpe_log() -> None:
-    """rustbpe logs (through Python logging) a line per 1% of merges: keep every 10th, at INFO."""
-    global _quiet_rustbpe_log_done
-    if _quiet_rustbpe_log_done:
-        return
-    _quiet_rustbpe_log_done = True
-
-    def keep(record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if msg.startswith("Progress: "):
-            pct = msg[len("Progress: "):].split("%", 1)[0]
-            return pct.isdigit() and int(pct) % 10 == 0
-        return True
-
-    logging.getLogger("rustbpe").addFilter(keep)
+def _every_tenth_percent(record: logging.LogRecord) -> bool:
+    """rustbpe logs (through Python logging) a line per 1% of merges: keep every 10th."""
+    msg = record.getMessage()
+    if msg.startswith("Progress: "):
+        pct = msg[len("Progress: "):].split("%", 1)[0]
+        return pct.isdigit() and int(pct) % 10 == 0
+    return True
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -308,7 +295,7 @@ def input_files(cfg: Config) -> list[str]:
             found = [f for f in fsio.glob(spec) if f.endswith(SUFFIXES)]
         elif fsio.isdir(spec):
             found = [f for f in fsio.listdir(spec)
-                     if f.endswith(SUFFIXES) and not posixpath.basename(f.replace(os.sep, "/")).startswith(".")]
+                     if f.endswith(SUFFIXES) and not fsio.basename(f).startswith(".")]
         elif fsio.exists(spec):
             if not spec.endswith(SUFFIXES):
                 raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {', '.join(SUFFIXES)})")

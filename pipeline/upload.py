@@ -79,7 +79,7 @@ def _remove_stale_temps(remote: str) -> int:
     fs, p = fsio.filesystem(remote)
     if not fs.exists(p):
         return 0
-    stale = [f for f in fs.find(p) if TEMP_NAME.search(f.rsplit("/", 1)[-1])]
+    stale = [f for f in fs.find(p) if TEMP_NAME.search(fsio.basename(f))]
     for f in stale:
         fs.rm(f)
     return len(stale)

@@ -182,16 +182,21 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
 # --- SIGTERM: finish the step, save, exit 0 ------------------------------------------------------
 
+def sigterm_after_three_steps(proc: subprocess.Popen, metrics: Path, timeout: float) -> str:
+    """Once the run has logged 3 lines, SIGTERM it; its stderr after it exits."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=timeout)[1]
+
+
 def test_sigterm_saves_and_exits_zero(tmp_path):
     run = make_run(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "train", *train_cli_args(run, max_steps=100_000)],
                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(run) / "metrics.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    err = sigterm_after_three_steps(proc, metrics, timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM" in err and "Resume: run the same command again" in err
     step = checkpoint.latest_step(run)
@@ -211,11 +216,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
                              "-m", "train", "--", *train_cli_args(run, max_steps=100_000)],
                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(run) / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    err = sigterm_after_three_steps(proc, metrics, timeout=120)
     assert err.count("SIGTERM received") == 2, err[-3000:]      # both workers got it
     assert "checkpoint (preempted)" in err and "Resume: run the same command again" in err
     step = checkpoint.latest_step(run)

@@ -93,6 +93,11 @@ def replica_mean(backend, tensor: torch.Tensor) -> torch.Tensor:
     return backend.all_reduce_sum(tensor.clone()) / backend.world_size
 
 
+def autocast_context(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """bf16 matmuls under autocast (parameters stay fp32, the master weights); None = plain fp32."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module under torch.compile's wrapper (its state_dict keys have no '_orig_mod.')."""
     return getattr(model, "_orig_mod", model)
@@ -119,9 +124,7 @@ class TorchBackend:
         return self.rank == 0
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return autocast_context(self.device.type, self.autocast_dtype)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay fp32 (the master weights); autocast runs the matmuls in bf16.

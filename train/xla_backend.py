@@ -29,7 +29,6 @@ Everything torch_xla-specific lives in this file: torch_xla is being superseded 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from train.backend import BackendError
+from train.backend import BackendError, autocast_context
 
 log = logging.getLogger("codex.xla")
 
@@ -153,9 +152,7 @@ class XLABackend:
         return self.rank == 0
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast("xla", dtype=self.autocast_dtype)  # bf16 matmuls, fp32 master weights
+        return autocast_context("xla", self.autocast_dtype)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Under SPMD an unannotated tensor is replicated on every chip: the data-parallel layout.
