@@ -114,23 +114,28 @@ def data():
 @click.option("--task-index", type=int, default=None, help="Which task this process runs (0..N-1).")
 @click.option("--text-field", default=None, help="JSONL field holding the text (default: text).")
 @click.option("--text-column", default=None, help="Parquet column holding the text (default: text).")
+@click.option("--txt-delimiter", default=None, metavar="TEXT",
+              help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
+                   "(escapes such as \\n are understood). Default: a whole text file is one document, and one over "
+                   "1 MB (data.clean.length.max_chars) is dropped.")
 @click.option("--preset", type=click.Choice(["web", "code"]), default=None, help="Filter preset.")
 @click.option("--keep-rejected/--no-keep-rejected", default=None, help="Also write dropped documents with their reason.")
 @stage
 def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_index, text_field, text_column,
-               preset, keep_rejected):
+               txt_delimiter, preset, keep_rejected):
     """Clean raw text into parquet shards under RUN/clean/.
 
     \b
     Example:
       codex data clean --run runs/web --input 'raw/*.jsonl.zst' --workers 2
       codex data clean --run gs://bucket/run --input gs://bucket/raw --num-tasks 8 --task-index 3
+      codex data clean --run runs/book --input book.txt --txt-delimiter '\\n\\n'
     """
     cfg = make_config(run, config_file, overrides, {
         "data.clean.inputs": list(inputs) if inputs else None, "data.clean.workers": workers,
         "data.clean.num_tasks": num_tasks, "data.clean.task_index": task_index,
         "data.clean.text_field": text_field, "data.clean.text_column": text_column,
-        "data.clean.preset": preset, "data.clean.keep_rejected": keep_rejected})
+        "data.clean.txt_delimiter": txt_delimiter, "data.clean.preset": preset, "data.clean.keep_rejected": keep_rejected})
     if not cfg.data.clean.inputs:
         raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
     from pipeline.clean import run_clean

@@ -144,7 +144,8 @@ def set_key(cfg: Config, assignment: str) -> None:
     for p in parts[:-1]:
         owner = _field_type(owner, p)
     if _field_type(owner, parts[-1]) is str:  # --set train.wandb=off means the string "off"
-        value = raw.strip().strip("'\"")
+        # A value of only whitespace is meant as typed: --set data.clean.txt_delimiter=$'\n\n'.
+        value = raw.strip().strip("'\"") if raw.strip() else raw
     nested: dict = {}
     d = nested
     for p in parts[:-1]:
@@ -194,7 +195,61 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
         set_key(cfg, o)
     if run:
         cfg.run = run
+    check_values(cfg)
     return cfg
+
+
+# Allowed values, checked once when the config is built (exit 2 before any run file is read).
+# Ranges: (low, high, low inclusive); None = unbounded. A value typed wrong is caught in _coerce.
+_CHOICES = {
+    "train.resume": ("auto", "never"), "train.dtype": ("auto", "bf16", "fp32"),
+    "train.schedule": ("cosine", "wsd"), "train.xla_mode": ("spmd", "spawn"),
+    "train.wandb": ("auto", "online", "offline", "off"), "model.mlp": ("swiglu", "relu2"),
+    "data.shard.format": ("npy", "parquet", "both"), "data.shard.dtype": ("auto", "uint16", "uint32"),
+    "data.tokenizer.trainer": ("rustbpe", "hf"), "data.clean.preset": ("web", "code", "all"),
+}
+_RANGES = {
+    "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
+    "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
+    "train.beta2": (0, 1, True), "train.grad_clip": (0, None, True), "train.device_batch": (0, None, True),
+    "train.seq_len": (0, None, True), "train.batch_tokens": (0, None, True), "train.max_steps": (0, None, True),
+    "train.max_tokens": (0, None, True), "train.log_every": (1, None, True), "train.eval_every": (0, None, True),
+    "train.eval_tokens": (0, None, True), "train.save_every": (0, None, True), "train.keep_last": (1, None, True),
+    "train.keep_every": (0, None, True), "train.max_compiles": (0, None, True), "train.shuffle_shards": (0, None, True),
+    "model.n_layer": (1, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
+    "model.n_embd": (1, None, True), "model.mlp_hidden": (0, None, True), "model.max_seq_len": (1, None, True),
+    "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.norm_eps": (0, None, False),
+    "eval.max_tokens": (0, None, True), "eval.device_batch": (0, None, True), "eval.max_new_tokens": (0, None, True),
+    "eval.temperature": (0, None, True), "eval.top_k": (0, None, True),
+    "data.tokenizer.vocab_size": (259, None, True), "data.tokenizer.max_chars": (1, None, True),
+    "data.shard.val_fraction": (0, 1, False), "data.shard.workers": (1, None, True),
+    "data.clean.workers": (1, None, True), "data.clean.num_tasks": (1, None, True),
+}
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_values(cfg: Config) -> None:
+    """Every key with a fixed set of values or a range, checked at once: a ConfigError naming the
+    key and what is allowed, instead of a late failure (or a silent default) deep inside a stage."""
+    for key, allowed in _CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
+    for key, (low, high, inclusive) in _RANGES.items():
+        v = _get(cfg, key)
+        too_low = low is not None and (v < low if inclusive else v <= low)
+        too_high = high is not None and (v > high if inclusive else v >= high)
+        if too_low or too_high:
+            want = (f">= {low}" if inclusive else f"> {low}") if high is None else (
+                f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
+            raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
+    ckpt = str(cfg.eval.checkpoint)
+    if ckpt != "latest" and not (ckpt.isdigit()):
+        raise ConfigError(f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'")
 
 
 def to_dict(cfg) -> dict:

@@ -95,6 +95,17 @@ def listdir(path: str) -> list[str]:
     return sorted(_url(fs, e, path) for e in fs.ls(p, detail=False))
 
 
+def join_inside(base: str, rel: str, where: str) -> str:
+    """join(base, rel) for a path read from a file (a manifest entry): refused with a ValueError
+    naming `where` when it is absolute, a URL, or climbs out of `base` with '..'. A manifest must
+    never make codex read (or train on) a file outside the folder it describes."""
+    parts = str(rel).replace("\\", "/").split("/")
+    if not rel or "://" in str(rel) or str(rel).startswith(("/", "~")) or ".." in parts or ":" in parts[0]:
+        raise ValueError(f"{where}: path {rel!r} is not inside {base} (absolute, a URL or '..'); "
+                         "shard paths must be relative to the manifest's folder")
+    return join(base, rel)
+
+
 def basename(path: str) -> str:
     """The last component of a local path or URL ("gs://b/run/x.npy" -> "x.npy", "dir/" -> "dir")."""
     return posixpath.basename(path.replace(os.sep, "/").rstrip("/"))

@@ -168,6 +168,24 @@ def eval_batch_size(cfg, run_cfg) -> int:
     return device_defaults(get_preset(cfg.train.hardware), run_cfg.model)[0]
 
 
+def _check_tokenizer(run: str, state: dict) -> None:
+    """Refuse a checkpoint whose tokenizer is not the run's current one (retrained after training):
+    its ids would decode to the wrong text and bits per byte would count the wrong bytes."""
+    from codex import fsio, rundir
+    from pipeline.tokenizer import load_meta
+    from train import checkpoint as ckpt
+
+    trained_with = state.get("tokenizer_sha256")
+    tok_dir = rundir.tokenizer_dir(run)
+    if not trained_with or not fsio.exists(fsio.join(tok_dir, "tokenizer_meta.json")):
+        return   # checkpoints from before this record, or a run without its tokenizer (later steps say so)
+    current = str(load_meta(tok_dir).get("sha256", ""))
+    if current != trained_with:
+        raise ValueError(f"{fsio.join(tok_dir, 'tokenizer.json')} (sha256 {current[:12]}) is not the tokenizer "
+                         f"{ckpt.step_dir(run, int(state['step']))} was trained with ({trained_with[:12]}): it was "
+                         "retrained after training; restore the original tokenizer or retrain the model")
+
+
 def load_model(cfg, checkpoint: str | int = "latest"):
     """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
     from codex.config import from_dict
@@ -178,6 +196,7 @@ def load_model(cfg, checkpoint: str | int = "latest"):
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
         raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")
+    _check_tokenizer(cfg.run, state)
     model = build_model(run_cfg.model, seed=run_cfg.train.seed)
     model.load_state_dict(state["model"])
     model.eval()

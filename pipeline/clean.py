@@ -245,7 +245,7 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
                             _send_progress(report_progress, pending_docs, pending_bytes)
                             pending_docs = pending_bytes = 0
                             last_report = now
-            except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow/zstd decode errors
+            except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
                 report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
                 if f.path not in report.error:
                     report.error = f"{f.path}: {report.error}"
@@ -347,7 +347,64 @@ def run_clean(cfg) -> dict:
     if failed:
         raise CleanError(f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
                          + "; ".join(f["error"] for f in failed[:3]))
+    if "shards" in stats and stats["docs_out"] == 0:
+        raise CleanError(f"clean kept no documents ({_nothing_kept(stats)}); outputs left in {out} for "
+                         "inspection: rerun with the fix and a new --run, or delete that folder first")
     return stats
+
+
+def _top_drop(stats: dict) -> tuple[str, str, int] | None:
+    """(filter, reason, documents) of the rule that dropped the most documents."""
+    rows = [(flt, reason, n) for flt, reasons in stats["drops"].items() for reason, n in reasons.items()]
+    return max(rows, key=lambda r: r[2]) if rows else None
+
+
+def _drop_fix(flt: str, reason: str) -> str:
+    """How to stop one rule from dropping a document."""
+    if (flt, reason) == ("length", "too_long"):
+        return ("a text file is one document unless split: pass --txt-delimiter '\\n\\n' (blank lines), "
+                "or raise data.clean.length.max_chars / data.clean.max_record_bytes")
+    if flt == "dedup":
+        return "the documents are exact copies of each other"
+    return (f"switch that filter off with --set data.clean.{flt}.enabled=false, or use --preset code "
+            "for source code")
+
+
+def _nothing_kept(stats: dict) -> str:
+    top = _top_drop(stats)
+    if stats["docs_in"] == 0 or top is None:
+        return f"{stats['docs_in']} documents read: the input files hold no text records"
+    flt, reason, n = top
+    return f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; fix: {_drop_fix(flt, reason)}"
+
+
+def finished_files(clean: str) -> list[str]:
+    """The cleaned parquet files listed by a finished clean (RUN/clean/stats.json), for tokenize and
+    shard. A clean that is unfinished, had failed input files or kept nothing is refused: training
+    on a partial corpus without a word is worse than stopping."""
+    stats_path = fsio.join(clean, "stats.json")
+    if not fsio.exists(stats_path):
+        partial = bool(_ls(clean, "part-*.parquet"))
+        raise FileNotFoundError(f"{stats_path} not found: " + (
+            "`codex data clean` has not finished (tasks still running, killed or failed); finish it first"
+            if partial else "run `codex data clean` first"))
+    stats = fsio.read_json(stats_path)
+    failed = stats.get("bad_input", {}).get("failed_files") or []
+    if failed:
+        raise ValueError(f"{stats_path}: clean did not finish: {len(failed)} input file(s) failed and are missing "
+                         f"from the corpus ({'; '.join(f['error'] for f in failed[:3])}); fix or remove them and rerun "
+                         "`codex data clean` (only their chunks are redone)")
+    shards = stats.get("shards")
+    if not isinstance(shards, list):
+        raise ValueError(f"{stats_path}: no 'shards' list (not written by `codex data clean`)")
+    if not shards:
+        raise ValueError(f"{stats_path}: clean kept no documents ({_nothing_kept(stats)})")
+    present = {fsio.basename(p) for p in _ls(clean, "part-*.parquet")}
+    missing = [name for name in shards if name not in present]
+    if missing:
+        raise FileNotFoundError(f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
+                                f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run")
+    return sorted(fsio.join(clean, name) for name in shards)
 
 
 def _read_markers(out: str, fingerprint: str) -> dict[str, dict]:
@@ -431,9 +488,14 @@ def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[s
     summary = [f"{bad[k]['count']} {k.replace('_', ' ')} in {bad[k]['files']} files" for k in
                ("empty_files", "invalid_utf8_records", "nul_chars", "oversized_records", "null_values", "malformed_lines")
                if bad[k]["count"]]
-    if summary or bad["failed_files"]:
-        log.warning("clean: bad input (details in stats.json): %s%s", ", ".join(summary),
-                    f", {len(bad['failed_files'])} failed files" if bad["failed_files"] else "")
+    if bad["failed_files"]:
+        summary.append(f"{len(bad['failed_files'])} failed files")
+    if summary:
+        log.warning("clean: bad input (details in stats.json): %s", ", ".join(summary))
+    top = _top_drop(stats)
+    if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
+        log.warning("clean: %s:%s dropped %d of %d documents (%.0f%%); if that is wrong for this corpus, %s",
+                    top[0], top[1], top[2], stats["docs_in"], 100 * top[2] / stats["docs_in"], _drop_fix(top[0], top[1]))
     return stats
 
 

@@ -34,7 +34,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 FIRST_N = 5   # how many malformed line numbers a report keeps
 
 
-class BadInputFile(Exception):
+class BadInputFile(ValueError):
     """A whole input file cannot be used; the message names the file and why."""
 
 
@@ -225,12 +225,52 @@ def _open_decompressed(path: str, fh):
     if name.endswith(".gz"):
         return gzip.GzipFile(fileobj=fh)
     if name.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True))
+        return io.BufferedReader(_ZstdReader(path, fh), 1 << 20)
     if fsio.is_remote(path):   # fsspec's remote files have no readline(size), which bounds a huge line
         return io.BufferedReader(fh, 1 << 20)
     return fh
+
+
+class _ZstdReader(io.RawIOBase):
+    """Streaming zstd decompression (frames back to back) that reports damage as errors the stage
+    records per file: random bytes raise BadInputFile, a stream that ends inside a frame (a
+    truncated download) raises EOFError, like gzip does. zstandard's stream_reader returns a silent
+    EOF for a truncated frame and raises its own ZstdError for garbage."""
+
+    def __init__(self, path: str, fh):
+        import zstandard
+
+        self.path, self.fh, self._zstd = path, fh, zstandard
+        self.dobj = zstandard.ZstdDecompressor().decompressobj()
+        self.pending = b""
+        self.in_frame = False   # fed bytes of a frame that has not ended yet
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self.pending:
+            block = self.fh.read(1 << 20)
+            if not block:
+                if self.in_frame:
+                    raise EOFError(f"{self.path}: compressed file ended before the end of its zstd frame (truncated)")
+                return 0
+            self._feed(block)
+        n = min(len(buf), len(self.pending))
+        buf[:n] = self.pending[:n]
+        self.pending = self.pending[n:]
+        return n
+
+    def _feed(self, block: bytes) -> None:
+        while block:
+            try:
+                self.pending += self.dobj.decompress(block)
+            except self._zstd.ZstdError as e:
+                raise BadInputFile(f"{self.path}: not a valid zstd stream ({e})") from None
+            self.in_frame = not self.dobj.eof
+            block = self.dobj.unused_data if self.dobj.eof else b""
+            if self.dobj.eof:   # the next frame starts in the leftover bytes
+                self.dobj = self._zstd.ZstdDecompressor().decompressobj()
 
 
 def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:

@@ -173,12 +173,9 @@ def _worker_encode(texts: list[str]):
 # --- inputs --------------------------------------------------------------------------------------
 
 def clean_files(clean: str) -> list[str]:
-    files = fsio.glob(fsio.join(clean, "part-*.parquet"))
-    if not files:
-        raise ShardError(f"no cleaned corpus: {clean} has no part-*.parquet files (run `codex data clean` first)")
-    if not fsio.exists(fsio.join(clean, "stats.json")):
-        raise ShardError(f"{clean} is not finished (no stats.json): wait for or rerun `codex data clean`")
-    return files
+    from pipeline.clean import finished_files
+
+    return finished_files(clean)
 
 
 def _inputs_fingerprint(files: list[str]) -> str:
@@ -709,8 +706,12 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
             problems.append(f"{tokenizer_dir}/tokenizer.json has sha256 {sha[:12]}, the shards were made with "
                             f"{m['tokenizer']['sha256'][:12]}")
     seen = {sp: {} for sp in SPLITS}
-    for e in shards:
-        path = fsio.join(shards_dir, e["path"])
+    for i, e in enumerate(shards):
+        try:
+            path = fsio.join_inside(shards_dir, e["path"], f"{manifest_path}: shards[{i}].path")
+        except ValueError as err:
+            problems.append(str(err))
+            continue
         if not fsio.exists(path):
             problems.append(f"{path}: missing")
             continue

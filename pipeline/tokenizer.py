@@ -275,20 +275,11 @@ def input_files(cfg: Config) -> list[str]:
     """The training files: data.tokenizer.inputs (paths, globs, directories) or RUN/clean/part-*.parquet."""
     inputs = cfg.data.tokenizer.inputs
     if not inputs:
-        # Clean writes stats.json (listing its shards) only once every task has finished: reading
-        # its list, not a glob, never trains on a half-cleaned corpus or a crashed chunk's leftovers.
-        clean = rundir.clean_dir(cfg.run)
-        stats_path = fsio.join(clean, "stats.json")
-        if not fsio.exists(stats_path):
-            partial = bool(fsio.glob(fsio.join(clean, "part-*.parquet")))
-            raise FileNotFoundError(
-                f"{stats_path} not found: " + ("`codex data clean` has not finished (tasks still running or killed); "
-                                               "finish it first" if partial else
-                                               f"run `codex data clean --run {cfg.run}` first") + " or pass --input")
-        shards = fsio.read_json(stats_path).get("shards")
-        if not isinstance(shards, list) or not shards:
-            raise ValueError(f"{stats_path}: no 'shards' list: nothing to train on")
-        return sorted(fsio.join(clean, name) for name in shards)
+        # Clean's stats.json lists its shards once every task has finished: reading its list, not a
+        # glob, never trains on a half-cleaned corpus or a crashed chunk's leftovers.
+        from pipeline.clean import finished_files
+
+        return finished_files(rundir.clean_dir(cfg.run))
     files: list[str] = []
     for spec in inputs:
         if any(ch in spec for ch in "*?["):
@@ -554,6 +545,19 @@ def _up_to_date(out: str, settings: dict, inputs: list[dict]) -> dict | None:
     return None
 
 
+def _refuse_if_built_on(run: str, out: str) -> None:
+    """Retraining would replace a tokenizer that shards or checkpoints were made with: their token
+    ids would silently mean other text. Refuse (exit 2), as clean and shard do for their outputs."""
+    if not fsio.exists(fsio.join(out, META_FILE)):
+        return
+    built = [d for d in (rundir.shards_dir(run), rundir.checkpoints_dir(run))
+             if fsio.exists(fsio.join(d, "manifest.json")) or (fsio.isdir(d) and fsio.listdir(d))]
+    if built:
+        raise ConfigError(f"{out} would be retrained (its settings or inputs changed), but {' and '.join(built)} "
+                          f"were built with the current tokenizer; to start over use a new --run, or delete "
+                          f"{' and '.join(built)} and {out} first")
+
+
 def run_tokenizer(cfg: Config) -> dict:
     """Train the tokenizer for cfg.run and write RUN/tokenizer/; returns tokenizer_meta.json's dict.
 
@@ -570,6 +574,7 @@ def run_tokenizer(cfg: Config) -> dict:
     if done is not None:
         log.info("tokenizer in %s is up to date (vocab %d, sha256 %s); nothing to do", out, done["vocab_size"], done["sha256"][:12])
         return done
+    _refuse_if_built_on(cfg.run, out)
 
     log.info("tokenize: %d input files, vocab %d, budget %d chars", len(files), t.vocab_size, t.max_chars)
     sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs)

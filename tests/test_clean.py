@@ -157,7 +157,9 @@ def test_code_preset_keeps_python_and_web_drops_it(tmp_path):
     rows = read_out(str(tmp_path / "code"))
     assert sorted(r["text"] for r in rows) == sorted((CODE + f"\nVALUE = {i}\n").strip() for i in range(5))
     assert all(r["source"].endswith(".py") and r["id"] for r in rows)
-    web = run_clean(cfg_for(tmp_path, [src], "data.clean.preset=web", run="web"))
+    with pytest.raises(CleanError, match="kept no documents .*--preset code"):   # a clean that keeps nothing fails
+        run_clean(cfg_for(tmp_path, [src], "data.clean.preset=web", run="web"))
+    web = json.loads((tmp_path / "web" / "clean" / "stats.json").read_text())
     assert web["docs_out"] == 0 and web["drops_total"] == 6
 
 

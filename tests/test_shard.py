@@ -48,11 +48,13 @@ def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
     clean = run / "clean"
     clean.mkdir(parents=True, exist_ok=True)
     per = -(-len(docs) // files)
+    names = []
     for k in range(files):
         part = docs[k * per:(k + 1) * per]
+        names.append(f"part-00000-{k:05d}-000.parquet")
         pq.write_table(pa.table({"text": part, "id": [f"d{k}-{i}" for i in range(len(part))],
-                                 "source": ["test"] * len(part)}), clean / f"part-00000-{k:05d}-000.parquet")
-    (clean / "stats.json").write_text("{}")
+                                 "source": ["test"] * len(part)}), clean / names[-1])
+    (clean / "stats.json").write_text(json.dumps({"shards": names, "docs_out": len(docs)}))   # clean's record
 
 
 def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
@@ -343,8 +345,9 @@ def test_empty_corpus_and_bad_parquet(tmp_path, corpus, tokenizer_files):
         run_shard(make_cfg(run))
     for p in (run / "clean").glob("*.parquet"):
         p.unlink()
-    with pytest.raises(ShardError, match="no part-\\*.parquet"):
+    with pytest.raises(FileNotFoundError, match="part-00000-00000-000.parquet: listed in .*stats.json but missing"):
         run_shard(make_cfg(run))
+    (run / "clean" / "stats.json").write_text(json.dumps({"shards": ["part-00000-00000-000.parquet"]}))
     pq.write_table(pa.table({"text": ["ok", None]}), run / "clean" / "part-00000-00000-000.parquet")
     with pytest.raises(ShardError, match="part-00000-00000-000.parquet: row 1: text is null"):
         run_shard(make_cfg(run))

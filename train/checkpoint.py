@@ -123,7 +123,11 @@ def load(run: str, step: int | str = "latest", map_location="cpu") -> dict:
         folder = step_dir(run, step)
         if not fsio.exists(fsio.join(folder, "DONE")):
             raise FileNotFoundError(f"{folder}: no complete checkpoint (have steps: {complete_steps(run) or 'none'})")
-        return _read(folder, map_location)
+        try:
+            return _read(folder, map_location)
+        except Exception as e:   # truncated zip, not a torch file, size mismatch: one line, exit 1
+            raise ValueError(f"{fsio.join(folder, 'ckpt.pt')}: not a readable checkpoint "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     errors = []
     for s in reversed(complete_steps(run)):
         folder = step_dir(run, s)

@@ -76,6 +76,7 @@ def load_manifest(shards_dir: str) -> dict:
             raise ValueError(f"{path}: shards[{i}] format {s.get('format')!r} is not supported (expected npy or parquet)")
         if not isinstance(s["tokens"], int) or s["tokens"] < 0:
             raise ValueError(f"{path}: shards[{i}].tokens must be a non-negative integer, got {s['tokens']!r}")
+        fsio.join_inside(shards_dir, s["path"], f"{path}: shards[{i}].path")
     return m
 
 

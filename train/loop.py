@@ -37,6 +37,7 @@ from codex.progress import Progress, setup_logging
 from train import checkpoint
 from train.backend import loader_layout, make_backend, replica_mean, unwrap
 from train.hardware import device_defaults, get_preset
+from train.memory import check_fits
 from train.metrics import make_logger
 from train.optim import lr_for, make_optimizer
 
@@ -79,20 +80,24 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
     if T > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and preset.kind != "cpu")
+    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes=2 if bf16 else 4)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
     return B, T, accum, B * T * world_size * accum
 
 
 # --- run inputs -------------------------------------------------------------------------------
 
-def _read_vocab(cfg) -> tuple[int, torch.Tensor | None]:
-    """Vocab size from the run's tokenizer meta (checked against the shard manifest), and
-    token_bytes for bits per byte (None when absent; validation then says what is missing)."""
+def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
+    """Vocab size from the run's tokenizer meta (checked against the shard manifest), token_bytes
+    for bits per byte (None when absent; validation then says what is missing), and the tokenizer's
+    sha256 (recorded in checkpoints, so eval and sample can refuse a retrained tokenizer)."""
     from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
     from train.loader import load_manifest
 
     tok_dir = rundir.tokenizer_dir(cfg.run)
-    vocab = int(load_meta(tok_dir)["vocab_size"])
+    meta = load_meta(tok_dir)
+    vocab = int(meta["vocab_size"])
     manifest = load_manifest(rundir.shards_dir(cfg.run))
     m_vocab = int(manifest.get("tokenizer", {}).get("vocab_size", vocab))
     if m_vocab != vocab:
@@ -104,7 +109,7 @@ def _read_vocab(cfg) -> tuple[int, torch.Tensor | None]:
     token_bytes = None
     if fsio.exists(fsio.join(tok_dir, TOKEN_BYTES_FILE)):
         token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype(np.int64))
-    return vocab, token_bytes
+    return vocab, token_bytes, str(meta.get("sha256", ""))
 
 
 def _make_loader(cfg, backend, B: int, T: int):
@@ -184,7 +189,7 @@ def _train(cfg, backend) -> dict:
     if tcfg.resume not in ("auto", "never"):
         raise ConfigError(f"train.resume: expected auto or never, got {tcfg.resume!r}")
 
-    vocab, token_bytes = _read_vocab(cfg)
+    vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     cfg.model.vocab_size = vocab
     B, T, accum, batch_tokens = resolve_batch(cfg, preset, W)
     total_steps = math.ceil(tcfg.max_tokens / batch_tokens) if tcfg.max_tokens > 0 else tcfg.max_steps
@@ -240,7 +245,7 @@ def _train(cfg, backend) -> dict:
                 "model": backend.state_dict_for_save(model), "optimizer": _to_cpu(optimizer.state_dict()),
                 "step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": checkpoint.rng_state(),
                 "config": to_dict(cfg), "codex_version": codex.__version__,
-                "world_size": W, "batch_tokens": batch_tokens,
+                "world_size": W, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
             }
             folder = checkpoint.save(cfg.run, state, keep_last=tcfg.keep_last, keep_every=tcfg.keep_every)
             log.info("checkpoint (%s): %s", reason, folder)

@@ -1,0 +1,83 @@
+"""A first memory estimate for one training process, so that a batch that cannot fit is refused
+before training starts (exit 2 with the estimate and the fix) instead of being OOM-killed minutes
+later.
+
+    weights + gradients + AdamW moments   16 bytes per parameter (fp32 master weights)
+    activations kept for backward         per layer and token: ~(10 d + 4 h) values, plus the
+                                          attention probabilities (n_head x T per token) where
+                                          SDPA falls back to the math path
+    logits                                B x T x vocab fp32, about 3 copies (logits, log-softmax,
+                                          their gradient)
+
+It is an estimate, not a measurement: it ignores allocator slack and workspace and counts the
+attention scores even where a fused kernel avoids them. It is used only to refuse settings that
+are far out of reach; the sharded-state work replaces it with a full memory plan.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from codex.config import ConfigError
+
+
+@dataclass
+class Estimate:
+    state_bytes: int        # weights, gradients, AdamW moments
+    activation_bytes: int   # kept for backward, all layers, one micro-batch
+    logits_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.activation_bytes + self.logits_bytes
+
+
+def param_count(m) -> int:
+    """Parameters of model.gpt.GPT for ModelConfig `m` (vocab padded to a multiple of 128)."""
+    d, hd = m.n_embd, m.n_embd // m.n_head
+    vocab = -(-m.vocab_size // 128) * 128
+    hidden = m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
+    attn = 2 * d * d + 2 * d * hd * m.n_kv_head
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * hidden
+    embed = vocab * d * (1 if m.tie_embeddings else 2)
+    return m.n_layer * (attn + mlp + 2 * d) + embed + d
+
+
+def estimate(m, device_batch: int, seq_len: int, act_bytes: int = 4) -> Estimate:
+    """Bytes one process needs to train ModelConfig `m` on micro-batches of device_batch x seq_len
+    (act_bytes: 4 in fp32, 2 under bf16 autocast)."""
+    d = m.n_embd
+    hidden = m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
+    tokens = device_batch * seq_len
+    per_token_layer = (10 * d + 4 * hidden + m.n_head * seq_len) * act_bytes
+    return Estimate(state_bytes=16 * param_count(m),
+                    activation_bytes=m.n_layer * tokens * per_token_layer,
+                    logits_bytes=3 * tokens * m.vocab_size * 4)
+
+
+def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
+    """Memory one process may use: the preset's device memory on accelerators, MemAvailable
+    divided by the processes on this host on the CPU; None when unknown."""
+    if kind in ("cuda", "tpu") and preset_memory_gb > 0:
+        return int(preset_memory_gb * 1e9)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        return int(info["MemAvailable"]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int) -> Estimate:
+    """The estimate, or a ConfigError (exit 2) naming the keys and the fix when it cannot fit."""
+    est = estimate(m, device_batch, seq_len, act_bytes)
+    avail = available_bytes(kind, preset_memory_gb)
+    if avail is not None and est.total > avail:
+        where = "available on this machine" if kind == "cpu" else "per device"
+        raise ConfigError(
+            f"train.device_batch={device_batch} x train.seq_len={seq_len} needs about {est.total / 1e9:.1f} GB "
+            f"(weights+grads+AdamW {est.state_bytes / 1e9:.1f}, activations {est.activation_bytes / 1e9:.1f}, "
+            f"logits {est.logits_bytes / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}; lower --device-batch "
+            "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len")
+    return est
