@@ -219,6 +219,8 @@ def data_verify(run_dir, run, config_file, overrides, out):
       codex data verify runs/web
       codex data verify gs://bucket/web
     """
+    if run_dir and run and run_dir.rstrip("/") != run.rstrip("/"):
+        raise UserError(f"two run directories: RUN={run_dir} and --run {run}; give one")
     cfg = make_config(run_dir or run, config_file, overrides, {"data.shard.out": out})
     from codex import rundir
     from pipeline.shard import verify_shards

@@ -20,6 +20,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                             datefmt="%H:%M:%S", stream=sys.stderr)
+    # fsspec logs every remote file it opens at INFO ("... AdaptiveReadaheadCache enabled"): about
+    # 60 lines a stage on gs://, none of them news to the user.
+    logging.getLogger("fsspec").setLevel(max(level, logging.WARNING))
 
 
 def _human(x: float) -> str:
@@ -48,6 +51,7 @@ class Progress:
         self.counters: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self._last = 0.0
+        self._logged: tuple | None = None   # the state of the last plain log line (no repeat at close)
 
     def __enter__(self):
         return self
@@ -84,8 +88,12 @@ class Progress:
         if self.tty:
             self.stream.write("\r\x1b[2K" + self.line() + ("\n" if final else ""))
             self.stream.flush()
-        else:
-            log.info(self.line())
+            return
+        state = (self.n, tuple(self.counters.items()))
+        if final and state == self._logged:
+            return   # the last line already said this (e.g. 100% logged by the final update)
+        self._logged = state
+        log.info(self.line())
 
     def close(self) -> None:
         self._emit(final=True)

@@ -425,7 +425,7 @@ def _tokenize_to_shard(cfg, run_cfg, tok_dir: str, data_paths: list[str], max_to
             if budget is not None and total >= budget:
                 break
         if report.bad() and backend.is_main:
-            log.warning("--data %s: %s", f.path, {k: v for k, v in vars(report).items() if v and k != "path"})
+            log.warning("--data %s: %s", f.path, report.error or report.describe())
         if budget is not None and total >= budget:
             break
     if pending:

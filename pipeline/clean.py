@@ -253,7 +253,7 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
             if report.bad():
                 reports.append(dataclasses.asdict(report))
                 if not report.error:   # empty files are common (__init__.py): summarised at the end instead
-                    (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, _describe(report))
+                    (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, report.describe())
         shards = writer.close()
         if rejected is not None:
             rejected.close()
@@ -281,23 +281,6 @@ def _send_progress(report_progress, docs: int, nbytes: int) -> None:
         _progress_queue.put((docs, nbytes))
         if os.getppid() != _parent_pid:   # the parent was killed: do not keep writing as an orphan
             os._exit(3)
-
-
-def _describe(r: FileReport) -> str:
-    parts = []
-    if r.empty:
-        parts.append("empty file")
-    if r.invalid_utf8_records:
-        parts.append(f"invalid UTF-8 in {r.invalid_utf8_records} records ({r.replaced_bytes} replaced)")
-    if r.nul_chars:
-        parts.append(f"{r.nul_chars} NUL characters removed")
-    if r.oversized_records:
-        parts.append(f"{r.oversized_records} records over max_record_bytes skipped")
-    if r.malformed_lines:
-        parts.append(f"{r.malformed_lines} malformed lines skipped (first: {'; '.join(r.malformed_first)})")
-    if r.null_values:
-        parts.append(f"{r.null_values} null values skipped")
-    return ", ".join(parts)
 
 
 def _chunk_job(args) -> dict:
@@ -373,7 +356,10 @@ def _drop_fix(flt: str, reason: str) -> str:
 def _nothing_kept(stats: dict) -> str:
     top = _top_drop(stats)
     if stats["docs_in"] == 0 or top is None:
-        return f"{stats['docs_in']} documents read: the input files hold no text records"
+        malformed = stats["bad_input"]["malformed_lines"]
+        hint = (f"{malformed['count']} malformed lines, first: {malformed['first'][0]['lines'][0]}; "
+                "choose the field with --text-field" if malformed["count"] else "the input files hold no text")
+        return f"no document was read ({hint})"
     flt, reason, n = top
     return f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; fix: {_drop_fix(flt, reason)}"
 

@@ -71,6 +71,23 @@ class FileReport:
         return bool(self.invalid_utf8_records or self.nul_chars or self.oversized_records or self.malformed_lines
                     or self.null_values or self.empty or self.error)
 
+    def describe(self) -> str:
+        """What went wrong, in words (for the log)."""
+        parts = []
+        if self.empty:
+            parts.append("empty file")
+        if self.invalid_utf8_records:
+            parts.append(f"invalid UTF-8 in {self.invalid_utf8_records} records ({self.replaced_bytes} replaced)")
+        if self.nul_chars:
+            parts.append(f"{self.nul_chars} NUL characters removed")
+        if self.oversized_records:
+            parts.append(f"{self.oversized_records} records over max_record_bytes skipped")
+        if self.malformed_lines:
+            parts.append(f"{self.malformed_lines} malformed lines skipped (first: {'; '.join(self.malformed_first)})")
+        if self.null_values:
+            parts.append(f"{self.null_values} null values skipped")
+        return ", ".join(parts)
+
 
 def file_kind(path: str, text_extensions: list[str]) -> str | None:
     name = path.lower()

@@ -690,6 +690,8 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
     with tokenizer_dir, also that it is the tokenizer the manifest names. [] when all is well."""
     manifest_path = fsio.join(shards_dir, MANIFEST)
     if not fsio.exists(manifest_path):
+        if not fsio.isdir(shards_dir) or not fsio.listdir(shards_dir):
+            return [f"{shards_dir}: no shards here (run `codex data shard` first, or check the run directory)"]
         return [f"{manifest_path} not found: the shard run never finished (rerun `codex data shard`)"]
     try:
         m = fsio.read_json(manifest_path)

@@ -29,3 +29,19 @@ def test_slow_rates_are_not_rounded_to_zero():
     p.t0 -= 10.0
     p.update(3)
     assert "0.30 steps/s" in p.line()
+
+
+def test_the_final_line_is_not_repeated(caplog):
+    with caplog.at_level(logging.INFO, logger="codex"):
+        with Progress("shard", total=2, unit="files", stream=io.StringIO(), log_every=0) as p:
+            p.update(1)
+            p.update(1)                  # logs 100% here; close() must not log it again
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shard:")]
+    assert sum("100.0%" in line for line in lines) == 1, lines
+
+
+def test_fsspec_file_open_chatter_is_silenced():
+    from codex.progress import setup_logging
+
+    setup_logging()
+    assert not logging.getLogger("fsspec.caching").isEnabledFor(logging.INFO)

@@ -466,3 +466,26 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     resumed = run_train(compiled_run, compile=True, **steps)
     assert resumed["step"] == 6 and resumed["tokens"] == compiled["tokens"]
     assert_close(final["model"], checkpoint.load(compiled_run, "latest")["model"], atol=1e-6)
+
+
+def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
+    """The loss logged after a resume averages the same window as the uninterrupted run: the
+    partial window (loss sum and its first step) travels in the checkpoint."""
+    import shutil
+
+    def losses(run):
+        recs = [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+    full = make_run(tmp_path / "full")
+    run_train(full, max_steps=10, log_every=4, save_every=6, keep_last=5)
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(full, resumed)
+    shutil.rmtree(checkpoint.step_dir(resumed, 10))     # as if killed after the step-6 checkpoint
+    out = run_train(resumed, max_steps=10, log_every=4, save_every=6, keep_last=5)
+    assert out["step"] == 10
+    a, b = losses(full), losses(resumed)
+    assert sorted(a) == sorted(b) == [4, 8, 10]
+    assert b[8] == a[8] and b[10] == a[10]              # step 8 averages steps 5-8, across the resume
+    again = run_train(resumed, max_steps=6, log_every=4)  # below the checkpoint: says so, trains nothing
+    assert again["step"] == 10 and not again["stopped"]

@@ -207,6 +207,7 @@ def _train(cfg, backend) -> dict:
 
     # Resume: automatic when a checkpoint exists (train.resume=auto).
     step, tokens = 0, 0
+    log_window = {"loss_sum": 0.0, "since": 0}   # the training-loss average in progress (exact resume)
     existing = checkpoint.latest_step(cfg.run)
     if existing is not None and tcfg.resume == "never":
         raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
@@ -223,9 +224,19 @@ def _train(cfg, backend) -> dict:
         loader.load_state_dict(state["loader"])
         checkpoint.set_rng_state(state["rng"])
         step, tokens = int(state["step"]), int(state["tokens"])
+        log_window = state.get("log_window") or {"loss_sum": 0.0, "since": step}
         del state
         if main:
             log.info("resumed from step %d (%d tokens) in %s", step, tokens, rundir.checkpoints_dir(cfg.run))
+
+    if step >= total_steps:
+        if main:
+            log.warning("nothing to do: the checkpoint is at step %d and this run ends at step %d; raise --max-steps "
+                        "(or train.max_tokens) to train further, or use a new --run", step, total_steps)
+        return _summary(step, total_steps, tokens, None, None, {}, False, accum, batch_tokens, B, T, W)
+    if tcfg.warmup_steps >= total_steps and main:
+        log.warning("train.warmup_steps=%d covers the whole run (%d steps): the learning rate never reaches train.lr",
+                    tcfg.warmup_steps, total_steps)
 
     if main:
         fsio.makedirs(rundir.checkpoints_dir(cfg.run))
@@ -240,12 +251,15 @@ def _train(cfg, backend) -> dict:
 
     def save(reason: str) -> str:
         folder = ""
+        # Every rank takes part: the partial loss window is averaged over replicas.
+        window = {"loss_sum": float(replica_mean(backend, loss_sum)), "since": loss_since}
         if main:
             state = {
                 "model": backend.state_dict_for_save(model), "optimizer": _to_cpu(optimizer.state_dict()),
                 "step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": checkpoint.rng_state(),
                 "config": to_dict(cfg), "codex_version": codex.__version__,
                 "world_size": W, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
+                "log_window": window,
             }
             folder = checkpoint.save(cfg.run, state, keep_last=tcfg.keep_last, keep_every=tcfg.keep_every)
             log.info("checkpoint (%s): %s", reason, folder)
@@ -263,6 +277,9 @@ def _train(cfg, backend) -> dict:
     backend.synchronize()
     t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
     loss_sum = torch.zeros((), device=backend.device)
+    if log_window["loss_sum"]:
+        loss_sum += log_window["loss_sum"]   # the same fp32 value the uninterrupted run had summed
+    loss_since = int(log_window["since"])    # first step of the loss average (may precede the resume)
     try:
         while step < total_steps:
             lr = lr_for(step, tcfg, total_steps)
@@ -289,7 +306,7 @@ def _train(cfg, backend) -> dict:
 
             if step % tcfg.log_every == 0 or step == total_steps:
                 # The loss sum is the only cross-rank transfer on logging steps.
-                loss_avg = replica_mean(backend, loss_sum) / (accum * (step - steps_at_log))
+                loss_avg = replica_mean(backend, loss_sum) / (accum * (step - loss_since))
                 backend.synchronize()  # tokens/s only after the device has really finished
                 now = time.perf_counter()
                 dt = now - t_log - t_excluded  # validation and checkpoint time is not training time
@@ -309,6 +326,7 @@ def _train(cfg, backend) -> dict:
                              step, total_steps, last_loss, lr, rec["grad_norm"], tok_s, 1000 * rec["step_time_s"],
                              f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
                 loss_sum.zero_()
+                loss_since = step
                 backend.synchronize()
                 t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
 
@@ -345,8 +363,12 @@ def _train(cfg, backend) -> dict:
         log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
                     "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", step,
                     total_steps, checkpoint.step_dir(cfg.run, saved_at))
-    return {"step": step, "total_steps": total_steps, "tokens": tokens, "loss": last_loss, "val_loss": last_val,
-            "val": val_result, "stopped": stopped, "accum": accum, "batch_tokens": batch_tokens,
+    return _summary(step, total_steps, tokens, last_loss, last_val, val_result, stopped, accum, batch_tokens, B, T, W)
+
+
+def _summary(step, total_steps, tokens, loss, val_loss, val, stopped, accum, batch_tokens, B, T, W) -> dict:
+    return {"step": step, "total_steps": total_steps, "tokens": tokens, "loss": loss, "val_loss": val_loss,
+            "val": val, "stopped": stopped, "accum": accum, "batch_tokens": batch_tokens,
             "device_batch": B, "seq_len": T, "world_size": W}
 
 
