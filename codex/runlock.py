@@ -185,10 +185,10 @@ class _GcsLease:
             return None, str(meta["generation"])
 
     def _upload(self, lease: dict, if_generation: str) -> str | None:
-        try:
+        try:   # text/plain: the GCS emulator parses an application/json upload body and hangs up
             out = self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{self.bucket}/o", uploadType="media",
                                name=self.key, ifGenerationMatch=if_generation, data=_dumps(lease),
-                               headers={"Content-Type": "application/json"}, json_out=True)
+                               headers={"Content-Type": "text/plain"}, json_out=True)
         except FileExistsError:      # 412: someone else changed it first
             return None
         return str(out["generation"])
@@ -239,21 +239,20 @@ class RunLock:
             os.makedirs(self.folder, exist_ok=True)
         self.lease = self._new_lease()
         for _ in range(5):   # a pass fails only when another writer's change landed in between
-            self._version = self._store.create(self.lease)
-            if self._version or self._is_mine():
-                break
             current, version = self._store.read()
             if version is None:
-                continue          # released between our create and our read: try again
-            reason = stale_reason(current, self.stale_after)
-            if reason is None:
-                raise LockHeld(f"{self.folder} is in use by {describe(current)}; wait for it to finish or stop it. "
-                               f"A lock whose process has died, or whose heartbeat is older than "
-                               f"{self.stale_after:.0f} s, is taken over automatically ({self.path})")
-            self._version = self._store.swap(version, self.lease)
+                self._version = self._store.create(self.lease)
+            else:
+                reason = stale_reason(current, self.stale_after)
+                if reason is None:
+                    raise LockHeld(f"{self.folder} is in use by {describe(current)}; wait for it to finish or stop "
+                                   f"it. A lock whose process has died, or whose heartbeat is older than "
+                                   f"{self.stale_after:.0f} s, is taken over automatically ({self.path})")
+                self._version = self._store.swap(version, self.lease)
             if self._version or self._is_mine():
-                log.warning("taking over the stale lock %s of %s: %s", self.path,
-                            describe(current) if current else "an unknown holder", reason)
+                if version is not None:
+                    log.warning("taking over the stale lock %s of %s: %s", self.path,
+                                describe(current) if current else "an unknown holder", reason)
                 break
         else:
             raise LockHeld(f"{self.folder}: could not take the lock {self.path}; other writers keep changing it")
