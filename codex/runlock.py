@@ -64,7 +64,11 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:   # exists, owned by someone else
         return True
-    return True
+    try:   # a killed process nobody has reaped yet (a zombie) is gone too
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def stale_reason(lease: dict | None, stale_after: float = STALE_AFTER_S, now: float | None = None) -> str | None:
