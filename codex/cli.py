@@ -52,6 +52,18 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _run_lock(cfg, command: str):
+    """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
+    The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its own."""
+    from codex import runlock
+
+    c = cfg.data.clean
+    if command == "codex data clean" and c.num_tasks > 1:
+        return runlock.hold(cfg.run, f"{command} (task {c.task_index})",
+                            lease_name=f".codex-lock.clean-task-{c.task_index:05d}.json")
+    return runlock.hold(cfg.run, command, hardware=cfg.train.hardware if command == "codex train" else None)
+
+
 def config_options(fn):
     """--run, --config, --set: shared by every command that builds a Config."""
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -140,7 +152,8 @@ def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_ind
         raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
     from pipeline.clean import run_clean
 
-    run_clean(cfg)
+    with _run_lock(cfg, "codex data clean"):
+        run_clean(cfg)
 
 
 # --- codex data tokenize ----------------------------------------------------------------------
@@ -176,7 +189,8 @@ def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_ch
         "data.tokenizer.inputs": list(inputs) if inputs else None})
     from pipeline.tokenizer import run_tokenizer
 
-    run_tokenizer(cfg)
+    with _run_lock(cfg, "codex data tokenize"):
+        run_tokenizer(cfg)
 
 
 # --- codex data shard / verify / upload ---------------------------------------------------------
@@ -203,7 +217,8 @@ def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt
         "data.shard.format": fmt, "data.shard.workers": workers})
     from pipeline.shard import run_shard
 
-    run_shard(cfg)
+    with _run_lock(cfg, "codex data shard"):
+        run_shard(cfg)
 
 
 @data.command("verify")
@@ -247,9 +262,11 @@ def data_upload(local_run, remote):
     Example:
       codex data upload runs/web gs://bucket/web
     """
+    from codex import runlock
     from pipeline.upload import upload_run
 
-    r = upload_run(local_run, remote)
+    with runlock.hold(remote, "codex data upload"):
+        r = upload_run(local_run, remote)
     click.echo(f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
                f"all verified ({', '.join(r['checksum'])}) -> {remote}")
 
@@ -292,14 +309,15 @@ def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tok
         "train.xla_mode": xla_mode, "train.xla_cache": xla_cache, "train.max_compiles": max_compiles,
         "train.allow_cpu_xla": allow_cpu_xla},
         model=model)
-    from train.loop import train
+    with _run_lock(cfg, "codex train"):  # before importing torch: a second trainer is refused at once
+        if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
+            from train.xla_backend import spawn_train
 
-    if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
-        from train.xla_backend import spawn_train
+            spawn_train(cfg)
+        else:
+            from train.loop import train
 
-        spawn_train(cfg)
-    else:
-        train(cfg)
+            train(cfg)
 
 
 # --- codex eval ---------------------------------------------------------------------------------
@@ -327,9 +345,17 @@ def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, ha
         "eval.checkpoint": checkpoint, "eval.max_tokens": max_tokens,
         "eval.data": list(data_paths) if data_paths else None, "train.hardware": hardware,
         "eval.device_batch": device_batch})
+    import contextlib
+
+    from codex import fsio, rundir, runlock
     from eval.evaluate import run_eval
 
-    run_eval(cfg, checkpoint=cfg.eval.checkpoint, max_tokens=cfg.eval.max_tokens, data_paths=cfg.eval.data or None)
+    # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
+    # does not exist gets no folder made (run_eval says what is missing)
+    lock = (runlock.hold(rundir.eval_dir(cfg.run), "codex eval", hardware=cfg.train.hardware)
+            if fsio.isdir(cfg.run) else contextlib.nullcontext())
+    with lock:
+        run_eval(cfg, checkpoint=cfg.eval.checkpoint, max_tokens=cfg.eval.max_tokens, data_paths=cfg.eval.data or None)
 
 
 @cli.command("sample")
@@ -373,9 +399,11 @@ def demo_cmd(run, overrides):
       codex demo
       codex demo --run runs/demo2 --set train.max_steps=50
     """
+    from codex import runlock
     from codex.demo import run_demo
 
-    run_demo(run, overrides)
+    with runlock.hold(run, "codex demo"):
+        run_demo(run, overrides)
 
 
 @cli.command("hardware")

@@ -36,6 +36,8 @@ def _local_files(root: str) -> list[str]:
         for name in sorted(filenames):
             if TEMP_NAME.search(name):
                 continue   # a killed local write; never part of the run
+            if name.startswith(".codex-lock"):
+                continue   # the local run's lock (codex/runlock.py), not data; the remote has its own
             rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     # markers last, so the remote copy only ever shows a marker once its data is there
     return sorted(rels, key=lambda r: (_is_marker(r), r))
