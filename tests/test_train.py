@@ -489,3 +489,20 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     assert b[8] == a[8] and b[10] == a[10]              # step 8 averages steps 5-8, across the resume
     again = run_train(resumed, max_steps=6, log_every=4)  # below the checkpoint: says so, trains nothing
     assert again["step"] == 10 and not again["stopped"]
+
+
+def test_retention_after_a_fallback_keeps_the_intact_checkpoints(tmp_path, caplog):
+    """Newest checkpoints damaged -> resume from an older one -> the next saves must never prune
+    the intact steps in favour of the damaged ones still on disk."""
+    run = str(tmp_path / "run")
+    for s in range(1, 6):
+        checkpoint.save(run, _state(s), keep_last=10)
+    for s in (4, 5):                                            # the two newest are damaged
+        ckpt = Path(checkpoint.step_dir(run, s)) / "ckpt.pt"
+        ckpt.write_bytes(ckpt.read_bytes()[:100])
+    assert checkpoint.load(run)["step"] == 3                   # the fallback
+    checkpoint.save(run, _state(4), keep_last=1)               # training goes on from step 3
+    assert checkpoint.complete_steps(run) == [4]
+    assert checkpoint.load(run)["step"] == 4 and "not resumed from" in caplog.text
+    checkpoint.save(run, _state(5), keep_last=2)
+    assert checkpoint.complete_steps(run) == [4, 5] and checkpoint.load(run, 4)["step"] == 4

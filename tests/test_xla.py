@@ -325,3 +325,56 @@ def test_cli_refuses_tpu_preset_without_tpu(tmp_path):
     assert proc.returncode != 0
     assert "PJRT_DEVICE=(unset)" in proc.stderr and "export PJRT_DEVICE=TPU" in proc.stderr
     assert not (Path(run) / "checkpoints").exists() or not any((Path(run) / "checkpoints").glob("step_*"))
+
+
+# --- a long run: the compile count stays fixed for 1,000 steps ------------------------------------
+
+# Programs a run without validation compiles, fresh or resumed: the first step (AdamW creates its
+# state inside the graph; a resumed run instead converts the loaded step counters once), the steady
+# step, the loss average read at a log step, and zeroing the loss sum. Before AdamW was capturable on
+# XLA, step ~325 compiled a fifth (1 - 0.95**step became the special scalar 1.0).
+LONG_RUN_COMPILES = 4
+
+
+def _long_overrides(steps: int, **extra) -> list[str]:
+    # Tiny shapes make 1,000 steps cheap (~50 s on 2 cores); every step still runs the full program.
+    t = {"hardware": "v6e-4", "device_batch": 1, "seq_len": 8, "batch_tokens": 32, "max_steps": steps,
+         "warmup_steps": 2, "lr": 1e-3, "log_every": 50, "eval_every": 0, "save_every": 500, "keep_last": 5,
+         "wandb": "off", "dtype": "fp32", "allow_cpu_xla": True}
+    t.update(extra)
+    return ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=1", "model.n_embd=32", "model.max_seq_len=16"] + \
+        [f"train.{k}={v}" for k, v in t.items()]
+
+
+@pytest.mark.slow
+def test_compile_count_fixed_for_1000_steps_and_after_a_resume(tmp_path):
+    fresh, resumed = str(tmp_path / "fresh"), str(tmp_path / "resumed")
+    make_run(Path(fresh))
+    long_run = f"""
+import torch_xla.debug.metrics as met
+from codex.config import build_config
+r = train(build_config(overrides={_long_overrides(1000, max_compiles=LONG_RUN_COMPILES)!r}, run={fresh!r}))
+emit("fresh", r)
+emit("fresh_compiles", met.metric_data("CompileTime")[0])
+"""
+    out = run_xla_script(long_run, 4)
+    assert out["fresh"]["step"] == 1000     # --max-compiles at the exact count passes the whole run
+    logged = {m["step"]: m for m in map(json.loads, open(Path(fresh) / "metrics.jsonl")) if m["kind"] == "train"}
+    assert [logged[s]["compiles"] for s in (50, 500, 1000)] == [LONG_RUN_COMPILES] * 3
+    assert out["fresh_compiles"] == LONG_RUN_COMPILES
+
+    # Resume from the step-500 checkpoint in a new process: no more programs than the fresh run.
+    shutil.copytree(fresh, resumed, ignore=shutil.ignore_patterns("step_00001000", "xla_cache"))
+    resume = f"""
+import torch_xla.debug.metrics as met
+from codex.config import build_config
+emit("resumed", train(build_config(overrides={_long_overrides(1000)!r}, run={resumed!r})))
+emit("resumed_compiles", met.metric_data("CompileTime")[0])
+"""
+    out = run_xla_script(resume, 4)
+    assert out["resumed"]["step"] == 1000
+    assert out["resumed_compiles"] == LONG_RUN_COMPILES
+    relogged = {m["step"]: m for m in map(json.loads, open(Path(resumed) / "metrics.jsonl")) if m["kind"] == "train"}
+    # The resumed half logs the same losses as the uninterrupted run.
+    for s in (550, 1000):
+        assert relogged[s]["loss"] == pytest.approx(logged[s]["loss"], rel=1e-5)

@@ -78,11 +78,23 @@ def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0) -> str:
             torch.save(state, f)
         nbytes = fsio.size(path)
     fsio.write_json(fsio.join(folder, "DONE"), {"step": step, "bytes": nbytes})
+    drop_newer(run, step)
     prune(run, keep_last, keep_every)
     return folder
 
 
-def prune(run: str, keep_last: int, keep_every: int = 0) -> None:
+def drop_newer(run: str, step: int) -> None:
+    """Delete checkpoints newer than `step`, the one just written. They belong to a timeline this
+    run did not resume from: resume takes the newest intact checkpoint, so a newer one was damaged
+    (or unreadable). Kept, it would count towards keep_last and push out the intact ones."""
+    for s, d in _all_steps(run):
+        if s > step:
+            log.warning("deleting %s: newer than the checkpoint just written (step %d), so it was not resumed "
+                        "from (damaged or unreadable)", d, step)
+            fsio.rm(d, recursive=True)
+
+
+def prune(run: str, keep_last: int, keep_every: int = 0) -> None:  # noqa: D401 - see the module docstring
     """Delete complete checkpoints beyond the last `keep_last` (except multiples of keep_every), and
     incomplete folders older than the newest complete one (leftovers of a killed save)."""
     complete = complete_steps(run)

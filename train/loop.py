@@ -39,7 +39,7 @@ from train.backend import loader_layout, make_backend, replica_mean, unwrap
 from train.hardware import device_defaults, get_preset
 from train.memory import check_fits
 from train.metrics import make_logger
-from train.optim import lr_for, make_optimizer
+from train.optim import load_optimizer_state, lr_for, make_optimizer
 
 log = logging.getLogger("codex.train")
 
@@ -220,7 +220,7 @@ def _train(cfg, backend) -> dict:
                 raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
                                   f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
         raw.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(optimizer, state["optimizer"])
         loader.load_state_dict(state["loader"])
         checkpoint.set_rng_state(state["rng"])
         step, tokens = int(state["step"]), int(state["tokens"])
@@ -274,12 +274,12 @@ def _train(cfg, backend) -> dict:
     saved_at = step if existing is not None else -1
     progress = Progress("train" if step == 0 else f"train (resumed at step {step})", total=total_steps - step,
                         unit="steps", enabled=main)
+    # A host-to-device copy, not a computation: on XLA it adds no program to compile, fresh or resumed
+    # (a resumed run carries the fp32 sum of its unfinished log window).
+    loss_sum = torch.tensor(float(log_window["loss_sum"]), dtype=torch.float32).to(backend.device)
+    loss_since = int(log_window["since"])    # first step of the loss average (may precede the resume)
     backend.synchronize()
     t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
-    loss_sum = torch.zeros((), device=backend.device)
-    if log_window["loss_sum"]:
-        loss_sum += log_window["loss_sum"]   # the same fp32 value the uninterrupted run had summed
-    loss_since = int(log_window["since"])    # first step of the loss average (may precede the resume)
     try:
         while step < total_steps:
             lr = lr_for(step, tcfg, total_steps)
@@ -309,11 +309,15 @@ def _train(cfg, backend) -> dict:
                 loss_avg = replica_mean(backend, loss_sum) / (accum * (step - loss_since))
                 backend.synchronize()  # tokens/s only after the device has really finished
                 now = time.perf_counter()
-                dt = now - t_log - t_excluded  # validation and checkpoint time is not training time
+                wall = now - t_log     # since the last log line's clock: logging, eval and saves included
+                dt = wall - t_excluded  # training time: validation and checkpoint pauses left out
                 tok_s = (tokens - tokens_at_log) / dt
                 last_loss = float(loss_avg)
-                rec = {"loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_s": tok_s, "step_time_s": dt / (step - steps_at_log)}
+                loss_sum.zero_()
+                loss_since = step
+                backend.synchronize()  # XLA: the zeroing runs now (its own program), the next step stays the usual one
+                rec = {"loss": last_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s,
+                       "tokens_per_s_wall": (tokens - tokens_at_log) / wall, "step_time_s": dt / (step - steps_at_log)}
                 if peak > 0:
                     rec["mfu"] = flops_tok * tok_s / peak
                 rec.update(backend.memory_stats())
@@ -325,10 +329,8 @@ def _train(cfg, backend) -> dict:
                     log.info("step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
                              step, total_steps, last_loss, lr, rec["grad_norm"], tok_s, 1000 * rec["step_time_s"],
                              f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
-                loss_sum.zero_()
-                loss_since = step
-                backend.synchronize()
-                t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
+                # The next window starts at this line's clock, so logging itself is counted in it.
+                t_log, tokens_at_log, steps_at_log, t_excluded = now, tokens, step, 0.0
 
             if tcfg.eval_every > 0 and (step % tcfg.eval_every == 0 or step == total_steps):
                 backend.synchronize()

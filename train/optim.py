@@ -37,8 +37,22 @@ def make_optimizer(model: torch.nn.Module, tcfg, device_type: str = "cpu") -> to
     kwargs = {}
     if device_type == "cuda":
         kwargs["fused"] = True  # one kernel for all parameters
+    elif device_type == "xla":
+        # The step count stays a device tensor. Otherwise AdamW computes its bias corrections on
+        # the host, and 1 - beta2**step rounds to exactly 1.0 in fp32 near step 325 (beta2 0.95):
+        # a constant baked into a new graph, one more compilation mid-run.
+        kwargs["capturable"] = True
     return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
                              betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, **kwargs)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load a checkpoint's optimizer state, keeping this optimizer's implementation flags: a state
+    saved by a capturable AdamW (XLA) or a fused one (CUDA) resumes on the CPU and the reverse."""
+    flags = ("capturable", "fused", "foreach", "differentiable")
+    groups = [{**g, **{k: cur[k] for k in flags if k in cur}}
+              for g, cur in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
 
 
 def lr_at(step: int, *, max_lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine",

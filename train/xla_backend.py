@@ -52,7 +52,8 @@ class CompileLimitError(RuntimeError):
 
 
 def _env_defaults() -> None:
-    """Environment torch_xla reads at start-up; set before the runtime exists."""
+    """Environment torch_xla reads when it is imported: set before the first `import torch_xla`
+    (check_platform), or it has no effect."""
     # Python scalars become device data, not constants baked into the graph: a changing learning
     # rate (or AdamW's step-dependent bias correction) would otherwise compile a new graph a step.
     os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
@@ -75,6 +76,7 @@ def check_platform(cfg, preset) -> str:
     BackendError naming PJRT_DEVICE, the devices found and the fix. Starts nothing."""
     # Read before importing torch_xla: the import sets PJRT_DEVICE=CPU when it is unset.
     pjrt = os.environ.get("PJRT_DEVICE", "")
+    _env_defaults()   # torch_xla reads them once, at import: this is the first import on the XLA path
     try:
         import torch_xla  # noqa: F401
     except ImportError as e:
