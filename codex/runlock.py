@@ -10,8 +10,9 @@ daemon thread refreshes every HEARTBEAT_S. A lease is stale, and the next writer
 a warning, when its pid is dead on this host (SIGKILL, OOM kill) or its heartbeat is older than
 STALE_AFTER_S (a dead host, a killed container). Every change is atomic and conditional:
 
-- local: all reads and changes run under fcntl.flock on a guard file beside the lease; create is
-  O_CREAT|O_EXCL, takeover and heartbeat write a temp file and os.replace it;
+- local: all reads and changes run under fcntl.flock on a guard file beside the lease (removed with
+  it on release); create is O_CREAT|O_EXCL, takeover and heartbeat write a temp file and
+  os.replace it;
 - gs://: the lease is one object written through the JSON API with an object-generation
   precondition: ifGenerationMatch=0 creates it only when absent, ifGenerationMatch=<the generation
   read> replaces or deletes it only when nobody changed it since (GCS answers 412 otherwise).
@@ -110,9 +111,18 @@ class _LocalLease:
     @contextlib.contextmanager
     def _guard(self):
         with self._mutex:
-            fd = os.open(self.guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-            try:
+            while True:
+                fd = os.open(self.guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                try:   # the releaser unlinks the guard: a lock on a file no longer at that path guards nothing
+                    st, now = os.fstat(fd), os.stat(self.guard_path)
+                    if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                        break
+                except FileNotFoundError:
+                    pass
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            try:
                 yield
             finally:
                 # explicit unlock: a child forked meanwhile shares the open file and would keep it
@@ -159,6 +169,7 @@ class _LocalLease:
             if self._read()[1] != version:
                 return False
             os.unlink(self.path)
+            os.unlink(self.guard_path)   # still flocked: later guards see it gone and start afresh
             return True
 
 
@@ -230,6 +241,7 @@ class RunLock:
         self._version: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._made_folder = False
         self.lease: dict = {}
 
     def _new_lease(self) -> dict:
@@ -239,7 +251,8 @@ class RunLock:
                 "token": uuid.uuid4().hex}
 
     def acquire(self) -> "RunLock":
-        if not fsio.is_remote(self.folder):
+        self._made_folder = not fsio.is_remote(self.folder) and not os.path.isdir(self.folder)
+        if self._made_folder:
             os.makedirs(self.folder, exist_ok=True)
         self.lease = self._new_lease()
         for _ in range(5):   # a pass fails only when another writer's change landed in between
@@ -308,6 +321,9 @@ class RunLock:
         try:
             if not self._store.delete(self._version) and self._is_mine():
                 self._store.delete(self._version)
+            if self._made_folder:   # a command that failed at once leaves no empty run directory behind
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.folder)
         except Exception as e:   # noqa: BLE001 - the next writer finds it stale
             log.warning("run lock %s: could not release it (%s); the next run takes it over once stale", self.path, e)
 

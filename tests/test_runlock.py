@@ -89,7 +89,7 @@ def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp
     assert f"its process {first.pid} is no longer running on this host" in third.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3]                                     # it trained (from scratch: nothing was saved)
-    assert not lease.exists()                                     # released on a clean exit
+    assert not list(Path(run).glob(".codex-lock*"))               # released on a clean exit, guard file too
 
 
 # The first shard blocks inside its first shard write, holding the lock, until it is killed.
@@ -130,7 +130,7 @@ def test_second_shard_exits_2_and_a_sigkilled_shards_lease_is_taken_over(tmp_pat
     assert "taking over the stale lock" in third.stderr
     manifest = json.loads((run / "shards" / "manifest.json").read_text())
     assert manifest["totals"]["train"]["tokens"] > 0
-    assert not (run / runlock.LEASE_NAME).exists()
+    assert not list(run.glob(".codex-lock*"))
 
 
 # --- the lease, in-process -----------------------------------------------------------------------
@@ -144,7 +144,7 @@ def test_lease_records_the_holder_beats_and_refuses_a_second_writer(tmp_path):
         with pytest.raises(LockHeld, match=rf"in use by `codex test` \(pid {os.getpid()} on host "):
             RunLock(tmp_path, "codex other").acquire()
         assert json.loads(Path(lock.path).read_text())["token"] == lock.lease["token"]   # the refusal changed nothing
-    assert not Path(lock.path).exists()
+    assert os.listdir(tmp_path) == []                              # lease and its flock guard file gone
     with RunLock(tmp_path, "codex again"):
         pass
 
@@ -176,10 +176,10 @@ def test_lost_lease_stops_the_holder_from_its_heartbeat(tmp_path):
 
 def test_exceptions_release_and_only_rank_0_holds(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="boom"):
-        with runlock.hold(str(tmp_path), "codex test"):
-            assert (tmp_path / runlock.LEASE_NAME).exists()
+        with runlock.hold(str(tmp_path / "typo"), "codex test"):
+            assert (tmp_path / "typo" / runlock.LEASE_NAME).exists()
             raise ValueError("boom")
-    assert not (tmp_path / runlock.LEASE_NAME).exists()
+    assert not (tmp_path / "typo").exists()                       # a folder made only for the lock goes too
     monkeypatch.setenv("RANK", "1")
     with runlock.hold(str(tmp_path / "r1"), "codex test"):
         assert not (tmp_path / "r1").exists()                     # rank 1 takes no lease
