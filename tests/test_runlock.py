@@ -133,6 +133,38 @@ def test_second_shard_exits_2_and_a_sigkilled_shards_lease_is_taken_over(tmp_pat
     assert not list(run.glob(".codex-lock*"))
 
 
+def test_which_commands_take_which_lease(tmp_path):
+    """Writers are refused while RUN is held; read-only commands are not; eval's lease is RUN/eval's
+    (it runs beside a trainer); a clean job-array task is refused only by the same task."""
+    from click.testing import CliRunner
+
+    from codex.cli import cli
+
+    run = make_run(tmp_path / "run")
+    text = tmp_path / "a.txt"
+    text.write_text("some text\n")
+    other = make_run(tmp_path / "other")
+
+    def invoke(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False).output
+
+    refused = "is in use by `codex train` (pid"
+    with RunLock(run, "codex train"):
+        for args in (["data", "clean", "--run", run, "--input", text], ["data", "tokenize", "--run", run],
+                     ["data", "shard", "--run", run], ["train", "--run", run], ["data", "upload", other, run],
+                     ["demo", "--run", run]):
+            out = invoke(*args)
+            assert refused in out, (args, out)
+        for args in (["sample", "--run", run, "--prompt", "x"], ["eval", "--run", run]):
+            out = invoke(*args)
+            assert "in use" not in out and "no intact checkpoint" in out, (args, out)   # past the lock
+        with RunLock(f"{run}/eval", "codex eval"):
+            assert "is in use by `codex eval`" in invoke("eval", "--run", run)
+    task = ["data", "clean", "--run", run, "--input", text, "--num-tasks", "2", "--task-index", "1"]
+    with RunLock(run, "codex data clean (task 1)", lease_name=".codex-lock.clean-task-00001.json"):
+        assert "is in use by `codex data clean (task 1)`" in invoke(*task)
+
+
 # --- the lease, in-process -----------------------------------------------------------------------
 
 def test_lease_records_the_holder_beats_and_refuses_a_second_writer(tmp_path):
