@@ -270,7 +270,8 @@ def test_gcs_lease_refuses_a_second_writer_and_takes_over_a_stale_heartbeat(gcs_
     # A holder on another host that stopped beating 5 minutes ago (a dead TPU VM).
     assert store.create(_lease("codex data shard", age=300)) is not None
     with RunLock(run, "codex train") as lock:
-        assert "taking over the stale lock" in caplog.text and "`codex data shard` (pid 4242 on host other-host" in caplog.text
+        assert "taking over the stale lock" in caplog.text
+        assert "`codex data shard` (pid 4242 on host other-host" in caplog.text
         assert store.read()[0]["token"] == lock.lease["token"]
     # ... and one that beat a moment ago is respected, whatever host it is on.
     assert store.create(_lease("codex data shard", age=1)) is not None
