@@ -709,6 +709,11 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
                             f"{m['tokenizer']['sha256'][:12]}")
     seen = {sp: {} for sp in SPLITS}
     for i, e in enumerate(shards):
+        missing = [k for k in ("split", "path", "format", "tokens", "documents", "sha256")
+                   if not isinstance(e, dict) or k not in e]
+        if missing:
+            problems.append(f"{manifest_path}: shards[{i}] has no {', '.join(repr(k) for k in missing)}")
+            continue
         try:
             path = fsio.join_inside(shards_dir, e["path"], f"{manifest_path}: shards[{i}].path")
         except ValueError as err:

@@ -188,6 +188,15 @@ def test_manifest_paths_outside_the_shards_folder_are_refused(run, bad_path):
     invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5"], 1, "shards[0].path", "not inside")
 
 
+def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
+    manifest_path = run / "shards" / "manifest.json"
+    m = json.loads(manifest_path.read_text())
+    del m["shards"][0]["sha256"]
+    manifest_path.write_text(json.dumps(m))
+    out = invoke(["data", "verify", str(run)], 1, "problem(s)")
+    assert "shards[0] has no 'sha256'" in out
+
+
 # --- train ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, pattern", [
