@@ -23,17 +23,19 @@ Speed: one batch is a handful of numpy fancy-index gathers (one per shard touche
 (windows, T+1) view of each memory-mapped shard straight into int64 buffers (pinned on CUDA); no
 Python loop over windows. bench/bench_loader.py measures it.
 
-gs:// shards are streamed into a bounded local cache (download, sha256 check, rename) by a small
-download pool. With the default full shuffle every shard can be needed at any step, so the cache
-holds all shards; `shuffle_shards=K` makes the permutation block-structured instead (the shard
-order is shuffled per epoch, then windows are shuffled within each group of K shards), so only
-2*K shards (the current group and the next, prefetched) are on local disk at a time. K is part of
-the state: changing it changes the order, so a resume with another K is refused.
+gs:// shards are streamed into the host's local cache (train/shard_cache.py: one folder for all
+local ranks, one download per shard per host, flock so that no process deletes a file another
+one holds). Each rank fetches only the shards its own windows touch, in the blocks of its current
+batch and the block after (double buffering), and lets go of a shard after its last window. With
+the default full shuffle a block is the whole epoch, so the cache holds all shards;
+`shuffle_shards=K` makes the permutation block-structured instead (the shard order is shuffled
+per epoch, then windows are shuffled within each group of K shards), so about 2*K shards per host
+are on local disk at a time (3*K while ranks straddle a block boundary). K is part of the state:
+changing it changes the order, so a resume with another K is refused.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
 import queue
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from codex import fsio
+from train.shard_cache import HostShardCache
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 
@@ -120,9 +123,11 @@ def load_split(shards_dir: str, split: str, seq_len: int, manifest: dict | None 
 # ----------------------------------------------------------------------------- shard access
 
 class ShardReader:
-    """Shard i as a 1-D numpy array: a memory map of the local file, or of a cached copy of a
-    gs:// shard. The remote cache keeps at most `cache_shards` files on disk (least recently used
-    go first, never the ones marked as needed) and downloads ahead on a small thread pool."""
+    """Shard i as a 1-D numpy array: a memory map of the local file, or of the host's cached copy
+    of a gs:// shard (train/shard_cache.py). For gs://, `prefetch(ids)` says which shards this
+    process needs next: it holds those (downloading the missing ones on a small thread pool, in
+    the given order) and lets go of the others, which the host cache may then evict once no other
+    process holds them either (at most about `cache_shards` files of the split per host)."""
 
     def __init__(self, split: Split, cache_dir: str | None = None, cache_shards: int = 0, download_workers: int = 2):
         self.split = split
@@ -133,11 +138,15 @@ class ShardReader:
             key = hashlib.sha1(split.shards_dir.rstrip("/").encode()).hexdigest()[:12]
             self.cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "codex-shard-cache", key)
             os.makedirs(self.cache_dir, exist_ok=True)
-            self.cache_shards = cache_shards if cache_shards > 0 else len(split.paths)
+            self.cache = HostShardCache(self.cache_dir, split.name, split.paths, split.sha256,
+                                        cache_shards if cache_shards > 0 else len(split.paths))
             self.pool = ThreadPoolExecutor(max_workers=download_workers, thread_name_prefix="codex-shard-dl")
-            self.downloads: dict[int, Future] = {}
-            self.on_disk: collections.OrderedDict[int, str] = collections.OrderedDict()  # LRU order
-            self.needed: list[int] = []
+            self.pending: dict[int, Future] = {}
+
+    @property
+    def fetched(self) -> list[int]:
+        """The shards this process downloaded (gs://), in order."""
+        return list(self.cache.fetched) if self.remote else []
 
     def _open(self, i: int, path: str) -> np.ndarray:
         try:
@@ -149,81 +158,55 @@ class ShardReader:
                              f"{self.split.dtype}[{int(self.split.tokens[i])}]")
         return arr
 
-    def _check_sha(self, i: int, path: str) -> bool:
-        want = self.split.sha256[i]
-        if not want:
-            return True
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        return h.hexdigest() == want
-
-    def _local_copy(self, i: int) -> str:
-        """Download shard i into the cache (sha256-checked, then renamed into place); returns the path.
-        A file left by an earlier run is reused when its checksum matches."""
-        final = os.path.join(self.cache_dir, f"{self.split.name}_{i:05d}_{os.path.basename(self.split.paths[i])}")
-        if not (os.path.exists(final) and self._check_sha(i, final)):
-            tmp = f"{final}.part-{os.getpid()}"
-            fsio.download(self.split.paths[i], tmp)
-            if not self._check_sha(i, tmp):
-                os.unlink(tmp)
-                raise ValueError(f"{self.split.paths[i]}: sha256 does not match the manifest "
-                                 f"({self.split.sha256[i]}); the shard changed after `codex data shard`")
-            os.replace(tmp, final)
-        with self.lock:
-            self.on_disk[i] = final
-            self._evict()
-        return final
+    def _fetch(self, i: int) -> str:
+        path = self.cache.acquire(i)
+        self.cache.evict()
+        return path
 
     def prefetch(self, shard_ids) -> None:
-        """Mark these shards as needed (never evicted) and start downloading the missing ones, in order."""
+        """Hold exactly these shards from now on: start fetching the missing ones (in this order),
+        release the rest."""
         if not self.remote:
             return
+        want = [int(i) for i in shard_ids]
+        keep = set(want)
+        released = False
         with self.lock:
-            self.needed = [int(i) for i in shard_ids]
-            self._evict()
-            for i in self.needed:
-                if i not in self.on_disk and i not in self.downloads:
-                    self.downloads[i] = self.pool.submit(self._local_copy, i)
+            for i in [i for i, f in self.pending.items() if f.done()]:
+                del self.pending[i]  # a failed prefetch is retried (and raises) when the shard is used
+            for i in [i for i in self.cache.held_ids() if i not in keep and i not in self.pending]:
+                self.maps.pop(i, None)
+                self.cache.release(i)
+                released = True
+            for i in want:
+                if i not in self.pending and not self.cache.holds(i):
+                    self.pending[i] = self.pool.submit(self._fetch, i)
+        if released:
+            self.cache.evict()
 
     def array(self, i: int) -> np.ndarray:
         with self.lock:
             arr = self.maps.get(i)
             if arr is not None:
-                if self.remote:
-                    self.on_disk.move_to_end(i)
                 return arr
             if not self.remote:
                 arr = self.maps[i] = self._open(i, self.split.paths[i])
                 return arr
-            fut = self.downloads.get(i)
-            if fut is None or (fut.done() and i not in self.on_disk):  # not started, or evicted since
-                fut = self.downloads[i] = self.pool.submit(self._local_copy, i)
-        path = fut.result()  # outside the lock: other shards keep downloading meanwhile
+            fut = self.pending.get(i)
+        # Outside the lock: other shards keep downloading meanwhile. A fetch still queued behind
+        # others is cancelled and done right here instead.
+        path = self._fetch(i) if fut is None or fut.cancel() else fut.result()
         with self.lock:
-            self.downloads.pop(i, None)
+            if self.pending.get(i) is fut:
+                self.pending.pop(i, None)
             arr = self.maps[i] = self._open(i, path)
-            self.on_disk[i] = path
-            self.on_disk.move_to_end(i)
-            self._evict()  # a shard fetched on demand counts against the bound like a prefetched one
         return arr
-
-    def _evict(self) -> None:
-        # Called with the lock held. An unlinked file's live memory map stays valid (POSIX).
-        needed = set(self.needed)
-        for j in list(self.on_disk):
-            if len(self.on_disk) <= self.cache_shards:
-                break
-            if j in needed:
-                continue
-            self.maps.pop(j, None)
-            self.downloads.pop(j, None)
-            os.unlink(self.on_disk.pop(j))
 
     def close(self) -> None:
         if self.remote:
             self.pool.shutdown(wait=False, cancel_futures=True)
+            self.cache.close()
+            self.maps.clear()
 
 
 def gather(reader: ShardReader, window_ids: np.ndarray, out_x: np.ndarray, out_y: np.ndarray) -> None:
@@ -295,6 +278,7 @@ class TrainLoader:
         cache_shards = 2 * self.shuffle_shards if 0 < self.shuffle_shards < len(self.split.paths) else 0
         self.reader = ShardReader(self.split, cache_dir, cache_shards)
         self._orders: dict[int, tuple[np.ndarray, list]] = {}
+        self._plans: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._state = (0, 0)  # (epoch, position) of the next batch the consumer will receive
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -348,14 +332,50 @@ class TrainLoader:
             ids[sel] = self._order(int(e))[0][pos[sel]]
         return ids
 
+    def _block_plan(self, epoch: int, k: int, phase: int):
+        """This rank's use of block k of `epoch`: (shard ids in order of first use, the epoch
+        position of each one's last use). The rank takes the stream positions s = phase (mod W)."""
+        key = (epoch, k, phase)
+        if key not in self._plans:
+            order, blocks = self._order(epoch)
+            a, b, _ = blocks[k]
+            n, W = self.split.windows, self.world_size
+            pos = np.arange(a + (phase - epoch * n - a) % W, b, W)
+            shard = np.searchsorted(self.split.window_start, order[pos], side="right") - 1
+            ids, first = np.unique(shard, return_index=True)
+            _, last_rev = np.unique(shard[::-1], return_index=True)
+            by_first = np.argsort(first)
+            self._plans[key] = (ids[by_first], pos[len(pos) - 1 - last_rev][by_first])
+            for old in [o for o in self._plans if o[0] < epoch - 1]:
+                del self._plans[old]
+        return self._plans[key]
+
+    def _needed_shards(self, epoch: int, position: int) -> list[int]:
+        """The shards this rank's own windows touch from (epoch, position) on, in the blocks this
+        batch spans and the block after the one it starts in (double buffering): about 2K with
+        shuffle_shards=K, nothing another rank alone reads."""
+        n, W = self.split.windows, self.world_size
+        start = epoch * n + position
+        end = start + self.batch_size * W  # this step's stream positions: [start, end)
+        phase = (start + self.rank) % W
+        blocks = self._order(epoch)[1]
+        e, k = epoch, next(i for i, (a, b, _) in enumerate(blocks) if a <= position < b)
+        want, count = [], 0
+        while True:
+            ids, last = self._block_plan(e, k, phase)
+            want += ids[e * n + last >= start].tolist()  # a shard this rank is done with is let go
+            count += 1
+            if count >= 2 and e * n + blocks[k][1] >= end:
+                break
+            k += 1
+            if k == len(blocks):
+                e, k = e + 1, 0
+                blocks = self._order(e)[1]
+        return list(dict.fromkeys(want))
+
     def _prefetch_shards(self, epoch: int, position: int) -> None:
-        if not self.reader.remote:
-            return
-        _, blocks = self._order(epoch)
-        k = next(i for i, (a, b, _) in enumerate(blocks) if a <= position < b)
-        nxt = blocks[k + 1][2] if k + 1 < len(blocks) else self._order(epoch + 1)[1][0][2]
-        current = [int(i) for i in blocks[k][2]]
-        self.reader.prefetch(current + [int(i) for i in nxt if int(i) not in current])
+        if self.reader.remote:
+            self.reader.prefetch(self._needed_shards(epoch, position))
 
     def _make(self, epoch: int, position: int):
         """Build the batch starting at (epoch, position); return (x, y, state after it)."""
