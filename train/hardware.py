@@ -1,12 +1,13 @@
 """Hardware presets (configs/hardware/*.yaml): what a device is, how fast, how much memory, and
 which device batch / sequence length fit each model preset.
 
-    --hardware cpu | a100 | a100-8 | h100 | h100-8 | h200 | h200-8 | v4-8 | v5litepod-1/4/8/16 |
-               v5p-8 | v6e-1/4/8/16          (`codex hardware` prints the table)
+    --hardware cpu | a100 | a100-8 | h100 | h100-8 | h200 | h200-8 | v4-8/16/32 |
+               v5litepod-1/4/8/16/32 | v5p-8/16/32/64 | v6e-1/4/8/16/32   (`codex hardware` prints the table)
 
 A GPU name with any device count works too (`h100-4`): it is the `h100` file with 4 GPUs per host.
-TPU names follow Cloud TPU: v4 and v5p names count TensorCores (v5p-8 = 4 chips), v5e and v6e
-names count chips. Slices over 8 chips are multi-host: the same command runs on every worker.
+TPU names follow Cloud TPU: v4 and v5p names count TensorCores (v5p-8 = 4 chips, v5p-16 = 8 chips
+on 2 hosts), v5e and v6e names count chips. Slices beyond one TPU VM are multi-host (`hosts` > 1,
+4 chips per VM): the same command runs on every worker, so the run directory must be shared.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class HardwarePreset:
     family: str                 # a100, h100, h200, v4, v5e, v5p, v6e, cpu
     device_name: str
     devices_per_host: int       # GPUs or TPU chips per host (a replica each)
-    hosts: int
+    hosts: int                  # TPU VMs (workers) in the slice, one process each; 1 for GPU presets
     memory_gb: float            # per device (HBM)
     peak_tflops_bf16: float     # dense bf16 per device; MFU = achieved / (peak * devices)
     defaults: dict = field(default_factory=dict)   # model preset -> {device_batch, seq_len} | None
@@ -71,8 +72,26 @@ def get_preset(name: str) -> HardwarePreset:
     raise AssertionError("unreachable")
 
 
+def require_shared_run_dir(cfg) -> None:
+    """A multi-host preset runs the same command on every worker, and they must all read and write
+    one run directory: a local path is one folder per host (each resumes its own checkpoints, or
+    none), so it is refused unless the user says it is a shared disk (train.shared_run_dir)."""
+    from codex import fsio
+
+    preset = get_preset(cfg.train.hardware)
+    if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
+        return
+    raise ConfigError(
+        f"--hardware {preset.name} runs on {preset.hosts} hosts, but --run {cfg.run} is a local path that each host "
+        "would see as its own folder. Fix: use a bucket every host reads (--run gs://BUCKET/RUN), or, when that path "
+        "is a disk all hosts share (NFS, Filestore), say so with --set train.shared_run_dir=true")
+
+
 def list_presets() -> list[HardwarePreset]:
-    return [get_preset(n) for n in preset_names("hardware")]
+    def natural(name: str):   # v4-8 before v4-16
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+    return [get_preset(n) for n in sorted(preset_names("hardware"), key=natural)]
 
 
 def model_preset_name(model_cfg) -> str | None:
@@ -132,5 +151,6 @@ def format_hardware_table() -> str:
     lines.append("")
     lines.append("GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
                  "torchrun --nproc_per_node=N -m train ...; B×T = default device batch × sequence length "
-                 "(- = does not fit). v4/v5p names count TensorCores, v5e/v6e names count chips.")
+                 "(- = does not fit). v4/v5p names count TensorCores, v5e/v6e names count chips. hosts > 1 = "
+                 "multi-host: run the same command on every worker (--worker=all) with a gs:// run directory.")
     return "\n".join(lines)
