@@ -309,9 +309,11 @@ def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tok
         "train.xla_mode": xla_mode, "train.xla_cache": xla_cache, "train.max_compiles": max_compiles,
         "train.allow_cpu_xla": allow_cpu_xla},
         model=model)
-    from train.hardware import require_shared_run_dir
+    from train.hardware import get_preset, require_shared_run_dir, set_xla_import_env
 
     require_shared_run_dir(cfg)   # a multi-host slice on a local path: refused before any host writes
+    if get_preset(cfg.train.hardware).kind == "tpu":
+        set_xla_import_env()      # before the run lock, whose TPU worker-id lookup imports torch_xla
     with _run_lock(cfg, "codex train"):  # before importing torch: a second trainer is refused at once
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
             from train.xla_backend import spawn_train

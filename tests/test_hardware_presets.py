@@ -8,6 +8,10 @@ v6e 918 / 32. No torch_xla needed: the refusal comes before the XLA import.
 
 from __future__ import annotations
 
+import importlib.abc
+import os
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -66,3 +70,26 @@ def test_shared_or_remote_run_directories_and_single_host_presets_pass(tmp_path)
     res = CliRunner().invoke(cli, ["train", "--run", local, "--hardware", "v5p-16", "--set",
                                    "train.shared_run_dir=true"], catch_exceptions=False)
     assert res.exit_code != 0 and "shared_run_dir" not in res.output and "hardware preset 'v5p-16'" in res.output
+
+
+def test_the_xla_environment_is_set_before_anything_imports_torch_xla(tmp_path, monkeypatch):
+    """torch_xla reads XLA_NO_SPECIAL_SCALARS once, at its first import; on a multi-host TPU the
+    run lock's worker-id lookup is that first import, before the backend's own."""
+    if "torch_xla" in sys.modules:
+        pytest.skip("torch_xla is already imported in this process")
+    seen = []
+
+    class Spy(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch_xla":
+                seen.append(os.environ.get("XLA_NO_SPECIAL_SCALARS"))
+            return None
+
+    for var in ("XLA_NO_SPECIAL_SCALARS", "RANK", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(sys, "meta_path", [Spy(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "torch_xla", raising=False)
+    CliRunner().invoke(cli, ["train", "--run", "gs://bucket/run", "--hardware", "v5p-16"], catch_exceptions=False)
+    assert seen and set(seen) == {"1"}   # every import attempt, the first included, saw the setting

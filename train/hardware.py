@@ -13,6 +13,7 @@ on 2 hosts), v5e and v6e names count chips. Slices beyond one TPU VM are multi-h
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -70,6 +71,18 @@ def get_preset(name: str) -> HardwarePreset:
     except ConfigError as e:
         raise ConfigError(f"train.hardware: {e}") from None
     raise AssertionError("unreachable")
+
+
+# Environment torch_xla reads once, when it is first imported: set it before anything imports
+# torch_xla (the run lock does, to ask a multi-host TPU VM for its worker id), or it has no effect.
+# XLA_NO_SPECIAL_SCALARS: the Python scalars 0 and 1 stay device data like any other scalar,
+# instead of constants baked into the graph (a learning rate reaching 0 or 1 would compile anew).
+XLA_IMPORT_ENV = {"XLA_NO_SPECIAL_SCALARS": "1"}
+
+
+def set_xla_import_env() -> None:
+    for key, value in XLA_IMPORT_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def require_shared_run_dir(cfg) -> None:

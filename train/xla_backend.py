@@ -15,10 +15,14 @@ spawn           One process per chip through torch_xla's launcher (spawn_train).
 
 No recompilation: shapes are fixed (full batches, masked validation batches), the graph is cut
 once per optimizer step (step_boundary = torch_xla.sync()), nothing is read back to the host
-inside a step (the loop reads the loss every log_every steps), and XLA_NO_SPECIAL_SCALARS=1 makes
-Python scalars (the learning rate, AdamW's bias corrections) device data instead of compile-time
-constants, so a new learning rate is not a new graph. Compiled programs persist in RUN/xla_cache
-(or train.xla_cache), compile_count() is logged, and train.max_compiles > 0 fails loudly.
+inside a step (the loop reads the loss every log_every steps). A Python scalar such as the learning
+rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla is first
+imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so its step
+count and bias corrections stay on the device (train/optim.py). A run compiles a fixed number of
+programs (4 for 1,000 steps without validation, tests/test_xla.py); compile_count() is logged with
+every train metrics line, and train.max_compiles > 0 fails at the first step that ends above it.
+XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back on TPU
+(pytorch/xla #9094), so every process still compiles its programs once.
 
 No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
 what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla.
@@ -52,11 +56,11 @@ class CompileLimitError(RuntimeError):
 
 
 def _env_defaults() -> None:
-    """Environment torch_xla reads when it is imported: set before the first `import torch_xla`
-    (check_platform), or it has no effect."""
-    # Python scalars become device data, not constants baked into the graph: a changing learning
-    # rate (or AdamW's step-dependent bias correction) would otherwise compile a new graph a step.
-    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
+    """Environment torch_xla reads when it is imported (train.hardware.XLA_IMPORT_ENV): `codex train`
+    sets it before the run lock, and check_platform again before its import for direct callers."""
+    from train.hardware import set_xla_import_env
+
+    set_xla_import_env()
 
 
 # --- the no-silent-fallback check -------------------------------------------------------------
@@ -264,7 +268,7 @@ class XLABackend:
         return out
 
     def compile_count(self) -> int:
-        """XLA compilations in this process so far (persistent-cache hits are not compilations)."""
+        """XLA compilations in this process so far (torch_xla's CompileTime metric)."""
         import torch_xla.debug.metrics as met
 
         data = met.metric_data("CompileTime")
