@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from codex.config import ConfigError
+from train.control import ControlPlane, control_timeout
 
 
 class BackendError(ConfigError):
@@ -67,7 +68,8 @@ class Backend(Protocol):
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
     def memory_stats(self) -> dict[str, float]: ...
     def compile_count(self) -> int | None: ...
-    def close(self) -> None: ...
+    def close(self, ok: bool = True) -> None: ...   # ok False: a rank failed, no clean-exit barrier
+    control: ControlPlane    # host-side gloo group: barrier, stop flag, resume decision (train/control.py)
 
     # Optional (read through loader_layout / replica_mean below; TorchBackend leaves them out and
     # gets the one-device-per-process defaults). XLA SPMD sets them: one process per host feeds
@@ -116,7 +118,7 @@ class TorchBackend:
     compile: bool = False
     bucket_bytes: int = 64 << 20     # gradient all-reduce bucket size (fewer, larger collectives)
     distributed: bool = False
-    control_group: Any = None        # a gloo group for host-side flags (no device sync on CUDA)
+    control: ControlPlane = field(default_factory=ControlPlane)   # host-side gloo (train/control.py)
     _compiled: list = field(default_factory=list)
 
     @property
@@ -181,12 +183,8 @@ class TorchBackend:
 
     def any_flag(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank (all ranks stop at the same step).
-        Runs on the host through gloo, so on CUDA it does not wait for the GPU."""
-        if self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
-        return bool(t.item())
+        Runs on the host through the control plane's gloo group, so on CUDA it does not wait for the GPU."""
+        return self.control.any_flag(flag)
 
     def step_boundary(self) -> None:
         pass  # eager CPU/CUDA: nothing to cut; XLA cuts the graph here
@@ -197,11 +195,7 @@ class TorchBackend:
             torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        if self.distributed:
-            if self.device.type == "cuda":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+        self.control.barrier()   # host-side (gloo), with the control plane's timeout
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights on the CPU, keys without a torch.compile prefix."""
@@ -221,13 +215,19 @@ class TorchBackend:
     def compile_count(self) -> int | None:
         return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
 
-    def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            # Wait for every rank before tearing down: a rank that destroys its gloo group while a
-            # peer is still connected can abort at exit ("terminate called without an active
-            # exception"). If a peer died instead, torchrun has already stopped this process.
-            dist.barrier(group=self.control_group)
+    def close(self, ok: bool = True) -> None:
+        """ok: wait for every rank, then tear down (a rank that destroys its gloo group while a peer is
+        still connected can abort at exit). Not ok (this rank raised): no barrier, since the peers may sit
+        in a collective this rank will never join; leaving closes this rank's sockets, so their
+        collectives fail at once and the job ends non-zero instead of hanging until a timeout."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        if ok:
+            self.control.barrier()
             dist.destroy_process_group()
+        elif self.device.type == "cpu":
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()   # gloo: closes the sockets now; NCCL is left to process exit
 
 
 def _launch_env() -> tuple[int, int, int, int]:
@@ -300,12 +300,14 @@ def make_backend(cfg) -> Backend:
             dist.init_process_group(**kwargs)
         if dist.get_world_size() != world:
             raise BackendError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}")
-    control_group = None
+    control = ControlPlane()
     if launched:
-        control_group = dist.new_group(backend="gloo") if pg_backend != "gloo" else dist.group.WORLD
+        # Its own gloo group with the control plane's timeout (the default group keeps 30 min: a first
+        # gradient all-reduce may wait for a peer's torch.compile).
+        control = ControlPlane(dist.new_group(backend="gloo", timeout=control_timeout()), rank, world)
     return TorchBackend(
         kind=preset.kind, device=device, rank=rank, world_size=world, local_rank=local_rank,
         autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
         compile=bool(cfg.train.compile) and preset.kind == "cuda",
-        distributed=launched, control_group=control_group,
+        distributed=launched, control=control,
     )

@@ -35,8 +35,12 @@ def step_dir(run: str, step: int) -> str:
 
 def _all_steps(run: str) -> list[tuple[int, str]]:
     """(step, dir) of every step_* folder, complete or not, oldest first."""
+    return _all_steps_in(rundir.checkpoints_dir(run))
+
+
+def _all_steps_in(ckpt_dir: str) -> list[tuple[int, str]]:
     out = []
-    for path in fsio.listdir(rundir.checkpoints_dir(run)):
+    for path in fsio.listdir(ckpt_dir):
         m = _STEP_DIR.search(path.rstrip("/"))
         if m:
             out.append((int(m.group(1)), path.rstrip("/")))
@@ -109,7 +113,20 @@ def prune(run: str, keep_last: int, keep_every: int = 0) -> None:  # noqa: D401 
             fsio.rm(d, recursive=True)
 
 
+FAULT_ENV = "CODEX_TEST_FAIL_CKPT_READ_RANK"   # tests: this RANK cannot read the newest checkpoint
+
+
+def _injected_fault(folder: str) -> None:
+    rank = os.environ.get(FAULT_ENV)
+    if rank is not None and rank == os.environ.get("RANK", "0"):
+        run_ckpts = os.path.dirname(folder.rstrip("/"))
+        newest = max((s for s, d in _all_steps_in(run_ckpts) if fsio.exists(fsio.join(d, "DONE"))), default=None)
+        if newest is not None and folder.rstrip("/").endswith(f"step_{newest:08d}"):
+            raise OSError(f"{folder}/ckpt.pt: injected read fault on rank {rank} ({FAULT_ENV})")
+
+
 def _read(folder: str, map_location) -> dict:
+    _injected_fault(folder)
     done = fsio.read_json(fsio.join(folder, "DONE"))
     path = fsio.join(folder, "ckpt.pt")
     actual = fsio.size(path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 
@@ -36,6 +37,7 @@ from codex.config import ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
 from train import checkpoint
 from train.backend import loader_layout, make_backend, replica_mean, unwrap
+from train.control import resume
 from train.hardware import device_defaults, get_preset
 from train.memory import check_fits
 from train.metrics import make_logger
@@ -175,10 +177,13 @@ def train(cfg) -> dict:
     """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped)."""
     setup_logging()
     backend = make_backend(cfg)
+    ok = False
     try:
-        return _train(cfg, backend)
+        out = _train(cfg, backend)
+        ok = True
+        return out
     finally:
-        backend.close()
+        backend.close(ok)   # the clean-exit barrier only on success: a failed rank must not wait for its peers
 
 
 def _train(cfg, backend) -> dict:
@@ -189,6 +194,7 @@ def _train(cfg, backend) -> dict:
     if tcfg.resume not in ("auto", "never"):
         raise ConfigError(f"train.resume: expected auto or never, got {tcfg.resume!r}")
 
+    backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     cfg.model.vocab_size = vocab
     B, T, accum, batch_tokens = resolve_batch(cfg, preset, W)
@@ -208,12 +214,12 @@ def _train(cfg, backend) -> dict:
     # Resume: automatic when a checkpoint exists (train.resume=auto).
     step, tokens = 0, 0
     log_window = {"loss_sum": 0.0, "since": 0}   # the training-loss average in progress (exact resume)
-    existing = checkpoint.latest_step(cfg.run)
+    # Rank 0 picks the step (the newest intact checkpoint) and every rank loads exactly it, or all fail.
+    existing, state = resume(backend.control, cfg.run, allow=tcfg.resume != "never")
     if existing is not None and tcfg.resume == "never":
         raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
                           "--no-resume was given: use a new --run, or delete that folder to start over")
-    if existing is not None:
-        state = checkpoint.load(cfg.run, "latest")
+    if state is not None:
         saved_model = state["config"].get("model", {})
         for k, v in to_dict(cfg.model).items():
             if k in saved_model and saved_model[k] != v:
@@ -226,8 +232,9 @@ def _train(cfg, backend) -> dict:
         step, tokens = int(state["step"]), int(state["tokens"])
         log_window = state.get("log_window") or {"loss_sum": 0.0, "since": step}
         del state
-        if main:
-            log.info("resumed from step %d (%d tokens) in %s", step, tokens, rundir.checkpoints_dir(cfg.run))
+        if main or W > 1:
+            log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
+                     rundir.checkpoints_dir(cfg.run))
 
     if step >= total_steps:
         if main:
@@ -282,6 +289,7 @@ def _train(cfg, backend) -> dict:
     t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
     try:
         while step < total_steps:
+            _injected_fault(backend, step)
             lr = lr_for(step, tcfg, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -361,6 +369,8 @@ def _train(cfg, backend) -> dict:
         metrics.close()
 
     stopped = step < total_steps
+    if stopped and not main:
+        log.info("%sstopped at step %d", _rank_tag(backend), step)
     if stopped and main:
         log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
                     "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", step,
@@ -388,3 +398,18 @@ def _to_cpu(obj):
 def _should_stop(stop: StopFlag, backend) -> bool:
     """True on every rank when any rank got SIGTERM/SIGINT (ranks must stop at the same step)."""
     return backend.any_flag(stop.signal_name is not None)
+
+
+def _rank_tag(backend) -> str:
+    """"rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
+    n = backend.control.world
+    return f"rank {backend.control.rank}/{n}: " if n > 1 else ""
+
+
+FAULT_ENV = "CODEX_TEST_RAISE_AT"   # "RANK:STEP": that control-plane rank raises before that step (tests)
+
+
+def _injected_fault(backend, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{backend.control.rank}:{step}":
+        raise RuntimeError(f"{FAULT_ENV}={spec}: injected failure on rank {backend.control.rank} at step {step}")

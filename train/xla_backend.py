@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from train.backend import BackendError, autocast_context
+from train.control import ControlPlane
 
 log = logging.getLogger("codex.xla")
 
 SPAWNED_ENV = "CODEX_XLA_SPAWNED"   # set inside the processes spawn_train starts
-STOP_CHECK_EVERY = 10               # steps between cross-process stop-flag checks (multi-process only)
 
 
 class CompileLimitError(RuntimeError):
@@ -150,8 +150,8 @@ class XLABackend:
     max_compiles: int = 0
     mesh: Any = None
     kind: str = "xla"
+    control: ControlPlane = field(default_factory=ControlPlane)   # gloo over processes (train/control.py)
     _specs: dict = field(default_factory=dict)
-    _stop_calls: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -203,23 +203,9 @@ class XLABackend:
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
     def any_flag(self, flag: bool) -> bool:
-        """True on every process when any process's flag is set. One process: the flag. Several:
-        a tiny collective every STOP_CHECK_EVERY calls (a host read-back every step would stall the
-        device pipeline); every process calls this once per step, so all stop at the same step."""
-        n_proc = self.loader_world
-        if n_proc == 1:
-            return flag
-        self._stop_calls += 1
-        if self._stop_calls % STOP_CHECK_EVERY:
-            return False
-        import torch_xla.core.xla_model as xm
-
-        if self.mode == "spawn":
-            t = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([int(flag)], dtype=torch.int32).to(self.device))
-        else:  # SPMD over hosts: each host supplies its part of a [chips] vector, the max is global
-            local = torch.full((self.devices_per_loader,), int(flag), dtype=torch.int32)
-            t = xm.send_cpu_data_to_device([local], self.device, self._spec(1))[0].max()
-        return bool(t.cpu().item())
+        """True on every process when any process's flag is set: the control plane's host-side gloo
+        all-reduce, every step, with no device value read back (the pipeline keeps running ahead)."""
+        return self.control.any_flag(flag)
 
     def step_boundary(self) -> None:
         import torch_xla
@@ -244,10 +230,7 @@ class XLABackend:
         xm.wait_device_ops()
 
     def barrier(self) -> None:
-        if self.loader_world > 1:
-            import torch_xla.core.xla_model as xm
-
-            xm.rendezvous("codex-barrier")
+        self.control.barrier()   # gloo across processes: under SPMD xm.rendezvous would span one process
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
@@ -274,8 +257,17 @@ class XLABackend:
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """ok: finish the device work, then the clean-exit barrier. Not ok (this process raised): neither,
+        the peers may sit in a collective this process will never join; its exit fails them at once."""
+        import torch.distributed as dist
+
+        if not ok:
+            return
         self.synchronize()
+        if self.control.world > 1 and dist.is_initialized():
+            self.control.barrier()
+            dist.destroy_process_group()
 
 
 def make_xla_backend(cfg, preset) -> XLABackend:
@@ -327,10 +319,28 @@ def make_xla_backend(cfg, preset) -> XLABackend:
                              local_rank=xr.local_ordinal(), autocast_dtype=dtype, loader_rank=rank,
                              loader_world=world, devices_per_loader=1, global_values=False,
                              max_compiles=cfg.train.max_compiles)
+    backend.control = _control_plane(backend.loader_world)
     if backend.is_main:
         log.info("XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s", mode, platform,
                  backend.world_size, backend.loader_world, os.environ.get("XLA_PERSISTENT_CACHE_PATH"))
     return backend
+
+
+def _control_plane(processes: int) -> ControlPlane:
+    """The host-side gloo group over this job's processes (hosts under SPMD), rendezvous through
+    torch_xla's xla:// handler as its distributed-checkpoint docs do; one process needs none."""
+    if processes == 1:
+        return ControlPlane()
+    import torch.distributed as dist
+    import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
+
+    from train.control import control_timeout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="xla://", timeout=control_timeout())
+    if dist.get_world_size() != processes:
+        raise BackendError(f"the gloo control group has {dist.get_world_size()} processes, XLA reports {processes}")
+    return ControlPlane(dist.group.WORLD, dist.get_rank(), processes)
 
 
 # --- --xla-mode spawn: one process per chip -----------------------------------------------------

@@ -1,0 +1,154 @@
+"""The host-side control plane: one gloo process group that every backend uses for decisions.
+
+    control = ControlPlane(group, rank, world)   # made by make_backend / make_xla_backend
+    control.barrier()                            # host barrier (every backend, XLA SPMD included)
+    control.any_flag(flag)                       # the stop flag: True everywhere if any rank's is
+    control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config
+    state = resume(control, run, ...)            # rank 0 picks the step, every rank loads exactly it
+
+The group: CPU uses its default gloo group; CUDA a gloo group beside NCCL; XLA (SPMD, several
+hosts) `dist.init_process_group("gloo", init_method="xla://")`, as torch_xla's distributed
+checkpoint docs do (under SPMD xr.world_size() is 1, so xm.rendezvous synchronises nothing across
+hosts). Its ranks are processes (hosts under SPMD), not chips. Everything here runs on the host:
+no device value is read back, so a per-step stop check does not drain an accelerator's pipeline.
+
+Timeouts: the control group waits CONTROL_TIMEOUT_S (env CODEX_CONTROL_TIMEOUT_S, default 600 s)
+in any collective: long enough for rank 0 to write a large checkpoint to gs:// while the others
+wait in the barrier after it, short against the default 30 min. A dead peer is not waited for:
+gloo sees its sockets close and the collective raises at once; the timeout catches a hung peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from codex.config import ConfigError
+
+log = logging.getLogger("codex.control")
+
+CONTROL_TIMEOUT_S = float(os.environ.get("CODEX_CONTROL_TIMEOUT_S", "600"))
+
+
+def control_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
+
+
+class ResumeMismatchError(RuntimeError):
+    """A rank could not load the checkpoint step rank 0 chose: the job stops rather than diverge."""
+
+
+@dataclass
+class ControlPlane:
+    """Host-side collectives over a gloo group; with world == 1 every call is local."""
+
+    group: Any = None
+    rank: int = 0
+    world: int = 1
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank. Every rank calls it once per step,
+        so all stop at the same step."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (a small picklable value)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        # src is a global rank; the control group's rank 0 is global rank 0 (every group made here spans all ranks).
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def check_same_config(self, config: dict) -> None:
+        """ConfigError on every rank when any rank's resolved config differs from rank 0's,
+        naming the ranks and the keys that differ."""
+        flat = _flatten(config)
+        digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+        digests = self.gather(digest)
+        if len(set(digests)) == 1:
+            return
+        configs = self.gather(flat)
+        ref = configs[0]
+        parts = []
+        for r, c in enumerate(configs):
+            if digests[r] == digests[0]:
+                continue
+            keys = sorted(k for k in ref.keys() | c.keys() if ref.get(k) != c.get(k))
+            shown = ", ".join(f"{k}={c.get(k)!r} (rank 0: {ref.get(k)!r})" for k in keys[:5])
+            parts.append(f"rank {r}: {shown}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else ""))
+        raise ConfigError("the ranks of this job run different configs: " + "; ".join(parts) +
+                          ". Every host must get the same command, config files and --set flags")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, dict | None]:
+    """(existing, state): `existing` is the newest complete checkpoint step (None: none), `state`
+    the checkpoint every rank loaded (None: start fresh). Rank 0 picks the newest intact checkpoint
+    and broadcasts its step; every other rank loads exactly that step. If any rank cannot, every
+    rank raises ResumeMismatchError naming the ranks and paths: never two ranks at two steps.
+    `allow` False (train.resume=never): nothing is loaded, `existing` still says what is there."""
+    from train import checkpoint
+
+    state, failure = None, None
+    decision: dict = {"existing": None, "step": None, "error": None}
+    if control.rank == 0:
+        decision["existing"] = checkpoint.latest_step(run)
+        if allow and decision["existing"] is not None:
+            try:
+                state = checkpoint.load(run, "latest")
+                decision["step"] = int(state["step"])
+            except Exception as e:  # no intact checkpoint: every rank raises
+                failure = e
+                decision["error"] = f"{type(e).__name__}: {e}"
+    decision = control.broadcast(decision)
+    if failure is not None:
+        raise failure
+    if decision["error"]:
+        raise ResumeMismatchError(f"rank 0 found no checkpoint to resume from ({decision['error']})")
+    step = decision["step"]
+    problem = None
+    if step is not None and control.rank != 0:
+        try:
+            state = checkpoint.load(run, step)
+        except Exception as e:
+            problem = f"rank {control.rank} could not load {checkpoint.step_dir(run, step)} ({e})"
+    problems = [p for p in control.gather(problem) if p]
+    if problems:
+        raise ResumeMismatchError(f"rank 0 chose checkpoint step {step}, but " + "; ".join(problems) +
+                                  ". Every rank needs the same run directory (gs://, or a shared file system); "
+                                  "fix the read and run the same command again")
+    return decision["existing"], state
