@@ -268,6 +268,7 @@ def _train(cfg, backend) -> dict:
                 "world_size": W, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
                 "log_window": window,
             }
+            metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
             folder = checkpoint.save(cfg.run, state, keep_last=tcfg.keep_last, keep_every=tcfg.keep_every)
             log.info("checkpoint (%s): %s", reason, folder)
         backend.barrier()

@@ -6,8 +6,11 @@
 
 metrics.jsonl holds one JSON object a line: {"kind": "train"|"val", "step", "tokens", ...}. On
 resume, lines from steps after the checkpoint (written by the run that was killed) are dropped so
-the file reads like one uninterrupted run. On gs:// the file is rewritten whole at each flush
-(object stores cannot append; the file is small).
+the file reads like one uninterrupted run. On gs:// (objects cannot be appended to) new lines are
+buffered and appended in chunks: a chunk object is uploaded and composed onto metrics.jsonl (GCS
+compose, server-side), so a flush costs the chunk, not the file. A flush happens every FLUSH_LINES
+lines or FLUSH_SECONDS, at close, and before every checkpoint (flush()), so a resume never misses
+lines older than its checkpoint.
 
 wandb: train.wandb = auto (online when WANDB_API_KEY is set or WANDB_MODE=online, else offline),
 online, offline, or off. Any wandb exception is logged once and wandb is switched off; training
@@ -21,10 +24,14 @@ import json
 import logging
 import math
 import os
+import time
 
 from codex import fsio, rundir
 
 log = logging.getLogger("codex.metrics")
+
+FLUSH_LINES = 50       # gs://: lines per appended chunk at most
+FLUSH_SECONDS = 60.0   # gs://: and no line waits longer than this (checked when the next line comes)
 
 
 def _clean(v):
@@ -40,7 +47,10 @@ class MetricsLogger:
         self.path = rundir.metrics_path(run)
         self.enabled = enabled
         self.wandb_run = wandb_run
-        self.lines: list[str] = []     # the whole file, kept for gs:// rewrites
+        self.lines: list[str] = []     # what the file held when opened (after the resume cut)
+        self._pending: list[str] = []  # gs://: lines not appended yet
+        self._flushed_at = time.monotonic()
+        self._chunks = 0
         self._local = None
         if not enabled:
             return
@@ -68,11 +78,12 @@ class MetricsLogger:
         rec = {"kind": kind, "step": int(step), "tokens": int(tokens)}
         rec.update({k: _clean(v) for k, v in values.items()})
         line = json.dumps(rec)
-        self.lines.append(line)
         if self._local is not None:
             self._local.write(line + "\n")
         else:
-            fsio.write_text(self.path, "".join(l + "\n" for l in self.lines))
+            self._pending.append(line)
+            if len(self._pending) >= FLUSH_LINES or time.monotonic() - self._flushed_at >= FLUSH_SECONDS:
+                self.flush()
         if self.wandb_run is not None:
             try:
                 self.wandb_run.log({f"{kind}/{k}": v for k, v in values.items()
@@ -85,7 +96,30 @@ class MetricsLogger:
                     type(e).__name__, e)
         self.wandb_run = None
 
+    def flush(self) -> None:
+        """gs://: append the buffered lines as one chunk (upload, compose onto the file, delete the chunk)."""
+        self._flushed_at = time.monotonic()
+        if not self._pending:
+            return
+        data = "".join(l + "\n" for l in self._pending)
+        if not fsio.exists(self.path):
+            fsio.write_text(self.path, data)
+        else:
+            fs, path = fsio.filesystem(self.path)
+            chunk = f"{path}.chunk-{os.getpid()}-{self._chunks}"
+            self._chunks += 1
+            with fs.open(chunk, "wb") as f:
+                f.write(data.encode())
+            try:
+                fs.merge(path, [path, chunk])
+            finally:
+                fs.rm(chunk)
+            fs.invalidate_cache(path)
+        self._pending = []
+
     def close(self) -> None:
+        if self.enabled and self._local is None:
+            self.flush()
         if self._local is not None:
             self._local.close()
             self._local = None
