@@ -506,3 +506,41 @@ def test_retention_after_a_fallback_keeps_the_intact_checkpoints(tmp_path, caplo
     assert checkpoint.load(run)["step"] == 4 and "not resumed from" in caplog.text
     checkpoint.save(run, _state(5), keep_last=2)
     assert checkpoint.complete_steps(run) == [4, 5] and checkpoint.load(run, 4)["step"] == 4
+
+
+@pytest.mark.gcs
+def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
+    """gs:// metrics.jsonl grows by composed chunks of at most FLUSH_LINES lines: no whole-file rewrite
+    per line; a resume still cuts the lines after its checkpoint."""
+    import gcsfs
+
+    from train import metrics as M
+
+    monkeypatch.setattr(M, "FLUSH_LINES", 10)
+    written, merges = [], []
+    real_merge, real_write = gcsfs.GCSFileSystem.merge, M.fsio.write_text
+
+    def merge(self, path, paths, **kw):
+        merges.append(paths)
+        return real_merge(self, path, paths, **kw)
+
+    def write_text(path, text):
+        written.append(text.count("\n"))
+        return real_write(path, text)
+
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "merge", merge)
+    monkeypatch.setattr(M.fsio, "write_text", write_text)
+    run = f"{gcs_bucket}/run"
+    logger = M.MetricsLogger(run)
+    for step in range(1, 36):
+        logger.log("train", step, step * 10, loss=1.0 / step)
+    logger.close()
+    assert written == [10] and len(merges) == 3          # one first chunk, then 3 appends (10, 10, 5 lines)
+    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
+    assert steps == list(range(1, 36))
+    assert not [p for p in M.fsio.listdir(run) if ".chunk-" in p]   # chunk objects are deleted
+    resumed = M.MetricsLogger(run, resume_step=20)
+    resumed.log("train", 21, 210, loss=0.5)
+    resumed.flush()
+    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
+    assert steps == list(range(1, 22))
