@@ -408,7 +408,11 @@ def _good_prefix(out: str, entries: list[dict]) -> int:
     good = 0
     for group in entries:
         for e in group["files"]:
-            p = fsio.join(out, e["path"])
+            try:   # the progress file is read back like a manifest: its paths stay inside `out`
+                p = fsio.join_inside(out, e["path"], f"{fsio.join(out, PROGRESS)}: a shard path")
+            except ValueError as err:
+                log.warning("shard: %s; redoing it and the rest of its split", err)
+                return good
             if not fsio.exists(p) or file_sha256(p) != e["sha256"]:
                 log.warning("shard: %s is missing or changed; redoing it and the rest of its split", p)
                 return good

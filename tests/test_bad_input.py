@@ -112,7 +112,7 @@ def _zst_lines(n: int, start: int = 0) -> bytes:
 
 
 @pytest.mark.parametrize("damage, pattern", [("random", "not a valid zstd stream"), ("truncated", "truncated")])
-def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(tmp_path, damage, pattern):
+def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(tmp_path, damage, pattern, caplog):
     src = tmp_path / "in"
     src.mkdir()
     (src / "a.jsonl.zst").write_bytes(_zst_lines(4))
@@ -120,11 +120,18 @@ def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(tm
     (src / "g.jsonl.zst").write_bytes(np.random.default_rng(0).bytes(5000) if damage == "random"
                                       else whole[: len(whole) // 2])
     run = str(tmp_path / "r")
-    invoke(["data", "clean", "--run", run, "--input", str(src)], 1, "1 input file(s) failed", "g.jsonl.zst", pattern)
+    with caplog.at_level(logging.WARNING):
+        invoke(["data", "clean", "--run", run, "--input", str(src)], 1, "1 input file(s) failed", "g.jsonl.zst",
+               pattern)
+    assert "clean: bad input (details in stats.json): 1 failed files" in caplog.text   # no stray ", "
     stats = json.loads((tmp_path / "r" / "clean" / "stats.json").read_text())
     assert stats["docs_out"] == 4                                   # the good file was cleaned
     assert [f["path"] for f in stats["bad_input"]["failed_files"]] == [str(src / "g.jsonl.zst")]
     invoke(["data", "tokenize", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
+    invoke(["data", "tokenize", "--run", run, "--input", str(tmp_path / "r" / "clean" / "part-*.parquet"),
+            "--vocab-size", "300"], 0)                              # a tokenizer from the files given
+    invoke(["data", "shard", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
+    assert not (tmp_path / "r" / "shards" / "manifest.json").exists()
 
 
 def test_jsonl_without_the_text_field_says_which_field(tmp_path):
@@ -225,6 +232,53 @@ def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(run):
     m = build_config().model
     m.vocab_size = 32768
     assert estimate(m, 2000, 256).total > 100e9
+
+
+def test_the_memory_estimate_never_refuses_a_hardware_presets_own_batch():
+    # The refusal is a floor: a preset's suggested device_batch x seq_len must pass it for every
+    # model preset it suggests one for, with a 32K and a 64K vocab.
+    from codex.config import apply_dict, load_yaml, preset_path
+    from model.config import ModelConfig
+    from train.hardware import list_presets
+
+    checked = 0
+    for p in list_presets():
+        for name, entry in p.defaults.items():
+            if entry is None or p.kind == "cpu":
+                continue
+            m = ModelConfig()
+            if name != "default":
+                apply_dict(m, load_yaml(str(preset_path("model", name))), "model.")
+            for vocab in (32768, 65536):
+                m.vocab_size = vocab
+                est = estimate(m, entry["device_batch"], entry["seq_len"], act_bytes=2).total
+                assert est <= p.memory_gb * 1e9, f"{p.name} {name} vocab {vocab}: {est / 1e9:.1f} GB"
+                checked += 1
+    assert checked > 100
+
+
+def test_the_memory_estimate_is_below_a_measured_cpu_step(tmp_path):
+    # Fused attention holds no [T, T] scores: at a fixed B x T the estimate does not grow with T,
+    # and it stays under the peak RSS of a real fp32 step (forward, backward, AdamW) measured here.
+    import subprocess
+    import sys
+
+    m = build_config(overrides=["model.vocab_size=256", "model.max_seq_len=1024"]).model
+    assert estimate(m, 64, 256).total == estimate(m, 16, 1024).total
+    script = (
+        "import resource, torch\n"
+        "from codex.config import build_config\nfrom model.gpt import build_model\n"
+        "torch.set_num_threads(1)\n"
+        "m = build_config(overrides=['model.vocab_size=256', 'model.max_seq_len=1024']).model\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "model = build_model(m, seed=0); opt = torch.optim.AdamW(model.parameters())\n"
+        "x = torch.randint(0, 256, (8, 1024))\n"
+        "model(x, x).backward(); opt.step()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n")
+    peak = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent.parent).stdout.strip())
+    est = estimate(m, 8, 1024).total
+    assert est <= peak <= 3 * est, (est, peak)
 
 
 def test_warmup_longer_than_the_run_warns_and_a_finished_run_has_nothing_to_do(run, caplog):

@@ -3,15 +3,23 @@ before training starts (exit 2 with the estimate and the fix) instead of being O
 later.
 
     weights + gradients + AdamW moments   16 bytes per parameter (fp32 master weights)
-    activations kept for backward         per layer and token: ~(10 d + 4 h) values, plus the
-                                          attention probabilities (n_head x T per token) where
-                                          SDPA falls back to the math path
+    activations kept for backward         per layer and token: ~(10 d + 4 h) values (d = n_embd,
+                                          h = MLP hidden)
     logits                                B x T x vocab fp32, about 3 copies (logits, log-softmax,
                                           their gradient)
 
-It is an estimate, not a measurement: it ignores allocator slack and workspace and counts the
-attention scores even where a fused kernel avoids them. It is used only to refuse settings that
-are far out of reach; the sharded-state work replaces it with a full memory plan.
+It is meant as a floor, so that only what certainly cannot fit is refused: the attention scores
+(n_head x T per token and layer) are not counted, because SDPA's fused kernels never hold them on
+CUDA or on the CPU (measured there: the peak does not change with T at a fixed B x T), and on XLA,
+whose math decomposition does hold them, the compiler may rematerialise. Measured peak RSS of one
+fp32 CPU step (model/gpt.py + AdamW), against this estimate:
+
+    default 4x128, vocab 256,   B x T = 256 x 256 / 64 x 1024 / 16 x 4096   4.46 / 4.53 / 4.42 GB, estimate 3.17
+    default 4x128, vocab 8192,  B x T = 32 x 256                             1.51 GB, estimate 1.22
+    124m,          vocab 8192,  B x T = 2 x 512                              2.71 GB, estimate 2.44
+
+Allocator slack, workspaces and the transient gradients of backward come on top; the
+sharded-state work replaces this with a full memory plan.
 """
 
 from __future__ import annotations
@@ -33,34 +41,42 @@ class Estimate:
         return self.state_bytes + self.activation_bytes + self.logits_bytes
 
 
+def _hidden(m) -> int:
+    d = m.n_embd
+    return m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
+
+
 def param_count(m) -> int:
     """Parameters of model.gpt.GPT for ModelConfig `m` (vocab padded to a multiple of 128)."""
     d, hd = m.n_embd, m.n_embd // m.n_head
     vocab = -(-m.vocab_size // 128) * 128
-    hidden = m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
     attn = 2 * d * d + 2 * d * hd * m.n_kv_head
-    mlp = (3 if m.mlp == "swiglu" else 2) * d * hidden
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * _hidden(m)
     embed = vocab * d * (1 if m.tie_embeddings else 2)
     return m.n_layer * (attn + mlp + 2 * d) + embed + d
 
 
 def estimate(m, device_batch: int, seq_len: int, act_bytes: int = 4) -> Estimate:
-    """Bytes one process needs to train ModelConfig `m` on micro-batches of device_batch x seq_len
-    (act_bytes: 4 in fp32, 2 under bf16 autocast)."""
-    d = m.n_embd
-    hidden = m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
+    """Bytes one process needs at least to train ModelConfig `m` on micro-batches of
+    device_batch x seq_len (act_bytes: 4 in fp32, 2 under bf16 autocast)."""
     tokens = device_batch * seq_len
-    per_token_layer = (10 * d + 4 * hidden + m.n_head * seq_len) * act_bytes
+    per_token_layer = (10 * m.n_embd + 4 * _hidden(m)) * act_bytes
     return Estimate(state_bytes=16 * param_count(m),
                     activation_bytes=m.n_layer * tokens * per_token_layer,
                     logits_bytes=3 * tokens * m.vocab_size * 4)
 
 
 def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
-    """Memory one process may use: the preset's device memory on accelerators, MemAvailable
-    divided by the processes on this host on the CPU; None when unknown."""
-    if kind in ("cuda", "tpu") and preset_memory_gb > 0:
-        return int(preset_memory_gb * 1e9)
+    """Memory one process may use: the GPU's own total memory when CUDA is up (an A100 may have 40
+    or 80 GB), else the preset's device memory on accelerators; MemAvailable divided by the
+    processes on this host on the CPU; None when unknown."""
+    if kind == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if kind in ("cuda", "tpu"):
+        return int(preset_memory_gb * 1e9) if preset_memory_gb > 0 else None
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: line.split()[1] for line in f}
@@ -76,7 +92,7 @@ def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: 
     if avail is not None and est.total > avail:
         where = "available on this machine" if kind == "cpu" else "per device"
         raise ConfigError(
-            f"train.device_batch={device_batch} x train.seq_len={seq_len} needs about {est.total / 1e9:.1f} GB "
+            f"train.device_batch={device_batch} x train.seq_len={seq_len} needs at least {est.total / 1e9:.1f} GB "
             f"(weights+grads+AdamW {est.state_bytes / 1e9:.1f}, activations {est.activation_bytes / 1e9:.1f}, "
             f"logits {est.logits_bytes / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}; lower --device-batch "
             "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len")
