@@ -247,9 +247,21 @@ def check_values(cfg: Config) -> None:
             want = (f">= {low}" if inclusive else f"> {low}") if high is None else (
                 f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
             raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
+    _check_model_shape(cfg.model)
     ckpt = str(cfg.eval.checkpoint)
     if ckpt != "latest" and not (ckpt.isdigit()):
         raise ConfigError(f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'")
+
+
+def _check_model_shape(m) -> None:
+    """The shape rules of model/gpt.py's check_config, here so that they exit 2 before a run is read."""
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if (m.n_embd // m.n_head) % 2:
+        raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head dim) must be even "
+                          "for rotary embeddings")
+    if m.n_head % m.n_kv_head:
+        raise ConfigError(f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head}")
 
 
 def to_dict(cfg) -> dict:

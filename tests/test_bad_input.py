@@ -212,6 +212,8 @@ def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
     (["--set", "model.mlp=foo"], "model.mlp: expected one of swiglu, relu2"),
     (["--set", "train.resume=sometimes"], "train.resume"),
     (["--set", "model.n_layerz=2"], "did you mean 'model.n_layer'"),
+    (["--set", "model.n_head=3"], "model.n_embd=32 must be divisible by model.n_head=3"),
+    (["--set", "model.n_kv_head=3"], "model.n_head=2 must be a multiple of model.n_kv_head=3"),
     (["--config", "/nonexistent.yaml"], "config file not found"),
 ])
 def test_train_config_mistakes_exit_2_before_any_run_file_is_read(tmp_path, extra, pattern):
