@@ -224,6 +224,12 @@ _RANGES = {
     "data.tokenizer.vocab_size": (259, None, True), "data.tokenizer.max_chars": (1, None, True),
     "data.shard.val_fraction": (0, 1, False), "data.shard.workers": (1, None, True),
     "data.clean.workers": (1, None, True), "data.clean.num_tasks": (1, None, True),
+    "data.clean.task_index": (0, None, True), "data.clean.docs_per_shard": (1, None, True),
+    "data.clean.row_group_size": (1, None, True), "data.clean.chunk_bytes": (1, None, True),
+    "data.clean.max_record_bytes": (0, None, True), "data.clean.length.min_chars": (0, None, True),
+    "data.clean.length.max_chars": (0, None, True), "data.tokenizer.doc_max_chars": (1, None, True),
+    "data.tokenizer.heldout_docs": (0, None, True), "data.shard.shard_tokens": (1, None, True),
+    "data.shard.chunk_chars": (1, None, True), "model.rope_theta": (0, None, False),
 }
 
 

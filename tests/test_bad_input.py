@@ -172,6 +172,7 @@ def test_tokenize_refuses_to_retrain_under_shards_and_checkpoints(run):
     (["data", "tokenize"], 2, "run `codex data clean` first"),
     (["data", "shard", "--set", "data.shard.format=zip"], 2, "data.shard.format"),
     (["data", "shard", "--val-fraction", "1.5"], 2, "data.shard.val_fraction=1.5"),
+    (["data", "shard", "--set", "data.shard.shard_tokens=0"], 2, "data.shard.shard_tokens=0 is out of range"),
     (["data", "verify", "{tmp}/a", "--run", "{tmp}/b"], 2, "two run directories"),
     (["data", "verify", "{tmp}/never"], 1, "1 problem(s)"),
 ])
