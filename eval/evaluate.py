@@ -225,10 +225,13 @@ def run_eval(cfg, checkpoint: str | int = "latest", max_tokens: int = 0, data_pa
     setup_logging()
     data_paths = list(data_paths or cfg.eval.data or [])
     backend = make_backend(cfg)
+    ok = False
     try:
-        return _run_eval(cfg, backend, checkpoint, max_tokens, data_paths)
+        out = _run_eval(cfg, backend, checkpoint, max_tokens, data_paths)
+        ok = True
+        return out
     finally:
-        backend.close()
+        backend.close(ok)   # no clean-exit barrier after a failure: peers would wait in a collective
 
 
 def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) -> dict:

@@ -4,6 +4,7 @@ step for a SIGTERM on one host, one resume step (or a loud failure), a failing r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from tests.train_helpers import base_overrides, child_env, make_run
 from train import checkpoint
@@ -40,8 +40,9 @@ def start_hosts(run: str, env_extra: dict | None = None, per_rank: dict | None =
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
                "-m", "train", "--", *args]
+        # Own session: a test that times out kills the agent and its worker together (killpg).
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+                                      text=True, start_new_session=True))
     return procs
 
 
@@ -52,7 +53,8 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
             errs.append(p.communicate(timeout=timeout)[1])
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
             raise
     return errs
 
@@ -72,7 +74,6 @@ def train_steps(metrics: Path) -> list[int]:
     return [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"train"' in l]
 
 
-@pytest.mark.slow
 def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_path):
     run = make_run(tmp_path / "run")
     metrics = Path(run) / "metrics.jsonl"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,6 @@ import torch.distributed as dist
 
 from codex.config import ConfigError
 
-log = logging.getLogger("codex.control")
 
 CONTROL_TIMEOUT_S = float(os.environ.get("CODEX_CONTROL_TIMEOUT_S", "600"))
 
