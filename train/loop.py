@@ -17,7 +17,9 @@ gradient of the mean loss over every token of the step, the same as one big batc
 
 Exit paths: the end of training, or SIGTERM/SIGINT (a spot VM gets ~30 s): the current step
 finishes, a checkpoint is written, train() returns {"stopped": True} and the process exits 0.
-Running the same command again resumes from the newest intact checkpoint (train.resume=auto).
+Running the same command again resumes from the newest intact checkpoint (train.resume=auto):
+rank 0 picks it and every rank loads that step (train/control.py). A rank that raises skips the
+clean-exit barrier, so the whole job ends non-zero within seconds instead of hanging.
 """
 
 from __future__ import annotations
