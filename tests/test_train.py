@@ -544,3 +544,27 @@ def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
     resumed.flush()
     steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
     assert steps == list(range(1, 22))
+
+
+def test_an_io_error_on_the_newest_checkpoint_is_retried_never_a_fallback(tmp_path, monkeypatch):
+    """A storage hiccup is not damage: falling back would let the next save delete the intact
+    newer checkpoint. One failed read is retried; a persistent one is an error naming the folder."""
+    run = str(tmp_path / "run")
+    for s in (1, 2):
+        checkpoint.save(run, _state(s), keep_last=5)
+    monkeypatch.setattr(checkpoint, "READ_RETRIES", (0.0, 0.0))
+    real_read, calls = checkpoint._read, []
+
+    def flaky(folder, map_location, fail_times):
+        calls.append(folder)
+        if folder.endswith("step_00000002") and len(calls) <= fail_times:
+            raise OSError("connection reset")
+        return real_read(folder, map_location)
+
+    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 1))
+    assert checkpoint.load(run)["step"] == 2                    # retried, not the older step 1
+    calls.clear()
+    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 99))
+    with pytest.raises(OSError, match="step_00000002: could not read the newest checkpoint"):
+        checkpoint.load(run)
+    assert checkpoint.complete_steps(run) == [1, 2]             # nothing deleted

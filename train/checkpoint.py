@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 
 import torch
 
@@ -140,6 +141,27 @@ def _read(folder: str, map_location) -> dict:
         return torch.load(f, map_location=map_location, weights_only=True)
 
 
+READ_RETRIES = (1.0, 4.0)   # seconds to wait before the 2nd and 3rd try of an I/O error
+
+
+def _read_retrying(folder: str, map_location) -> dict:
+    """_read, with an I/O error (a storage hiccup, not a damaged file) retried and then raised: a
+    fallback to an older checkpoint would make the next save delete this intact newer one
+    (drop_newer), so a checkpoint that cannot be read right now is an error, not damage."""
+    for wait in (*READ_RETRIES, None):
+        try:
+            return _read(folder, map_location)
+        except FileNotFoundError:
+            raise                          # ckpt.pt gone although DONE exists: damaged
+        except OSError as e:
+            if wait is None:
+                raise OSError(f"{folder}: could not read the newest checkpoint ({e}); not falling back to an "
+                              "older one (that would discard this one): fix the storage error and rerun") from e
+            log.warning("reading %s failed (%s); retrying in %.0f s", folder, e, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def load(run: str, step: int | str = "latest", map_location="cpu") -> dict:
     """The checkpoint dict at `step`, or the newest intact one for "latest".
 
@@ -161,7 +183,13 @@ def load(run: str, step: int | str = "latest", map_location="cpu") -> dict:
     for s in reversed(complete_steps(run)):
         folder = step_dir(run, s)
         try:
-            state = _read(folder, map_location)
+            state = _read_retrying(folder, map_location)
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                raise                      # storage error after retries: not damage, no fallback
+            log.warning("checkpoint %s is damaged (%s: %s); trying the previous one", folder, type(e).__name__, e)
+            errors.append(f"{folder}: {e}")
+            continue
         except Exception as e:  # truncated zip, bad pickle, size mismatch: try the previous one
             log.warning("checkpoint %s is damaged (%s: %s); trying the previous one", folder, type(e).__name__, e)
             errors.append(f"{folder}: {e}")
