@@ -263,3 +263,66 @@ def test_parquet_entries_of_format_both_are_skipped(tmp_path):
     for a in expect:
         b = next(both)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
+    # Two caches on one folder behave like two processes: flock locks belong to open files.
+    from train.shard_cache import HostShardCache, sha256_of
+
+    src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1] * 3})
+    paths = [os.path.join(src, f"train_{i:05d}.npy") for i in range(3)]
+    shas = [sha256_of(p) for p in paths]
+    folder = str(tmp_path / "cache")
+    a, b = (HostShardCache(folder, "train", paths, shas, bound=1) for _ in range(2))
+    on_disk = lambda: sorted(f for f in os.listdir(folder) if f.startswith("train_"))  # noqa: E731
+    a.acquire(0), a.acquire(1)
+    b.acquire(1), b.acquire(2)
+    b.evict()
+    assert a.fetched == [0, 1] and b.fetched == [2]  # shard 1 was on disk already: one download per host
+    assert len(on_disk()) == 3  # over the bound of 1, but every file is held
+    a.release(0)
+    a.release(1)
+    b.evict()
+    assert on_disk() == [b.name(1), b.name(2)]  # only the file nobody held went
+    b.close()
+    os.utime(a.path(2), (10**9, 10**9))  # shard 2 last used long ago (not left to mtime resolution)
+    a.evict()
+    assert on_disk() == [a.name(1)]  # least recently used first
+    assert np.array_equal(np.load(a.path(1)), np.load(paths[1]))
+    bad = HostShardCache(str(tmp_path / "c2"), "train", paths, ["0" * 64] * 3, bound=1)
+    with pytest.raises(ValueError, match="train_00000.npy: sha256 does not match"):
+        bad.acquire(0)
+    assert os.listdir(str(tmp_path / "c2")) == ["locks"]  # nothing unverified left behind
+
+
+def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(tmp_path, monkeypatch):
+    # Two ranks find a shard missing at the same moment; the one that downloads it keeps holding it
+    # (as a rank does until its next block). The other must then get the file, not wait for that
+    # hold to end: ranks wait for each other in the step's collective, so that wait would hang the job.
+    import threading
+
+    from train.shard_cache import HostShardCache, sha256_of
+
+    src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1]})
+    paths = [os.path.join(src, "train_00000.npy")]
+    folder = str(tmp_path / "cache")
+    a, b = (HostShardCache(folder, "train", paths, [sha256_of(paths[0])], bound=1) for _ in range(2))
+    both_looked, real_exists, first_look = threading.Barrier(2, timeout=10), os.path.exists, set()
+
+    def exists(path):  # each acquirer's first look at the file waits for the other's
+        seen = real_exists(path)
+        if path == a.path(0) and threading.get_ident() not in first_look:
+            first_look.add(threading.get_ident())
+            both_looked.wait()
+        return seen
+
+    monkeypatch.setattr(os.path, "exists", exists)
+    threads = [threading.Thread(target=c.acquire, args=(0,), daemon=True) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "one holder waits for the other's hold to end"
+    assert a.holds(0) and b.holds(0) and sorted(a.fetched + b.fetched) == [0]  # one download
+    a.close()
+    b.close()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -20,11 +21,12 @@ from train.loader import epoch_order, load_split
 # all-reduce that keeps real ranks in lockstep. fsio.download is wrapped so the downloads are
 # counted outside the code under test.
 CHILD = r"""
-import json, os, sys
+import datetime, faulthandler, json, os, sys
 import torch, torch.distributed as dist
 from codex import fsio
 
 a = json.loads(sys.argv[1])
+faulthandler.dump_traceback_later(a["timeout"], exit=True)  # a hang shows every thread's stack
 downloads = []
 _download = fsio.download
 def counting_download(src, dst):
@@ -34,7 +36,8 @@ fsio.download = counting_download
 from train.loader import TrainLoader
 
 r, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-dist.init_process_group("gloo", init_method="file://" + a["pg"], rank=r, world_size=W)
+dist.init_process_group("gloo", init_method="file://" + a["pg"], rank=r, world_size=W,
+                        timeout=datetime.timedelta(seconds=a["timeout"]))
 ld = TrainLoader(a["remote"], a["T"], a["B"], rank=r, world_size=W, seed=a["seed"], shuffle_shards=a["K"],
                  cache_dir=a["cache"])
 ref = TrainLoader(a["local"], a["T"], a["B"], rank=r, world_size=W, seed=a["seed"], shuffle_shards=a["K"], prefetch=0)
@@ -56,16 +59,31 @@ dist.destroy_process_group()
 """
 
 
-def run_ranks(args: dict, world: int, timeout: int = 120) -> list[dict]:
-    """Start `world` ranks of CHILD on this host (one shared cache folder); their reports."""
+def run_ranks(args: dict, world: int) -> list[dict]:
+    """Start `world` ranks of CHILD on this host (one shared cache folder); their reports. A rank
+    that fails ends the others (they would wait for it at the barrier)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    logs = [open(args["out"] % r + ".log", "w+") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], cwd=str(ROOT),
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=logs[r], stderr=subprocess.STDOUT)
              for r in range(world)]
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    failed = [(r, p.returncode, o[-3000:]) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not failed, f"ranks failed: {failed}"
+    deadline = time.time() + args["timeout"] + 30
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(2)  # let the others report their side, then stop them
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    failed = []
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        if p.returncode != 0:
+            failed.append(f"rank {r} rc={p.returncode}:\n{log.read()[-6000:]}")
+        log.close()
+    assert not failed, "\n".join(failed)
     return [json.load(open(args["out"] % r)) for r in range(world)]
 
 
@@ -79,7 +97,8 @@ def test_three_ranks_share_one_bounded_cache_and_download_each_shard_once(tmp_pa
     remote = f"{gcs_bucket}/run/shards"
     upload_dir(local, remote)
     args = {"remote": remote, "local": local, "cache": str(tmp_path / "cache"), "pg": str(tmp_path / "pg"),
-            "out": str(tmp_path / "rank%d.json"), "T": T, "B": B, "K": K, "steps": steps, "seed": seed}
+            "out": str(tmp_path / "rank%d.json"), "T": T, "B": B, "K": K, "steps": steps, "seed": seed,
+            "timeout": 60}
     reports = run_ranks(args, W)
 
     split = load_split(local, "train", T)

@@ -2,21 +2,22 @@
 
 Every local rank (and the val reader) uses the same folder, so each shard is downloaded once per
 host however many ranks read it, and no process may delete a file another one is about to open.
-The protocol is fcntl.flock on one lock file per shard (CACHE/locks/NAME.lock):
+The protocol is fcntl.flock on two lock files per shard in CACHE/locks/, NAME.lock and NAME.dl:
 
-- A process holds a shared lock on a shard for as long as it may open or read the file. The
-  kernel drops the lock when the process exits, however it exits, so a crashed rank pins nothing.
-- A missing shard is downloaded under the exclusive lock: the other processes that want it wait,
-  then find the file. Download to a hidden temp name, sha256 check, rename: a file under its
-  final name is complete and verified.
-- Eviction takes the exclusive lock without waiting (LOCK_NB), so a file that any process holds
-  is never deleted; least recently used (mtime, touched on every acquire) go first. Only files of
-  the same split count against that split's bound, so the train and val readers share the folder.
-  The bound is soft: files in use are kept even when there are more of them than the bound.
-
-flock converts shared <-> exclusive by releasing first, so an evictor can slip in between a
-download and the shared lock that follows it; `acquire` re-checks under the shared lock and
-downloads again in that (rare) case: never an error, at worst one more download.
+- A process holds a shared lock on NAME.lock from before it looks for the file until it no
+  longer reads it. The kernel drops the lock when the process exits, however it exits, so a
+  crashed rank pins nothing.
+- Eviction takes NAME.lock exclusively without waiting (LOCK_NB), so a file that any process
+  holds is never deleted; least recently used (mtime, touched on every acquire) go first. Only
+  files of the same split count against that split's bound, so the train and val readers share
+  the folder. The bound is soft: files in use are kept even when there are more of them.
+- A missing shard is downloaded under the exclusive NAME.dl lock (with NAME.lock still held
+  shared, so the new file cannot be evicted before its reader opens it): one download per host,
+  the other processes that want it wait for that download only, then find the file. Download
+  to a hidden temp name, sha256 check, rename: a file under its final name is complete and
+  verified. NAME.lock is only ever held exclusively for the instant of an eviction, so a
+  process that holds a shard never makes another wait (ranks that wait for each other in a
+  collective cannot deadlock on the cache).
 
 Cached names carry the manifest's sha256 prefix, so a file left by an earlier `codex data shard`
 with other contents is never taken for the current one.
@@ -65,8 +66,8 @@ class HostShardCache:
     def path(self, i: int) -> str:
         return os.path.join(self.folder, self.name(i))
 
-    def _lock_fd(self, name: str) -> int:
-        return os.open(os.path.join(self.lock_dir, name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    def _lock_fd(self, name: str, kind: str = ".lock") -> int:
+        return os.open(os.path.join(self.lock_dir, name + kind), os.O_RDWR | os.O_CREAT, 0o666)
 
     def holds(self, i: int) -> bool:
         with self._mutex:
@@ -84,11 +85,14 @@ class HostShardCache:
         fd = self._lock_fd(self.name(i))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            while not os.path.exists(final):
-                fcntl.flock(fd, fcntl.LOCK_EX)  # one downloader per host; the others wait here
-                if not os.path.exists(final):
-                    self._download(i, final)
-                fcntl.flock(fd, fcntl.LOCK_SH)
+            if not os.path.exists(final):
+                dl = self._lock_fd(self.name(i), ".dl")
+                try:
+                    fcntl.flock(dl, fcntl.LOCK_EX)  # one downloader per host; the others wait here
+                    if not os.path.exists(final):
+                        self._download(i, final)
+                finally:
+                    os.close(dl)
             os.utime(final)  # most recently used: evicted last
         except BaseException:
             os.close(fd)
@@ -101,7 +105,7 @@ class HostShardCache:
         return final
 
     def _download(self, i: int, final: str) -> None:
-        # Called under the exclusive lock, so the temp name is this shard's alone on the host.
+        # Called under the exclusive NAME.dl lock, so the temp name is this shard's alone on the host.
         tmp = os.path.join(self.folder, f".part-{self.name(i)}")
         fsio.download(self.remote_paths[i], tmp)
         want = self.sha256[i]
