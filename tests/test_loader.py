@@ -229,7 +229,9 @@ def test_gs_shards_stream_through_a_bounded_cache(tmp_path, gcs_bucket):
     for _ in range(30):  # 2.5 epochs
         a, b = next(ref), next(ld)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert len([f for f in os.listdir(cache) if f.endswith(".npy")]) <= 4  # 2 blocks of 2 shards
+        # about 2 blocks of 2 shards: the cap (4) holds between evictions, and the next block fetched ahead
+        # can stand beside both for a moment (3 blocks); a download in flight (".part-*") is no shard yet
+        assert len([f for f in os.listdir(cache) if f.endswith(".npy") and not f.startswith(".")]) <= 6
     ld.close()
     val_local = [x for x, _ in val_batches(local, T, 2)]
     val_remote = [x for x, _ in val_batches(remote, T, 2, cache_dir=str(tmp_path / "vcache"))]
