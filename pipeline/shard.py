@@ -689,6 +689,19 @@ def _check_parquet(path: str, entry: dict, vocab: int, bos: int) -> tuple[list[s
     return problems, int(a[0]) if len(a) else None
 
 
+def _entry_path(shards_dir: str, manifest_path: str, i: int, e) -> tuple[str, str | None]:
+    """(the shard's path, None), or ("", a problem) when manifest entry i lacks a key or its path
+    leaves the shards folder."""
+    missing = [k for k in ("split", "path", "format", "tokens", "documents", "sha256")
+               if not isinstance(e, dict) or k not in e]
+    if missing:
+        return "", f"{manifest_path}: shards[{i}] has no {', '.join(repr(k) for k in missing)}"
+    try:
+        return fsio.join_inside(shards_dir, e["path"], f"{manifest_path}: shards[{i}].path"), None
+    except ValueError as err:
+        return "", str(err)
+
+
 def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str]:
     """Check every shard against manifest.json (sha256, dtype, tokens, documents, ids < vocab, totals);
     with tokenizer_dir, also that it is the tokenizer the manifest names. [] when all is well."""
@@ -713,15 +726,9 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
                             f"{m['tokenizer']['sha256'][:12]}")
     seen = {sp: {} for sp in SPLITS}
     for i, e in enumerate(shards):
-        missing = [k for k in ("split", "path", "format", "tokens", "documents", "sha256")
-                   if not isinstance(e, dict) or k not in e]
-        if missing:
-            problems.append(f"{manifest_path}: shards[{i}] has no {', '.join(repr(k) for k in missing)}")
-            continue
-        try:
-            path = fsio.join_inside(shards_dir, e["path"], f"{manifest_path}: shards[{i}].path")
-        except ValueError as err:
-            problems.append(str(err))
+        path, problem = _entry_path(shards_dir, manifest_path, i, e)
+        if problem:
+            problems.append(problem)
             continue
         if not fsio.exists(path):
             problems.append(f"{path}: missing")

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 from codex.config import ConfigError
+from model.gpt import matmul_params, mlp_hidden, padded_vocab
 
 
 @dataclass
@@ -41,26 +42,17 @@ class Estimate:
         return self.state_bytes + self.activation_bytes + self.logits_bytes
 
 
-def _hidden(m) -> int:
-    d = m.n_embd
-    return m.mlp_hidden or (-(-(8 * d // 3) // 64) * 64 if m.mlp == "swiglu" else 4 * d)
-
-
 def param_count(m) -> int:
-    """Parameters of model.gpt.GPT for ModelConfig `m` (vocab padded to a multiple of 128)."""
-    d, hd = m.n_embd, m.n_embd // m.n_head
-    vocab = -(-m.vocab_size // 128) * 128
-    attn = 2 * d * d + 2 * d * hd * m.n_kv_head
-    mlp = (3 if m.mlp == "swiglu" else 2) * d * _hidden(m)
-    embed = vocab * d * (1 if m.tie_embeddings else 2)
-    return m.n_layer * (attn + mlp + 2 * d) + embed + d
+    """Parameters of model.gpt.GPT for ModelConfig `m`: the matmul weights (output head over the
+    padded vocab included) plus the embedding table when it is not tied to the head."""
+    return matmul_params(m) + (0 if m.tie_embeddings else padded_vocab(m.vocab_size) * m.n_embd)
 
 
 def estimate(m, device_batch: int, seq_len: int, act_bytes: int = 4) -> Estimate:
     """Bytes one process needs at least to train ModelConfig `m` on micro-batches of
     device_batch x seq_len (act_bytes: 4 in fp32, 2 under bf16 autocast)."""
     tokens = device_batch * seq_len
-    per_token_layer = (10 * m.n_embd + 4 * _hidden(m)) * act_bytes
+    per_token_layer = (10 * m.n_embd + 4 * mlp_hidden(m)) * act_bytes
     return Estimate(state_bytes=16 * param_count(m),
                     activation_bytes=m.n_layer * tokens * per_token_layer,
                     logits_bytes=3 * tokens * m.vocab_size * 4)
