@@ -252,7 +252,7 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
     # process (under XLA SPMD one per host, feeding all its chips), and on XLA full batches with a
     # row mask, since XLA compiles one graph per shape.
     rank, world, rows = loader_layout(backend, B)
-    with_mask = getattr(backend, "fixed_shapes", False)
+    with_mask = backend.fixed_shapes
     model = unwrap(backend.prepare_model(model))
 
     if data_paths:
@@ -294,7 +294,7 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
         "checkpoint": info["path"],
         "train_tokens": info["train_tokens"],
         "world_size": backend.world_size,
-        "backend": backend.kind,
+        "backend": backend.device.type,   # cpu, cuda or xla
         "hardware": cfg.train.hardware,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config_fingerprint": info["config_fingerprint"],

@@ -35,8 +35,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows has no resource module
+    resource = None
+
 from codex.config import ConfigError
 from train.control import ControlPlane, control_timeout
+from train.hardware import get_preset
 
 
 class BackendError(ConfigError):
@@ -45,14 +51,23 @@ class BackendError(ConfigError):
 
 
 class Backend(Protocol):
-    """What train/loop.py uses. TorchBackend (CPU/CUDA) and train/xla_backend.py implement it."""
+    """What train/loop.py and eval/ use. TorchBackend (CPU/CUDA) and train/xla_backend.py implement it."""
 
-    kind: str                 # "cpu", "cuda" or "xla"
+    kind: str                 # the hardware preset's kind: "cpu", "cuda" or "tpu"
     device: torch.device
     rank: int                 # global rank of this process (0 .. world_size-1 on CPU/CUDA)
     world_size: int           # data-parallel replicas = devices (batch arithmetic, MFU)
     local_rank: int
     autocast_dtype: torch.dtype | None   # bf16 on CUDA/TPU by default, None = fp32
+    control: ControlPlane    # host-side gloo group: barrier, stop flag, resume decision (train/control.py)
+    # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
+    # devices_per_loader 1). Under XLA SPMD one process per host feeds all its chips.
+    loader_rank: int          # this process among the processes that load data
+    loader_world: int
+    devices_per_loader: int   # devices one process's batch is split over
+    global_values: bool       # a loss on this process is already the mean over every replica (SPMD)
+    fixed_shapes: bool        # validation needs full, masked batches of one shape (XLA compiles per shape)
+    pinned_copy_device: torch.device | None   # the loader copies from pinned memory to it (CUDA), or None
 
     @property
     def is_main(self) -> bool: ...
@@ -69,28 +84,17 @@ class Backend(Protocol):
     def memory_stats(self) -> dict[str, float]: ...
     def compile_count(self) -> int | None: ...
     def close(self, ok: bool = True) -> None: ...   # ok False: a rank failed, no clean-exit barrier
-    control: ControlPlane    # host-side gloo group: barrier, stop flag, resume decision (train/control.py)
-
-    # Optional (read through loader_layout / replica_mean below; TorchBackend leaves them out and
-    # gets the one-device-per-process defaults). XLA SPMD sets them: one process per host feeds
-    # all its chips, and its one program already holds global values.
-    #   loader_rank, loader_world: this process among the processes that load data (rank, world_size)
-    #   devices_per_loader: devices one process's batch is split over (1)
-    #   global_values: a loss on this process is already the mean over every replica (False)
-    #   fixed_shapes: validation needs full, masked batches, one shape only (False)
 
 
-def loader_layout(backend, device_batch: int) -> tuple[int, int, int]:
+def loader_layout(backend: Backend, device_batch: int) -> tuple[int, int, int]:
     """(rank, world, rows) for this process's train/val loader: the global batch of
     device_batch * world_size rows is split over `world` loaders of `rows` rows each."""
-    per = getattr(backend, "devices_per_loader", 1)
-    return (getattr(backend, "loader_rank", backend.rank), getattr(backend, "loader_world", backend.world_size),
-            device_batch * per)
+    return backend.loader_rank, backend.loader_world, device_batch * backend.devices_per_loader
 
 
-def replica_mean(backend, tensor: torch.Tensor) -> torch.Tensor:
+def replica_mean(backend: Backend, tensor: torch.Tensor) -> torch.Tensor:
     """The mean of a per-replica value (e.g. a loss) over all replicas, on every rank."""
-    if getattr(backend, "global_values", False):
+    if backend.global_values:
         return tensor
     return backend.all_reduce_sum(tensor.clone()) / backend.world_size
 
@@ -119,7 +123,22 @@ class TorchBackend:
     bucket_bytes: int = 64 << 20     # gradient all-reduce bucket size (fewer, larger collectives)
     distributed: bool = False
     control: ControlPlane = field(default_factory=ControlPlane)   # host-side gloo (train/control.py)
+    devices_per_loader: int = 1
+    global_values: bool = False
+    fixed_shapes: bool = False
     _compiled: list = field(default_factory=list)
+
+    @property
+    def loader_rank(self) -> int:
+        return self.rank
+
+    @property
+    def loader_world(self) -> int:
+        return self.world_size
+
+    @property
+    def pinned_copy_device(self) -> torch.device | None:
+        return self.device if self.kind == "cuda" else None
 
     @property
     def is_main(self) -> bool:
@@ -205,12 +224,9 @@ class TorchBackend:
         if self.device.type == "cuda":
             return {"mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
                     "mem_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9}
-        try:
-            import resource
-
-            return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
-        except ImportError:  # pragma: no cover - Windows
+        if resource is None:  # pragma: no cover - Windows
             return {}
+        return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
 
     def compile_count(self) -> int | None:
         return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
@@ -252,11 +268,9 @@ def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
 
 def make_backend(cfg) -> Backend:
     """The backend for cfg.train.hardware: CPU or CUDA here, TPU presets go to train/xla_backend.py."""
-    from train.hardware import get_preset
-
     preset = get_preset(cfg.train.hardware)
     if preset.kind == "tpu":
-        from train import xla_backend  # written by the XLA issue; imported only for TPU presets
+        from train import xla_backend  # imports torch_xla: only for TPU presets
 
         return xla_backend.make_xla_backend(cfg, preset)
 

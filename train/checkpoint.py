@@ -6,6 +6,9 @@ and the loader state is {"epoch", "position"}:
 
     {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version", ...}
 
+The training state is built and put back here (`save_training` / `restore_training`), so the loop
+never touches the dict's keys.
+
 A checkpoint counts only once DONE exists; DONE records ckpt.pt's size, so a truncated file is
 detected before unpickling. load(run, "latest") walks back from the newest complete checkpoint
 and skips any that is truncated or unreadable, saying so. Retention: the last `keep_last`, plus
@@ -15,6 +18,7 @@ every step that is a multiple of `keep_every` (when > 0), the rest is deleted af
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -23,7 +27,10 @@ import time
 
 import torch
 
+import codex
 from codex import fsio, rundir
+from codex.config import ConfigError, to_dict
+from train.optim import load_optimizer_state
 
 log = logging.getLogger("codex.checkpoint")
 
@@ -135,8 +142,6 @@ def _read(folder: str, map_location) -> dict:
         raise ValueError(f"{path}: {actual} bytes, DONE says {done['bytes']} (truncated or overwritten)")
     with fsio.open(path, "rb") as f:
         if fsio.is_remote(path):
-            import io
-
             f = io.BytesIO(f.read())  # torch.load needs a seekable file
         return torch.load(f, map_location=map_location, weights_only=True)
 
@@ -213,3 +218,45 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- the whole training state -------------------------------------------------------------------
+
+def save_training(cfg, *, model_state: dict, optimizer, loader, step: int, tokens: int, log_window: dict,
+                  world_size: int, batch_tokens: int, tokenizer_sha: str) -> str:
+    """Write everything a resumed run needs to continue exactly (rank 0 only); returns the folder."""
+    state = {
+        "model": model_state, "optimizer": _to_cpu(optimizer.state_dict()),
+        "step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rng_state(),
+        "config": to_dict(cfg), "codex_version": codex.__version__,
+        "world_size": world_size, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
+        "log_window": log_window,
+    }
+    return save(cfg.run, state, keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
+
+
+def restore_training(cfg, state: dict, model, optimizer, loader) -> tuple[int, int, dict]:
+    """Load a checkpoint's training state into the model, optimizer, loader and RNGs; returns
+    (step, tokens, the unfinished log window). The model must be the one the checkpoint was saved from."""
+    saved_model = state["config"].get("model", {})
+    for k, v in to_dict(cfg.model).items():
+        if k in saved_model and saved_model[k] != v:
+            raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
+                              f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
+    model.load_state_dict(state["model"])
+    load_optimizer_state(optimizer, state["optimizer"])
+    loader.load_state_dict(state["loader"])
+    set_rng_state(state["rng"])
+    step = int(state["step"])
+    return step, int(state["tokens"]), state.get("log_window") or {"loss_sum": 0.0, "since": step}
+
+
+def _to_cpu(obj):
+    """Optimizer state with every tensor on the CPU, so a checkpoint loads on any device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -5,6 +5,7 @@
     control.any_flag(flag)                       # the stop flag: True everywhere if any rank's is
     control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config
     state = resume(control, run, ...)            # rank 0 picks the step, every rank loads exactly it
+    stop = StopFlag().install()                  # SIGTERM/SIGINT: finish the step, save, return
 
 The group: CPU uses its default gloo group; CUDA a gloo group beside NCCL; XLA (SPMD, several
 hosts) `dist.init_process_group("gloo", init_method="xla://")`, as torch_xla's distributed
@@ -23,7 +24,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 from codex.config import ConfigError
+from train import checkpoint
+
+log = logging.getLogger("codex.train")
 
 
 CONTROL_TIMEOUT_S = float(os.environ.get("CODEX_CONTROL_TIMEOUT_S", "600"))
@@ -119,8 +125,6 @@ def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, di
     and broadcasts its step; every other rank loads exactly that step. If any rank cannot, every
     rank raises ResumeMismatchError naming the ranks and paths: never two ranks at two steps.
     `allow` False (train.resume=never): nothing is loaded, `existing` still says what is there."""
-    from train import checkpoint
-
     state, failure = None, None
     decision: dict = {"existing": None, "step": None, "error": None}
     if control.rank == 0:
@@ -150,3 +154,34 @@ def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, di
                                   ". Every rank needs the same run directory (gs://, or a shared file system); "
                                   "fix the read and run the same command again")
     return decision["existing"], state
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (a spot VM gets ~30 s); the loop finishes the current step, saves and
+    returns. Every rank stops at the same step: the loop checks `backend.any_flag(stop.is_set)`."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._old = {}
+
+    @property
+    def is_set(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self) -> StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a notebook worker)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+        self.signal_name = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, then saving a checkpoint", self.signal_name)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

@@ -27,23 +27,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-import codex
 from codex import fsio, rundir
 from codex.config import ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
+from eval.evaluate import evaluate
+from model.gpt import build_model, flops_per_token, num_params
+from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
-from train.backend import loader_layout, make_backend, replica_mean, unwrap
-from train.control import resume
+from train.backend import Backend, loader_layout, make_backend, unwrap
+from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
+from train.loader import TrainLoader, load_manifest, val_batches
+from train.measure import LossWindow, StepTimer
 from train.memory import check_fits
 from train.metrics import make_logger
-from train.optim import load_optimizer_state, lr_for, make_optimizer
+from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
 
 log = logging.getLogger("codex.train")
 
@@ -90,15 +93,43 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
     return B, T, accum, B * T * world_size * accum
 
 
+# --- the plan: what the loop derives from the config and the run's files, once -----------------
+
+@dataclass(frozen=True)
+class Plan:
+    vocab: int
+    device_batch: int      # B: sequences per device per micro-batch
+    seq_len: int           # T
+    accum: int             # micro-batches per optimizer step
+    batch_tokens: int      # tokens per optimizer step = B * T * world_size * accum
+    total_steps: int
+    world_size: int
+    tokenizer_sha: str     # recorded in checkpoints: eval and sample refuse a retrained tokenizer
+
+
+def make_plan(cfg, preset, world_size: int):
+    """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
+    vocab size: it is what checkpoints record and what eval rebuilds the model from."""
+    vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    B, T, accum, batch_tokens = resolve_batch(cfg, preset, world_size)
+    total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
+    if total_steps <= 0:
+        raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
+    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha), token_bytes
+
+
+def due(step: int, every: int, total_steps: int) -> bool:
+    """True every `every` steps and at the last step; never when every <= 0."""
+    return every > 0 and (step % every == 0 or step == total_steps)
+
+
 # --- run inputs -------------------------------------------------------------------------------
 
 def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
     """Vocab size from the run's tokenizer meta (checked against the shard manifest), token_bytes
     for bits per byte (None when absent; validation then says what is missing), and the tokenizer's
     sha256 (recorded in checkpoints, so eval and sample can refuse a retrained tokenizer)."""
-    from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
-    from train.loader import load_manifest
-
     tok_dir = rundir.tokenizer_dir(cfg.run)
     meta = load_meta(tok_dir)
     vocab = int(meta["vocab_size"])
@@ -116,61 +147,17 @@ def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
     return vocab, token_bytes, str(meta.get("sha256", ""))
 
 
-def _make_loader(cfg, backend, B: int, T: int):
-    from train.loader import TrainLoader
-
-    # On CUDA the loader builds batches in pinned memory and copies them with non_blocking=True.
-    # One loader per process; under XLA SPMD it loads the batch of all the host's chips.
-    rank, world, rows = loader_layout(backend, B)
-    return TrainLoader(rundir.shards_dir(cfg.run), seq_len=T, batch_size=rows, rank=rank,
-                       world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
-                       device=backend.device if backend.device.type == "cuda" else None)
-
-
-def _val_iter(cfg, backend, B: int, T: int):
-    from train.loader import val_batches
-
-    rank, world, rows = loader_layout(backend, B)
-    return val_batches(rundir.shards_dir(cfg.run), seq_len=T, batch_size=rows, rank=rank, world_size=world,
-                       max_tokens=cfg.train.eval_tokens, with_mask=getattr(backend, "fixed_shapes", False))
-
-
-def validate(cfg, model, backend, B: int, T: int, token_bytes) -> dict:
-    """Validation loss / perplexity / bits per byte over the val split (or train.eval_tokens)."""
-    from eval.evaluate import evaluate
-
+def validation_loss(cfg, model, backend: Backend, plan: Plan, token_bytes) -> dict:
+    """Validation loss / perplexity / bits per byte over the val split (or train.eval_tokens), with
+    the same evaluate() as `codex eval`."""
     if token_bytes is None:
         raise FileNotFoundError(f"{fsio.join(rundir.tokenizer_dir(cfg.run), 'token_bytes.npy')} not found: "
                                 "needed for bits per byte; re-run `codex data tokenize`")
+    rank, world, rows = loader_layout(backend, plan.device_batch)
+    batches = val_batches(rundir.shards_dir(cfg.run), seq_len=plan.seq_len, batch_size=rows, rank=rank,
+                          world_size=world, max_tokens=cfg.train.eval_tokens, with_mask=backend.fixed_shapes)
     # The uncompiled module: validation batches may have another shape than training's.
-    return evaluate(unwrap(model), _val_iter(cfg, backend, B, T), token_bytes, backend=backend)
-
-
-# --- preemption -------------------------------------------------------------------------------
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop finishes the current step, saves and returns."""
-
-    def __init__(self):
-        self.signal_name: str | None = None
-        self._old = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. called from a notebook worker)
-                pass
-
-    def _handle(self, signum, frame):
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
-        self.signal_name = signal.Signals(signum).name
-        log.warning("%s received: finishing this step, then saving a checkpoint", self.signal_name)
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+    return evaluate(unwrap(model), batches, token_bytes, backend=backend)
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -188,171 +175,62 @@ def train(cfg) -> dict:
         backend.close(ok)   # the clean-exit barrier only on success: a failed rank must not wait for its peers
 
 
-def _train(cfg, backend) -> dict:
-    # Long on purpose for now: the loop reads top to bottom (set-up, resume, the step, when to log,
-    # validate and save); splitting it into a plan, a timer and checkpoint-owned state is issue 15.
-    tcfg = cfg.train
-    preset = get_preset(tcfg.hardware)
-    W = backend.world_size
-    main = backend.is_main
-
+def _train(cfg, backend: Backend) -> dict:
+    # --- plan, model, optimizer, data ---
+    preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
-    vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
-    cfg.model.vocab_size = vocab
-    B, T, accum, batch_tokens = resolve_batch(cfg, preset, W)
-    total_steps = math.ceil(tcfg.max_tokens / batch_tokens) if tcfg.max_tokens > 0 else tcfg.max_steps
-    if total_steps <= 0:
-        raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
-
-    from model.gpt import build_model, flops_per_token, num_params
-
+    cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
+    tcfg = cfg.train
     model = build_model(cfg.model, seed=tcfg.seed)  # same seed on every rank: identical weights
     n_params = num_params(model)
     model = backend.prepare_model(model)
-    raw = unwrap(model)
-    optimizer = make_optimizer(raw, tcfg, backend.device.type)
-    loader = _make_loader(cfg, backend, B, T)
+    raw = unwrap(model)                               # without a torch.compile wrapper
+    optimizer = make_optimizer(raw, tcfg, backend.kind)
+    loader = _make_loader(cfg, backend, plan)
 
-    # Resume: automatic when a checkpoint exists (train.resume=auto).
-    step, tokens = 0, 0
-    log_window = {"loss_sum": 0.0, "since": 0}   # the training-loss average in progress (exact resume)
-    # Rank 0 picks the step (the newest intact checkpoint) and every rank loads exactly it, or all fail.
-    existing, state = resume(backend.control, cfg.run, allow=tcfg.resume != "never")
-    if existing is not None and tcfg.resume == "never":
-        raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
-                          "--no-resume was given: use a new --run, or delete that folder to start over")
-    if state is not None:
-        step, tokens, log_window = _restore(cfg, state, raw, optimizer, loader)
-        del state
-        if main or W > 1:
-            log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
-                     rundir.checkpoints_dir(cfg.run))
-
-    if step >= total_steps:
-        if main:
-            log.warning("nothing to do: the checkpoint is at step %d and this run ends at step %d; raise --max-steps "
-                        "(or train.max_tokens) to train further, or use a new --run", step, total_steps)
-        return _summary(step, total_steps, tokens, None, None, {}, False, accum, batch_tokens, B, T, W)
-    if tcfg.warmup_steps >= total_steps and main:
-        log.warning("train.warmup_steps=%d covers the whole run (%d steps): the learning rate never reaches train.lr",
-                    tcfg.warmup_steps, total_steps)
-
-    if main:
-        fsio.makedirs(rundir.checkpoints_dir(cfg.run))
-        save_config(cfg, fsio.join(rundir.checkpoints_dir(cfg.run), "config.yaml"))
-        log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
-                 "%d tokens/step | %d steps", n_params / 1e6, preset.name, W, backend.device, B, T, W, accum,
-                 batch_tokens, total_steps)
-    metrics = make_logger(cfg, main, resume_step=step if existing is not None else None,
-                          config_dict=to_dict(cfg) | {"n_params": n_params, "accum": accum, "world_size": W})
-    flops_tok = flops_per_token(cfg.model, T)
-    peak = preset.peak_flops * W
-
-    def save(reason: str) -> str:
-        folder = ""
-        # Every rank takes part: the partial loss window is averaged over replicas.
-        window = {"loss_sum": float(replica_mean(backend, loss_sum)), "since": loss_since}
-        if main:
-            state = {
-                "model": backend.state_dict_for_save(model), "optimizer": _to_cpu(optimizer.state_dict()),
-                "step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": checkpoint.rng_state(),
-                "config": to_dict(cfg), "codex_version": codex.__version__,
-                "world_size": W, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
-                "log_window": window,
-            }
-            metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
-            folder = checkpoint.save(cfg.run, state, keep_last=tcfg.keep_last, keep_every=tcfg.keep_every)
-            log.info("checkpoint (%s): %s", reason, folder)
-        backend.barrier()
-        return folder
-
-    stop = StopFlag()
-    stop.install()
+    # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
+    existing, step, tokens, log_window = _resume(cfg, backend, raw, optimizer, loader)
+    if _nothing_to_do(backend, plan, step):
+        return _summary(plan, step, tokens, stopped=False)
+    metrics, progress = _start_run(cfg, backend, plan, preset, n_params, step, existing)
+    stop = StopFlag().install()
+    window, timer = LossWindow(backend, plan.accum, log_window), StepTimer(backend, step, tokens)
+    last = {"loss": None, "val": {}, "saved_at": step if existing is not None else -1}
     model.train()
-    last_loss = last_val = None
-    val_result: dict = {}
-    saved_at = step if existing is not None else -1
-    progress = Progress("train" if step == 0 else f"train (resumed at step {step})", total=total_steps - step,
-                        unit="steps", enabled=main)
-    # A host-to-device copy, not a computation: on XLA it adds no program to compile, fresh or resumed
-    # (a resumed run carries the fp32 sum of its unfinished log window).
-    loss_sum = torch.tensor(float(log_window["loss_sum"]), dtype=torch.float32).to(backend.device)
-    loss_since = int(log_window["since"])    # first step of the loss average (may precede the resume)
-    backend.synchronize()
-    t_log, tokens_at_log, steps_at_log, t_excluded = time.perf_counter(), tokens, step, 0.0
     try:
-        while step < total_steps:
+        while step < plan.total_steps:
+            # --- one optimizer step ---
             _injected_fault(backend, step)
-            lr = lr_for(step, tcfg, total_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for _ in range(accum):
+            lr = set_lr(optimizer, lr_for(step, tcfg, plan.total_steps))
+            for _ in range(plan.accum):
                 x, y = backend.to_device(next(loader))
                 with backend.autocast():
                     loss = model(x, y)
                 # Mean over the step's tokens: each micro-batch has B*T tokens, so /accum here
                 # and the average over ranks in all_reduce_grads give the global token mean.
-                (loss / accum).backward()
-                loss_sum += loss.detach()
+                (loss / plan.accum).backward()
+                window.add(loss)
             backend.all_reduce_grads(raw)            # THE gradient all-reduce (once per step)
-            # Clip the global gradient, i.e. after the all-reduce (inf = measure only).
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0
-                                                       else float("inf"))
+            grad_norm = clip_grad_norm(raw, tcfg.grad_clip)   # the global gradient: after the all-reduce
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             backend.step_boundary()
             step += 1
-            tokens += batch_tokens
-            progress.update(1, tokens=batch_tokens)
+            tokens += plan.batch_tokens
+            progress.update(1, tokens=plan.batch_tokens)
 
-            if step % tcfg.log_every == 0 or step == total_steps:
-                # The loss sum is the only cross-rank transfer on logging steps.
-                loss_avg = replica_mean(backend, loss_sum) / (accum * (step - loss_since))
-                backend.synchronize()  # tokens/s only after the device has really finished
-                now = time.perf_counter()
-                wall = now - t_log     # since the last log line's clock: logging, eval and saves included
-                dt = wall - t_excluded  # training time: validation and checkpoint pauses left out
-                tok_s = (tokens - tokens_at_log) / dt
-                last_loss = float(loss_avg)
-                loss_sum.zero_()
-                loss_since = step
-                backend.synchronize()  # XLA: the zeroing runs now (its own program), the next step stays the usual one
-                rec = {"loss": last_loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tok_s,
-                       "tokens_per_s_wall": (tokens - tokens_at_log) / wall, "step_time_s": dt / (step - steps_at_log)}
-                if peak > 0:
-                    rec["mfu"] = flops_tok * tok_s / peak
-                rec.update(backend.memory_stats())
-                compiles = backend.compile_count()
-                if compiles is not None:
-                    rec["compiles"] = compiles
-                metrics.log("train", step, tokens, **rec)
-                if main:
-                    log.info("step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
-                             step, total_steps, last_loss, lr, rec["grad_norm"], tok_s, 1000 * rec["step_time_s"],
-                             f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
-                # The next window starts at this line's clock, so logging itself is counted in it.
-                t_log, tokens_at_log, steps_at_log, t_excluded = now, tokens, step, 0.0
-
-            if tcfg.eval_every > 0 and (step % tcfg.eval_every == 0 or step == total_steps):
-                backend.synchronize()
-                t_pause = time.perf_counter()
-                val_result = validate(cfg, model, backend, B, T, token_bytes)
-                last_val = val_result["loss"]
-                metrics.log("val", step, tokens, **{k: v for k, v in val_result.items() if k not in ("tokens", "bytes")},
-                            val_tokens=val_result["tokens"])
-                if main:
-                    log.info("step %d | val loss %.4f | bits/byte %.4f", step, last_val, val_result["bits_per_byte"])
-                backend.synchronize()
-                t_excluded += time.perf_counter() - t_pause
-
-            stopping = _should_stop(stop, backend)
-            if stopping or step == total_steps or (tcfg.save_every > 0 and step % tcfg.save_every == 0):
-                backend.synchronize()
-                t_pause = time.perf_counter()
-                save("preempted" if stopping else "final" if step == total_steps else "periodic")
-                saved_at = step
-                backend.synchronize()
-                t_excluded += time.perf_counter() - t_pause
+            # --- log, validate, save ---
+            if due(step, tcfg.log_every, plan.total_steps):
+                last["loss"] = _log_train(cfg, backend, plan, metrics, window, timer, step, tokens, lr, grad_norm)
+            if due(step, tcfg.eval_every, plan.total_steps):
+                with timer.pause():
+                    last["val"] = _log_validation(cfg, backend, plan, metrics, model, token_bytes, step, tokens)
+            stopping = backend.any_flag(stop.is_set)   # every rank stops at the same step
+            if stopping or step == plan.total_steps or due(step, tcfg.save_every, plan.total_steps):
+                with timer.pause():
+                    _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens,
+                          reason="preempted" if stopping else "final" if step == plan.total_steps else "periodic")
+                last["saved_at"] = step
             if stopping:
                 break
     finally:
@@ -360,53 +238,126 @@ def _train(cfg, backend) -> dict:
         loader.close()
         progress.close()
         metrics.close()
+    if step < plan.total_steps:
+        _log_stopped(cfg, backend, plan, stop, step, last["saved_at"])
+    return _summary(plan, step, tokens, stopped=step < plan.total_steps, loss=last["loss"], val=last["val"])
 
-    stopped = step < total_steps
-    if stopped and not main:
+
+# --- the loop's parts, in the order they run ---------------------------------------------------
+
+def _make_loader(cfg, backend: Backend, plan: Plan) -> TrainLoader:
+    # One loader per process; under XLA SPMD it loads the batch of all the host's chips. On CUDA
+    # it builds batches in pinned memory and copies them with non_blocking=True.
+    rank, world, rows = loader_layout(backend, plan.device_batch)
+    return TrainLoader(rundir.shards_dir(cfg.run), seq_len=plan.seq_len, batch_size=rows, rank=rank,
+                       world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
+                       device=backend.pinned_copy_device)
+
+
+def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None, int, int, dict]:
+    """(existing checkpoint step or None, step, tokens, the unfinished loss window); automatic
+    when a checkpoint exists (train.resume=auto)."""
+    existing, state = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
+    if existing is not None and cfg.train.resume == "never":
+        raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
+                          "--no-resume was given: use a new --run, or delete that folder to start over")
+    if state is None:
+        return existing, 0, 0, {"loss_sum": 0.0, "since": 0}
+    step, tokens, log_window = checkpoint.restore_training(cfg, state, model, optimizer, loader)
+    if backend.is_main or backend.control.world > 1:
+        log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
+                 rundir.checkpoints_dir(cfg.run))
+    return existing, step, tokens, log_window
+
+
+def _nothing_to_do(backend: Backend, plan: Plan, step: int) -> bool:
+    if step < plan.total_steps:
+        return False
+    if backend.is_main:
+        log.warning("nothing to do: the checkpoint is at step %d and this run ends at step %d; raise --max-steps "
+                    "(or train.max_tokens) to train further, or use a new --run", step, plan.total_steps)
+    return True
+
+
+def _start_run(cfg, backend: Backend, plan: Plan, preset, n_params: int, step: int, existing: int | None):
+    """Log what this run does and save its resolved config; returns (metrics logger, progress bar)."""
+    metrics = make_logger(cfg, backend.is_main, resume_step=step if existing is not None else None,
+                          config_dict=to_dict(cfg) | {"n_params": n_params, "accum": plan.accum,
+                                                      "world_size": plan.world_size})
+    progress = Progress("train" if step == 0 else f"train (resumed at step {step})", total=plan.total_steps - step,
+                        unit="steps", enabled=backend.is_main)
+    if not backend.is_main:
+        return metrics, progress
+    if cfg.train.warmup_steps >= plan.total_steps:
+        log.warning("train.warmup_steps=%d covers the whole run (%d steps): the learning rate never reaches train.lr",
+                    cfg.train.warmup_steps, plan.total_steps)
+    fsio.makedirs(rundir.checkpoints_dir(cfg.run))
+    save_config(cfg, fsio.join(rundir.checkpoints_dir(cfg.run), "config.yaml"))
+    log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
+             "%d tokens/step | %d steps", n_params / 1e6, preset.name, plan.world_size, backend.device,
+             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps)
+    return metrics, progress
+
+
+def _log_train(cfg, backend, plan, metrics, window, timer, step, tokens, lr, grad_norm) -> float:
+    """One train metrics line: loss, lr, grad norm, tokens/s, MFU, memory, compiles. Returns the loss."""
+    loss_avg = window.mean(step)     # computed by the timer's sync below
+    rec = timer.lap(step, tokens)
+    loss = float(loss_avg)
+    window.reset(step)
+    rec = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm)} | rec
+    peak = get_preset(cfg.train.hardware).peak_flops * plan.world_size
+    if peak > 0:
+        rec["mfu"] = flops_per_token(cfg.model, plan.seq_len) * rec["tokens_per_s"] / peak
+    rec.update(backend.memory_stats())
+    compiles = backend.compile_count()
+    if compiles is not None:
+        rec["compiles"] = compiles
+    metrics.log("train", step, tokens, **rec)
+    if backend.is_main:
+        log.info("step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
+                 step, plan.total_steps, loss, lr, rec["grad_norm"], rec["tokens_per_s"], 1000 * rec["step_time_s"],
+                 f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
+    return loss
+
+
+def _log_validation(cfg, backend, plan, metrics, model, token_bytes, step, tokens) -> dict:
+    result = validation_loss(cfg, model, backend, plan, token_bytes)
+    metrics.log("val", step, tokens, **{k: v for k, v in result.items() if k not in ("tokens", "bytes")},
+                val_tokens=result["tokens"])
+    if backend.is_main:
+        log.info("step %d | val loss %.4f | bits/byte %.4f", step, result["loss"], result["bits_per_byte"])
+    return result
+
+
+def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str) -> None:
+    """Every rank takes part (the partial loss window is averaged over replicas); rank 0 writes."""
+    log_window = window.state()
+    if backend.is_main:
+        metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
+        folder = checkpoint.save_training(
+            cfg, model_state=backend.state_dict_for_save(model), optimizer=optimizer, loader=loader, step=step,
+            tokens=tokens, log_window=log_window, world_size=plan.world_size, batch_tokens=plan.batch_tokens,
+            tokenizer_sha=plan.tokenizer_sha)
+        log.info("checkpoint (%s): %s", reason, folder)
+    backend.barrier()
+
+
+def _log_stopped(cfg, backend, plan, stop, step: int, saved_at: int) -> None:
+    if not backend.is_main:
         log.info("%sstopped at step %d", _rank_tag(backend), step)
-    if stopped and main:
-        log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
-                    "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", step,
-                    total_steps, checkpoint.step_dir(cfg.run, saved_at))
-    return _summary(step, total_steps, tokens, last_loss, last_val, val_result, stopped, accum, batch_tokens, B, T, W)
+        return
+    log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
+                "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", step,
+                plan.total_steps, checkpoint.step_dir(cfg.run, saved_at))
 
 
-def _restore(cfg, state: dict, model, optimizer, loader) -> tuple[int, int, dict]:
-    """Load a checkpoint's training state into the model, optimizer, loader and RNGs; returns
-    (step, tokens, the unfinished log window). The model must be the one the checkpoint was saved from."""
-    saved_model = state["config"].get("model", {})
-    for k, v in to_dict(cfg.model).items():
-        if k in saved_model and saved_model[k] != v:
-            raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
-                              f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
-    model.load_state_dict(state["model"])
-    load_optimizer_state(optimizer, state["optimizer"])
-    loader.load_state_dict(state["loader"])
-    checkpoint.set_rng_state(state["rng"])
-    step = int(state["step"])
-    return step, int(state["tokens"]), state.get("log_window") or {"loss_sum": 0.0, "since": step}
-
-
-def _summary(step, total_steps, tokens, loss, val_loss, val, stopped, accum, batch_tokens, B, T, W) -> dict:
-    return {"step": step, "total_steps": total_steps, "tokens": tokens, "loss": loss, "val_loss": val_loss,
-            "val": val, "stopped": stopped, "accum": accum, "batch_tokens": batch_tokens,
-            "device_batch": B, "seq_len": T, "world_size": W}
-
-
-def _to_cpu(obj):
-    """Optimizer state with every tensor on the CPU, so a checkpoint loads on any device."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _should_stop(stop: StopFlag, backend) -> bool:
-    """True on every rank when any rank got SIGTERM/SIGINT (ranks must stop at the same step)."""
-    return backend.any_flag(stop.signal_name is not None)
+def _summary(plan: Plan, step: int, tokens: int, stopped: bool, loss=None, val=None) -> dict:
+    val = val or {}
+    return {"step": step, "total_steps": plan.total_steps, "tokens": tokens, "loss": loss,
+            "val_loss": val.get("loss"), "val": val, "stopped": stopped, "accum": plan.accum,
+            "batch_tokens": plan.batch_tokens, "device_batch": plan.device_batch, "seq_len": plan.seq_len,
+            "world_size": plan.world_size}
 
 
 def _rank_tag(backend) -> str:

@@ -32,18 +32,30 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, tcfg, device_type: str = "cpu") -> torch.optim.AdamW:
-    """AdamW over `model` with train.* settings. The lr set here is replaced every step by lr_at()."""
+def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu") -> torch.optim.AdamW:
+    """AdamW over `model` with train.* settings, for a backend of kind `hardware` (cpu, cuda, tpu).
+    The lr set here is replaced every step by set_lr(lr_for(...))."""
     kwargs = {}
-    if device_type == "cuda":
+    if hardware == "cuda":
         kwargs["fused"] = True  # one kernel for all parameters
-    elif device_type == "xla":
+    elif hardware == "tpu":
         # The step count stays a device tensor. Otherwise AdamW computes its bias corrections on
         # the host, and 1 - beta2**step rounds to exactly 1.0 in fp32 near step 325 (beta2 0.95):
         # a constant baked into a new graph, one more compilation mid-run.
         kwargs["capturable"] = True
     return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
                              betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, **kwargs)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (call after the all-reduce), clipped to max_norm; <= 0 measures only."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:

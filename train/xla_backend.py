@@ -41,14 +41,17 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
-from train.backend import BackendError, autocast_context
-from train.control import ControlPlane
+from codex import fsio
+from codex.config import ConfigError, from_dict, to_dict
+from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
+from train.control import ControlPlane, control_timeout
+from train.hardware import get_preset, set_xla_import_env
 
 log = logging.getLogger("codex.xla")
-
-SPAWNED_ENV = "CODEX_XLA_SPAWNED"   # set inside the processes spawn_train starts
 
 
 class CompileLimitError(RuntimeError):
@@ -58,7 +61,6 @@ class CompileLimitError(RuntimeError):
 def _env_defaults() -> None:
     """Environment torch_xla reads when it is imported (train.hardware.XLA_IMPORT_ENV): `codex train`
     sets it before the run lock, and check_platform again before its import for direct callers."""
-    from train.hardware import set_xla_import_env
 
     set_xla_import_env()
 
@@ -115,8 +117,6 @@ def check_platform(cfg, preset) -> str:
 def cache_dir(cfg) -> str:
     """The persistent compilation cache: train.xla_cache, else RUN/xla_cache. XLA writes it with
     local file I/O, so a gs:// run keeps its cache on the local disk (one per host)."""
-    from codex import fsio
-
     if cfg.train.xla_cache:
         path = cfg.train.xla_cache
     elif fsio.is_remote(cfg.run):
@@ -149,7 +149,8 @@ class XLABackend:
     fixed_shapes: bool = True        # XLA compiles one graph per shape: masked full val batches
     max_compiles: int = 0
     mesh: Any = None
-    kind: str = "xla"
+    kind: str = "tpu"                # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
+    pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
     control: ControlPlane = field(default_factory=ControlPlane)   # gloo over processes (train/control.py)
     _specs: dict = field(default_factory=dict)
 
@@ -234,8 +235,6 @@ class XLABackend:
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
-        from train.backend import unwrap
-
         return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
@@ -260,8 +259,6 @@ class XLABackend:
     def close(self, ok: bool = True) -> None:
         """ok: finish the device work, then the clean-exit barrier. Not ok (this process raised): neither,
         the peers may sit in a collective this process will never join; its exit fails them at once."""
-        import torch.distributed as dist
-
         if not ok:
             return
         self.synchronize()
@@ -270,16 +267,12 @@ class XLABackend:
             dist.destroy_process_group()
 
 
-def make_xla_backend(cfg, preset) -> XLABackend:
-    """The XLA backend for a TPU preset (called by train.backend.make_backend)."""
-    from codex.config import ConfigError
-    from train.backend import resolve_dtype
-
+def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
+    """The XLA backend for a TPU preset (called by train.backend.make_backend); `spawned`: this
+    process was started by spawn_train (train.xla_mode=spawn)."""
     mode = cfg.train.xla_mode
-    if mode not in ("spmd", "spawn"):
-        raise ConfigError(f"train.xla_mode: expected spmd or spawn, got {mode!r}")
     platform = check_platform(cfg, preset)
-    if mode == "spawn" and os.environ.get(SPAWNED_ENV) != "1":
+    if mode == "spawn" and not spawned:
         raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
                            "`codex train --xla-mode spawn ...` (train.xla_backend.spawn_train), not train() directly")
     _env_defaults()
@@ -296,7 +289,6 @@ def make_xla_backend(cfg, preset) -> XLABackend:
 
     if mode == "spmd":
         xr.use_spmd()
-        import numpy as np
         import torch_xla.distributed.spmd as xs
 
         n = xr.global_runtime_device_count()
@@ -331,10 +323,7 @@ def _control_plane(processes: int) -> ControlPlane:
     torch_xla's xla:// handler as its distributed-checkpoint docs do; one process needs none."""
     if processes == 1:
         return ControlPlane()
-    import torch.distributed as dist
     import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
-
-    from train.control import control_timeout
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="xla://", timeout=control_timeout())
@@ -347,11 +336,9 @@ def _control_plane(processes: int) -> ControlPlane:
 
 def _spawn_main(index: int, cfg_dict: dict, result_path: str) -> None:
     """Runs in every process torch_xla's launcher starts: the ordinary training loop."""
-    os.environ[SPAWNED_ENV] = "1"
-    from codex.config import from_dict
-    from train.loop import train
+    from train.loop import train  # train.loop imports this module's importer: a cycle at the top
 
-    result = train(from_dict(cfg_dict))
+    result = train(from_dict(cfg_dict), xla_spawned=True)
     if index == 0:
         with open(result_path, "w") as f:
             json.dump(result, f, default=str)
@@ -360,9 +347,6 @@ def _spawn_main(index: int, cfg_dict: dict, result_path: str) -> None:
 def spawn_train(cfg) -> dict:
     """`codex train --xla-mode spawn`: train with one process per local chip (torch_xla.launch);
     returns process 0's summary. Multi-host: the same command on every worker."""
-    from codex.config import ConfigError, to_dict
-    from train.hardware import get_preset
-
     preset = get_preset(cfg.train.hardware)
     if preset.kind != "tpu":
         raise ConfigError(f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
