@@ -239,7 +239,8 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
     from codex.progress import Progress
     from pipeline.tokenizer import load_meta, load_token_bytes
     from train.backend import loader_layout, unwrap
-    from train.loader import load_split, val_batches
+    from train.loader import val_batches
+    from train.token_shards import load_split
 
     model, run_cfg, info = load_model(cfg, checkpoint)
     tok_dir = rundir.tokenizer_dir(cfg.run)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.loader import TrainLoader, load_manifest, val_batches
+from train.loader import TrainLoader, val_batches
+from train.token_shards import load_manifest
 
 T = 8
 

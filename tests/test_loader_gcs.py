@@ -15,7 +15,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_loader import T, upload_dir, write_shards
-from train.loader import epoch_order, load_split
+from train.loader import epoch_order
+from train.token_shards import load_split
 
 # One rank of the test, as a trainer runs it: the per-step barrier stands for the gradient
 # all-reduce that keeps real ranks in lockstep. fsio.download is wrapped so the downloads are

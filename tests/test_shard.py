@@ -163,7 +163,7 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
         assert hashlib.sha256((out / e["path"]).read_bytes()).hexdigest() == e["sha256"]
     assert (out / "config.yaml").exists()
     assert verify_shards(str(out), str(run / "tokenizer")) == []
-    from train.loader import load_manifest   # the training loader accepts the manifest as written
+    from train.token_shards import load_manifest   # the training loader accepts the manifest as written
 
     assert load_manifest(str(out))["totals"] == m["totals"]
 

@@ -436,8 +436,8 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
 
     real = B.make_backend
 
-    def cpu_like_cuda(cfg):
-        b = real(cfg)
+    def cpu_like_cuda(cfg, **kwargs):
+        b = real(cfg, **kwargs)
         b.compile = bool(cfg.train.compile)
         b.autocast_dtype = torch.bfloat16
         return b

@@ -266,13 +266,14 @@ def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
     raise ConfigError(f"train.dtype: expected auto, bf16 or fp32, got {setting!r}")
 
 
-def make_backend(cfg) -> Backend:
-    """The backend for cfg.train.hardware: CPU or CUDA here, TPU presets go to train/xla_backend.py."""
+def make_backend(cfg, xla_spawned: bool = False) -> Backend:
+    """The backend for cfg.train.hardware: CPU or CUDA here, TPU presets go to train/xla_backend.py
+    (`xla_spawned`: this process is one of train.xla_mode=spawn's, started by spawn_train)."""
     preset = get_preset(cfg.train.hardware)
     if preset.kind == "tpu":
         from train import xla_backend  # imports torch_xla: only for TPU presets
 
-        return xla_backend.make_xla_backend(cfg, preset)
+        return xla_backend.make_xla_backend(cfg, preset, spawned=xla_spawned)
 
     rank, world, local_rank, local_world = _launch_env()
     launched = "WORLD_SIZE" in os.environ and world > 1

@@ -42,7 +42,8 @@ from train import checkpoint
 from train.backend import Backend, loader_layout, make_backend, unwrap
 from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
-from train.loader import TrainLoader, load_manifest, val_batches
+from train.loader import TrainLoader, val_batches
+from train.token_shards import load_manifest
 from train.measure import LossWindow, StepTimer
 from train.memory import check_fits
 from train.metrics import make_logger
@@ -162,10 +163,11 @@ def validation_loss(cfg, model, backend: Backend, plan: Plan, token_bytes) -> di
 
 # --- the loop ---------------------------------------------------------------------------------
 
-def train(cfg) -> dict:
-    """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped)."""
+def train(cfg, xla_spawned: bool = False) -> dict:
+    """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped).
+    xla_spawned: this process is one of train.xla_mode=spawn's (train/xla_backend.spawn_train)."""
     setup_logging()
-    backend = make_backend(cfg)
+    backend = make_backend(cfg, xla_spawned=xla_spawned)
     ok = False
     try:
         out = _train(cfg, backend)
