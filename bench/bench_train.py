@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import os
 import statistics
 import sys
@@ -33,6 +34,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from codex.config import build_config  # noqa: E402
+from model.gpt import build_model, flops_per_token  # noqa: E402
+from train.hardware import device_defaults, get_preset  # noqa: E402
+from train.loop import train  # noqa: E402
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
 
@@ -61,10 +65,6 @@ def make_run(root: Path, vocab: int, tokens: int) -> str:
 def codex_tokens_per_s(run: str, model: str, hardware: str, B: int, T: int, warmup: int, steps: int,
                        compile_: bool) -> dict:
     """Full codex loop; the metrics line at step warmup+steps covers exactly the timed steps."""
-    import shutil
-
-    from train.loop import train
-
     shutil.rmtree(Path(run) / "checkpoints", ignore_errors=True)
     overrides = [f"train.hardware={hardware}", f"train.device_batch={B}", f"train.seq_len={T}",
                  f"train.max_steps={warmup + steps}", f"train.log_every={warmup}", "train.eval_every=0",
@@ -89,8 +89,6 @@ def codex_tokens_per_s(run: str, model: str, hardware: str, B: int, T: int, warm
 def bare_tokens_per_s(run: str, model: str, B: int, T: int, warmup: int, steps: int, device: str,
                       compile_: bool) -> float:
     """forward, backward, AdamW: nothing else."""
-    from model.gpt import build_model
-
     cfg = build_config(model=model)
     cfg.model.vocab_size = json.loads((Path(run) / "tokenizer" / "tokenizer_meta.json").read_text())["vocab_size"]
     if T > cfg.model.max_seq_len:
@@ -152,8 +150,6 @@ def main() -> None:
         hardware, models = args.hardware or "cpu", args.models or ["tiny"]
         steps, warmup, repeats = args.steps or 30, args.warmup or 5, args.repeats or 3
         vocab, device, name = 259, "cpu", f"CPU ({args.threads} thread)"
-    from train.hardware import device_defaults, get_preset
-
     preset = get_preset(hardware)
     print(f"device: {name}  preset: {hardware}  torch {torch.__version__}")
     rows = []
@@ -170,8 +166,6 @@ def main() -> None:
                 mfus.append(c["mfu"])
                 mem = c["mem_gb"]
             cx, bx = statistics.median(codex_runs), statistics.median(bare_runs)
-            from model.gpt import flops_per_token
-
             mcfg.vocab_size = vocab
             bare_mfu = flops_per_token(mcfg, T) * bx / preset.peak_flops if preset.peak_flops else None
             rows.append((model, f"{B}x{T}", bx, cx, 100 * (bx - cx) / bx,

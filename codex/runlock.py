@@ -37,6 +37,7 @@ import uuid
 
 from codex import fsio
 from codex.config import ConfigError
+from train.hardware import get_preset
 
 log = logging.getLogger("codex.runlock")
 
@@ -357,8 +358,6 @@ def process_index(hardware: str | None = None) -> int:
             except ValueError:
                 raise ConfigError(f"environment variable {var}={value!r} is not an integer") from None
     if hardware and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
-        from train.hardware import get_preset
-
         if get_preset(hardware).hosts > 1:
             try:
                 from torch_xla._internal import tpu

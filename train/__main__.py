@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
+from codex.cli import cli
+
 
 def main(argv: list[str] | None = None) -> int:
-    from codex.cli import cli
-
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "--":
         args = args[1:]
