@@ -34,7 +34,6 @@ import math
 import multiprocessing as mp
 import os
 import re
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,7 +53,6 @@ SPLITS = ("train", "val")
 BATCH_CHARS = 4_000_000           # text per encode task: big enough for the thread pool, small for memory
 READ_ROWS = 2048                  # parquet rows decoded at a time
 PARQUET_ROW_GROUP = 1 << 20       # tokens per row group in parquet shards
-RETRIES = 5                       # attempts for a remote write hitting a transient error
 
 
 class ShardError(ConfigError):
@@ -214,51 +212,14 @@ def shard_name(split: str, index: int, fmt: str) -> str:
     return f"{split}_{index:05d}.{fmt}"
 
 
-class _HashingWriter:
-    """File-like that hashes what passes through (np.save writes in chunks, no full copy)."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        self.n += len(b)
-        return self.f.write(b)
-
-
-def _is_transient(e: BaseException) -> bool:
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    code = getattr(e, "code", None) or getattr(e, "status", None)
-    if isinstance(code, int):
-        return code == 429 or code == 408 or code >= 500
-    return type(e).__module__.startswith(("aiohttp", "requests", "urllib3"))
-
-
-def with_retries(fn, what: str, attempts: int = RETRIES):
-    """fn() with exponential backoff on transient (network/5xx/429) errors; anything else raises."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except Exception as e:
-            if i == attempts - 1 or not _is_transient(e):
-                raise
-            wait = min(2.0**i, 30.0)
-            log.warning("%s: transient error (%s: %s); retry %d/%d in %.0fs", what, type(e).__name__, e,
-                        i + 1, attempts - 1, wait)
-            time.sleep(wait)
-
-
 def write_npy(path: str, tokens: np.ndarray) -> tuple[str, int]:
     """Write tokens as .npy atomically; returns (sha256 of the file bytes, size)."""
     def attempt():
         with fsio.atomic_open(path, "wb") as f:
-            w = _HashingWriter(f)
+            w = fsio.HashingWriter(f)
             np.lib.format.write_array(w, tokens, version=(1, 0), allow_pickle=False)
         return w.sha.hexdigest(), w.n
-    return with_retries(attempt, path)
+    return fsio.with_retries(attempt, path)
 
 
 def write_parquet(path: str, tokens: np.ndarray) -> tuple[str, int]:
@@ -271,15 +232,7 @@ def write_parquet(path: str, tokens: np.ndarray) -> tuple[str, int]:
     def attempt():
         fsio.write_bytes(path, data)
         return hashlib.sha256(data).hexdigest(), len(data)
-    return with_retries(attempt, path)
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with fsio.open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return fsio.with_retries(attempt, path)
 
 
 # --- the per-split shard writer --------------------------------------------------------------------
@@ -413,7 +366,7 @@ def _good_prefix(out: str, entries: list[dict]) -> int:
             except ValueError as err:
                 log.warning("shard: %s; redoing it and the rest of its split", err)
                 return good
-            if not fsio.exists(p) or file_sha256(p) != e["sha256"]:
+            if not fsio.exists(p) or fsio.file_sha256(p) != e["sha256"]:
                 log.warning("shard: %s is missing or changed; redoing it and the rest of its split", p)
                 return good
         good += 1
@@ -496,7 +449,7 @@ def run_shard(cfg: Config) -> dict:
 
     def commit(split: str, entries: list[dict], nxt: dict) -> None:
         state["splits"][split].append({"index": len(state["splits"][split]), "files": entries, "next": nxt})
-        with_retries(lambda: fsio.write_json(progress_path, state), progress_path)
+        fsio.with_retries(lambda: fsio.write_json(progress_path, state), progress_path)
 
     fsio.write_json(progress_path, state)
     writers = {sp: _SplitWriter(sp, out, s.shard_tokens, dtype, formats, commit, index=len(state["splits"][sp]),
@@ -511,7 +464,7 @@ def run_shard(cfg: Config) -> dict:
     save_config(cfg, fsio.join(out, "config.yaml"))
     state["complete"] = {sp: len(state["splits"][sp]) for sp in SPLITS}
     fsio.write_json(progress_path, state)
-    with_retries(lambda: fsio.write_json(manifest_path, manifest), manifest_path)   # last: the commit marker
+    fsio.with_retries(lambda: fsio.write_json(manifest_path, manifest), manifest_path)   # last: the commit marker
     t = manifest["totals"]
     log.info("shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
              t["train"]["tokens"], t["train"]["documents"], t["train"]["shards"],
@@ -625,22 +578,11 @@ def _route(flat: np.ndarray, per_doc: np.ndarray, plan: list, writers: dict) -> 
 
 # --- verify ----------------------------------------------------------------------------------------
 
-class _HashingReader:
-    def __init__(self, f):
-        self.f, self.sha, self.n = f, hashlib.sha256(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        b = self.f.read(n)
-        self.sha.update(b)
-        self.n += len(b)
-        return b
-
-
 def _check_npy(path: str, entry: dict, dtype: str, vocab: int, bos: int) -> tuple[list[str], int | None]:
     """Stream one .npy shard: sha256, header, token count, ids < vocab, <|bos|> count. (problems, first token)."""
     problems, first = [], None
     with fsio.open(path, "rb") as f:
-        r = _HashingReader(f)
+        r = fsio.HashingReader(f)
         try:
             version = np.lib.format.read_magic(r)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -673,7 +615,7 @@ def _check_npy(path: str, entry: dict, dtype: str, vocab: int, bos: int) -> tupl
 
 
 def _check_parquet(path: str, entry: dict, vocab: int, bos: int) -> tuple[list[str], int | None]:
-    sha = file_sha256(path)
+    sha = fsio.file_sha256(path)
     problems = [] if sha == entry["sha256"] else [
         f"{path}: sha256 {sha[:12]} != manifest {entry['sha256'][:12]} (corrupt or changed)"]
     if problems:
@@ -720,7 +662,7 @@ def verify_shards(shards_dir: str, tokenizer_dir: str | None = None) -> list[str
     if m.get("format_version") != FORMAT_VERSION:
         problems.append(f"{manifest_path}: format_version {m.get('format_version')}, this codex reads {FORMAT_VERSION}")
     if tokenizer_dir and fsio.exists(fsio.join(tokenizer_dir, "tokenizer.json")):
-        sha = file_sha256(fsio.join(tokenizer_dir, "tokenizer.json"))
+        sha = fsio.file_sha256(fsio.join(tokenizer_dir, "tokenizer.json"))
         if sha != m["tokenizer"]["sha256"]:
             problems.append(f"{tokenizer_dir}/tokenizer.json has sha256 {sha[:12]}, the shards were made with "
                             f"{m['tokenizer']['sha256'][:12]}")

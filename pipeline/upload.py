@@ -21,7 +21,7 @@ import re
 
 from codex import fsio
 from codex.progress import Progress
-from pipeline.shard import ShardError, with_retries
+from pipeline.shard import ShardError
 
 log = logging.getLogger("codex.upload")
 
@@ -114,7 +114,7 @@ def upload_run(local_run: str, remote: str) -> dict:
                 result["skipped"] += 1
             else:
                 for attempt in range(3):   # a mismatch after upload (rare: corruption in transit) is retried
-                    with_retries(lambda: fsio.upload(src, dst), dst)
+                    fsio.with_retries(lambda: fsio.upload(src, dst), dst)
                     ok, method = _remote_matches(dst, size, md5_b64, sha_hex)
                     if ok:
                         break

@@ -299,7 +299,7 @@ def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, m
         return real(path, mode)
 
     monkeypatch.setattr(fsio, "atomic_open", flaky)
-    monkeypatch.setattr(shard_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(fsio.time, "sleep", lambda s: None)
     assert shas(run_shard(make_cfg(run, out=str(tmp_path / "flaky")))) == shas(ref)
     assert failures["left"] == 0
 
