@@ -59,6 +59,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from codex import fsio, rundir
 from codex.config import Config, ConfigError, save_config
 from codex.progress import Progress
+from pipeline.encode import token_dtype
 
 log = logging.getLogger("codex.tokenizer")
 
@@ -222,11 +223,6 @@ def _every_tenth_percent(record: logging.LogRecord) -> bool:
         pct = msg[len("Progress: "):].split("%", 1)[0]
         return pct.isdigit() and int(pct) % 10 == 0
     return True
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The smallest unsigned dtype holding ids 0..vocab_size-1 (vocab 65,536 still fits uint16)."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def _byte_encoder() -> list[str]:

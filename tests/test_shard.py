@@ -18,7 +18,9 @@ import pytest
 from codex import fsio
 from codex.config import Config
 from pipeline import shard as shard_mod
-from pipeline.shard import ShardError, run_shard, split_long_text, verify_shards
+from pipeline.encode import split_long_text
+from pipeline.shard import ShardError, run_shard
+from pipeline.verify import verify_shards
 from pipeline.upload import upload_run
 
 ROOT = Path(__file__).resolve().parent.parent
