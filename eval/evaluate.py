@@ -39,7 +39,8 @@ import torch
 from codex import fsio, rundir
 from pipeline.encode import Encoder, token_dtype
 from pipeline.filters import normalize
-from pipeline.readers import FileReport, list_inputs, read_records
+from pipeline.inputs import list_inputs
+from pipeline.readers import FileReport, read_records
 from pipeline.shard import write_npy
 from pipeline.shard_manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
 from pipeline.tokenizer import load_tokenizer

@@ -38,6 +38,8 @@ from codex import fsio, rundir
 from codex.config import Config, ConfigError, save_config
 from codex.progress import Progress
 from pipeline.encode import Encoder, encode_in_order, token_dtype
+from pipeline.inputs import clean_parts
+from pipeline.readers import BadInputFile, iter_text_batches
 from pipeline.shard_manifest import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, build_manifest, existing_state,
                                      good_prefix, mismatch, remove_temp_files, shard_entry, shard_name)
 
@@ -77,12 +79,6 @@ def _suggest_fraction(min_value: float) -> str:
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def clean_files(clean: str) -> list[str]:
-    from pipeline.clean import finished_files
-
-    return finished_files(clean)
-
-
 def _inputs_fingerprint(files: list[str]) -> str:
     h = hashlib.sha256()
     for f in files:
@@ -91,23 +87,18 @@ def _inputs_fingerprint(files: list[str]) -> str:
 
 
 def read_text_batches(files: list[str]):
-    """Yield lists of document texts in corpus order (files sorted, rows in order)."""
+    """Yield lists of document texts in corpus order (files sorted, rows in order); a null text or an
+    unreadable file is a ShardError naming it."""
     for path in files:
-        with fsio.open(path, "rb") as fh:
-            try:
-                pf = pq.ParquetFile(fh)
-            except Exception as e:
-                raise ShardError(f"{path}: not a readable parquet file ({e})") from None
-            if "text" not in pf.schema_arrow.names:
-                raise ShardError(f"{path}: no 'text' column (has {pf.schema_arrow.names})")
-            row = 0
-            for batch in pf.iter_batches(batch_size=READ_ROWS, columns=["text"]):
-                col = batch.column(0)
-                if col.null_count:
-                    bad = row + next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
-                    raise ShardError(f"{path}: row {bad}: text is null")
-                yield col.to_pylist()
-                row += len(col)
+        row = 0
+        try:
+            for texts in iter_text_batches(path, batch_rows=READ_ROWS):
+                if None in texts:
+                    raise ShardError(f"{path}: row {row + texts.index(None)}: text is null")
+                yield texts
+                row += len(texts)
+        except BadInputFile as e:
+            raise ShardError(str(e)) from None
 
 
 # --- shard files ---------------------------------------------------------------------------------
@@ -284,7 +275,7 @@ def run_shard(cfg: Config) -> dict:
     tok_dir = rundir.tokenizer_dir(cfg.run)
     tok, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
-    files = clean_files(rundir.clean_dir(cfg.run))
+    files = clean_parts(cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats = ["npy", "parquet"] if s.format == "both" else [s.format]
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
-import json
 import logging
 import resource
 import sys
@@ -60,6 +59,8 @@ from codex import fsio, rundir
 from codex.config import Config, ConfigError, save_config
 from codex.progress import Progress
 from pipeline.encode import token_dtype
+from pipeline.inputs import input_files
+from pipeline.readers import iter_text_batches
 
 log = logging.getLogger("codex.tokenizer")
 
@@ -69,7 +70,6 @@ SPECIAL_IDS = {"bos": 0, "eos": 1, "pad": 2}
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256
-READ_BATCH_ROWS = 1024        # parquet rows decoded at a time
 COMPRESSION_MAX_CHARS = 2_000_000  # held-out text encoded to measure bytes/token
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -260,78 +260,6 @@ def token_bytes_of(tok: Tokenizer) -> np.ndarray:
         except KeyError:
             raise ValueError(f"token {i} {token!r} is not a byte-level token") from None
     return out
-
-
-# --- reading documents ---------------------------------------------------------------------------
-
-SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".txt")
-
-
-def input_files(cfg: Config) -> list[str]:
-    """The training files: data.tokenizer.inputs (paths, globs, directories) or RUN/clean/part-*.parquet."""
-    inputs = cfg.data.tokenizer.inputs
-    if not inputs:
-        # Clean's stats.json lists its shards once every task has finished: reading its list, not a
-        # glob, never trains on a half-cleaned corpus or a crashed chunk's leftovers.
-        from pipeline.clean import finished_files
-
-        return finished_files(rundir.clean_dir(cfg.run))
-    files: list[str] = []
-    for spec in inputs:
-        if any(ch in spec for ch in "*?["):
-            found = [f for f in fsio.glob(spec) if f.endswith(SUFFIXES)]
-        elif fsio.isdir(spec):
-            found = [f for f in fsio.listdir(spec)
-                     if f.endswith(SUFFIXES) and not fsio.basename(f).startswith(".")]
-        elif fsio.exists(spec):
-            if not spec.endswith(SUFFIXES):
-                raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {', '.join(SUFFIXES)})")
-            found = [spec]
-        else:
-            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} does not exist")
-        if not found:
-            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} matches no {'/'.join(SUFFIXES)} files")
-        files += found
-    return sorted(set(files))
-
-
-def iter_text_batches(path: str) -> Iterator[list]:
-    """Lists of document texts (None for a null row) in file order. .txt = one document."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        with fsio.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            if "text" not in pf.schema_arrow.names:
-                raise ValueError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
-            for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=["text"]):
-                yield batch.column(0).to_pylist()
-    elif ".jsonl" in path:
-        batch: list = []
-        with fsio.open(path, "rb", compression="infer") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    text = obj["text"]
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                except (KeyError, TypeError):
-                    raise ValueError(f"{path}:{lineno}: no 'text' field") from None
-                if text is not None and not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: 'text' is {type(text).__name__}, not a string")
-                batch.append(text)
-                if len(batch) >= READ_BATCH_ROWS:
-                    yield batch
-                    batch = []
-        if batch:
-            yield batch
-    else:
-        try:
-            yield [fsio.read_bytes(path).decode("utf-8")]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
 def doc_hash(text: str) -> int:
