@@ -5,7 +5,7 @@
                                                                      + hashes/TTTTT-CCCCC.npy
                                                                      + markers/TTTTT-CCCCC.json  (last)
     all chunks done --> cross-chunk dedup over the hash files --> rewrite affected shards
-                    --> stats.json, config.yaml (last)
+                    --> config.yaml, stats.json (last)
 
 Units of work: a chunk (consecutive files of one task, about chunk_bytes of input) is processed by
 one worker start to finish and writes its own shards, so 1 or N workers give byte-identical output
@@ -41,16 +41,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codex import fsio
-from codex.config import ConfigError, save_config
+from codex import fsio, rundir
+from codex.config import ConfigError
 from codex.progress import Progress, setup_logging
-from codex.rundir import clean_dir
 from pipeline.clean_dedup import cross_chunk_duplicates, rewrite_without
 from pipeline.clean_stats import drop_fix, nothing_kept, summarize, top_drop
 from pipeline.filters import Doc, active_filters, apply_filters, normalize
 from pipeline.inputs import list_inputs, ls_matching
 from pipeline.part_writer import PartWriter
 from pipeline.readers import BadInputFile, FileReport, InputFile, Record, read_records
+from pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
 
@@ -117,72 +117,98 @@ def _remove_chunk_outputs(out: str, name: str) -> None:
             fsio.rm(path)
 
 
+@dataclass
+class _ChunkCleaner:
+    """One chunk's running state: its part writers, the hashes of kept documents, counters."""
+
+    c: object                          # CleanConfig
+    filters: list[str]
+    writer: PartWriter
+    rejected: PartWriter | None
+    report_progress: object = None
+    seen: set = dataclasses.field(default_factory=set)
+    hashes: bytearray = dataclasses.field(default_factory=bytearray)   # 16-byte hash + 8-byte length each
+    stats: dict = dataclasses.field(default_factory=lambda: {"docs_in": 0, "bytes_in": 0, "docs_kept": 0,
+                                                             "bytes_kept": 0, "drops": {}})
+    pending_docs: int = 0
+    pending_bytes: int = 0
+    last_report: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def clean_file(self, f: InputFile) -> FileReport:
+        """Clean every record of one file; a file that cannot be read is reported, not raised."""
+        report = FileReport(f.path)
+        try:
+            for rec in read_records(f, self.c, report):
+                report.records += 1
+                self.stats["docs_in"] += 1
+                self.stats["bytes_in"] += rec.nbytes
+                self.pending_docs += 1
+                self.pending_bytes += rec.nbytes
+                self._clean_record(rec, f.path, report)
+                self._maybe_report_progress()
+        except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
+            report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
+            if f.path not in report.error:
+                report.error = f"{f.path}: {report.error}"
+            log.error("clean: file failed, continuing with the others: %s", report.error)
+        return report
+
+    def _clean_record(self, rec: Record, source: str, report: FileReport) -> None:
+        if rec.text is None:
+            self._drop("length:too_long", rec, "", source)
+            return
+        text, nuls = normalize(rec.text)
+        report.nul_chars += nuls
+        doc = Doc(text)
+        reason = apply_filters(doc, self.c, self.filters)
+        if reason is not None:
+            self._drop(reason, rec, doc.text, source)
+            return
+        data = doc.text.encode("utf-8")
+        if "dedup" in self.filters:
+            h = hashlib.blake2b(data, digest_size=16).digest()
+            if h in self.seen:
+                self._drop("dedup:duplicate", rec, doc.text, source)
+                return
+            self.seen.add(h)
+            self.hashes += h + len(data).to_bytes(8, "little")
+        self.writer.add(doc.text, rec.id, source)
+        self.stats["docs_kept"] += 1
+        self.stats["bytes_kept"] += len(data)
+
+    def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
+        self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
+        if self.rejected is not None:
+            self.rejected.add(text, rec.id, source, reason)
+
+    def _maybe_report_progress(self) -> None:
+        if self.pending_docs >= 256:
+            now = time.perf_counter()
+            if now - self.last_report > 0.5:
+                self.flush_progress()
+                self.last_report = now
+
+    def flush_progress(self) -> None:
+        _send_progress(self.report_progress, self.pending_docs, self.pending_bytes)
+        self.pending_docs = self.pending_bytes = 0
+
+
 def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None) -> dict:
-    """Clean one chunk; write its shards, its hash file, then its marker. Returns the marker."""
+    """Clean one chunk; write its parts, its hash file, then its marker. Returns the marker."""
     _remove_chunk_outputs(out, chunk.name)
-    dedup = "dedup" in filters
     writer = PartWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
     rejected = PartWriter(fsio.join(out, "rejected"), f"part-{chunk.name}", c.docs_per_shard, c.row_group_size,
-                           with_reason=True) if c.keep_rejected else None
-    seen: set[bytes] = set()
-    hashes = bytearray()       # 16-byte hash + 8-byte length per kept document
-    stats = {"docs_in": 0, "bytes_in": 0, "docs_kept": 0, "bytes_kept": 0, "drops": {}}
+                          with_reason=True) if c.keep_rejected else None
+    state = _ChunkCleaner(c, filters, writer, rejected, report_progress)
     reports: list[dict] = []
-    pending_docs = pending_bytes = 0
-    last_report = time.perf_counter()
-
-    def drop(reason: str, rec: Record, text: str, source: str) -> None:
-        stats["drops"][reason] = stats["drops"].get(reason, 0) + 1
-        if rejected is not None:
-            rejected.add(text, rec.id, source, reason)
-
     try:
         for f in chunk.files:
-            report = FileReport(f.path)
-            try:
-                for rec in read_records(f, c, report):
-                    report.records += 1
-                    stats["docs_in"] += 1
-                    stats["bytes_in"] += rec.nbytes
-                    pending_docs += 1
-                    pending_bytes += rec.nbytes
-                    if rec.text is None:
-                        drop("length:too_long", rec, "", f.path)
-                        continue
-                    text, nuls = normalize(rec.text)
-                    report.nul_chars += nuls
-                    doc = Doc(text)
-                    reason = apply_filters(doc, c, filters)
-                    if reason is not None:
-                        drop(reason, rec, doc.text, f.path)
-                        continue
-                    data = doc.text.encode("utf-8")
-                    if dedup:
-                        h = hashlib.blake2b(data, digest_size=16).digest()
-                        if h in seen:
-                            drop("dedup:duplicate", rec, doc.text, f.path)
-                            continue
-                        seen.add(h)
-                        hashes += h + len(data).to_bytes(8, "little")
-                    writer.add(doc.text, rec.id, f.path)
-                    stats["docs_kept"] += 1
-                    stats["bytes_kept"] += len(data)
-                    if pending_docs >= 256:
-                        now = time.perf_counter()
-                        if now - last_report > 0.5:
-                            _send_progress(report_progress, pending_docs, pending_bytes)
-                            pending_docs = pending_bytes = 0
-                            last_report = now
-            except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
-                report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
-                if f.path not in report.error:
-                    report.error = f"{f.path}: {report.error}"
-                log.error("clean: file failed, continuing with the others: %s", report.error)
+            report = state.clean_file(f)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
                 if not report.error:   # empty files are common (__init__.py): summarised at the end instead
                     (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, report.describe())
-        shards = writer.close()
+        parts = writer.close()
         if rejected is not None:
             rejected.close()
     except BaseException:
@@ -190,12 +216,12 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
         if rejected is not None:
             rejected.abort()
         raise
-    _send_progress(report_progress, pending_docs, pending_bytes)
-    if dedup:
+    state.flush_progress()
+    if "dedup" in filters:
         with fsio.atomic_open(fsio.join(out, "hashes", f"{chunk.name}.npy"), "wb") as fh:
-            np.save(fh, np.frombuffer(bytes(hashes), dtype=np.uint64).reshape(-1, 3))
-    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": shards,
-              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **stats}
+            np.save(fh, np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3))
+    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": parts,
+              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **state.stats}
     fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)   # last: the chunk is done
     return marker
 
@@ -229,7 +255,9 @@ def run_clean(cfg) -> dict:
     if not c.inputs:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH")
     filters = active_filters(c)
-    out = clean_dir(cfg.run)
+    stage = Stage("codex data clean", cfg, rundir.clean_dir(cfg.run), "stats.json",
+                  later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)))
+    out = stage.out
     try:
         files, skipped = list_inputs(c.inputs, c.text_extensions)
     except BadInputFile as e:
@@ -238,17 +266,20 @@ def run_clean(cfg) -> dict:
         raise ConfigError(f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})")
     fingerprint = _fingerprint(c, files)
     chunks = plan_chunks(files, c.num_tasks, c.chunk_bytes)
-    markers = _read_markers(out, fingerprint)
+    markers = _read_markers(stage, fingerprint)
     mine = [ch for ch in chunks if ch.task == c.task_index]
     todo = [ch for ch in mine if ch.name not in markers or markers[ch.name]["failed"]]
     log.info("clean: %d files (%.1f MB), %d skipped (unsupported type); task %d/%d: %d chunks, %d to do; filters: %s",
              len(files), sum(f.size for f in files) / 1e6, len(skipped), c.task_index, c.num_tasks, len(mine),
              len(todo), ", ".join(filters))
+    if todo:   # the corpus changes: not under a tokenizer made from it, and not "finished" meanwhile
+        stage.refuse_if_built_on(f"would be re-cleaned ({len(todo)} chunks without a finished marker)")
+        stage.start()
     fsio.makedirs(out)
     for m in _process(todo, c, out, filters, fingerprint):
         markers[m["chunk"]] = m
     if all(ch.name in markers for ch in chunks):
-        stats = _finalize(cfg, chunks, markers, out, filters, files, skipped)
+        stats = _finalize(stage, chunks, markers, filters, files, skipped)
     else:
         waiting = sorted({ch.task for ch in chunks if ch.name not in markers})
         log.info("clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
@@ -264,13 +295,13 @@ def run_clean(cfg) -> dict:
     return stats
 
 
-def _read_markers(out: str, fingerprint: str) -> dict[str, dict]:
+def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
     markers = {}
-    for path in ls_matching(fsio.join(out, "markers"), "*.json"):
+    for path in ls_matching(fsio.join(stage.out, "markers"), "*.json"):
         m = fsio.read_json(path)
         if m.get("fingerprint") != fingerprint:
-            raise ConfigError(f"{out} holds output cleaned from other inputs or settings ({path}); "
-                              f"use another --run or delete {out}")
+            stage.refuse(f"holds output cleaned from other inputs or settings ({path})",
+                         f"use another --run or delete {stage.out}")
         markers[m["chunk"]] = m
     return markers
 
@@ -316,8 +347,8 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
 # ----------------------------------------------------------------------------------------------
 # final pass: exact dedup across chunks, then stats.json
 
-def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[str], files, skipped) -> dict:
-    c = cfg.data.clean
+def _finalize(stage: Stage, chunks: list[Chunk], markers: dict, filters: list[str], files, skipped) -> dict:
+    c, out = stage.cfg.data.clean, stage.out
     ordered = [markers[ch.name] for ch in chunks]
     cross_docs = cross_bytes = 0
     if "dedup" in filters:
@@ -336,8 +367,7 @@ def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[s
         stats["bytes_out"] -= cross_bytes
     stats["dedup_across_chunks"] = cross_docs
     stats["shards"] = [s for m in ordered for s in m["shards"]]
-    save_config(cfg, fsio.join(out, "config.yaml"))
-    fsio.write_json(fsio.join(out, "stats.json"), stats)
+    stage.commit(stats)
     log.info("clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s", stats["docs_in"], stats["docs_out"],
              stats["bytes_in"] / 1e6, stats["bytes_out"] / 1e6, stats["drops_total"],
              ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none")

@@ -33,6 +33,7 @@ from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import zstandard
 
 from codex import fsio
 
@@ -196,8 +197,6 @@ class _ZstdReader(io.RawIOBase):
     EOF for a truncated frame and raises its own ZstdError for garbage."""
 
     def __init__(self, path: str, fh):
-        import zstandard
-
         self.path, self.fh, self._zstd = path, fh, zstandard
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
         self.pending = b""

@@ -35,13 +35,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from codex import fsio, rundir
-from codex.config import Config, ConfigError, save_config
+from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, encode_in_order, token_dtype
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches
 from pipeline.shard_manifest import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, build_manifest, existing_state,
                                      good_prefix, mismatch, remove_temp_files, shard_entry, shard_name)
+from pipeline.stage import Stage
+from pipeline.tokenizer import load_meta, load_tokenizer
 
 log = logging.getLogger("codex.shard")
 
@@ -214,8 +216,6 @@ def _validate(cfg: Config) -> None:
 
 
 def _load_tokenizer(tok_dir: str):
-    from pipeline.tokenizer import load_meta, load_tokenizer
-
     if not fsio.exists(fsio.join(tok_dir, "tokenizer.json")):
         raise ShardError(f"no tokenizer: {tok_dir}/tokenizer.json not found (run `codex data tokenize` first)")
     try:
@@ -271,41 +271,23 @@ def run_shard(cfg: Config) -> dict:
     """Tokenize RUN/clean into shards under cfg.data.shard.out (default RUN/shards); returns the manifest."""
     s = cfg.data.shard
     _validate(cfg)
-    out = s.out or rundir.shards_dir(cfg.run)
+    stage = Stage("codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError)
+    out = stage.out
     tok_dir = rundir.tokenizer_dir(cfg.run)
     tok, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats = ["npy", "parquet"] if s.format == "both" else [s.format]
-
-    # An existing manifest or progress file must come from the same settings: never mix two runs.
-    manifest_path, progress_path = fsio.join(out, MANIFEST), fsio.join(out, PROGRESS)
-    state = existing_state(out)
-    if state is not None:
-        diff = mismatch(state["settings"], settings)
-        if diff:
-            what = "another tokenizer" if any(d.startswith("tokenizer_sha256") for d in diff) else "other settings"
-            raise ShardError(f"{out} holds shards made with {what} ({'; '.join(diff)}); "
-                             f"remove {out} or pass another --out")
-    state = state if state and "splits" in state else {"settings": settings,
-                                                      "splits": {sp: [] for sp in SPLITS}}
-
-    # Keep the good prefix of each split; a damaged shard and everything after it are redone.
-    resume = {}
-    for sp in SPLITS:
-        groups = state["splits"][sp]
-        good = good_prefix(out, groups)
-        state["splits"][sp] = groups[:good]
-        resume[sp] = dict(groups[good - 1]["next"]) if good else {"doc": 0, "offset": 0}
+    state, resume = _resume_state(stage, settings)
+    progress_path = fsio.join(out, PROGRESS)
     complete = state.get("complete", {})
-    if fsio.exists(manifest_path) and all(complete.get(sp) == len(state["splits"][sp]) for sp in SPLITS):
+    if fsio.exists(stage.marker_path) and all(complete.get(sp) == len(state["splits"][sp]) for sp in SPLITS):
         log.info("shard: %s is complete and every shard matches its sha256; nothing to do", out)
-        return fsio.read_json(manifest_path)
+        return stage.finished()
     docs = scan_corpus(files, s.val_fraction)   # fails fast on an empty corpus or an empty val split
-    fsio.rm(manifest_path)  # un-commit: a damaged or unfinished output has no manifest
+    stage.start()   # a damaged or unfinished output has no manifest
     state["complete"] = {}
-    fsio.makedirs(out)
     remove_temp_files(out)
 
     def commit(split: str, entries: list[dict], nxt: dict) -> None:
@@ -316,21 +298,42 @@ def run_shard(cfg: Config) -> dict:
     writers = {sp: _SplitWriter(sp, out, s.shard_tokens, dtype, formats, commit, index=len(state["splits"][sp]),
                                 cursor=resume[sp]) for sp in SPLITS}
     encoder = Encoder(tok.to_str(), meta["special_ids"]["bos"], meta["special_ids"]["eos"], s.append_eos, dtype,
-                       s.chunk_chars)
+                      s.chunk_chars)
     _encode_corpus(files, encoder, tok, writers, resume, s.val_fraction, s.workers, docs)
     for sp in SPLITS:
         writers[sp].finish(docs[sp])
 
     manifest = build_manifest(state, meta, dtype, s, docs)
-    save_config(cfg, fsio.join(out, "config.yaml"))
     state["complete"] = {sp: len(state["splits"][sp]) for sp in SPLITS}
     fsio.write_json(progress_path, state)
-    fsio.with_retries(lambda: fsio.write_json(manifest_path, manifest), manifest_path)   # last: the commit marker
+    stage.commit(manifest)
     t = manifest["totals"]
     log.info("shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
              t["train"]["tokens"], t["train"]["documents"], t["train"]["shards"],
              t["val"]["tokens"], t["val"]["documents"], t["val"]["shards"], out)
     return manifest
+
+
+def _resume_state(stage: Stage, settings: dict) -> tuple[dict, dict]:
+    """(progress state, where each split resumes). An existing manifest or progress file must come
+    from the same settings (never mix two runs); the good prefix of each split is kept, and a
+    damaged shard and everything after it are redone."""
+    out = stage.out
+    state = existing_state(out)
+    if state is not None:
+        diff = mismatch(state["settings"], settings)
+        if diff:
+            what = "another tokenizer" if any(d.startswith("tokenizer_sha256") for d in diff) else "other settings"
+            stage.refuse(f"holds shards made with {what} ({'; '.join(diff)})", f"remove {out} or pass another --out")
+    if not state or "splits" not in state:
+        state = {"settings": settings, "splits": {sp: [] for sp in SPLITS}}
+    resume = {}
+    for sp in SPLITS:
+        groups = state["splits"][sp]
+        good = good_prefix(out, groups)
+        state["splits"][sp] = groups[:good]
+        resume[sp] = dict(groups[good - 1]["next"]) if good else {"doc": 0, "offset": 0}
+    return state, resume
 
 
 def _encode_corpus(files, encoder: Encoder, tok, writers: dict, resume: dict, val_fraction: float,
