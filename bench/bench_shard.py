@@ -75,7 +75,7 @@ def corpus_docs(target_bytes: int) -> list[str]:
 def build_run(run: Path, mb: float, vocab: int) -> None:
     if (run / "tokenizer" / "tokenizer_meta.json").exists():
         return
-    from pipeline.tokenizer import SPECIAL_IDS, train_tokenizer
+    from pipeline.bpe import SPECIAL_IDS, train_tokenizer
     import hashlib
 
     docs = corpus_docs(int(mb * 1e6))
