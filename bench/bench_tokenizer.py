@@ -11,7 +11,7 @@ Each contender runs in its own fresh process so its peak RSS (ru_maxrss) is its 
 - codex: the whole `run_tokenizer` (scan + hash pass, training, held-out compression, writes),
          once with the default trainer (rustbpe) and once with --trainer hf;
 - bare:  the same text already in a Python list, timing only `Tokenizer.train_from_iterator`
-         with the same pre-tokenizer/trainer settings (the issue's baseline for "our overhead");
+         with the same pre-tokenizer/trainer settings (the baseline that codex's overhead is measured against);
 - bare rustbpe: the same list, timing only `rustbpe.Tokenizer.train_from_iterator`;
 - spm:   `SentencePieceTrainer.train(model_type="bpe", byte_fallback=True)` on the text file,
          run with --spm-python (a venv with sentencepiece; default /work/benchenv-tok).

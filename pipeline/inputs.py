@@ -105,7 +105,7 @@ def input_files(cfg: Config) -> list[str]:
     if not inputs:
         return clean_parts(cfg.run)
     exts = TOKENIZER_TEXT_EXTENSIONS
-    kinds = ", ".join((".parquet",) + JSONL_SUFFIXES + tuple(exts))
+    suffixes = (".parquet",) + JSONL_SUFFIXES + tuple(exts)
     files: list[str] = []
     for spec in inputs:
         if any(ch in spec for ch in "*?["):
@@ -114,12 +114,12 @@ def input_files(cfg: Config) -> list[str]:
             found = [f for f in fsio.listdir(spec) if file_kind(f, exts) and not fsio.basename(f).startswith(".")]
         elif fsio.exists(spec):
             if not file_kind(spec, exts):
-                raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {kinds})")
+                raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {', '.join(suffixes)})")
             found = [spec]
         else:
             raise FileNotFoundError(f"data.tokenizer.inputs: {spec} does not exist")
         if not found:
-            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} matches no {'/'.join(kinds.split(', '))} files")
+            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} matches no {'/'.join(suffixes)} files")
         files += found
     return sorted(set(files))
 

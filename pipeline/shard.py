@@ -21,6 +21,10 @@ and hashed (cheap). The manifest is written only when every split is complete.
 
 Memory: one shard buffer per split (shard_tokens x 2 or 4 bytes) plus a few batches in flight,
 whatever the corpus size.
+
+Elsewhere: the encoding (pipeline/encode.py), the folder's file names, manifest and progress file
+(pipeline/shard_manifest.py), the checks of `codex data verify` (pipeline/verify.py), when the
+stage may skip or overwrite (pipeline/stage.py).
 """
 
 from __future__ import annotations
