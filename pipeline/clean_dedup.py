@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from codex import fsio
+from pipeline.readers import read_part
 
 _HASH_BUCKET_BYTES = 256 << 20     # memory for one bucket of the final dedup pass
 
@@ -50,12 +51,11 @@ def cross_chunk_duplicates(out: str, names: list[str], total: int) -> dict[str, 
     return drops
 
 
-def rewrite_without(out: str, shards: list[str], drop: dict[bytes, int], c) -> None:
+def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> None:
     """Rewrite the parts of one chunk without the rows whose text hash is in `drop` (idempotent)."""
-    for name in shards:
+    for name in parts:
         path = fsio.join(out, name)
-        with fsio.open(path, "rb") as fh:
-            table = pq.read_table(fh)
+        table = read_part(path)
         texts = table.column("text").to_pylist()
         keep = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts]
         if all(keep):

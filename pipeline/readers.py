@@ -2,6 +2,7 @@
 
     read_records(file, clean_cfg, report)  `codex data clean`, `codex eval --data`: records with
                                            bad input counted per file, never fatal
+    read_part(path)                        a cleaned part as a table (clean's final dedup pass)
     iter_text_batches(path)                `codex data tokenize`, `codex data shard`: lists of
                                            texts; bad input raises BadInputFile naming the file
 Which files to read is pipeline/inputs.py's business.
@@ -294,6 +295,12 @@ def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
                 else:
                     yield Record(f"{f.path}#{row}", text, len(text) if text.isascii() else len(text.encode("utf-8")))
                 row += 1
+
+
+def read_part(path: str) -> pa.Table:
+    """A whole cleaned parquet part, every column (clean's cross-chunk dedup rewrites it)."""
+    with fsio.open(path, "rb") as fh:
+        return pq.read_table(fh)
 
 
 # --- plain text batches (tokenize, shard) ----------------------------------------------------------
