@@ -75,7 +75,7 @@ def corpus_docs(target_bytes: int) -> list[str]:
 def build_run(run: Path, mb: float, vocab: int) -> None:
     if (run / "tokenizer" / "tokenizer_meta.json").exists():
         return
-    from pipeline.tokenizer import SPECIAL_IDS, train_tokenizer
+    from pipeline.bpe import SPECIAL_IDS, train_tokenizer
     import hashlib
 
     docs = corpus_docs(int(mb * 1e6))
@@ -105,7 +105,8 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
 
 def bare(run: Path, method: str) -> dict:
     """encode_batch over the documents already in memory, same batches and long-document cuts."""
-    from pipeline.shard import BATCH_CHARS, split_long_text
+    from pipeline.encode import split_long_text
+    from pipeline.shard import BATCH_CHARS
     from pipeline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(run / "tokenizer"))

@@ -11,7 +11,7 @@ Each contender runs in its own fresh process so its peak RSS (ru_maxrss) is its 
 - codex: the whole `run_tokenizer` (scan + hash pass, training, held-out compression, writes),
          once with the default trainer (rustbpe) and once with --trainer hf;
 - bare:  the same text already in a Python list, timing only `Tokenizer.train_from_iterator`
-         with the same pre-tokenizer/trainer settings (the baseline for "our overhead": what codex adds around the trainer);
+         with the same pre-tokenizer/trainer settings (the baseline that codex's overhead is measured against);
 - bare rustbpe: the same list, timing only `rustbpe.Tokenizer.train_from_iterator`;
 - spm:   `SentencePieceTrainer.train(model_type="bpe", byte_fallback=True)` on the text file,
          run with --spm-python (a venv with sentencepiece; default /work/benchenv-tok).
@@ -87,7 +87,7 @@ import glob, hashlib, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 from tokenizers import trainers, pre_tokenizers
-from pipeline.tokenizer import new_tokenizer, SPECIAL_TOKENS
+from pipeline.bpe import new_tokenizer, SPECIAL_TOKENS
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
@@ -111,7 +111,7 @@ import glob, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 import rustbpe
-from pipeline.tokenizer import SPLIT_PATTERN
+from pipeline.bpe import SPLIT_PATTERN
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
@@ -219,6 +219,12 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
 
+    results, hf = run_contenders(args, skip)
+    print_report(results, hf, args.codex_heldout)
+
+
+def run_contenders(args, skip: set) -> tuple[dict, dict | None]:
+    """Build the corpus, train every contender not skipped, each in its own process; (results, hf check)."""
     with tempfile.TemporaryDirectory(prefix="bench-tok-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -253,7 +259,10 @@ def main() -> None:
         if "hf" not in skip and "codex run_tokenizer" in results:
             hf = child(args.spm_python, HF_CHECK_CHILD.format(
                 path=str(tmp / "run-rustbpe" / "tokenizer" / "tokenizer.json"), held=str(held)))
+    return results, hf
 
+
+def print_report(results: dict, hf: dict | None, codex_heldout: int) -> None:
     base = results.get("bare tokenizers.train_from_iterator", {}).get("seconds")
     print()
     base_cpu = results.get("bare tokenizers.train_from_iterator", {}).get("cpu_s")
@@ -272,7 +281,7 @@ def main() -> None:
     if hf_name in results and base:
         same = results[hf_name]["sha256"] == results["bare tokenizers.train_from_iterator"]["sha256"]
         print(f"codex --trainer hf tokenizer.json identical to bare tokenizers (sha256): {same}"
-              + ("" if args.codex_heldout == 0 else " (expected False: codex held documents out)"))
+              + ("" if codex_heldout == 0 else " (expected False: codex held documents out)"))
     if "sentencepiece bpe" in results and "codex run_tokenizer" in results:
         r = results["codex run_tokenizer"]["seconds"] / results["sentencepiece bpe"]["seconds"]
         print(f"codex (default trainer) / sentencepiece wall time: {r:.2f}")

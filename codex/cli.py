@@ -238,7 +238,7 @@ def data_verify(run_dir, run, config_file, overrides, out):
         raise UserError(f"two run directories: RUN={run_dir} and --run {run}; give one")
     cfg = make_config(run_dir or run, config_file, overrides, {"data.shard.out": out})
     from codex import rundir
-    from pipeline.shard import verify_shards
+    from pipeline.verify import verify_shards
 
     shards = cfg.data.shard.out or rundir.shards_dir(cfg.run)
     problems = verify_shards(shards, rundir.tokenizer_dir(cfg.run))

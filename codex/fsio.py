@@ -13,10 +13,13 @@ STORAGE_EMULATOR_HOST (see tests/conftest.py); nothing here knows about the emul
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import posixpath
 import tempfile
+import time
 from typing import IO, Iterator
 
 import fsspec
@@ -25,6 +28,10 @@ import fsspec
 # speak it (the emulator, some proxies); the probe only matters for zonal/HNS buckets. gcsfs reads
 # this at import time, so it is set before anything imports gcsfs. setdefault: the user may opt in.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+log = logging.getLogger("codex.fsio")
+
+RETRIES = 5   # attempts for a remote write hitting a transient error
 
 
 def is_remote(path: str) -> bool:
@@ -214,6 +221,66 @@ def download(remote_path: str, local_path: str) -> None:
     with open(remote_path, "rb") as src, atomic_open(local_path, "wb") as dst:
         while chunk := src.read(8 << 20):
             dst.write(chunk)
+
+
+# --- retries and hashing ---------------------------------------------------------------------------
+
+def _is_transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    code = getattr(e, "code", None) or getattr(e, "status", None)
+    if isinstance(code, int):
+        return code == 429 or code == 408 or code >= 500
+    return type(e).__module__.startswith(("aiohttp", "requests", "urllib3"))
+
+
+def with_retries(fn, what: str, attempts: int = RETRIES):
+    """fn() with exponential backoff on transient (network/5xx/429) errors; anything else raises."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as e:
+            if i == attempts - 1 or not _is_transient(e):
+                raise
+            wait = min(2.0**i, 30.0)
+            log.warning("%s: transient error (%s: %s); retry %d/%d in %.0fs", what, type(e).__name__, e,
+                        i + 1, attempts - 1, wait)
+            time.sleep(wait)
+
+
+class HashingWriter:
+    """File-like that hashes what passes through (np.save writes in chunks, no full copy)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+
+class HashingReader:
+    """File-like that hashes what is read through it (a shard is checked in one streaming pass)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.f.read(n)
+        self.sha.update(b)
+        self.n += len(b)
+        return b
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 import builtins as _builtins  # noqa: E402

@@ -5,7 +5,7 @@
                                                                      + hashes/TTTTT-CCCCC.npy
                                                                      + markers/TTTTT-CCCCC.json  (last)
     all chunks done --> cross-chunk dedup over the hash files --> rewrite affected shards
-                    --> stats.json, config.yaml (last)
+                    --> config.yaml, stats.json (last)
 
 Units of work: a chunk (consecutive files of one task, about chunk_bytes of input) is processed by
 one worker start to finish and writes its own shards, so 1 or N workers give byte-identical output
@@ -30,9 +30,7 @@ the job does not look successful.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
-import io
 import json
 import logging
 import multiprocessing as mp
@@ -43,20 +41,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codex import fsio
-from codex.config import ConfigError, save_config
+from codex import fsio, rundir
+from codex.config import ConfigError
 from codex.progress import Progress, setup_logging
-from codex.rundir import clean_dir
+from pipeline.clean_dedup import cross_chunk_duplicates, rewrite_without
+from pipeline.clean_stats import drop_fix, nothing_kept, summarize, top_drop
 from pipeline.filters import Doc, active_filters, apply_filters, normalize
-from pipeline.readers import BadInputFile, FileReport, InputFile, Record, list_inputs, read_records
+from pipeline.inputs import list_inputs, ls_matching
+from pipeline.part_writer import PartWriter
+from pipeline.readers import BadInputFile, FileReport, InputFile, Record, read_records
+from pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
 
 # Settings that change what is written (part of the plan fingerprint); others (workers,
 # task_index) only change how it is computed.
 _RUNTIME_KEYS = ("workers", "task_index")
-_MAX_ROW_GROUP_BYTES = 256 << 20   # a row group is cut early only if its text would exceed this
-_HASH_BUCKET_BYTES = 256 << 20     # memory for one bucket of the final dedup pass
 
 
 class CleanError(RuntimeError):
@@ -98,72 +98,6 @@ def _fingerprint(c, files: list[InputFile]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# writing parquet shards
-
-class ShardWriter:
-    """Streams rows into prefix-000.parquet, prefix-001.parquet, ... (docs_per_shard rows each,
-    zstd, row groups of row_group_size rows), each file written atomically."""
-
-    def __init__(self, out_dir: str, prefix: str, docs_per_shard: int, row_group_size: int, with_reason: bool = False):
-        import pyarrow as pa
-
-        self.out_dir, self.prefix = out_dir, prefix
-        self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
-        cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
-        self.schema = pa.schema(cols + ([("reason", pa.string())] if with_reason else []))
-        self.rows: list[list] = [[] for _ in self.schema.names]
-        self.row_bytes = 0
-        self.shards: list[str] = []
-        self._ctx = self._writer = None
-        self._in_shard = 0
-
-    def add(self, *values: str) -> None:
-        for col, v in zip(self.rows, values):
-            col.append(v)
-        self.row_bytes += len(values[0])
-        if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        while self.rows[0]:
-            if self._writer is None:
-                name = f"{self.prefix}-{len(self.shards):03d}.parquet"
-                self.shards.append(name)
-                self._ctx = fsio.atomic_open(fsio.join(self.out_dir, name), "wb")
-                self._writer = pq.ParquetWriter(self._ctx.__enter__(), self.schema, compression="zstd")
-                self._in_shard = 0
-            take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
-            table = pa.table([col[:take] for col in self.rows], schema=self.schema)
-            self._writer.write_table(table, row_group_size=self.row_group_size)
-            self.rows = [col[take:] for col in self.rows]
-            self._in_shard += take
-            if self._in_shard >= self.docs_per_shard:
-                self._close_shard()
-        self.row_bytes = 0
-
-    def _close_shard(self) -> None:
-        self._writer.close()
-        self._ctx.__exit__(None, None, None)
-        self._writer = self._ctx = None
-
-    def close(self) -> list[str]:
-        self._flush()
-        if self._writer is not None:
-            self._close_shard()
-        return self.shards
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            finally:
-                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)   # removes the temp file
-
-
-# ----------------------------------------------------------------------------------------------
 # one chunk (runs in a worker process)
 
 _progress_queue = None
@@ -179,82 +113,102 @@ def _init_worker(q, parent_pid: int) -> None:
 def _remove_chunk_outputs(out: str, name: str) -> None:
     """Delete what an interrupted earlier attempt at this chunk may have left (stale shard counts)."""
     for sub, pattern in (("", f"part-{name}-*.parquet"), ("rejected", f"part-{name}-*.parquet"), ("hashes", f"{name}.npy")):
-        for path in _ls(fsio.join(out, sub) if sub else out, pattern):
+        for path in ls_matching(fsio.join(out, sub) if sub else out, pattern):
             fsio.rm(path)
 
 
-def _ls(folder: str, pattern: str) -> list[str]:
-    """Paths in `folder` whose name matches `pattern`; [] when there is none (fsio.glob fails on
-    an empty remote match)."""
-    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(fsio.basename(p), pattern)]
+@dataclass
+class _ChunkCleaner:
+    """One chunk's running state: its part writers, the hashes of kept documents, counters."""
+
+    c: object                          # CleanConfig
+    filters: list[str]
+    writer: PartWriter
+    rejected: PartWriter | None
+    report_progress: object = None
+    seen: set = dataclasses.field(default_factory=set)
+    hashes: bytearray = dataclasses.field(default_factory=bytearray)   # 16-byte hash + 8-byte length each
+    stats: dict = dataclasses.field(default_factory=lambda: {"docs_in": 0, "bytes_in": 0, "docs_kept": 0,
+                                                             "bytes_kept": 0, "drops": {}})
+    pending_docs: int = 0
+    pending_bytes: int = 0
+    last_report: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def clean_file(self, f: InputFile) -> FileReport:
+        """Clean every record of one file; a file that cannot be read is reported, not raised."""
+        report = FileReport(f.path)
+        try:
+            for rec in read_records(f, self.c, report):
+                report.records += 1
+                self.stats["docs_in"] += 1
+                self.stats["bytes_in"] += rec.nbytes
+                self.pending_docs += 1
+                self.pending_bytes += rec.nbytes
+                self._clean_record(rec, f.path, report)
+                self._maybe_report_progress()
+        except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
+            report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
+            if f.path not in report.error:
+                report.error = f"{f.path}: {report.error}"
+            log.error("clean: file failed, continuing with the others: %s", report.error)
+        return report
+
+    def _clean_record(self, rec: Record, source: str, report: FileReport) -> None:
+        if rec.text is None:
+            self._drop("length:too_long", rec, "", source)
+            return
+        text, nuls = normalize(rec.text)
+        report.nul_chars += nuls
+        doc = Doc(text)
+        reason = apply_filters(doc, self.c, self.filters)
+        if reason is not None:
+            self._drop(reason, rec, doc.text, source)
+            return
+        data = doc.text.encode("utf-8")
+        if "dedup" in self.filters:
+            h = hashlib.blake2b(data, digest_size=16).digest()
+            if h in self.seen:
+                self._drop("dedup:duplicate", rec, doc.text, source)
+                return
+            self.seen.add(h)
+            self.hashes += h + len(data).to_bytes(8, "little")
+        self.writer.add(doc.text, rec.id, source)
+        self.stats["docs_kept"] += 1
+        self.stats["bytes_kept"] += len(data)
+
+    def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
+        self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
+        if self.rejected is not None:
+            self.rejected.add(text, rec.id, source, reason)
+
+    def _maybe_report_progress(self) -> None:
+        if self.pending_docs >= 256:
+            now = time.perf_counter()
+            if now - self.last_report > 0.5:
+                self.flush_progress()
+                self.last_report = now
+
+    def flush_progress(self) -> None:
+        _send_progress(self.report_progress, self.pending_docs, self.pending_bytes)
+        self.pending_docs = self.pending_bytes = 0
 
 
 def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None) -> dict:
-    """Clean one chunk; write its shards, its hash file, then its marker. Returns the marker."""
+    """Clean one chunk; write its parts, its hash file, then its marker. Returns the marker."""
     _remove_chunk_outputs(out, chunk.name)
-    dedup = "dedup" in filters
-    writer = ShardWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
-    rejected = ShardWriter(fsio.join(out, "rejected"), f"part-{chunk.name}", c.docs_per_shard, c.row_group_size,
-                           with_reason=True) if c.keep_rejected else None
-    seen: set[bytes] = set()
-    hashes = bytearray()       # 16-byte hash + 8-byte length per kept document
-    stats = {"docs_in": 0, "bytes_in": 0, "docs_kept": 0, "bytes_kept": 0, "drops": {}}
+    writer = PartWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
+    rejected = PartWriter(fsio.join(out, "rejected"), f"part-{chunk.name}", c.docs_per_shard, c.row_group_size,
+                          with_reason=True) if c.keep_rejected else None
+    state = _ChunkCleaner(c, filters, writer, rejected, report_progress)
     reports: list[dict] = []
-    pending_docs = pending_bytes = 0
-    last_report = time.perf_counter()
-
-    def drop(reason: str, rec: Record, text: str, source: str) -> None:
-        stats["drops"][reason] = stats["drops"].get(reason, 0) + 1
-        if rejected is not None:
-            rejected.add(text, rec.id, source, reason)
-
     try:
         for f in chunk.files:
-            report = FileReport(f.path)
-            try:
-                for rec in read_records(f, c, report):
-                    report.records += 1
-                    stats["docs_in"] += 1
-                    stats["bytes_in"] += rec.nbytes
-                    pending_docs += 1
-                    pending_bytes += rec.nbytes
-                    if rec.text is None:
-                        drop("length:too_long", rec, "", f.path)
-                        continue
-                    text, nuls = normalize(rec.text)
-                    report.nul_chars += nuls
-                    doc = Doc(text)
-                    reason = apply_filters(doc, c, filters)
-                    if reason is not None:
-                        drop(reason, rec, doc.text, f.path)
-                        continue
-                    data = doc.text.encode("utf-8")
-                    if dedup:
-                        h = hashlib.blake2b(data, digest_size=16).digest()
-                        if h in seen:
-                            drop("dedup:duplicate", rec, doc.text, f.path)
-                            continue
-                        seen.add(h)
-                        hashes += h + len(data).to_bytes(8, "little")
-                    writer.add(doc.text, rec.id, f.path)
-                    stats["docs_kept"] += 1
-                    stats["bytes_kept"] += len(data)
-                    if pending_docs >= 256:
-                        now = time.perf_counter()
-                        if now - last_report > 0.5:
-                            _send_progress(report_progress, pending_docs, pending_bytes)
-                            pending_docs = pending_bytes = 0
-                            last_report = now
-            except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
-                report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
-                if f.path not in report.error:
-                    report.error = f"{f.path}: {report.error}"
-                log.error("clean: file failed, continuing with the others: %s", report.error)
+            report = state.clean_file(f)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
                 if not report.error:   # empty files are common (__init__.py): summarised at the end instead
                     (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, report.describe())
-        shards = writer.close()
+        parts = writer.close()
         if rejected is not None:
             rejected.close()
     except BaseException:
@@ -262,12 +216,12 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
         if rejected is not None:
             rejected.abort()
         raise
-    _send_progress(report_progress, pending_docs, pending_bytes)
-    if dedup:
+    state.flush_progress()
+    if "dedup" in filters:
         with fsio.atomic_open(fsio.join(out, "hashes", f"{chunk.name}.npy"), "wb") as fh:
-            np.save(fh, np.frombuffer(bytes(hashes), dtype=np.uint64).reshape(-1, 3))
-    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": shards,
-              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **stats}
+            np.save(fh, np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3))
+    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": parts,
+              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **state.stats}
     fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)   # last: the chunk is done
     return marker
 
@@ -301,7 +255,9 @@ def run_clean(cfg) -> dict:
     if not c.inputs:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH")
     filters = active_filters(c)
-    out = clean_dir(cfg.run)
+    stage = Stage("codex data clean", cfg, rundir.clean_dir(cfg.run), "stats.json",
+                  later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)))
+    out = stage.out
     try:
         files, skipped = list_inputs(c.inputs, c.text_extensions)
     except BadInputFile as e:
@@ -310,96 +266,42 @@ def run_clean(cfg) -> dict:
         raise ConfigError(f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})")
     fingerprint = _fingerprint(c, files)
     chunks = plan_chunks(files, c.num_tasks, c.chunk_bytes)
-    markers = _read_markers(out, fingerprint)
+    markers = _read_markers(stage, fingerprint)
     mine = [ch for ch in chunks if ch.task == c.task_index]
     todo = [ch for ch in mine if ch.name not in markers or markers[ch.name]["failed"]]
     log.info("clean: %d files (%.1f MB), %d skipped (unsupported type); task %d/%d: %d chunks, %d to do; filters: %s",
              len(files), sum(f.size for f in files) / 1e6, len(skipped), c.task_index, c.num_tasks, len(mine),
              len(todo), ", ".join(filters))
+    if todo:   # the corpus changes: not under a tokenizer made from it, and not "finished" meanwhile
+        stage.refuse_if_built_on(f"would be re-cleaned ({len(todo)} chunks without a finished marker)")
+        stage.start()
     fsio.makedirs(out)
     for m in _process(todo, c, out, filters, fingerprint):
         markers[m["chunk"]] = m
     if all(ch.name in markers for ch in chunks):
-        stats = _finalize(cfg, chunks, markers, out, filters, files, skipped)
+        stats = _finalize(stage, chunks, markers, filters, files, skipped)
     else:
         waiting = sorted({ch.task for ch in chunks if ch.name not in markers})
         log.info("clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
                  c.task_index, waiting)
-        stats = _summarize([markers[ch.name] for ch in mine], filters, files, skipped)
+        stats = summarize([markers[ch.name] for ch in mine], filters, files, skipped)
     failed = stats["bad_input"]["failed_files"]
     if failed:
         raise CleanError(f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
                          + "; ".join(f["error"] for f in failed[:3]))
     if "shards" in stats and stats["docs_out"] == 0:
-        raise CleanError(f"clean kept no documents ({_nothing_kept(stats)}); outputs left in {out} for "
+        raise CleanError(f"clean kept no documents ({nothing_kept(stats)}); outputs left in {out} for "
                          "inspection: rerun with the fix and a new --run, or delete that folder first")
     return stats
 
 
-def _top_drop(stats: dict) -> tuple[str, str, int] | None:
-    """(filter, reason, documents) of the rule that dropped the most documents."""
-    rows = [(flt, reason, n) for flt, reasons in stats["drops"].items() for reason, n in reasons.items()]
-    return max(rows, key=lambda r: r[2]) if rows else None
-
-
-def _drop_fix(flt: str, reason: str) -> str:
-    """How to stop one rule from dropping a document."""
-    if (flt, reason) == ("length", "too_long"):
-        return ("a text file is one document unless split: pass --txt-delimiter '\\n\\n' (blank lines), "
-                "or raise data.clean.length.max_chars / data.clean.max_record_bytes")
-    if flt == "dedup":
-        return "the documents are exact copies of each other"
-    return (f"switch that filter off with --set data.clean.{flt}.enabled=false, or use --preset code "
-            "for source code")
-
-
-def _nothing_kept(stats: dict) -> str:
-    top = _top_drop(stats)
-    if stats["docs_in"] == 0 or top is None:
-        malformed = stats["bad_input"]["malformed_lines"]
-        hint = (f"{malformed['count']} malformed lines, first: {malformed['first'][0]['lines'][0]}; "
-                "choose the field with --text-field" if malformed["count"] else "the input files hold no text")
-        return f"no document was read ({hint})"
-    flt, reason, n = top
-    return f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; fix: {_drop_fix(flt, reason)}"
-
-
-def finished_files(clean: str) -> list[str]:
-    """The cleaned parquet files listed by a finished clean (RUN/clean/stats.json), for tokenize and
-    shard. A clean that is unfinished, had failed input files or kept nothing is refused: training
-    on a partial corpus without a word is worse than stopping."""
-    stats_path = fsio.join(clean, "stats.json")
-    if not fsio.exists(stats_path):
-        partial = bool(_ls(clean, "part-*.parquet"))
-        raise FileNotFoundError(f"{stats_path} not found: " + (
-            "`codex data clean` has not finished (tasks still running, killed or failed); finish it first"
-            if partial else "run `codex data clean` first"))
-    stats = fsio.read_json(stats_path)
-    failed = stats.get("bad_input", {}).get("failed_files") or []
-    if failed:
-        raise ValueError(f"{stats_path}: clean did not finish: {len(failed)} input file(s) failed and are missing "
-                         f"from the corpus ({'; '.join(f['error'] for f in failed[:3])}); fix or remove them and rerun "
-                         "`codex data clean` (only their chunks are redone)")
-    shards = stats.get("shards")
-    if not isinstance(shards, list):
-        raise ValueError(f"{stats_path}: no 'shards' list (not written by `codex data clean`)")
-    if not shards:
-        raise ValueError(f"{stats_path}: clean kept no documents ({_nothing_kept(stats)})")
-    present = {fsio.basename(p) for p in _ls(clean, "part-*.parquet")}
-    missing = [name for name in shards if name not in present]
-    if missing:
-        raise FileNotFoundError(f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
-                                f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run")
-    return sorted(fsio.join(clean, name) for name in shards)
-
-
-def _read_markers(out: str, fingerprint: str) -> dict[str, dict]:
+def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
     markers = {}
-    for path in _ls(fsio.join(out, "markers"), "*.json"):
+    for path in ls_matching(fsio.join(stage.out, "markers"), "*.json"):
         m = fsio.read_json(path)
         if m.get("fingerprint") != fingerprint:
-            raise ConfigError(f"{out} holds output cleaned from other inputs or settings ({path}); "
-                              f"use another --run or delete {out}")
+            stage.refuse(f"holds output cleaned from other inputs or settings ({path})",
+                         f"use another --run or delete {stage.out}")
         markers[m["chunk"]] = m
     return markers
 
@@ -445,18 +347,18 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
 # ----------------------------------------------------------------------------------------------
 # final pass: exact dedup across chunks, then stats.json
 
-def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[str], files, skipped) -> dict:
-    c = cfg.data.clean
+def _finalize(stage: Stage, chunks: list[Chunk], markers: dict, filters: list[str], files, skipped) -> dict:
+    c, out = stage.cfg.data.clean, stage.out
     ordered = [markers[ch.name] for ch in chunks]
     cross_docs = cross_bytes = 0
     if "dedup" in filters:
-        drops = _cross_chunk_duplicates(out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered))
+        drops = cross_chunk_duplicates(out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered))
         for ch in chunks:
             if ch.name in drops:
                 cross_docs += len(drops[ch.name])
                 cross_bytes += sum(drops[ch.name].values())
-                _rewrite_without(out, markers[ch.name]["shards"], drops[ch.name], c)
-    stats = _summarize(ordered, filters, files, skipped)
+                rewrite_without(out, markers[ch.name]["shards"], drops[ch.name], c)
+    stats = summarize(ordered, filters, files, skipped)
     if cross_docs:
         stats["drops"].setdefault("dedup", {}).setdefault("duplicate", 0)
         stats["drops"]["dedup"]["duplicate"] += cross_docs
@@ -465,8 +367,7 @@ def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[s
         stats["bytes_out"] -= cross_bytes
     stats["dedup_across_chunks"] = cross_docs
     stats["shards"] = [s for m in ordered for s in m["shards"]]
-    save_config(cfg, fsio.join(out, "config.yaml"))
-    fsio.write_json(fsio.join(out, "stats.json"), stats)
+    stage.commit(stats)
     log.info("clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s", stats["docs_in"], stats["docs_out"],
              stats["bytes_in"] / 1e6, stats["bytes_out"] / 1e6, stats["drops_total"],
              ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none")
@@ -478,96 +379,10 @@ def _finalize(cfg, chunks: list[Chunk], markers: dict, out: str, filters: list[s
         summary.append(f"{len(bad['failed_files'])} failed files")
     if summary:
         log.warning("clean: bad input (details in stats.json): %s", ", ".join(summary))
-    top = _top_drop(stats)
+    top = top_drop(stats)
     if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
         log.warning("clean: %s:%s dropped %d of %d documents (%.0f%%); if that is wrong for this corpus, %s",
-                    top[0], top[1], top[2], stats["docs_in"], 100 * top[2] / stats["docs_in"], _drop_fix(top[0], top[1]))
+                    top[0], top[1], top[2], stats["docs_in"], 100 * top[2] / stats["docs_in"], drop_fix(top[0], top[1]))
     return stats
 
 
-def _cross_chunk_duplicates(out: str, names: list[str], total: int) -> dict[str, dict[bytes, int]]:
-    """{chunk: {hash: nbytes}} of documents whose first copy is in an earlier chunk.
-
-    Hashes are grouped in buckets (by hash value mod B) so that one bucket of all chunks fits in
-    _HASH_BUCKET_BYTES; each bucket reads every hash file once.
-    """
-    buckets = max(1, -(-total * 40 // _HASH_BUCKET_BYTES))
-    drops: dict[str, dict[bytes, int]] = {}
-    for b in range(buckets):
-        parts, owners = [], []
-        for i, name in enumerate(names):
-            with fsio.open(fsio.join(out, "hashes", f"{name}.npy"), "rb") as fh:
-                h = np.load(io.BytesIO(fh.read()))
-            if buckets > 1:
-                h = h[h[:, 0] % buckets == b]
-            parts.append(h)
-            owners.append(np.full(len(h), i, dtype=np.int64))
-        if not parts:
-            continue
-        h = np.concatenate(parts)
-        owner = np.concatenate(owners)
-        order = np.lexsort((owner, h[:, 1], h[:, 0]))   # by hash, then chunk order
-        hs, ow = h[order], owner[order]
-        repeat = np.zeros(len(hs), dtype=bool)
-        repeat[1:] = (hs[1:, 0] == hs[:-1, 0]) & (hs[1:, 1] == hs[:-1, 1])
-        for row, i in zip(hs[repeat], ow[repeat]):
-            drops.setdefault(names[i], {})[row[:2].tobytes()] = int(row[2])
-    return drops
-
-
-def _rewrite_without(out: str, shards: list[str], drop: dict[bytes, int], c) -> None:
-    """Rewrite the shards of one chunk without the rows whose text hash is in `drop` (idempotent)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for name in shards:
-        path = fsio.join(out, name)
-        with fsio.open(path, "rb") as fh:
-            table = pq.read_table(fh)
-        texts = table.column("text").to_pylist()
-        keep = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts]
-        if all(keep):
-            continue
-        if c.keep_rejected:
-            gone = table.filter(pa.array([not k for k in keep]))
-            gone = gone.append_column("reason", pa.array(["dedup:duplicate"] * len(gone), pa.string()))
-            with fsio.atomic_open(fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb") as fh:
-                pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
-        with fsio.atomic_open(path, "wb") as fh:
-            pq.write_table(table.filter(pa.array(keep)), fh, compression="zstd", row_group_size=c.row_group_size)
-
-
-def _summarize(ms: list[dict], filters: list[str], files: list[InputFile], skipped: list[str]) -> dict:
-    drops: dict[str, dict[str, int]] = {}
-    for m in ms:
-        for key, n in m["drops"].items():
-            flt, reason = key.split(":", 1)
-            drops.setdefault(flt, {})
-            drops[flt][reason] = drops[flt].get(reason, 0) + n
-    bad = [r for m in ms for r in m["bad_files"]]
-
-    def files_with(key):
-        hit = [r for r in bad if r[key]]
-        return {"files": len(hit), "count": sum(int(r[key]) for r in hit), "first_files": [r["path"] for r in hit[:20]]}
-
-    return {
-        "docs_in": sum(m["docs_in"] for m in ms), "bytes_in": sum(m["bytes_in"] for m in ms),
-        "docs_out": sum(m["docs_kept"] for m in ms), "bytes_out": sum(m["bytes_kept"] for m in ms),
-        "drops_total": sum(sum(v.values()) for v in drops.values()),
-        "drops": drops,   # filter -> reason -> documents
-        "filters": filters,
-        "files": {"inputs": len(files), "skipped_unsupported": len(skipped), "first_skipped": skipped[:20]},
-        "bad_input": {
-            "failed_files": [{"path": r["path"], "error": r["error"]} for r in bad if r["error"]],
-            "empty_files": files_with("empty"),
-            "invalid_utf8_records": files_with("invalid_utf8_records"),
-            "nul_chars": files_with("nul_chars"),
-            "oversized_records": files_with("oversized_records"),
-            "null_values": files_with("null_values"),
-            "malformed_lines": {"files": sum(1 for r in bad if r["malformed_lines"]),
-                                "count": sum(r["malformed_lines"] for r in bad),
-                                "first": [{"path": r["path"], "lines": r["malformed_first"]}
-                                          for r in bad if r["malformed_lines"]][:20]},
-        },
-        "chunks": len(ms),
-    }

@@ -1,4 +1,11 @@
-"""Streaming readers for `codex data clean`: find the input files, then yield their records.
+"""The one place codex opens input documents: streaming readers for every data stage.
+
+    read_records(file, clean_cfg, report)  `codex data clean`, `codex eval --data`: records with
+                                           bad input counted per file, never fatal
+    read_part(path)                        a cleaned part as a table (clean's final dedup pass)
+    iter_text_batches(path)                `codex data tokenize`, `codex data shard`: lists of
+                                           texts; bad input raises BadInputFile naming the file
+Which files to read is pipeline/inputs.py's business.
 
 Formats (by file name):
   text  (.txt and `data.clean.text_extensions`, e.g. .py): one document per file, or split on
@@ -22,9 +29,12 @@ import gzip
 import io
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
 
 from codex import fsio
 
@@ -32,6 +42,7 @@ log = logging.getLogger("codex.clean")
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 FIRST_N = 5   # how many malformed line numbers a report keeps
+READ_BATCH_ROWS = 1024   # parquet rows / jsonl lines per batch of iter_text_batches
 
 
 class BadInputFile(ValueError):
@@ -87,74 +98,6 @@ class FileReport:
         if self.null_values:
             parts.append(f"{self.null_values} null values skipped")
         return ", ".join(parts)
-
-
-def file_kind(path: str, text_extensions: list[str]) -> str | None:
-    name = path.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if any(name.endswith(ext.lower()) for ext in text_extensions):
-        return "text"
-    return None
-
-
-def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[InputFile], list[str]]:
-    """Expand paths, globs and directories into (files sorted by path, skipped paths).
-
-    Inside directories and globs, files of other types are skipped (and listed). An explicitly
-    named file of an unknown type or a missing path is an error; a glob that matches nothing is
-    logged (the stage fails if no input file is found at all).
-    """
-    found: dict[str, InputFile] = {}
-    skipped: list[str] = []
-
-    def add(path: str, size: int, explicit: bool) -> None:
-        kind = file_kind(path, text_extensions)
-        if kind is None:
-            if explicit:
-                raise BadInputFile(f"{path}: unsupported file type (want .jsonl[.gz|.zst], .parquet or a text "
-                                   f"extension in data.clean.text_extensions: {' '.join(text_extensions)})")
-            skipped.append(path)
-        else:
-            found[path] = InputFile(path, size, kind)
-
-    for spec in inputs:
-        fs, p = _filesystem(spec)
-        if any(c in spec for c in "*?["):
-            matches = fs.glob(p, detail=True)
-            if not matches:   # not an error by itself (a job may glob optional parts); no files at all is
-                log.warning("clean: %s matches no files", spec)
-            entries = [(name, info) for name, info in matches.items()]
-        elif fs.isdir(p):
-            entries = list(fs.find(p, detail=True).items())
-        else:
-            try:
-                info = fs.info(p)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{spec}: no such file or directory") from None
-            add(fsio._url(fs, p, spec), int(info.get("size") or 0), explicit=True)
-            continue
-        for name, info in entries:
-            if info.get("type") == "directory":
-                for sub, subinfo in fs.find(name, detail=True).items():
-                    add(fsio._url(fs, sub, spec), int(subinfo.get("size") or 0), explicit=False)
-            else:
-                add(fsio._url(fs, name, spec), int(info.get("size") or 0), explicit=False)
-    return [found[k] for k in sorted(found)], sorted(skipped)
-
-
-def _filesystem(spec: str):
-    """fsio.filesystem, but for a glob resolve the filesystem from the part before the wildcard
-    (fsspec expands a remote glob while resolving it and fails when nothing matches)."""
-    if not any(c in spec for c in "*?["):
-        return fsio.filesystem(spec)
-    head = spec[:min(spec.index(c) for c in "*?[" if c in spec)]
-    fs, head_path = fsio.filesystem(head or ".")
-    if fsio.is_remote(spec):
-        return fs, fs._strip_protocol(spec)
-    return fs, os.path.abspath(spec)
 
 
 def _decode(raw: bytes, report: FileReport) -> str:
@@ -255,8 +198,6 @@ class _ZstdReader(io.RawIOBase):
     EOF for a truncated frame and raises its own ZstdError for garbage."""
 
     def __init__(self, path: str, fh):
-        import zstandard
-
         self.path, self.fh, self._zstd = path, fh, zstandard
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
         self.pending = b""
@@ -334,9 +275,6 @@ def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
 
 
 def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     col = cfg.text_column
     with fsio.open(f.path, "rb") as fh:
         pf = pq.ParquetFile(fh)
@@ -357,3 +295,61 @@ def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
                 else:
                     yield Record(f"{f.path}#{row}", text, len(text) if text.isascii() else len(text.encode("utf-8")))
                 row += 1
+
+
+def read_part(path: str) -> pa.Table:
+    """A whole cleaned parquet part, every column (clean's cross-chunk dedup rewrites it)."""
+    with fsio.open(path, "rb") as fh:
+        return pq.read_table(fh)
+
+
+# --- plain text batches (tokenize, shard) ----------------------------------------------------------
+
+def iter_text_batches(path: str, text_field: str = "text", text_column: str = "text",
+                      batch_rows: int = READ_BATCH_ROWS) -> Iterator[list]:
+    """Lists of document texts (None for a null row or value) in file order: .parquet (column
+    `text_column`), .jsonl[.gz|.zst] (field `text_field`), anything else = one UTF-8 document.
+    Unlike read_records, bad input stops here: these stages must not train on part of a file."""
+    if path.lower().endswith(".parquet"):
+        yield from _parquet_texts(path, text_column, batch_rows)
+    elif path.lower().endswith(JSONL_SUFFIXES):
+        yield from _jsonl_texts(path, text_field, batch_rows)
+    else:
+        try:
+            yield [fsio.read_bytes(path).decode("utf-8")]
+        except UnicodeDecodeError as e:
+            raise BadInputFile(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def _parquet_texts(path: str, column: str, batch_rows: int) -> Iterator[list]:
+    with fsio.open(path, "rb") as fh:
+        try:
+            pf = pq.ParquetFile(fh)
+        except Exception as e:
+            raise BadInputFile(f"{path}: not a readable parquet file ({e})") from None
+        if column not in pf.schema_arrow.names:
+            raise BadInputFile(f"{path}: no '{column}' column (columns: {', '.join(pf.schema_arrow.names)})")
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[column]):
+            yield batch.column(0).to_pylist()
+
+
+def _jsonl_texts(path: str, key: str, batch_rows: int) -> Iterator[list]:
+    batch: list = []
+    with fsio.open(path, "rb", compression="infer") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[key]
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadInputFile(f"{path}:{lineno}: not valid JSON ({e})") from None
+            except (KeyError, TypeError):
+                raise BadInputFile(f"{path}:{lineno}: no '{key}' field") from None
+            if text is not None and not isinstance(text, str):
+                raise BadInputFile(f"{path}:{lineno}: '{key}' is {type(text).__name__}, not a string")
+            batch.append(text)
+            if len(batch) >= batch_rows:
+                yield batch
+                batch = []
+    if batch:
+        yield batch

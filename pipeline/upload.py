@@ -20,8 +20,8 @@ import os
 import re
 
 from codex import fsio
+from codex.config import ConfigError
 from codex.progress import Progress
-from pipeline.shard import ShardError, with_retries
 
 log = logging.getLogger("codex.upload")
 
@@ -91,12 +91,12 @@ def upload_run(local_run: str, remote: str) -> dict:
     """Copy every file under local_run to remote (any fsspec URL), verifying size + checksum of each
     object after upload. Returns counts; raises naming the objects that still differ."""
     if fsio.is_remote(local_run):
-        raise ShardError(f"upload: {local_run} must be a local directory (the source of the copy)")
+        raise ConfigError(f"upload: {local_run} must be a local directory (the source of the copy)")
     if not os.path.isdir(local_run):
         raise FileNotFoundError(f"upload: {local_run} is not a directory")
     files = _local_files(local_run)
     if not files:
-        raise ShardError(f"upload: {local_run} holds no files")
+        raise ConfigError(f"upload: {local_run} holds no files")
     stale = _remove_stale_temps(remote)
     if stale:
         log.info("upload: removed %d temp object(s) left by an interrupted upload", stale)
@@ -114,7 +114,7 @@ def upload_run(local_run: str, remote: str) -> dict:
                 result["skipped"] += 1
             else:
                 for attempt in range(3):   # a mismatch after upload (rare: corruption in transit) is retried
-                    with_retries(lambda: fsio.upload(src, dst), dst)
+                    fsio.with_retries(lambda: fsio.upload(src, dst), dst)
                     ok, method = _remote_matches(dst, size, md5_b64, sha_hex)
                     if ok:
                         break

@@ -167,6 +167,23 @@ def test_tokenize_refuses_to_retrain_under_shards_and_checkpoints(run):
     assert files_under(run / "tokenizer") == before                 # nothing overwritten
 
 
+def test_tokenize_under_shards_reruns_only_as_a_no_op(run):
+    """With shards built (no checkpoints): the same settings are a no-op; anything that would
+    write RUN/tokenizer is refused with one line saying how to start over."""
+    shutil.rmtree(run / "checkpoints")
+    before = files_under(run / "tokenizer")
+    invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "300"], 0)
+    assert files_under(run / "tokenizer") == before                 # identical settings: nothing rewritten
+    out = invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "320"], 2,
+                 "would be retrained", "shards", "new --run", "delete")
+    assert "checkpoints" not in out
+    assert files_under(run / "tokenizer") == before
+    shutil.rmtree(run / "tokenizer")                                 # no tokenizer, but shards made with one
+    invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "300"], 2,
+           "would be trained", "shards", "new --run")
+    assert not (run / "tokenizer" / "tokenizer_meta.json").exists()
+
+
 @pytest.mark.parametrize("args, code, pattern", [
     (["data", "tokenize", "--vocab-size", "100"], 2, "data.tokenizer.vocab_size=100"),
     (["data", "tokenize"], 2, "run `codex data clean` first"),

@@ -18,7 +18,9 @@ import pytest
 from codex import fsio
 from codex.config import Config
 from pipeline import shard as shard_mod
-from pipeline.shard import ShardError, run_shard, split_long_text, verify_shards
+from pipeline.encode import split_long_text
+from pipeline.shard import ShardError, run_shard
+from pipeline.verify import verify_shards
 from pipeline.upload import upload_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +301,7 @@ def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, m
         return real(path, mode)
 
     monkeypatch.setattr(fsio, "atomic_open", flaky)
-    monkeypatch.setattr(shard_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(fsio.time, "sleep", lambda s: None)
     assert shas(run_shard(make_cfg(run, out=str(tmp_path / "flaky")))) == shas(ref)
     assert failures["left"] == 0
 

@@ -13,6 +13,8 @@ import pytest
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
+from pipeline import bpe as B
+from pipeline import doc_select, encode
 from pipeline import tokenizer as T
 
 VOCAB = 600
@@ -52,7 +54,7 @@ def config(run, inputs=(), vocab=VOCAB, **kw) -> Config:
     return cfg
 
 
-@pytest.fixture(scope="module", params=T.TRAINERS)
+@pytest.fixture(scope="module", params=B.TRAINERS)
 def trained(tmp_path_factory, request):
     """One tokenizer per trainer, trained through the default path RUN/clean/part-*.parquet."""
     run = tmp_path_factory.mktemp("run")
@@ -176,12 +178,12 @@ def test_meta_and_outputs(trained):
 
 def _heldout_chars(trained) -> int:
     # the held-out documents are the 20 with the largest hashes
-    hashes = sorted(((T.doc_hash(d), len(d)) for d in trained["docs"]), reverse=True)
+    hashes = sorted(((doc_select.doc_hash(d), len(d)) for d in trained["docs"]), reverse=True)
     return sum(n for _, n in hashes[:20])
 
 
 def _heldout_bytes(trained) -> int:
-    hashes = sorted(((T.doc_hash(d), len(d.encode())) for d in trained["docs"]), reverse=True)
+    hashes = sorted(((doc_select.doc_hash(d), len(d.encode())) for d in trained["docs"]), reverse=True)
     return sum(n for _, n in hashes[:20])
 
 
@@ -200,7 +202,7 @@ def reference_bpe(words: dict[bytes, int], n_merges: int) -> list[tuple[int, int
             break
         best = max(counts, key=lambda p: (counts[p], (-p[0], -p[1])))
         merges.append(best)
-        seqs = {w: T._apply_merge(ids, best, new_id) for w, ids in seqs.items()}
+        seqs = {w: B._apply_merge(ids, best, new_id) for w, ids in seqs.items()}
     return merges
 
 
@@ -214,19 +216,19 @@ def test_merge_pairs_recovers_the_pairs_training_merged():
     for a, b in pairs:
         token_bytes.append(token_bytes[a] + token_bytes[b])
     assert len(pairs) > 100
-    assert T._merge_pairs(token_bytes) == pairs
+    assert B._merge_pairs(token_bytes) == pairs
 
 
 def test_tokenizer_from_merges_collapses_a_token_built_twice():
     a, b, c = ord("a"), ord("b"), ord("c")
     # "abc" is built twice (ab+c, a+bc); the vocabulary still reaches the requested size
     pairs = [(a, b), (b, c), (256, c), (a, 257), (258, a), (b, b)]
-    tok = T.tokenizer_from_merges(pairs, vocab_size=3 + 256 + 5)
+    tok = B.tokenizer_from_merges(pairs, vocab_size=3 + 256 + 5)
     vocab = tok.get_vocab()
     assert tok.get_vocab_size() == 264 and sorted(vocab.values()) == list(range(264))
     assert "abc" in vocab and "abca" in vocab and "bb" in vocab
     assert [vocab[t] for t in ("<|bos|>", "<|eos|>", "<|pad|>")] == [0, 1, 2]
-    assert vocab[T._byte_encoder()[0]] == 3 and vocab["a"] == 3 + a
+    assert vocab[B._byte_encoder()[0]] == 3 and vocab["a"] == 3 + a
     for text in ("abcabc bb", "abca\x00\xff", "bcbc"):
         assert tok.decode(tok.encode(text).ids) == text
     assert tok.encode("abc").ids == [vocab["abc"]]
@@ -238,9 +240,9 @@ def test_rustbpe_tokenizer_encodes_as_rustbpe_itself():
 
     docs = make_docs()
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(iter(docs), VOCAB - 3, pattern=T.SPLIT_PATTERN)
+    bpe.train_from_iterator(iter(docs), VOCAB - 3, pattern=B.SPLIT_PATTERN)
     ranks = sorted(bpe.get_mergeable_ranks(), key=lambda item: item[1])
-    tok = T.tokenizer_from_merges(T._merge_pairs([t for t, _ in ranks]), VOCAB)
+    tok = B.tokenizer_from_merges(B._merge_pairs([t for t, _ in ranks]), VOCAB)
     tok.encode_special_tokens = True
     assert tok.get_vocab_size() == VOCAB
     for text in TRICKY + random_strings(30, seed=4) + docs[:30]:
@@ -256,7 +258,7 @@ def test_rustbpe_refuses_more_text_than_int32_counts(tmp_path, monkeypatch):
     assert meta["trainer"] == "hf" and meta["corpus"]["bytes_used"] > 1000
 
 
-@pytest.mark.parametrize("trainer", T.TRAINERS)
+@pytest.mark.parametrize("trainer", B.TRAINERS)
 def test_same_tokenizer_from_different_shard_layouts(tmp_path, trainer):
     docs = make_docs(240, seed=3)
     a, b = tmp_path / "a", tmp_path / "b"
@@ -298,7 +300,7 @@ def test_hash_budget_keeps_the_smallest_hashes_in_any_order():
         for seed in range(3):
             order = docs[:]
             random.Random(seed).shuffle(order)
-            hb = T.HashBudget(budget)
+            hb = doc_select.HashBudget(budget)
             for d in order:
                 hb.offer(*d)
             assert [h for h, *_ in hb.kept()] == expect
@@ -312,7 +314,7 @@ def test_tiny_corpus_records_the_real_vocab_size(tmp_path, caplog):
     out = rundir.tokenizer_dir(str(tmp_path / "run"))
     tok = T.load_tokenizer(out)
     assert meta["vocab_size_requested"] == 4096
-    assert T.MIN_VOCAB <= meta["vocab_size"] < 4096
+    assert B.MIN_VOCAB <= meta["vocab_size"] < 4096
     assert meta["vocab_size"] == tok.get_vocab_size() == len(T.load_token_bytes(out))
     assert "only supports" in caplog.text
     # nothing held out from 3 documents: compression is measured on the training text, and says so
@@ -341,7 +343,7 @@ def test_rerun_is_a_no_op_and_config_change_retrains(trained, monkeypatch):
     assert T.run_tokenizer(config(run, trainer=trainer)) == trained["meta"]
     with pytest.raises(AssertionError, match="retrained"):
         T.run_tokenizer(config(run, vocab=VOCAB + 1, trainer=trainer))
-    other = [t for t in T.TRAINERS if t != trainer][0]
+    other = [t for t in B.TRAINERS if t != trainer][0]
     with pytest.raises(AssertionError, match="retrained"):
         T.run_tokenizer(config(run, trainer=other))
 
@@ -411,8 +413,8 @@ def test_run_directory_on_gcs(gcs_bucket, tmp_path):
 
 
 def test_token_dtype_boundary():
-    assert T.token_dtype(32_768) == T.token_dtype(65_536) == "uint16"  # max id 65,535
-    assert T.token_dtype(65_537) == T.token_dtype(200_000) == "uint32"
+    assert encode.token_dtype(32_768) == encode.token_dtype(65_536) == "uint16"  # max id 65,535
+    assert encode.token_dtype(65_537) == encode.token_dtype(200_000) == "uint32"
 
 
 def test_cli_data_tokenize(tmp_path):

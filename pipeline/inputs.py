@@ -1,0 +1,155 @@
+"""Which files a stage reads: input discovery (paths, globs, directories, local or gs://) and the
+cleaned corpus's file list. Nothing here opens a document; pipeline/readers.py does.
+
+    list_inputs(inputs, text_extensions)  `codex data clean` and `codex eval --data`
+    input_files(cfg)                      `codex data tokenize` (data.tokenizer.inputs, else clean_parts)
+    clean_parts(run)                      the parquet parts a finished clean lists in RUN/clean/stats.json
+                                          (tokenize and shard)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+
+from codex import fsio, rundir
+from codex.config import Config, ConfigError
+from pipeline.clean_stats import nothing_kept
+from pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
+
+log = logging.getLogger("codex.clean")
+
+# What `codex data tokenize` reads from data.tokenizer.inputs: the formats readers.iter_text_batches knows.
+TOKENIZER_TEXT_EXTENSIONS = [".txt"]
+
+
+def file_kind(path: str, text_extensions: list[str]) -> str | None:
+    name = path.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if any(name.endswith(ext.lower()) for ext in text_extensions):
+        return "text"
+    return None
+
+
+def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[InputFile], list[str]]:
+    """Expand paths, globs and directories into (files sorted by path, skipped paths).
+
+    Inside directories and globs, files of other types are skipped (and listed). An explicitly
+    named file of an unknown type or a missing path is an error; a glob that matches nothing is
+    logged (the stage fails if no input file is found at all).
+    """
+    found: dict[str, InputFile] = {}
+    skipped: list[str] = []
+
+    def add(path: str, size: int, explicit: bool) -> None:
+        kind = file_kind(path, text_extensions)
+        if kind is None:
+            if explicit:
+                raise BadInputFile(f"{path}: unsupported file type (want .jsonl[.gz|.zst], .parquet or a text "
+                                   f"extension in data.clean.text_extensions: {' '.join(text_extensions)})")
+            skipped.append(path)
+        else:
+            found[path] = InputFile(path, size, kind)
+
+    for spec in inputs:
+        fs, p = _filesystem(spec)
+        if any(c in spec for c in "*?["):
+            matches = fs.glob(p, detail=True)
+            if not matches:   # not an error by itself (a job may glob optional parts); no files at all is
+                log.warning("clean: %s matches no files", spec)
+            entries = [(name, info) for name, info in matches.items()]
+        elif fs.isdir(p):
+            entries = list(fs.find(p, detail=True).items())
+        else:
+            try:
+                info = fs.info(p)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{spec}: no such file or directory") from None
+            add(fsio._url(fs, p, spec), int(info.get("size") or 0), explicit=True)
+            continue
+        for name, info in entries:
+            if info.get("type") == "directory":
+                for sub, subinfo in fs.find(name, detail=True).items():
+                    add(fsio._url(fs, sub, spec), int(subinfo.get("size") or 0), explicit=False)
+            else:
+                add(fsio._url(fs, name, spec), int(info.get("size") or 0), explicit=False)
+    return [found[k] for k in sorted(found)], sorted(skipped)
+
+
+def _filesystem(spec: str):
+    """fsio.filesystem, but for a glob resolve the filesystem from the part before the wildcard
+    (fsspec expands a remote glob while resolving it and fails when nothing matches)."""
+    if not any(c in spec for c in "*?["):
+        return fsio.filesystem(spec)
+    head = spec[:min(spec.index(c) for c in "*?[" if c in spec)]
+    fs, head_path = fsio.filesystem(head or ".")
+    if fsio.is_remote(spec):
+        return fs, fs._strip_protocol(spec)
+    return fs, os.path.abspath(spec)
+
+
+def ls_matching(folder: str, pattern: str) -> list[str]:
+    """Paths in `folder` whose name matches `pattern`; [] when there is none (fsio.glob fails on
+    an empty remote match)."""
+    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(fsio.basename(p), pattern)]
+
+
+def input_files(cfg: Config) -> list[str]:
+    """The tokenizer's training files: data.tokenizer.inputs (paths, globs, directories), else the
+    cleaned corpus (clean_parts)."""
+    inputs = cfg.data.tokenizer.inputs
+    if not inputs:
+        return clean_parts(cfg.run)
+    exts = TOKENIZER_TEXT_EXTENSIONS
+    suffixes = (".parquet",) + JSONL_SUFFIXES + tuple(exts)
+    files: list[str] = []
+    for spec in inputs:
+        if any(ch in spec for ch in "*?["):
+            found = [f for f in fsio.glob(spec) if file_kind(f, exts)]
+        elif fsio.isdir(spec):
+            found = [f for f in fsio.listdir(spec) if file_kind(f, exts) and not fsio.basename(f).startswith(".")]
+        elif fsio.exists(spec):
+            if not file_kind(spec, exts):
+                raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {', '.join(suffixes)})")
+            found = [spec]
+        else:
+            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} does not exist")
+        if not found:
+            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} matches no {'/'.join(suffixes)} files")
+        files += found
+    return sorted(set(files))
+
+
+def clean_parts(run: str) -> list[str]:
+    """The cleaned parquet files listed by a finished clean (RUN/clean/stats.json), for tokenize and
+    shard. Its list, not a glob: a glob would also find a half-cleaned corpus or a crashed chunk's
+    leftovers. A clean that is unfinished, had failed input files or kept nothing is refused:
+    training on a partial corpus without a word is worse than stopping."""
+    clean = rundir.clean_dir(run)
+    stats_path = fsio.join(clean, "stats.json")
+    if not fsio.exists(stats_path):
+        partial = bool(ls_matching(clean, "part-*.parquet"))
+        raise FileNotFoundError(f"{stats_path} not found: " + (
+            "`codex data clean` has not finished (tasks still running, killed or failed); finish it first"
+            if partial else "run `codex data clean` first"))
+    stats = fsio.read_json(stats_path)
+    failed = stats.get("bad_input", {}).get("failed_files") or []
+    if failed:
+        raise ValueError(f"{stats_path}: clean did not finish: {len(failed)} input file(s) failed and are missing "
+                         f"from the corpus ({'; '.join(f['error'] for f in failed[:3])}); fix or remove them and rerun "
+                         "`codex data clean` (only their chunks are redone)")
+    shards = stats.get("shards")
+    if not isinstance(shards, list):
+        raise ValueError(f"{stats_path}: no 'shards' list (not written by `codex data clean`)")
+    if not shards:
+        raise ValueError(f"{stats_path}: clean kept no documents ({nothing_kept(stats)})")
+    present = {fsio.basename(p) for p in ls_matching(clean, "part-*.parquet")}
+    missing = [name for name in shards if name not in present]
+    if missing:
+        raise FileNotFoundError(f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
+                                f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run")
+    return sorted(fsio.join(clean, name) for name in shards)

@@ -1,0 +1,69 @@
+"""Cleaned documents -> parquet parts (text, id, source [, reason]), each part written atomically."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from codex import fsio
+
+_MAX_ROW_GROUP_BYTES = 256 << 20   # a row group is cut early only if its text would exceed this
+
+
+class PartWriter:
+    """Streams rows into prefix-000.parquet, prefix-001.parquet, ... (docs_per_shard rows each,
+    zstd, row groups of row_group_size rows), each file written atomically. These are the cleaned
+    corpus's parquet parts; "shard" in codex means a token shard (pipeline/shard.py)."""
+
+    def __init__(self, out_dir: str, prefix: str, docs_per_shard: int, row_group_size: int, with_reason: bool = False):
+        self.out_dir, self.prefix = out_dir, prefix
+        self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
+        cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
+        self.schema = pa.schema(cols + ([("reason", pa.string())] if with_reason else []))
+        self.rows: list[list] = [[] for _ in self.schema.names]
+        self.row_bytes = 0
+        self.shards: list[str] = []
+        self._ctx = self._writer = None
+        self._in_shard = 0
+
+    def add(self, *values: str) -> None:
+        for col, v in zip(self.rows, values):
+            col.append(v)
+        self.row_bytes += len(values[0])
+        if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.rows[0]:
+            if self._writer is None:
+                name = f"{self.prefix}-{len(self.shards):03d}.parquet"
+                self.shards.append(name)
+                self._ctx = fsio.atomic_open(fsio.join(self.out_dir, name), "wb")
+                self._writer = pq.ParquetWriter(self._ctx.__enter__(), self.schema, compression="zstd")
+                self._in_shard = 0
+            take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
+            table = pa.table([col[:take] for col in self.rows], schema=self.schema)
+            self._writer.write_table(table, row_group_size=self.row_group_size)
+            self.rows = [col[take:] for col in self.rows]
+            self._in_shard += take
+            if self._in_shard >= self.docs_per_shard:
+                self._close_shard()
+        self.row_bytes = 0
+
+    def _close_shard(self) -> None:
+        self._writer.close()
+        self._ctx.__exit__(None, None, None)
+        self._writer = self._ctx = None
+
+    def close(self) -> list[str]:
+        self._flush()
+        if self._writer is not None:
+            self._close_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            finally:
+                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)   # removes the temp file
