@@ -68,8 +68,17 @@ def _suggest(bad: str, valid: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _value_type(typ):
+    """The type a field's value is coerced to: a Literal's values share one type (str)."""
+    if typing.get_origin(typ) is typing.Literal:
+        return type(typing.get_args(typ)[0])
+    return typ
+
+
 def _coerce(key: str, value, typ):
-    """Convert a YAML/--set value to the field's type, or raise ConfigError naming the key."""
+    """Convert a YAML/--set value to the field's type, or raise ConfigError naming the key.
+    A Literal field gets its values' type here; check_values checks the value itself."""
+    typ = _value_type(typ)
     origin = typing.get_origin(typ)
     if origin is list:
         if isinstance(value, str):
@@ -143,7 +152,7 @@ def set_key(cfg: Config, assignment: str) -> None:
     owner = Config
     for p in parts[:-1]:
         owner = _field_type(owner, p)
-    if _field_type(owner, parts[-1]) is str:  # --set train.wandb=off means the string "off"
+    if _value_type(_field_type(owner, parts[-1])) is str:  # --set train.wandb=off means the string "off"
         # A value of only whitespace is meant as typed: --set data.clean.txt_delimiter=$'\n\n'.
         value = raw.strip().strip("'\"") if raw.strip() else raw
     nested: dict = {}
@@ -199,15 +208,9 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
     return cfg
 
 
-# Allowed values, checked once when the config is built (exit 2 before any run file is read).
-# Ranges: (low, high, low inclusive); None = unbounded. A value typed wrong is caught in _coerce.
-_CHOICES = {
-    "train.resume": ("auto", "never"), "train.dtype": ("auto", "bf16", "fp32"),
-    "train.schedule": ("cosine", "wsd"), "train.xla_mode": ("spmd", "spawn"),
-    "train.wandb": ("auto", "online", "offline", "off"), "model.mlp": ("swiglu", "relu2"),
-    "data.shard.format": ("npy", "parquet", "both"), "data.shard.dtype": ("auto", "uint16", "uint32"),
-    "data.tokenizer.trainer": ("rustbpe", "hf"), "data.clean.preset": ("web", "code", "all"),
-}
+# Ranges, checked once when the config is built (exit 2 before any run file is read): (low, high,
+# both ends inclusive); None = unbounded. A value typed wrong is caught in _coerce, a value outside
+# a Literal field's set in _check_choices.
 _RANGES = {
     "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
     "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
@@ -239,12 +242,23 @@ def _get(cfg, key: str):
     return cfg
 
 
+def _check_choices(obj, prefix: str = "") -> None:
+    """Every Literal-typed field of the dataclass tree holds one of its Literal's values."""
+    for f in dataclasses.fields(obj):
+        typ = _field_type(type(obj), f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(typ):
+            _check_choices(value, prefix + f.name + ".")
+        elif typing.get_origin(typ) is typing.Literal and value not in typing.get_args(typ):
+            allowed = ", ".join(str(a) for a in typing.get_args(typ))
+            raise ConfigError(f"{prefix}{f.name}: expected one of {allowed}, got {value!r}")
+
+
 def check_values(cfg: Config) -> None:
-    """Every key with a fixed set of values or a range, checked at once: a ConfigError naming the
-    key and what is allowed, instead of a late failure (or a silent default) deep inside a stage."""
-    for key, allowed in _CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
+    """Every key with a fixed set of values (a Literal type) or a range, checked at once: a
+    ConfigError naming the key and what is allowed, instead of a late failure (or a silent default)
+    deep inside a stage."""
+    _check_choices(cfg)
     for key, (low, high, inclusive) in _RANGES.items():
         v = _get(cfg, key)
         too_low = low is not None and (v < low if inclusive else v <= low)

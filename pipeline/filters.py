@@ -358,10 +358,6 @@ PRESETS = {
 
 def active_filters(clean_cfg) -> list[str]:
     """Names of the filters that run, in order (incl. "dedup"): named by the preset and enabled."""
-    if clean_cfg.preset not in PRESETS:
-        from codex.config import ConfigError
-
-        raise ConfigError(f"data.clean.preset: unknown preset {clean_cfg.preset!r} (have: {', '.join(PRESETS)})")
     return [name for name in PRESETS[clean_cfg.preset] if getattr(clean_cfg, name).enabled]
 
 

@@ -109,9 +109,7 @@ def train_tokenizer(texts, vocab_size: int, trainer: str = "rustbpe", length: in
     """
     if trainer == "hf":
         return _train_hf(texts, vocab_size, length)
-    if trainer == "rustbpe":
-        return _train_rustbpe(texts, vocab_size, buffer_docs)
-    raise ConfigError(f"data.tokenizer.trainer={trainer!r}: must be one of {', '.join(TRAINERS)}")
+    return _train_rustbpe(texts, vocab_size, buffer_docs)
 
 
 def _train_hf(texts, vocab_size: int, length: int | None) -> Tokenizer:
@@ -519,8 +517,6 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"data.tokenizer.{key}={getattr(t, key)}: must be positive")
     if t.heldout_docs < 0:
         raise ConfigError(f"data.tokenizer.heldout_docs={t.heldout_docs}: must be >= 0")
-    if t.trainer not in TRAINERS:
-        raise ConfigError(f"data.tokenizer.trainer={t.trainer!r}: must be one of {', '.join(TRAINERS)}")
 
 
 def _peak_rss_mb() -> float:

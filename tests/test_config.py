@@ -33,6 +33,23 @@ def test_wrong_type_names_the_key():
         build_config(overrides=["train.compile=maybe"])
 
 
+@pytest.mark.parametrize("key", ["model.mlp", "train.schedule", "train.dtype", "train.xla_mode", "train.resume",
+                                 "train.wandb", "data.shard.format", "data.shard.dtype", "data.tokenizer.trainer",
+                                 "data.clean.preset"])
+def test_a_value_outside_a_literal_set_names_the_key_and_the_allowed_values(key):
+    with pytest.raises(ConfigError, match=rf"{key}: expected one of .*, got 'nope'"):
+        build_config(overrides=[f"{key}=nope"])
+
+
+def test_the_allowed_values_come_from_the_literal_types():
+    # The checks of the stages that dispatch on these values (model/gpt.py, train/optim.py) live here.
+    with pytest.raises(ValueError, match="model.mlp"):
+        build_config(overrides=["model.mlp=gelu"])
+    with pytest.raises(ConfigError, match="train.schedule"):
+        build_config(overrides=["train.schedule=linear"])
+    assert build_config(overrides=["train.wandb=off", "data.shard.format=both"]).train.wandb == "off"
+
+
 def test_yaml_file_unknown_key_names_file(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("model:\n  n_heads: 4\n")

@@ -272,12 +272,9 @@ class XLABackend:
 
 def make_xla_backend(cfg, preset) -> XLABackend:
     """The XLA backend for a TPU preset (called by train.backend.make_backend)."""
-    from codex.config import ConfigError
     from train.backend import resolve_dtype
 
     mode = cfg.train.xla_mode
-    if mode not in ("spmd", "spawn"):
-        raise ConfigError(f"train.xla_mode: expected spmd or spawn, got {mode!r}")
     platform = check_platform(cfg, preset)
     if mode == "spawn" and os.environ.get(SPAWNED_ENV) != "1":
         raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
