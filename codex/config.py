@@ -198,6 +198,7 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
     cfg = Config()
     if model:
         apply_dict(cfg.model, load_yaml(str(preset_path("model", model))), "model.", f"configs/model/{model}.yaml: ")
+        cfg.model.preset = model
     if config_file:
         apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
     for o in overrides:
@@ -268,6 +269,8 @@ def check_values(cfg: Config) -> None:
                 f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
             raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
     _check_model_shape(cfg.model)
+    if cfg.model.preset:
+        preset_path("model", cfg.model.preset)   # a ConfigError naming the presets there are
     ckpt = str(cfg.eval.checkpoint)
     if ckpt != "latest" and not (ckpt.isdigit()):
         raise ConfigError(f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'")

@@ -8,6 +8,7 @@ from typing import Literal
 
 @dataclass
 class ModelConfig:
+    preset: str = ""          # the configs/model/NAME.yaml these settings start from (--model NAME); "" = none
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int = 4        # < n_head: grouped-query attention

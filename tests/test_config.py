@@ -72,6 +72,12 @@ def test_precedence_preset_then_file_then_set(tmp_path):
     assert cfg.model.n_layer == 3 and cfg.train.lr == 0.25
 
 
+def test_the_model_preset_name_is_kept_in_the_config():
+    assert build_config(model="124m").model.preset == "124m" and build_config().model.preset == ""
+    with pytest.raises(ConfigError, match="no model preset 'huge'"):
+        build_config(overrides=["model.preset=huge"])
+
+
 def test_round_trip_through_yaml_dict():
     import yaml
 

@@ -107,28 +107,10 @@ def list_presets() -> list[HardwarePreset]:
     return [get_preset(n) for n in sorted(preset_names("hardware"), key=natural)]
 
 
-def model_preset_name(model_cfg) -> str | None:
-    """Which configs/model/NAME.yaml `model_cfg` is (ignoring vocab_size / max_seq_len), or None."""
-    from model.config import ModelConfig
-    from codex.config import apply_dict, load_yaml
-
-    ignore = {"vocab_size", "max_seq_len"}
-
-    def key(c):
-        return {k: v for k, v in dataclasses.asdict(c).items() if k not in ignore}
-
-    want = key(model_cfg)
-    for name in preset_names("model"):
-        c = ModelConfig()
-        apply_dict(c, load_yaml(str(preset_path("model", name))), "model.")
-        if key(c) == want:
-            return name
-    return None
-
-
 def device_defaults(preset: HardwarePreset, model_cfg) -> tuple[int, int]:
-    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when it does not fit."""
-    name = model_preset_name(model_cfg)
+    """(device_batch, seq_len) the preset suggests for this model (its model.preset entry, else
+    'default'), or a ConfigError when it does not fit."""
+    name = model_cfg.preset or None
     entry_name = name if name in preset.defaults else "default"
     if entry_name not in preset.defaults:
         raise ConfigError(f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' nor a 'default' "
