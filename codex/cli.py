@@ -76,19 +76,8 @@ def config_options(fn):
 
 
 def make_config(run, config_file, overrides, flags: dict | None = None, model: str | None = None):
-    """Build the Config: flags are applied as --set overrides before the explicit --set ones."""
-    pairs = [f"{k}={_yaml_value(v)}" for k, v in (flags or {}).items() if v is not None]
-    return build_config(config_file, tuple(pairs) + tuple(overrides), model=model, run=run)
-
-
-def _yaml_value(v) -> str:
-    if isinstance(v, (list, tuple)):
-        import json
-
-        return json.dumps(list(v))
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+    """Build the Config: the typed option values (None = not given) before the --set ones."""
+    return build_config(config_file, overrides, model=model, run=run, values=flags)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

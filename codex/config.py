@@ -7,7 +7,8 @@
       eval                                       eval/config.py
 
 Built in this order, later wins: dataclass defaults -> `--model NAME` preset
-(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> each `--set a.b.c=value`.
+(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> a command's own options (typed
+values, e.g. `--max-steps 100`) -> each `--set a.b.c=value` (parsed as YAML).
 An unknown key anywhere is a ConfigError naming it and suggesting the nearest valid key; a value
 of the wrong type names the key and the type it needs. The resolved config is saved (YAML) next to
 every artifact a stage writes, so a run directory says how it was made.
@@ -136,6 +137,25 @@ def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
             setattr(obj, k, _coerce(key, v, typ))
 
 
+def _leaf_type(key: str):
+    """The type of dotted leaf key `key`, or a ConfigError naming it and the nearest valid key."""
+    if key not in all_keys():
+        raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
+    owner = Config
+    for p in key.split(".")[:-1]:
+        owner = _field_type(owner, p)
+    return _field_type(owner, key.rsplit(".", 1)[-1])
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    """Set one dotted key to a typed value (a CLI option's), coerced and type-checked like --set."""
+    typ = _leaf_type(key)
+    owner = cfg
+    for p in key.split(".")[:-1]:
+        owner = getattr(owner, p)
+    setattr(owner, key.rsplit(".", 1)[-1], _coerce(key, value, typ))
+
+
 def set_key(cfg: Config, assignment: str) -> None:
     """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b])."""
     if "=" not in assignment:
@@ -146,21 +166,10 @@ def set_key(cfg: Config, assignment: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if key not in all_keys():
-        raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
-    parts = key.split(".")
-    owner = Config
-    for p in parts[:-1]:
-        owner = _field_type(owner, p)
-    if _value_type(_field_type(owner, parts[-1])) is str:  # --set train.wandb=off means the string "off"
+    if _value_type(_leaf_type(key)) is str:  # --set train.wandb=off means the string "off"
         # A value of only whitespace is meant as typed: --set data.clean.txt_delimiter=$'\n\n'.
         value = raw.strip().strip("'\"") if raw.strip() else raw
-    nested: dict = {}
-    d = nested
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-    d[parts[-1]] = raw if isinstance(value, (dict,)) else value
-    apply_dict(cfg, nested)
+    set_value(cfg, key, raw if isinstance(value, dict) else value)
 
 
 def preset_path(kind: str, name: str) -> Path:
@@ -194,13 +203,18 @@ def load_yaml(path: str) -> dict:
 
 
 def build_config(config_file: str | None = None, overrides: tuple[str, ...] | list[str] = (),
-                 model: str | None = None, run: str | None = None) -> Config:
+                 model: str | None = None, run: str | None = None, values: dict | None = None) -> Config:
+    """The Config of a command: defaults -> the `model` preset -> `config_file` -> `values` (typed,
+    from CLI options; None = not given) -> `overrides` (--set strings) -> `run`; then check_values."""
     cfg = Config()
     if model:
         apply_dict(cfg.model, load_yaml(str(preset_path("model", model))), "model.", f"configs/model/{model}.yaml: ")
         cfg.model.preset = model
     if config_file:
         apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
+    for key, value in (values or {}).items():
+        if value is not None:
+            set_value(cfg, key, value)
     for o in overrides:
         set_key(cfg, o)
     if run:

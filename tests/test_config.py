@@ -78,6 +78,19 @@ def test_the_model_preset_name_is_kept_in_the_config():
         build_config(overrides=["model.preset=huge"])
 
 
+def test_typed_values_are_applied_as_they_are_after_the_file_and_before_set(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  max_steps: 7\n  lr: 0.5\n")
+    cfg = build_config(str(f), ["train.lr=0.25"], values={"train.max_steps": 100, "train.lr": 0.1,
+                                                         "data.clean.inputs": ["a b", "c"], "train.xla_cache": None})
+    assert cfg.train.max_steps == 100 and cfg.train.lr == 0.25 and cfg.data.clean.inputs == ["a b", "c"]
+    assert cfg.train.xla_cache == ""
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
+        build_config(values={"train.max_steps": "many"})
+    with pytest.raises(ConfigError, match="train.xla_mode: expected one of spmd, spawn"):
+        build_config(values={"train.xla_mode": "pjrt"})
+
+
 def test_round_trip_through_yaml_dict():
     import yaml
 
