@@ -349,7 +349,7 @@ def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, ha
     lock = (runlock.hold(rundir.eval_dir(cfg.run), "codex eval", hardware=cfg.train.hardware)
             if fsio.isdir(cfg.run) else contextlib.nullcontext())
     with lock:
-        run_eval(cfg, checkpoint=cfg.eval.checkpoint, max_tokens=cfg.eval.max_tokens, data_paths=cfg.eval.data or None)
+        run_eval(cfg)
 
 
 @cli.command("sample")
@@ -373,7 +373,7 @@ def sample_cmd(run, config_file, overrides, prompt, checkpoint, max_new_tokens, 
         "eval.top_k": top_k, "eval.seed": seed})
     from eval.sample import run_sample
 
-    click.echo(run_sample(cfg, prompt, checkpoint=cfg.eval.checkpoint))
+    click.echo(run_sample(cfg, prompt))
 
 
 # --- codex demo / hardware ----------------------------------------------------------------------

@@ -68,7 +68,7 @@ def run_demo(run: str, overrides=()) -> dict:
             drop_stale_outputs(cfg.run)
         fn(cfg)
     log.info("demo 5/5: eval (%.0fs elapsed)", time.time() - t0)
-    result = run_eval(cfg, checkpoint="latest", max_tokens=cfg.eval.max_tokens)
+    result = run_eval(cfg)
     print(f"\ncodex demo finished in {time.time() - t0:.0f}s: run directory {run}")
     print(f"validation loss {result['loss']:.4f} nats/token | perplexity {result['perplexity']:.2f} | "
           f"bits per byte {result['bits_per_byte']:.4f} | {result['tokens']} tokens")
