@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from codex import fsio
 from eval.config import EvalConfig
 from model.config import ModelConfig
 from pipeline.config import DataConfig
@@ -187,8 +188,6 @@ def preset_names(kind: str) -> list[str]:
 
 
 def load_yaml(path: str) -> dict:
-    from codex import fsio
-
     try:
         text = fsio.read_text(str(path))
     except FileNotFoundError:
@@ -317,6 +316,4 @@ def to_yaml(cfg) -> str:
 
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config (YAML) next to an artifact, atomically."""
-    from codex import fsio
-
     fsio.write_text(path, to_yaml(cfg))

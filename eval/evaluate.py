@@ -34,6 +34,12 @@ import time
 
 import torch
 
+from codex import fsio, rundir
+from codex.progress import Progress, setup_logging
+from pipeline.tokenizer import load_meta, load_token_bytes
+from train.backend import loader_layout, make_backend, unwrap
+from train.loader import load_split, val_batches
+
 log = logging.getLogger("codex.eval")
 
 LN2 = math.log(2.0)
@@ -220,9 +226,6 @@ def run_eval(cfg) -> dict:
     global numbers. Rank 0 writes RUN/eval/step_N.json (or step_N.data-<hash>.json for --data)
     and prints a small table. Returns the record written.
     """
-    from codex.progress import setup_logging
-    from train.backend import make_backend
-
     setup_logging()
     backend = make_backend(cfg)
     ok = False
@@ -235,12 +238,6 @@ def run_eval(cfg) -> dict:
 
 
 def _run_eval(cfg, backend) -> dict:
-    from codex import fsio, rundir
-    from codex.progress import Progress
-    from pipeline.tokenizer import load_token_bytes
-    from train.backend import loader_layout, unwrap
-    from train.loader import load_split, val_batches
-
     data_paths, max_tokens = list(cfg.eval.data), cfg.eval.max_tokens
     model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
     tok_dir = rundir.tokenizer_dir(cfg.run)
@@ -280,9 +277,6 @@ def _run_eval(cfg, backend) -> dict:
 
 def _val_shards(run: str, tok_dir: str) -> str:
     """RUN/shards, checked to be made with the run's tokenizer (when its manifest says which)."""
-    from codex import fsio, rundir
-    from pipeline.tokenizer import load_meta
-
     shards_dir = rundir.shards_dir(run)
     manifest_path = fsio.join(shards_dir, "manifest.json")
     manifest = fsio.read_json(manifest_path) if fsio.exists(manifest_path) else None
@@ -321,8 +315,6 @@ def _eval_record(cfg, backend, info: dict, result: dict, *, T: int, B: int, docu
 def _write_record(cfg, record: dict, step: int) -> None:
     """Rank 0: RUN/eval/step_N.json (a --data result never overwrites the val split's), the table,
     and the loss plot; adds their paths to `record`."""
-    from codex import fsio, rundir
-
     name = f"step_{step}.json"
     if cfg.eval.data:
         key = hashlib.sha256(json.dumps(sorted(cfg.eval.data)).encode()).hexdigest()[:8]

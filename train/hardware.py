@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from codex import fsio
 from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
 
 
@@ -89,8 +90,6 @@ def require_shared_run_dir(cfg) -> None:
     """A multi-host preset runs the same command on every worker, and they must all read and write
     one run directory: a local path is one folder per host (each resumes its own checkpoints, or
     none), so it is refused unless the user says it is a shared disk (train.shared_run_dir)."""
-    from codex import fsio
-
     preset = get_preset(cfg.train.hardware)
     if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
         return
