@@ -223,8 +223,8 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
 
 
 # Ranges, checked once when the config is built (exit 2 before any run file is read): (low, high,
-# both ends inclusive); None = unbounded. A value typed wrong is caught in _coerce, a value outside
-# a Literal field's set in _check_choices.
+# whether the ends themselves are allowed); None = unbounded. A value typed wrong is caught in
+# _coerce, a value outside a Literal field's set in _check_choices.
 _RANGES = {
     "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
     "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
