@@ -7,14 +7,23 @@ User mistakes (unknown key, bad value, missing input) exit 2 with one clear line
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 
 import click
 
+from codex import fsio, rundir, runlock
 from codex.config import ConfigError, build_config
+from codex.demo import run_demo
 from codex.progress import setup_logging
+from pipeline.clean import run_clean
+from pipeline.shard import run_shard
+from pipeline.verify import verify_shards
+from pipeline.tokenizer import run_tokenizer
+from pipeline.upload import upload_run
+from train.hardware import format_hardware_table, get_preset, require_shared_run_dir, set_xla_import_env
 
 
 class UserError(click.UsageError):
@@ -55,8 +64,6 @@ def _one_line(e: BaseException) -> str:
 def _run_lock(cfg, command: str):
     """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
     The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its own."""
-    from codex import runlock
-
     c = cfg.data.clean
     if command == "codex data clean" and c.num_tasks > 1:
         return runlock.hold(cfg.run, f"{command} (task {c.task_index})",
@@ -75,20 +82,28 @@ def config_options(fn):
     return fn
 
 
-def make_config(run, config_file, overrides, flags: dict | None = None, model: str | None = None):
-    """Build the Config: flags are applied as --set overrides before the explicit --set ones."""
-    pairs = [f"{k}={_yaml_value(v)}" for k, v in (flags or {}).items() if v is not None]
-    return build_config(config_file, tuple(pairs) + tuple(overrides), model=model, run=run)
+def key_option(*decls, key: str, **kwargs):
+    """An option that is a shortcut for config key `key` (`--workers 4` is data.clean.workers=4).
+    Its click parameter is named after the key (dots as '__'); with_config collects it."""
+    return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
 
 
-def _yaml_value(v) -> str:
-    if isinstance(v, (list, tuple)):
-        import json
+def with_config(fn):
+    """A command body that takes the built Config: --run/--config/--set (and --model, where the
+    command has it) plus the key_options' typed values (None or an empty repeat = not given) go
+    to build_config; the body gets `cfg` and its other options. Runs under `stage`."""
 
-        return json.dumps(list(v))
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+    @functools.wraps(fn)
+    def wrapper(run, config_file, overrides, model=None, **kwargs):
+        values = {name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name}
+        values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}  # repeatable
+        cfg = build_config(config_file, overrides, model=model, run=run, values=values)
+        return fn(cfg, **kwargs)
+
+    return config_options(stage(wrapper))
+
+
+checkpoint_option = key_option("--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -118,23 +133,22 @@ def data():
 # --- codex data clean -------------------------------------------------------------------------
 
 @data.command("clean")
-@config_options
-@click.option("--input", "inputs", multiple=True, metavar="PATH",
-              help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// (repeatable).")
-@click.option("--workers", type=int, default=None, help="Processes on this machine.")
-@click.option("--num-tasks", type=int, default=None, help="Split input files across N tasks (a job array).")
-@click.option("--task-index", type=int, default=None, help="Which task this process runs (0..N-1).")
-@click.option("--text-field", default=None, help="JSONL field holding the text (default: text).")
-@click.option("--text-column", default=None, help="Parquet column holding the text (default: text).")
-@click.option("--txt-delimiter", default=None, metavar="TEXT",
-              help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
-                   "(escapes such as \\n are understood). Default: a whole text file is one document, and one over "
-                   "1 MB (data.clean.length.max_chars) is dropped.")
-@click.option("--preset", type=click.Choice(["web", "code"]), default=None, help="Filter preset.")
-@click.option("--keep-rejected/--no-keep-rejected", default=None, help="Also write dropped documents with their reason.")
-@stage
-def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_index, text_field, text_column,
-               txt_delimiter, preset, keep_rejected):
+@with_config
+@key_option("--input", key="data.clean.inputs", multiple=True, metavar="PATH",
+            help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// (repeatable).")
+@key_option("--workers", key="data.clean.workers", type=int, help="Processes on this machine.")
+@key_option("--num-tasks", key="data.clean.num_tasks", type=int, help="Split input files across N tasks (a job array).")
+@key_option("--task-index", key="data.clean.task_index", type=int, help="Which task this process runs (0..N-1).")
+@key_option("--text-field", key="data.clean.text_field", help="JSONL field holding the text (default: text).")
+@key_option("--text-column", key="data.clean.text_column", help="Parquet column holding the text (default: text).")
+@key_option("--txt-delimiter", key="data.clean.txt_delimiter", metavar="TEXT",
+            help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
+                 "(escapes such as \\n are understood). Default: a whole text file is one document, and one over "
+                 "1 MB (data.clean.length.max_chars) is dropped.")
+@key_option("--preset", key="data.clean.preset", type=click.Choice(["web", "code"]), help="Filter preset.")
+@key_option("--keep-rejected/--no-keep-rejected", key="data.clean.keep_rejected",
+            help="Also write dropped documents with their reason.")
+def data_clean(cfg):
     """Clean raw text into parquet shards under RUN/clean/.
 
     \b
@@ -143,15 +157,8 @@ def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_ind
       codex data clean --run gs://bucket/run --input gs://bucket/raw --num-tasks 8 --task-index 3
       codex data clean --run runs/book --input book.txt --txt-delimiter '\\n\\n'
     """
-    cfg = make_config(run, config_file, overrides, {
-        "data.clean.inputs": list(inputs) if inputs else None, "data.clean.workers": workers,
-        "data.clean.num_tasks": num_tasks, "data.clean.task_index": task_index,
-        "data.clean.text_field": text_field, "data.clean.text_column": text_column,
-        "data.clean.txt_delimiter": txt_delimiter, "data.clean.preset": preset, "data.clean.keep_rejected": keep_rejected})
     if not cfg.data.clean.inputs:
         raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
-    from pipeline.clean import run_clean
-
     with _run_lock(cfg, "codex data clean"):
         run_clean(cfg)
 
@@ -159,17 +166,17 @@ def data_clean(run, config_file, overrides, inputs, workers, num_tasks, task_ind
 # --- codex data tokenize ----------------------------------------------------------------------
 
 @data.command("tokenize")
-@config_options
-@click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default 32768).")
-@click.option("--max-chars", type=int, default=None, help="Characters of training text to use.")
-@click.option("--doc-max-chars", type=int, default=None, help="Use at most this many characters of each document.")
-@click.option("--trainer", type=click.Choice(["rustbpe", "hf"]), default=None,
-              help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB of text).")
-@click.option("--input", "inputs", multiple=True, metavar="PATH",
-              help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] 'text' "
-                   "field, .txt = one document) instead of RUN/clean/ (repeatable).")
-@stage
-def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_chars, trainer, inputs):
+@with_config
+@key_option("--vocab-size", key="data.tokenizer.vocab_size", type=int, help="Vocabulary size (default 32768).")
+@key_option("--max-chars", key="data.tokenizer.max_chars", type=int, help="Characters of training text to use.")
+@key_option("--doc-max-chars", key="data.tokenizer.doc_max_chars", type=int,
+            help="Use at most this many characters of each document.")
+@key_option("--trainer", key="data.tokenizer.trainer", type=click.Choice(["rustbpe", "hf"]),
+            help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB of text).")
+@key_option("--input", key="data.tokenizer.inputs", multiple=True, metavar="PATH",
+            help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] 'text' "
+                 "field, .txt = one document) instead of RUN/clean/ (repeatable).")
+def data_tokenize(cfg):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
 
     Documents are sampled by a hash of their text (smallest hashes until --max-chars), so the
@@ -182,13 +189,6 @@ def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_ch
       codex data tokenize --run runs/web --vocab-size 65536 --max-chars 1000000000
       codex data tokenize --run runs/web --max-chars 4000000000 --trainer hf
     """
-
-    cfg = make_config(run, config_file, overrides, {
-        "data.tokenizer.vocab_size": vocab_size, "data.tokenizer.max_chars": max_chars,
-        "data.tokenizer.doc_max_chars": doc_max_chars, "data.tokenizer.trainer": trainer,
-        "data.tokenizer.inputs": list(inputs) if inputs else None})
-    from pipeline.tokenizer import run_tokenizer
-
     with _run_lock(cfg, "codex data tokenize"):
         run_tokenizer(cfg)
 
@@ -196,14 +196,15 @@ def data_tokenize(run, config_file, overrides, vocab_size, max_chars, doc_max_ch
 # --- codex data shard / verify / upload ---------------------------------------------------------
 
 @data.command("shard")
-@config_options
-@click.option("--out", default=None, help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).")
-@click.option("--shard-tokens", type=int, default=None, help="Tokens per shard.")
-@click.option("--val-fraction", type=float, default=None, help="Fraction of documents in the validation split.")
-@click.option("--format", "fmt", type=click.Choice(["npy", "parquet", "both"]), default=None, help="Shard format.")
-@click.option("--workers", type=int, default=None, help="Worker processes.")
-@stage
-def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt, workers):
+@with_config
+@key_option("--out", key="data.shard.out",
+            help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).")
+@key_option("--shard-tokens", key="data.shard.shard_tokens", type=int, help="Tokens per shard.")
+@key_option("--val-fraction", key="data.shard.val_fraction", type=float,
+            help="Fraction of documents in the validation split.")
+@key_option("--format", key="data.shard.format", type=click.Choice(["npy", "parquet", "both"]), help="Shard format.")
+@key_option("--workers", key="data.shard.workers", type=int, help="Worker processes.")
+def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.
 
     \b
@@ -211,12 +212,6 @@ def data_shard(run, config_file, overrides, out, shard_tokens, val_fraction, fmt
       codex data shard --run runs/web --shard-tokens 50000000 --workers 2
       codex data shard --run runs/web --out gs://bucket/web/shards
     """
-
-    cfg = make_config(run, config_file, overrides, {
-        "data.shard.out": out, "data.shard.shard_tokens": shard_tokens, "data.shard.val_fraction": val_fraction,
-        "data.shard.format": fmt, "data.shard.workers": workers})
-    from pipeline.shard import run_shard
-
     with _run_lock(cfg, "codex data shard"):
         run_shard(cfg)
 
@@ -236,10 +231,7 @@ def data_verify(run_dir, run, config_file, overrides, out):
     """
     if run_dir and run and run_dir.rstrip("/") != run.rstrip("/"):
         raise UserError(f"two run directories: RUN={run_dir} and --run {run}; give one")
-    cfg = make_config(run_dir or run, config_file, overrides, {"data.shard.out": out})
-    from codex import rundir
-    from pipeline.verify import verify_shards
-
+    cfg = build_config(config_file, overrides, run=run_dir or run, values={"data.shard.out": out})
     shards = cfg.data.shard.out or rundir.shards_dir(cfg.run)
     problems = verify_shards(shards, rundir.tokenizer_dir(cfg.run))
     for p in problems:
@@ -262,9 +254,6 @@ def data_upload(local_run, remote):
     Example:
       codex data upload runs/web gs://bucket/web
     """
-    from codex import runlock
-    from pipeline.upload import upload_run
-
     with runlock.hold(remote, "codex data upload"):
         r = upload_run(local_run, remote)
     click.echo(f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
@@ -272,27 +261,33 @@ def data_upload(local_run, remote):
 
 
 # --- codex train --------------------------------------------------------------------------------
+# The commands that run a model import torch (seconds) inside their body, after the config is
+# checked and the run lock is held: a usage mistake or a second writer is refused at once.
 
 @cli.command("train")
-@config_options
-@click.option("--hardware", default=None, help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).")
+@with_config
+@key_option("--hardware", key="train.hardware",
+            help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).")
 @click.option("--model", default=None, help="Model size preset: tiny, 124m, 350m, 1b (configs/model/).")
-@click.option("--max-steps", type=int, default=None, help="Optimizer steps to train.")
-@click.option("--batch-tokens", type=int, default=None, help="Tokens per optimizer step (grad accumulation is derived).")
-@click.option("--device-batch", type=int, default=None, help="Sequences per device per micro-batch.")
-@click.option("--seq-len", type=int, default=None, help="Sequence length.")
-@click.option("--save-every", type=int, default=None, help="Checkpoint every N steps.")
-@click.option("--wandb", type=click.Choice(["auto", "online", "offline", "off"]), default=None, help="Weights & Biases logging.")
-@click.option("--resume/--no-resume", default=None, help="Resume from the latest checkpoint (default: when one exists).")
-@click.option("--xla-mode", type=click.Choice(["spmd", "spawn"]), default=None,
-              help="TPU: spmd (default, one process per host) or spawn (one process per chip).")
-@click.option("--xla-cache", default=None, metavar="DIR", help="TPU: persistent compilation cache (default RUN/xla_cache).")
-@click.option("--max-compiles", type=int, default=None, help="TPU: fail when XLA compiles more programs than this.")
-@click.option("--allow-cpu-xla", is_flag=True, default=None,
-              help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).")
-@stage
-def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tokens, device_batch, seq_len,
-              save_every, wandb, resume, xla_mode, xla_cache, max_compiles, allow_cpu_xla):
+@key_option("--max-steps", key="train.max_steps", type=int, help="Optimizer steps to train.")
+@key_option("--batch-tokens", key="train.batch_tokens", type=int,
+            help="Tokens per optimizer step (grad accumulation is derived).")
+@key_option("--device-batch", key="train.device_batch", type=int, help="Sequences per device per micro-batch.")
+@key_option("--seq-len", key="train.seq_len", type=int, help="Sequence length.")
+@key_option("--save-every", key="train.save_every", type=int, help="Checkpoint every N steps.")
+@key_option("--wandb", key="train.wandb", type=click.Choice(["auto", "online", "offline", "off"]),
+            help="Weights & Biases logging.")
+@key_option("--resume/--no-resume", key="train.resume", callback=lambda _ctx, _p, v: None if v is None else (
+    "auto" if v else "never"), help="Resume from the latest checkpoint (default: when one exists).")
+@key_option("--xla-mode", key="train.xla_mode", type=click.Choice(["spmd", "spawn"]),
+            help="TPU: spmd (default, one process per host) or spawn (one process per chip).")
+@key_option("--xla-cache", key="train.xla_cache", metavar="DIR",
+            help="TPU: persistent compilation cache (default RUN/xla_cache).")
+@key_option("--max-compiles", key="train.max_compiles", type=int,
+            help="TPU: fail when XLA compiles more programs than this.")
+@key_option("--allow-cpu-xla", key="train.allow_cpu_xla", is_flag=True,
+            help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).")
+def train_cmd(cfg):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
 
     \b
@@ -301,41 +296,29 @@ def train_cmd(run, config_file, overrides, hardware, model, max_steps, batch_tok
       torchrun --nproc_per_node=8 -m train -- --run runs/web --hardware h100-8 --model 124m
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
     """
-
-    cfg = make_config(run, config_file, overrides, {
-        "train.hardware": hardware, "train.max_steps": max_steps, "train.batch_tokens": batch_tokens,
-        "train.device_batch": device_batch, "train.seq_len": seq_len, "train.save_every": save_every,
-        "train.wandb": wandb, "train.resume": None if resume is None else ("auto" if resume else "never"),
-        "train.xla_mode": xla_mode, "train.xla_cache": xla_cache, "train.max_compiles": max_compiles,
-        "train.allow_cpu_xla": allow_cpu_xla},
-        model=model)
-    from train.hardware import get_preset, require_shared_run_dir, set_xla_import_env
-
     require_shared_run_dir(cfg)   # a multi-host slice on a local path: refused before any host writes
     if get_preset(cfg.train.hardware).kind == "tpu":
         set_xla_import_env()      # before the run lock, whose TPU worker-id lookup imports torch_xla
-    with _run_lock(cfg, "codex train"):  # before importing torch: a second trainer is refused at once
+    with _run_lock(cfg, "codex train"):
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
-            from train.xla_backend import spawn_train
-
-            spawn_train(cfg)
+            from train.xla_backend import spawn_train as run_train
         else:
-            from train.loop import train
+            from train.loop import train as run_train
+        run_train(cfg)
 
-            train(cfg)
 
-
-# --- codex eval ---------------------------------------------------------------------------------
+# --- codex eval / sample ------------------------------------------------------------------------
 
 @cli.command("eval")
-@config_options
-@click.option("--checkpoint", default=None, help="Checkpoint step or 'latest'.")
-@click.option("--max-tokens", type=int, default=None, help="Evaluate at most this many tokens (0 = all).")
-@click.option("--data", "data_paths", multiple=True, metavar="PATH", help="Evaluate on other text instead of the validation split.")
-@click.option("--hardware", default=None, help="Where to evaluate (a preset, `codex hardware`; default cpu).")
-@click.option("--device-batch", type=int, default=None, help="Sequences per device per batch (default: the preset's).")
-@stage
-def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, hardware, device_batch):
+@with_config
+@checkpoint_option
+@key_option("--max-tokens", key="eval.max_tokens", type=int, help="Evaluate at most this many tokens (0 = all).")
+@key_option("--data", key="eval.data", multiple=True, metavar="PATH",
+            help="Evaluate on other text instead of the validation split.")
+@key_option("--hardware", key="train.hardware", help="Where to evaluate (a preset, `codex hardware`; default cpu).")
+@key_option("--device-batch", key="eval.device_batch", type=int,
+            help="Sequences per device per batch (default: the preset's).")
+def eval_cmd(cfg):
     """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
     (and RUN/eval/loss.png from the training metrics).
 
@@ -345,14 +328,6 @@ def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, ha
       codex eval --run runs/web --checkpoint 2000 --data 'heldout/*.txt'
       torchrun --nproc_per_node=8 -m codex.cli eval --run runs/web --hardware h100-8
     """
-
-    cfg = make_config(run, config_file, overrides, {
-        "eval.checkpoint": checkpoint, "eval.max_tokens": max_tokens,
-        "eval.data": list(data_paths) if data_paths else None, "train.hardware": hardware,
-        "eval.device_batch": device_batch})
-    import contextlib
-
-    from codex import fsio, rundir, runlock
     from eval.evaluate import run_eval
 
     # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
@@ -360,31 +335,27 @@ def eval_cmd(run, config_file, overrides, checkpoint, max_tokens, data_paths, ha
     lock = (runlock.hold(rundir.eval_dir(cfg.run), "codex eval", hardware=cfg.train.hardware)
             if fsio.isdir(cfg.run) else contextlib.nullcontext())
     with lock:
-        run_eval(cfg, checkpoint=cfg.eval.checkpoint, max_tokens=cfg.eval.max_tokens, data_paths=cfg.eval.data or None)
+        run_eval(cfg)
 
 
 @cli.command("sample")
-@config_options
+@with_config
 @click.option("--prompt", required=True, help="Text to continue.")
-@click.option("--checkpoint", default=None, help="Checkpoint step or 'latest'.")
-@click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate (default 200).")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature; 0 = greedy (default 0.8).")
-@click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens; 0 = all (default 50).")
-@click.option("--seed", type=int, default=None, help="Random seed: the same seed gives the same text.")
-@stage
-def sample_cmd(run, config_file, overrides, prompt, checkpoint, max_new_tokens, temperature, top_k, seed):
+@checkpoint_option
+@key_option("--max-new-tokens", key="eval.max_new_tokens", type=int, help="Tokens to generate (default 200).")
+@key_option("--temperature", key="eval.temperature", type=float, help="Sampling temperature; 0 = greedy (default 0.8).")
+@key_option("--top-k", key="eval.top_k", type=int, help="Sample among the k most likely tokens; 0 = all (default 50).")
+@key_option("--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text.")
+def sample_cmd(cfg, prompt):
     """Generate text from a checkpoint (on the CPU).
 
     \b
     Example:
       codex sample --run runs/web --prompt "def fibonacci(n):" --temperature 0.7 --top-k 40
     """
-    cfg = make_config(run, config_file, overrides, {
-        "eval.checkpoint": checkpoint, "eval.max_new_tokens": max_new_tokens, "eval.temperature": temperature,
-        "eval.top_k": top_k, "eval.seed": seed})
     from eval.sample import run_sample
 
-    click.echo(run_sample(cfg, prompt, checkpoint=cfg.eval.checkpoint))
+    click.echo(run_sample(cfg, prompt))
 
 
 # --- codex demo / hardware ----------------------------------------------------------------------
@@ -404,9 +375,6 @@ def demo_cmd(run, overrides):
       codex demo
       codex demo --run runs/demo2 --set train.max_steps=50
     """
-    from codex import runlock
-    from codex.demo import run_demo
-
     with runlock.hold(run, "codex demo"):
         run_demo(run, overrides)
 
@@ -419,8 +387,6 @@ def hardware_cmd():
     Example:
       codex hardware
     """
-    from train.hardware import format_hardware_table
-
     click.echo(format_hardware_table())
 
 

@@ -7,7 +7,8 @@
       eval                                       eval/config.py
 
 Built in this order, later wins: dataclass defaults -> `--model NAME` preset
-(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> each `--set a.b.c=value`.
+(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> a command's own options (typed
+values, e.g. `--max-steps 100`) -> each `--set a.b.c=value` (parsed as YAML).
 An unknown key anywhere is a ConfigError naming it and suggesting the nearest valid key; a value
 of the wrong type names the key and the type it needs. The resolved config is saved (YAML) next to
 every artifact a stage writes, so a run directory says how it was made.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from codex import fsio
 from eval.config import EvalConfig
 from model.config import ModelConfig
 from pipeline.config import DataConfig
@@ -68,8 +70,17 @@ def _suggest(bad: str, valid: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _value_type(typ):
+    """The type a field's value is coerced to: a Literal's values share one type (str)."""
+    if typing.get_origin(typ) is typing.Literal:
+        return type(typing.get_args(typ)[0])
+    return typ
+
+
 def _coerce(key: str, value, typ):
-    """Convert a YAML/--set value to the field's type, or raise ConfigError naming the key."""
+    """Convert a YAML/--set value to the field's type, or raise ConfigError naming the key.
+    A Literal field gets its values' type here; check_values checks the value itself."""
+    typ = _value_type(typ)
     origin = typing.get_origin(typ)
     if origin is list:
         if isinstance(value, str):
@@ -127,6 +138,25 @@ def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
             setattr(obj, k, _coerce(key, v, typ))
 
 
+def _leaf_type(key: str):
+    """The type of dotted leaf key `key`, or a ConfigError naming it and the nearest valid key."""
+    if key not in all_keys():
+        raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
+    owner = Config
+    for p in key.split(".")[:-1]:
+        owner = _field_type(owner, p)
+    return _field_type(owner, key.rsplit(".", 1)[-1])
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    """Set one dotted key to a typed value (a CLI option's), coerced and type-checked like --set."""
+    typ = _leaf_type(key)
+    owner = cfg
+    for p in key.split(".")[:-1]:
+        owner = getattr(owner, p)
+    setattr(owner, key.rsplit(".", 1)[-1], _coerce(key, value, typ))
+
+
 def set_key(cfg: Config, assignment: str) -> None:
     """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b])."""
     if "=" not in assignment:
@@ -137,21 +167,10 @@ def set_key(cfg: Config, assignment: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if key not in all_keys():
-        raise ConfigError(f"unknown config key '{key}'{_suggest(key, all_keys())}")
-    parts = key.split(".")
-    owner = Config
-    for p in parts[:-1]:
-        owner = _field_type(owner, p)
-    if _field_type(owner, parts[-1]) is str:  # --set train.wandb=off means the string "off"
+    if _value_type(_leaf_type(key)) is str:  # --set train.wandb=off means the string "off"
         # A value of only whitespace is meant as typed: --set data.clean.txt_delimiter=$'\n\n'.
         value = raw.strip().strip("'\"") if raw.strip() else raw
-    nested: dict = {}
-    d = nested
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-    d[parts[-1]] = raw if isinstance(value, (dict,)) else value
-    apply_dict(cfg, nested)
+    set_value(cfg, key, raw if isinstance(value, dict) else value)
 
 
 def preset_path(kind: str, name: str) -> Path:
@@ -169,8 +188,6 @@ def preset_names(kind: str) -> list[str]:
 
 
 def load_yaml(path: str) -> dict:
-    from codex import fsio
-
     try:
         text = fsio.read_text(str(path))
     except FileNotFoundError:
@@ -185,12 +202,18 @@ def load_yaml(path: str) -> dict:
 
 
 def build_config(config_file: str | None = None, overrides: tuple[str, ...] | list[str] = (),
-                 model: str | None = None, run: str | None = None) -> Config:
+                 model: str | None = None, run: str | None = None, values: dict | None = None) -> Config:
+    """The Config of a command: defaults -> the `model` preset -> `config_file` -> `values` (typed,
+    from CLI options; None = not given) -> `overrides` (--set strings) -> `run`; then check_values."""
     cfg = Config()
     if model:
         apply_dict(cfg.model, load_yaml(str(preset_path("model", model))), "model.", f"configs/model/{model}.yaml: ")
+        cfg.model.preset = model
     if config_file:
         apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
+    for key, value in (values or {}).items():
+        if value is not None:
+            set_value(cfg, key, value)
     for o in overrides:
         set_key(cfg, o)
     if run:
@@ -199,15 +222,9 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
     return cfg
 
 
-# Allowed values, checked once when the config is built (exit 2 before any run file is read).
-# Ranges: (low, high, low inclusive); None = unbounded. A value typed wrong is caught in _coerce.
-_CHOICES = {
-    "train.resume": ("auto", "never"), "train.dtype": ("auto", "bf16", "fp32"),
-    "train.schedule": ("cosine", "wsd"), "train.xla_mode": ("spmd", "spawn"),
-    "train.wandb": ("auto", "online", "offline", "off"), "model.mlp": ("swiglu", "relu2"),
-    "data.shard.format": ("npy", "parquet", "both"), "data.shard.dtype": ("auto", "uint16", "uint32"),
-    "data.tokenizer.trainer": ("rustbpe", "hf"), "data.clean.preset": ("web", "code", "all"),
-}
+# Ranges, checked once when the config is built (exit 2 before any run file is read): (low, high,
+# whether the ends themselves are allowed); None = unbounded. A value typed wrong is caught in
+# _coerce, a value outside a Literal field's set in _check_choices.
 _RANGES = {
     "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
     "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
@@ -239,12 +256,23 @@ def _get(cfg, key: str):
     return cfg
 
 
+def _check_choices(obj, prefix: str = "") -> None:
+    """Every Literal-typed field of the dataclass tree holds one of its Literal's values."""
+    for f in dataclasses.fields(obj):
+        typ = _field_type(type(obj), f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(typ):
+            _check_choices(value, prefix + f.name + ".")
+        elif typing.get_origin(typ) is typing.Literal and value not in typing.get_args(typ):
+            allowed = ", ".join(str(a) for a in typing.get_args(typ))
+            raise ConfigError(f"{prefix}{f.name}: expected one of {allowed}, got {value!r}")
+
+
 def check_values(cfg: Config) -> None:
-    """Every key with a fixed set of values or a range, checked at once: a ConfigError naming the
-    key and what is allowed, instead of a late failure (or a silent default) deep inside a stage."""
-    for key, allowed in _CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {_get(cfg, key)!r}")
+    """Every key with a fixed set of values (a Literal type) or a range, checked at once: a
+    ConfigError naming the key and what is allowed, instead of a late failure (or a silent default)
+    deep inside a stage."""
+    _check_choices(cfg)
     for key, (low, high, inclusive) in _RANGES.items():
         v = _get(cfg, key)
         too_low = low is not None and (v < low if inclusive else v <= low)
@@ -254,6 +282,8 @@ def check_values(cfg: Config) -> None:
                 f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
             raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
     _check_model_shape(cfg.model)
+    if cfg.model.preset:
+        preset_path("model", cfg.model.preset)   # a ConfigError naming the presets there are
     ckpt = str(cfg.eval.checkpoint)
     if ckpt != "latest" and not (ckpt.isdigit()):
         raise ConfigError(f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'")
@@ -286,6 +316,4 @@ def to_yaml(cfg) -> str:
 
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config (YAML) next to an artifact, atomically."""
-    from codex import fsio
-
     fsio.write_text(path, to_yaml(cfg))

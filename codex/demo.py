@@ -14,6 +14,9 @@ import time
 
 from codex import fsio, rundir
 from codex.config import CONFIGS_DIR, build_config
+from pipeline.clean import run_clean
+from pipeline.shard import existing_state, run_shard
+from pipeline.tokenizer import load_meta, run_tokenizer
 
 log = logging.getLogger("codex.demo")
 
@@ -36,9 +39,6 @@ def drop_stale_outputs(run: str) -> None:
     shards). The demo owns its run directory, so after an upgrade that retrains the tokenizer it
     starts its downstream stages over instead of failing.
     """
-    from pipeline.shard import existing_state
-    from pipeline.tokenizer import load_meta
-
     shards = rundir.shards_dir(run)
     made_with = (existing_state(shards) or {}).get("settings", {}).get("tokenizer_sha256")
     current = load_meta(rundir.tokenizer_dir(run))["sha256"]
@@ -51,10 +51,8 @@ def drop_stale_outputs(run: str) -> None:
 
 
 def run_demo(run: str, overrides=()) -> dict:
+    # torch (seconds to import) only when the demo runs: `codex` itself imports this module
     from eval.evaluate import run_eval
-    from pipeline.clean import run_clean
-    from pipeline.shard import run_shard
-    from pipeline.tokenizer import run_tokenizer
     from train.loop import train
 
     cfg = build_config(str(CONFIGS_DIR / "runs" / "demo.yaml"), tuple(overrides), run=run)
@@ -68,7 +66,7 @@ def run_demo(run: str, overrides=()) -> dict:
             drop_stale_outputs(cfg.run)
         fn(cfg)
     log.info("demo 5/5: eval (%.0fs elapsed)", time.time() - t0)
-    result = run_eval(cfg, checkpoint="latest", max_tokens=cfg.eval.max_tokens)
+    result = run_eval(cfg)
     print(f"\ncodex demo finished in {time.time() - t0:.0f}s: run directory {run}")
     print(f"validation loss {result['loss']:.4f} nats/token | perplexity {result['perplexity']:.2f} | "
           f"bits per byte {result['bits_per_byte']:.4f} | {result['tokens']} tokens")

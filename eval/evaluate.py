@@ -44,6 +44,11 @@ from pipeline.readers import FileReport, read_records
 from pipeline.shard import write_npy
 from pipeline.shard_manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
 from pipeline.tokenizer import load_tokenizer
+from codex.progress import Progress, setup_logging
+from pipeline.tokenizer import load_meta, load_token_bytes
+from train.backend import loader_layout, make_backend, unwrap
+from train.loader import val_batches
+from train.token_shards import load_split
 
 log = logging.getLogger("codex.eval")
 
@@ -222,38 +227,29 @@ def load_model(cfg, checkpoint: str | int = "latest"):
     return model, run_cfg, info
 
 
-def run_eval(cfg, checkpoint: str | int = "latest", max_tokens: int = 0, data_paths: list[str] | None = None) -> dict:
-    """`codex eval`: loss / perplexity / bits per byte of a checkpoint on the pinned val split, or on
-    other text (`data_paths`, cleaned and tokenized on the fly with the run's tokenizer).
+def run_eval(cfg) -> dict:
+    """`codex eval`: loss / perplexity / bits per byte of checkpoint cfg.eval.checkpoint on the
+    pinned val split, or on other text (cfg.eval.data, cleaned and tokenized on the fly with the
+    run's tokenizer), at most cfg.eval.max_tokens tokens (0 = all).
 
     Runs on cfg.train.hardware (CPU, CUDA under torchrun, XLA); every rank returns the same
     global numbers. Rank 0 writes RUN/eval/step_N.json (or step_N.data-<hash>.json for --data)
     and prints a small table. Returns the record written.
     """
-    from codex.progress import setup_logging
-    from train.backend import make_backend
-
     setup_logging()
-    data_paths = list(data_paths or cfg.eval.data or [])
     backend = make_backend(cfg)
     ok = False
     try:
-        out = _run_eval(cfg, backend, checkpoint, max_tokens, data_paths)
+        out = _run_eval(cfg, backend)
         ok = True
         return out
     finally:
         backend.close(ok)   # no clean-exit barrier after a failure: peers would wait in a collective
 
 
-def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) -> dict:
-    from codex import fsio, rundir
-    from codex.progress import Progress
-    from pipeline.tokenizer import load_meta, load_token_bytes
-    from train.backend import loader_layout, unwrap
-    from train.loader import val_batches
-    from train.token_shards import load_split
-
-    model, run_cfg, info = load_model(cfg, checkpoint)
+def _run_eval(cfg, backend) -> dict:
+    data_paths, max_tokens = list(cfg.eval.data), cfg.eval.max_tokens
+    model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
     tok_dir = rundir.tokenizer_dir(cfg.run)
     token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype("int64"))
     if len(token_bytes) != run_cfg.model.vocab_size:
@@ -270,13 +266,7 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
     if data_paths:
         shards_dir, tmp, documents = _tokenize_to_shard(cfg, run_cfg, tok_dir, data_paths, max_tokens, T, backend)
     else:
-        shards_dir, tmp, documents = rundir.shards_dir(cfg.run), None, None
-        manifest = fsio.read_json(fsio.join(shards_dir, "manifest.json")) if fsio.exists(
-            fsio.join(shards_dir, "manifest.json")) else None
-        meta = load_meta(tok_dir)
-        if manifest and manifest.get("tokenizer", {}).get("sha256") not in (None, meta.get("sha256")):
-            raise ValueError(f"{fsio.join(shards_dir, 'manifest.json')}: the shards were made with another tokenizer "
-                             f"({manifest['tokenizer']['sha256'][:12]}) than {tok_dir} ({meta.get('sha256', '')[:12]})")
+        shards_dir, tmp, documents = _val_shards(cfg.run, tok_dir), None, None
     try:
         windows = load_split(shards_dir, "val", T).windows
         if max_tokens > 0:
@@ -289,8 +279,27 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
     finally:
         if tmp is not None:
             tmp.cleanup()
+    record = _eval_record(cfg, backend, info, result, T=T, B=B, documents=documents)
+    if backend.is_main:
+        _write_record(cfg, record, info["step"])
+    return record
 
-    record = {
+
+def _val_shards(run: str, tok_dir: str) -> str:
+    """RUN/shards, checked to be made with the run's tokenizer (when its manifest says which)."""
+    shards_dir = rundir.shards_dir(run)
+    manifest_path = fsio.join(shards_dir, "manifest.json")
+    manifest = fsio.read_json(manifest_path) if fsio.exists(manifest_path) else None
+    meta = load_meta(tok_dir)
+    if manifest and manifest.get("tokenizer", {}).get("sha256") not in (None, meta.get("sha256")):
+        raise ValueError(f"{manifest_path}: the shards were made with another tokenizer "
+                         f"({manifest['tokenizer']['sha256'][:12]}) than {tok_dir} ({meta.get('sha256', '')[:12]})")
+    return shards_dir
+
+
+def _eval_record(cfg, backend, info: dict, result: dict, *, T: int, B: int, documents) -> dict:
+    data_paths = list(cfg.eval.data)
+    return {
         "step": info["step"],
         "tokens": result["tokens"],
         "bytes": result["bytes"],
@@ -300,7 +309,7 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
         "split": None if data_paths else "val",
         "data": data_paths or None,
         "documents": documents,
-        "max_tokens": int(max_tokens),
+        "max_tokens": int(cfg.eval.max_tokens),
         "seq_len": T,
         "device_batch": B,
         "checkpoint": info["path"],
@@ -311,18 +320,21 @@ def _run_eval(cfg, backend, checkpoint, max_tokens: int, data_paths: list[str]) 
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config_fingerprint": info["config_fingerprint"],
     }
-    if backend.is_main:
-        name = f"step_{info['step']}.json"
-        if data_paths:  # never overwrite the val-split result of the same step
-            key = hashlib.sha256(json.dumps(sorted(data_paths)).encode()).hexdigest()[:8]
-            name = f"step_{info['step']}.data-{key}.json"
-        out = fsio.join(rundir.eval_dir(cfg.run), name)
-        fsio.makedirs(rundir.eval_dir(cfg.run))
-        fsio.write_json(out, _json_safe(record))
-        record["path"] = out
-        print(format_table(record))
-        record["plot"] = _plot_if_possible(cfg.run)
-    return record
+
+
+def _write_record(cfg, record: dict, step: int) -> None:
+    """Rank 0: RUN/eval/step_N.json (a --data result never overwrites the val split's), the table,
+    and the loss plot; adds their paths to `record`."""
+    name = f"step_{step}.json"
+    if cfg.eval.data:
+        key = hashlib.sha256(json.dumps(sorted(cfg.eval.data)).encode()).hexdigest()[:8]
+        name = f"step_{step}.data-{key}.json"
+    out = fsio.join(rundir.eval_dir(cfg.run), name)
+    fsio.makedirs(rundir.eval_dir(cfg.run))
+    fsio.write_json(out, _json_safe(record))
+    record["path"] = out
+    print(format_table(record))
+    record["plot"] = _plot_if_possible(cfg.run)
 
 
 def _plot_if_possible(run: str) -> str | None:

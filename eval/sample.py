@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from codex import rundir
+from eval.evaluate import load_model
+from pipeline.tokenizer import load_tokenizer
+
 BOS, EOS = "<|bos|>", "<|eos|>"
 
 
@@ -68,18 +72,11 @@ def _max_seq_len(model) -> int:
     return int(n)
 
 
-def run_sample(cfg, prompt: str, checkpoint: str | int = "latest", max_new_tokens: int | None = None,
-               temperature: float | None = None, top_k: int | None = None, seed: int | None = None) -> str:
-    """Load RUN's checkpoint and tokenizer and sample; unset arguments come from cfg.eval."""
-    from codex import rundir
-    from eval.evaluate import load_model
-    from pipeline.tokenizer import load_tokenizer
-
-    model, _, _ = load_model(cfg, checkpoint)
-    tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
+def run_sample(cfg, prompt: str) -> str:
+    """Load RUN's checkpoint cfg.eval.checkpoint and its tokenizer, and continue `prompt` with the
+    cfg.eval sampling settings (max_new_tokens, temperature, top_k, seed)."""
     e = cfg.eval
-    return sample(model, tokenizer, prompt,
-                  max_new_tokens=e.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                  temperature=e.temperature if temperature is None else temperature,
-                  top_k=e.top_k if top_k is None else top_k,
-                  seed=e.seed if seed is None else seed)
+    model, _, _ = load_model(cfg, e.checkpoint)
+    tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
+    return sample(model, tokenizer, prompt, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                  top_k=e.top_k, seed=e.seed)

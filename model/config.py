@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
 class ModelConfig:
+    preset: str = ""          # the configs/model/NAME.yaml these settings start from (--model NAME); "" = none
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int = 4        # < n_head: grouped-query attention
     n_embd: int = 128
-    mlp: str = "swiglu"       # "swiglu" or "relu2"
+    mlp: Literal["swiglu", "relu2"] = "swiglu"
     mlp_hidden: int = 0       # 0: derived (swiglu: 8/3 * n_embd rounded up to 64; relu2: 4 * n_embd)
     qk_norm: bool = True
     tie_embeddings: bool = False

@@ -48,8 +48,6 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"head dim n_embd/n_head = {cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
     if cfg.n_kv_head <= 0 or cfg.n_head % cfg.n_kv_head:
         raise ValueError(f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})")
-    if cfg.mlp not in ("swiglu", "relu2"):
-        raise ValueError(f"model.mlp must be 'swiglu' or 'relu2', got {cfg.mlp!r}")
     if cfg.n_layer <= 0 or cfg.max_seq_len <= 0:
         raise ValueError("model.n_layer and model.max_seq_len must be positive")
 

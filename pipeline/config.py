@@ -7,6 +7,7 @@ Override any of them with `--set data.clean.workers=4` or a YAML file (`--config
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 # --- settings of each clean filter (data.clean.<filter>.*); the defaults are the published
@@ -87,7 +88,7 @@ class CleanConfig:
     text_field: str = "text"          # .jsonl(.gz/.zst): the field holding the document text
     text_column: str = "text"         # .parquet: the column holding the document text
     txt_delimiter: str = ""           # .txt: split on this string; "" = one document per file
-    preset: str = "web"               # "web" (prose rules), "code" (source-code corpora) or "all"
+    preset: Literal["web", "code", "all"] = "web"  # web: prose rules, code: source-code corpora, all
     workers: int = 1                  # processes on this machine
     num_tasks: int = 1                # tasks across machines (a job array); task I takes files I, I+N, ...
     task_index: int = 0
@@ -117,18 +118,18 @@ class TokenizerConfig:
     max_chars: int = 200_000_000      # training-text budget (characters)
     doc_max_chars: int = 100_000      # per-document cap
     heldout_docs: int = 500           # documents held out to report compression
-    trainer: str = "rustbpe"          # "rustbpe" (fast, the default) or "hf" (HF tokenizers' BpeTrainer)
+    trainer: Literal["rustbpe", "hf"] = "rustbpe"  # rustbpe: fast; hf: HF tokenizers' BpeTrainer
 
 
 @dataclass
 class ShardConfig:
     shard_tokens: int = 50_000_000    # tokens per shard (the last one may be short)
     val_fraction: float = 0.005       # documents hashed into the validation split
-    format: str = "npy"               # "npy", "parquet" or "both"
+    format: Literal["npy", "parquet", "both"] = "npy"
     append_eos: bool = False          # each document is <|bos|> + tokens (+ <|eos|>)
     workers: int = 1                  # 1: encode in this process (tokenizers' threads); N: N processes
     out: str = ""                     # default: RUN/shards (any fsspec URL)
-    dtype: str = "auto"               # "auto" (uint16 when the vocab fits, else uint32), "uint16" or "uint32"
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocab fits, else uint32
     chunk_chars: int = 100_000        # longer documents are cut at line/space boundaries before encoding (BPE is quadratic)
 
 

@@ -24,7 +24,6 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 
-from codex.config import ConfigError
 
 # ----------------------------------------------------------------------------------------------
 # normalisation
@@ -360,8 +359,6 @@ PRESETS = {
 
 def active_filters(clean_cfg) -> list[str]:
     """Names of the filters that run, in order (incl. "dedup"): named by the preset and enabled."""
-    if clean_cfg.preset not in PRESETS:
-        raise ConfigError(f"data.clean.preset: unknown preset {clean_cfg.preset!r} (have: {', '.join(PRESETS)})")
     return [name for name in PRESETS[clean_cfg.preset] if getattr(clean_cfg, name).enabled]
 
 

@@ -200,8 +200,6 @@ def _dtype_for(vocab_size: int, requested: str, where: str) -> str:
     if requested == "uint16" and token_dtype(vocab_size) != "uint16":
         raise ShardError(f"data.shard.dtype=uint16 cannot hold vocab_size {vocab_size} of {where} "
                          f"(uint16 holds ids < 65536): use dtype=uint32 or auto")
-    if requested not in ("uint16", "uint32"):
-        raise ShardError(f"data.shard.dtype: expected auto, uint16 or uint32, got {requested!r}")
     return requested
 
 
@@ -211,8 +209,6 @@ def _validate(cfg: Config) -> None:
         raise ShardError(f"data.shard.shard_tokens must be >= 2 (a window needs 2 tokens), got {s.shard_tokens}")
     if not 0 < s.val_fraction < 1:
         raise ShardError(f"data.shard.val_fraction must be in (0, 1), got {s.val_fraction}")
-    if s.format not in ("npy", "parquet", "both"):
-        raise ShardError(f"data.shard.format: expected npy, parquet or both, got {s.format!r}")
     if s.workers < 1:
         raise ShardError(f"data.shard.workers must be >= 1, got {s.workers}")
     if s.chunk_chars < 1000:

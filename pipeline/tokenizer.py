@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline.bpe import (MIN_VOCAB, RUSTBPE_MAX_BYTES, SPECIAL_IDS, SPECIAL_TOKENS, SPLIT_PATTERN, TRAINERS,
+from pipeline.bpe import (MIN_VOCAB, RUSTBPE_MAX_BYTES, SPECIAL_IDS, SPECIAL_TOKENS, SPLIT_PATTERN,
                           train_tokenizer, token_bytes_of)
 from pipeline.doc_select import Selection, TextReader, iter_selected, select_documents
 from pipeline.encode import token_dtype
@@ -83,8 +83,6 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"data.tokenizer.{key}={getattr(t, key)}: must be positive")
     if t.heldout_docs < 0:
         raise ConfigError(f"data.tokenizer.heldout_docs={t.heldout_docs}: must be >= 0")
-    if t.trainer not in TRAINERS:
-        raise ConfigError(f"data.tokenizer.trainer={t.trainer!r}: must be one of {', '.join(TRAINERS)}")
 
 
 def _peak_rss_mb() -> float:

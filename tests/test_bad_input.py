@@ -248,7 +248,7 @@ def test_invalid_yaml_names_the_line(tmp_path):
 def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(run):
     invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5", "--device-batch", "10000000"], 2,
            "train.device_batch=10000000", "GB", "lower --device-batch")
-    # A user's report: the default 4x128 model, vocab 32768, 2000 x 256 on the CPU (22 GB and OOM-killed).
+    # The default 4x128 model, vocab 32768, 2000 x 256 on the CPU: 22 GB, OOM-killed when not refused.
     m = build_config().model
     m.vocab_size = 32768
     assert estimate(m, 2000, 256).total > 100e9

@@ -33,6 +33,23 @@ def test_wrong_type_names_the_key():
         build_config(overrides=["train.compile=maybe"])
 
 
+@pytest.mark.parametrize("key", ["model.mlp", "train.schedule", "train.dtype", "train.xla_mode", "train.resume",
+                                 "train.wandb", "data.shard.format", "data.shard.dtype", "data.tokenizer.trainer",
+                                 "data.clean.preset"])
+def test_a_value_outside_a_literal_set_names_the_key_and_the_allowed_values(key):
+    with pytest.raises(ConfigError, match=rf"{key}: expected one of .*, got 'nope'"):
+        build_config(overrides=[f"{key}=nope"])
+
+
+def test_the_allowed_values_come_from_the_literal_types():
+    # The checks of the stages that dispatch on these values (model/gpt.py, train/optim.py) live here.
+    with pytest.raises(ValueError, match="model.mlp"):
+        build_config(overrides=["model.mlp=gelu"])
+    with pytest.raises(ConfigError, match="train.schedule"):
+        build_config(overrides=["train.schedule=linear"])
+    assert build_config(overrides=["train.wandb=off", "data.shard.format=both"]).train.wandb == "off"
+
+
 def test_yaml_file_unknown_key_names_file(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("model:\n  n_heads: 4\n")
@@ -53,6 +70,25 @@ def test_precedence_preset_then_file_then_set(tmp_path):
     f.write_text("model:\n  n_layer: 3\ntrain:\n  lr: 0.5\n")
     cfg = build_config(str(f), ["train.lr=0.25"], model="tiny")
     assert cfg.model.n_layer == 3 and cfg.train.lr == 0.25
+
+
+def test_the_model_preset_name_is_kept_in_the_config():
+    assert build_config(model="124m").model.preset == "124m" and build_config().model.preset == ""
+    with pytest.raises(ConfigError, match="no model preset 'huge'"):
+        build_config(overrides=["model.preset=huge"])
+
+
+def test_typed_values_are_applied_as_they_are_after_the_file_and_before_set(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  max_steps: 7\n  lr: 0.5\n")
+    cfg = build_config(str(f), ["train.lr=0.25"], values={"train.max_steps": 100, "train.lr": 0.1,
+                                                         "data.clean.inputs": ["a b", "c"], "train.xla_cache": None})
+    assert cfg.train.max_steps == 100 and cfg.train.lr == 0.25 and cfg.data.clean.inputs == ["a b", "c"]
+    assert cfg.train.xla_cache == ""
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
+        build_config(values={"train.max_steps": "many"})
+    with pytest.raises(ConfigError, match="train.xla_mode: expected one of spmd, spawn"):
+        build_config(values={"train.xla_mode": "pjrt"})
 
 
 def test_round_trip_through_yaml_dict():

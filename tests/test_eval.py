@@ -244,13 +244,15 @@ def make_run(root: Path, T: int = 8, step: int = 7, train_steps: int = 0) -> tup
     return run, tok, model
 
 
-def eval_cfg(run: str, batch: int = 2):
+def eval_cfg(run: str, batch: int = 2, **eval_settings):
     from codex.config import Config
 
     cfg = Config()
     cfg.run = run
     cfg.train.hardware = "cpu"
     cfg.eval.device_batch = batch
+    for key, value in eval_settings.items():
+        setattr(cfg.eval, key, value)
     return cfg
 
 
@@ -284,7 +286,7 @@ def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
     assert "bits per byte" in table and f"{out['bits_per_byte']:.4f}" in table
 
     # --max-tokens: only the first max_tokens // T windows
-    rec = run_eval(eval_cfg(run, batch=3), max_tokens=3 * T + 5)
+    rec = run_eval(eval_cfg(run, batch=3, max_tokens=3 * T + 5))
     ref3 = evaluate(model, [(x[:3], y[:3])], token_bytes_of(tok))
     assert rec["tokens"] == 3 * T and rec["max_tokens"] == 3 * T + 5
     assert rec["loss"] == pytest.approx(ref3["loss"], rel=1e-6)
@@ -303,7 +305,7 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
         (data / f"doc{i}.txt").write_bytes(d.encode("utf-8"))
     (data / "empty.txt").write_text("")
 
-    rec = run_eval(eval_cfg(run), data_paths=[str(data)])
+    rec = run_eval(eval_cfg(run, data=[str(data)]))
     # by hand: each normalised document is <|bos|> + tokens, concatenated in file order
     ids = []
     for d in docs:
@@ -319,7 +321,7 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
     assert len(written) == 1 and written[0].startswith("step_7.data-")  # the val result is not overwritten
 
     with pytest.raises(FileNotFoundError, match="no such file"):
-        run_eval(eval_cfg(run), data_paths=[str(tmp_path / "missing.txt")])
+        run_eval(eval_cfg(run, data=[str(tmp_path / "missing.txt")]))
 
 
 def test_run_eval_names_a_missing_checkpoint(tmp_path):
@@ -327,7 +329,7 @@ def test_run_eval_names_a_missing_checkpoint(tmp_path):
 
     run, _, _ = make_run(tmp_path)
     with pytest.raises(FileNotFoundError, match="step_00000099"):
-        run_eval(eval_cfg(run), checkpoint=99)
+        run_eval(eval_cfg(run, checkpoint="99"))
 
 
 def test_fixed_shape_masked_batches_across_ranks_cover_every_window_once(tmp_path):
@@ -445,7 +447,7 @@ def test_run_sample_loads_the_checkpoint(tmp_path):
     from eval.sample import run_sample, sample
 
     run, tok, model = make_run(tmp_path)
-    got = run_sample(eval_cfg(run), "The quick", max_new_tokens=8, temperature=0)
+    got = run_sample(eval_cfg(run, max_new_tokens=8, temperature=0), "The quick")
     assert got == sample(model, tok, "The quick", max_new_tokens=8, temperature=0)
 
 

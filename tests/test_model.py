@@ -172,8 +172,6 @@ def test_bad_shapes_name_the_key():
         GPT(tiny(n_head=4, n_kv_head=3))
     with pytest.raises(ValueError, match="vocab_size"):
         GPT(tiny(vocab_size=0))
-    with pytest.raises(ValueError, match="model.mlp"):
-        GPT(tiny(mlp="gelu"))
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -240,7 +240,7 @@ def restore_training(cfg, state: dict, model, optimizer, loader) -> tuple[int, i
     (step, tokens, the unfinished log window). The model must be the one the checkpoint was saved from."""
     saved_model = state["config"].get("model", {})
     for k, v in to_dict(cfg.model).items():
-        if k in saved_model and saved_model[k] != v:
+        if k != "preset" and k in saved_model and saved_model[k] != v:   # the preset is a name, not the model
             raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
                               f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
     model.load_state_dict(state["model"])

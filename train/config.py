@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -16,14 +17,14 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
-    schedule: str = "cosine"        # "cosine" or "wsd" (warmup-stable-decay)
+    schedule: Literal["cosine", "wsd"] = "cosine"  # wsd = warmup-stable-decay
     decay_fraction: float = 0.2     # wsd: the last fraction of steps decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 1337
-    dtype: str = "auto"             # auto (bf16 on CUDA/TPU, fp32 on CPU), bf16, fp32
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
     compile: bool = True            # torch.compile on CUDA
     log_every: int = 10
     eval_every: int = 200
@@ -31,10 +32,10 @@ class TrainConfig:
     save_every: int = 500
     keep_last: int = 3
     keep_every: int = 0             # also keep every M-th step forever (0 = off)
-    resume: str = "auto"            # auto (resume when a checkpoint exists) or never
-    wandb: str = "auto"             # auto (online with an API key, else offline), online, offline, off
+    resume: Literal["auto", "never"] = "auto"  # auto: resume when a checkpoint exists
+    wandb: Literal["auto", "online", "offline", "off"] = "auto"  # auto: online with an API key, else offline
     wandb_project: str = "codex"
-    xla_mode: str = "spmd"          # spmd or spawn
+    xla_mode: Literal["spmd", "spawn"] = "spmd"  # spawn: one process per chip
     xla_cache: str = ""             # persistent compilation cache; default RUN/xla_cache
     max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
     allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)

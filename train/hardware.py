@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from codex import fsio
 from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
 
 
@@ -89,8 +90,6 @@ def require_shared_run_dir(cfg) -> None:
     """A multi-host preset runs the same command on every worker, and they must all read and write
     one run directory: a local path is one folder per host (each resumes its own checkpoints, or
     none), so it is refused unless the user says it is a shared disk (train.shared_run_dir)."""
-    from codex import fsio
-
     preset = get_preset(cfg.train.hardware)
     if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
         return
@@ -107,28 +106,10 @@ def list_presets() -> list[HardwarePreset]:
     return [get_preset(n) for n in sorted(preset_names("hardware"), key=natural)]
 
 
-def model_preset_name(model_cfg) -> str | None:
-    """Which configs/model/NAME.yaml `model_cfg` is (ignoring vocab_size / max_seq_len), or None."""
-    from model.config import ModelConfig
-    from codex.config import apply_dict, load_yaml
-
-    ignore = {"vocab_size", "max_seq_len"}
-
-    def key(c):
-        return {k: v for k, v in dataclasses.asdict(c).items() if k not in ignore}
-
-    want = key(model_cfg)
-    for name in preset_names("model"):
-        c = ModelConfig()
-        apply_dict(c, load_yaml(str(preset_path("model", name))), "model.")
-        if key(c) == want:
-            return name
-    return None
-
-
 def device_defaults(preset: HardwarePreset, model_cfg) -> tuple[int, int]:
-    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when it does not fit."""
-    name = model_preset_name(model_cfg)
+    """(device_batch, seq_len) the preset suggests for this model (its model.preset entry, else
+    'default'), or a ConfigError when it does not fit."""
+    name = model_cfg.preset or None
     entry_name = name if name in preset.defaults else "default"
     if entry_name not in preset.defaults:
         raise ConfigError(f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' nor a 'default' "

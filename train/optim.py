@@ -83,16 +83,13 @@ def lr_at(step: int, *, max_lr: float, total_steps: int, warmup_steps: int, sche
         span = max(1, total_steps - 1 - warmup_steps)
         progress = min(1.0, max(0.0, (step - warmup_steps) / span))
         return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-    if schedule == "wsd":
-        decay_steps = max(1, int(round(decay_fraction * total_steps)))
-        decay_start = total_steps - decay_steps
-        if step < decay_start:
-            return max_lr
-        progress = min(1.0, (step - decay_start + 1) / decay_steps)
-        return max_lr + (min_lr - max_lr) * progress
-    from codex.config import ConfigError
-
-    raise ConfigError(f"train.schedule: expected 'cosine' or 'wsd', got {schedule!r}")
+    # wsd (config.check_values allows only these two)
+    decay_steps = max(1, int(round(decay_fraction * total_steps)))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return max_lr
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return max_lr + (min_lr - max_lr) * progress
 
 
 def lr_for(step: int, tcfg, total_steps: int) -> float:
