@@ -328,7 +328,7 @@ def eval_cmd(cfg):
       codex eval --run runs/web --checkpoint 2000 --data 'heldout/*.txt'
       torchrun --nproc_per_node=8 -m codex.cli eval --run runs/web --hardware h100-8
     """
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
 
     # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
     # does not exist gets no folder made (run_eval says what is missing)

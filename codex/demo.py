@@ -52,7 +52,7 @@ def drop_stale_outputs(run: str) -> None:
 
 def run_demo(run: str, overrides=()) -> dict:
     # torch (seconds to import) only when the demo runs: `codex` itself imports this module
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
     from train.loop import train
 
     cfg = build_config(str(CONFIGS_DIR / "runs" / "demo.yaml"), tuple(overrides), run=run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from codex import rundir
-from eval.evaluate import load_model
+from eval.load import load_model
 from pipeline.tokenizer import load_tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"

@@ -257,7 +257,7 @@ def eval_cfg(run: str, batch: int = 2, **eval_settings):
 
 
 def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -293,7 +293,7 @@ def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
 
 
 def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
     from pipeline.filters import normalize
 
     T = 8
@@ -325,7 +325,7 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
 
 
 def test_run_eval_names_a_missing_checkpoint(tmp_path):
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
 
     run, _, _ = make_run(tmp_path)
     with pytest.raises(FileNotFoundError, match="step_00000099"):
@@ -364,7 +364,7 @@ import json, os, sys
 import torch
 torch.set_num_threads(1)
 from codex.config import Config
-from eval.evaluate import run_eval
+from eval.run import run_eval
 
 cfg = Config()
 cfg.run = os.environ["EVAL_RUN"]
@@ -393,7 +393,7 @@ def _launch(world: int, port: int, run: str) -> list[dict]:
 
 
 def test_world_size_1_and_2_give_the_same_numbers(tmp_path):
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
     from tests.conftest import _free_port
 
     T = 8
@@ -520,7 +520,7 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     import shutil
 
     from codex.config import Config
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
     from train.loop import train
 
     run, _, _ = make_run(tmp_path, T=8)
@@ -545,7 +545,7 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
 @pytest.mark.gcs
 def test_run_eval_and_plot_on_gcs(tmp_path, gcs_bucket):
     from codex import fsio
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
 
     local, _, _ = make_run(tmp_path, T=8)
     _metrics(Path(local), ['{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
@@ -567,7 +567,7 @@ def test_spmd_4_devices_equals_eager(tmp_path):
     """run_eval on the XLA SPMD path (4 virtual CPU devices, masked fixed-shape batches, the sums
     reduced by the partitioner) gives the eager CPU numbers."""
     pytest.importorskip("torch_xla")
-    from eval.evaluate import run_eval
+    from eval.run import run_eval
     from tests.conftest import run_xla
 
     run, _, _ = make_run(tmp_path, T=8, train_steps=5)
@@ -575,7 +575,7 @@ def test_spmd_4_devices_equals_eager(tmp_path):
     out = run_xla(f"""
 import json
 from codex.config import Config
-from eval.evaluate import run_eval
+from eval.run import run_eval
 cfg = Config()
 cfg.run = {run!r}
 cfg.train.hardware, cfg.train.allow_cpu_xla, cfg.train.dtype = "v6e-4", True, "fp32"

@@ -1,0 +1,68 @@
+"""A checkpoint's model for `codex eval` and `codex sample`: the weights, the config it was trained
+with, and the settings eval derives from it (the sequence length it trained at, the batch size).
+
+A checkpoint whose tokenizer is not the run's current one is refused: its ids would decode to the
+wrong text and bits per byte would count the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from codex import fsio, rundir
+from codex.config import from_dict
+from model.gpt import build_model
+from pipeline.tokenizer import load_meta
+from train import checkpoint as ckpt
+from train.hardware import device_defaults, get_preset
+
+
+def load_model(cfg, checkpoint: str | int = "latest"):
+    """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
+    state = ckpt.load(cfg.run, checkpoint)
+    run_cfg = from_dict(state["config"])
+    if run_cfg.model.vocab_size <= 0:
+        raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")
+    _check_tokenizer(cfg.run, state)
+    model = build_model(run_cfg.model, seed=run_cfg.train.seed)
+    model.load_state_dict(state["model"])
+    model.eval()
+    info = {
+        "step": int(state["step"]),
+        "train_tokens": int(state.get("tokens", 0)),
+        "path": ckpt.step_dir(cfg.run, int(state["step"])),
+        # Which exact run configuration produced these weights (model + data + training settings).
+        "config_fingerprint": hashlib.sha256(json.dumps(state["config"], sort_keys=True, default=str)
+                                             .encode()).hexdigest()[:16],
+    }
+    return model, run_cfg, info
+
+
+def trained_seq_len(run_cfg) -> int:
+    """The sequence length the checkpoint was trained with: evaluate at the same context length,
+    or the numbers are not comparable with the training curve."""
+    if run_cfg.train.seq_len > 0:
+        return int(run_cfg.train.seq_len)
+    return device_defaults(get_preset(run_cfg.train.hardware), run_cfg.model)[1]
+
+
+def eval_batch_size(cfg, run_cfg) -> int:
+    """eval.device_batch, else this hardware preset's training device batch for the model."""
+    if cfg.eval.device_batch > 0:
+        return int(cfg.eval.device_batch)
+    return device_defaults(get_preset(cfg.train.hardware), run_cfg.model)[0]
+
+
+def _check_tokenizer(run: str, state: dict) -> None:
+    """Refuse a checkpoint whose tokenizer is not the run's current one (retrained after training):
+    its ids would decode to the wrong text and bits per byte would count the wrong bytes."""
+    trained_with = state.get("tokenizer_sha256")
+    tok_dir = rundir.tokenizer_dir(run)
+    if not trained_with or not fsio.exists(fsio.join(tok_dir, "tokenizer_meta.json")):
+        return   # checkpoints from before this record, or a run without its tokenizer (later steps say so)
+    current = str(load_meta(tok_dir).get("sha256", ""))
+    if current != trained_with:
+        raise ValueError(f"{fsio.join(tok_dir, 'tokenizer.json')} (sha256 {current[:12]}) is not the tokenizer "
+                         f"{ckpt.step_dir(run, int(state['step']))} was trained with ({trained_with[:12]}): it was "
+                         "retrained after training; restore the original tokenizer or retrain the model")

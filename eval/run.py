@@ -1,0 +1,175 @@
+"""`codex eval`: loss / perplexity / bits per byte of a checkpoint, written to RUN/eval/step_N.json.
+
+    checkpoint (eval/load.py) -> the run's val split, or --data text (eval/data.py)
+    -> evaluate() (eval/evaluate.py, the same function as training's validation)
+    -> RUN/eval/step_N.json (step_N.data-<hash>.json for --data), a table, RUN/eval/loss.png
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+
+import torch
+
+from codex import fsio, rundir
+from codex.progress import Progress, setup_logging
+from eval.data import tokenize_to_shard
+from eval.evaluate import evaluate
+from eval.load import eval_batch_size, load_model, trained_seq_len
+from pipeline.tokenizer import load_meta, load_token_bytes
+from train.backend import loader_layout, make_backend, unwrap
+from train.loader import val_batches
+from train.token_shards import load_split
+
+log = logging.getLogger("codex.eval")
+
+
+def run_eval(cfg) -> dict:
+    """`codex eval`: loss / perplexity / bits per byte of checkpoint cfg.eval.checkpoint on the
+    pinned val split, or on other text (cfg.eval.data, cleaned and tokenized on the fly with the
+    run's tokenizer), at most cfg.eval.max_tokens tokens (0 = all).
+
+    Runs on cfg.train.hardware (CPU, CUDA under torchrun, XLA); every rank returns the same
+    global numbers. Rank 0 writes RUN/eval/step_N.json (or step_N.data-<hash>.json for --data)
+    and prints a small table. Returns the record written.
+    """
+    setup_logging()
+    backend = make_backend(cfg)
+    ok = False
+    try:
+        out = _run_eval(cfg, backend)
+        ok = True
+        return out
+    finally:
+        backend.close(ok)   # no clean-exit barrier after a failure: peers would wait in a collective
+
+
+def _run_eval(cfg, backend) -> dict:
+    data_paths, max_tokens = list(cfg.eval.data), cfg.eval.max_tokens
+    model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
+    tok_dir = rundir.tokenizer_dir(cfg.run)
+    token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype("int64"))
+    if len(token_bytes) != run_cfg.model.vocab_size:
+        raise ValueError(f"{fsio.join(tok_dir, 'token_bytes.npy')}: {len(token_bytes)} tokens, but the checkpoint "
+                         f"{info['path']} was trained with model.vocab_size={run_cfg.model.vocab_size}")
+    T, B = trained_seq_len(run_cfg), eval_batch_size(cfg, run_cfg)
+    # The same layout as training's validation (train/loop.py): one loader per data-loading
+    # process (under XLA SPMD one per host, feeding all its chips), and on XLA full batches with a
+    # row mask, since XLA compiles one graph per shape.
+    rank, world, rows = loader_layout(backend, B)
+    with_mask = backend.fixed_shapes
+    model = unwrap(backend.prepare_model(model))
+
+    if data_paths:
+        shards_dir, tmp, documents = tokenize_to_shard(cfg, run_cfg, tok_dir, data_paths, max_tokens, T, backend)
+    else:
+        shards_dir, tmp, documents = _val_shards(cfg.run, tok_dir), None, None
+    try:
+        windows = load_split(shards_dir, "val", T).windows
+        if max_tokens > 0:
+            windows = min(windows, max(1, max_tokens // T))
+        steps = -(-windows // (rows * world))
+        batches = val_batches(shards_dir, seq_len=T, batch_size=rows, rank=rank, world_size=world,
+                              max_tokens=max_tokens, with_mask=with_mask)
+        with Progress("eval", total=steps, unit="batches", enabled=backend.is_main) as progress:
+            result = evaluate(model, batches, token_bytes, backend=backend, progress=progress)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    record = _eval_record(cfg, backend, info, result, T=T, B=B, documents=documents)
+    if backend.is_main:
+        _write_record(cfg, record, info["step"])
+    return record
+
+
+def _val_shards(run: str, tok_dir: str) -> str:
+    """RUN/shards, checked to be made with the run's tokenizer (when its manifest says which)."""
+    shards_dir = rundir.shards_dir(run)
+    manifest_path = fsio.join(shards_dir, "manifest.json")
+    manifest = fsio.read_json(manifest_path) if fsio.exists(manifest_path) else None
+    meta = load_meta(tok_dir)
+    if manifest and manifest.get("tokenizer", {}).get("sha256") not in (None, meta.get("sha256")):
+        raise ValueError(f"{manifest_path}: the shards were made with another tokenizer "
+                         f"({manifest['tokenizer']['sha256'][:12]}) than {tok_dir} ({meta.get('sha256', '')[:12]})")
+    return shards_dir
+
+
+def _eval_record(cfg, backend, info: dict, result: dict, *, T: int, B: int, documents) -> dict:
+    data_paths = list(cfg.eval.data)
+    return {
+        "step": info["step"],
+        "tokens": result["tokens"],
+        "bytes": result["bytes"],
+        "loss": result["loss"],
+        "perplexity": result["perplexity"],
+        "bits_per_byte": result["bits_per_byte"],
+        "split": None if data_paths else "val",
+        "data": data_paths or None,
+        "documents": documents,
+        "max_tokens": int(cfg.eval.max_tokens),
+        "seq_len": T,
+        "device_batch": B,
+        "checkpoint": info["path"],
+        "train_tokens": info["train_tokens"],
+        "world_size": backend.world_size,
+        "backend": backend.device.type,   # cpu, cuda or xla
+        "hardware": cfg.train.hardware,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config_fingerprint": info["config_fingerprint"],
+    }
+
+
+def _write_record(cfg, record: dict, step: int) -> None:
+    """Rank 0: RUN/eval/step_N.json (a --data result never overwrites the val split's), the table,
+    and the loss plot; adds their paths to `record`."""
+    name = f"step_{step}.json"
+    if cfg.eval.data:
+        key = hashlib.sha256(json.dumps(sorted(cfg.eval.data)).encode()).hexdigest()[:8]
+        name = f"step_{step}.data-{key}.json"
+    out = fsio.join(rundir.eval_dir(cfg.run), name)
+    fsio.makedirs(rundir.eval_dir(cfg.run))
+    fsio.write_json(out, _json_safe(record))
+    record["path"] = out
+    print(format_table(record))
+    record["plot"] = _plot_if_possible(cfg.run)
+
+
+def _plot_if_possible(run: str) -> str | None:
+    """RUN/eval/loss.png from the training metrics, when the run has them."""
+    if not fsio.exists(rundir.metrics_path(run)):
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("loss plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    from eval.plot import plot_loss  # imports matplotlib: an optional dependency, checked above
+
+    path = plot_loss(run)
+    print(f"loss plot: {path}")
+    return path
+
+
+def _json_safe(record: dict) -> dict:
+    # json.dumps writes NaN/Infinity, which is not JSON; strings keep the file parseable everywhere.
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def format_table(r: dict) -> str:
+    what = "val split" if r.get("split") else ", ".join(r["data"])
+    rows = [
+        ("checkpoint", f"step {r['step']} ({r['checkpoint']})"),
+        ("data", what + (f" ({r['documents']} documents)" if r.get("documents") is not None else "")),
+        ("tokens", f"{r['tokens']:,}"),
+        ("bytes", f"{r['bytes']:,}"),
+        ("loss (nats/token)", f"{r['loss']:.4f}"),
+        ("perplexity", f"{r['perplexity']:.3f}"),
+        ("bits per byte", f"{r['bits_per_byte']:.4f}"),
+        ("backend", f"{r['backend']} x{r['world_size']} ({r['hardware']}), batch {r['device_batch']} x {r['seq_len']}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
