@@ -270,7 +270,8 @@ def test_parquet_entries_of_format_both_are_skipped(tmp_path):
 
 def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
     # Two caches on one folder behave like two processes: flock locks belong to open files.
-    from train.shard_cache import HostShardCache, sha256_of
+    from codex.fsio import file_sha256 as sha256_of
+    from train.shard_cache import HostShardCache
 
     src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1] * 3})
     paths = [os.path.join(src, f"train_{i:05d}.npy") for i in range(3)]
@@ -304,7 +305,8 @@ def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(tm
     # hold to end: ranks wait for each other in the step's collective, so that wait would hang the job.
     import threading
 
-    from train.shard_cache import HostShardCache, sha256_of
+    from codex.fsio import file_sha256 as sha256_of
+    from train.shard_cache import HostShardCache
 
     src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1]})
     paths = [os.path.join(src, "train_00000.npy")]

@@ -27,19 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import threading
 
 from codex import fsio
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class HostShardCache:
@@ -109,7 +100,7 @@ class HostShardCache:
         tmp = os.path.join(self.folder, f".part-{self.name(i)}")
         fsio.download(self.remote_paths[i], tmp)
         want = self.sha256[i]
-        if want and sha256_of(tmp) != want:
+        if want and fsio.file_sha256(tmp) != want:
             os.unlink(tmp)
             raise ValueError(f"{self.remote_paths[i]}: sha256 does not match the manifest ({want}); "
                              "the shard changed after `codex data shard`")
