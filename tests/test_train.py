@@ -1,11 +1,11 @@
 """codex train on the CPU: data parallel == grad accumulation == one big batch, exact resume after
-SIGKILL, SIGTERM checkpoints, damaged checkpoints, the batch arithmetic, wandb offline, presets."""
+SIGKILL, SIGTERM checkpoints, the batch arithmetic, schedules, presets, the compiled bf16 path.
+Checkpoint files and retention: tests/test_checkpoint.py; metrics and wandb: tests/test_metrics.py."""
 
 from __future__ import annotations
 
 import json
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -226,126 +226,8 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
 
 # --- checkpoints ---------------------------------------------------------------------------------
 
-def _state(step: int) -> dict:
-    return {"step": step, "tokens": step * 10, "model": {"w": torch.full((64,), float(step))},
-            "config": {"train": {"lr": 0.1}}, "rng": checkpoint.rng_state()}
-
-
-def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
-    run = str(tmp_path / "run")
-    for s in (1, 2, 3):
-        checkpoint.save(run, _state(s), keep_last=5)
-    ckpt3 = Path(checkpoint.step_dir(run, 3)) / "ckpt.pt"
-    data = ckpt3.read_bytes()
-    ckpt3.write_bytes(data[: len(data) // 2])                   # truncated
-    assert checkpoint.latest_step(run) == 3
-    state = checkpoint.load(run)
-    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
-    assert "step_00000003" in caplog.text and "damaged" in caplog.text
-    with pytest.raises(ValueError, match="truncated"):
-        checkpoint.load(run, 3)                                 # an explicit step is never swapped
-    ckpt3.write_bytes(b"\0" * len(data))                        # right size, garbage content
-    assert checkpoint.load(run)["step"] == 2
-    (Path(checkpoint.step_dir(run, 2)) / "ckpt.pt").write_bytes(b"junk")
-    assert checkpoint.load(run)["step"] == 1
-
-
-def test_retention_keeps_last_k_and_every_m(tmp_path):
-    run = str(tmp_path / "run")
-    Path(checkpoint.step_dir(run, 1)).mkdir(parents=True)       # a leftover save with no DONE
-    for s in range(2, 13):
-        checkpoint.save(run, _state(s), keep_last=2, keep_every=5)
-    assert checkpoint.complete_steps(run) == [5, 10, 11, 12]
-    assert not Path(checkpoint.step_dir(run, 1)).exists()
-    with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
-        checkpoint.load(str(tmp_path / "empty"))
-
-
-@pytest.mark.gcs
-def test_checkpoint_round_trip_on_gcs(gcs_bucket):
-    run = f"{gcs_bucket}/run"
-    for s in (1, 2):
-        checkpoint.save(run, _state(s), keep_last=1)
-    assert checkpoint.complete_steps(run) == [2]
-    state = checkpoint.load(run)
-    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
-
-
-@pytest.mark.gcs
-def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
-    """A gs:// run: shards read through the loader's cache, checkpoints and metrics.jsonl on GCS."""
-    from codex import fsio
-
-    local = Path(make_run(tmp_path / "local"))
-    run = f"{gcs_bucket}/run"
-    for f in local.rglob("*"):
-        if f.is_file():
-            fsio.upload(str(f), f"{run}/{f.relative_to(local)}")
-    first = run_train(run, max_steps=2, save_every=1)
-    assert first["step"] == 2 and checkpoint.complete_steps(run) == [1, 2]
-    second = run_train(run, max_steps=3, save_every=1)          # resumes at 2, one more step
-    assert second["step"] == 3
-    steps = [json.loads(l)["step"] for l in fsio.read_text(f"{run}/metrics.jsonl").splitlines()]
-    assert steps == [1, 2, 3]
-
 
 # --- wandb offline -------------------------------------------------------------------------------
-
-def read_wandb_history(path: Path) -> list[dict]:
-    """Decode a .wandb file (LevelDB-style log of protobuf Records) into its history rows."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:8]
-    pos, block, rows, buf = 7, 32768, [], b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:                             # block trailer padding
-            pos += block - pos % block
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4: pos + 7])
-        payload = data[pos + 7: pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        buf = payload if kind in (1, 2) else buf + payload
-        if kind in (1, 4):                                      # FULL or LAST: a whole record
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
-    return rows
-
-
-def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    run = make_run(tmp_path / "run")
-    run_train(run, max_steps=3, wandb="auto")
-    files = list((Path(run) / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 1
-    # wandb-core (a separate service process) may still be writing after finish() returns.
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        rows = [r for r in read_wandb_history(files[0]) if "train/loss" in r]
-        if len(rows) == 3:
-            break
-        time.sleep(0.2)
-    logged = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
-    assert [r["_step"] for r in rows] == [1, 2, 3]
-    assert [r["train/loss"] for r in rows] == pytest.approx([l["loss"] for l in logged])
-    assert [r["tokens"] for r in rows] == [64, 128, 192]
-
-
-def test_wandb_failure_never_stops_training(tmp_path, monkeypatch):
-    import wandb
-
-    def broken_init(*a, **k):
-        raise RuntimeError("wandb service unreachable")
-
-    monkeypatch.setattr(wandb, "init", broken_init)
-    run = make_run(tmp_path / "run")
-    out = run_train(run, max_steps=2, wandb="online")
-    assert out["step"] == 2 and len(open(Path(run) / "metrics.jsonl").readlines()) == 2
 
 
 # --- schedule, parameter groups, presets, backend errors -----------------------------------------
@@ -487,82 +369,3 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     assert b[8] == a[8] and b[10] == a[10]              # step 8 averages steps 5-8, across the resume
     again = run_train(resumed, max_steps=6, log_every=4)  # below the checkpoint: says so, trains nothing
     assert again["step"] == 10 and not again["stopped"]
-
-
-def test_retention_after_a_fallback_keeps_the_intact_checkpoints(tmp_path, caplog):
-    """Newest checkpoints damaged -> resume from an older one -> the next saves must never prune
-    the intact steps in favour of the damaged ones still on disk."""
-    run = str(tmp_path / "run")
-    for s in range(1, 6):
-        checkpoint.save(run, _state(s), keep_last=10)
-    for s in (4, 5):                                            # the two newest are damaged
-        ckpt = Path(checkpoint.step_dir(run, s)) / "ckpt.pt"
-        ckpt.write_bytes(ckpt.read_bytes()[:100])
-    assert checkpoint.load(run)["step"] == 3                   # the fallback
-    checkpoint.save(run, _state(4), keep_last=1)               # training goes on from step 3
-    assert checkpoint.complete_steps(run) == [4]
-    assert checkpoint.load(run)["step"] == 4 and "not resumed from" in caplog.text
-    checkpoint.save(run, _state(5), keep_last=2)
-    assert checkpoint.complete_steps(run) == [4, 5] and checkpoint.load(run, 4)["step"] == 4
-
-
-@pytest.mark.gcs
-def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
-    """gs:// metrics.jsonl grows by composed chunks of at most FLUSH_LINES lines: no whole-file rewrite
-    per line; a resume still cuts the lines after its checkpoint."""
-    import gcsfs
-
-    from train import metrics as M
-
-    monkeypatch.setattr(M, "FLUSH_LINES", 10)
-    written, merges = [], []
-    real_merge, real_write = gcsfs.GCSFileSystem.merge, M.fsio.write_text
-
-    def merge(self, path, paths, **kw):
-        merges.append(paths)
-        return real_merge(self, path, paths, **kw)
-
-    def write_text(path, text):
-        written.append(text.count("\n"))
-        return real_write(path, text)
-
-    monkeypatch.setattr(gcsfs.GCSFileSystem, "merge", merge)
-    monkeypatch.setattr(M.fsio, "write_text", write_text)
-    run = f"{gcs_bucket}/run"
-    logger = M.MetricsLogger(run)
-    for step in range(1, 36):
-        logger.log("train", step, step * 10, loss=1.0 / step)
-    logger.close()
-    assert written == [10] and len(merges) == 3          # one first chunk, then 3 appends (10, 10, 5 lines)
-    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
-    assert steps == list(range(1, 36))
-    assert not [p for p in M.fsio.listdir(run) if ".chunk-" in p]   # chunk objects are deleted
-    resumed = M.MetricsLogger(run, resume_step=20)
-    resumed.log("train", 21, 210, loss=0.5)
-    resumed.flush()
-    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
-    assert steps == list(range(1, 22))
-
-
-def test_an_io_error_on_the_newest_checkpoint_is_retried_never_a_fallback(tmp_path, monkeypatch):
-    """A storage hiccup is not damage: falling back would let the next save delete the intact
-    newer checkpoint. One failed read is retried; a persistent one is an error naming the folder."""
-    run = str(tmp_path / "run")
-    for s in (1, 2):
-        checkpoint.save(run, _state(s), keep_last=5)
-    monkeypatch.setattr(checkpoint, "READ_RETRIES", (0.0, 0.0))
-    real_read, calls = checkpoint._read, []
-
-    def flaky(folder, map_location, fail_times):
-        calls.append(folder)
-        if folder.endswith("step_00000002") and len(calls) <= fail_times:
-            raise OSError("connection reset")
-        return real_read(folder, map_location)
-
-    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 1))
-    assert checkpoint.load(run)["step"] == 2                    # retried, not the older step 1
-    calls.clear()
-    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 99))
-    with pytest.raises(OSError, match="step_00000002: could not read the newest checkpoint"):
-        checkpoint.load(run)
-    assert checkpoint.complete_steps(run) == [1, 2]             # nothing deleted

@@ -1,0 +1,118 @@
+"""train/checkpoint.py: a damaged or truncated checkpoint falls back (an I/O error is retried instead),
+retention keeps the intact ones, round trips and resume on gs://."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import one_thread, run_train  # noqa: F401  (one_thread: autouse, one torch thread)
+from tests.train_helpers import make_run
+from train import checkpoint
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "tokens": step * 10, "model": {"w": torch.full((64,), float(step))},
+            "config": {"train": {"lr": 0.1}}, "rng": checkpoint.rng_state()}
+
+
+def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
+    run = str(tmp_path / "run")
+    for s in (1, 2, 3):
+        checkpoint.save(run, _state(s), keep_last=5)
+    ckpt3 = Path(checkpoint.step_dir(run, 3)) / "ckpt.pt"
+    data = ckpt3.read_bytes()
+    ckpt3.write_bytes(data[: len(data) // 2])                   # truncated
+    assert checkpoint.latest_step(run) == 3
+    state = checkpoint.load(run)
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
+    assert "step_00000003" in caplog.text and "damaged" in caplog.text
+    with pytest.raises(ValueError, match="truncated"):
+        checkpoint.load(run, 3)                                 # an explicit step is never swapped
+    ckpt3.write_bytes(b"\0" * len(data))                        # right size, garbage content
+    assert checkpoint.load(run)["step"] == 2
+    (Path(checkpoint.step_dir(run, 2)) / "ckpt.pt").write_bytes(b"junk")
+    assert checkpoint.load(run)["step"] == 1
+
+
+def test_retention_keeps_last_k_and_every_m(tmp_path):
+    run = str(tmp_path / "run")
+    Path(checkpoint.step_dir(run, 1)).mkdir(parents=True)       # a leftover save with no DONE
+    for s in range(2, 13):
+        checkpoint.save(run, _state(s), keep_last=2, keep_every=5)
+    assert checkpoint.complete_steps(run) == [5, 10, 11, 12]
+    assert not Path(checkpoint.step_dir(run, 1)).exists()
+    with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
+        checkpoint.load(str(tmp_path / "empty"))
+
+
+@pytest.mark.gcs
+def test_checkpoint_round_trip_on_gcs(gcs_bucket):
+    run = f"{gcs_bucket}/run"
+    for s in (1, 2):
+        checkpoint.save(run, _state(s), keep_last=1)
+    assert checkpoint.complete_steps(run) == [2]
+    state = checkpoint.load(run)
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
+
+
+@pytest.mark.gcs
+def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
+    """A gs:// run: shards read through the loader's cache, checkpoints and metrics.jsonl on GCS."""
+    from codex import fsio
+
+    local = Path(make_run(tmp_path / "local"))
+    run = f"{gcs_bucket}/run"
+    for f in local.rglob("*"):
+        if f.is_file():
+            fsio.upload(str(f), f"{run}/{f.relative_to(local)}")
+    first = run_train(run, max_steps=2, save_every=1)
+    assert first["step"] == 2 and checkpoint.complete_steps(run) == [1, 2]
+    second = run_train(run, max_steps=3, save_every=1)          # resumes at 2, one more step
+    assert second["step"] == 3
+    steps = [json.loads(l)["step"] for l in fsio.read_text(f"{run}/metrics.jsonl").splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_retention_after_a_fallback_keeps_the_intact_checkpoints(tmp_path, caplog):
+    """Newest checkpoints damaged -> resume from an older one -> the next saves must never prune
+    the intact steps in favour of the damaged ones still on disk."""
+    run = str(tmp_path / "run")
+    for s in range(1, 6):
+        checkpoint.save(run, _state(s), keep_last=10)
+    for s in (4, 5):                                            # the two newest are damaged
+        ckpt = Path(checkpoint.step_dir(run, s)) / "ckpt.pt"
+        ckpt.write_bytes(ckpt.read_bytes()[:100])
+    assert checkpoint.load(run)["step"] == 3                   # the fallback
+    checkpoint.save(run, _state(4), keep_last=1)               # training goes on from step 3
+    assert checkpoint.complete_steps(run) == [4]
+    assert checkpoint.load(run)["step"] == 4 and "not resumed from" in caplog.text
+    checkpoint.save(run, _state(5), keep_last=2)
+    assert checkpoint.complete_steps(run) == [4, 5] and checkpoint.load(run, 4)["step"] == 4
+
+
+def test_an_io_error_on_the_newest_checkpoint_is_retried_never_a_fallback(tmp_path, monkeypatch):
+    """A storage hiccup is not damage: falling back would let the next save delete the intact
+    newer checkpoint. One failed read is retried; a persistent one is an error naming the folder."""
+    run = str(tmp_path / "run")
+    for s in (1, 2):
+        checkpoint.save(run, _state(s), keep_last=5)
+    monkeypatch.setattr(checkpoint, "READ_RETRIES", (0.0, 0.0))
+    real_read, calls = checkpoint._read, []
+
+    def flaky(folder, map_location, fail_times):
+        calls.append(folder)
+        if folder.endswith("step_00000002") and len(calls) <= fail_times:
+            raise OSError("connection reset")
+        return real_read(folder, map_location)
+
+    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 1))
+    assert checkpoint.load(run)["step"] == 2                    # retried, not the older step 1
+    calls.clear()
+    monkeypatch.setattr(checkpoint, "_read", lambda f, m: flaky(f, m, 99))
+    with pytest.raises(OSError, match="step_00000002: could not read the newest checkpoint"):
+        checkpoint.load(run)
+    assert checkpoint.complete_steps(run) == [1, 2]             # nothing deleted
