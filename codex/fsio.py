@@ -275,12 +275,18 @@ class HashingReader:
         return b
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
+def file_digests(path: str, *algorithms: str) -> list:
+    """The hashlib digests of a local or gs:// file, read once in 8 MiB chunks, one per algorithm."""
+    hashes = [hashlib.new(a) for a in algorithms]
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+            for h in hashes:
+                h.update(chunk)
+    return hashes
+
+
+def file_sha256(path: str) -> str:
+    return file_digests(path, "sha256")[0].hexdigest()
 
 
 import builtins as _builtins  # noqa: E402

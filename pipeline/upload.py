@@ -14,7 +14,6 @@ it vouches for.
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import re
@@ -50,11 +49,7 @@ def _is_marker(rel: str) -> bool:
 
 def _local_digests(path: str) -> tuple[str, str]:
     """(md5 base64 as GCS reports it, sha256 hex) of a local file."""
-    md5, sha = hashlib.md5(), hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            md5.update(chunk)
-            sha.update(chunk)
+    md5, sha = fsio.file_digests(path, "md5", "sha256")
     return base64.b64encode(md5.digest()).decode(), sha.hexdigest()
 
 
@@ -70,11 +65,8 @@ def _remote_matches(remote_path: str, size: int, md5_b64: str, sha_hex: str) -> 
         return False, "size"
     if info.get("md5Hash"):
         return info["md5Hash"] == md5_b64, "md5"
-    h = hashlib.sha256()   # no server-side checksum (other stores, composite objects): read it back
-    with fs.open(p, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest() == sha_hex, "sha256-readback"
+    # No server-side checksum (other stores, composite objects): read it back.
+    return fsio.file_sha256(remote_path) == sha_hex, "sha256-readback"
 
 
 def _remove_stale_temps(remote: str) -> int:
