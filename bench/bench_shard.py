@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import resource
@@ -44,6 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+
+from pipeline.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
+from pipeline.encode import split_long_text  # noqa: E402
+from pipeline.shard import BATCH_CHARS  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 
@@ -75,9 +81,6 @@ def corpus_docs(target_bytes: int) -> list[str]:
 def build_run(run: Path, mb: float, vocab: int) -> None:
     if (run / "tokenizer" / "tokenizer_meta.json").exists():
         return
-    from pipeline.bpe import SPECIAL_IDS, train_tokenizer
-    import hashlib
-
     docs = corpus_docs(int(mb * 1e6))
     clean = run / "clean"
     clean.mkdir(parents=True, exist_ok=True)
@@ -105,10 +108,6 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
 
 def bare(run: Path, method: str) -> dict:
     """encode_batch over the documents already in memory, same batches and long-document cuts."""
-    from pipeline.encode import split_long_text
-    from pipeline.shard import BATCH_CHARS
-    from pipeline.tokenizer import load_tokenizer
-
     tok = load_tokenizer(str(run / "tokenizer"))
     docs = []
     for f in sorted((run / "clean").glob("part-*.parquet")):

@@ -50,6 +50,7 @@ from codex.config import ConfigError, from_dict, to_dict
 from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
 from train.control import ControlPlane, control_timeout
 from train.hardware import get_preset, set_xla_import_env
+from train.loop import train
 
 log = logging.getLogger("codex.xla")
 
@@ -336,8 +337,6 @@ def _control_plane(processes: int) -> ControlPlane:
 
 def _spawn_main(index: int, cfg_dict: dict, result_path: str) -> None:
     """Runs in every process torch_xla's launcher starts: the ordinary training loop."""
-    from train.loop import train  # train.loop imports this module's importer: a cycle at the top
-
     result = train(from_dict(cfg_dict), xla_spawned=True)
     if index == 0:
         with open(result_path, "w") as f:
