@@ -228,7 +228,8 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
 _RANGES = {
     "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
     "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
-    "train.beta2": (0, 1, True), "train.grad_clip": (0, None, True), "train.device_batch": (0, None, True),
+    "train.beta2": (0, 1, True), "train.muon_lr": (0, None, False),
+    "train.muon_momentum": (0, 1, True), "train.grad_clip": (0, None, True), "train.device_batch": (0, None, True),
     "train.seq_len": (0, None, True), "train.batch_tokens": (0, None, True), "train.max_steps": (0, None, True),
     "train.max_tokens": (0, None, True), "train.log_every": (1, None, True), "train.eval_every": (0, None, True),
     "train.eval_tokens": (0, None, True), "train.save_every": (0, None, True), "train.keep_last": (1, None, True),

@@ -187,7 +187,7 @@ def _train(cfg, backend: Backend) -> dict:
     n_params = num_params(model)
     model = backend.prepare_model(model)
     raw = unwrap(model)                               # without a torch.compile wrapper
-    optimizer = make_optimizer(raw, tcfg, backend.kind)
+    optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     loader = _make_loader(cfg, backend, plan)
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---

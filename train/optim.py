@@ -1,4 +1,5 @@
-"""AdamW with the usual parameter groups, and the learning-rate schedule as a pure function.
+"""The optimizer (AdamW, or Muon + AdamW: train/muon.py) with the usual parameter groups, and the
+learning-rate schedule as a pure function.
 
 Weight decay applies to matrices only: embeddings, norms (weights and biases) and every other
 1-D parameter (biases, scalar gains) are excluded, as in GPT-2/nanoGPT practice: decaying a norm
@@ -10,6 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from codex.config import ConfigError
+from train.muon import Muon, Optimizers, is_hidden_matrix
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -32,9 +36,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu") -> torch.optim.AdamW:
-    """AdamW over `model` with train.* settings, for a backend of kind `hardware` (cpu, cuda, tpu).
-    The lr set here is replaced every step by set_lr(lr_for(...))."""
+def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu",
+                   compute_dtype: torch.dtype | None = None) -> torch.optim.Optimizer | Optimizers:
+    """train.optimizer over `model` for a backend of kind `hardware` (cpu, cuda, tpu): AdamW, or
+    Muon for the blocks' matrices (its iteration in `compute_dtype`, fp32 when None) plus AdamW for
+    the rest. The lr set here is replaced every step by set_lr(lr_for(...))."""
+    if tcfg.optimizer == "muon":
+        hidden = [p for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
+        hidden_ids = {id(p) for p in hidden}
+        muon = Muon(hidden, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, ns_dtype=compute_dtype or torch.float32)
+        for group in muon.param_groups:
+            group["lr_ratio"] = tcfg.muon_lr / tcfg.lr   # set_lr: the schedule scales both peaks alike
+        return Optimizers(muon=muon, adamw=_adamw(model, tcfg, hardware, exclude=hidden_ids))
+    return _adamw(model, tcfg, hardware)
+
+
+def _adamw(model: torch.nn.Module, tcfg, hardware: str, exclude: set[int] = frozenset()) -> torch.optim.AdamW:
     kwargs = {}
     if hardware == "cuda":
         kwargs["fused"] = True  # one kernel for all parameters
@@ -43,13 +60,17 @@ def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu") -> torch
         # the host, and 1 - beta2**step rounds to exactly 1.0 in fp32 near step 325 (beta2 0.95):
         # a constant baked into a new graph, one more compilation mid-run.
         kwargs["capturable"] = True
-    return torch.optim.AdamW(param_groups(model, tcfg.weight_decay), lr=tcfg.lr,
-                             betas=(tcfg.beta1, tcfg.beta2), eps=1e-8, **kwargs)
+    groups = [{**g, "params": [p for p in g["params"] if id(p) not in exclude]}
+              for g in param_groups(model, tcfg.weight_decay)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
+                             eps=1e-8, **kwargs)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+def set_lr(optimizer, lr: float) -> float:
+    """Set the schedule's lr (train.lr's scale) on every group; a group with an lr_ratio (Muon's)
+    gets lr * lr_ratio. Returns lr."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
     return lr
 
 
@@ -58,9 +79,24 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer_state(optimizer, saved: dict) -> None:
     """Load a checkpoint's optimizer state, keeping this optimizer's implementation flags: a state
     saved by a capturable AdamW (XLA) or a fused one (CUDA) resumes on the CPU and the reverse."""
+    mine = set(optimizer.optimizers) if isinstance(optimizer, Optimizers) else None
+    theirs = None if "param_groups" in saved else set(saved)
+    if mine != theirs:
+        def name(s):
+            return "muon" if s else "adamw"
+        raise ConfigError(f"the checkpoint's optimizer state is for train.optimizer={name(theirs)}, this run uses "
+                          f"{name(mine)}: resume with the same optimizer or use a new --run")
+    if mine:
+        for key, opt in optimizer.optimizers.items():
+            _load_one(opt, saved[key])
+    else:
+        _load_one(optimizer, saved)
+
+
+def _load_one(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     flags = ("capturable", "fused", "foreach", "differentiable")
     groups = [{**g, **{k: cur[k] for k in flags if k in cur}}
               for g, cur in zip(saved["param_groups"], optimizer.param_groups)]

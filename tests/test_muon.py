@@ -1,0 +1,101 @@
+"""train/muon.py: the orthogonalisation against an SVD, which parameters Muon takes, its learning
+rate under the schedule, 1 process = 2 processes (gloo) = accumulation 2, and an exact resume."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from codex.config import ConfigError, build_config
+from model.gpt import build_model
+from tests.test_train import (KILL_AT_SAVE, ROOT, assert_close, final_model, one_thread,  # noqa: F401 (autouse)
+                              run_train, train_cli_args)
+from tests.train_helpers import base_overrides, child_env, make_run
+from train import checkpoint
+from train.muon import Muon, Optimizers, orthogonalize
+from train.optim import make_optimizer, set_lr
+
+MUON = dict(optimizer="muon", muon_lr=0.02)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (16, 48), (48, 16), (3, 8, 24)])
+def test_orthogonalize_matches_the_svd_factor_within_the_methods_band(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = orthogonalize(g.float()).double()
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    # x = U diag(s') V^T with the same singular vectors as g: U^T x V is diagonal...
+    core = u.mT @ x @ vh.mT
+    diag = torch.diagonal(core, dim1=-2, dim2=-1)
+    off = core - torch.diag_embed(diag)
+    assert off.abs().max() < 0.05, off.abs().max()
+    # ...and the quintic's coefficients put every singular value in about [0.7, 1.2], never exactly 1.
+    assert diag.min() > 0.6 and diag.max() < 1.2, (diag.min(), diag.max())
+    assert (diag - 1).abs().max() > 1e-3
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    cfg = build_config(overrides=base_overrides(**MUON, lr=0.004))
+    cfg.model.vocab_size = 300
+    model = build_model(cfg.model, seed=0)
+    opt = make_optimizer(model, cfg.train)
+    assert isinstance(opt, Optimizers) and isinstance(opt.optimizers["muon"], Muon)
+    muon_ids = {id(p) for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    adam_ids = {id(p) for g in opt.optimizers["adamw"].param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert not muon_ids & adam_ids and muon_ids | adam_ids == set(names)
+    assert {names[i] for i in muon_ids} == {n for n, p in model.named_parameters()
+                                            if n.startswith("blocks.") and p.ndim == 2}
+    assert all("norm" in names[i] or not names[i].startswith("blocks.") for i in adam_ids)
+    # The schedule scales both peaks alike: at half of train.lr, Muon is at half of muon_lr.
+    set_lr(opt, 0.002)
+    assert {g["lr"] for g in opt.optimizers["adamw"].param_groups} == {0.002}
+    assert [g["lr"] for g in opt.optimizers["muon"].param_groups] == [pytest.approx(0.01)]
+
+
+@pytest.mark.slow
+def test_muon_one_process_two_processes_and_accumulation_agree(tmp_path):
+    runs = {name: make_run(tmp_path / name) for name in ("big", "accum", "ddp")}
+    steps = dict(max_steps=5, save_every=5, lr=1e-3, **MUON)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", "--",
+           *train_cli_args(runs["ddp"], device_batch=4, **steps)]
+    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    big = run_train(runs["big"], device_batch=8, **steps)
+    acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
+    assert (big["accum"], acc["accum"]) == (1, 2)
+    m_big, m_acc, m_ddp = (final_model(runs[n]) for n in ("big", "accum", "ddp"))
+    assert_close(m_big, m_acc, 1e-5)
+    assert_close(m_big, m_ddp, 1e-5)
+
+
+def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    steps = dict(max_steps=6, save_every=2, device_batch=4, batch_tokens=128, **MUON)  # accum 2
+    ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
+    run_train(ref_run, **steps)
+    script = KILL_AT_SAVE.format(kill_step=4, args=train_cli_args(run, **steps))
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert checkpoint.latest_step(run) == 2
+    assert run_train(run, **steps)["step"] == 6
+    a, b = checkpoint.load(ref_run), checkpoint.load(run)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for which in ("muon", "adamw"):
+        assert a["optimizer"][which]["state"], which
+        for pid, st in a["optimizer"][which]["state"].items():
+            for name, t in st.items():
+                assert torch.equal(t, b["optimizer"][which]["state"][pid][name]), (which, pid, name)
+
+
+def test_resuming_with_another_optimizer_is_refused(tmp_path):
+    run = make_run(tmp_path / "run")
+    run_train(run, max_steps=2, save_every=2, **MUON)
+    with pytest.raises(ConfigError, match="train.optimizer=muon"):
+        run_train(run, max_steps=4, save_every=2)
+    assert Path(checkpoint.step_dir(run, 2)).exists() and checkpoint.latest_step(run) == 2
