@@ -358,6 +358,33 @@ def sample_cmd(cfg, prompt):
     click.echo(run_sample(cfg, prompt))
 
 
+# --- codex export -------------------------------------------------------------------------------
+
+@cli.command("export")
+@with_config
+@checkpoint_option
+@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
+              help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness).")
+@click.option("--out", required=True, metavar="DIR", help="Directory to create (local; must not exist).")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Split the safetensors weights above this size.")
+def export_cmd(cfg, fmt, out, max_shard_size):
+    """Export a checkpoint as a model directory that loads with no custom code: safetensors,
+    config.json (Qwen3 with QK-norm, Llama without), generation_config.json, tokenizer, README.md.
+
+    \b
+    Example:
+      codex export --run runs/web --format hf --out exports/web-hf
+      python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exports/web-hf')"
+      vllm serve exports/web-hf
+    """
+    # transformers is an optional dependency (pip install 'codex[hf]'): imported by the export only
+    from model.export_hf import export_hf
+
+    r = export_hf(cfg, out, checkpoint=cfg.eval.checkpoint, max_shard_size=max_shard_size)
+    click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
+               f"vocab {r['vocab_size']})")
+
+
 # --- codex demo / hardware ----------------------------------------------------------------------
 
 @cli.command("demo")

@@ -160,6 +160,7 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
     """
     from eval.load import load_model  # eval.load imports train.*: only the export command needs it
 
+    _require_transformers()
     if fsio.is_remote(out):
         raise ConfigError(f"--out {out}: export writes a local directory; copy it to remote storage afterwards")
     if os.path.exists(out):
@@ -179,8 +180,12 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
         hf.generation_config.update(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, BOS_ID], pad_token_id=PAD_ID,
                                     do_sample=False)
         hf.save_pretrained(tmp, max_shard_size=max_shard_size)
-        _add_legacy_rope_theta(os.path.join(tmp, "config.json"), m.rope_theta)
+        # transformers < 5 (and the vLLM releases pinned to it) read a top-level rope_theta, ignoring
+        # rope_parameters (without it they would silently use 10000), and know the tokenizer class
+        # by its old name.
+        _update_json(os.path.join(tmp, "config.json"), rope_theta=float(m.rope_theta))
         tokenizer.save_pretrained(tmp)
+        _update_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(cfg.run, run_cfg, info, arch))
         os.rename(tmp, out)
@@ -191,12 +196,18 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
             "vocab_size": m.vocab_size}
 
 
-def _add_legacy_rope_theta(path: str, theta: float) -> None:
-    # transformers < 5 (and the vLLM releases pinned to it) read a top-level rope_theta and ignore
-    # rope_parameters: without it they would silently use 10000.
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401  optional dependency: only export needs it
+    except ImportError:
+        raise ConfigError("codex export --format hf needs transformers and safetensors: "
+                          "pip install 'codex[hf]'") from None
+
+
+def _update_json(path: str, **updates) -> None:
     with open(path) as f:
         config = json.load(f)
-    config["rope_theta"] = float(theta)
+    config.update(updates)
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
