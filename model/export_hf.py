@@ -192,8 +192,9 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"path": out, "architecture": arch, "step": info["step"], "train_tokens": info["train_tokens"],
-            "vocab_size": m.vocab_size}
+    return {"path": out, "architecture": arch, "vocab_size": m.vocab_size, "step": info["step"],
+            "train_tokens": info["train_tokens"], "checkpoint": info["path"],
+            "config_fingerprint": info["config_fingerprint"]}
 
 
 def _require_transformers() -> None:
