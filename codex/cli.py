@@ -383,11 +383,9 @@ def export_cmd(cfg, fmt, out, max_shard_size):
     \b
     Example:
       codex export --run runs/web --format hf --out exports/web-hf
-      python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exports/web-hf')"
       vllm serve exports/web-hf
     """
-    # transformers is an optional dependency (pip install 'codex[hf]'): imported by the export only
-    from model.export_hf import export_hf
+    from model.export_hf import export_hf   # imports torch (start-up time); transformers: inside export_hf
 
     r = export_hf(cfg, out, checkpoint=cfg.eval.checkpoint, max_shard_size=max_shard_size)
     click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
