@@ -318,17 +318,26 @@ def train_cmd(cfg):
 @key_option("--hardware", key="train.hardware", help="Where to evaluate (a preset, `codex hardware`; default cpu).")
 @key_option("--device-batch", key="eval.device_batch", type=int,
             help="Sequences per device per batch (default: the preset's).")
+@key_option("--tasks", key="eval.tasks", metavar="T1,T2",
+            help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy).")
+@key_option("--limit", key="eval.tasks_limit", type=int, help="--tasks: at most N examples per task.")
+@key_option("--tasks-path", key="eval.tasks_path", metavar="DIR", help="--tasks: a folder of extra task YAMLs.")
 def eval_cmd(cfg):
     """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
-    (and RUN/eval/loss.png from the training metrics).
+    (and RUN/eval/loss.png from the training metrics). With --tasks: accuracy on lm-eval-harness
+    tasks (the checkpoint exported as a Hugging Face model), in RUN/eval/step_N.tasks-<hash>.json.
 
     \b
     Example:
       codex eval --run runs/web
       codex eval --run runs/web --checkpoint 2000 --data 'heldout/*.txt'
       torchrun --nproc_per_node=8 -m codex.cli eval --run runs/web --hardware h100-8
+      codex eval --run runs/web --tasks hellaswag,arc_easy --limit 500
     """
-    from eval.run import run_eval
+    if cfg.eval.tasks:
+        from eval.tasks import run_tasks as run_eval   # lm-eval and transformers: optional dependencies
+    else:
+        from eval.run import run_eval
 
     # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
     # does not exist gets no folder made (run_eval says what is missing)
@@ -356,6 +365,31 @@ def sample_cmd(cfg, prompt):
     from eval.sample import run_sample
 
     click.echo(run_sample(cfg, prompt))
+
+
+# --- codex export -------------------------------------------------------------------------------
+
+@cli.command("export")
+@with_config
+@checkpoint_option
+@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
+              help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness).")
+@click.option("--out", required=True, metavar="DIR", help="Directory to create (local; must not exist).")
+@click.option("--max-shard-size", default="2GB", show_default=True, help="Split the safetensors weights above this size.")
+def export_cmd(cfg, fmt, out, max_shard_size):
+    """Export a checkpoint as a model directory that loads with no custom code: safetensors,
+    config.json (Qwen3 with QK-norm, Llama without), generation_config.json, tokenizer, README.md.
+
+    \b
+    Example:
+      codex export --run runs/web --format hf --out exports/web-hf
+      vllm serve exports/web-hf
+    """
+    from model.export_hf import export_hf   # imports torch (start-up time); transformers: inside export_hf
+
+    r = export_hf(cfg, out, checkpoint=cfg.eval.checkpoint, max_shard_size=max_shard_size)
+    click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
+               f"vocab {r['vocab_size']})")
 
 
 # --- codex demo / hardware ----------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""`codex eval --tasks T1,T2`: downstream accuracy through lm-eval-harness, in-process.
+
+    checkpoint -> a temporary Hugging Face directory (model/export_hf.py)
+    -> lm_eval.simple_evaluate(model="hf", ...) on the named tasks
+    -> RUN/eval/step_N.tasks-<hash>.json, beside the bits-per-byte records of eval/run.py
+
+The exported tokenizer puts <|bos|> first and lm-eval is told add_bos_token=True, so every scored
+context starts with <|bos|>, as every training document did. A task whose dataset is not on this
+machine (no network, never downloaded) fails with one line naming it and how to get it. Extra task
+YAMLs (a local JSON dataset, say) come from eval.tasks_path, lm-eval's include_path.
+
+lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported here only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+
+from codex import fsio, rundir
+from codex.config import ConfigError
+from model.export_hf import export_hf
+
+log = logging.getLogger("codex.eval")
+
+
+def run_tasks(cfg) -> dict:
+    """Score checkpoint cfg.eval.checkpoint on lm-eval tasks cfg.eval.tasks (at most
+    cfg.eval.tasks_limit examples each, 0 = all); write and return the record."""
+    tasks = [t for t in cfg.eval.tasks if t]
+    lm_eval, task_manager = _lm_eval(cfg.eval.tasks_path, tasks)
+    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"eval.tasks: unknown lm-eval task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
+                          "a local task YAML goes in a folder given by --tasks-path)")
+    for name in tasks:
+        _check_dataset(name, task_manager)
+    limit = cfg.eval.tasks_limit or None
+    with tempfile.TemporaryDirectory(prefix="codex-eval-hf-") as tmp:
+        exported = export_hf(cfg, os.path.join(tmp, "hf"), checkpoint=cfg.eval.checkpoint)
+        batch = cfg.eval.device_batch or 8
+        results = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
+            tasks=tasks, limit=limit, batch_size=batch, device=_device(), task_manager=task_manager,
+            log_samples=False)
+    record = _record(cfg, exported, results, lm_eval.__version__)
+    key = hashlib.sha256(json.dumps([sorted(tasks), limit, cfg.eval.tasks_path]).encode()).hexdigest()[:8]
+    out = fsio.join(rundir.eval_dir(cfg.run), f"step_{exported['step']}.tasks-{key}.json")
+    fsio.write_json(out, record)
+    record["path"] = out
+    print(format_tasks_table(record))
+    return record
+
+
+def _lm_eval(tasks_path: str, tasks: list[str]):
+    """lm_eval and a TaskManager that knows `tasks`: only tasks_path's YAMLs when they are all
+    there (indexing lm-eval's ~15k built-in tasks takes ~15 s), else those plus the built-in ones."""
+    try:
+        import lm_eval  # optional dependency: only codex eval --tasks needs it
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError("codex eval --tasks needs lm-eval-harness: pip install 'codex[hf,tasks]'") from None
+    if tasks_path:
+        if not os.path.isdir(tasks_path):
+            raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
+        local = TaskManager(include_path=tasks_path, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return lm_eval, local
+    return lm_eval, TaskManager(include_path=tasks_path or None)
+
+
+def _check_dataset(name: str, task_manager) -> None:
+    """Load task `name` (its dataset) once before the model is exported, so a dataset missing on
+    this machine is one line naming the task. simple_evaluate loads it again from the local cache."""
+    try:
+        with warnings.catch_warnings():  # 0.4.13 deprecates it for load(), which 0.4.5 does not have
+            warnings.simplefilter("ignore", DeprecationWarning)
+            task_manager.load_task_or_group([name])
+    except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ...)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"task {name}: its dataset could not be loaded ({reason}); run `codex eval --tasks {name}` "
+                         "once on a machine with network access and copy its Hugging Face cache "
+                         "(~/.cache/huggingface, or $HF_HOME) here") from None
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _record(cfg, exported: dict, results: dict, version: str) -> dict:
+    """Per task: every metric lm-eval reported (acc, acc_norm, their stderr), without the ',none'
+    filter suffix; plus the checkpoint and the settings that make the numbers comparable."""
+    per_task = {}
+    for task, metrics in results["results"].items():
+        clean = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and isinstance(v, (int, float))}
+        clean["samples"] = int(results.get("n-samples", {}).get(task, {}).get("effective", 0)) or None
+        per_task[task] = clean
+    return {
+        "step": exported["step"],
+        "tasks": per_task,
+        "limit": int(cfg.eval.tasks_limit),
+        "tasks_path": cfg.eval.tasks_path or None,
+        "lm_eval_version": version,
+        "checkpoint": exported["checkpoint"],
+        "train_tokens": exported["train_tokens"],
+        "architecture": exported["architecture"],
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config_fingerprint": exported["config_fingerprint"],
+    }
+
+
+def format_tasks_table(r: dict) -> str:
+    rows = [(task, ", ".join(f"{k} {v:.4f}" for k, v in sorted(m.items()) if k != "samples" and v is not None)
+             + (f" ({m['samples']} examples)" if m.get("samples") else "")) for task, m in sorted(r["tasks"].items())]
+    rows.insert(0, ("checkpoint", f"step {r['step']} ({r['checkpoint']})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
