@@ -8,100 +8,21 @@ User mistakes (unknown key, bad value, missing input) exit 2 with one clear line
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 import sys
 
 import click
 
 from codex import fsio, rundir, runlock
-from codex.config import ConfigError, build_config
+from codex.command import UserError, config_options, key_option, run_lock, stage, with_config
+from codex.config import build_config
 from codex.demo import run_demo
 from codex.progress import setup_logging
 from pipeline.clean import run_clean
 from pipeline.shard import run_shard
-from pipeline.verify import verify_shards
 from pipeline.tokenizer import run_tokenizer
 from pipeline.upload import upload_run
+from pipeline.verify import verify_shards
 from train.hardware import format_hardware_table, get_preset, require_shared_run_dir, set_xla_import_env
-
-
-class UserError(click.UsageError):
-    """Exit 2 with one line."""
-
-
-def stage(fn):
-    """Run a command body so that the user sees one clear line, never a traceback, for:
-
-    - a usage mistake (ConfigError: unknown key, bad value, hardware mismatch; missing input
-      file): exit 2, as Click does for its own usage errors;
-    - bad input data or a failed stage (ValueError, OSError, the stages' own errors, which name
-      the file, line or key): exit 1.
-    Set CODEX_DEBUG=1 to get the traceback instead.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if os.environ.get("CODEX_DEBUG"):
-            return fn(*args, **kwargs)
-        try:
-            return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
-        except (ConfigError, FileNotFoundError) as e:
-            raise UserError(_one_line(e)) from None
-        except (ValueError, OSError, RuntimeError) as e:
-            raise click.ClickException(f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)") from None
-
-    return wrapper
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _run_lock(cfg, command: str):
-    """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
-    The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its own."""
-    c = cfg.data.clean
-    if command == "codex data clean" and c.num_tasks > 1:
-        return runlock.hold(cfg.run, f"{command} (task {c.task_index})",
-                            lease_name=f".codex-lock.clean-task-{c.task_index:05d}.json")
-    return runlock.hold(cfg.run, command, hardware=cfg.train.hardware if command == "codex train" else None)
-
-
-def config_options(fn):
-    """--run, --config, --set: shared by every command that builds a Config."""
-    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                      help="Override one config key, e.g. --set model.n_layer=6 (repeatable).")(fn)
-    fn = click.option("--config", "config_file", type=str, default=None, metavar="FILE",
-                      help="YAML config (see configs/runs/).")(fn)
-    fn = click.option("--run", type=str, default=None, metavar="DIR",
-                      help="Run directory, local path or gs://bucket/run (default: runs/default).")(fn)
-    return fn
-
-
-def key_option(*decls, key: str, **kwargs):
-    """An option that is a shortcut for config key `key` (`--workers 4` is data.clean.workers=4).
-    Its click parameter is named after the key (dots as '__'); with_config collects it."""
-    return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
-
-
-def with_config(fn):
-    """A command body that takes the built Config: --run/--config/--set (and --model, where the
-    command has it) plus the key_options' typed values (None or an empty repeat = not given) go
-    to build_config; the body gets `cfg` and its other options. Runs under `stage`."""
-
-    @functools.wraps(fn)
-    def wrapper(run, config_file, overrides, model=None, **kwargs):
-        values = {name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name}
-        values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}  # repeatable
-        cfg = build_config(config_file, overrides, model=model, run=run, values=values)
-        return fn(cfg, **kwargs)
-
-    return config_options(stage(wrapper))
-
 
 checkpoint_option = key_option("--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'.")
 
@@ -159,7 +80,7 @@ def data_clean(cfg):
     """
     if not cfg.data.clean.inputs:
         raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
-    with _run_lock(cfg, "codex data clean"):
+    with run_lock(cfg, "codex data clean"):
         run_clean(cfg)
 
 
@@ -189,7 +110,7 @@ def data_tokenize(cfg):
       codex data tokenize --run runs/web --vocab-size 65536 --max-chars 1000000000
       codex data tokenize --run runs/web --max-chars 4000000000 --trainer hf
     """
-    with _run_lock(cfg, "codex data tokenize"):
+    with run_lock(cfg, "codex data tokenize"):
         run_tokenizer(cfg)
 
 
@@ -212,7 +133,7 @@ def data_shard(cfg):
       codex data shard --run runs/web --shard-tokens 50000000 --workers 2
       codex data shard --run runs/web --out gs://bucket/web/shards
     """
-    with _run_lock(cfg, "codex data shard"):
+    with run_lock(cfg, "codex data shard"):
         run_shard(cfg)
 
 
@@ -299,7 +220,7 @@ def train_cmd(cfg):
     require_shared_run_dir(cfg)   # a multi-host slice on a local path: refused before any host writes
     if get_preset(cfg.train.hardware).kind == "tpu":
         set_xla_import_env()      # before the run lock, whose TPU worker-id lookup imports torch_xla
-    with _run_lock(cfg, "codex train"):
+    with run_lock(cfg, "codex train"):
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
             from train.xla_backend import spawn_train as run_train
         else:
