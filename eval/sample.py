@@ -74,11 +74,22 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.
             logits, cache = prefill(model, torch.tensor([ids[-max_seq_len:]], device=device))
         else:   # ids[-1] is the one token not in the cache yet, at position len(ids) - 1
             logits = decode(model, torch.tensor([ids[-1:]], device=device), cache)
+        if device.type == "xla":
+            _xla_sync()
         nxt = pick_token(logits[0].float().cpu(), temperature, top_k, gen)
         if nxt in stop:
             break
         ids.append(nxt)
     return ids
+
+
+def _xla_sync() -> None:
+    """Run the step's program and materialise every live tensor, the cache included: reading only
+    the logits back would leave the cache's updates pending, and the graph would grow by one decode
+    step (a new program) per token. torch_xla is imported here, only on an XLA device."""
+    import torch_xla
+
+    torch_xla.sync()
 
 
 def pick_token(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
