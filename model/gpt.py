@@ -10,6 +10,12 @@ No biases anywhere. The embedding table and the output head are padded to a mult
 (matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
 loss, so the padding rows never receive probability mass.
 
+Generation uses a KV cache (KVCache, prefill, decode at the end of this file): prefill runs the
+prompt through the same attention as training and keeps every layer's K/V (after QK-norm and RoPE)
+in a buffer preallocated to max_seq_len; decode runs one new token at a device-held position,
+writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
+(one XLA program for every position) and its cost does not grow with the position.
+
 Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask) and
 enable_gqa, plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
 survives moving the model to a device (see GPT._apply).

@@ -73,6 +73,33 @@ def test_decode_past_the_cache_is_refused_by_prefill():
         prefill(model, torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_the_cache_under_bf16_autocast_holds_bf16_and_tracks_the_forward():
+    """As run_sample runs on CUDA and TPU: K/V are cached in the autocast dtype."""
+    model = model_for(4, 2, True)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, cache = prefill(model, ids[:, :4])
+        for t in range(4, 12):
+            logits = decode(model, ids[:, t:t + 1], cache)
+        full = model(ids)[:, -1]
+    assert cache.kv.dtype == torch.bfloat16
+    assert (logits.float() - full.float()).abs().max() < 0.05
+
+
+def test_run_sample_on_a_gpu_preset_without_a_gpu_is_an_error(tmp_path):
+    from eval.sample import run_sample
+    from tests.test_eval_run import eval_cfg, make_run
+    from train.backend import BackendError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run, _, _ = make_run(tmp_path)
+    cfg = eval_cfg(run, max_new_tokens=4, temperature=0)
+    cfg.train.hardware = "h100"
+    with pytest.raises(BackendError, match="needs CUDA GPUs"):
+        run_sample(cfg, "The quick")
+
+
 # --- XLA: the same tokens, a fixed number of compiled programs -------------------------------------
 
 XLA_SCRIPT = """
