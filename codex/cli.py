@@ -276,16 +276,20 @@ def eval_cmd(cfg):
 @key_option("--temperature", key="eval.temperature", type=float, help="Sampling temperature; 0 = greedy (default 0.8).")
 @key_option("--top-k", key="eval.top_k", type=int, help="Sample among the k most likely tokens; 0 = all (default 50).")
 @key_option("--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text.")
+@key_option("--hardware", key="train.hardware", help="Where to generate (a preset, `codex hardware`; default cpu).")
 def sample_cmd(cfg, prompt):
-    """Generate text from a checkpoint (on the CPU).
+    """Generate text from a checkpoint, with a KV cache, on the CPU, a GPU or a TPU.
 
     \b
     Example:
       codex sample --run runs/web --prompt "def fibonacci(n):" --temperature 0.7 --top-k 40
+      codex sample --run runs/web --prompt "Once upon a time" --hardware h100
     """
     from eval.sample import run_sample
 
-    click.echo(run_sample(cfg, prompt))
+    text = run_sample(cfg, prompt)
+    if text is not None:   # rank 0 of a multi-process launch prints; the others have nothing to say
+        click.echo(text)
 
 
 # --- codex export -------------------------------------------------------------------------------

@@ -1,8 +1,19 @@
-"""Generate text from a model: `codex sample --run DIR --prompt TEXT`.
+"""Generate text from a model: `codex sample --run DIR --prompt TEXT`, on the run's hardware.
 
-A plain loop without a KV cache, like nanoGPT's `generate`: every new token re-runs the model on
-the last max_seq_len tokens. O(n^2) in the generated length, fine for a few hundred tokens and
-obviously correct. The prompt starts with <|bos|> because every training document does.
+With the KV cache (model/gpt.py prefill / decode, the default) the prompt is run once and each
+new token costs one decode step over a preallocated cache, so the cost per token does not grow
+with its position. Without it (use_cache=False, nanoGPT's `generate`) every token re-runs the
+model on the last max_seq_len tokens: O(n^2) in the length, obviously correct, kept as the
+reference the cache is tested against.
+
+Past max_seq_len both paths do the same thing: the next token is predicted from a sliding window
+of the last max_seq_len tokens at positions 0..max_seq_len-1. The window's RoPE positions shift
+by one with every token, so cached keys are stale: with the cache, each such token is a fresh
+prefill of the window (a full forward per token, as without the cache; one fixed shape on XLA).
+
+Sampling (temperature, top-k, the seeded draw) runs on the CPU from the fp32 logits, so a seed
+gives the same text on every device up to the device's numerics. The prompt starts with <|bos|>
+because every training document does.
 """
 
 from __future__ import annotations
@@ -11,17 +22,20 @@ import torch
 
 from codex import rundir
 from eval.load import load_model
+from model.gpt import decode, prefill
 from pipeline.tokenizer import load_tokenizer
+from train.backend import make_backend
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 
 
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int = 50, seed: int = 0) -> str:
+           top_k: int = 50, seed: int = 0, use_cache: bool = True) -> str:
     """The prompt followed by up to `max_new_tokens` generated tokens, as text.
 
     temperature 0 is greedy (argmax); top_k 0 samples from the whole vocabulary. Generation stops
     early at <|eos|> or <|bos|> (the start of a new document). The same seed gives the same text.
+    Runs on the model's device, under whatever autocast the caller holds.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -33,35 +47,61 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature
     if bos is None:
         raise ValueError(f"the tokenizer has no {BOS} token; was it trained by `codex data tokenize`?")
     stop = {bos} | ({eos} if eos is not None else set())
-    max_seq_len = _max_seq_len(model)
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-
     ids = [bos] + tokenizer.encode(prompt).ids
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            for _ in range(max_new_tokens):
-                logits = model(idx[:, -max_seq_len:])[:, -1, :].float()
-                if temperature == 0:
-                    nxt = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k > 0 and top_k < logits.shape[-1]:
-                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = torch.softmax(logits, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=gen)
-                if int(nxt) in stop:
-                    break
-                idx = torch.cat([idx, nxt], dim=1)
+        ids = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, use_cache)
     finally:
         model.train(was_training)
     # Decode prompt and continuation together: a byte-level token can complete a UTF-8 character
     # the prompt's last token started.
-    return tokenizer.decode(idx[0].tolist(), skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             seed: int = 0, stop: set[int] = frozenset(), use_cache: bool = True) -> list[int]:
+    """ids followed by up to max_new_tokens tokens (stopping before a token in `stop`)."""
+    max_seq_len = _max_seq_len(model)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids, cache = list(ids), None
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            logits = model(torch.tensor([ids[-max_seq_len:]], device=device))[:, -1]
+        elif cache is None or len(ids) > max_seq_len:   # the prompt, or a sliding window (module doc)
+            logits, cache = prefill(model, torch.tensor([ids[-max_seq_len:]], device=device))
+        else:   # ids[-1] is the one token not in the cache yet, at position len(ids) - 1
+            logits = decode(model, torch.tensor([ids[-1:]], device=device), cache)
+        if device.type == "xla":
+            _xla_sync()
+        nxt = pick_token(logits[0].float().cpu(), temperature, top_k, gen)
+        if nxt in stop:
+            break
+        ids.append(nxt)
+    return ids
+
+
+def _xla_sync() -> None:
+    """Run the step's program and materialise every live tensor, the cache included: reading only
+    the logits back would leave the cache's updates pending, and the graph would grow by one decode
+    step (a new program) per token. torch_xla is imported here, only on an XLA device."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
+def pick_token(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """The next token from one position's logits [vocab] (CPU, fp32): argmax at temperature 0,
+    else a draw from softmax(logits / temperature) over the top_k most likely (0 = all)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
 
 
 def _max_seq_len(model) -> int:
@@ -72,11 +112,26 @@ def _max_seq_len(model) -> int:
     return int(n)
 
 
-def run_sample(cfg, prompt: str) -> str:
+def run_sample(cfg, prompt: str) -> str | None:
     """Load RUN's checkpoint cfg.eval.checkpoint and its tokenizer, and continue `prompt` with the
-    cfg.eval sampling settings (max_new_tokens, temperature, top_k, seed)."""
+    cfg.eval sampling settings (max_new_tokens, temperature, top_k, seed) on cfg.train.hardware
+    (CPU, CUDA or XLA, under the backend's bf16 autocast where it uses one; a preset whose
+    hardware is missing is an error, as in training).
+
+    Under a multi-process launch every rank generates the same text (the same seed; an XLA SPMD
+    program must run on every host anyway) and only rank 0 returns it; the others return None.
+    """
     e = cfg.eval
-    model, _, _ = load_model(cfg, e.checkpoint)
-    tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
-    return sample(model, tokenizer, prompt, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                  top_k=e.top_k, seed=e.seed)
+    backend = make_backend(cfg)
+    ok = False
+    try:
+        model, _, _ = load_model(cfg, e.checkpoint)
+        model = model.to(backend.device)   # not prepare_model: torch.compile would recompile per shape
+        tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
+        with backend.autocast():
+            text = sample(model, tokenizer, prompt, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                          top_k=e.top_k, seed=e.seed)
+        ok = True
+        return text if backend.is_main else None
+    finally:
+        backend.close(ok)

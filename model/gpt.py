@@ -10,6 +10,12 @@ No biases anywhere. The embedding table and the output head are padded to a mult
 (matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
 loss, so the padding rows never receive probability mass.
 
+Generation uses a KV cache (KVCache, prefill, decode at the end of this file): prefill runs the
+prompt through the same attention as training and keeps every layer's K/V (after QK-norm and RoPE)
+in a buffer preallocated to max_seq_len; decode runs one new token at a device-held position,
+writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
+(one XLA program for every position) and its cost does not grow with the position.
+
 Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask) and
 enable_gqa, plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
 survives moving the model to a device (see GPT._apply).
@@ -18,6 +24,7 @@ survives moving the model to a device (see GPT._apply).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -93,16 +100,38 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin):
+    def qkv(self, x, cos, sin):
+        """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]; q and k after QK-norm and RoPE."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+
+    def forward(self, x, cos, sin):
+        return self.prefill(x, cos, sin)[0]
+
+    def prefill(self, x, cos, sin):
+        """The causal attention over a whole sequence, and its k, v for a KV cache."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         # enable_gqa: the kernels read the n_kv_head shared K/V heads without materialising copies
         # (flash on CUDA); torch_xla 2.9 lowers it too (checked: no aten fallback, matches CPU).
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1)), k, v
+
+    def decode(self, x, cos, sin, kv, pos, mask):
+        """One new token x [B, 1, C] at position `pos` (a 1-element long tensor): writes its k, v
+        into this layer's cache kv [2, B, n_kv_head, max_len, hd] at `pos` and attends over the
+        whole buffer with `mask` [max_len] (True at positions 0..pos). Every shape is fixed, so
+        under XLA one compiled program serves every position."""
+        B = x.shape[0]
+        q, k, v = self.qkv(x, cos, sin)
+        kv[0].index_copy_(2, pos, k.to(kv.dtype))
+        kv[1].index_copy_(2, pos, v.to(kv.dtype))
+        y = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.c_proj(y.transpose(1, 2).reshape(B, 1, -1))
 
 
 class MLP(nn.Module):
@@ -131,6 +160,15 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def prefill(self, x, cos, sin):
+        a, k, v = self.attn.prefill(self.attn_norm(x), cos, sin)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+    def decode(self, x, cos, sin, kv, pos, mask):
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, kv, pos, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -197,6 +235,61 @@ class GPT(nn.Module):
         if reduction != "mean":
             raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
         return loss
+
+
+# --- generation with a KV cache -------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Every layer's keys and values of the tokens generated so far, preallocated to max_len so
+    the decode step has the same shapes at every position (one XLA program, no reallocation).
+
+    kv:  [n_layer, 2, B, n_kv_head, max_len, head_dim]: K (after QK-norm and RoPE) and V of
+         positions 0..pos-1, zeros beyond (masked out). GQA caches only the n_kv_head shared heads.
+    pos: a 1-element long tensor on the model's device, the next position to write. It stays on
+         the device so XLA reads it as data, not as a constant baked into the program.
+    """
+
+    kv: torch.Tensor
+    pos: torch.Tensor
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
+
+
+@torch.no_grad()
+def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    """Run the prompt idx [B, T] (T <= max_seq_len, positions 0..T-1, as the training forward)
+    and return the logits of its last position [B, vocab_size] and the cache of its K/V."""
+    B, T = idx.shape
+    L = model.cfg.max_seq_len
+    if T > L:
+        raise ValueError(f"prefill: prompt length {T} > model.max_seq_len {L}")
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.wte(idx)
+    kvs = []
+    for block in model.blocks:
+        x, k, v = block.prefill(x, cos, sin)
+        kvs.append(torch.stack([k, v]))
+    kv = F.pad(torch.stack(kvs), (0, 0, 0, L - T))   # zero positions T..L-1 of dim 4
+    pos = torch.full((1,), T, dtype=torch.long, device=idx.device)
+    return model.lm_head(model.norm_f(x[:, -1]))[..., : model.vocab_size], KVCache(kv, pos)
+
+
+@torch.no_grad()
+def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Append token [B, 1] at position cache.pos (< max_len) to the cache and return the logits
+    of the next token [B, vocab_size]: the same as the full forward's last position over the
+    tokens so far. Advances cache.pos by one, on the device."""
+    pos = cache.pos
+    cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
+    mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, -1)
+    x = model.wte(token)
+    for i, block in enumerate(model.blocks):
+        x = block.decode(x, cos, sin, cache.kv[i], pos, mask)
+    cache.pos = pos + 1
+    return model.lm_head(model.norm_f(x[:, -1]))[..., : model.vocab_size]
 
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:
