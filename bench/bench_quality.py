@@ -43,12 +43,20 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 RECIPES = {
     "adamw": [],                                         # today's defaults
+    "adamw_lr6e-3": ["train.lr=0.006"],
+    "wsd": ["train.schedule=wsd"],
+    "relu2": ["model.mlp=relu2"],
     "muon": ["train.optimizer=muon"],
+    "muon_lr0.01": ["train.optimizer=muon", "train.muon_lr=0.01"],
     "muon_lr0.03": ["train.optimizer=muon", "train.muon_lr=0.03"],
     "muon_wsd": ["train.optimizer=muon", "train.schedule=wsd"],
-    "muon_warmup0": ["train.optimizer=muon", "train.warmup_steps=0"],
-    "relu2": ["model.mlp=relu2"],
-    "wsd": ["train.schedule=wsd"],
+    "muon_wsd_lr6e-3": ["train.optimizer=muon", "train.schedule=wsd", "train.lr=0.006"],
+    "muon_wsd_relu2": ["train.optimizer=muon", "train.schedule=wsd", "model.mlp=relu2"],
+    "muon_wsd_warmup0": ["train.optimizer=muon", "train.schedule=wsd", "train.warmup_steps=0"],
+    "muon_lr0.005": ["train.optimizer=muon", "train.muon_lr=0.005"],
+    "muon_lr0.01_wsd": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd"],
+    "muon_lr0.01_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"],
+    "muon_lr0.01_wsd_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd", "train.lr=0.006"],
 }
 
 SHAKESPEARE_SETTINGS = [
