@@ -23,7 +23,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest
-    muon_lr: float = 0.02           # Muon's peak learning rate (the schedule scales it as it scales train.lr)
+    muon_lr: float = 0.01           # Muon's peak learning rate (the schedule scales it as it scales train.lr)
     muon_momentum: float = 0.95
     grad_clip: float = 1.0
     seed: int = 1337
