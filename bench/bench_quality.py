@@ -57,6 +57,10 @@ RECIPES = {
     "muon_lr0.01_wsd": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd"],
     "muon_lr0.01_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"],
     "muon_lr0.01_wsd_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd", "train.lr=0.006"],
+    "zero_init": ["model.zero_init_proj=true"],
+    "softcap15": ["model.logit_softcap=15"],
+    "muon_best_zero_init": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.zero_init_proj=true"],
+    "muon_best_softcap15": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.logit_softcap=15"],
 }
 
 SHAKESPEARE_SETTINGS = [

@@ -236,7 +236,7 @@ _RANGES = {
     "train.keep_every": (0, None, True), "train.max_compiles": (0, None, True), "train.shuffle_shards": (0, None, True),
     "model.n_layer": (1, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
     "model.n_embd": (1, None, True), "model.mlp_hidden": (0, None, True), "model.max_seq_len": (1, None, True),
-    "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.norm_eps": (0, None, False),
+    "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.logit_softcap": (0, None, True), "model.norm_eps": (0, None, False),
     "eval.max_tokens": (0, None, True), "eval.device_batch": (0, None, True), "eval.max_new_tokens": (0, None, True),
     "eval.temperature": (0, None, True), "eval.top_k": (0, None, True),
     "data.tokenizer.vocab_size": (259, None, True), "data.tokenizer.max_chars": (1, None, True),

@@ -22,3 +22,5 @@ class ModelConfig:
     vocab_size: int = 0       # 0: taken from the run's tokenizer; padded to a multiple of 128
     max_seq_len: int = 1024
     init_std: float = 0.02
+    zero_init_proj: bool = False   # attention and MLP output projections start at zero (modded-nanogpt)
+    logit_softcap: float = 0.0     # > 0: logits = cap * tanh(logits / cap); 0 = off

@@ -209,12 +209,22 @@ class GPT(nn.Module):
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.fill_(1.0)
             elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
-                p.normal_(0.0, resid_std, generator=generator)
+                if self.cfg.zero_init_proj:   # every block starts as the identity on the residual stream
+                    p.zero_()
+                else:
+                    p.normal_(0.0, resid_std, generator=generator)
             else:
                 p.normal_(0.0, std, generator=generator)
         cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm, the output head sliced to the real vocab, and the soft-cap when set:
+        cap * tanh(logits / cap) keeps every logit inside (-cap, cap) (Gemma 2, modded-nanogpt)."""
+        logits = self.lm_head(self.norm_f(x))[..., : self.vocab_size]
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     def forward(self, idx, targets=None, reduction: str = "mean"):
         B, T = idx.shape
@@ -224,7 +234,7 @@ class GPT(nn.Module):
         x = self.wte(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.lm_head(self.norm_f(x))[..., : self.vocab_size]
+        logits = self.logits(x)
         if targets is None:
             return logits
         # fp32 cross-entropy: bf16 log-softmax over a 32K+ vocab loses ~2 digits of the loss.
@@ -274,7 +284,7 @@ def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
         kvs.append(torch.stack([k, v]))
     kv = F.pad(torch.stack(kvs), (0, 0, 0, L - T))   # zero positions T..L-1 of dim 4
     pos = torch.full((1,), T, dtype=torch.long, device=idx.device)
-    return model.lm_head(model.norm_f(x[:, -1]))[..., : model.vocab_size], KVCache(kv, pos)
+    return model.logits(x[:, -1]), KVCache(kv, pos)
 
 
 @torch.no_grad()
@@ -289,7 +299,7 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     for i, block in enumerate(model.blocks):
         x = block.decode(x, cos, sin, cache.kv[i], pos, mask)
     cache.pos = pos + 1
-    return model.lm_head(model.norm_f(x[:, -1]))[..., : model.vocab_size]
+    return model.logits(x[:, -1])
 
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:

@@ -227,3 +227,31 @@ def test_forward_backward_lowers_under_xla_and_matches_cpu():
         print("OK", worst)
     """))
     assert "OK" in out.stdout
+
+
+def test_zero_init_proj_makes_every_block_the_identity_and_still_trains():
+    m = build_model(tiny(zero_init_proj=True), seed=0)
+    x = torch.randn(2, 8, m.cfg.n_embd)
+    cos, sin = m.rope_cos[:8], m.rope_sin[:8]
+    for block in m.blocks:
+        assert torch.equal(block(x, cos, sin), x)   # x + attn(...) + mlp(...) with zero projections
+    idx = torch.randint(0, m.vocab_size, (2, 8))
+    m(idx, idx).backward()
+    assert m.blocks[0].attn.c_proj.weight.grad.abs().sum() > 0   # the projections get gradient
+    assert not torch.equal(build_model(tiny(), seed=0).blocks[0].mlp.w_down.weight,
+                           torch.zeros_like(m.blocks[0].mlp.w_down.weight))
+
+
+def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
+    from codex.config import ConfigError
+    from model.export_hf import check_exportable
+
+    raw = build_model(tiny(init_std=2.0), seed=0)
+    capped = build_model(tiny(init_std=2.0, logit_softcap=5.0), seed=0)
+    idx = torch.randint(0, raw.vocab_size, (2, 8))
+    a, b = raw(idx), capped(idx)
+    assert a.abs().max() > 5.0 and b.abs().max() <= 5.0
+    assert torch.allclose(b, 5.0 * torch.tanh(a / 5.0), atol=1e-5)
+    with pytest.raises(ConfigError, match="model.logit_softcap=5.0"):
+        check_exportable(capped.cfg)
+    check_exportable(build_model(tiny(zero_init_proj=True), seed=0).cfg)   # an init choice exports
