@@ -21,7 +21,7 @@ from eval.data import tokenize_to_shard
 from eval.evaluate import evaluate
 from eval.load import eval_batch_size, load_model, trained_seq_len
 from pipeline.tokenizer import load_meta, load_token_bytes
-from train.backend import loader_layout, make_backend, unwrap
+from train.backend import loader_layout, open_backend, unwrap
 from train.loader import val_batches
 from train.token_shards import load_split
 
@@ -38,14 +38,8 @@ def run_eval(cfg) -> dict:
     and prints a small table. Returns the record written.
     """
     setup_logging()
-    backend = make_backend(cfg)
-    ok = False
-    try:
-        out = _run_eval(cfg, backend)
-        ok = True
-        return out
-    finally:
-        backend.close(ok)   # no clean-exit barrier after a failure: peers would wait in a collective
+    with open_backend(cfg) as backend:
+        return _run_eval(cfg, backend)
 
 
 def _run_eval(cfg, backend) -> dict:

@@ -24,7 +24,7 @@ from codex import rundir
 from eval.load import load_model
 from model.gpt import decode, prefill
 from pipeline.tokenizer import load_tokenizer
-from train.backend import make_backend
+from train.backend import open_backend
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 
@@ -122,16 +122,11 @@ def run_sample(cfg, prompt: str) -> str | None:
     program must run on every host anyway) and only rank 0 returns it; the others return None.
     """
     e = cfg.eval
-    backend = make_backend(cfg)
-    ok = False
-    try:
+    with open_backend(cfg) as backend:
         model, _, _ = load_model(cfg, e.checkpoint)
         model = model.to(backend.device)   # not prepare_model: torch.compile would recompile per shape
         tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
         with backend.autocast():
             text = sample(model, tokenizer, prompt, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                           top_k=e.top_k, seed=e.seed)
-        ok = True
         return text if backend.is_main else None
-    finally:
-        backend.close(ok)

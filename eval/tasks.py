@@ -22,9 +22,13 @@ import tempfile
 import time
 import warnings
 
+import torch
+
 from codex import fsio, rundir
 from codex.config import ConfigError
 from model.export_hf import export_hf
+from train.backend import BackendError
+from train.hardware import get_preset
 
 log = logging.getLogger("codex.eval")
 
@@ -33,6 +37,7 @@ def run_tasks(cfg) -> dict:
     """Score checkpoint cfg.eval.checkpoint on lm-eval tasks cfg.eval.tasks (at most
     cfg.eval.tasks_limit examples each, 0 = all); write and return the record."""
     tasks = [t for t in cfg.eval.tasks if t]
+    device = _device(cfg.train.hardware)   # before anything is loaded: a wrong preset fails at once
     lm_eval, task_manager = _lm_eval(cfg.eval.tasks_path, tasks)
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown:
@@ -46,7 +51,7 @@ def run_tasks(cfg) -> dict:
         batch = cfg.eval.device_batch or 8
         results = lm_eval.simple_evaluate(
             model="hf", model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
-            tasks=tasks, limit=limit, batch_size=batch, device=_device(), task_manager=task_manager,
+            tasks=tasks, limit=limit, batch_size=batch, device=device, task_manager=task_manager,
             log_samples=False)
     record = _record(cfg, exported, results, lm_eval.__version__)
     key = hashlib.sha256(json.dumps([sorted(tasks), limit, cfg.eval.tasks_path]).encode()).hexdigest()[:8]
@@ -88,10 +93,17 @@ def _check_dataset(name: str, task_manager) -> None:
                          "(~/.cache/huggingface, or $HF_HOME) here") from None
 
 
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device(hardware: str) -> str:
+    """lm-eval's device for the hardware preset: no silent fallback from a GPU preset to the CPU,
+    and no TPU (lm-eval's hf model has no XLA device)."""
+    preset = get_preset(hardware)
+    if preset.kind == "tpu":
+        raise ConfigError(f"codex eval --tasks runs on the CPU or CUDA (lm-eval's hf model has no XLA device); "
+                          f"'{preset.name}' is a TPU preset: pass --hardware cpu")
+    if preset.kind == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"hardware preset '{preset.name}' needs a CUDA GPU, but torch found none. "
+                           "Fix: run on a GPU machine, or pass --hardware cpu.")
+    return "cuda" if preset.kind == "cuda" else "cpu"
 
 
 def _record(cfg, exported: dict, results: dict, version: str) -> dict:

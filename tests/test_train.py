@@ -312,7 +312,6 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     checkpoints hold plain keys (no '_orig_mod.'), and a resumed compiled run ends where an
     uninterrupted one does. (~1 min: inductor compiles the model once per process.)"""
     import train.backend as B
-    import train.loop as L
 
     real = B.make_backend
 
@@ -322,7 +321,7 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
         b.autocast_dtype = torch.bfloat16
         return b
 
-    monkeypatch.setattr(L, "make_backend", cpu_like_cuda)
+    monkeypatch.setattr(B, "make_backend", cpu_like_cuda)
     steps = dict(max_steps=6, save_every=3, eval_every=3)
     eager_run, compiled_run = make_run(tmp_path / "eager"), make_run(tmp_path / "compiled")
     eager = run_train(eager_run, compile=False, **steps)

@@ -246,6 +246,20 @@ class TorchBackend:
                 dist.destroy_process_group()   # gloo: closes the sockets now; NCCL is left to process exit
 
 
+@contextlib.contextmanager
+def open_backend(cfg, xla_spawned: bool = False):
+    """make_backend(cfg), closed on leaving: the clean-exit barrier only when the body succeeded.
+    A rank that raised must not wait for its peers: they may sit in a collective it will never
+    join, and its exit fails them at once instead of after a timeout."""
+    backend = make_backend(cfg, xla_spawned=xla_spawned)
+    ok = False
+    try:
+        yield backend
+        ok = True
+    finally:
+        backend.close(ok)
+
+
 def _launch_env() -> tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1 process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -39,7 +39,7 @@ from eval.evaluate import evaluate
 from model.gpt import build_model, flops_per_token, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
-from train.backend import Backend, loader_layout, make_backend, unwrap
+from train.backend import Backend, loader_layout, open_backend, unwrap
 from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
@@ -167,17 +167,13 @@ def train(cfg, xla_spawned: bool = False) -> dict:
     """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped).
     xla_spawned: this process is one of train.xla_mode=spawn's (train/xla_backend.spawn_train)."""
     setup_logging()
-    backend = make_backend(cfg, xla_spawned=xla_spawned)
-    ok = False
-    try:
-        out = _train(cfg, backend)
-        ok = True
-        return out
-    finally:
-        backend.close(ok)   # the clean-exit barrier only on success: a failed rank must not wait for its peers
+    with open_backend(cfg, xla_spawned=xla_spawned) as backend:
+        return _train(cfg, backend)
 
 
 def _train(cfg, backend: Backend) -> dict:
+    # 66 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
