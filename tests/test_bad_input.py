@@ -225,7 +225,7 @@ def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
 # --- train ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, pattern", [
-    (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected > 0"),
+    (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected >= 0"),
     (["--device-batch", "-2"], "train.device_batch=-2"),
     (["--set", "model.mlp=foo"], "model.mlp: expected one of swiglu, relu2"),
     (["--set", "train.resume=sometimes"], "train.resume"),

@@ -136,5 +136,5 @@ def test_resuming_with_another_optimizer_is_refused(tmp_path):
     run = make_run(tmp_path / "run")
     run_train(run, max_steps=2, save_every=2, **MUON)
     with pytest.raises(ConfigError, match="train.optimizer=muon"):
-        run_train(run, max_steps=4, save_every=2)
+        run_train(run, max_steps=4, save_every=2, optimizer="adamw")
     assert Path(checkpoint.step_dir(run, 2)).exists() and checkpoint.latest_step(run) == 2

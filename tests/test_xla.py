@@ -248,8 +248,10 @@ def test_xla_checkpoint_resumes_on_eager_cpu_and_back(runs):
     # Saved as CPU tensors: loads without torch_xla and without map_location.
     path = Path(d["spmd30"]) / "checkpoints" / "step_00000030" / "ckpt.pt"
     state = torch.load(path, weights_only=True)
-    tensors = list(state["model"].values()) + [v for s in state["optimizer"]["state"].values() for v in s.values()
-                                                 if isinstance(v, torch.Tensor)]
+    opt = state["optimizer"]
+    parts = [opt] if "state" in opt else list(opt.values())   # AdamW, or Muon + AdamW
+    tensors = list(state["model"].values()) + [v for part in parts for s in part["state"].values()
+                                                 for v in s.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     # XLA -> eager: 5 more steps from the SPMD checkpoint follow the eager continuation.
     a, b = runs["resume_eager_from_xla"], runs["resume_eager_from_eager"]

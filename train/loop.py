@@ -40,6 +40,7 @@ from model.gpt import build_model, flops_per_token, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
+from train.config import DEFAULT_LR
 from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
@@ -110,9 +111,11 @@ class Plan:
 
 def make_plan(cfg, preset, world_size: int):
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
-    vocab size: it is what checkpoints record and what eval rebuilds the model from."""
+    vocab size and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
+    record and what eval rebuilds the model from."""
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab),
+                  train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]))
     B, T, accum, batch_tokens = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
     if total_steps <= 0:
