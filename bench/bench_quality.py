@@ -57,6 +57,7 @@ RECIPES = {
     "zero_init": ADAMW + ["model.zero_init_proj=true"],
     "softcap15": ADAMW + ["model.logit_softcap=15"],
     "value_embed": ADAMW + ["model.value_embed=true"],
+    "bos_aligned": ADAMW + ["train.bos_aligned=true"],
     "muon": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003"],
     "muon_lr0.01": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.003"],
     "muon_lr0.03": ["train.optimizer=muon", "train.muon_lr=0.03", "train.lr=0.003"],
@@ -73,6 +74,7 @@ RECIPES = {
     "muon_best_zero_init": MUON_BEST + ["model.zero_init_proj=true"],
     "muon_best_softcap15": MUON_BEST + ["model.logit_softcap=15"],
     "muon_best_value_embed": MUON_BEST + ["model.value_embed=true"],
+    "muon_best_bos_aligned": MUON_BEST + ["train.bos_aligned=true"],
 }
 
 SHAKESPEARE_SETTINGS = [

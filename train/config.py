@@ -47,4 +47,5 @@ class TrainConfig:
     max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
     allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)
     shared_run_dir: bool = False    # a multi-host preset with a local --run path: true = every host sees it (NFS)
+    bos_aligned: bool = False       # training windows start at a document's <|bos|> where one fits
     shuffle_shards: int = 0         # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle

@@ -252,7 +252,7 @@ def _make_loader(cfg, backend: Backend, plan: Plan) -> TrainLoader:
     rank, world, rows = loader_layout(backend, plan.device_batch)
     return TrainLoader(rundir.shards_dir(cfg.run), seq_len=plan.seq_len, batch_size=rows, rank=rank,
                        world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
-                       device=backend.pinned_copy_device)
+                       device=backend.pinned_copy_device, bos_aligned=cfg.train.bos_aligned)
 
 
 def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None, int, int, dict]:
