@@ -22,7 +22,8 @@ from pipeline.shard import run_shard
 from pipeline.tokenizer import run_tokenizer
 from pipeline.upload import upload_run
 from pipeline.verify import verify_shards
-from train.hardware import format_hardware_table, get_preset, require_shared_run_dir, set_xla_import_env
+from train.hardware import (format_hardware_table, format_model_fit, get_preset, require_shared_run_dir,
+                            set_xla_import_env)
 
 checkpoint_option = key_option("--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'.")
 
@@ -339,14 +340,27 @@ def demo_cmd(run, overrides):
 
 
 @cli.command("hardware")
-def hardware_cmd():
-    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch).
+@click.option("--model", default=None, help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
+              "layout and device batch, by the memory plan.")
+@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+              help="With --model: the optimizer whose state the plan counts.")
+@stage
+def hardware_cmd(model, optimizer):
+    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch from the
+    memory plan); with --model, the plan for that model on every preset.
 
     \b
     Example:
       codex hardware
+      codex hardware --model 1b
     """
-    click.echo(format_hardware_table())
+    if model is None:
+        click.echo(format_hardware_table())
+        return
+    from codex.config import preset_path
+
+    preset_path("model", model)   # an unknown name: exit 2 with the list and a suggestion
+    click.echo(format_model_fit(model, optimizer=optimizer))
 
 
 def main():

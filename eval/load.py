@@ -15,7 +15,7 @@ from codex.config import from_dict
 from model.gpt import build_model
 from pipeline.tokenizer import load_meta
 from train import checkpoint as ckpt
-from train.hardware import device_defaults, get_preset
+from train.hardware import default_seq_len, device_defaults, get_preset
 
 
 def load_model(cfg, checkpoint: str | int = "latest"):
@@ -44,7 +44,7 @@ def trained_seq_len(run_cfg) -> int:
     or the numbers are not comparable with the training curve."""
     if run_cfg.train.seq_len > 0:
         return int(run_cfg.train.seq_len)
-    return device_defaults(get_preset(run_cfg.train.hardware), run_cfg.model)[1]
+    return default_seq_len(get_preset(run_cfg.train.hardware), run_cfg.model)
 
 
 def eval_batch_size(cfg, run_cfg) -> int:

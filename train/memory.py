@@ -286,3 +286,11 @@ def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **set
         return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
     b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
     return (b, "replicate") if b else (largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp")
+
+
+def setting_for(tcfg, kind: str) -> dict:
+    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one place
+    that reads the config. Every layout trains replicated without rematerialisation until
+    train.parallel, train.fsdp_size and train.remat exist; they map onto layout, fsdp_size, remat."""
+    dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
+    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": "replicate", "fsdp_size": 0, "remat": "none"}
