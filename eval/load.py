@@ -18,24 +18,32 @@ from train import checkpoint as ckpt
 from train.hardware import default_seq_len, device_defaults, get_preset
 
 
-def load_model(cfg, checkpoint: str | int = "latest"):
-    """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
+def read_checkpoint(cfg, checkpoint: str | int = "latest"):
+    """(the model's state dict: full, plain CPU tensors; the checkpoint's Config; checkpoint info)
+    for cfg.run: the one place eval, sample and export read a checkpoint."""
     state = ckpt.load(cfg.run, checkpoint)
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
         raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")
     _check_tokenizer(cfg.run, state)
-    model = build_model(run_cfg.model, seed=run_cfg.train.seed)
-    model.load_state_dict(state["model"])
-    model.eval()
     info = {
         "step": int(state["step"]),
         "train_tokens": int(state.get("tokens", 0)),
         "path": ckpt.step_dir(cfg.run, int(state["step"])),
+        "tokenizer_sha256": str(state.get("tokenizer_sha256", "")),
         # Which exact run configuration produced these weights (model + data + training settings).
         "config_fingerprint": hashlib.sha256(json.dumps(state["config"], sort_keys=True, default=str)
                                              .encode()).hexdigest()[:16],
     }
+    return state["model"], run_cfg, info
+
+
+def load_model(cfg, checkpoint: str | int = "latest"):
+    """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
+    weights, run_cfg, info = read_checkpoint(cfg, checkpoint)
+    model = build_model(run_cfg.model, seed=run_cfg.train.seed)
+    model.load_state_dict(weights)
+    model.eval()
     return model, run_cfg, info
 
 
