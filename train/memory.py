@@ -80,7 +80,8 @@ class MemoryPlan:
         return self.device_memory <= 0 or self.total <= headroom * self.device_memory
 
     def lines(self) -> list[str]:
-        gb = lambda n: f"{n / 1e9:7.2f} GB"  # noqa: E731
+        unit, scale = ("GB", 1e9) if self.total >= 1e9 else ("MB", 1e6)
+        gb = lambda n: f"{n / scale:8.2f} {unit}"  # noqa: E731
         layout = "replicate" if self.layout == "replicate" else f"fsdp over {self.shards} devices"
         mem = f"{self.device_memory / 1e9:.1f} GB" if self.device_memory > 0 else "unknown"
         parts = [("weights (fp32)", self.weights), ("gradients (fp32)", self.gradients),
@@ -274,8 +275,8 @@ def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryP
     raise ConfigError(
         f"train.device_batch={device_batch} x train.seq_len={seq_len} needs {p.total / 1e9:.1f} GB per device "
         f"(weights {p.weights / 1e9:.1f}, gradients {p.gradients / 1e9:.1f}, optimizer {p.optimizer_state / 1e9:.1f}, "
-        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, the rest "
-        f"{(p.compute_weights + p.workspace) / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}. Fix: {fix}")
+        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, compute copies of the weights and "
+        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}. Fix: {fix}")
 
 
 def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **setting) -> tuple[int, str]:
