@@ -45,7 +45,7 @@ from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
 from train.measure import LossWindow, StepTimer
-from train.memory import MemoryPlan, check_fits, setting_for
+from train.memory import MemoryPlan, check_fits, choose_layout, setting_for
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
 
@@ -90,6 +90,8 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
     if T > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
+    if setting["layout"] == "auto":   # train.parallel=auto: the memory plan picks
+        setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
     memory = check_fits(cfg.model, preset, B, T, **setting)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
     return B, T, accum, B * T * world_size * accum, memory
