@@ -61,6 +61,9 @@ RECIPES = {
     "softcap15": ["model.logit_softcap=15"],
     "muon_best_zero_init": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.zero_init_proj=true"],
     "muon_best_softcap15": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.logit_softcap=15"],
+    "muon_best": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"],
+    "value_embed": ["model.value_embed=true"],
+    "muon_best_value_embed": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.value_embed=true"],
 }
 
 SHAKESPEARE_SETTINGS = [
