@@ -6,7 +6,8 @@ preset tables it produces.
 
 Each setting runs in a fresh process: forward (under bf16 autocast for the bf16 rows), backward and
 one AdamW step of model/gpt.py with 1 thread; peak = resource.getrusage(RUSAGE_SELF).ru_maxrss after
-the step minus the same reading before the model is built (torch imported, nothing allocated).
+the step minus the resident size (/proc/self/statm) before the model is built (torch imported,
+nothing allocated).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from model.gpt import build_model
 torch.set_num_threads(1)
 dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 m = build_config(overrides=overrides).model
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+import_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()   # resident now
 model = build_model(m, seed=0)
 opt = torch.optim.AdamW(model.parameters())
 x = torch.randint(0, m.vocab_size, (B, T))
@@ -35,7 +37,9 @@ with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else context
     loss = model(x, x)
 loss.backward()
 opt.step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+assert peak > import_peak, "the step's peak is below the imports' own: not measured"
+print(peak - base)
 """
 
 # (dtype, device batch, seq_len, model overrides on the default 4 x 128 model)

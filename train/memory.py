@@ -28,7 +28,7 @@ on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head
 decomposition keeps the fp32 probabilities [n_head, T] per token and K/V copied to every query head.
 
 Measured on the CPU (fp32, one process, forward + backward + AdamW step, peak RSS from
-resource.getrusage's ru_maxrss minus the RSS before the model was built, in a fresh subprocess:
+resource.getrusage's ru_maxrss minus the resident size before the model was built, in a fresh process:
 tests/test_memory_plan.py): the estimate is within 25% of the peak; see the table in README.
 A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
 the CUDA context and the XLA runtime take the rest).
@@ -41,7 +41,7 @@ import os
 from dataclasses import dataclass
 
 from codex.config import ConfigError
-from model.gpt import matmul_params, mlp_hidden, padded_vocab
+from model.gpt import has_value_embed, matmul_params, mlp_hidden, padded_vocab
 
 HEADROOM = 0.9              # a plan fits when its total is at most this share of the device's memory
 DEFAULT_VOCAB = 32768       # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
@@ -99,8 +99,12 @@ class MemoryPlan:
 
 def param_count(m) -> int:
     """Parameters of model.gpt.GPT for ModelConfig `m`: the matmul weights (output head over the
-    padded vocab included) plus the embedding table when it is not tied to the head."""
-    return matmul_params(m) + (0 if m.tie_embeddings else padded_vocab(m.vocab_size) * m.n_embd)
+    padded vocab included), the embedding table when it is not tied to the head, and the value
+    embeddings (model.value_embed: a padded vocab x K/V width table on every other layer)."""
+    kv_width = m.n_kv_head * (m.n_embd // m.n_head)
+    value_tables = sum(has_value_embed(m, i) for i in range(m.n_layer))
+    embeddings = (0 if m.tie_embeddings else m.n_embd) + value_tables * kv_width
+    return matmul_params(m) + padded_vocab(m.vocab_size) * embeddings
 
 
 def block_params(m) -> int:
