@@ -46,7 +46,7 @@ from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
 from train.measure import LossWindow, StepTimer
-from train.memory import check_fits
+from train.memory import MemoryPlan, check_fits, choose_layout, setting_for
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
 
@@ -79,20 +79,23 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
     raise ConfigError(msg)
 
 
-def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
-    """(device_batch, seq_len, accum, batch_tokens) from train.* and the hardware preset defaults."""
+def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan]:
+    """(device_batch, seq_len, accum, batch_tokens, memory plan) from train.* and the hardware preset
+    defaults (the memory plan's); a setting whose memory plan cannot fit is refused (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
+    setting = setting_for(cfg.train, preset.kind)
     if B <= 0 or T <= 0:
-        dB, dT = device_defaults(preset, cfg.model)
+        dB, dT = device_defaults(preset, cfg.model, **setting)
         B = B if B > 0 else dB
         T = T if T > 0 else dT
     if T > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
-    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and preset.kind != "cpu")
-    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes=2 if bf16 else 4)
+    if setting["layout"] == "auto":   # train.parallel=auto: the memory plan picks
+        setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
+    memory = check_fits(cfg.model, preset, B, T, **setting)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
-    return B, T, accum, B * T * world_size * accum
+    return B, T, accum, B * T * world_size * accum, memory
 
 
 # --- the plan: what the loop derives from the config and the run's files, once -----------------
@@ -107,6 +110,7 @@ class Plan:
     total_steps: int
     world_size: int
     tokenizer_sha: str     # recorded in checkpoints: eval and sample refuse a retrained tokenizer
+    memory: MemoryPlan     # bytes per device (train/memory.py), logged at start
 
 
 def make_plan(cfg, preset, world_size: int):
@@ -116,11 +120,11 @@ def make_plan(cfg, preset, world_size: int):
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab),
                   train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]))
-    B, T, accum, batch_tokens = resolve_batch(cfg, preset, world_size)
+    B, T, accum, batch_tokens, memory = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
     if total_steps <= 0:
         raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
-    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha), token_bytes
+    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, memory), token_bytes
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -297,6 +301,7 @@ def _start_run(cfg, backend: Backend, plan: Plan, preset, n_params: int, step: i
     log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
              "%d tokens/step | %d steps", n_params / 1e6, preset.name, plan.world_size, backend.device,
              plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps)
+    log.info("\n".join(plan.memory.lines()))
     return metrics, progress
 
 
