@@ -48,6 +48,7 @@ from train.measure import LossWindow, StepTimer
 from train.memory import check_fits
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
+from train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
 
@@ -172,7 +173,7 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 66 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 67 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
@@ -180,6 +181,7 @@ def _train(cfg, backend: Backend) -> dict:
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
     model = build_model(cfg.model, seed=tcfg.seed)  # same seed on every rank: identical weights
+    apply_remat(model, tcfg.remat, backend.kind)      # before the backend moves or compiles it
     n_params = num_params(model)
     model = backend.prepare_model(model)
     raw = unwrap(model)                               # without a torch.compile wrapper
