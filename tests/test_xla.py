@@ -411,3 +411,39 @@ def test_muon_spmd_matches_eager_and_compiles_no_new_program_after_warmup(muon_r
     # the validation graphs exist (step 10), the count logged every 5 steps stays put to step 30.
     logged = {m["step"]: m["compiles"] for m in muon_runs["spmd_metrics"] if m.get("kind") == "train"}
     assert [logged[s] for s in (15, 20, 25, 30)] == [logged[15]] * 4, logged
+
+
+REMAT = """
+import json
+import torch
+torch.set_num_threads(1)
+import torch_xla
+from model.config import ModelConfig
+from model.gpt import build_model
+from train.remat import apply_remat
+
+cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randint(0, 300, (2, 16), generator=g), torch.randint(0, 300, (2, 16), generator=g)
+out = {}
+for remat in ("none", "block"):
+    model = apply_remat(build_model(cfg, seed=0), remat, "tpu").to(torch_xla.device())
+    model(x.to(torch_xla.device()), y.to(torch_xla.device())).backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    torch_xla.sync()   # one program for every gradient (a .cpu() per pending tensor compiles one each)
+    out[remat] = {"grads": {n: p.grad.cpu().tolist() for n, p in model.named_parameters()},
+                  "barriers": hlo.count("opt-barrier")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_remat_block_same_gradients_on_xla():
+    """train.remat=block on XLA uses torch_xla's checkpoint: the same gradients (fp32, 1e-6), and
+    the backward graph holds the optimization barriers that stop XLA's CSE from merging the
+    recomputation back into the forward (plain torch.utils.checkpoint would leave none)."""
+    out = results(run_xla(REMAT, devices=1, env={"OMP_NUM_THREADS": "1"}))
+    plain, remat = out["none"], out["block"]
+    assert plain["barriers"] == 0 and remat["barriers"] > 0
+    assert plain["grads"].keys() == remat["grads"].keys()
+    for name, g in plain["grads"].items():
+        assert (torch.tensor(g) - torch.tensor(remat["grads"][name])).abs().max().item() <= 1e-6, name
