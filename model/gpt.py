@@ -3,7 +3,8 @@
     idx -> wte -> [block] * n_layer -> RMSNorm -> lm_head -> logits[..., :vocab_size]
     block: x + attn(norm(x)),  x + mlp(norm(x))
     attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
-           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA)
+           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA),
+           or torch_xla's Pallas flash kernel on TPU (model.attention=flash, GPT.set_attention)
     mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
 
 No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
@@ -16,8 +17,8 @@ in a buffer preallocated to max_seq_len; decode runs one new token at a device-h
 writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
 (one XLA program for every position) and its cost does not grow with the position.
 
-Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask) and
-enable_gqa, plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
+Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask; XLA
+lowers it to the math decomposition, see sdpa_causal), plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
 survives moving the model to a device (see GPT._apply).
 """
 
@@ -87,9 +88,18 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def sdpa_causal(q, k, v):
+    """Causal attention of q [B, H, T, D] over k, v [B, n_kv_head, T, D] (model.attention=sdpa).
+    enable_gqa: CUDA's flash kernel reads the n_kv_head shared K/V heads without copies; the math
+    path (the CPU, and torch_xla 2.9, which lowers SDPA to it) repeats K/V per query head and holds
+    the [B, H, T, T] scores. model.attention=flash replaces this on TPU (train/flash_attention.py)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.attend = sdpa_causal   # GPT.set_attention swaps the kernel (same function, other hardware)
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
@@ -115,9 +125,7 @@ class Attention(nn.Module):
         """The causal attention over a whole sequence, and its k, v for a KV cache."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        # enable_gqa: the kernels read the n_kv_head shared K/V heads without materialising copies
-        # (flash on CUDA); torch_xla 2.9 lowers it too (checked: no aten fallback, matches CPU).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1)), k, v
 
     def decode(self, x, cos, sin, kv, pos, mask):
@@ -197,6 +205,13 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         return self
+
+    def set_attention(self, attend) -> None:
+        """Every block's causal attention through attend(q, k, v) -> [B, H, T, D] instead of SDPA
+        (the backend's kernel for model.attention, e.g. flash on TPU). Generation's decode step
+        keeps SDPA: it attends one query over a masked cache."""
+        for block in self.blocks:
+            block.attn.attend = attend
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

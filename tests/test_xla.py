@@ -293,6 +293,12 @@ for case, env, allow in (("unset", None, True), ("cpu_not_allowed", "CPU", False
         out[case] = None
     except BackendError as e:
         out[case] = str(e)
+os.environ["PJRT_DEVICE"] = "CPU"
+try:
+    make_backend(build_config(overrides=["train.hardware=v6e-4", "train.allow_cpu_xla=true", "model.attention=flash"]))
+    out["flash_on_cpu"] = None
+except BackendError as e:
+    out["flash_on_cpu"] = str(e)
 sys.modules["torch_xla"] = None  # as in a venv without torch_xla
 try:
     make_backend(build_config(overrides=["train.hardware=v6e-4"]))
@@ -312,6 +318,8 @@ def test_no_silent_fallback():
     assert "PJRT_DEVICE=CPU" in out["cpu_not_allowed"] and "--allow-cpu-xla" in out["cpu_not_allowed"]
     assert "PJRT_DEVICE=TPU" in out["tpu_missing"] and "0 TPU chip(s)" in out["tpu_missing"]
     assert "torch_xla cannot be imported" in out["no_torch_xla"] and "pip install" in out["no_torch_xla"]
+    assert "model.attention=flash" in out["flash_on_cpu"] and "TPU preset" in out["flash_on_cpu"]
+    assert "PJRT_DEVICE=CPU runs the XLA path on the CPU" in out["flash_on_cpu"]
     assert "RUNTIME False" in proc.stdout  # refused before the XLA runtime started
 
 
