@@ -255,3 +255,16 @@ def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
     with pytest.raises(ConfigError, match="model.logit_softcap=5.0"):
         check_exportable(capped.cfg)
     check_exportable(build_model(tiny(zero_init_proj=True), seed=0).cfg)   # an init choice exports
+
+
+def test_derived_mlp_hidden_is_a_multiple_of_256_from_1024_and_of_128_below():
+    from model.gpt import mlp_hidden
+
+    assert mlp_hidden(ModelConfig()) == 384                      # the default 4 x 128: 8/3 * 128 = 341 -> 384
+    assert mlp_hidden(ModelConfig(n_embd=768)) == 2048           # 124m: already a multiple of 256
+    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816          # 350m: 2730 -> 2816 (was 2752)
+    assert mlp_hidden(ModelConfig(n_embd=64, mlp="relu2")) == 256
+    assert mlp_hidden(ModelConfig(n_embd=1024, mlp_hidden=1000)) == 1000   # an explicit size is kept
+    for name in preset_names("model"):
+        h = mlp_hidden(build_config(model=name).model)
+        assert h % 256 == 0 or (h < 1024 and h % 128 == 0), (name, h)

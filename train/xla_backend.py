@@ -35,6 +35,7 @@ being superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Bac
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -118,9 +119,16 @@ def check_platform(cfg, preset) -> str:
 
 
 def check_attention(cfg, platform: str) -> None:
-    """model.attention=flash needs a real TPU: its Pallas kernel is a TPU custom call."""
-    if cfg.model.attention == "flash" and platform != "TPU":
+    """model.attention=flash needs a real TPU (its Pallas kernel is a TPU custom call) and JAX
+    (torch_xla traces the kernel with it at the first forward): refused here, before the run."""
+    if cfg.model.attention != "flash":
+        return
+    if platform != "TPU":
         raise BackendError(flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}"))
+    if importlib.util.find_spec("jax") is None:
+        raise BackendError("model.attention=flash traces torch_xla's Pallas kernel with JAX, which is not installed. "
+                           "Fix: pip install 'torch_xla[pallas]==2.9.0' (see torch_xla's README for the JAX index), "
+                           "or --set model.attention=sdpa.")
 
 
 def cache_dir(cfg) -> str:
