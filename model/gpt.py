@@ -7,6 +7,11 @@
            or torch_xla's Pallas flash kernel on TPU (model.attention=flash, GPT.set_attention)
     mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
 
+Precision: parameters are fp32 (the master weights). Under autocast the linears run in bf16 and
+the residual stream stays in bf16 too (GPT.embed casts the embeddings); RMSNorm accumulates its
+statistics in fp32 and returns bf16, and the loss is computed in fp32. Without autocast
+(fp32 on the CPU) everything is fp32.
+
 No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
 (matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
 loss, so the padding rows never receive probability mass.
@@ -70,10 +75,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32 (bf16 sums of squares lose precision), return in the input dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # bf16 activations: the mean of squares accumulated in fp32 (a bf16 sum of squares loses
+        # precision), the output in x's dtype. vector_norm(dtype=fp32) reads x without an fp32
+        # [B, T, d] copy kept for the backward (it saves x itself), as x.float() would.
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / x.shape[-1]
+        return x * torch.rsqrt(ms + self.eps).to(x.dtype) * self.weight.to(x.dtype)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +245,16 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, in the compute dtype: under autocast (bf16 on CUDA and TPU, or
+        train.dtype=bf16) the residual stream and the norms' outputs are bf16 while the weights
+        stay fp32 (autocast casts them inside each linear); without autocast, fp32 throughout."""
+        x = self.wte(idx)
+        device_type = idx.device.type
+        if torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
+        return x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, the output head sliced to the real vocab, and the soft-cap when set:
         cap * tanh(logits / cap) keeps every logit inside (-cap, cap) (Gemma 2, modded-nanogpt)."""
@@ -249,7 +267,7 @@ class GPT(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} > model.max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.wte(idx)
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.logits(x)
@@ -295,7 +313,7 @@ def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
     if T > L:
         raise ValueError(f"prefill: prompt length {T} > model.max_seq_len {L}")
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    x = model.wte(idx)
+    x = model.embed(idx)
     kvs = []
     for block in model.blocks:
         x, k, v = block.prefill(x, cos, sin)
@@ -313,7 +331,7 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     pos = cache.pos
     cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
     mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, -1)
-    x = model.wte(token)
+    x = model.embed(token)
     for i, block in enumerate(model.blocks):
         x = block.decode(x, cos, sin, cache.kv[i], pos, mask)
     cache.pos = pos + 1
