@@ -23,8 +23,9 @@ writes its K/V there and attends over the whole buffer under a mask, so its shap
 (one XLA program for every position) and its cost does not grow with the position.
 
 Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask; XLA
-lowers it to the math decomposition, see sdpa_causal), plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
-survives moving the model to a device (see GPT._apply).
+lowers it to the math decomposition, see sdpa_causal), plain elementwise RoPE (no complex
+numbers), and a tie between wte and lm_head that survives moving the model to a device (see
+GPT._apply).
 """
 
 from __future__ import annotations

@@ -173,15 +173,14 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 67 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 66 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
-    model = build_model(cfg.model, seed=tcfg.seed)  # same seed on every rank: identical weights
-    apply_remat(model, tcfg.remat, backend.kind)      # before the backend moves or compiles it
+    model = apply_remat(build_model(cfg.model, seed=tcfg.seed), tcfg.remat, backend.kind)  # same weights on every rank
     n_params = num_params(model)
     model = backend.prepare_model(model)
     raw = unwrap(model)                               # without a torch.compile wrapper
