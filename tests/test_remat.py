@@ -74,3 +74,34 @@ def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, mon
     assert calls == ["cpu"] * (3 * 2)   # 3 steps x 2 blocks (TINY_MODEL), none from the "none" run
     for name, value in finals["none"].items():
         assert (value - finals["block"][name]).abs().max().item() <= 1e-6, name
+
+
+def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
+    """train/memory.py's floor with train.remat=block (block inputs + one block's activations) is
+    below the none floor and below the peak RSS of a real remat step (forward, backward, AdamW),
+    and that peak is below the one without remat: the memory is really saved."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from codex.config import build_config
+    from train.memory import estimate
+
+    overrides = ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_layer=8"]
+    script = (
+        "import resource, sys, torch\n"
+        "from codex.config import build_config\nfrom model.gpt import build_model\nfrom train.remat import apply_remat\n"
+        "torch.set_num_threads(1)\n"
+        f"m = build_config(overrides={overrides!r}).model\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "model = apply_remat(build_model(m, seed=0), sys.argv[1], 'cpu'); opt = torch.optim.AdamW(model.parameters())\n"
+        "x = torch.randint(0, 256, (8, 1024))\n"
+        "model(x, x).backward(); opt.step()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n")
+    peak = {remat: int(subprocess.run([sys.executable, "-c", script, remat], capture_output=True, text=True,
+                                      check=True, cwd=Path(__file__).parent.parent).stdout.strip())
+            for remat in ("none", "block")}
+    m = build_config(overrides=overrides).model
+    floor = {remat: estimate(m, 8, 1024, remat=remat).total for remat in ("none", "block")}
+    assert floor["block"] < floor["none"]
+    assert floor["block"] <= peak["block"] < peak["none"], (floor, peak)

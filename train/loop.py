@@ -90,7 +90,7 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and preset.kind != "cpu")
-    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes=2 if bf16 else 4)
+    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes=2 if bf16 else 4, remat=cfg.train.remat)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
     return B, T, accum, B * T * world_size * accum
 

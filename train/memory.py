@@ -4,7 +4,8 @@ later.
 
     weights + gradients + AdamW moments   16 bytes per parameter (fp32 master weights)
     activations kept for backward         per layer and token: ~(10 d + 4 h) values (d = n_embd,
-                                          h = MLP hidden)
+                                          h = MLP hidden); with train.remat=block each layer keeps
+                                          its input (d values) and one block's are live at a time
     logits                                B x T x vocab fp32, about 3 copies (logits, log-softmax,
                                           their gradient)
 
@@ -48,13 +49,16 @@ def param_count(m) -> int:
     return matmul_params(m) + (0 if m.tie_embeddings else padded_vocab(m.vocab_size) * m.n_embd)
 
 
-def estimate(m, device_batch: int, seq_len: int, act_bytes: int = 4) -> Estimate:
+def estimate(m, device_batch: int, seq_len: int, act_bytes: int = 4, remat: str = "none") -> Estimate:
     """Bytes one process needs at least to train ModelConfig `m` on micro-batches of
-    device_batch x seq_len (act_bytes: 4 in fp32, 2 under bf16 autocast)."""
+    device_batch x seq_len (act_bytes: 4 in fp32, 2 under bf16 autocast; remat: train.remat)."""
     tokens = device_batch * seq_len
     per_token_layer = (10 * m.n_embd + 4 * mlp_hidden(m)) * act_bytes
-    return Estimate(state_bytes=16 * param_count(m),
-                    activation_bytes=m.n_layer * tokens * per_token_layer,
+    if remat == "block":   # every block's input, plus the one block being recomputed in the backward
+        activations = tokens * (m.n_layer * m.n_embd * act_bytes + per_token_layer)
+    else:
+        activations = m.n_layer * tokens * per_token_layer
+    return Estimate(state_bytes=16 * param_count(m), activation_bytes=activations,
                     logits_bytes=3 * tokens * m.vocab_size * 4)
 
 
@@ -77,9 +81,10 @@ def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
         return None
 
 
-def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int) -> Estimate:
+def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int,
+               remat: str = "none") -> Estimate:
     """The estimate, or a ConfigError (exit 2) naming the keys and the fix when it cannot fit."""
-    est = estimate(m, device_batch, seq_len, act_bytes)
+    est = estimate(m, device_batch, seq_len, act_bytes, remat)
     avail = available_bytes(kind, preset_memory_gb)
     if avail is not None and est.total > avail:
         where = "available on this machine" if kind == "cpu" else "per device"
@@ -87,5 +92,6 @@ def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: 
             f"train.device_batch={device_batch} x train.seq_len={seq_len} needs at least {est.total / 1e9:.1f} GB "
             f"(weights+grads+AdamW {est.state_bytes / 1e9:.1f}, activations {est.activation_bytes / 1e9:.1f}, "
             f"logits {est.logits_bytes / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}; lower --device-batch "
-            "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len")
+            "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len"
+            + (", or --set train.remat=block" if remat == "none" else ""))
     return est
