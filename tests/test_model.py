@@ -262,7 +262,7 @@ def test_derived_mlp_hidden_is_a_multiple_of_256_from_1024_and_of_128_below():
 
     assert mlp_hidden(ModelConfig()) == 384                      # the default 4 x 128: 8/3 * 128 = 341 -> 384
     assert mlp_hidden(ModelConfig(n_embd=768)) == 2048           # 124m: already a multiple of 256
-    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816          # 350m: 2730 -> 2816 (was 2752)
+    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816          # 350m: 2730 -> 2816
     assert mlp_hidden(ModelConfig(n_embd=64, mlp="relu2")) == 256
     assert mlp_hidden(ModelConfig(n_embd=1024, mlp_hidden=1000)) == 1000   # an explicit size is kept
     for name in preset_names("model"):
