@@ -14,8 +14,9 @@ class ModelConfig:
     n_kv_head: int = 4        # < n_head: grouped-query attention
     n_embd: int = 128
     mlp: Literal["swiglu", "relu2"] = "swiglu"
-    mlp_hidden: int = 0       # 0: derived (swiglu: 8/3 * n_embd rounded up to 64; relu2: 4 * n_embd)
+    mlp_hidden: int = 0       # 0: derived (swiglu 8/3 * n_embd, relu2 4 * n_embd; rounded up to 256, to 128 below 1024)
     qk_norm: bool = True
+    attention: Literal["sdpa", "flash"] = "sdpa"   # flash: torch_xla's Pallas kernel, TPU only (train/flash_attention.py)
     tie_embeddings: bool = False
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6

@@ -61,7 +61,8 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 # init_std only matters at initialisation; preset only names where the values came from.
 MAPPED_OPTIONS = {"preset", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp", "mlp_hidden", "qk_norm",
                   "tie_embeddings", "rope_theta", "norm_eps", "vocab_size", "max_seq_len", "init_std",
-                  "zero_init_proj"}   # an initialisation only: the trained weights map as usual
+                  "zero_init_proj",   # an initialisation only: the trained weights map as usual
+                  "attention"}        # a kernel choice (sdpa or TPU flash): the same function
 
 
 def check_exportable(m: ModelConfig) -> str:

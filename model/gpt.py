@@ -3,11 +3,17 @@
     idx -> wte -> [block] * n_layer -> RMSNorm -> lm_head -> logits[..., :vocab_size]
     block: x + attn(norm(x)),  x + mlp(norm(x))
     attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
-           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA)
+           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA),
+           or torch_xla's Pallas flash kernel on TPU (model.attention=flash, GPT.set_attention)
     mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
     model.value_embed: every other layer (the last one included) adds ve_i(idx), a learned
            per-token vector, to its values (ResFormer-style value embeddings): extra parameters
            but almost no FLOPs. No standard Hugging Face architecture has them (export refuses).
+
+Precision: parameters are fp32 (the master weights). Under autocast the linears run in bf16 and
+the residual stream stays in bf16 too (GPT.embed casts the embeddings); RMSNorm accumulates its
+statistics in fp32 and returns bf16, and the loss is computed in fp32. Without autocast
+(fp32 on the CPU) everything is fp32.
 
 No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
 (matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
@@ -19,9 +25,10 @@ in a buffer preallocated to max_seq_len; decode runs one new token at a device-h
 writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
 (one XLA program for every position) and its cost does not grow with the position.
 
-Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask) and
-enable_gqa, plain elementwise RoPE (no complex numbers), and a tie between wte and lm_head that
-survives moving the model to a device (see GPT._apply).
+Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask; XLA
+lowers it to the math decomposition, see sdpa_causal), plain elementwise RoPE (no complex
+numbers), and a tie between wte and lm_head that survives moving the model to a device (see
+GPT._apply).
 """
 
 from __future__ import annotations
@@ -41,11 +48,14 @@ def padded_vocab(vocab_size: int) -> int:
 
 
 def mlp_hidden(cfg: ModelConfig) -> int:
+    """model.mlp_hidden, or derived: SwiGLU 8/3 * d (the parameter count of a 4*d ReLU MLP), ReLU^2
+    4 * d, rounded up to a multiple of 256 from 1024 up (whole 256-wide MXU tiles on TPU v6e, and
+    tensor-core friendly on GPUs), of 128 below (small models do not grow by a third)."""
     if cfg.mlp_hidden:
         return cfg.mlp_hidden
-    if cfg.mlp == "swiglu":  # 8/3 * d keeps the parameter count of a 4*d ReLU MLP; round up to 64
-        return ((8 * cfg.n_embd // 3 + 63) // 64) * 64
-    return 4 * cfg.n_embd
+    hidden = 8 * cfg.n_embd // 3 if cfg.mlp == "swiglu" else 4 * cfg.n_embd
+    multiple = 256 if hidden >= 1024 else 128
+    return -(-hidden // multiple) * multiple
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -69,10 +79,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32 (bf16 sums of squares lose precision), return in the input dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # bf16 activations: the mean of squares accumulated in fp32 (a bf16 sum of squares loses
+        # precision), the output in x's dtype. vector_norm(dtype=fp32) reads x without an fp32
+        # [B, T, d] copy kept for the backward (it saves x itself), as x.float() would.
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / x.shape[-1]
+        return x * torch.rsqrt(ms + self.eps).to(x.dtype) * self.weight.to(x.dtype)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +103,18 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def sdpa_causal(q, k, v):
+    """Causal attention of q [B, H, T, D] over k, v [B, n_kv_head, T, D] (model.attention=sdpa).
+    enable_gqa: CUDA's flash kernel reads the n_kv_head shared K/V heads without copies; the math
+    path (the CPU, and torch_xla 2.9, which lowers SDPA to it) repeats K/V per query head and holds
+    the [B, H, T, T] scores. model.attention=flash replaces this on TPU (train/flash_attention.py)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.attend = sdpa_causal   # GPT.set_attention swaps the kernel (same function, other hardware)
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
@@ -120,9 +142,7 @@ class Attention(nn.Module):
         """The causal attention over a whole sequence, and its k, v for a KV cache."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin, ve)
-        # enable_gqa: the kernels read the n_kv_head shared K/V heads without materialising copies
-        # (flash on CUDA); torch_xla 2.9 lowers it too (checked: no aten fallback, matches CPU).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1)), k, v
 
     def decode(self, x, cos, sin, kv, pos, mask, ve=None):
@@ -211,6 +231,13 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         return self
 
+    def set_attention(self, attend) -> None:
+        """Every block's causal attention through attend(q, k, v) -> [B, H, T, D] instead of SDPA
+        (the backend's kernel for model.attention, e.g. flash on TPU). Generation's decode step
+        keeps SDPA: it attends one query over a masked cache."""
+        for block in self.blocks:
+            block.attn.attend = attend
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """GPT-2 style: N(0, init_std) everywhere, residual output projections scaled by
@@ -238,6 +265,16 @@ class GPT(nn.Module):
         table = self.value_embeds[str(layer)] if str(layer) in self.value_embeds else None
         return None if table is None else table(idx)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, in the compute dtype: under autocast (bf16 on CUDA and TPU, or
+        train.dtype=bf16) the residual stream and the norms' outputs are bf16 while the weights
+        stay fp32 (autocast casts them inside each linear); without autocast, fp32 throughout."""
+        x = self.wte(idx)
+        device_type = idx.device.type
+        if torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
+        return x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, the output head sliced to the real vocab, and the soft-cap when set:
         cap * tanh(logits / cap) keeps every logit inside (-cap, cap) (Gemma 2, modded-nanogpt)."""
@@ -250,7 +287,7 @@ class GPT(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} > model.max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.wte(idx)
+        x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, self.value_embedding(i, idx))
         logits = self.logits(x)
@@ -296,7 +333,7 @@ def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
     if T > L:
         raise ValueError(f"prefill: prompt length {T} > model.max_seq_len {L}")
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    x = model.wte(idx)
+    x = model.embed(idx)
     kvs = []
     for i, block in enumerate(model.blocks):
         x, k, v = block.prefill(x, cos, sin, model.value_embedding(i, idx))
@@ -314,7 +351,7 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     pos = cache.pos
     cos, sin = model.rope_cos.index_select(0, pos), model.rope_sin.index_select(0, pos)
     mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, -1)
-    x = model.wte(token)
+    x = model.embed(token)
     for i, block in enumerate(model.blocks):
         x = block.decode(x, cos, sin, cache.kv[i], pos, mask, model.value_embedding(i, token))
     cache.pos = pos + 1

@@ -281,3 +281,16 @@ def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
         assert (with_ve - plain(idx)).abs().max() > 1e-3
     with pytest.raises(ConfigError, match="model.value_embed=True"):
         check_exportable(m.cfg)
+
+
+def test_derived_mlp_hidden_is_a_multiple_of_256_from_1024_and_of_128_below():
+    from model.gpt import mlp_hidden
+
+    assert mlp_hidden(ModelConfig()) == 384                      # the default 4 x 128: 8/3 * 128 = 341 -> 384
+    assert mlp_hidden(ModelConfig(n_embd=768)) == 2048           # 124m: already a multiple of 256
+    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816          # 350m: 2730 -> 2816
+    assert mlp_hidden(ModelConfig(n_embd=64, mlp="relu2")) == 256
+    assert mlp_hidden(ModelConfig(n_embd=1024, mlp_hidden=1000)) == 1000   # an explicit size is kept
+    for name in preset_names("model"):
+        h = mlp_hidden(build_config(model=name).model)
+        assert h % 256 == 0 or (h < 1024 and h % 128 == 0), (name, h)

@@ -295,6 +295,12 @@ for case, env, allow in (("unset", None, True), ("cpu_not_allowed", "CPU", False
         out[case] = None
     except BackendError as e:
         out[case] = str(e)
+os.environ["PJRT_DEVICE"] = "CPU"
+try:
+    make_backend(build_config(overrides=["train.hardware=v6e-4", "train.allow_cpu_xla=true", "model.attention=flash"]))
+    out["flash_on_cpu"] = None
+except BackendError as e:
+    out["flash_on_cpu"] = str(e)
 sys.modules["torch_xla"] = None  # as in a venv without torch_xla
 try:
     make_backend(build_config(overrides=["train.hardware=v6e-4"]))
@@ -314,6 +320,8 @@ def test_no_silent_fallback():
     assert "PJRT_DEVICE=CPU" in out["cpu_not_allowed"] and "--allow-cpu-xla" in out["cpu_not_allowed"]
     assert "PJRT_DEVICE=TPU" in out["tpu_missing"] and "0 TPU chip(s)" in out["tpu_missing"]
     assert "torch_xla cannot be imported" in out["no_torch_xla"] and "pip install" in out["no_torch_xla"]
+    assert "model.attention=flash" in out["flash_on_cpu"] and "TPU preset" in out["flash_on_cpu"]
+    assert "PJRT_DEVICE=CPU runs the XLA path on the CPU" in out["flash_on_cpu"]
     assert "RUNTIME False" in proc.stdout  # refused before the XLA runtime started
 
 
@@ -413,3 +421,39 @@ def test_muon_spmd_matches_eager_and_compiles_no_new_program_after_warmup(muon_r
     # the validation graphs exist (step 10), the count logged every 5 steps stays put to step 30.
     logged = {m["step"]: m["compiles"] for m in muon_runs["spmd_metrics"] if m.get("kind") == "train"}
     assert [logged[s] for s in (15, 20, 25, 30)] == [logged[15]] * 4, logged
+
+
+REMAT = """
+import json
+import torch
+torch.set_num_threads(1)
+import torch_xla
+from model.config import ModelConfig
+from model.gpt import build_model
+from train.remat import apply_remat
+
+cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randint(0, 300, (2, 16), generator=g), torch.randint(0, 300, (2, 16), generator=g)
+out = {}
+for remat in ("none", "block"):
+    model = apply_remat(build_model(cfg, seed=0), remat, "tpu").to(torch_xla.device())
+    model(x.to(torch_xla.device()), y.to(torch_xla.device())).backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    torch_xla.sync()   # one program for every gradient (a .cpu() per pending tensor compiles one each)
+    out[remat] = {"grads": {n: p.grad.cpu().tolist() for n, p in model.named_parameters()},
+                  "barriers": hlo.count("opt-barrier")}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_remat_block_same_gradients_on_xla():
+    """train.remat=block on XLA uses torch_xla's checkpoint: the same gradients (fp32, 1e-6), and
+    the backward graph holds the optimization barriers that stop XLA's CSE from merging the
+    recomputation back into the forward (plain torch.utils.checkpoint would leave none)."""
+    out = results(run_xla(REMAT, devices=1, env={"OMP_NUM_THREADS": "1"}))
+    plain, remat = out["none"], out["block"]
+    assert plain["barriers"] == 0 and remat["barriers"] > 0
+    assert plain["grads"].keys() == remat["grads"].keys()
+    for name, g in plain["grads"].items():
+        assert (torch.tensor(g) - torch.tensor(remat["grads"][name])).abs().max().item() <= 1e-6, name

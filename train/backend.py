@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - Windows has no resource module
 
 from codex.config import ConfigError
 from train.control import ControlPlane, control_timeout
+from train.flash_attention import flash_unavailable
 from train.hardware import get_preset
 
 
@@ -285,6 +286,8 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
 
         return xla_backend.make_xla_backend(cfg, preset, spawned=xla_spawned)
 
+    if cfg.model.attention == "flash":
+        raise BackendError(flash_unavailable(f"hardware preset '{preset.name}' is a {preset.kind} preset"))
     rank, world, local_rank, local_world = _launch_env()
     launched = "WORLD_SIZE" in os.environ and world > 1
     if preset.kind == "cuda":

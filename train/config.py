@@ -33,6 +33,7 @@ class TrainConfig:
     seed: int = 1337
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
     compile: bool = True            # torch.compile on CUDA
+    remat: Literal["none", "block"] = "none"   # block: recompute every transformer block in the backward (train/remat.py)
     log_every: int = 10
     eval_every: int = 200
     eval_tokens: int = 0            # 0 = the whole validation split

@@ -49,6 +49,7 @@ from train.measure import LossWindow, StepTimer
 from train.memory import MemoryPlan, check_fits, choose_layout, setting_for
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
+from train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
 
@@ -186,7 +187,7 @@ def _train(cfg, backend: Backend) -> dict:
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
-    model = build_model(cfg.model, seed=tcfg.seed)  # same seed on every rank: identical weights
+    model = apply_remat(build_model(cfg.model, seed=tcfg.seed), tcfg.remat, backend.kind)  # same weights on every rank
     n_params = num_params(model)
     model = backend.prepare_model(model)
     raw = unwrap(model)                               # without a torch.compile wrapper

@@ -295,7 +295,7 @@ def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **set
 
 def setting_for(tcfg, kind: str) -> dict:
     """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one place
-    that reads the config. Every layout trains replicated without rematerialisation until
-    train.parallel, train.fsdp_size and train.remat exist; they map onto layout, fsdp_size, remat."""
+    that reads the config. Every layout trains replicated until train.parallel and train.fsdp_size
+    exist; they map onto layout and fsdp_size."""
     dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
-    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": "replicate", "fsdp_size": 0, "remat": "none"}
+    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": "replicate", "fsdp_size": 0, "remat": tcfg.remat}

@@ -27,13 +27,15 @@ XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it
 No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
 what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla.
 
-Everything torch_xla-specific lives in this file: torch_xla is being superseded (RFC pytorch/xla
-#9684), so the rest of codex only sees the Backend interface.
+Everything torch_xla-specific lives in this file, train/flash_attention.py (model.attention=flash,
+installed by prepare_model) and train/remat.py's choice of torch_xla's checkpoint: torch_xla is
+being superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Backend interface.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from codex import fsio
 from codex.config import ConfigError, from_dict, to_dict
 from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
+from train.flash_attention import flash_unavailable, use_flash_attention
 from train.control import ControlPlane, control_timeout
 from train.hardware import get_preset, set_xla_import_env
 from train.loop import train
@@ -115,6 +118,19 @@ def check_platform(cfg, preset) -> str:
         "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests.")
 
 
+def check_attention(cfg, platform: str) -> None:
+    """model.attention=flash needs a real TPU (its Pallas kernel is a TPU custom call) and JAX
+    (torch_xla traces the kernel with it at the first forward): refused here, before the run."""
+    if cfg.model.attention != "flash":
+        return
+    if platform != "TPU":
+        raise BackendError(flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}"))
+    if importlib.util.find_spec("jax") is None:
+        raise BackendError("model.attention=flash traces torch_xla's Pallas kernel with JAX, which is not installed. "
+                           "Fix: pip install 'torch_xla[pallas]==2.9.0' (see torch_xla's README for the JAX index), "
+                           "or --set model.attention=sdpa.")
+
+
 def cache_dir(cfg) -> str:
     """The persistent compilation cache: train.xla_cache, else RUN/xla_cache. XLA writes it with
     local file I/O, so a gs:// run keeps its cache on the local disk (one per host)."""
@@ -150,6 +166,7 @@ class XLABackend:
     fixed_shapes: bool = True        # XLA compiles one graph per shape: masked full val batches
     max_compiles: int = 0
     mesh: Any = None
+    flash_attention: bool = False    # model.attention=flash, on a TPU (train/flash_attention.py)
     kind: str = "tpu"                # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
     pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
     control: ControlPlane = field(default_factory=ControlPlane)   # gloo over processes (train/control.py)
@@ -164,7 +181,10 @@ class XLABackend:
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Under SPMD an unannotated tensor is replicated on every chip: the data-parallel layout.
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.flash_attention:
+            use_flash_attention(unwrap(model), self.mesh)
+        return model
 
     def _spec(self, ndim: int):
         """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
@@ -273,6 +293,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
     process was started by spawn_train (train.xla_mode=spawn)."""
     mode = cfg.train.xla_mode
     platform = check_platform(cfg, preset)
+    check_attention(cfg, platform)
     if mode == "spawn" and not spawned:
         raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
                            "`codex train --xla-mode spawn ...` (train.xla_backend.spawn_train), not train() directly")
@@ -302,7 +323,8 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         mesh = xs.Mesh(np.arange(n), (n,), ("data",))
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
                              autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
-                             global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh)
+                             global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh,
+                             flash_attention=cfg.model.attention == "flash")
     else:
         world, rank = xr.world_size(), xr.global_ordinal()
         if world != preset.devices:
@@ -311,7 +333,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=rank, world_size=world,
                              local_rank=xr.local_ordinal(), autocast_dtype=dtype, loader_rank=rank,
                              loader_world=world, devices_per_loader=1, global_values=False,
-                             max_compiles=cfg.train.max_compiles)
+                             max_compiles=cfg.train.max_compiles, flash_attention=cfg.model.attention == "flash")
     backend.control = _control_plane(backend.loader_world)
     if backend.is_main:
         log.info("XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s", mode, platform,
@@ -350,7 +372,7 @@ def spawn_train(cfg) -> dict:
     if preset.kind != "tpu":
         raise ConfigError(f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
                           "(use torchrun for several GPUs)")
-    check_platform(cfg, preset)  # fail here, in the parent, before any process starts
+    check_attention(cfg, check_platform(cfg, preset))  # fail here, in the parent, before any process starts
     _env_defaults()
     import torch_xla
 

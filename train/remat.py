@@ -1,0 +1,62 @@
+"""Rematerialisation (activation checkpointing), `train.remat`: none or block.
+
+block: every transformer block keeps only its input for the backward pass and recomputes its
+activations there, so a step holds one block's activations instead of n_layer blocks' (about a
+third more compute for the forward recomputed in the backward).
+
+Applied from outside the model, as torchtitan does: `apply_remat` wraps each block's forward in
+a checkpoint before the backend moves or compiles the model. The model file stays the readable
+network, its parameter names (checkpoints, the Hugging Face export) do not change, and eval and
+generation, which build their own model, never pay for it.
+
+Which checkpoint: on XLA, torch_xla.utils.checkpoint. Plain torch.utils.checkpoint records the
+recomputation in the same lazy graph as the forward, and XLA's common-subexpression elimination
+merges the two copies back into one, keeping every activation alive (the saving undone);
+torch_xla's version puts an optimization barrier in front of the recomputation so XLA cannot
+merge them. It is reentrant-only (torch_xla 2.9). Elsewhere torch.utils.checkpoint with
+use_reentrant=False (the variant PyTorch recommends, and the one torch.compile traces).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def checkpoint_fn(kind: str):
+    """The checkpoint function for a backend's kind ("tpu" = XLA; "cpu", "cuda" = eager torch).
+    The model has no dropout, so no RNG state needs restoring in the recomputation."""
+    if kind == "tpu":
+        from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint  # only on the XLA path
+
+        return functools.partial(xla_checkpoint, use_reentrant=True, preserve_rng_state=False)
+    from torch.utils.checkpoint import checkpoint
+
+    return functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
+
+
+def apply_remat(model: torch.nn.Module, mode: str, kind: str) -> torch.nn.Module:
+    """Wrap every block of `model` (a GPT) in a checkpoint when mode is "block"; "none" leaves it
+    as it is. Call before the backend prepares (moves, compiles) the model. Returns the model."""
+    if mode == "none":
+        return model
+    if mode != "block":
+        raise ValueError(f"train.remat={mode!r}: expected none or block")
+    checkpoint = checkpoint_fn(kind)
+    for block in model.blocks:
+        block.forward = _checkpointed(block.forward, checkpoint)
+    return model
+
+
+def _checkpointed(forward, checkpoint):
+    """forward (a block's bound method, so torch_xla's checkpoint finds the block's weights for
+    its optimization barrier) run under `checkpoint` when a backward will follow; without
+    gradients (validation) there is nothing to save memory for."""
+    @functools.wraps(forward)
+    def run(x, cos, sin, ve=None):
+        if torch.is_grad_enabled():
+            return checkpoint(forward, x, cos, sin, ve)
+        return forward(x, cos, sin, ve)
+
+    return run
