@@ -36,7 +36,7 @@ from codex import fsio, rundir
 from codex.config import ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
 from eval.evaluate import evaluate
-from model.gpt import build_model, flops_per_token, num_params
+from model.gpt import build_model, flops_per_token, mlp_hidden, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
@@ -116,10 +116,11 @@ class Plan:
 
 def make_plan(cfg, preset, world_size: int):
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
-    vocab size and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
+    vocab size, the MLP width (so a later change of the derivation cannot change a saved model's
+    shape) and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
     record and what eval rebuilds the model from."""
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab),
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab, mlp_hidden=mlp_hidden(cfg.model)),
                   train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]))
     B, T, accum, batch_tokens, memory = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
