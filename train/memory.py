@@ -129,28 +129,26 @@ def optimizer_bytes(m, optimizer: str) -> int:
 # --- activations ----------------------------------------------------------------------------------
 
 def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -> int:
-    """Bytes one block keeps for backward per token, read off model/gpt.py's Block.forward. The
-    residual stream is fp32 (the embedding is fp32 and fp32 + bf16 is fp32); RMSNorm computes in fp32
-    and keeps its fp32 input and normalised value; under bf16 autocast every linear casts its fp32
-    input anew (three casts of the attention input, two of the MLP input) and keeps that copy."""
+    """Bytes one block keeps for backward per token, read off model/gpt.py's Block.forward.
+    fp32 (no autocast): RMSNorm keeps its input and normalised value, QK-norm the same per head.
+    bf16 autocast: the residual stream is bf16 (GPT.embed); each norm keeps its bf16 input, x times
+    its fp32-computed scale and its output (the statistics per token are negligible), and the
+    linears read that bf16 output as is."""
     d, c = m.n_embd, compute_bytes
     hd = d // m.n_head
     dkv, h = m.n_kv_head * hd, mlp_hidden(m)
-    autocast = c < 4
-    norm_in = 4 * d                                        # the block input (the norm's pow keeps it)
-    attn_norm = 4 * d + (3 * c * d if autocast else 4 * d)  # normalised x; its output (fp32) or 3 casts of it
-    if m.qk_norm:   # q, k: the fp32 value the norm reads, the normalised one, the norm's output, RoPE's output
-        q, k = (8 + 2 * c) * d, (8 + 2 * c) * dkv
-    else:           # the projection (RoPE reads its halves) and RoPE's output
-        q, k = 2 * c * d, 2 * c * dkv
-    v = c * dkv
+    if c < 4:   # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
+        norm_in, attn_norm, mid, mlp_norm = c * d, 2 * c * d, c * d, 2 * c * d
+        per_qk = 4 * c if m.qk_norm else 2 * c              # projection, (QK-norm's two), RoPE output
+    else:
+        norm_in, attn_norm, mid, mlp_norm = 4 * d, 8 * d, 4 * d, 8 * d
+        per_qk = 16 if m.qk_norm else 8                     # projection, normalised, norm output, RoPE output
+    q, k, v = per_qk * d, per_qk * dkv, c * dkv
     if attention == "math":   # fp32 probabilities per head over the T keys, K and V copied to every query head
         sdpa = c * d + 4 * m.n_head * seq_len + (2 * c * d if dkv != d else 0)
     else:                     # fused: the output and a log-sum-exp per head
         sdpa = c * d + 4 * m.n_head
     attn_out = c * d                                       # the [B, T, H*hd] copy c_proj reads
-    mid = 4 * d                                            # the residual after attention
-    mlp_norm = 4 * d + (2 * c * d if autocast else 4 * d)
     mlp = (4 if m.mlp == "swiglu" else 2) * c * h          # swiglu: gate, silu(gate), up, product; relu2: relu, square
     return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
 
