@@ -22,6 +22,7 @@ from pipeline.shard import run_shard
 from pipeline.tokenizer import run_tokenizer
 from pipeline.upload import upload_run
 from pipeline.verify import verify_shards
+from train.config import TrainConfig
 from train.hardware import (format_hardware_table, format_model_fit, get_preset, require_shared_run_dir,
                             set_xla_import_env)
 
@@ -354,7 +355,7 @@ def demo_cmd(run, overrides):
 @cli.command("hardware")
 @click.option("--model", default=None, help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
               "layout and device batch, by the memory plan.")
-@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default=TrainConfig().optimizer, show_default=True,
               help="With --model: the optimizer whose state the plan counts.")
 @stage
 def hardware_cmd(model, optimizer):

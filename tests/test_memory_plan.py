@@ -32,24 +32,25 @@ def test_124m_on_h100_by_hand():
     P = matmul + V * d                                 # untied embedding
     assert P == 135_287_040
     N = 32 * 1024                                      # device batch 32 x seq_len 1024
-    # bf16 autocast, fused attention, per token and layer: fp32 block input 4d; attention norm 4d + 3 bf16
-    # casts 6d; q and k: fp32 view 4d, normalised 4d, norm output 2d, RoPE output 2d = 12d each; v 2d;
-    # SDPA output 2d + log-sum-exp 4 H; c_proj's input copy 2d; mid residual 4d; MLP norm 4d + 2 casts 4d;
+    # bf16 autocast, fused attention, per token and layer, all bf16 (2 bytes): block input 2d; attention
+    # norm's scaled x and output 4d; q and k: projection, QK-norm's two, RoPE output = 8d each; v 2d;
+    # SDPA output 2d + fp32 log-sum-exp 4 H; c_proj's input copy 2d; mid residual 2d; MLP norm 4d;
     # SwiGLU: gate, silu, up, product = 4 x 2h
-    per_layer = 4 * d + 10 * d + 12 * d + 12 * d + 2 * d + (2 * d + 4 * H) + 2 * d + 4 * d + 8 * d + 8 * h
-    assert per_layer == 59_440
+    per_layer = 2 * d + 4 * d + 8 * d + 8 * d + 2 * d + (2 * d + 4 * H) + 2 * d + 2 * d + 4 * d + 8 * h
+    assert per_layer == 42_544
     p = plan(model("124m"), get_preset("h100"), 32, 1024, dtype="bf16")
     assert (p.params, p.shards, p.attention) == (P, 1, "fused")
     assert p.weights == p.gradients == 4 * P
     assert p.optimizer_state == 8 * P                  # AdamW: two fp32 moments
     assert p.compute_weights == 2 * matmul             # autocast's bf16 copy of every matmul weight
-    assert p.activations == N * (L * per_layer + 10 * d)   # + final norm: block output 4d, normalised 4d, cast 2d
+    assert p.activations == N * (L * per_layer + 6 * d)   # + final norm: block output, scaled, output (bf16)
     assert p.logits == 3 * 4 * V * N
     assert p.workspace == N * per_layer
-    total = 16 * P + 2 * matmul + N * (L * per_layer + 10 * d) + 12 * V * N + N * per_layer
-    assert p.total == total and round(total / GB, 1) == 40.8 and p.fits()
-    assert not plan(model("124m"), get_preset("h100"), 64, 1024).fits()   # 64 x 1024 needs ~75 GB > 72
-    assert device_defaults(get_preset("h100"), model("124m")) == (32, 1024)
+    total = 16 * P + 2 * matmul + N * (L * per_layer + 6 * d) + 12 * V * N + N * per_layer
+    assert p.total == total and round(total / GB, 1) == 33.5 and p.fits()
+    assert plan(model("124m"), get_preset("h100"), 64, 1024).fits()       # 64.7 GB <= 90% of 80
+    assert not plan(model("124m"), get_preset("h100"), 128, 1024).fits()
+    assert device_defaults(get_preset("h100"), model("124m")) == (64, 1024)   # also the 64K-token cap
 
 
 def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
@@ -66,13 +67,15 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     # heads 2 x 2d per token and layer instead of the fused kernel's 4 H
     pod = get_preset("v5litepod-8")
     N, T = 1024, 1024
-    per_layer = 42 * d + 14 * kv + 8 * h + (4 * H * T + 4 * d)
+    # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T, c_proj input 2d,
+    # mid 2d, MLP norm 4d, SwiGLU 8h
+    per_layer = 28 * d + 10 * kv + 8 * h + 4 * H * T
     gathered = 2 * (2 * block + (P - L * block)) + 6 * block   # two blocks + the root in bf16, one block's grads
     p = plan(model("1b"), pod, 1, T, layout="fsdp")
     assert (p.shards, p.attention, p.weights, p.optimizer_state) == (8, "math", 4 * P // 8, 8 * P // 8)
     assert p.compute_weights == gathered
-    assert p.activations == N * (L * per_layer + 10 * d) and p.workspace == N * per_layer
-    total = 16 * P // 8 + gathered + N * (L * per_layer + 10 * d) + 12 * V * N + N * per_layer
+    assert p.activations == N * (L * per_layer + 6 * d) and p.workspace == N * per_layer
+    total = 16 * P // 8 + gathered + N * (L * per_layer + 6 * d) + 12 * V * N + N * per_layer
     assert p.total == total and total < HEADROOM * 16 * GB
     assert choose_layout(model("1b"), pod, 1, T) == "fsdp"
     assert choose_layout(model("124m"), pod, 1, T) == "replicate"
@@ -96,8 +99,8 @@ def test_muon_state_and_block_remat_by_hand():
     assert adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices   # one moment instead of two
     none, block = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, remat="block")
     per_layer = none.workspace // (8 * 1024)
-    # remat=block keeps every block's fp32 input and one block's activations, recomputed in backward
-    assert none.activations - block.activations == 8 * 1024 * (L * per_layer - (L * 4 * d + per_layer))
+    # remat=block keeps every block's (bf16) input and one block's activations, recomputed in backward
+    assert none.activations - block.activations == 8 * 1024 * (L * per_layer - (L * 2 * d + per_layer))
 
 
 def test_default_batches_are_the_largest_power_of_two_that_fits():
@@ -126,7 +129,7 @@ def test_a_setting_that_cannot_fit_is_refused_with_the_fixes():
         check_fits(model("124m"), h100, 128, 1024, dtype="bf16")
     msg = str(e.value)
     assert "train.device_batch=128 x train.seq_len=1024 needs" in msg and "80.0 GB is per device" in msg
-    assert "Fix: train.device_batch=32" in msg
+    assert "Fix: train.device_batch=64" in msg
     assert check_fits(model("124m"), h100, 32, 1024, dtype="bf16").device_batch == 32
 
 

@@ -17,7 +17,7 @@ c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len toke
                                  keeps gathered between forward and backward), plus one block's
                                  unsharded gradient (c + 4 for the fp32 reduce-scatter)
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
-                     remat=block: N x (n_layer x 4 d + per_layer + head): the fp32 block inputs, and
+                     remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
                      one block's activations recomputed at a time
     logits           3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient
     workspace        N x per_layer: the gradients of the block in backward (as large as its saved
@@ -154,8 +154,9 @@ def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -
 
 
 def head_bytes_per_token(m, compute_bytes: int) -> int:
-    """The final norm: the last block's output, its normalised value, and the head's input."""
-    return (8 + compute_bytes) * m.n_embd
+    """The final norm: the last block's output, its scaled (fp32: normalised) value, and the head's
+    input; all three in the residual stream's dtype, bf16 under autocast."""
+    return 3 * compute_bytes * m.n_embd
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def plan(m, preset, device_batch: int, seq_len: int, *, layout: str = "replicate
     P = param_count(m)
     tokens = device_batch * seq_len
     per_layer = layer_bytes_per_token(m, c, attention, seq_len)
-    kept_layers = m.n_layer * per_layer if remat == "none" else m.n_layer * 4 * m.n_embd + per_layer
+    kept_layers = m.n_layer * per_layer if remat == "none" else m.n_layer * c * m.n_embd + per_layer
     if layout == "fsdp":
         root = P - m.n_layer * block_params(m)
         compute_weights = c * (2 * block_params(m) + root) + (c + 4) * block_params(m)
