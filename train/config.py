@@ -29,6 +29,8 @@ class TrainConfig:
     seed: int = 1337
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
     compile: bool = True            # torch.compile on CUDA
+    parallel: Literal["auto", "replicate", "fsdp"] = "auto"  # auto: replicate when the replicated state fits (train/memory.py)
+    fsdp_size: int = 0              # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)
     log_every: int = 10
     eval_every: int = 200
     eval_tokens: int = 0            # 0 = the whole validation split

@@ -3,9 +3,9 @@
     backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
     for step in range(start, total):
         lr = lr_for(step)
-        for micro-batch in range(accum):           # no communication here
+        for micro-batch in range(accum):           # no communication here (fsdp: the last one reduce-scatters)
             loss = model(x, y) / accum; loss.backward()
-        backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step
+        backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step (fsdp: done in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
         every log_every: sync, tokens/s, MFU, memory  every eval_every: val loss + bits per byte
         every save_every (and on SIGTERM/SIGINT and at the end): checkpoint
@@ -36,7 +36,7 @@ from codex import fsio, rundir
 from codex.config import ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
 from eval.evaluate import evaluate
-from model.gpt import build_model, flops_per_token, num_params
+from model.gpt import flops_per_token, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
@@ -45,7 +45,8 @@ from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
 from train.measure import LossWindow, StepTimer
-from train.memory import check_fits
+from train.fsdp import Layout
+from train.memory import check_fits, resolve_layout
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
 
@@ -78,8 +79,8 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
     raise ConfigError(msg)
 
 
-def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
-    """(device_batch, seq_len, accum, batch_tokens) from train.* and the hardware preset defaults."""
+def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Layout]:
+    """(device_batch, seq_len, accum, batch_tokens, layout) from train.* and the hardware preset defaults."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
     if B <= 0 or T <= 0:
         dB, dT = device_defaults(preset, cfg.model)
@@ -89,9 +90,11 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int]:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and preset.kind != "cpu")
-    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes=2 if bf16 else 4)
+    act_bytes = 2 if bf16 else 4
+    layout = resolve_layout(cfg.train, cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes, world_size)
+    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes, shards=layout.shard)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
-    return B, T, accum, B * T * world_size * accum
+    return B, T, accum, B * T * world_size * accum, layout
 
 
 # --- the plan: what the loop derives from the config and the run's files, once -----------------
@@ -106,6 +109,7 @@ class Plan:
     total_steps: int
     world_size: int
     tokenizer_sha: str     # recorded in checkpoints: eval and sample refuse a retrained tokenizer
+    layout: Layout         # replicate or fsdp (train.parallel, resolved)
 
 
 def make_plan(cfg, preset, world_size: int):
@@ -113,11 +117,11 @@ def make_plan(cfg, preset, world_size: int):
     vocab size: it is what checkpoints record and what eval rebuilds the model from."""
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
-    B, T, accum, batch_tokens = resolve_batch(cfg, preset, world_size)
+    B, T, accum, batch_tokens, layout = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
     if total_steps <= 0:
         raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
-    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha), token_bytes
+    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, layout), token_bytes
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -179,10 +183,9 @@ def _train(cfg, backend: Backend) -> dict:
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
-    model = build_model(cfg.model, seed=tcfg.seed)  # same seed on every rank: identical weights
-    n_params = num_params(model)
-    model = backend.prepare_model(model)
+    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)   # build_model's weights, placed (sharded)
     raw = unwrap(model)                               # without a torch.compile wrapper
+    n_params = num_params(raw)
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     loader = _make_loader(cfg, backend, plan)
 
@@ -200,7 +203,8 @@ def _train(cfg, backend: Backend) -> dict:
             # --- one optimizer step ---
             _injected_fault(backend, step)
             lr = set_lr(optimizer, lr_for(step, tcfg, plan.total_steps))
-            for _ in range(plan.accum):
+            for micro in range(plan.accum):
+                backend.set_grad_sync(model, micro == plan.accum - 1)   # fsdp: reduce in the last backward only
                 x, y = backend.to_device(next(loader))
                 with backend.autocast():
                     loss = model(x, y)
@@ -292,8 +296,9 @@ def _start_run(cfg, backend: Backend, plan: Plan, preset, n_params: int, step: i
     fsio.makedirs(rundir.checkpoints_dir(cfg.run))
     save_config(cfg, fsio.join(rundir.checkpoints_dir(cfg.run), "config.yaml"))
     log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
-             "%d tokens/step | %d steps", n_params / 1e6, preset.name, plan.world_size, backend.device,
-             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps)
+             "%d tokens/step | %d steps | %s", n_params / 1e6, preset.name, plan.world_size, backend.device,
+             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps,
+             plan.layout.describe())
     return metrics, progress
 
 

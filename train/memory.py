@@ -77,9 +77,37 @@ def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
         return None
 
 
-def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int) -> Estimate:
-    """The estimate, or a ConfigError (exit 2) naming the keys and the fix when it cannot fit."""
+def resolve_layout(tcfg, m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int,
+                   world_size: int):
+    """train.parallel / train.fsdp_size -> a train.fsdp.Layout for world_size ranks. auto: replicate
+    when the replicated estimate fits, else fsdp over every rank. (The memory plan of issue 14
+    replaces this floor estimate; it plugs in here.)"""
+    from train.fsdp import Layout
+
+    parallel, size = tcfg.parallel, tcfg.fsdp_size
+    if kind == "tpu" and parallel == "fsdp":
+        raise ConfigError("train.parallel=fsdp is not available on TPU presets yet (SPMD sharding is separate work); "
+                          "use train.parallel=replicate (or auto)")
+    if parallel == "auto":
+        avail = available_bytes(kind, preset_memory_gb)
+        fits = avail is None or estimate(m, device_batch, seq_len, act_bytes).total <= avail
+        parallel = "replicate" if fits or world_size == 1 or kind == "tpu" else "fsdp"
+    if parallel == "replicate" or world_size == 1:
+        # One process: sharding over one rank is the replicated layout.
+        return Layout("replicate")
+    size = size or world_size
+    if size > world_size or world_size % size:
+        raise ConfigError(f"train.fsdp_size={size} must divide the world size {world_size} "
+                          f"(0 = all {world_size} ranks)")
+    return Layout("fsdp", shard=size, replicas=world_size // size)
+
+
+def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: float, act_bytes: int,
+               shards: int = 1) -> Estimate:
+    """The estimate, or a ConfigError (exit 2) naming the keys and the fix when it cannot fit.
+    shards: ranks the weights, gradients and optimizer state are sharded over (fsdp)."""
     est = estimate(m, device_batch, seq_len, act_bytes)
+    est.state_bytes //= shards
     avail = available_bytes(kind, preset_memory_gb)
     if avail is not None and est.total > avail:
         where = "available on this machine" if kind == "cpu" else "per device"
@@ -87,5 +115,6 @@ def check_fits(m, device_batch: int, seq_len: int, kind: str, preset_memory_gb: 
             f"train.device_batch={device_batch} x train.seq_len={seq_len} needs at least {est.total / 1e9:.1f} GB "
             f"(weights+grads+AdamW {est.state_bytes / 1e9:.1f}, activations {est.activation_bytes / 1e9:.1f}, "
             f"logits {est.logits_bytes / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}; lower --device-batch "
-            "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len")
+            "(keep --batch-tokens: gradient accumulation makes up the rest) or --seq-len"
+            + ("" if shards > 1 else ", or shard the state over several devices (train.parallel=fsdp)"))
     return est

@@ -17,12 +17,14 @@ CPU, so the equivalence tests (1 process = 2 processes = accumulation) hold to 1
 
 Layouts: with replicated weights every rank holds the all-reduced gradient and computes the same
 update (the orthogonalisation is repeated on every rank: cheap next to forward and backward at
-codex's sizes; sharding it across ranks is left for the FSDP layout).
+codex's sizes). With sharded weights (train.parallel=fsdp) each rank all-gathers the matrix's
+momentum-blended gradient, orthogonalises the whole matrix and keeps its own slice of the update.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)   # modded-nanogpt's quintic: fast growth of small singular values
 
@@ -68,11 +70,24 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mom)
-                update = orthogonalize(p.grad.lerp(buf, mom), group["ns_steps"], self.ns_dtype)
+                update = orthogonalize(_full(p.grad.lerp(buf, mom)), group["ns_steps"], self.ns_dtype)
+                update = _like(update, p)
                 if wd:
                     p.mul_(1 - lr * wd)
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller entries.
                 p.add_(update, alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole matrix."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no communication)."""
+    if not isinstance(p, DTensor):
+        return update
+    return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
 
 
 class Optimizers:

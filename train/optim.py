@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from codex.config import ConfigError
 from train.muon import Muon, Optimizers, is_hidden_matrix
@@ -75,8 +76,14 @@ def set_lr(optimizer, lr: float) -> float:
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (call after the all-reduce), clipped to max_norm; <= 0 measures only."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    """The global gradient norm (call after the all-reduce), clipped to max_norm; <= 0 measures only.
+    Sharded (fsdp) gradients: the norm over every shard (DTensor.full_tensor sums the squares)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
+    return total
 
 
 def load_optimizer_state(optimizer, saved: dict) -> None:
