@@ -20,7 +20,7 @@ from train.hardware import device_defaults, get_preset
 
 def load_model(cfg, checkpoint: str | int = "latest"):
     """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
-    state = ckpt.load(cfg.run, checkpoint)
+    state = ckpt.load(cfg.run, checkpoint, keys=("model",))   # not the optimizer state
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
         raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")

@@ -8,7 +8,7 @@
         backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step (fsdp: done in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
         every log_every: sync, tokens/s, MFU, memory  every eval_every: val loss + bits per byte
-        every save_every (and on SIGTERM/SIGINT and at the end): checkpoint
+        every save_every (and on SIGTERM/SIGINT and at the end): checkpoint, every rank its own part
 
 Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum.
 Every micro-batch holds B*T tokens and every rank the same number of micro-batches, so dividing
@@ -44,6 +44,7 @@ from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
+from train.train_state import restore_training, save_training
 from train.measure import LossWindow, StepTimer
 from train.fsdp import Layout
 from train.memory import check_fits, resolve_layout
@@ -259,13 +260,13 @@ def _make_loader(cfg, backend: Backend, plan: Plan) -> TrainLoader:
 def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None, int, int, dict]:
     """(existing checkpoint step or None, step, tokens, the unfinished loss window); automatic
     when a checkpoint exists (train.resume=auto)."""
-    existing, state = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
+    existing, chosen = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
     if existing is not None and cfg.train.resume == "never":
         raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
                           "--no-resume was given: use a new --run, or delete that folder to start over")
-    if state is None:
+    if chosen is None:
         return existing, 0, 0, {"loss_sum": 0.0, "since": 0}
-    step, tokens, log_window = checkpoint.restore_training(cfg, state, model, optimizer, loader)
+    step, tokens, log_window = restore_training(cfg, backend.control, chosen, model, optimizer, loader)
     if backend.is_main or backend.control.world > 1:
         log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
                  rundir.checkpoints_dir(cfg.run))
@@ -334,16 +335,17 @@ def _log_validation(cfg, backend, plan, metrics, model, token_bytes, step, token
 
 
 def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str) -> None:
-    """Every rank takes part (the partial loss window is averaged over replicas); rank 0 writes."""
-    log_window = window.state()
+    """Every rank writes its own part (its shards under fsdp); rank 0 the marker, last."""
+    log_window = window.state()      # every rank: the partial loss window is averaged over replicas
     if backend.is_main:
         metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
-        folder = checkpoint.save_training(
-            cfg, model_state=backend.state_dict_for_save(model), optimizer=optimizer, loader=loader, step=step,
-            tokens=tokens, log_window=log_window, world_size=plan.world_size, batch_tokens=plan.batch_tokens,
-            tokenizer_sha=plan.tokenizer_sha)
+    folder = save_training(
+        cfg, backend.control, model_state=backend.state_dict_for_save(model), model=unwrap(model),
+        optimizer=optimizer, loader=loader, step=step, tokens=tokens, log_window=log_window,
+        world_size=plan.world_size, batch_tokens=plan.batch_tokens, tokenizer_sha=plan.tokenizer_sha,
+        parallel=plan.layout.describe())
+    if backend.is_main:
         log.info("checkpoint (%s): %s", reason, folder)
-    backend.barrier()
 
 
 def _log_stopped(cfg, backend, plan, stop, step: int, saved_at: int) -> None:
