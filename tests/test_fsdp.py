@@ -171,3 +171,22 @@ def test_fsdp_size_must_divide_the_world(tmp_path):
     assert not resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=1).sharded   # one process: nothing to shard
     tcfg.parallel = "auto"                                    # fits: replicate
     assert not resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=4).sharded
+
+
+def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
+    """train.async_save on 2 fsdp ranks: the periodic checkpoints are written in a background thread
+    (its own gloo group) while training goes on, from a copy taken at the step: every checkpoint
+    equals the blocking run's bitwise."""
+    keys = dict(parallel="fsdp", max_steps=6, save_every=2, keep_last=5, device_batch=4)
+    sync, background = make_run(tmp_path / "sync"), make_run(tmp_path / "async")
+    torchrun(sync, **keys)
+    err = torchrun(background, async_save=True, **keys).stderr
+    assert "checkpoint (periodic): " in err and "(writing in the background)" in err
+    assert checkpoint.complete_steps(background) == checkpoint.complete_steps(sync) == [2, 4, 6]
+    for step in (2, 4, 6):
+        a, b = checkpoint.load(sync, step), checkpoint.load(background, step)
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (step, k)
+        for fqn, st in a["optimizer"]["adamw"]["state"].items():
+            for name, t in st.items():
+                assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (step, fqn, name)

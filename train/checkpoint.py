@@ -29,7 +29,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -101,6 +103,52 @@ def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control
         prune(run, keep_last, keep_every)
     control.barrier()   # nobody goes on (or exits) before the marker exists
     return folder
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written (save_in_background), or already written (done())."""
+
+    folder: str
+    thread: threading.Thread | None = None
+    errors: list = field(default_factory=list)
+
+    @classmethod
+    def done(cls, folder: str) -> PendingSave:
+        return cls(folder)
+
+    def wait(self) -> str:
+        """Block until the checkpoint is complete (DONE written on rank 0); re-raise its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.errors:
+            raise self.errors[0]
+        return self.folder
+
+
+def save_in_background(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control=None) -> PendingSave:
+    """save() in a background thread: the tensors are copied to the CPU now (the only part that
+    blocks), then written, marked and pruned while training goes on, with every collective on
+    control.background()'s own gloo group. Wait on the result before the next save. A process
+    that dies meanwhile leaves the folder without DONE: not a checkpoint, the previous one counts.
+    (dcp.async_save would write the shards in the background too, but DONE needs every rank's
+    shards finished, one more collective after them: so the whole save runs in one thread.)"""
+    from train.control import ControlPlane
+
+    side = (control or ControlPlane()).background()
+    pending = PendingSave(step_dir(run, int(state["step"])))
+    snapshot = dcp_io.staged(state)
+
+    def write() -> None:
+        try:
+            save(run, snapshot, keep_last=keep_last, keep_every=keep_every, control=side)
+        except BaseException as e:   # re-raised by wait() in the training thread
+            pending.errors.append(e)
+
+    pending.thread = threading.Thread(target=write, name=f"checkpoint-{state['step']}", daemon=True)
+    pending.thread.start()
+    return pending
 
 
 def drop_newer(run: str, step: int) -> None:

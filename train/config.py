@@ -37,6 +37,7 @@ class TrainConfig:
     save_every: int = 500
     keep_last: int = 3
     keep_every: int = 0             # also keep every M-th step forever (0 = off)
+    async_save: bool = False        # periodic checkpoints written in the background while training goes on
     resume: Literal["auto", "never"] = "auto"  # auto: resume when a checkpoint exists
     wandb: Literal["auto", "online", "offline", "off"] = "auto"  # auto: online with an API key, else offline
     wandb_project: str = "codex"

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +58,18 @@ class ControlPlane:
     group: Any = None
     rank: int = 0
     world: int = 1
+    _background: Any = field(default=None, repr=False)
+
+    def background(self) -> ControlPlane:
+        """A control plane over its own gloo group for collectives that run in a background thread
+        (an asynchronous checkpoint save) while this one serves the training loop: two threads must
+        never share a group. Made on first use, so every rank must call this at the same point."""
+        if self.world == 1:
+            return self
+        if self._background is None:
+            group = dist.new_group(backend="gloo", timeout=control_timeout())
+            self._background = ControlPlane(group, self.rank, self.world)
+        return self._background
 
     def barrier(self) -> None:
         if self.world > 1:

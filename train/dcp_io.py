@@ -29,10 +29,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from codex import fsio
 
 TENSOR = "__tensor__"
+
+# DCP warns on every one-process save and load that it assumes one process: here that is the design.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class _HashingStream:
@@ -159,26 +163,28 @@ def write_tree(folder: str, tree: dict, control) -> dict[str, dict]:
     group, rank, world) calls this with its own tree. Returns this rank's {file: {bytes, sha256}}."""
     fsio.makedirs(folder)
     writer = _writer(folder)
-    with _one_process_is_intended():
-        dcp.save(tensors_only(tree), storage_writer=writer, process_group=control.group, no_dist=control.world == 1)
+    dcp.save(tensors_only(tree), storage_writer=writer, process_group=control.group, no_dist=control.world == 1)
     return dict(writer.fs.records)
 
 
-@contextlib.contextmanager
-def _one_process_is_intended():
-    """DCP warns on every one-process save and load that it assumes one process: here that is the design."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def staged(tree: dict) -> dict:
+    """`tree` with every tensor replaced by a CPU copy taken now (DCP's stager; DTensors stay
+    DTensors): what a background save writes while training changes the originals."""
+    copies = BlockingAsyncStager().stage(tensors_only(tree))
+    return _replace_tensors(tree, copies)
+
+
+def _replace_tensors(tree: dict, copies: dict) -> dict:
+    return {k: copies[k] if isinstance(v, torch.Tensor) else _replace_tensors(v, copies.get(k, {}))
+            if isinstance(v, dict) else v for k, v in tree.items()}
 
 
 def read_tensors(folder: str, targets: dict, control=None) -> None:
     """Load the DCP checkpoint in `folder` into the tensors of `targets`, in place (DTensor
     targets get their own slices). control None: this process alone (eval, sample, export)."""
     one = control is None or control.world == 1
-    with _one_process_is_intended():
-        dcp.load(tensors_only(targets), storage_reader=_reader(folder),
-                 process_group=None if one else control.group, no_dist=one)
+    dcp.load(tensors_only(targets), storage_reader=_reader(folder),
+             process_group=None if one else control.group, no_dist=one)
 
 
 def fill(tree, loaded):

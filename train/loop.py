@@ -44,6 +44,7 @@ from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
+from train.checkpoint import PendingSave
 from train.train_state import restore_training, save_training
 from train.measure import LossWindow, StepTimer
 from train.fsdp import Layout
@@ -197,7 +198,7 @@ def _train(cfg, backend: Backend) -> dict:
     metrics, progress = _start_run(cfg, backend, plan, preset, n_params, step, existing)
     stop = StopFlag().install()
     window, timer = LossWindow(backend, plan.accum, log_window), StepTimer(backend, step, tokens)
-    last = {"loss": None, "val": {}, "saved_at": step if existing is not None else -1}
+    last = {"loss": None, "val": {}, "saved_at": step if existing is not None else -1, "saving": None}
     model.train()
     try:
         while step < plan.total_steps:
@@ -231,11 +232,14 @@ def _train(cfg, backend: Backend) -> dict:
             stopping = backend.any_flag(stop.is_set)   # every rank stops at the same step
             if stopping or step == plan.total_steps or due(step, tcfg.save_every, plan.total_steps):
                 with timer.pause():
-                    _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens,
-                          reason="preempted" if stopping else "final" if step == plan.total_steps else "periodic")
+                    last["saving"] = _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens,
+                                           reason="preempted" if stopping else "final" if step == plan.total_steps
+                                           else "periodic", previous=last["saving"])
                 last["saved_at"] = step
             if stopping:
                 break
+        if last["saving"] is not None:
+            last["saving"].wait()   # the final and SIGTERM saves are synchronous; this is a no-op then
     finally:
         stop.restore()
         loader.close()
@@ -334,18 +338,25 @@ def _log_validation(cfg, backend, plan, metrics, model, token_bytes, step, token
     return result
 
 
-def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str) -> None:
-    """Every rank writes its own part (its shards under fsdp); rank 0 the marker, last."""
+def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str,
+          previous) -> PendingSave:
+    """Every rank writes its own part (its shards under fsdp); rank 0 the marker, last. Periodic
+    saves under train.async_save only copy the state here and write it while training goes on; the
+    final and SIGTERM saves (a spot VM gets ~30 s) are synchronous. One save at a time."""
+    if previous is not None:
+        previous.wait()
     log_window = window.state()      # every rank: the partial loss window is averaged over replicas
     if backend.is_main:
         metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
-    folder = save_training(
+    background = cfg.train.async_save and reason == "periodic"
+    saving = save_training(
         cfg, backend.control, model_state=backend.state_dict_for_save(model), model=unwrap(model),
         optimizer=optimizer, loader=loader, step=step, tokens=tokens, log_window=log_window,
         world_size=plan.world_size, batch_tokens=plan.batch_tokens, tokenizer_sha=plan.tokenizer_sha,
-        parallel=plan.layout.describe())
+        parallel=plan.layout.describe(), background=background)
     if backend.is_main:
-        log.info("checkpoint (%s): %s", reason, folder)
+        log.info("checkpoint (%s): %s%s", reason, saving.folder, " (writing in the background)" if background else "")
+    return saving
 
 
 def _log_stopped(cfg, backend, plan, stop, step: int, saved_at: int) -> None:

@@ -59,8 +59,9 @@ def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
 
 def save_training(cfg, control, *, model_state: dict, model: torch.nn.Module, optimizer, loader, step: int,
                   tokens: int, log_window: dict, world_size: int, batch_tokens: int, tokenizer_sha: str,
-                  parallel: str) -> str:
-    """Every rank: write everything a resumed run needs to continue exactly; returns the folder."""
+                  parallel: str, background: bool = False) -> checkpoint.PendingSave:
+    """Every rank: write everything a resumed run needs to continue exactly. background: copy the
+    state now and write it while training goes on (train.async_save); wait() on the result."""
     state = {
         "model": model_state, "optimizer": optimizer_tree(model, optimizer),
         "rng": {f"rank_{control.rank}": checkpoint.rng_state()},
@@ -68,8 +69,10 @@ def save_training(cfg, control, *, model_state: dict, model: torch.nn.Module, op
         "codex_version": codex.__version__, "world_size": world_size, "batch_tokens": batch_tokens,
         "tokenizer_sha256": tokenizer_sha, "log_window": log_window, "parallel": parallel,
     }
-    return checkpoint.save(cfg.run, state, keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every,
-                           control=control)
+    keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every, control=control)
+    if background:
+        return checkpoint.save_in_background(cfg.run, state, **keep)
+    return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, **keep))
 
 
 def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor:
