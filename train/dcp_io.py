@@ -168,15 +168,28 @@ def write_tree(folder: str, tree: dict, control) -> dict[str, dict]:
 
 
 def staged(tree: dict) -> dict:
-    """`tree` with every tensor replaced by a CPU copy taken now (DCP's stager; DTensors stay
-    DTensors): what a background save writes while training changes the originals."""
-    copies = BlockingAsyncStager().stage(tensors_only(tree))
-    return _replace_tensors(tree, copies)
+    """`tree` with every tensor replaced by a copy taken now: what a background save writes while
+    training changes the originals. CPU tensors (DTensors too) are cloned in one pass; device
+    tensors go to pinned host memory through DCP's stager (DTensors stay DTensors)."""
+    on_device: list[tuple[dict, str, torch.Tensor]] = []
 
+    def copy(t: dict) -> dict:
+        out = {}
+        for k, v in t.items():
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                on_device.append((out, k, v))
+            elif isinstance(v, torch.Tensor):
+                out[k] = v.detach().clone()
+            else:
+                out[k] = copy(v) if isinstance(v, dict) else v
+        return out
 
-def _replace_tensors(tree: dict, copies: dict) -> dict:
-    return {k: copies[k] if isinstance(v, torch.Tensor) else _replace_tensors(v, copies.get(k, {}))
-            if isinstance(v, dict) else v for k, v in tree.items()}
+    out = copy(tree)
+    if on_device:
+        copies = BlockingAsyncStager().stage({i: v for i, (_, _, v) in enumerate(on_device)})
+        for i, (parent, k, _) in enumerate(on_device):
+            parent[k] = copies[i]
+    return out
 
 
 def read_tensors(folder: str, targets: dict, control=None) -> None:
