@@ -73,6 +73,15 @@ def test_fsdp_with_accumulation_and_muon_matches_one_process(tmp_path):
     assert_close(final_model(fsdp), final_model(one), 1e-5)
 
 
+def test_hsdp_two_replicas_of_one_shard_match_one_process(tmp_path):
+    """train.fsdp_size=1 on 2 ranks: a 2-D mesh (2 replicas x 1 shard), FSDP2's HSDP path."""
+    hsdp, one = make_run(tmp_path / "hsdp"), make_run(tmp_path / "one")
+    err = torchrun(hsdp, parallel="fsdp", fsdp_size=1, **dict(STEPS, max_steps=3)).stderr
+    assert "fsdp over 1 x 2 replicas (HSDP)" in err
+    run_train(one, **dict(STEPS, max_steps=3, device_batch=8))
+    assert_close(final_model(hsdp), final_model(one), 1e-5)
+
+
 KILL_IN_SAVE = """
 import os, signal, sys
 from train import dcp_io

@@ -178,7 +178,7 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 66 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 73 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
