@@ -1,14 +1,15 @@
 """Speed to quality: training recipes side by side on the same data, model shape and token budget.
 
     python bench/bench_quality.py --corpus shakespeare               # every recipe below
-    python bench/bench_quality.py --corpus demo --recipes adamw,muon
+    python bench/bench_quality.py --corpus demo --recipes adamw_demo200,defaults
 
 shakespeare: ../shared/data/tinyshakespeare.txt, cut at blank lines into ~2,000-character
 documents; the first 90% go through `codex data clean | tokenize (vocab 1024) | shard`, the model
 is 4 layers x 128 wide, 4 heads, seq 128, 300 steps x 2,048 tokens, and the score is `codex eval
 --data` on the last 10% (held-out bits per byte).
-demo: configs/runs/demo.yaml exactly as `make demo` trains it (stdlib sources, 200 steps x 8,192
-tokens), scored on its pinned validation split.
+demo: configs/runs/demo.yaml exactly as `make demo` trains it (stdlib sources, 180 steps x 8,192
+tokens with today's defaults; `adamw_demo200` is the old demo: AdamW, 200 steps), scored on its
+pinned validation split.
 
 The data stages run once; every recipe trains in its own copy of the prepared run, one after
 another (run it alone: timings share 2 cores with nothing else). A recipe is a list of --set
@@ -41,26 +42,39 @@ from train.loop import train  # noqa: E402
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
+# The old recipe, pinned: AdamW at lr 3e-3 for every tensor, cosine schedule, SwiGLU; on the demo,
+# its 200 steps (the demo now trains 180 with the new defaults).
+ADAMW = ["train.optimizer=adamw", "train.lr=0.003"]
+MUON_BEST = ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"]   # today's defaults
+
 RECIPES = {
-    "adamw": [],                                         # today's defaults
-    "adamw_lr6e-3": ["train.lr=0.006"],
-    "wsd": ["train.schedule=wsd"],
-    "relu2": ["model.mlp=relu2"],
-    "muon": ["train.optimizer=muon", "train.muon_lr=0.02"],
-    "muon_lr0.01": ["train.optimizer=muon", "train.muon_lr=0.01"],
-    "muon_lr0.03": ["train.optimizer=muon", "train.muon_lr=0.03"],
-    "muon_wsd": ["train.optimizer=muon", "train.muon_lr=0.02", "train.schedule=wsd"],
+    "adamw": ADAMW,
+    "adamw_demo200": ADAMW + ["train.max_steps=200"],
+    "defaults": [],                                      # whatever the config defaults are now
+    "adamw_lr6e-3": ["train.optimizer=adamw", "train.lr=0.006"],
+    "wsd": ADAMW + ["train.schedule=wsd"],
+    "relu2": ADAMW + ["model.mlp=relu2"],
+    "zero_init": ADAMW + ["model.zero_init_proj=true"],
+    "softcap15": ADAMW + ["model.logit_softcap=15"],
+    "value_embed": ADAMW + ["model.value_embed=true"],
+    "bos_aligned": ADAMW + ["train.bos_aligned=true"],
+    "muon": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003"],
+    "muon_lr0.01": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.003"],
+    "muon_lr0.03": ["train.optimizer=muon", "train.muon_lr=0.03", "train.lr=0.003"],
+    "muon_lr0.005": ["train.optimizer=muon", "train.muon_lr=0.005", "train.lr=0.003"],
+    "muon_wsd": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd"],
     "muon_wsd_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.02", "train.schedule=wsd", "train.lr=0.006"],
-    "muon_wsd_relu2": ["train.optimizer=muon", "train.muon_lr=0.02", "train.schedule=wsd", "model.mlp=relu2"],
-    "muon_wsd_warmup0": ["train.optimizer=muon", "train.muon_lr=0.02", "train.schedule=wsd", "train.warmup_steps=0"],
-    "muon_lr0.005": ["train.optimizer=muon", "train.muon_lr=0.005"],
-    "muon_lr0.01_wsd": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd"],
-    "muon_lr0.01_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"],
-    "muon_lr0.01_wsd_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.01", "train.schedule=wsd", "train.lr=0.006"],
-    "zero_init": ["model.zero_init_proj=true"],
-    "softcap15": ["model.logit_softcap=15"],
-    "muon_best_zero_init": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.zero_init_proj=true"],
-    "muon_best_softcap15": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006", "model.logit_softcap=15"],
+    "muon_wsd_relu2": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd",
+                       "model.mlp=relu2"],
+    "muon_wsd_warmup0": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd",
+                         "train.warmup_steps=0"],
+    "muon_lr0.01_wsd": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.003", "train.schedule=wsd"],
+    "muon_lr0.01_wsd_lr6e-3": MUON_BEST + ["train.schedule=wsd"],
+    "muon_best": MUON_BEST,
+    "muon_best_zero_init": MUON_BEST + ["model.zero_init_proj=true"],
+    "muon_best_softcap15": MUON_BEST + ["model.logit_softcap=15"],
+    "muon_best_value_embed": MUON_BEST + ["model.value_embed=true"],
+    "muon_best_bos_aligned": MUON_BEST + ["train.bos_aligned=true"],
 }
 
 SHAKESPEARE_SETTINGS = [

@@ -22,7 +22,8 @@ from pipeline.shard import run_shard
 from pipeline.tokenizer import run_tokenizer
 from pipeline.upload import upload_run
 from pipeline.verify import verify_shards
-from train.hardware import format_hardware_table, get_preset, require_shared_run_dir, set_xla_import_env
+from train.hardware import (format_hardware_table, format_model_fit, get_preset, require_shared_run_dir,
+                            set_xla_import_env)
 
 checkpoint_option = key_option("--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'.")
 
@@ -297,19 +298,31 @@ def sample_cmd(cfg, prompt):
 @cli.command("export")
 @with_config
 @checkpoint_option
-@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
-              help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness).")
-@click.option("--out", required=True, metavar="DIR", help="Directory to create (local; must not exist).")
-@click.option("--max-shard-size", default="2GB", show_default=True, help="Split the safetensors weights above this size.")
+@click.option("--format", "fmt", type=click.Choice(["hf", "torch"]), default="hf", show_default=True,
+              help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness); torch: one file of "
+                   "the weights and the model config that torch.load(weights_only=True) reads.")
+@click.option("--out", required=True, metavar="PATH",
+              help="hf: a directory to create (local; must not exist); torch: a file to create (local or gs://).")
+@click.option("--max-shard-size", default="2GB", show_default=True,
+              help="hf: split the safetensors weights above this size.")
 def export_cmd(cfg, fmt, out, max_shard_size):
     """Export a checkpoint as a model directory that loads with no custom code: safetensors,
-    config.json (Qwen3 with QK-norm, Llama without), generation_config.json, tokenizer, README.md.
+    config.json (Qwen3 with QK-norm, Llama without), generation_config.json, tokenizer, README.md;
+    or, with --format torch, as one file {"model": state dict, "model_config": dict} for model.gpt.GPT.
 
     \b
     Example:
       codex export --run runs/web --format hf --out exports/web-hf
       vllm serve exports/web-hf
+      codex export --run runs/web --checkpoint 2000 --format torch --out exports/web-2000.pt
     """
+    if fmt == "torch":
+        from model.export_torch import export_torch
+
+        r = export_torch(cfg, out, checkpoint=cfg.eval.checkpoint)
+        click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['bytes'] / 1e6:.1f} MB, "
+                   f"vocab {r['vocab_size']})")
+        return
     from model.export_hf import export_hf   # imports torch (start-up time); transformers: inside export_hf
 
     r = export_hf(cfg, out, checkpoint=cfg.eval.checkpoint, max_shard_size=max_shard_size)
@@ -339,14 +352,27 @@ def demo_cmd(run, overrides):
 
 
 @cli.command("hardware")
-def hardware_cmd():
-    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch).
+@click.option("--model", default=None, help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
+              "layout and device batch, by the memory plan.")
+@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default="adamw", show_default=True,
+              help="With --model: the optimizer whose state the plan counts.")
+@stage
+def hardware_cmd(model, optimizer):
+    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch from the
+    memory plan); with --model, the plan for that model on every preset.
 
     \b
     Example:
       codex hardware
+      codex hardware --model 1b
     """
-    click.echo(format_hardware_table())
+    if model is None:
+        click.echo(format_hardware_table())
+        return
+    from codex.config import preset_path
+
+    preset_path("model", model)   # an unknown name: exit 2 with the list and a suggestion
+    click.echo(format_model_fit(model, optimizer=optimizer))
 
 
 def main():

@@ -226,7 +226,7 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
 # whether the ends themselves are allowed); None = unbounded. A value typed wrong is caught in
 # _coerce, a value outside a Literal field's set in _check_choices.
 _RANGES = {
-    "train.lr": (0, None, False), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
+    "train.lr": (0, None, True), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
     "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
     "train.beta2": (0, 1, True), "train.muon_lr": (0, None, False),
     "train.muon_momentum": (0, 1, True), "train.grad_clip": (0, None, True), "train.device_batch": (0, None, True),

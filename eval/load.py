@@ -15,27 +15,35 @@ from codex.config import from_dict
 from model.gpt import build_model
 from pipeline.tokenizer import load_meta
 from train import checkpoint as ckpt
-from train.hardware import device_defaults, get_preset
+from train.hardware import default_seq_len, device_defaults, get_preset
 
 
-def load_model(cfg, checkpoint: str | int = "latest"):
-    """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
+def read_checkpoint(cfg, checkpoint: str | int = "latest"):
+    """(the model's state dict: full, plain CPU tensors; the checkpoint's Config; checkpoint info)
+    for cfg.run: the one place eval, sample and export read a checkpoint."""
     state = ckpt.load(cfg.run, checkpoint, keys=("model",))   # not the optimizer state
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
         raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")
     _check_tokenizer(cfg.run, state)
-    model = build_model(run_cfg.model, seed=run_cfg.train.seed)
-    model.load_state_dict(state["model"])
-    model.eval()
     info = {
         "step": int(state["step"]),
         "train_tokens": int(state.get("tokens", 0)),
         "path": ckpt.step_dir(cfg.run, int(state["step"])),
+        "tokenizer_sha256": str(state.get("tokenizer_sha256", "")),
         # Which exact run configuration produced these weights (model + data + training settings).
         "config_fingerprint": hashlib.sha256(json.dumps(state["config"], sort_keys=True, default=str)
                                              .encode()).hexdigest()[:16],
     }
+    return state["model"], run_cfg, info
+
+
+def load_model(cfg, checkpoint: str | int = "latest"):
+    """(model on the CPU in eval mode, the checkpoint's Config, checkpoint info) for cfg.run."""
+    weights, run_cfg, info = read_checkpoint(cfg, checkpoint)
+    model = build_model(run_cfg.model, seed=run_cfg.train.seed)
+    model.load_state_dict(weights)
+    model.eval()
     return model, run_cfg, info
 
 
@@ -44,7 +52,7 @@ def trained_seq_len(run_cfg) -> int:
     or the numbers are not comparable with the training curve."""
     if run_cfg.train.seq_len > 0:
         return int(run_cfg.train.seq_len)
-    return device_defaults(get_preset(run_cfg.train.hardware), run_cfg.model)[1]
+    return default_seq_len(get_preset(run_cfg.train.hardware), run_cfg.model)
 
 
 def eval_batch_size(cfg, run_cfg) -> int:

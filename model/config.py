@@ -24,3 +24,4 @@ class ModelConfig:
     init_std: float = 0.02
     zero_init_proj: bool = False   # attention and MLP output projections start at zero (modded-nanogpt)
     logit_softcap: float = 0.0     # > 0: logits = cap * tanh(logits / cap); 0 = off
+    value_embed: bool = False      # alternate layers add a per-token value embedding to V (modded-nanogpt, nanochat)

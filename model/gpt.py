@@ -5,6 +5,9 @@
     attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
            (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA)
     mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
+    model.value_embed: every other layer (the last one included) adds ve_i(idx), a learned
+           per-token vector, to its values (ResFormer-style value embeddings): extra parameters
+           but almost no FLOPs. No standard Hugging Face architecture has them (export refuses).
 
 No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
 (matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
@@ -100,33 +103,35 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def qkv(self, x, cos, sin):
-        """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]; q and k after QK-norm and RoPE."""
+    def qkv(self, x, cos, sin, ve=None):
+        """q [B, n_head, T, hd], k and v [B, n_kv_head, T, hd]; q and k after QK-norm and RoPE;
+        ve [B, T, n_kv_head * hd], the layer's value embedding of the tokens, added to v."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x) if ve is None else self.c_v(x) + ve.to(x.dtype)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
 
-    def forward(self, x, cos, sin):
-        return self.prefill(x, cos, sin)[0]
+    def forward(self, x, cos, sin, ve=None):
+        return self.prefill(x, cos, sin, ve)[0]
 
-    def prefill(self, x, cos, sin):
+    def prefill(self, x, cos, sin, ve=None):
         """The causal attention over a whole sequence, and its k, v for a KV cache."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin, ve)
         # enable_gqa: the kernels read the n_kv_head shared K/V heads without materialising copies
         # (flash on CUDA); torch_xla 2.9 lowers it too (checked: no aten fallback, matches CPU).
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1)), k, v
 
-    def decode(self, x, cos, sin, kv, pos, mask):
+    def decode(self, x, cos, sin, kv, pos, mask, ve=None):
         """One new token x [B, 1, C] at position `pos` (a 1-element long tensor): writes its k, v
         into this layer's cache kv [2, B, n_kv_head, max_len, hd] at `pos` and attends over the
         whole buffer with `mask` [max_len] (True at positions 0..pos). Every shape is fixed, so
         under XLA one compiled program serves every position."""
         B = x.shape[0]
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin, ve)
         kv[0].index_copy_(2, pos, k.to(kv.dtype))
         kv[1].index_copy_(2, pos, v.to(kv.dtype))
         y = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
@@ -158,18 +163,23 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, ve)
         return x + self.mlp(self.mlp_norm(x))
 
-    def prefill(self, x, cos, sin):
-        a, k, v = self.attn.prefill(self.attn_norm(x), cos, sin)
+    def prefill(self, x, cos, sin, ve=None):
+        a, k, v = self.attn.prefill(self.attn_norm(x), cos, sin, ve)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), k, v
 
-    def decode(self, x, cos, sin, kv, pos, mask):
-        x = x + self.attn.decode(self.attn_norm(x), cos, sin, kv, pos, mask)
+    def decode(self, x, cos, sin, kv, pos, mask, ve=None):
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, kv, pos, mask, ve)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def has_value_embed(cfg: ModelConfig, layer: int) -> bool:
+    """model.value_embed: every other layer, counted back from the last (which always has one)."""
+    return cfg.value_embed and layer % 2 == (cfg.n_layer - 1) % 2
 
 
 class GPT(nn.Module):
@@ -181,6 +191,9 @@ class GPT(nn.Module):
         self.padded_vocab = padded_vocab(cfg.vocab_size)
         self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(self.padded_vocab, kv_dim)
+                                           for i in range(cfg.n_layer) if has_value_embed(cfg, i)})
         self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         if cfg.tie_embeddings:
@@ -209,6 +222,10 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
+    def value_embedding(self, layer: int, idx: torch.Tensor) -> torch.Tensor | None:
+        table = self.value_embeds[str(layer)] if str(layer) in self.value_embeds else None
+        return None if table is None else table(idx)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm, the output head sliced to the real vocab, and the soft-cap when set:
         cap * tanh(logits / cap) keeps every logit inside (-cap, cap) (Gemma 2, modded-nanogpt)."""
@@ -222,8 +239,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > model.max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, self.value_embedding(i, idx))
         logits = self.logits(x)
         if targets is None:
             return logits
@@ -269,8 +286,8 @@ def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.wte(idx)
     kvs = []
-    for block in model.blocks:
-        x, k, v = block.prefill(x, cos, sin)
+    for i, block in enumerate(model.blocks):
+        x, k, v = block.prefill(x, cos, sin, model.value_embedding(i, idx))
         kvs.append(torch.stack([k, v]))
     kv = F.pad(torch.stack(kvs), (0, 0, 0, L - T))   # zero positions T..L-1 of dim 4
     pos = torch.full((1,), T, dtype=torch.long, device=idx.device)
@@ -287,7 +304,7 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, -1)
     x = model.wte(token)
     for i, block in enumerate(model.blocks):
-        x = block.decode(x, cos, sin, cache.kv[i], pos, mask)
+        x = block.decode(x, cos, sin, cache.kv[i], pos, mask, model.value_embedding(i, token))
     cache.pos = pos + 1
     return model.logits(x[:, -1])
 
@@ -299,6 +316,8 @@ def init_parameter(cfg: ModelConfig, name: str, p: torch.Tensor, generator: torc
     std = cfg.init_std
     if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
         p.fill_(1.0)
+    elif name.startswith("value_embeds."):   # the scale of the values it is added to
+        p.normal_(0.0, cfg.n_embd ** -0.5, generator=generator)
     elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
         if cfg.zero_init_proj:   # every block starts as the identity on the residual stream
             p.zero_()

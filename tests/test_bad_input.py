@@ -26,7 +26,8 @@ from codex.config import build_config
 from tests.test_clean import prose
 from tests.test_pipeline import _corpus
 from tests.train_helpers import TINY_MODEL
-from train.memory import estimate
+from train.hardware import get_preset
+from train.memory import plan
 
 TRAIN = [f"--set={o}" for o in TINY_MODEL] + [
     "--set=train.hardware=cpu", "--set=train.wandb=off", "--set=train.compile=false", "--set=train.warmup_steps=1",
@@ -225,7 +226,7 @@ def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
 # --- train ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, pattern", [
-    (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected > 0"),
+    (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected >= 0"),
     (["--device-batch", "-2"], "train.device_batch=-2"),
     (["--set", "model.mlp=foo"], "model.mlp: expected one of swiglu, relu2"),
     (["--set", "train.resume=sometimes"], "train.resume"),
@@ -247,58 +248,11 @@ def test_invalid_yaml_names_the_line(tmp_path):
 
 def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(run):
     invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5", "--device-batch", "10000000"], 2,
-           "train.device_batch=10000000", "GB", "lower --device-batch")
-    # The default 4x128 model, vocab 32768, 2000 x 256 on the CPU: 22 GB, OOM-killed when not refused.
+           "train.device_batch=10000000", "GB", "Fix: train.device_batch=")
+    # The default 4x128 model, vocab 32768, 2000 x 256 on the CPU: OOM-killed when not refused.
     m = build_config().model
     m.vocab_size = 32768
-    assert estimate(m, 2000, 256).total > 100e9
-
-
-def test_the_memory_estimate_never_refuses_a_hardware_presets_own_batch():
-    # The refusal is a floor: a preset's suggested device_batch x seq_len must pass it for every
-    # model preset it suggests one for, with a 32K and a 64K vocab.
-    from codex.config import apply_dict, load_yaml, preset_path
-    from model.config import ModelConfig
-    from train.hardware import list_presets
-
-    checked = 0
-    for p in list_presets():
-        for name, entry in p.defaults.items():
-            if entry is None or p.kind == "cpu":
-                continue
-            m = ModelConfig()
-            if name != "default":
-                apply_dict(m, load_yaml(str(preset_path("model", name))), "model.")
-            for vocab in (32768, 65536):
-                m.vocab_size = vocab
-                est = estimate(m, entry["device_batch"], entry["seq_len"], act_bytes=2).total
-                assert est <= p.memory_gb * 1e9, f"{p.name} {name} vocab {vocab}: {est / 1e9:.1f} GB"
-                checked += 1
-    assert checked > 100
-
-
-def test_the_memory_estimate_is_below_a_measured_cpu_step(tmp_path):
-    # Fused attention holds no [T, T] scores: at a fixed B x T the estimate does not grow with T,
-    # and it stays under the peak RSS of a real fp32 step (forward, backward, AdamW) measured here.
-    import subprocess
-    import sys
-
-    m = build_config(overrides=["model.vocab_size=256", "model.max_seq_len=1024"]).model
-    assert estimate(m, 64, 256).total == estimate(m, 16, 1024).total
-    script = (
-        "import resource, torch\n"
-        "from codex.config import build_config\nfrom model.gpt import build_model\n"
-        "torch.set_num_threads(1)\n"
-        "m = build_config(overrides=['model.vocab_size=256', 'model.max_seq_len=1024']).model\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "model = build_model(m, seed=0); opt = torch.optim.AdamW(model.parameters())\n"
-        "x = torch.randint(0, 256, (8, 1024))\n"
-        "model(x, x).backward(); opt.step()\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n")
-    peak = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent.parent).stdout.strip())
-    est = estimate(m, 8, 1024).total
-    assert est <= peak <= 3 * est, (est, peak)
+    assert plan(m, get_preset("cpu"), 2000, 256, dtype="fp32").total > 100e9
 
 
 def test_warmup_longer_than_the_run_warns_and_a_finished_run_has_nothing_to_do(run, caplog):

@@ -166,20 +166,22 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
     assert checkpoint.complete_steps(run) == [2, 4, 6]        # step 4 rewritten by the resumed run
 
 
-def test_fsdp_size_must_divide_the_world(tmp_path):
+def test_fsdp_size_must_divide_the_world_and_tpu_refuses_fsdp():
     from codex.config import ConfigError, build_config
-    from train.memory import resolve_layout
+    from train.fsdp import layout_for
+    from train.memory import setting_for
 
-    tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=3"]).train
-    m = build_config().model
     with pytest.raises(ConfigError, match="train.fsdp_size=3 must divide the world size 4"):
-        resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=4)
-    tcfg.fsdp_size = 2
-    layout = resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=4)
+        layout_for("fsdp", 3, 4)
+    layout = layout_for("fsdp", 2, 4)
     assert (layout.shard, layout.replicas) == (2, 2) and "HSDP" in layout.describe()
-    assert not resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=1).sharded   # one process: nothing to shard
-    tcfg.parallel = "auto"                                    # fits: replicate
-    assert not resolve_layout(tcfg, m, 1, 16, "cpu", 0, 4, world_size=4).sharded
+    assert (layout_for("fsdp", 0, 4).shard, layout_for("fsdp", 0, 4).replicas) == (4, 1)
+    assert not layout_for("fsdp", 0, 1).sharded                # one process: nothing to shard
+    assert not layout_for("replicate", 0, 4).sharded
+    tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=2"]).train
+    assert setting_for(tcfg, "cuda")["layout"] == "fsdp" and setting_for(tcfg, "cuda")["fsdp_size"] == 2
+    with pytest.raises(ConfigError, match="train.parallel=fsdp is not available on TPU presets"):
+        setting_for(tcfg, "tpu")
 
 
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):

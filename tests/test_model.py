@@ -255,3 +255,29 @@ def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
     with pytest.raises(ConfigError, match="model.logit_softcap=5.0"):
         check_exportable(capped.cfg)
     check_exportable(build_model(tiny(zero_init_proj=True), seed=0).cfg)   # an init choice exports
+
+
+def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
+    from codex.config import ConfigError
+    from model.export_hf import check_exportable
+    from model.gpt import decode, prefill
+
+    m = build_model(tiny(n_layer=4, n_kv_head=2, value_embed=True), seed=0).eval()
+    assert sorted(m.value_embeds) == ["1", "3"]                     # every other layer, the last included
+    assert m.value_embeds["3"].weight.shape == (m.padded_vocab, 2 * 16)   # n_kv_head x head_dim
+    idx = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_ve = m(idx)
+        logits, cache = prefill(m, idx[:, :5])                       # the KV cache sees them too
+        for t in range(5, 12):
+            logits = decode(m, idx[:, t:t + 1], cache)
+            assert (logits - m(idx[:, :t + 1])[:, -1]).abs().max() < 1e-5, t
+        # Zero tables: exactly the plain model with the same other weights, so ve is added to v.
+        plain = build_model(tiny(n_layer=4, n_kv_head=2), seed=0).eval()
+        plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("value_embeds.")})
+        for table in m.value_embeds.values():
+            table.weight.zero_()
+        assert torch.equal(m(idx), plain(idx))
+        assert (with_ve - plain(idx)).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="model.value_embed=True"):
+        check_exportable(m.cfg)

@@ -93,9 +93,48 @@ def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
                 assert torch.equal(t, b["optimizer"][which]["state"][pid][name]), (which, pid, name)
 
 
+def _sharded_muon_step(rank: int, world: int, port: int, out: str) -> None:
+    """One Muon step on rank `rank` of a real gloo group; records which matrices it orthogonalised."""
+    import torch.distributed as dist
+    import train.muon as muon_module
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    done = []
+    plain = muon_module.orthogonalize
+    muon_module.orthogonalize = lambda g, *a: done.append(tuple(g.shape)) or plain(g, *a)
+    params = _muon_problem()
+    opt = Muon(params, lr=0.1, shard_across=(rank, world))
+    opt.step()
+    torch.save({"orthogonalized": done, "params": [p.detach() for p in params]}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _muon_problem() -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 8), (16, 8), (8, 24), (12, 12), (4, 4)]   # 5 matrices over 2 ranks: shares of 3 and 2
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return params
+
+
+def test_replicated_ranks_share_out_the_orthogonalisation_and_end_equal(tmp_path):
+    import torch.multiprocessing as mp
+    from tests.conftest import _free_port
+    mp.spawn(_sharded_muon_step, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # Rank 0 took matrices 0, 2, 4 and rank 1 matrices 1, 3: each orthogonalised once in all.
+    assert ranks[0]["orthogonalized"] == [(8, 8), (8, 24), (4, 4)]
+    assert ranks[1]["orthogonalized"] == [(16, 8), (12, 12)]
+    reference = _muon_problem()
+    Muon(reference, lr=0.1).step()
+    for r in ranks:
+        for got, want in zip(r["params"], reference):
+            assert torch.equal(got, want.detach())
+
+
 def test_resuming_with_another_optimizer_is_refused(tmp_path):
     run = make_run(tmp_path / "run")
     run_train(run, max_steps=2, save_every=2, **MUON)
     with pytest.raises(ConfigError, match="train.optimizer=muon"):
-        run_train(run, max_steps=4, save_every=2)
+        run_train(run, max_steps=4, save_every=2, optimizer="adamw")
     assert Path(checkpoint.step_dir(run, 2)).exists() and checkpoint.latest_step(run) == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from codex.config import ConfigError, build_config
-from tests.train_helpers import base_overrides, child_env, make_run
+from tests.train_helpers import base_overrides, child_env, make_run, optimizer_tensors
 from train import checkpoint
 from train.loop import grad_accum_steps, train
 
@@ -162,9 +162,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     a, b = checkpoint.load(ref_run), checkpoint.load(run)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    for fqn, st in a["optimizer"]["adamw"]["state"].items():
-        for name, t in st.items():
-            assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (fqn, name)
+    a_opt, b_opt = optimizer_tensors(a["optimizer"]), optimizer_tensors(b["optimizer"])
+    assert a_opt and a_opt.keys() == b_opt.keys()
+    for key, t in a_opt.items():
+        assert torch.equal(t, b_opt[key]), key
     assert a["loader"] == b["loader"] and a["tokens"] == b["tokens"] == 8 * 128
     assert resumed["val_loss"] == ref["val_loss"]
     # metrics.jsonl reads like one run: the killed run's lines after step 4 were dropped, not doubled.
@@ -295,9 +296,9 @@ def test_default_batch_comes_from_the_preset(tmp_path):
 
     cfg = build_config(model="124m")
     assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)
-    assert device_defaults(get_preset("v5litepod-4"), cfg.model) == (8, 1024)
+    assert device_defaults(get_preset("v5litepod-4"), cfg.model) == (4, 1024)   # by the memory plan
     with pytest.raises(ConfigError, match="does not fit"):
-        device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)
+        device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)   # replicated
     run = make_run(tmp_path / "run")
     out = run_train(run, device_batch=0, max_steps=1)   # a custom model shape: the 'default' entry
     assert (out["device_batch"], out["seq_len"], out["batch_tokens"]) == (4, 16, 64)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
 
 VOCAB = 300
 
@@ -67,3 +68,11 @@ def child_env() -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
+
+
+def optimizer_tensors(saved: dict) -> dict[tuple, torch.Tensor]:
+    """Every tensor of a checkpoint's optimizer state, keyed (optimizer, param id, name): one
+    AdamW's state, or Muon's and AdamW's (train.optimizer=muon)."""
+    parts = [("adamw", saved)] if "state" in saved else list(saved.items())
+    return {(which, pid, name): t for which, part in parts for pid, st in part["state"].items()
+            for name, t in st.items() if isinstance(t, torch.Tensor)}

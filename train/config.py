@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+# train.lr when left at 0, per optimizer: the best of bench/bench_quality.py's sweeps (README, "Speed
+# to quality"). With Muon, AdamW trains only embeddings, head and norms, which take a higher rate.
+DEFAULT_LR = {"muon": 0.006, "adamw": 0.003}
+
 
 @dataclass
 class TrainConfig:
@@ -14,7 +18,7 @@ class TrainConfig:
     batch_tokens: int = 0           # tokens per optimizer step; 0 = device_batch * seq_len * world
     max_steps: int = 1000
     max_tokens: int = 0             # > 0: a token budget instead of max_steps
-    lr: float = 3e-3
+    lr: float = 0.0                 # AdamW's peak lr; 0 = DEFAULT_LR[optimizer] (with muon: embeddings, head, norms)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     schedule: Literal["cosine", "wsd"] = "cosine"  # wsd = warmup-stable-decay
@@ -22,7 +26,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest
+    optimizer: Literal["adamw", "muon"] = "muon"   # muon: Muon for the blocks' matrices, AdamW for the rest
     muon_lr: float = 0.01           # Muon's peak learning rate (the schedule scales it as it scales train.lr)
     muon_momentum: float = 0.95
     grad_clip: float = 1.0
@@ -46,4 +50,5 @@ class TrainConfig:
     max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
     allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)
     shared_run_dir: bool = False    # a multi-host preset with a local --run path: true = every host sees it (NFS)
+    bos_aligned: bool = False       # training windows start at a document's <|bos|> where one fits
     shuffle_shards: int = 0         # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle

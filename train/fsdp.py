@@ -1,6 +1,6 @@
 """The sharded layout (train.parallel=fsdp) on CPU and CUDA: FSDP2 over a DeviceMesh.
 
-    layout = Layout("fsdp", shard=2, replicas=1)   # from train/memory.py: resolve_layout
+    layout = layout_for("fsdp", fsdp_size, world_size)   # train.parallel after the memory plan's auto
     model = build_sharded(cfg.model, seed, layout, device, compute_dtype, compile)
 
 Weights, gradients and optimizer state are DTensors sharded on dim 0 over `shard` ranks
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from codex.config import ConfigError
 from model.gpt import GPT, init_parameter, rope_cache
 
 
@@ -45,6 +46,19 @@ class Layout:
         if not self.sharded:
             return "replicate"
         return f"fsdp over {self.shard}" + (f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else "")
+
+
+def layout_for(parallel: str, fsdp_size: int, world_size: int) -> Layout:
+    """The Layout for train.parallel (replicate | fsdp: auto is resolved by the memory plan first)
+    and train.fsdp_size on world_size ranks. One process is always replicated: sharding over one
+    rank is the same layout."""
+    if parallel == "replicate" or world_size == 1:
+        return Layout("replicate")
+    size = fsdp_size or world_size
+    if size > world_size or world_size % size:
+        raise ConfigError(f"train.fsdp_size={size} must divide the world size {world_size} "
+                          f"(0 = all {world_size} ranks)")
+    return Layout("fsdp", shard=size, replicas=world_size // size)
 
 
 def make_mesh(layout: Layout, device_type: str):

@@ -32,6 +32,10 @@ the default full shuffle a block is the whole epoch, so the cache holds all shar
 per epoch, then windows are shuffled within each group of K shards), so about 2*K shards per host
 are on local disk at a time (3*K while ranks straddle a block boundary). K is part of the state:
 changing it changes the order, so a resume with another K is refused.
+
+`bos_aligned` (train.bos_aligned) moves each training window to the first document start (<|bos|>)
+inside its grid cell when the window still fits there (token_shards.bos_aligned_starts); the window
+ids and the order are the same, so resuming stays exact. Validation keeps the fixed grid.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import threading
 import numpy as np
 import torch
 
+from pipeline.bpe import SPECIAL_IDS
 from train.token_shards import ShardReader, Split, gather, load_split
 
 # ----------------------------------------------------------------------------- training order
@@ -78,7 +83,7 @@ class TrainLoader:
 
     def __init__(self, shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device=None, prefetch: int = 2, cache_dir: str | None = None,
-                 shuffle_shards: int = 0, split: str = "train"):
+                 shuffle_shards: int = 0, split: str = "train", bos_aligned: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size <= 0:
@@ -89,7 +94,8 @@ class TrainLoader:
         self.device = torch.device(device) if device is not None else None
         self.pin = self.device is not None and self.device.type == "cuda"
         cache_shards = 2 * self.shuffle_shards if 0 < self.shuffle_shards < len(self.split.paths) else 0
-        self.reader = ShardReader(self.split, cache_dir, cache_shards)
+        self.bos_aligned = bool(bos_aligned)
+        self.reader = ShardReader(self.split, cache_dir, cache_shards, bos=SPECIAL_IDS["bos"] if bos_aligned else None)
         self._orders: dict[int, tuple[np.ndarray, list]] = {}
         self._plans: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._state = (0, 0)  # (epoch, position) of the next batch the consumer will receive
@@ -109,14 +115,14 @@ class TrainLoader:
     def state_dict(self) -> dict:
         epoch, position = self._state
         return {"epoch": epoch, "position": position, "seed": self.seed, "seq_len": self.seq_len,
-                "windows": self.split.windows, "shuffle_shards": self.shuffle_shards}
+                "windows": self.split.windows, "shuffle_shards": self.shuffle_shards, "bos_aligned": self.bos_aligned}
 
     def load_state_dict(self, d: dict) -> None:
         for key in ("epoch", "position"):
             if key not in d:
                 raise ValueError(f"loader state has no '{key}' (got keys {sorted(d)})")
         mine = self.state_dict()
-        for key in ("seed", "seq_len", "windows", "shuffle_shards"):
+        for key in ("seed", "seq_len", "windows", "shuffle_shards", "bos_aligned"):
             if key in d and int(d[key]) != mine[key]:
                 raise ValueError(f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
                                  "the data order would differ, so resuming exactly is impossible")

@@ -40,6 +40,7 @@ from model.gpt import flops_per_token, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
+from train.config import DEFAULT_LR
 from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
@@ -47,8 +48,8 @@ from train.token_shards import load_manifest
 from train.checkpoint import PendingSave
 from train.train_state import restore_training, save_training
 from train.measure import LossWindow, StepTimer
-from train.fsdp import Layout
-from train.memory import check_fits, resolve_layout
+from train.fsdp import Layout, layout_for
+from train.memory import MemoryPlan, check_fits, choose_layout, setting_for
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
 
@@ -81,22 +82,24 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
     raise ConfigError(msg)
 
 
-def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Layout]:
-    """(device_batch, seq_len, accum, batch_tokens, layout) from train.* and the hardware preset defaults."""
+def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan, Layout]:
+    """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from train.* and the hardware
+    preset defaults (the memory plan's); a setting whose memory plan cannot fit is refused (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
+    setting = setting_for(cfg.train, preset.kind)
     if B <= 0 or T <= 0:
-        dB, dT = device_defaults(preset, cfg.model)
+        dB, dT = device_defaults(preset, cfg.model, **setting)
         B = B if B > 0 else dB
         T = T if T > 0 else dT
     if T > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
                           f"lower --seq-len or --set model.max_seq_len={T}")
-    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and preset.kind != "cpu")
-    act_bytes = 2 if bf16 else 4
-    layout = resolve_layout(cfg.train, cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes, world_size)
-    check_fits(cfg.model, B, T, preset.kind, preset.memory_gb, act_bytes, shards=layout.shard)
+    if setting["layout"] == "auto":   # train.parallel=auto: the memory plan picks
+        setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
+    memory = check_fits(cfg.model, preset, B, T, **setting)
+    layout = layout_for(setting["layout"], setting["fsdp_size"], world_size)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
-    return B, T, accum, B * T * world_size * accum, layout
+    return B, T, accum, B * T * world_size * accum, memory, layout
 
 
 # --- the plan: what the loop derives from the config and the run's files, once -----------------
@@ -111,19 +114,23 @@ class Plan:
     total_steps: int
     world_size: int
     tokenizer_sha: str     # recorded in checkpoints: eval and sample refuse a retrained tokenizer
-    layout: Layout         # replicate or fsdp (train.parallel, resolved)
+    memory: MemoryPlan     # bytes per device (train/memory.py), logged at start
+    layout: Layout         # replicate or fsdp (train.parallel, resolved; train/fsdp.py)
 
 
 def make_plan(cfg, preset, world_size: int):
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
-    vocab size: it is what checkpoints record and what eval rebuilds the model from."""
+    vocab size and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
+    record and what eval rebuilds the model from."""
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
-    B, T, accum, batch_tokens, layout = resolve_batch(cfg, preset, world_size)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab),
+                  train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]))
+    B, T, accum, batch_tokens, memory, layout = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
     if total_steps <= 0:
         raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
-    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, layout), token_bytes
+    plan = Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, memory, layout)
+    return cfg, plan, token_bytes
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -258,7 +265,7 @@ def _make_loader(cfg, backend: Backend, plan: Plan) -> TrainLoader:
     rank, world, rows = loader_layout(backend, plan.device_batch)
     return TrainLoader(rundir.shards_dir(cfg.run), seq_len=plan.seq_len, batch_size=rows, rank=rank,
                        world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
-                       device=backend.pinned_copy_device)
+                       device=backend.pinned_copy_device, bos_aligned=cfg.train.bos_aligned)
 
 
 def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None, int, int, dict]:
@@ -304,6 +311,7 @@ def _start_run(cfg, backend: Backend, plan: Plan, preset, n_params: int, step: i
              "%d tokens/step | %d steps | %s", n_params / 1e6, preset.name, plan.world_size, backend.device,
              plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps,
              plan.layout.describe())
+    log.info("\n".join(plan.memory.lines()))
     return metrics, progress
 
 

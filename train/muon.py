@@ -15,15 +15,20 @@ keep AdamW at train.lr.
 Dtypes: the iteration runs in bf16 where training computes in bf16 (CUDA, TPU), in fp32 on the
 CPU, so the equivalence tests (1 process = 2 processes = accumulation) hold to 1e-5.
 
-Layouts: with replicated weights every rank holds the all-reduced gradient and computes the same
-update (the orthogonalisation is repeated on every rank: cheap next to forward and backward at
-codex's sizes). With sharded weights (train.parallel=fsdp) each rank all-gathers the matrix's
-momentum-blended gradient, orthogonalises the whole matrix and keeps its own slice of the update.
+Layouts: with replicated weights (CPU/CUDA processes) every rank holds the all-reduced gradient
+and the whole momentum, but each matrix is orthogonalised once: rank r takes matrices r, r + W,
+r + 2W, ... and one all_gather per step hands every rank every update (modded-nanogpt's scheme), so
+the Newton-Schulz cost per rank falls as 1/W. Ranks apply the same gathered updates, so weights stay
+identical. Under XLA SPMD the step is one graph over replicated tensors and the partitioner places
+the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) every
+rank all-gathers a matrix's momentum-blended gradient, orthogonalises the whole matrix and keeps its
+own slice of the update (`shard_across` is None there too: the matrices are not replicated).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)   # modded-nanogpt's quintic: fast growth of small singular values
@@ -46,13 +51,18 @@ def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
 
 
 class Muon(torch.optim.Optimizer):
-    """SGD with Nesterov momentum whose update is orthogonalised (2-D parameters only)."""
+    """SGD with Nesterov momentum whose update is orthogonalised (2-D parameters only).
+
+    shard_across=(rank, world): this process orthogonalises only its share of the matrices and
+    gathers the rest from its peers over the default process group (replicated data parallelism)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32):
+                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32,
+                 shard_across: tuple[int, int] | None = None):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
+        self.rank, self.world = shard_across or (0, 1)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -61,21 +71,26 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            mine = {}
+            for i, p in enumerate(params):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mom)
-                update = orthogonalize(_full(p.grad.lerp(buf, mom)), group["ns_steps"], self.ns_dtype)
-                update = _like(update, p)
+                buf.lerp_(p.grad, 1 - group["momentum"])   # every rank keeps (and saves) the whole momentum
+                if i % self.world == self.rank:
+                    mine[i] = _like(orthogonalize(_full(p.grad.lerp(buf, group["momentum"])), group["ns_steps"],
+                                                  self.ns_dtype), p)
+            updates = mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
+            lr, wd = group["lr"], group["weight_decay"]
+            for i, p in enumerate(params):
                 if wd:
                     p.mul_(1 - lr * wd)
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller entries.
-                p.add_(update, alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
+                p.add_(updates[i], alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +103,29 @@ def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return update
     return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _gather_updates(mine: dict[int, torch.Tensor], params: list[torch.Tensor], rank: int,
+                    world: int) -> dict[int, torch.Tensor]:
+    """Every rank's orthogonalised matrices on every rank: rank r owns params[r::world]; each sends
+    its updates flattened into one buffer padded to the largest share, one all_gather in all."""
+    shares = [list(range(r, len(params), world)) for r in range(world)]
+    width = max(sum(params[i].numel() for i in share) for share in shares)
+    ref = params[0]
+    send = torch.zeros(width, dtype=ref.dtype, device=ref.device)
+    if mine:
+        flat = torch.cat([mine[i].reshape(-1) for i in shares[rank]])
+        send[:flat.numel()] = flat
+    received = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(received, send)
+    updates = {}
+    for r, share in enumerate(shares):
+        offset = 0
+        for i in share:
+            n = params[i].numel()
+            updates[i] = received[r][offset:offset + n].view_as(params[i])
+            offset += n
+    return updates
 
 
 class Optimizers:

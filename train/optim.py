@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from codex.config import ConfigError
@@ -45,11 +46,20 @@ def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu",
     if tcfg.optimizer == "muon":
         hidden = [p for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
         hidden_ids = {id(p) for p in hidden}
-        muon = Muon(hidden, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, ns_dtype=compute_dtype or torch.float32)
+        muon = Muon(hidden, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, ns_dtype=compute_dtype or torch.float32,
+                    shard_across=None if any(isinstance(p, DTensor) for p in hidden) else _replica_ranks(hardware))
         for group in muon.param_groups:
             group["lr_ratio"] = tcfg.muon_lr / tcfg.lr   # set_lr: the schedule scales both peaks alike
         return Optimizers(muon=muon, adamw=_adamw(model, tcfg, hardware, exclude=hidden_ids))
     return _adamw(model, tcfg, hardware)
+
+
+def _replica_ranks(hardware: str) -> tuple[int, int] | None:
+    """(rank, world) of the CPU/CUDA data-parallel processes, over which Muon shares out its
+    orthogonalisations; None for one process and for XLA, whose SPMD step is one graph."""
+    if hardware == "tpu" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _adamw(model: torch.nn.Module, tcfg, hardware: str, exclude: set[int] = frozenset()) -> torch.optim.AdamW:

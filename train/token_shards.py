@@ -101,10 +101,13 @@ class ShardReader:
     the given order) and lets go of the others, which the host cache may then evict once no other
     process holds them either (at most about `cache_shards` files of the split per host)."""
 
-    def __init__(self, split: Split, cache_dir: str | None = None, cache_shards: int = 0, download_workers: int = 2):
+    def __init__(self, split: Split, cache_dir: str | None = None, cache_shards: int = 0, download_workers: int = 2,
+                 bos: int | None = None):
         self.split = split
         self.remote = fsio.is_remote(split.shards_dir)
         self.maps: dict[int, np.ndarray] = {}
+        self.bos = bos                       # not None: windows start at a document's <|bos|> (window_starts)
+        self.starts: dict[int, np.ndarray] = {}
         self.lock = threading.Lock()
         if self.remote:
             key = hashlib.sha1(split.shards_dir.rstrip("/").encode()).hexdigest()[:12]
@@ -174,6 +177,15 @@ class ShardReader:
             arr = self.maps[i] = self._open(i, path)
         return arr
 
+    def window_starts(self, i: int) -> np.ndarray | None:
+        """Token offsets of shard i's windows when BOS-aligned (computed once per shard), else None."""
+        if self.bos is None:
+            return None
+        if i not in self.starts:
+            n_win = int(self.split.window_start[i + 1] - self.split.window_start[i])
+            self.starts[i] = bos_aligned_starts(self.array(i), n_win, self.split.seq_len, self.bos)
+        return self.starts[i]
+
     def close(self) -> None:
         if self.remote:
             self.pool.shutdown(wait=False, cancel_futures=True)
@@ -181,20 +193,40 @@ class ShardReader:
             self.maps.clear()
 
 
+def bos_aligned_starts(arr: np.ndarray, n_win: int, T: int, bos: int) -> np.ndarray:
+    """Where each of a shard's n_win windows starts when BOS-aligned: window j at the first <|bos|>
+    in [j*T, (j+1)*T) whose T+1 tokens still fit in the shard, else at j*T as usual. The window ids,
+    their count and so the training order and its exact resume are unchanged; a window that moves
+    skips the tail of the previous document and overlaps the next window (modded-nanogpt's and
+    nanochat's point: a model sees more documents from their start, with their whole context)."""
+    grid = np.arange(n_win, dtype=np.int64) * T
+    bos_at = np.flatnonzero(np.asarray(arr) == bos)
+    if len(bos_at) == 0:
+        return grid
+    first = bos_at[np.minimum(np.searchsorted(bos_at, grid), len(bos_at) - 1)]
+    fits = (first >= grid) & (first < grid + T) & (first + T + 1 <= len(arr))
+    return np.where(fits, first, grid)
+
+
 def gather(reader: ShardReader, window_ids: np.ndarray, out_x: np.ndarray, out_y: np.ndarray) -> None:
     """Fill out_x / out_y (int64 [k, T]) with the windows `window_ids`, in order.
 
-    One numpy gather per shard touched: rows of a strided (windows, T+1) view of the memory map."""
+    One numpy gather per shard touched: rows of a strided (windows, T+1) view of the memory map, or
+    of the BOS-aligned window starts (reader.bos)."""
     split, T = reader.split, reader.split.seq_len
     shard = np.searchsorted(split.window_start, window_ids, side="right") - 1
     local = window_ids - split.window_start[shard]
     for s in np.unique(shard):
         rows = np.nonzero(shard == s)[0]
         arr = reader.array(int(s))
-        n_win = int(split.window_start[s + 1] - split.window_start[s])
-        view = np.lib.stride_tricks.as_strided(arr, shape=(n_win, T + 1),
-                                               strides=(T * arr.itemsize, arr.itemsize), writeable=False)
-        win = view[local[rows]]  # [k, T+1] copy out of the page cache
+        starts = reader.window_starts(int(s))
+        if starts is not None:
+            win = arr[starts[local[rows]][:, None] + np.arange(T + 1)]
+        else:
+            n_win = int(split.window_start[s + 1] - split.window_start[s])
+            view = np.lib.stride_tricks.as_strided(arr, shape=(n_win, T + 1),
+                                                   strides=(T * arr.itemsize, arr.itemsize), writeable=False)
+            win = view[local[rows]]  # [k, T+1] copy out of the page cache
         if len(rows) == len(window_ids):
             out_x[:] = win[:, :T]
             out_y[:] = win[:, 1:]

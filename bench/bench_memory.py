@@ -1,0 +1,83 @@
+"""The memory plan (train/memory.py) against the measured peak of one CPU training step, and the
+preset tables it produces.
+
+    PYTHONPATH=. python bench/bench_memory.py            # CPU: estimate vs measured peak RSS (~40 s)
+    PYTHONPATH=. python bench/bench_memory.py --tables   # `codex hardware` and `codex hardware --model 1b`
+
+Each setting runs in a fresh process: forward (under bf16 autocast for the bf16 rows), backward and
+one AdamW step of model/gpt.py with 1 thread; peak = resource.getrusage(RUSAGE_SELF).ru_maxrss after
+the step minus the resident size (/proc/self/statm) before the model is built (torch imported,
+nothing allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from codex.config import build_config
+from train.hardware import format_hardware_table, format_model_fit, get_preset
+from train.memory import plan
+
+MEASURE = """
+import resource, sys, contextlib, torch
+from codex.config import build_config
+from model.gpt import build_model
+torch.set_num_threads(1)
+dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+m = build_config(overrides=overrides).model
+import_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()   # resident now
+model = build_model(m, seed=0)
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randint(0, m.vocab_size, (B, T))
+with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext():
+    loss = model(x, x)
+loss.backward()
+opt.step()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+assert peak > import_peak, "the step's peak is below the imports' own: not measured"
+print(peak - base)
+"""
+
+# (dtype, device batch, seq_len, model overrides on the default 4 x 128 model)
+SETTINGS = [
+    ("fp32", 8, 1024, ["model.vocab_size=256", "model.max_seq_len=1024"]),
+    ("fp32", 32, 256, ["model.vocab_size=8192"]),
+    ("fp32", 32, 256, ["model.vocab_size=8192", "model.qk_norm=false", "model.mlp=relu2"]),
+    ("fp32", 16, 256, ["model.vocab_size=4096", "model.n_kv_head=2", "model.n_layer=2"]),
+    ("fp32", 4, 512, ["model.vocab_size=512", "model.n_embd=256", "model.n_kv_head=2", "model.max_seq_len=512"]),
+    ("bf16", 8, 1024, ["model.vocab_size=256", "model.max_seq_len=1024"]),
+    ("bf16", 32, 256, ["model.vocab_size=8192"]),
+    ("bf16", 16, 256, ["model.vocab_size=4096", "model.n_kv_head=2", "model.n_layer=2"]),
+]
+
+
+def measured_peak(dtype: str, B: int, T: int, overrides: list[str]) -> int:
+    out = subprocess.run([sys.executable, "-c", MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    return int(out.stdout.strip())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", action="store_true", help="print the preset tables instead")
+    args = ap.parse_args()
+    if args.tables:
+        print(format_hardware_table())
+        print()
+        print(format_model_fit("1b"))
+        return
+    print("| dtype | B x T | model (default 4 x 128 plus) | measured peak MB | plan MB | plan / measured |")
+    print("|---|---|---|---|---|---|")
+    for dtype, B, T, overrides in SETTINGS:
+        peak = measured_peak(dtype, B, T, overrides)
+        est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total
+        shape = ", ".join(o.removeprefix("model.") for o in overrides)
+        print(f"| {dtype} | {B} x {T} | {shape} | {peak / 1e6:.0f} | {est / 1e6:.0f} | {est / peak:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
