@@ -40,8 +40,6 @@ try:
 except ImportError:  # pragma: no cover - Windows has no resource module
     resource = None
 
-from torch.distributed.tensor import DTensor
-
 from codex.config import ConfigError
 from model.gpt import build_model
 from train.control import ControlPlane, control_timeout
@@ -239,10 +237,10 @@ class TorchBackend:
         self.control.barrier()   # host-side (gloo), with the control plane's timeout
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Model weights, keys without a torch.compile prefix: replicated ones copied to the CPU,
-        fsdp's DTensor shards as they are (the checkpoint writer copies each rank's own part)."""
-        return {k: v.detach() if isinstance(v, DTensor) else v.detach().to("cpu", copy=True)
-                for k, v in unwrap(model).state_dict().items()}
+        """Model weights, keys without a torch.compile prefix, where they are (fsdp: this rank's
+        DTensor shards): the checkpoint writer copies to the host only the part this rank writes,
+        so no rank of a replicated CUDA job makes a host copy of the whole model."""
+        return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
         if self.device.type == "cuda":

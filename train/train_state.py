@@ -40,8 +40,9 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor as it is (DCP writes this rank's slice); anything else on the CPU (XLA tensors)."""
-    return t.detach() if isinstance(t, DTensor) else t.detach().cpu()
+    """A tensor where it is when DCP can write it from there (CPU, CUDA, DTensor shards: DCP copies
+    only what this rank writes to the host); XLA tensors copied to the CPU."""
+    return t.detach() if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda") else t.detach().cpu()
 
 
 def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
