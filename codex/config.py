@@ -234,6 +234,7 @@ _RANGES = {
     "train.max_tokens": (0, None, True), "train.log_every": (1, None, True), "train.eval_every": (0, None, True),
     "train.eval_tokens": (0, None, True), "train.save_every": (0, None, True), "train.keep_last": (1, None, True),
     "train.keep_every": (0, None, True), "train.max_compiles": (0, None, True), "train.shuffle_shards": (0, None, True),
+    "train.fsdp_size": (0, None, True),
     "model.n_layer": (1, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
     "model.n_embd": (1, None, True), "model.mlp_hidden": (0, None, True), "model.max_seq_len": (1, None, True),
     "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.logit_softcap": (0, None, True), "model.norm_eps": (0, None, False),

@@ -21,7 +21,7 @@ from train.hardware import default_seq_len, device_defaults, get_preset
 def read_checkpoint(cfg, checkpoint: str | int = "latest"):
     """(the model's state dict: full, plain CPU tensors; the checkpoint's Config; checkpoint info)
     for cfg.run: the one place eval, sample and export read a checkpoint."""
-    state = ckpt.load(cfg.run, checkpoint)
+    state = ckpt.load(cfg.run, checkpoint, keys=("model",))   # not the optimizer state
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
         raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")

@@ -243,20 +243,8 @@ class GPT(nn.Module):
         """GPT-2 style: N(0, init_std) everywhere, residual output projections scaled by
         1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth; norms 1.
         Draws only from `generator`, so the result depends on the seed alone."""
-        std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():  # named_parameters yields a tied weight once
-            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
-                p.fill_(1.0)
-            elif name.startswith("value_embeds."):   # the scale of the values it is added to
-                p.normal_(0.0, self.cfg.n_embd ** -0.5, generator=generator)
-            elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
-                if self.cfg.zero_init_proj:   # every block starts as the identity on the residual stream
-                    p.zero_()
-                else:
-                    p.normal_(0.0, resid_std, generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            init_parameter(self.cfg, name, p, generator)
         cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -356,6 +344,24 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         x = block.decode(x, cos, sin, cache.kv[i], pos, mask, model.value_embedding(i, token))
     cache.pos = pos + 1
     return model.logits(x[:, -1])
+
+
+@torch.no_grad()
+def init_parameter(cfg: ModelConfig, name: str, p: torch.Tensor, generator: torch.Generator) -> None:
+    """GPT.init_weights' rule for one parameter, drawn from `generator` (train/fsdp.py replays it
+    parameter by parameter to initialise a sharded model exactly as build_model would)."""
+    std = cfg.init_std
+    if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+        p.fill_(1.0)
+    elif name.startswith("value_embeds."):   # the scale of the values it is added to
+        p.normal_(0.0, cfg.n_embd ** -0.5, generator=generator)
+    elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
+        if cfg.zero_init_proj:   # every block starts as the identity on the residual stream
+            p.zero_()
+        else:
+            p.normal_(0.0, std / math.sqrt(2 * cfg.n_layer), generator=generator)
+    else:
+        p.normal_(0.0, std, generator=generator)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> GPT:

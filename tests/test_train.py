@@ -133,10 +133,10 @@ from train import checkpoint
 real_save = checkpoint.save
 def save(run, state, **kw):
     if state["step"] == {kill_step}:
-        # Die while writing: a partial ckpt.pt and no DONE, like a SIGKILL mid-upload.
+        # Die while writing: a partial shard file and no DONE, like a SIGKILL mid-upload.
         folder = checkpoint.step_dir(run, state["step"])
         os.makedirs(folder, exist_ok=True)
-        open(os.path.join(folder, "ckpt.pt"), "wb").write(b"PK\\x03\\x04 half a checkpoint")
+        open(os.path.join(folder, "__0_0.distcp"), "wb").write(b"PK\\x03\\x04 half a checkpoint")
         os.kill(os.getpid(), signal.SIGKILL)
     return real_save(run, state, **kw)
 checkpoint.save = save
@@ -155,7 +155,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert checkpoint.latest_step(run) == 4                     # step 6 has no DONE
-    assert (Path(run) / "checkpoints" / "step_00000006" / "ckpt.pt").exists()
+    assert (Path(run) / "checkpoints" / "step_00000006" / "__0_0.distcp").exists()
 
     resumed = run_train(run, **steps)
     assert resumed["step"] == 8 and not resumed["stopped"]
@@ -175,8 +175,8 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     assert [r["loss"] for r in recs if r["kind"] == "train"] == [r["loss"] for r in ref_recs if r["kind"] == "train"]
     # Retention (keep_last=3) removed the oldest, and the half-written step 6 was replaced.
     assert checkpoint.complete_steps(run) == [4, 6, 8]
-    # Every checkpoint is a plain weights_only file with the contract's keys.
-    raw = torch.load(Path(run) / "checkpoints" / "step_00000008" / "ckpt.pt", weights_only=True)
+    # Every checkpoint's non-tensor part is plain JSON with the contract's keys (tensors: DCP files).
+    raw = json.loads((Path(run) / "checkpoints" / "step_00000008" / "state.json").read_text())
     assert {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version"} <= raw.keys()
     assert raw["config"]["train"]["max_steps"] == 8 and raw["step"] == 8
 

@@ -245,11 +245,11 @@ def test_spawn_one_device_with_all_reduce_matches_eager(runs):
 
 def test_xla_checkpoint_resumes_on_eager_cpu_and_back(runs):
     d = runs["dirs"]
-    # Saved as CPU tensors: loads without torch_xla and without map_location.
-    path = Path(d["spmd30"]) / "checkpoints" / "step_00000030" / "ckpt.pt"
-    state = torch.load(path, weights_only=True)
-    opt = state["optimizer"]
-    parts = [opt] if "state" in opt else list(opt.values())   # AdamW, or Muon + AdamW
+    # A DCP checkpoint like every other: loads into CPU tensors without torch_xla.
+    from train import checkpoint
+
+    state = checkpoint.load(d["spmd30"], 30)
+    parts = list(state["optimizer"].values())   # AdamW, or Muon + AdamW
     tensors = list(state["model"].values()) + [v for part in parts for s in part["state"].values()
                                                  for v in s.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(t.device.type == "cpu" for t in tensors)

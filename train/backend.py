@@ -41,8 +41,10 @@ except ImportError:  # pragma: no cover - Windows has no resource module
     resource = None
 
 from codex.config import ConfigError
+from model.gpt import build_model
 from train.control import ControlPlane, control_timeout
 from train.flash_attention import flash_unavailable
+from train.fsdp import Layout, build_sharded, set_grad_sync
 from train.hardware import get_preset
 
 
@@ -74,6 +76,8 @@ class Backend(Protocol):
     def is_main(self) -> bool: ...
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...   # training's model, in `layout`
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...   # before each micro-batch's backward
     def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -127,6 +131,7 @@ class TorchBackend:
     devices_per_loader: int = 1
     global_values: bool = False
     fixed_shapes: bool = False
+    layout: Layout = field(default_factory=Layout)   # set by build_model (train/fsdp.py)
     _compiled: list = field(default_factory=list)
 
     @property
@@ -156,6 +161,20 @@ class TorchBackend:
             self._compiled.append(model)
         return model
 
+    def build_model(self, model_cfg, seed: int, layout: Layout) -> torch.nn.Module:
+        """build_model(model_cfg, seed)'s weights: replicated on this device, or sharded (fsdp:
+        built on the meta device and materialised already sharded, train/fsdp.py)."""
+        self.layout = layout
+        if not layout.sharded:
+            return self.prepare_model(build_model(model_cfg, seed=seed))  # same seed on every rank: identical weights
+        return build_sharded(model_cfg, seed, layout, self.device, self.autocast_dtype, self.compile)
+
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
+        """fsdp: reduce-scatter gradients in this backward only when `on` (the step's last
+        micro-batch), so a step has one gradient reduction. replicate: all_reduce_grads does it."""
+        if self.layout.sharded:
+            set_grad_sync(model, on)
+
     def to_device(self, batch):
         non_blocking = self.device.type == "cuda"
         return tuple(t.to(self.device, non_blocking=non_blocking) for t in batch)
@@ -163,8 +182,9 @@ class TorchBackend:
     @torch.no_grad()
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """THE gradient all-reduce: average .grad over the replicas. Call once per optimizer step,
-        after the last micro-batch's backward and before clipping."""
-        if self.world_size == 1:
+        after the last micro-batch's backward and before clipping. fsdp: nothing to do, the last
+        micro-batch's backward already reduce-scattered every gradient (set_grad_sync)."""
+        if self.world_size == 1 or self.layout.sharded:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         # Buckets of same-dtype grads, flattened into one buffer each: a handful of collectives
@@ -218,8 +238,10 @@ class TorchBackend:
         self.control.barrier()   # host-side (gloo), with the control plane's timeout
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Model weights on the CPU, keys without a torch.compile prefix."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in unwrap(model).state_dict().items()}
+        """Model weights, keys without a torch.compile prefix, where they are (fsdp: this rank's
+        DTensor shards): the checkpoint writer copies to the host only the part this rank writes,
+        so no rank of a replicated CUDA job makes a host copy of the whole model."""
+        return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
         if self.device.type == "cuda":

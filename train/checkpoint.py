@@ -1,39 +1,46 @@
-"""Checkpoints: RUN/checkpoints/step_NNNNNNNN/ckpt.pt, then DONE written last (local or gs://).
+"""Checkpoints: RUN/checkpoints/step_NNNNNNNN/ in torch.distributed.checkpoint's (DCP) format,
+written by every rank in parallel, local or gs://:
 
-ckpt.pt is one torch.save dict that loads with torch.load(weights_only=True): only tensors,
-dicts, lists, numbers and strings. So the config is a plain dict, RNG states are uint8 tensors
-and the loader state is {"epoch", "position"}:
+    __R_N.distcp   the tensors rank R wrote: its shards (fsdp), or its share of the replicated ones
+    .metadata      DCP's index of every tensor's chunks (rank 0)
+    state.json     everything else (step, tokens, loader position, config, optimizer hyperparameters,
+                   the unfinished loss window) and every tensor's shape and dtype (rank 0)
+    DONE           written last, by rank 0, once every rank has finished: the step and each file's
+                   size and sha256 ({"step", "world_size", "files": {name: {"bytes", "sha256"}}})
 
-    {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version", ...}
+One format for every layout: a checkpoint written by 2 fsdp ranks loads on 1 process or under
+replicate, and the reverse (DCP reads each tensor into whatever layout the target has). Nothing in
+a checkpoint is unpickled: tensors come from DCP, the rest from JSON. Single-file checkpoints of
+older codex versions (ckpt.pt) are not readable: they count as damaged, with a message saying so.
 
-The training state is built and put back here (`save_training` / `restore_training`), so the loop
-never touches the dict's keys.
-
-A checkpoint counts only once DONE exists; DONE records ckpt.pt's size, so a truncated file is
-detected before unpickling. load(run, "latest") walks back from the newest complete checkpoint
-and skips any that is truncated or unreadable, saying so. Retention: the last `keep_last`, plus
-every step that is a multiple of `keep_every` (when > 0), the rest is deleted after a save.
+A checkpoint counts only once DONE exists. `damage(folder, rank, world)` checks every world-th
+file against DONE's size and sha256 (train/control.py's resume splits the files over the ranks),
+`newest_intact(run)` walks back over damaged checkpoints with a warning, and an I/O error is retried
+and then raised (never a silent fallback). `load(run, step)` returns a plain dict of full CPU
+tensors in one process (eval, sample, export). Retention: the last `keep_last`, plus every step
+that is a multiple of `keep_every` (when > 0); the rest is deleted after a save. The training
+state itself is built and put back in train/train_state.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import hashlib
+import json
 import logging
 import os
 import re
-import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-import codex
 from codex import fsio, rundir
-from codex.config import ConfigError, to_dict
-from train.optim import load_optimizer_state
+from train import dcp_io
 
 log = logging.getLogger("codex.checkpoint")
 
+STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"step_(\d{8,})$")
 
 
@@ -66,33 +73,82 @@ def latest_step(run: str) -> int | None:
     return steps[-1] if steps else None
 
 
-def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0) -> str:
-    """Write `state` (must hold "step") as a checkpoint, then DONE, then prune old ones. Call on
-    one process only (rank 0). Returns the checkpoint folder."""
+def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control=None) -> str:
+    """Write `state` (a nested dict that holds "step"; tensors in dicts, the rest JSON) as the
+    checkpoint of that step, then DONE, then prune old ones. Every rank of `control` (train/control.py's
+    ControlPlane; None = this process alone) calls it with its own state: each writes its own
+    tensors, rank 0 the rest. Returns the checkpoint folder."""
+    from train.control import ControlPlane   # control.py imports this module
+
+    control = control or ControlPlane()
     step = int(state["step"])
     folder = step_dir(run, step)
-    path = fsio.join(folder, "ckpt.pt")
-    fsio.makedirs(folder)
-    if fsio.is_remote(run):
-        # Serialise locally, then upload (temp object + move in fsio.upload): torch.save wants
-        # a seekable file and a crash mid-upload must leave no partial ckpt.pt.
-        fd, tmp = tempfile.mkstemp(suffix=".pt")
-        os.close(fd)
-        try:
-            torch.save(state, tmp)
-            nbytes = os.path.getsize(tmp)
-            fsio.upload(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-    else:
-        with fsio.atomic_open(path, "wb") as f:
-            torch.save(state, f)
-        nbytes = fsio.size(path)
-    fsio.write_json(fsio.join(folder, "DONE"), {"step": step, "bytes": nbytes})
-    drop_newer(run, step)
-    prune(run, keep_last, keep_every)
+    if control.rank == 0 and fsio.exists(folder):
+        fsio.rm(folder, recursive=True)   # a leftover of a killed save (or a damaged one): start clean
+    control.barrier()
+    records = dcp_io.write_tree(folder, state, control)
+    all_records = control.gather(records)
+    skeletons = control.gather(dcp_io.skeleton(state))   # other ranks may hold keys rank 0 has not (their RNG)
+    if control.rank == 0:
+        tree = skeletons[0]
+        for extra in skeletons[1:]:
+            tree = dcp_io.merge(tree, extra)
+        data = json.dumps(tree).encode()
+        fsio.write_bytes(fsio.join(folder, STATE_FILE), data)
+        files = {STATE_FILE: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+        for r in all_records:
+            files.update(r)
+        fsio.write_json(fsio.join(folder, "DONE"), {"step": step, "world_size": control.world, "files": files})
+        drop_newer(run, step)
+        prune(run, keep_last, keep_every)
+    control.barrier()   # nobody goes on (or exits) before the marker exists
     return folder
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written (save_in_background), or already written (done())."""
+
+    folder: str
+    thread: threading.Thread | None = None
+    errors: list = field(default_factory=list)
+
+    @classmethod
+    def done(cls, folder: str) -> PendingSave:
+        return cls(folder)
+
+    def wait(self) -> str:
+        """Block until the checkpoint is complete (DONE written on rank 0); re-raise its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.errors:
+            raise self.errors[0]
+        return self.folder
+
+
+def save_in_background(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control=None) -> PendingSave:
+    """save() in a background thread: the tensors are copied to the CPU now (the only part that
+    blocks), then written, marked and pruned while training goes on, with every collective on
+    control.background()'s own gloo group. Wait on the result before the next save. A process
+    that dies meanwhile leaves the folder without DONE: not a checkpoint, the previous one counts.
+    (dcp.async_save would write the shards in the background too, but DONE needs every rank's
+    shards finished, one more collective after them: so the whole save runs in one thread.)"""
+    from train.control import ControlPlane
+
+    side = (control or ControlPlane()).background()
+    pending = PendingSave(step_dir(run, int(state["step"])))
+    snapshot = dcp_io.staged(state)
+
+    def write() -> None:
+        try:
+            save(run, snapshot, keep_last=keep_last, keep_every=keep_every, control=side)
+        except BaseException as e:   # re-raised by wait() in the training thread
+            pending.errors.append(e)
+
+    pending.thread = threading.Thread(target=write, name=f"checkpoint-{state['step']}", daemon=True)
+    pending.thread.start()
+    return pending
 
 
 def drop_newer(run: str, step: int) -> None:
@@ -130,34 +186,45 @@ def _injected_fault(folder: str) -> None:
         run_ckpts = os.path.dirname(folder.rstrip("/"))
         newest = max((s for s, d in _all_steps_in(run_ckpts) if fsio.exists(fsio.join(d, "DONE"))), default=None)
         if newest is not None and folder.rstrip("/").endswith(f"step_{newest:08d}"):
-            raise OSError(f"{folder}/ckpt.pt: injected read fault on rank {rank} ({FAULT_ENV})")
+            raise OSError(f"{folder}: injected read fault on rank {rank} ({FAULT_ENV})")
 
 
-def _read(folder: str, map_location) -> dict:
+def _damage(folder: str, rank: int, world: int) -> str | None:
+    """What is damaged in this rank's share (every world-th file) of a complete checkpoint, or None.
+    A file that is missing, has another size or another sha256 than DONE recorded is damage; any
+    other OSError (a storage hiccup) is raised."""
     _injected_fault(folder)
-    done = fsio.read_json(fsio.join(folder, "DONE"))
-    path = fsio.join(folder, "ckpt.pt")
-    actual = fsio.size(path)
-    if actual != done.get("bytes", actual):
-        raise ValueError(f"{path}: {actual} bytes, DONE says {done['bytes']} (truncated or overwritten)")
-    with fsio.open(path, "rb") as f:
-        if fsio.is_remote(path):
-            f = io.BytesIO(f.read())  # torch.load needs a seekable file
-        return torch.load(f, map_location=map_location, weights_only=True)
+    try:
+        done = fsio.read_json(fsio.join(folder, "DONE"))
+    except ValueError as e:
+        return f"{folder}/DONE: not JSON ({e})"
+    files = done.get("files")
+    if not isinstance(files, dict):
+        return (f"{folder}: a single-file checkpoint of an older codex (no file list in DONE); this version "
+                "reads only distributed (DCP) checkpoints: start a new --run")
+    for name in sorted(files)[rank::world]:
+        path, want = fsio.join(folder, name), files[name]
+        try:
+            actual = fsio.size(path)
+            if actual != want["bytes"]:
+                return f"{path}: {actual} bytes, DONE says {want['bytes']} (truncated or overwritten)"
+            if fsio.file_sha256(path) != want["sha256"]:
+                return f"{path}: its sha256 is not the one DONE recorded (overwritten or corrupt)"
+        except FileNotFoundError:
+            return f"{path}: missing (DONE lists it)"
+    return None
 
 
 READ_RETRIES = (1.0, 4.0)   # seconds to wait before the 2nd and 3rd try of an I/O error
 
 
-def _read_retrying(folder: str, map_location) -> dict:
-    """_read, with an I/O error (a storage hiccup, not a damaged file) retried and then raised: a
+def damage(folder: str, rank: int = 0, world: int = 1) -> str | None:
+    """_damage, with an I/O error (a storage hiccup, not a damaged file) retried and then raised: a
     fallback to an older checkpoint would make the next save delete this intact newer one
     (drop_newer), so a checkpoint that cannot be read right now is an error, not damage."""
     for wait in (*READ_RETRIES, None):
         try:
-            return _read(folder, map_location)
-        except FileNotFoundError:
-            raise                          # ckpt.pt gone although DONE exists: damaged
+            return _damage(folder, rank, world)
         except OSError as e:
             if wait is None:
                 raise OSError(f"{folder}: could not read the newest checkpoint ({e}); not falling back to an "
@@ -167,96 +234,68 @@ def _read_retrying(folder: str, map_location) -> dict:
     raise AssertionError("unreachable")
 
 
-def load(run: str, step: int | str = "latest", map_location="cpu") -> dict:
-    """The checkpoint dict at `step`, or the newest intact one for "latest".
+def newest_intact(run: str) -> int:
+    """The newest complete checkpoint step whose files are all intact (one process checks them
+    all); a damaged newer one is skipped with a warning. FileNotFoundError when there is none."""
+    errors = []
+    for s in reversed(complete_steps(run)):
+        problem = damage(step_dir(run, s))
+        if problem is None:
+            if errors:
+                log.warning("using %s instead of the newest checkpoint", step_dir(run, s))
+            return s
+        log.warning("checkpoint %s is damaged (%s); trying the previous one", step_dir(run, s), problem)
+        errors.append(problem)
+    detail = ("; damaged: " + "; ".join(errors)) if errors else ""
+    raise FileNotFoundError(f"no intact checkpoint under {rundir.checkpoints_dir(run)}{detail}")
 
-    "latest" skips (with a warning) a newest checkpoint that is truncated or unreadable and uses
-    the one before; an explicit step that is damaged is an error. FileNotFoundError when none.
-    """
-    ckpt_dir = rundir.checkpoints_dir(run)
-    if step != "latest":
+
+def read_skeleton(folder: str) -> dict:
+    """state.json: the checkpoint's tree, tensors as {"__tensor__": shape, "dtype"} (train/dcp_io.py)."""
+    return fsio.read_json(fsio.join(folder, STATE_FILE))
+
+
+def load(run: str, step: int | str = "latest", keys: tuple[str, ...] | None = None) -> dict:
+    """The checkpoint at `step` (or the newest intact one for "latest") as one plain dict of full
+    CPU tensors, in this process alone, whatever layout and world size wrote it. `keys`: load only
+    these top-level tensor subtrees (e.g. ("model",) for eval); the non-tensor values always come.
+
+    "latest" skips (with a warning) a newest checkpoint with a damaged file and uses the one
+    before; an explicit step that is damaged is an error. FileNotFoundError when none."""
+    if step == "latest":
+        step = newest_intact(run)
+    else:
         step = int(step)
         folder = step_dir(run, step)
         if not fsio.exists(fsio.join(folder, "DONE")):
             raise FileNotFoundError(f"{folder}: no complete checkpoint (have steps: {complete_steps(run) or 'none'})")
-        try:
-            return _read(folder, map_location)
-        except Exception as e:   # truncated zip, not a torch file, size mismatch: one line, exit 1
-            raise ValueError(f"{fsio.join(folder, 'ckpt.pt')}: not a readable checkpoint "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    errors = []
-    for s in reversed(complete_steps(run)):
-        folder = step_dir(run, s)
-        try:
-            state = _read_retrying(folder, map_location)
-        except OSError as e:
-            if not isinstance(e, FileNotFoundError):
-                raise                      # storage error after retries: not damage, no fallback
-            log.warning("checkpoint %s is damaged (%s: %s); trying the previous one", folder, type(e).__name__, e)
-            errors.append(f"{folder}: {e}")
-            continue
-        except Exception as e:  # truncated zip, bad pickle, size mismatch: try the previous one
-            log.warning("checkpoint %s is damaged (%s: %s); trying the previous one", folder, type(e).__name__, e)
-            errors.append(f"{folder}: {e}")
-            continue
-        if errors:
-            log.warning("resuming from %s instead of the newest checkpoint", folder)
-        return state
-    detail = ("; damaged: " + "; ".join(errors)) if errors else ""
-    raise FileNotFoundError(f"no intact checkpoint under {ckpt_dir}{detail}")
+        problem = damage(folder)
+        if problem is not None:
+            raise ValueError(f"{folder}: not a readable checkpoint ({problem})")
+    folder = step_dir(run, step)
+    tree = read_skeleton(folder)
+    if keys is not None:
+        tree = {k: v for k, v in tree.items() if k in keys or not _holds_tensors(v)}
+    state = dcp_io.targets_from_skeleton(tree)
+    dcp_io.read_tensors(folder, state)
+    return state
+
+
+def _holds_tensors(tree) -> bool:
+    if dcp_io.is_tensor_leaf(tree):
+        return True
+    return isinstance(tree, dict) and any(_holds_tensors(v) for v in tree.values())
 
 
 def rng_state() -> dict:
     """RNG states as tensors (weights_only-loadable): torch CPU, and every CUDA device's."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = {str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())}   # tensors in dicts
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --- the whole training state -------------------------------------------------------------------
-
-def save_training(cfg, *, model_state: dict, optimizer, loader, step: int, tokens: int, log_window: dict,
-                  world_size: int, batch_tokens: int, tokenizer_sha: str) -> str:
-    """Write everything a resumed run needs to continue exactly (rank 0 only); returns the folder."""
-    state = {
-        "model": model_state, "optimizer": _to_cpu(optimizer.state_dict()),
-        "step": step, "tokens": tokens, "loader": loader.state_dict(), "rng": rng_state(),
-        "config": to_dict(cfg), "codex_version": codex.__version__,
-        "world_size": world_size, "batch_tokens": batch_tokens, "tokenizer_sha256": tokenizer_sha,
-        "log_window": log_window,
-    }
-    return save(cfg.run, state, keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
-
-
-def restore_training(cfg, state: dict, model, optimizer, loader) -> tuple[int, int, dict]:
-    """Load a checkpoint's training state into the model, optimizer, loader and RNGs; returns
-    (step, tokens, the unfinished log window). The model must be the one the checkpoint was saved from."""
-    saved_model = state["config"].get("model", {})
-    for k, v in to_dict(cfg.model).items():
-        if k != "preset" and k in saved_model and saved_model[k] != v:   # the preset is a name, not the model
-            raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
-                              f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
-    model.load_state_dict(state["model"])
-    load_optimizer_state(optimizer, state["optimizer"])
-    loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"])
-    step = int(state["step"])
-    return step, int(state["tokens"]), state.get("log_window") or {"loss_sum": 0.0, "since": step}
-
-
-def _to_cpu(obj):
-    """Optimizer state with every tensor on the CPU, so a checkpoint loads on any device."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+        torch.cuda.set_rng_state_all([state["cuda"][k] for k in sorted(state["cuda"], key=int)])

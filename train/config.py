@@ -33,6 +33,8 @@ class TrainConfig:
     seed: int = 1337
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
     compile: bool = True            # torch.compile on CUDA
+    parallel: Literal["auto", "replicate", "fsdp"] = "auto"  # auto: replicate when the replicated state fits (train/memory.py)
+    fsdp_size: int = 0              # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)
     remat: Literal["none", "block"] = "none"   # block: recompute every transformer block in the backward (train/remat.py)
     log_every: int = 10
     eval_every: int = 200
@@ -40,6 +42,7 @@ class TrainConfig:
     save_every: int = 500
     keep_last: int = 3
     keep_every: int = 0             # also keep every M-th step forever (0 = off)
+    async_save: bool = False        # periodic checkpoints written in the background while training goes on
     resume: Literal["auto", "never"] = "auto"  # auto: resume when a checkpoint exists
     wandb: Literal["auto", "online", "offline", "off"] = "auto"  # auto: online with an API key, else offline
     wandb_project: str = "codex"

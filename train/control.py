@@ -4,7 +4,7 @@
     control.barrier()                            # host barrier (every backend, XLA SPMD included)
     control.any_flag(flag)                       # the stop flag: True everywhere if any rank's is
     control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config
-    state = resume(control, run, ...)            # rank 0 picks the step, every rank loads exactly it
+    existing, step = resume(control, run, allow)  # every rank agrees on one intact checkpoint step
     stop = StopFlag().install()                  # SIGTERM/SIGINT: finish the step, save, return
 
 The group: CPU uses its default gloo group; CUDA a gloo group beside NCCL; XLA (SPMD, several
@@ -27,12 +27,13 @@ import json
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from codex import rundir
 from codex.config import ConfigError
 from train import checkpoint
 
@@ -57,6 +58,18 @@ class ControlPlane:
     group: Any = None
     rank: int = 0
     world: int = 1
+    _background: Any = field(default=None, repr=False)
+
+    def background(self) -> ControlPlane:
+        """A control plane over its own gloo group for collectives that run in a background thread
+        (an asynchronous checkpoint save) while this one serves the training loop: two threads must
+        never share a group. Made on first use, so every rank must call this at the same point."""
+        if self.world == 1:
+            return self
+        if self._background is None:
+            group = dist.new_group(backend="gloo", timeout=control_timeout())
+            self._background = ControlPlane(group, self.rank, self.world)
+        return self._background
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -119,41 +132,42 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, dict | None]:
-    """(existing, state): `existing` is the newest complete checkpoint step (None: none), `state`
-    the checkpoint every rank loaded (None: start fresh). Rank 0 picks the newest intact checkpoint
-    and broadcasts its step; every other rank loads exactly that step. If any rank cannot, every
-    rank raises ResumeMismatchError naming the ranks and paths: never two ranks at two steps.
-    `allow` False (train.resume=never): nothing is loaded, `existing` still says what is there."""
-    state, failure = None, None
-    decision: dict = {"existing": None, "step": None, "error": None}
-    if control.rank == 0:
-        decision["existing"] = checkpoint.latest_step(run)
-        if allow and decision["existing"] is not None:
-            try:
-                state = checkpoint.load(run, "latest")
-                decision["step"] = int(state["step"])
-            except Exception as e:  # no intact checkpoint: every rank raises
-                failure = e
-                decision["error"] = f"{type(e).__name__}: {e}"
-    decision = control.broadcast(decision)
-    if failure is not None:
-        raise failure
-    if decision["error"]:
-        raise ResumeMismatchError(f"rank 0 found no checkpoint to resume from ({decision['error']})")
-    step = decision["step"]
-    problem = None
-    if step is not None and control.rank != 0:
+def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, int | None]:
+    """(existing, step): `existing` is the newest complete checkpoint step (None: none), `step` the
+    one every rank loads (None: start fresh). Rank 0 lists the complete checkpoints, newest first;
+    for each, every rank checks its share of the files against the sizes and sha256s in DONE
+    (checkpoint.damage) and the ranks pool what they found: any damage and every rank moves on to
+    the previous checkpoint together; a read error on any rank makes every rank raise
+    ResumeMismatchError naming the ranks and paths: never two ranks at two steps.
+    `allow` False (train.resume=never): nothing is chosen, `existing` still says what is there."""
+    candidates = list(reversed(checkpoint.complete_steps(run))) if control.rank == 0 else None
+    candidates = control.broadcast(candidates)
+    existing = candidates[0] if candidates else None
+    if not allow or existing is None:
+        return existing, None
+    damaged = []
+    for step in candidates:
+        folder = checkpoint.step_dir(run, step)
         try:
-            state = checkpoint.load(run, step)
-        except Exception as e:
-            problem = f"rank {control.rank} could not load {checkpoint.step_dir(run, step)} ({e})"
-    problems = [p for p in control.gather(problem) if p]
-    if problems:
-        raise ResumeMismatchError(f"rank 0 chose checkpoint step {step}, but " + "; ".join(problems) +
-                                  ". Every rank needs the same run directory (gs://, or a shared file system); "
-                                  "fix the read and run the same command again")
-    return decision["existing"], state
+            found = ("damaged", checkpoint.damage(folder, control.rank, control.world))
+        except Exception as e:   # a read error after retries: not damage, no fallback
+            found = ("error", f"rank {control.rank} could not load {folder} ({e})")
+        results = control.gather(found)
+        errors = [msg for kind, msg in results if kind == "error"]
+        if errors:
+            raise ResumeMismatchError(f"rank 0 chose checkpoint step {step}, but " + "; ".join(errors) +
+                                      ". Every rank needs the same run directory (gs://, or a shared file system); "
+                                      "fix the read and run the same command again")
+        problems = [msg for kind, msg in results if msg]
+        if not problems:
+            if damaged and control.rank == 0:
+                log.warning("resuming from %s instead of the newest checkpoint", folder)
+            return existing, step
+        if control.rank == 0:
+            log.warning("checkpoint %s is damaged (%s); every rank tries the previous one", folder, "; ".join(problems))
+        damaged += problems
+    raise ResumeMismatchError(f"no intact checkpoint under {rundir.checkpoints_dir(run)} (damaged: " +
+                              "; ".join(damaged) + ")")
 
 
 class StopFlag:

@@ -3,12 +3,12 @@
     backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
     for step in range(start, total):
         lr = lr_for(step)
-        for micro-batch in range(accum):           # no communication here
+        for micro-batch in range(accum):           # no communication here (fsdp: the last one reduce-scatters)
             loss = model(x, y) / accum; loss.backward()
-        backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step
+        backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step (fsdp: done in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
         every log_every: sync, tokens/s, MFU, memory  every eval_every: val loss + bits per byte
-        every save_every (and on SIGTERM/SIGINT and at the end): checkpoint
+        every save_every (and on SIGTERM/SIGINT and at the end): checkpoint, every rank its own part
 
 Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum.
 Every micro-batch holds B*T tokens and every rank the same number of micro-batches, so dividing
@@ -36,7 +36,7 @@ from codex import fsio, rundir
 from codex.config import ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
 from eval.evaluate import evaluate
-from model.gpt import build_model, flops_per_token, mlp_hidden, num_params
+from model.gpt import flops_per_token, mlp_hidden, num_params
 from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
@@ -45,7 +45,10 @@ from train.control import StopFlag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
+from train.checkpoint import PendingSave
+from train.train_state import restore_training, save_training
 from train.measure import LossWindow, StepTimer
+from train.fsdp import Layout, layout_for
 from train.memory import MemoryPlan, check_fits, choose_layout, setting_for
 from train.metrics import make_logger
 from train.optim import clip_grad_norm, lr_for, make_optimizer, set_lr
@@ -80,9 +83,9 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
     raise ConfigError(msg)
 
 
-def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan]:
-    """(device_batch, seq_len, accum, batch_tokens, memory plan) from train.* and the hardware preset
-    defaults (the memory plan's); a setting whose memory plan cannot fit is refused (exit 2)."""
+def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan, Layout]:
+    """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from train.* and the hardware
+    preset defaults (the memory plan's); a setting whose memory plan cannot fit is refused (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
     setting = setting_for(cfg.train, preset.kind)
     if B <= 0 or T <= 0:
@@ -95,8 +98,9 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
     if setting["layout"] == "auto":   # train.parallel=auto: the memory plan picks
         setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
     memory = check_fits(cfg.model, preset, B, T, **setting)
+    layout = layout_for(setting["layout"], setting["fsdp_size"], world_size)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
-    return B, T, accum, B * T * world_size * accum, memory
+    return B, T, accum, B * T * world_size * accum, memory, layout
 
 
 # --- the plan: what the loop derives from the config and the run's files, once -----------------
@@ -112,6 +116,7 @@ class Plan:
     world_size: int
     tokenizer_sha: str     # recorded in checkpoints: eval and sample refuse a retrained tokenizer
     memory: MemoryPlan     # bytes per device (train/memory.py), logged at start
+    layout: Layout         # replicate or fsdp (train.parallel, resolved; train/fsdp.py)
 
 
 def make_plan(cfg, preset, world_size: int):
@@ -122,11 +127,12 @@ def make_plan(cfg, preset, world_size: int):
     vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab, mlp_hidden=mlp_hidden(cfg.model)),
                   train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]))
-    B, T, accum, batch_tokens, memory = resolve_batch(cfg, preset, world_size)
+    B, T, accum, batch_tokens, memory, layout = resolve_batch(cfg, preset, world_size)
     total_steps = math.ceil(cfg.train.max_tokens / batch_tokens) if cfg.train.max_tokens > 0 else cfg.train.max_steps
     if total_steps <= 0:
         raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
-    return cfg, Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, memory), token_bytes
+    plan = Plan(vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, memory, layout)
+    return cfg, plan, token_bytes
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -181,17 +187,16 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 66 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 73 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
-    model = apply_remat(build_model(cfg.model, seed=tcfg.seed), tcfg.remat, backend.kind)  # same weights on every rank
-    n_params = num_params(model)
-    model = backend.prepare_model(model)
+    model = apply_remat(backend.build_model(cfg.model, tcfg.seed, plan.layout), tcfg.remat, backend.kind)  # placed (sharded)
     raw = unwrap(model)                               # without a torch.compile wrapper
+    n_params = num_params(raw)
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     loader = _make_loader(cfg, backend, plan)
 
@@ -202,14 +207,15 @@ def _train(cfg, backend: Backend) -> dict:
     metrics, progress = _start_run(cfg, backend, plan, preset, n_params, step, existing)
     stop = StopFlag().install()
     window, timer = LossWindow(backend, plan.accum, log_window), StepTimer(backend, step, tokens)
-    last = {"loss": None, "val": {}, "saved_at": step if existing is not None else -1}
+    last = {"loss": None, "val": {}, "saved_at": step if existing is not None else -1, "saving": None}
     model.train()
     try:
         while step < plan.total_steps:
             # --- one optimizer step ---
             _injected_fault(backend, step)
             lr = set_lr(optimizer, lr_for(step, tcfg, plan.total_steps))
-            for _ in range(plan.accum):
+            for micro in range(plan.accum):
+                backend.set_grad_sync(model, micro == plan.accum - 1)   # fsdp: reduce in the last backward only
                 x, y = backend.to_device(next(loader))
                 with backend.autocast():
                     loss = model(x, y)
@@ -235,11 +241,14 @@ def _train(cfg, backend: Backend) -> dict:
             stopping = backend.any_flag(stop.is_set)   # every rank stops at the same step
             if stopping or step == plan.total_steps or due(step, tcfg.save_every, plan.total_steps):
                 with timer.pause():
-                    _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens,
-                          reason="preempted" if stopping else "final" if step == plan.total_steps else "periodic")
+                    last["saving"] = _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens,
+                                           reason="preempted" if stopping else "final" if step == plan.total_steps
+                                           else "periodic", previous=last["saving"])
                 last["saved_at"] = step
             if stopping:
                 break
+        if last["saving"] is not None:
+            last["saving"].wait()   # the final and SIGTERM saves are synchronous; this is a no-op then
     finally:
         stop.restore()
         loader.close()
@@ -264,13 +273,13 @@ def _make_loader(cfg, backend: Backend, plan: Plan) -> TrainLoader:
 def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None, int, int, dict]:
     """(existing checkpoint step or None, step, tokens, the unfinished loss window); automatic
     when a checkpoint exists (train.resume=auto)."""
-    existing, state = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
+    existing, chosen = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
     if existing is not None and cfg.train.resume == "never":
         raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
                           "--no-resume was given: use a new --run, or delete that folder to start over")
-    if state is None:
+    if chosen is None:
         return existing, 0, 0, {"loss_sum": 0.0, "since": 0}
-    step, tokens, log_window = checkpoint.restore_training(cfg, state, model, optimizer, loader)
+    step, tokens, log_window = restore_training(cfg, backend.control, chosen, model, optimizer, loader)
     if backend.is_main or backend.control.world > 1:
         log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
                  rundir.checkpoints_dir(cfg.run))
@@ -301,8 +310,9 @@ def _start_run(cfg, backend: Backend, plan: Plan, preset, n_params: int, step: i
     fsio.makedirs(rundir.checkpoints_dir(cfg.run))
     save_config(cfg, fsio.join(rundir.checkpoints_dir(cfg.run), "config.yaml"))
     log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
-             "%d tokens/step | %d steps", n_params / 1e6, preset.name, plan.world_size, backend.device,
-             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps)
+             "%d tokens/step | %d steps | %s", n_params / 1e6, preset.name, plan.world_size, backend.device,
+             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps,
+             plan.layout.describe())
     log.info("\n".join(plan.memory.lines()))
     return metrics, progress
 
@@ -338,17 +348,25 @@ def _log_validation(cfg, backend, plan, metrics, model, token_bytes, step, token
     return result
 
 
-def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str) -> None:
-    """Every rank takes part (the partial loss window is averaged over replicas); rank 0 writes."""
-    log_window = window.state()
+def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, tokens, reason: str,
+          previous) -> PendingSave:
+    """Every rank writes its own part (its shards under fsdp); rank 0 the marker, last. Periodic
+    saves under train.async_save only copy the state here and write it while training goes on; the
+    final and SIGTERM saves (a spot VM gets ~30 s) are synchronous. One save at a time."""
+    if previous is not None:
+        previous.wait()
+    log_window = window.state()      # every rank: the partial loss window is averaged over replicas
     if backend.is_main:
         metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
-        folder = checkpoint.save_training(
-            cfg, model_state=backend.state_dict_for_save(model), optimizer=optimizer, loader=loader, step=step,
-            tokens=tokens, log_window=log_window, world_size=plan.world_size, batch_tokens=plan.batch_tokens,
-            tokenizer_sha=plan.tokenizer_sha)
-        log.info("checkpoint (%s): %s", reason, folder)
-    backend.barrier()
+    background = cfg.train.async_save and reason == "periodic"
+    saving = save_training(
+        cfg, backend.control, model_state=backend.state_dict_for_save(model), model=unwrap(model),
+        optimizer=optimizer, loader=loader, step=step, tokens=tokens, log_window=log_window,
+        world_size=plan.world_size, batch_tokens=plan.batch_tokens, tokenizer_sha=plan.tokenizer_sha,
+        parallel=plan.layout.describe(), background=background)
+    if backend.is_main:
+        log.info("checkpoint (%s): %s%s", reason, saving.folder, " (writing in the background)" if background else "")
+    return saving
 
 
 def _log_stopped(cfg, backend, plan, stop, step: int, saved_at: int) -> None:

@@ -294,7 +294,12 @@ def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **set
 
 def setting_for(tcfg, kind: str) -> dict:
     """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one place
-    that reads the config. Every layout trains replicated until train.parallel and train.fsdp_size
-    exist; they map onto layout and fsdp_size."""
+    that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
+    layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
     dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
-    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": "replicate", "fsdp_size": 0, "remat": tcfg.remat}
+    if kind == "tpu" and tcfg.parallel == "fsdp":
+        raise ConfigError("train.parallel=fsdp is not available on TPU presets yet (SPMD sharding is separate "
+                          "work); use train.parallel=replicate (or auto)")
+    layout = tcfg.parallel if kind != "tpu" else "replicate"
+    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": layout, "fsdp_size": tcfg.fsdp_size,
+            "remat": tcfg.remat}

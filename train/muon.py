@@ -20,13 +20,16 @@ and the whole momentum, but each matrix is orthogonalised once: rank r takes mat
 r + 2W, ... and one all_gather per step hands every rank every update (modded-nanogpt's scheme), so
 the Newton-Schulz cost per rank falls as 1/W. Ranks apply the same gathered updates, so weights stay
 identical. Under XLA SPMD the step is one graph over replicated tensors and the partitioner places
-the work; `shard_across` is None there.
+the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) every
+rank all-gathers a matrix's momentum-blended gradient, orthogonalises the whole matrix and keeps its
+own slice of the update (`shard_across` is None there too: the matrices are not replicated).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)   # modded-nanogpt's quintic: fast growth of small singular values
 
@@ -79,7 +82,8 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])   # every rank keeps (and saves) the whole momentum
                 if i % self.world == self.rank:
-                    mine[i] = orthogonalize(p.grad.lerp(buf, group["momentum"]), group["ns_steps"], self.ns_dtype)
+                    mine[i] = _like(orthogonalize(_full(p.grad.lerp(buf, group["momentum"])), group["ns_steps"],
+                                                  self.ns_dtype), p)
             updates = mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
             lr, wd = group["lr"], group["weight_decay"]
             for i, p in enumerate(params):
@@ -87,6 +91,18 @@ class Muon(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd)
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller entries.
                 p.add_(updates[i], alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole matrix."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no communication)."""
+    if not isinstance(p, DTensor):
+        return update
+    return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _gather_updates(mine: dict[int, torch.Tensor], params: list[torch.Tensor], rank: int,

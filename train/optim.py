@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from codex.config import ConfigError
 from train.muon import Muon, Optimizers, is_hidden_matrix
@@ -46,7 +47,7 @@ def make_optimizer(model: torch.nn.Module, tcfg, hardware: str = "cpu",
         hidden = [p for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)]
         hidden_ids = {id(p) for p in hidden}
         muon = Muon(hidden, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, ns_dtype=compute_dtype or torch.float32,
-                    shard_across=_replica_ranks(hardware))
+                    shard_across=None if any(isinstance(p, DTensor) for p in hidden) else _replica_ranks(hardware))
         for group in muon.param_groups:
             group["lr_ratio"] = tcfg.muon_lr / tcfg.lr   # set_lr: the schedule scales both peaks alike
         return Optimizers(muon=muon, adamw=_adamw(model, tcfg, hardware, exclude=hidden_ids))
@@ -85,8 +86,14 @@ def set_lr(optimizer, lr: float) -> float:
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (call after the all-reduce), clipped to max_norm; <= 0 measures only."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    """The global gradient norm (call after the all-reduce), clipped to max_norm; <= 0 measures only.
+    Sharded (fsdp) gradients: the norm over every shard (DTensor.full_tensor sums the squares)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
+    return total
 
 
 def load_optimizer_state(optimizer, saved: dict) -> None:

@@ -186,6 +186,15 @@ class XLABackend:
             use_flash_attention(unwrap(model), self.mesh)
         return model
 
+    def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
+        # Replicated (make_plan refuses train.parallel=fsdp on TPU presets).
+        from model.gpt import build_model
+
+        return self.prepare_model(build_model(model_cfg, seed=seed))
+
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
+        pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
+
     def _spec(self, ndim: int):
         """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
         batch (on one host, the whole batch)."""

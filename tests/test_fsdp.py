@@ -1,0 +1,203 @@
+"""train.parallel=fsdp on the CPU (FSDP2, two gloo processes under torchrun) and its DCP
+checkpoints: the same parameters as replicate and one process, each rank holding and writing half,
+exact resume after SIGKILL, resume across layouts and world sizes, damaged-shard fallback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.test_train import assert_close, final_model, one_thread, run_train, train_cli_args  # noqa: F401
+from tests.train_helpers import child_env, make_run
+from train import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# lr 1e-3 as in test_train's equivalence test: at 1e-2 Adam's first steps amplify summation-order
+# rounding in near-zero gradients to ~3e-5.
+STEPS = dict(max_steps=5, lr=1e-3, device_batch=4)
+
+
+def torchrun(run: str, nproc: int = 2, script: str | None = None, check: bool = True, **train_keys):
+    target = [script, "--"] if script else ["-m", "train", "--"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
+           *train_cli_args(run, **train_keys)]
+    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def chunks(folder: str, key: str) -> list[tuple[list[int], list[int]]]:
+    """(offsets, sizes) of every chunk DCP wrote for `key`: what each rank held."""
+    md = FileSystemReader(folder).read_metadata().state_dict_metadata[key]
+    return sorted((list(c.offsets), list(c.sizes)) for c in md.chunks)
+
+
+@pytest.mark.slow
+def test_fsdp_replicate_and_one_process_agree_and_each_rank_holds_half(tmp_path):
+    runs = {n: make_run(tmp_path / n) for n in ("fsdp", "replicate", "one")}
+    err = torchrun(runs["fsdp"], parallel="fsdp", **STEPS).stderr
+    assert "fsdp over 2" in err
+    assert "replicate" in torchrun(runs["replicate"], parallel="replicate", **STEPS).stderr
+    run_train(runs["one"], **{**STEPS, "device_batch": 8})   # the same 8-row global batch in one process
+    one = final_model(runs["one"])
+    assert_close(final_model(runs["fsdp"]), one, 1e-5)
+    assert_close(final_model(runs["replicate"]), one, 1e-5)
+
+    # Each fsdp rank held (and wrote) one half of every weight: two chunks split on dim 0.
+    folder = checkpoint.step_dir(runs["fsdp"], 5)
+    for key, t in one.items():
+        half = t.shape[0] // 2
+        rest = list(t.shape[1:])
+        assert chunks(folder, f"model.{key}") == [([0] + [0] * len(rest), [half] + rest),
+                                                  ([half] + [0] * len(rest), [half] + rest)], key
+    # The replicated run wrote each weight once, whole.
+    assert all(len(chunks(checkpoint.step_dir(runs["replicate"], 5), f"model.{k}")) == 1 for k in one)
+
+
+def test_fsdp_with_accumulation_and_muon_matches_one_process(tmp_path):
+    """Two micro-batches per step (one reduce-scatter, in the last backward) and Muon on sharded
+    matrices (orthogonalised whole) against one process with the same 8-row global batch."""
+    fsdp, one = make_run(tmp_path / "fsdp"), make_run(tmp_path / "one")
+    keys = dict(STEPS, max_steps=3, device_batch=2, batch_tokens=8 * 16, optimizer="muon")
+    torchrun(fsdp, parallel="fsdp", **keys)
+    out = run_train(one, **{**keys, "device_batch": 8})
+    assert out["accum"] == 1
+    assert_close(final_model(fsdp), final_model(one), 1e-5)
+
+
+def test_hsdp_two_replicas_of_one_shard_match_one_process(tmp_path):
+    """train.fsdp_size=1 on 2 ranks: a 2-D mesh (2 replicas x 1 shard), FSDP2's HSDP path."""
+    hsdp, one = make_run(tmp_path / "hsdp"), make_run(tmp_path / "one")
+    err = torchrun(hsdp, parallel="fsdp", fsdp_size=1, **dict(STEPS, max_steps=3)).stderr
+    assert "fsdp over 1 x 2 replicas (HSDP)" in err
+    run_train(one, **dict(STEPS, max_steps=3, device_batch=8))
+    assert_close(final_model(hsdp), final_model(one), 1e-5)
+
+
+KILL_IN_SAVE = """
+import os, signal, sys
+from train import dcp_io
+real = dcp_io.write_tree
+def write_tree(folder, tree, control):
+    records = real(folder, tree, control)
+    if tree["step"] == {kill_step} and control.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)   # after writing its shards, before DONE
+    return records
+dcp_io.write_tree = write_tree
+from train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    keys = dict(max_steps=8, save_every=2, parallel="fsdp", device_batch=2, batch_tokens=2 * 2 * 16 * 2)  # accum 2
+    ref, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
+    torchrun(ref, **keys)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_IN_SAVE.format(kill_step=6))
+    killed = torchrun(run, script=str(script), check=False, **keys)
+    assert killed.returncode != 0
+    assert checkpoint.latest_step(run) == 4                  # step 6 has its shards but no DONE
+    assert (Path(checkpoint.step_dir(run, 6)) / "__0_0.distcp").exists()
+    err = torchrun(run, **keys).stderr
+    assert "rank 1/2: resumed from step 4" in err
+    a, b = checkpoint.load(ref), checkpoint.load(run)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for fqn, st in a["optimizer"]["adamw"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (fqn, name)
+    assert a["loader"] == b["loader"] and a["log_window"] == b["log_window"]
+    assert set(a["rng"]) == {"rank_0", "rank_1"}             # one RNG state per rank
+    assert checkpoint.complete_steps(run) == [4, 6, 8]
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_on_one_process_and_under_replicate(tmp_path):
+    full = make_run(tmp_path / "full")
+    torchrun(full, parallel="fsdp", max_steps=6, save_every=3, device_batch=4)
+    final = final_model(full)
+    # Each rank wrote only its own part: two shard files of about half the tensor bytes each.
+    files = checkpoint_files(full, 3)
+    sizes = [files[f]["bytes"] for f in ("__0_0.distcp", "__1_0.distcp")]
+    assert set(files) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.json"}
+    assert abs(sizes[0] - sizes[1]) < 0.05 * sum(sizes), sizes
+
+    for name, how in (("one", None), ("replicate", "replicate")):
+        resumed = str(tmp_path / name)
+        shutil.copytree(full, resumed)
+        shutil.rmtree(checkpoint.step_dir(resumed, 6))
+        if how is None:
+            out = run_train(resumed, max_steps=6, save_every=3, device_batch=8)
+            assert out["step"] == 6
+        else:
+            err = torchrun(resumed, parallel=how, max_steps=6, save_every=3, device_batch=4).stderr
+            assert "rank 1/2: resumed from step 3" in err
+        assert_close(final_model(resumed), final, 1e-6)
+
+
+def checkpoint_files(run: str, step: int) -> dict:
+    import json
+
+    return json.loads((Path(checkpoint.step_dir(run, step)) / "DONE").read_text())["files"]
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previous(tmp_path):
+    run = make_run(tmp_path / "run")
+    torchrun(run, parallel="fsdp", max_steps=4, save_every=2, device_batch=4)
+    shard = Path(checkpoint.step_dir(run, 4)) / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                              # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    err = torchrun(run, parallel="fsdp", max_steps=6, save_every=2, device_batch=4).stderr
+    assert "damaged" in err and "__1_0.distcp" in err
+    for r in (0, 1):
+        assert f"rank {r}/2: resumed from step 2 " in err, err[-3000:]
+    assert checkpoint.complete_steps(run) == [2, 4, 6]        # step 4 rewritten by the resumed run
+
+
+def test_fsdp_size_must_divide_the_world_and_tpu_refuses_fsdp():
+    from codex.config import ConfigError, build_config
+    from train.fsdp import layout_for
+    from train.memory import setting_for
+
+    with pytest.raises(ConfigError, match="train.fsdp_size=3 must divide the world size 4"):
+        layout_for("fsdp", 3, 4)
+    layout = layout_for("fsdp", 2, 4)
+    assert (layout.shard, layout.replicas) == (2, 2) and "HSDP" in layout.describe()
+    assert (layout_for("fsdp", 0, 4).shard, layout_for("fsdp", 0, 4).replicas) == (4, 1)
+    assert not layout_for("fsdp", 0, 1).sharded                # one process: nothing to shard
+    assert not layout_for("replicate", 0, 4).sharded
+    tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=2"]).train
+    assert setting_for(tcfg, "cuda")["layout"] == "fsdp" and setting_for(tcfg, "cuda")["fsdp_size"] == 2
+    with pytest.raises(ConfigError, match="train.parallel=fsdp is not available on TPU presets"):
+        setting_for(tcfg, "tpu")
+
+
+def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
+    """train.async_save on 2 fsdp ranks: the periodic checkpoints are written in a background thread
+    (its own gloo group) while training goes on, from a copy taken at the step: every checkpoint
+    equals the blocking run's bitwise."""
+    keys = dict(parallel="fsdp", max_steps=6, save_every=2, keep_last=5, device_batch=4)
+    sync, background = make_run(tmp_path / "sync"), make_run(tmp_path / "async")
+    torchrun(sync, **keys)
+    err = torchrun(background, async_save=True, **keys).stderr
+    assert "checkpoint (periodic): " in err and "(writing in the background)" in err
+    assert checkpoint.complete_steps(background) == checkpoint.complete_steps(sync) == [2, 4, 6]
+    for step in (2, 4, 6):
+        a, b = checkpoint.load(sync, step), checkpoint.load(background, step)
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (step, k)
+        for fqn, st in a["optimizer"]["adamw"]["state"].items():
+            for name, t in st.items():
+                assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (step, fqn, name)
