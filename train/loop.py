@@ -187,14 +187,15 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 73 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 72 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     tcfg = cfg.train
-    model = apply_remat(backend.build_model(cfg.model, tcfg.seed, plan.layout), tcfg.remat, backend.kind)  # placed (sharded)
+    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)   # build_model's weights, placed (sharded)
+    model = apply_remat(model, tcfg.remat, backend.kind)             # train.remat: checkpoint every block
     raw = unwrap(model)                               # without a torch.compile wrapper
     n_params = num_params(raw)
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)

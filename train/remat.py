@@ -38,7 +38,9 @@ def checkpoint_fn(kind: str):
 
 def apply_remat(model: torch.nn.Module, mode: str, kind: str) -> torch.nn.Module:
     """Wrap every block of `model` (a GPT) in a checkpoint when mode is "block"; "none" leaves it
-    as it is. Call before the backend prepares (moves, compiles) the model. Returns the model."""
+    as it is. Called on the model the backend built (moved, compiled or FSDP-sharded): it replaces
+    each block's forward, which FSDP2's module hooks and torch.compile's lazy first trace both go
+    through. Returns the model."""
     if mode == "none":
         return model
     if mode != "block":
