@@ -157,10 +157,11 @@ def main() -> None:
             r = train_and_score(args.corpus, prepared, base, data, RECIPES[name], Path(tmp) / name)
             rows.append((name, r))
             print(f"RESULT {json.dumps({name: r})}", flush=True)
-    print(f"\n{args.corpus}: held-out bits per byte after the same {rows[0][1]['tokens']:,} training tokens")
-    print(f"{'recipe':<16} {'bits/byte':>9} {'loss':>7} {'train s':>8}  overrides")
+    print(f"\n{args.corpus}: held-out bits per byte")
+    print(f"{'recipe':<22} {'tokens':>10} {'bits/byte':>9} {'loss':>7} {'train s':>8}  overrides")
     for name, r in rows:
-        print(f"{name:<16} {r['bits_per_byte']:>9.4f} {r['loss']:>7.4f} {r['train_s']:>8.1f}  {' '.join(RECIPES[name])}")
+        print(f"{name:<22} {r['tokens']:>10,} {r['bits_per_byte']:>9.4f} {r['loss']:>7.4f} {r['train_s']:>8.1f}  "
+              f"{' '.join(RECIPES[name])}")
 
 
 if __name__ == "__main__":
