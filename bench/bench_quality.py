@@ -75,6 +75,9 @@ RECIPES = {
     "muon_best_softcap15": MUON_BEST + ["model.logit_softcap=15"],
     "muon_best_value_embed": MUON_BEST + ["model.value_embed=true"],
     "muon_best_bos_aligned": MUON_BEST + ["train.bos_aligned=true"],
+    # model.depth=4: 4 layers x 256 (2 heads of 128); nanochat's width-scaled AdamW lr (0.0042) vs 0.006
+    "depth4": ["model.depth=4", "model.max_seq_len=128", "train.lr=0.0042"],
+    "depth4_lr6e-3": ["model.depth=4", "model.max_seq_len=128", "train.lr=0.006"],
 }
 
 SHAKESPEARE_SETTINGS = [

@@ -26,7 +26,7 @@ import yaml
 
 from codex import fsio
 from eval.config import EvalConfig
-from model.config import ModelConfig
+from model.config import ModelConfig, with_depth
 from pipeline.config import DataConfig
 from train.config import TrainConfig
 
@@ -218,6 +218,7 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
         set_key(cfg, o)
     if run:
         cfg.run = run
+    cfg.model = with_depth(cfg.model)
     check_values(cfg)
     return cfg
 
@@ -235,7 +236,7 @@ _RANGES = {
     "train.eval_tokens": (0, None, True), "train.save_every": (0, None, True), "train.keep_last": (1, None, True),
     "train.keep_every": (0, None, True), "train.max_compiles": (0, None, True), "train.shuffle_shards": (0, None, True),
     "train.fsdp_size": (0, None, True),
-    "model.n_layer": (1, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
+    "model.n_layer": (1, None, True), "model.depth": (0, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
     "model.n_embd": (1, None, True), "model.mlp_hidden": (0, None, True), "model.max_seq_len": (1, None, True),
     "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.logit_softcap": (0, None, True), "model.norm_eps": (0, None, False),
     "eval.max_tokens": (0, None, True), "eval.device_batch": (0, None, True), "eval.max_new_tokens": (0, None, True),

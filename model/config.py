@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,6 +10,7 @@ from typing import Literal
 @dataclass
 class ModelConfig:
     preset: str = ""          # the configs/model/NAME.yaml these settings start from (--model NAME); "" = none
+    depth: int = 0            # > 0: one knob for the shape (with_depth): n_layer, n_embd, heads
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int = 4        # < n_head: grouped-query attention
@@ -26,3 +28,14 @@ class ModelConfig:
     zero_init_proj: bool = False   # attention and MLP output projections start at zero (modded-nanogpt)
     logit_softcap: float = 0.0     # > 0: logits = cap * tanh(logits / cap); 0 = off
     value_embed: bool = False      # alternate layers add a per-token value embedding to V (modded-nanogpt, nanochat)
+
+
+def with_depth(m: ModelConfig) -> ModelConfig:
+    """model.depth > 0 sets the shape from one number, as nanochat's --depth: n_layer = depth,
+    n_embd = 64 x depth rounded up to a multiple of 128, heads of 128 (n_kv_head = n_head). It
+    overrides n_layer, n_embd, n_head and n_kv_head. Idempotent, so a checkpoint's config rebuilds
+    the same shape. The learning rates do not follow the width (train/config.py DEFAULT_LR says why)."""
+    if m.depth <= 0:
+        return m
+    width = -(-64 * m.depth // 128) * 128
+    return dataclasses.replace(m, n_layer=m.depth, n_embd=width, n_head=width // 128, n_kv_head=width // 128)
