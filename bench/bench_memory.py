@@ -21,26 +21,7 @@ from codex.config import build_config
 from train.hardware import format_hardware_table, format_model_fit, get_preset
 from train.memory import plan
 
-MEASURE = """
-import resource, sys, contextlib, torch
-from codex.config import build_config
-from model.gpt import build_model
-torch.set_num_threads(1)
-dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-m = build_config(overrides=overrides).model
-import_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()   # resident now
-model = build_model(m, seed=0)
-opt = torch.optim.AdamW(model.parameters())
-x = torch.randint(0, m.vocab_size, (B, T))
-with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext():
-    loss = model(x, x)
-loss.backward()
-opt.step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-assert peak > import_peak, "the step's peak is below the imports' own: not measured"
-print(peak - base)
-"""
+MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")   # prints the peak in bytes
 
 # (dtype, device batch, seq_len, model overrides on the default 4 x 128 model)
 SETTINGS = [
@@ -56,7 +37,7 @@ SETTINGS = [
 
 
 def measured_peak(dtype: str, B: int, T: int, overrides: list[str]) -> int:
-    out = subprocess.run([sys.executable, "-c", MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
+    out = subprocess.run([sys.executable, MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     return int(out.stdout.strip())
 

@@ -143,26 +143,7 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
 
-MEASURE = """
-import resource, sys, contextlib, torch
-from codex.config import build_config
-from model.gpt import build_model
-torch.set_num_threads(1)
-dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-m = build_config(overrides=overrides).model
-import_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()   # resident now
-model = build_model(m, seed=0)
-opt = torch.optim.AdamW(model.parameters())
-x = torch.randint(0, m.vocab_size, (B, T))
-with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext():
-    loss = model(x, x)
-loss.backward()
-opt.step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-assert peak > import_peak, "the step's peak is below the imports' own: not measured"
-print(peak - base)
-"""
+MEASURE = str(Path(__file__).resolve().parent.parent / "bench" / "measure_step_memory.py")   # prints the peak in bytes
 
 
 @pytest.mark.parametrize("dtype,B,T,overrides", [
@@ -174,7 +155,7 @@ def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, o
     after the step minus the resident size (/proc/self/statm) before the model is built (torch
     imported, nothing allocated). Not ru_maxrss there: import's transient peak varies with the
     environment, and subtracting it undercounted the step by up to 90 MB."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
+    out = subprocess.run([sys.executable, MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).parent.parent)
     peak = int(out.stdout.strip())
     est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total

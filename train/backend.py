@@ -299,6 +299,33 @@ def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
     return torch.bfloat16 if setting == "bf16" else None   # fp32: no autocast
 
 
+def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
+    """This process's GPU, after checking the launch against the preset (exit 2 with the fix)."""
+    if not torch.cuda.is_available():
+        raise BackendError(
+            f"hardware preset '{preset.name}' needs CUDA GPUs, but torch {torch.__version__} found none "
+            f"(torch.cuda.is_available() is False; torch.version.cuda={torch.version.cuda}). "
+            "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu.")
+    found = torch.cuda.device_count()
+    if local_world != preset.devices_per_host:
+        raise BackendError(
+            f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host but this launch "
+            f"runs {local_world} process(es) per host. Fix: torchrun --nproc_per_node={preset.devices_per_host} "
+            f"-m train ... (or pick the preset that matches, e.g. --hardware {preset.family}-{local_world}).")
+    if found < local_world:
+        raise BackendError(
+            f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, found {found} "
+            f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
+            f"Fix: use --hardware {preset.family}-{found}" + (" or" if found else "") +
+            " check CUDA_VISIBLE_DEVICES.")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
 def make_backend(cfg, xla_spawned: bool = False) -> Backend:
     """The backend for cfg.train.hardware: CPU or CUDA here, TPU presets go to train/xla_backend.py
     (`xla_spawned`: this process is one of train.xla_mode=spawn's, started by spawn_train)."""
@@ -313,29 +340,7 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
     rank, world, local_rank, local_world = _launch_env()
     launched = "WORLD_SIZE" in os.environ and world > 1
     if preset.kind == "cuda":
-        if not torch.cuda.is_available():
-            raise BackendError(
-                f"hardware preset '{preset.name}' needs CUDA GPUs, but torch {torch.__version__} found none "
-                f"(torch.cuda.is_available() is False; torch.version.cuda={torch.version.cuda}). "
-                "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu.")
-        found = torch.cuda.device_count()
-        if local_world != preset.devices_per_host:
-            raise BackendError(
-                f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host but this launch "
-                f"runs {local_world} process(es) per host. Fix: torchrun --nproc_per_node={preset.devices_per_host} "
-                f"-m train ... (or pick the preset that matches, e.g. --hardware {preset.family}-{local_world}).")
-        if found < local_world:
-            raise BackendError(
-                f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, found {found} "
-                f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
-                f"Fix: use --hardware {preset.family}-{found}" + (" or" if found else "") +
-                " check CUDA_VISIBLE_DEVICES.")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        pg_backend = "nccl"
+        device, pg_backend = _cuda_device(preset, local_rank, local_world), "nccl"
     elif preset.kind == "cpu":
         device = torch.device("cpu")
         pg_backend = "gloo"
