@@ -30,7 +30,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,7 @@ class Backend(Protocol):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
     def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...   # training's model, in `layout`
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...   # before each micro-batch's backward
+    def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...  # XLA's While, or None
     def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -174,6 +175,9 @@ class TorchBackend:
         micro-batch), so a step has one gradient reduction. replicate: all_reduce_grads does it."""
         if self.layout.sharded:
             set_grad_sync(model, on)
+
+    def device_accumulation(self, model: torch.nn.Module, accum: int) -> None:
+        return None   # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
 
     def to_device(self, batch):
         non_blocking = self.device.type == "cuda"

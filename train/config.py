@@ -49,6 +49,7 @@ class TrainConfig:
     wandb: Literal["auto", "online", "offline", "off"] = "auto"  # auto: online with an API key, else offline
     wandb_project: str = "codex"
     xla_mode: Literal["spmd", "spawn"] = "spmd"  # spawn: one process per chip
+    xla_step: Literal["cached", "traced"] = "cached"  # cached: micro-batches in one While traced once (train/xla_step.py)
     xla_cache: str = ""             # persistent compilation cache; default RUN/xla_cache
     max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
     allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)

@@ -187,7 +187,7 @@ def train(cfg, xla_spawned: bool = False) -> dict:
 
 
 def _train(cfg, backend: Backend) -> dict:
-    # 72 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
+    # 75 lines on purpose: set-up, the optimizer step and the log/validate/save decisions read top to
     # bottom in one place, as in nanoGPT's train.py; each decision's body is a function below.
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
@@ -200,6 +200,7 @@ def _train(cfg, backend: Backend) -> dict:
     n_params = num_params(raw)
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     loader = _make_loader(cfg, backend, plan)
+    accumulate = backend.device_accumulation(model, plan.accum)   # None: the Python micro-batch loop below
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
     existing, step, tokens, log_window = _resume(cfg, backend, raw, optimizer, loader)
@@ -215,7 +216,9 @@ def _train(cfg, backend: Backend) -> dict:
             # --- one optimizer step ---
             _injected_fault(backend, step)
             lr = set_lr(optimizer, lr_for(step, tcfg, plan.total_steps))
-            for micro in range(plan.accum):
+            if accumulate is not None:   # XLA: every micro-batch in one While, traced once (train/xla_step.py)
+                window.add(accumulate(loader))
+            for micro in range(plan.accum if accumulate is None else 0):
                 backend.set_grad_sync(model, micro == plan.accum - 1)   # fsdp: reduce in the last backward only
                 x, y = backend.to_device(next(loader))
                 with backend.autocast():

@@ -167,6 +167,7 @@ class XLABackend:
     max_compiles: int = 0
     mesh: Any = None
     flash_attention: bool = False    # model.attention=flash, on a TPU (train/flash_attention.py)
+    xla_step: str = "cached"         # train.xla_step: cached = micro-batches in one While (train/xla_step.py)
     kind: str = "tpu"                # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
     pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
     control: ControlPlane = field(default_factory=ControlPlane)   # gloo over processes (train/control.py)
@@ -194,6 +195,20 @@ class XLABackend:
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
         pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
+
+    def device_accumulation(self, model: torch.nn.Module, accum: int):
+        """train.xla_step=cached: a callable running the step's `accum` micro-batches from the loader
+        as one While traced once (train/xla_step.py); traced: None, the loop re-traces each one."""
+        if self.xla_step != "cached":
+            return None
+        from train.xla_step import DeviceAccumulation, stack_micro_batches
+
+        def loss(x, y):
+            with self.autocast():
+                return model(x, y)
+
+        accumulation = DeviceAccumulation(unwrap(model), loss, accum)
+        return lambda loader: accumulation(*self.to_device(stack_micro_batches(loader, accum)))
 
     def _spec(self, ndim: int):
         """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
@@ -333,7 +348,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
                              autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
                              global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh,
-                             flash_attention=cfg.model.attention == "flash")
+                             flash_attention=cfg.model.attention == "flash", xla_step=cfg.train.xla_step)
     else:
         world, rank = xr.world_size(), xr.global_ordinal()
         if world != preset.devices:
@@ -342,7 +357,8 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=rank, world_size=world,
                              local_rank=xr.local_ordinal(), autocast_dtype=dtype, loader_rank=rank,
                              loader_world=world, devices_per_loader=1, global_values=False,
-                             max_compiles=cfg.train.max_compiles, flash_attention=cfg.model.attention == "flash")
+                             max_compiles=cfg.train.max_compiles, flash_attention=cfg.model.attention == "flash",
+                             xla_step=cfg.train.xla_step)
     backend.control = _control_plane(backend.loader_world)
     if backend.is_main:
         log.info("XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s", mode, platform,

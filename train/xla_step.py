@@ -117,6 +117,12 @@ class DeviceAccumulation:
         return _Traced(_build_while(body, x, y, params, sources, self.accum), sources, len(params))
 
 
+def stack_micro_batches(loader, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's `accum` (x, y) micro-batches from the loader as [rows, accum, T] each (CPU)."""
+    batches = [next(loader) for _ in range(accum)]
+    return tuple(torch.stack([b[k] for b in batches], dim=1) for k in range(2))
+
+
 def _zeros_like_sharded(p: torch.Tensor) -> torch.Tensor:
     """A zero gradient with its parameter's sharding (SPMD fsdp: the sum stays sharded)."""
     import torch_xla
