@@ -2,9 +2,10 @@
 
 Two modes (train.xla_mode, `--xla-mode`):
 
-spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a 1-D
-                mesh ("data",) over every chip of the slice, each batch sharded on dim 0 across
-                the mesh; parameters and optimizer state are replicated. The program is written
+spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a 2-D
+                mesh ("replica", "fsdp") over every chip of the slice, each batch sharded on dim 0
+                across all of it; parameters and optimizer state are replicated, or under
+                train.parallel=fsdp sharded on the fsdp axis (train/xla_sharding.py). The program is written
                 for the global batch, so the SPMD partitioner inserts the gradient all-reduce
                 itself and all_reduce_grads is a no-op. The host's loader loads
                 device_batch * local chips rows per micro-batch; hosts split the data by process
@@ -43,12 +44,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from codex import fsio
 from codex.config import ConfigError, from_dict, to_dict
+from train import xla_sharding
 from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
 from train.flash_attention import flash_unavailable, use_flash_attention
 from train.control import ControlPlane, control_timeout
@@ -187,21 +188,30 @@ class XLABackend:
         return model
 
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
-        # Replicated (make_plan refuses train.parallel=fsdp on TPU presets).
+        """build_model's weights, replicated, or under fsdp sharded on the (replica, fsdp) mesh
+        (train/xla_sharding.py), which replaces the replicated one."""
         from model.gpt import build_model
 
-        return self.prepare_model(build_model(model_cfg, seed=seed))
+        model = build_model(model_cfg, seed=seed)
+        if layout is None or not layout.sharded:
+            return self.prepare_model(model)
+        if self.mode != "spmd" or self.loader_world > 1:
+            raise ConfigError("train.parallel=fsdp on TPU runs under --xla-mode spmd on one host (several hosts need "
+                              "torch_xla's SPMD checkpoint planners, not built): use train.parallel=replicate")
+        self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
+        xla_sharding.shard_model(model, self.mesh, self.device)
+        return self.prepare_model(model)
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
         pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
 
     def _spec(self, ndim: int):
-        """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
+        """Shard dim 0 over every device of the mesh; minibatch=True: the tensor is this host's part of the global
         batch (on one host, the whole batch)."""
         if ndim not in self._specs:
             import torch_xla.distributed.spmd as xs
 
-            self._specs[ndim] = xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1), minibatch=True)
+            self._specs[ndim] = xs.ShardingSpec(self.mesh, xla_sharding.batch_spec(ndim), minibatch=True)
         return self._specs[ndim]
 
     def to_device(self, batch):
@@ -320,8 +330,6 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
 
     if mode == "spmd":
         xr.use_spmd()
-        import torch_xla.distributed.spmd as xs
-
         n = xr.global_runtime_device_count()
         local = xr.addressable_runtime_device_count()
         hosts, host = xr.process_count(), xr.process_index()
@@ -329,7 +337,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
             raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips on {preset.hosts} host(s), "
                                f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
                                f"({xr.device_type()}). {fix}")
-        mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+        mesh = xla_sharding.make_mesh(n, 1)   # replicate; build_model reshapes it under fsdp
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
                              autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
                              global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh,
