@@ -69,6 +69,11 @@ def layout():
     return {"params": out, "marks": list(marks)}
 """
 
+def copy_checkpoint(src: str, dst: str, step: int) -> None:
+    name = f"step_{step:08d}"
+    shutil.copytree(Path(src) / "checkpoints" / name, Path(dst) / "checkpoints" / name)
+
+
 def fsdp(steps: int, size: int, **extra) -> list[str]:
     return overrides("v6e-4", 2, steps, parallel="fsdp", fsdp_size=size, **extra)
 
@@ -86,13 +91,16 @@ def runs(tmp_path_factory):
 emit("eager", train(cfg({d['eager']!r}, {overrides('cpu', 8, 10, save_every=5)!r})))
 emit("eager_adamw", train(cfg({d['eager_adamw']!r}, {overrides('cpu', 8, 5, optimizer='adamw')!r})))
 """))
-    shutil.copytree(Path(d["eager"]) / "checkpoints" / "step_00000005", Path(d["resume_xla"]) / "checkpoints" / "step_00000005")
+    copy_checkpoint(d["eager"], d["resume_xla"], 5)
     fsdp4 = CAPTURE + f"""
+import torch_xla
+import torch_xla.debug.metrics as met
 emit("fsdp4", train(cfg({d['fsdp4']!r}, {fsdp(10, 0, save_every=5)!r})))
+emit("fsdp4_compiles", met.metric_data("CompileTime")[0])
 emit("fsdp4_layout", layout())
 tokens = torch.randint(0, captured["model"].vocab_size, (4, 16), generator=torch.Generator().manual_seed(7))
 with torch.no_grad():   # the live sharded model (step 10) on fixed tokens, for the export test
-    logits = captured["model"](tokens.to(xm.xla_device()))
+    logits = captured["model"](tokens.to(torch_xla.device()))
 torch.save({{"tokens": tokens, "logits": logits.cpu()}}, {d['logits']!r})
 emit("resume_xla", train(cfg({d['resume_xla']!r}, {fsdp(10, 0, eval_every=0)!r})))
 emit("resume_xla_layout", layout())
@@ -104,7 +112,7 @@ emit("fsdp2_layout", layout())
     with ThreadPoolExecutor(2) as pool:   # two XLA processes at once: compiles are mostly single-threaded
         for job in [pool.submit(run_xla_script, script, DEVICES) for script in (fsdp4, fsdp2)]:
             out.update(job.result())
-    shutil.copytree(Path(d["fsdp4"]) / "checkpoints" / "step_00000005", Path(d["resume_eager"]) / "checkpoints" / "step_00000005")
+    copy_checkpoint(d["fsdp4"], d["resume_eager"], 5)
     out.update(run_eager(f"""
 emit("resume_eager", train(cfg({d['resume_eager']!r}, {overrides('cpu', 8, 10, eval_every=0)!r})))
 """))
@@ -201,3 +209,36 @@ def test_export_gives_the_live_sharded_models_logits(runs, tmp_path):
     assert logits.shape == live.shape == (4, 16, saved["model_config"]["vocab_size"])
     assert (logits - live).abs().max().item() < 1e-4
     assert (logits - live).abs().max().item() < 1e-3 * live.abs().max().item()
+
+
+def test_xla_fsdp_compiles_what_replicate_compiles(runs):
+    """Sharding adds no program: the 10-step run (log every 5, validation at 10) compiles the six
+    of tests/test_xla.py's replicated run (first step, steady step, loss read, loss zeroing, two
+    validation graphs); the state marked after the first step feeds the steady step unchanged."""
+    from tests.test_xla import EXPECTED_COMPILES
+
+    assert runs["fsdp4_compiles"] == EXPECTED_COMPILES
+
+
+def test_auto_picks_fsdp_on_tpu_and_refusals():
+    """train.parallel=auto on a TPU preset where the replicated state does not fit gives fsdp over
+    the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any device work."""
+    from codex.config import ConfigError, build_config
+    from model.config import ModelConfig
+    from train.fsdp import Layout
+    from train.hardware import get_preset
+    from train.loop import resolve_batch
+    from train.xla_backend import XLABackend
+
+    preset = get_preset("v5litepod-4")
+    *_, layout = resolve_batch(build_config(model="1b", overrides=["train.hardware=v5litepod-4"]), preset, 4)
+    assert (layout.parallel, layout.shard, layout.replicas) == ("fsdp", 4, 1)
+    *_, layout = resolve_batch(build_config(model="tiny", overrides=["train.hardware=v5litepod-4"]), preset, 4)
+    assert layout.parallel == "replicate"
+    tiny = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=32, vocab_size=64, max_seq_len=16)
+    base = dict(device=torch.device("cpu"), rank=0, world_size=4, local_rank=0, autocast_dtype=None,
+                loader_rank=0, devices_per_loader=4, global_values=True)
+    for mode, hosts in (("spawn", 1), ("spmd", 2)):
+        backend = XLABackend(mode=mode, loader_world=hosts, **base)
+        with pytest.raises(ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd on one host"):
+            backend.build_model(tiny, 0, Layout("fsdp", shard=4, replicas=1))

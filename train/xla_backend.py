@@ -2,10 +2,9 @@
 
 Two modes (train.xla_mode, `--xla-mode`):
 
-spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a 2-D
-                mesh ("replica", "fsdp") over every chip of the slice, each batch sharded on dim 0
-                across all of it; parameters and optimizer state are replicated, or under
-                train.parallel=fsdp sharded on the fsdp axis (train/xla_sharding.py). The program is written
+spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a mesh
+                ("replica", "fsdp") over the slice's chips, each batch sharded on dim 0 over all;
+                state replicated, or sharded on fsdp (train/xla_sharding.py). The program is written
                 for the global batch, so the SPMD partitioner inserts the gradient all-reduce
                 itself and all_reduce_grads is a no-op. The host's loader loads
                 device_batch * local chips rows per micro-batch; hosts split the data by process
@@ -188,8 +187,7 @@ class XLABackend:
         return model
 
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
-        """build_model's weights, replicated, or under fsdp sharded on the (replica, fsdp) mesh
-        (train/xla_sharding.py), which replaces the replicated one."""
+        """build_model's weights, replicated, or sharded on a (replica, fsdp) mesh (train/xla_sharding.py)."""
         from model.gpt import build_model
 
         model = build_model(model_cfg, seed=seed)
@@ -206,7 +204,7 @@ class XLABackend:
         pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
 
     def _spec(self, ndim: int):
-        """Shard dim 0 over every device of the mesh; minibatch=True: the tensor is this host's part of the global
+        """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global
         batch (on one host, the whole batch)."""
         if ndim not in self._specs:
             import torch_xla.distributed.spmd as xs
@@ -275,7 +273,7 @@ class XLABackend:
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
-        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+        return {k: xla_sharding.to_cpu(v).clone() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
         import torch_xla.core.xla_model as xm

@@ -31,8 +31,8 @@ weight's features and resharding it later ("involuntary full rematerialization" 
 fsdp=2 x replica=2 with block outputs alone). The partitioner inserts the all-gathers and the
 gradient reduce-scatters itself.
 
-Checkpoints: the backend's state_dict_for_save reads full CPU tensors (one host: .cpu() gathers the
-shards); model.load_state_dict copies into the sharded parameters, which keep their sharding (a
+Checkpoints: the backend's state_dict_for_save and train/train_state.py read full CPU tensors
+(`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict copies into the sharded parameters, which keep their sharding (a
 load post-hook re-marks and asserts it). Several hosts would need torch_xla's SPMD save/load
 planners (each host writing its own shards): not built, so the backend refuses fsdp on more than
 one host.
@@ -87,6 +87,28 @@ def local_shard_shapes(t: torch.Tensor) -> list[tuple[int, ...]]:
     import torch_xla
 
     return [tuple(data.shape) for data, _device in torch_xla._XLAC._get_local_shards([t])[0]]
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A full CPU copy of an XLA tensor. A sharded one is put together on the host from the shards
+    (every shard is on this host: fsdp runs on one host): torch_xla 2.9's .cpu() of sharded data
+    compiles a replicating program on every call (one per checkpointed tensor, each save)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    if not sharding_of(t):
+        return t.detach().cpu()
+    torch_xla._XLAC._xla_sync_multi([t], devices=[], wait=True)   # only t's pending work, if any
+    xm.wait_device_ops()
+    full = torch.empty(t.shape, dtype=t.dtype)
+    shards = torch_xla._XLAC._get_local_shards([t])[0]
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    for (data, _device), (_replica, index) in zip(shards, places):
+        if index is Ellipsis:   # replicated: any shard is the whole tensor
+            return data.clone()
+        # the last shard of an uneven split is padded: keep the part its index covers
+        full[tuple(index)] = data[tuple(slice(0, i.stop - i.start) for i in index)]
+    return full
 
 
 def _mark(t: torch.Tensor, mesh, spec: tuple, expected: str | None = None) -> str:
