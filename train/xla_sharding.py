@@ -13,8 +13,9 @@ Which dim of a parameter is sharded (`param_spec`): dim 0 when the fsdp size div
 divides, else the tensor is replicated (a scalar, or a shape no dim of which divides). Every
 parameter is marked, replicated ones explicitly, so its sharding string is known and checkable.
 
-Parameters go to the devices already sharded: each one is sent with its ShardingSpec, so a device
-receives its slice only (the full model exists once, on the host, where build_model draws it).
+Parameters go to the devices already sharded: each matrix is sent with its ShardingSpec, so a
+device receives its slice only (the full model exists once, on the host, where build_model draws
+it); 1-D ones (norm gains) are sent whole and marked.
 
 The optimizer state takes its parameter's sharding: AdamW's exp_avg / exp_avg_sq and Muon's
 momentum_buffer are created inside the first step's graph (and load_state_dict puts loaded state
@@ -27,13 +28,14 @@ runtime must be the parameter's.
 Activations: the output of every Linear and Embedding ([B, T, features]) is constrained to the
 batch sharding (torch_xla's SpmdFullyShardedDataParallel does it per wrapped module, shard_output),
 so the partitioner all-gathers a weight (FSDP) instead of keeping a matmul's output sharded on the
-weight's features and resharding it later ("involuntary full rematerialization" warnings under
-fsdp=2 x replica=2 with block outputs alone). The partitioner inserts the all-gathers and the
-gradient reduce-scatters itself.
+weight's features and resharding it later (with only the blocks' outputs constrained, XLA warns of
+"involuntary full rematerialization" under fsdp=2 x replica=2). The partitioner inserts the
+all-gathers and the gradient reduce-scatters itself.
 
 Checkpoints: the backend's state_dict_for_save and train/train_state.py read full CPU tensors
-(`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict copies into the sharded parameters, which keep their sharding (a
-load post-hook re-marks and asserts it). Several hosts would need torch_xla's SPMD save/load
+(`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict
+copies into the sharded parameters, which keep their sharding (a load post-hook re-marks and
+asserts it). Several hosts would need torch_xla's SPMD save/load
 planners (each host writing its own shards): not built, so the backend refuses fsdp on more than
 one host.
 """
@@ -128,8 +130,8 @@ def _mark(t: torch.Tensor, mesh, spec: tuple, expected: str | None = None) -> st
 
 
 def shard_model(model: torch.nn.Module, mesh, device: torch.device) -> dict[str, tuple]:
-    """Send `model`'s parameters (on the CPU) to `device` sharded on the fsdp axis, constrain each
-    block's output to the batch sharding, and register the plan for the optimizer hooks. Returns
+    """Send `model`'s parameters (on the CPU) to `device` sharded on the fsdp axis, constrain every
+    Linear/Embedding output to the batch sharding, and register the plan for the optimizer hooks. Returns
     {parameter name: partition spec}. Buffers are left for the caller's model.to(device)."""
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
