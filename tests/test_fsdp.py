@@ -166,7 +166,7 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
     assert checkpoint.complete_steps(run) == [2, 4, 6]        # step 4 rewritten by the resumed run
 
 
-def test_fsdp_size_must_divide_the_world_and_tpu_refuses_fsdp():
+def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     from codex.config import ConfigError, build_config
     from train.fsdp import layout_for
     from train.memory import setting_for
@@ -180,8 +180,9 @@ def test_fsdp_size_must_divide_the_world_and_tpu_refuses_fsdp():
     assert not layout_for("replicate", 0, 4).sharded
     tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=2"]).train
     assert setting_for(tcfg, "cuda")["layout"] == "fsdp" and setting_for(tcfg, "cuda")["fsdp_size"] == 2
-    with pytest.raises(ConfigError, match="train.parallel=fsdp is not available on TPU presets"):
-        setting_for(tcfg, "tpu")
+    assert setting_for(tcfg, "tpu")["layout"] == "fsdp"   # XLA SPMD (train/xla_sharding.py)
+    auto = build_config(overrides=[]).train
+    assert setting_for(auto, "tpu")["layout"] == "auto"    # resolved by the memory plan, as on CUDA
 
 
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):

@@ -297,9 +297,5 @@ def setting_for(tcfg, kind: str) -> dict:
     that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
     layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
     dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
-    if kind == "tpu" and tcfg.parallel == "fsdp":
-        raise ConfigError("train.parallel=fsdp is not available on TPU presets yet (SPMD sharding is separate "
-                          "work); use train.parallel=replicate (or auto)")
-    layout = tcfg.parallel if kind != "tpu" else "replicate"
-    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": layout, "fsdp_size": tcfg.fsdp_size,
+    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": tcfg.parallel, "fsdp_size": tcfg.fsdp_size,
             "remat": tcfg.remat}

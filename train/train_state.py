@@ -41,8 +41,12 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor where it is when DCP can write it from there (CPU, CUDA, DTensor shards: DCP copies
-    only what this rank writes to the host); XLA tensors copied to the CPU."""
-    return t.detach() if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda") else t.detach().cpu()
+    only what this rank writes to the host); XLA tensors copied to the CPU (sharded ones from their shards)."""
+    if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda"):
+        return t.detach()
+    from train.xla_sharding import to_cpu
+
+    return to_cpu(t)
 
 
 def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:

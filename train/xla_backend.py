@@ -2,9 +2,9 @@
 
 Two modes (train.xla_mode, `--xla-mode`):
 
-spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a 1-D
-                mesh ("data",) over every chip of the slice, each batch sharded on dim 0 across
-                the mesh; parameters and optimizer state are replicated. The program is written
+spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a mesh
+                ("replica", "fsdp") over the slice's chips, each batch sharded on dim 0 over all;
+                state replicated, or sharded on fsdp (train/xla_sharding.py). The program is written
                 for the global batch, so the SPMD partitioner inserts the gradient all-reduce
                 itself and all_reduce_grads is a no-op. The host's loader loads
                 device_batch * local chips rows per micro-batch; hosts split the data by process
@@ -43,12 +43,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from codex import fsio
 from codex.config import ConfigError, from_dict, to_dict
+from train import xla_sharding
 from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
 from train.flash_attention import flash_unavailable, use_flash_attention
 from train.control import ControlPlane, control_timeout
@@ -188,10 +188,18 @@ class XLABackend:
         return model
 
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
-        # Replicated (make_plan refuses train.parallel=fsdp on TPU presets).
+        """build_model's weights, replicated, or sharded on a (replica, fsdp) mesh (train/xla_sharding.py)."""
         from model.gpt import build_model
 
-        return self.prepare_model(build_model(model_cfg, seed=seed))
+        model = build_model(model_cfg, seed=seed)
+        if layout is None or not layout.sharded:
+            return self.prepare_model(model)
+        if self.mode != "spmd" or self.loader_world > 1:
+            raise ConfigError("train.parallel=fsdp on TPU runs under --xla-mode spmd on one host (several hosts need "
+                              "torch_xla's SPMD checkpoint planners, not built): use train.parallel=replicate")
+        self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
+        xla_sharding.shard_model(model, self.mesh, self.device)
+        return self.prepare_model(model)
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
         pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
@@ -216,7 +224,7 @@ class XLABackend:
         if ndim not in self._specs:
             import torch_xla.distributed.spmd as xs
 
-            self._specs[ndim] = xs.ShardingSpec(self.mesh, ("data",) + (None,) * (ndim - 1), minibatch=True)
+            self._specs[ndim] = xs.ShardingSpec(self.mesh, xla_sharding.batch_spec(ndim), minibatch=True)
         return self._specs[ndim]
 
     def to_device(self, batch):
@@ -280,7 +288,7 @@ class XLABackend:
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
-        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+        return {k: xla_sharding.to_cpu(v).clone() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
         import torch_xla.core.xla_model as xm
@@ -335,8 +343,6 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
 
     if mode == "spmd":
         xr.use_spmd()
-        import torch_xla.distributed.spmd as xs
-
         n = xr.global_runtime_device_count()
         local = xr.addressable_runtime_device_count()
         hosts, host = xr.process_count(), xr.process_index()
@@ -344,7 +350,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
             raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips on {preset.hosts} host(s), "
                                f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
                                f"({xr.device_type()}). {fix}")
-        mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+        mesh = xla_sharding.make_mesh(n, 1)   # replicate; build_model reshapes it under fsdp
         backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
                              autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
                              global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh,

@@ -1,0 +1,210 @@
+"""train.parallel=fsdp under XLA SPMD: where every tensor of the training state lives on the mesh.
+
+    mesh = make_mesh(layout.replicas, layout.shard)        # 2-D: ("replica", "fsdp")
+    model = shard_model(build_model(cfg, seed), mesh, device)
+
+The mesh is (replica, fsdp): one copy of the state is sharded over the `fsdp` devices of a row
+(train.fsdp_size, 0 = all), and the rows hold copies (HSDP when replica > 1). Device ids are laid
+out row by row, so the batch spec (dim 0 over ("replica", "fsdp")) gives device i the same rows
+whatever the mesh's shape: the loader is the same as under replicate.
+
+Which dim of a parameter is sharded (`param_spec`): dim 0 when the fsdp size divides it
+(embeddings [vocab, d], linear weights [out, in], norm gains [d]), else the first other dim it
+divides, else the tensor is replicated (a scalar, or a shape no dim of which divides). Every
+parameter is marked, replicated ones explicitly, so its sharding string is known and checkable.
+
+Parameters go to the devices already sharded: each matrix is sent with its ShardingSpec, so a
+device receives its slice only (the full model exists once, on the host, where build_model draws
+it); 1-D ones (norm gains) are sent whole and marked.
+
+The optimizer state takes its parameter's sharding: AdamW's exp_avg / exp_avg_sq and Muon's
+momentum_buffer are created inside the first step's graph (and load_state_dict puts loaded state
+back replicated), so a global optimizer step pre- and post-hook (`shard_optimizer_state`) marks
+every state tensor shaped like its parameter with the parameter's spec where it differs: once after
+the first step creates it, once before the first step after a checkpoint load, then never again
+(a checked tensor is remembered). Each mark is asserted: the sharding string read back from the
+runtime must be the parameter's.
+
+Activations: the output of every Linear and Embedding ([B, T, features]) is constrained to the
+batch sharding (torch_xla's SpmdFullyShardedDataParallel does it per wrapped module, shard_output),
+so the partitioner all-gathers a weight (FSDP) instead of keeping a matmul's output sharded on the
+weight's features and resharding it later (with only the blocks' outputs constrained, XLA warns of
+"involuntary full rematerialization" under fsdp=2 x replica=2). The partitioner inserts the
+all-gathers and the gradient reduce-scatters itself.
+
+Checkpoints: the backend's state_dict_for_save and train/train_state.py read full CPU tensors
+(`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict
+copies into the sharded parameters, which keep their sharding (a load post-hook re-marks and
+asserts it). Several hosts would need torch_xla's SPMD save/load
+planners (each host writing its own shards): not built, so the backend refuses fsdp on more than
+one host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+AXES = ("replica", "fsdp")
+BATCH_AXES = ("replica", "fsdp")       # dim 0 of a batch or an activation: over every device
+
+# parameter -> (mesh, partition spec, the sharding string the runtime reports for it)
+_PLANNED = WeakIdKeyDictionary()
+_CHECKED = WeakIdKeyDictionary()       # optimizer state tensors already carrying their sharding
+_HOOKS: list = []
+
+
+def make_mesh(replicas: int, shard: int):
+    """The (replica, fsdp) mesh over every device of the slice, device ids row by row."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh(np.arange(replicas * shard), (replicas, shard), AXES)
+
+
+def param_spec(shape: tuple[int, ...], shard: int) -> tuple:
+    """The partition spec of a parameter of `shape` over `shard` fsdp devices (see the module doc)."""
+    spec = [None] * len(shape)
+    if shard > 1:
+        for dim, size in enumerate(shape):
+            if size % shard == 0:
+                spec[dim] = "fsdp"
+                break
+    return tuple(spec)
+
+
+def batch_spec(ndim: int) -> tuple:
+    return (BATCH_AXES,) + (None,) * (ndim - 1)
+
+
+def sharding_of(t: torch.Tensor) -> str:
+    """The runtime's sharding string of an XLA tensor ('' when unannotated)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def local_shard_shapes(t: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shape of the piece of `t` each addressable device holds (the device work must be done)."""
+    import torch_xla
+
+    return [tuple(data.shape) for data, _device in torch_xla._XLAC._get_local_shards([t])[0]]
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A full CPU copy of an XLA tensor. A sharded one is put together on the host from the shards
+    (every shard is on this host: fsdp runs on one host): torch_xla 2.9's .cpu() of sharded data
+    compiles a replicating program on every call (one per checkpointed tensor, each save)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    if not sharding_of(t):
+        return t.detach().cpu()
+    torch_xla._XLAC._xla_sync_multi([t], devices=[], wait=True)   # only t's pending work, if any
+    xm.wait_device_ops()
+    full = torch.empty(t.shape, dtype=t.dtype)
+    shards = torch_xla._XLAC._get_local_shards([t])[0]
+    places = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    for (data, _device), (_replica, index) in zip(shards, places):
+        if index is Ellipsis:   # replicated: any shard is the whole tensor
+            return data.clone()
+        # the last shard of an uneven split is padded: keep the part its index covers
+        full[tuple(index)] = data[tuple(slice(0, i.stop - i.start) for i in index)]
+    return full
+
+
+def _mark(t: torch.Tensor, mesh, spec: tuple, expected: str | None = None) -> str:
+    """Annotate `t` with `spec` (clearing a different annotation first); assert the result."""
+    import torch_xla.distributed.spmd as xs
+
+    if expected is not None and sharding_of(t) == expected:
+        return expected
+    if sharding_of(t):
+        xs.clear_sharding(t)
+    xs.mark_sharding(t, mesh, spec)
+    got = sharding_of(t)
+    if expected is not None and got != expected:
+        raise RuntimeError(f"XLA sharding of a tensor of shape {tuple(t.shape)} is {got!r} after marking, "
+                           f"planned {expected!r}")
+    return got
+
+
+def shard_model(model: torch.nn.Module, mesh, device: torch.device) -> dict[str, tuple]:
+    """Send `model`'s parameters (on the CPU) to `device` sharded on the fsdp axis, constrain every
+    Linear/Embedding output to the batch sharding, and register the plan for the optimizer hooks. Returns
+    {parameter name: partition spec}. Buffers are left for the caller's model.to(device)."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    shard = mesh.mesh_shape[AXES.index("fsdp")]
+    plan, sent = {}, {}
+    for module_name, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in sent:   # a tied weight is sent once and shared again
+                spec = param_spec(tuple(p.shape), shard)
+                if p.dim() >= 2:
+                    data = xm.send_cpu_data_to_device([p.detach()], device, xs.ShardingSpec(mesh, spec))[0]
+                else:   # torch_xla 2.9's ShardingSpec fails on 1-D tensors: sent whole, then marked
+                    data = p.detach().to(device)
+                    xs.mark_sharding(data, mesh, spec)
+                sent[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+                plan[f"{module_name}.{name}" if module_name else name] = spec
+                _PLANNED[sent[id(p)]] = (mesh, spec, sharding_of(sent[id(p)]))
+            module._parameters[name] = sent[id(p)]
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.register_forward_hook(_constrain_output(mesh))
+    model.register_load_state_dict_post_hook(lambda module, _keys: check_model(module))
+    _install_optimizer_hooks()
+    return plan
+
+
+def _constrain_output(mesh):
+    import torch_xla.distributed.spmd as xs
+
+    def hook(_module, _args, out):
+        xs.mark_sharding(out, mesh, batch_spec(out.dim()))
+    return hook
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Every planned parameter of `model` carries its planned sharding (re-marked if a load lost it)."""
+    for p in model.parameters():
+        if p in _PLANNED:
+            mesh, spec, expected = _PLANNED[p]
+            _mark(p, mesh, spec, expected)
+
+
+@torch.no_grad()
+def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Mark every state tensor shaped like its (planned) parameter with the parameter's sharding
+    where it differs; returns how many were marked. Scalars (AdamW's step) stay replicated."""
+    marked = 0
+    for p, state in optimizer.state.items():
+        if p not in _PLANNED:
+            continue
+        mesh, spec, expected = _PLANNED[p]
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.shape != p.shape or value in _CHECKED:
+                continue
+            if sharding_of(value) != expected:
+                _mark(value, mesh, spec, expected)
+                marked += 1
+            _CHECKED[value] = True
+    return marked
+
+
+def _install_optimizer_hooks() -> None:
+    """The global step hooks (once per process): before a step (loaded state) and after it (state
+    the step created). Optimizers over parameters this module did not plan are left alone."""
+    if _HOOKS:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def hook(optimizer, _args, _kwargs) -> None:   # a pre-hook's return value would replace the step's arguments
+        shard_optimizer_state(optimizer)
+
+    _HOOKS.append(register_optimizer_step_pre_hook(hook))
+    _HOOKS.append(register_optimizer_step_post_hook(hook))
