@@ -1,10 +1,25 @@
-"""XLA training on the CPU backend: compile count, first-step and steady step time, and what
-XLA_NO_SPECIAL_SCALARS=1 buys (a learning rate that changes every step must not recompile).
+"""The XLA step's host cost: host ms per optimizer step and compile seconds, train.xla_step=traced
+(the Python micro-batch loop, re-traced every step) against cached (one While traced once,
+train/xla_step.py), side by side in one run.
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python bench/bench_xla.py [--steps 20] [--devices 4]
+    PJRT_DEVICE=CPU .venv-xla/bin/python bench/bench_xla.py [--models tiny,124m,1b] [--accums 1,8]
 
-Each configuration runs in its own process (one XLA runtime per process). Numbers on the XLA CPU
-backend say nothing about TPU speed; they show the compile behaviour, which is the same.
+Every configuration runs in its own process (one XLA runtime, fresh compile metrics) on the v6e-4
+mesh (4 XLA CPU devices), with the model's layers, heads, vocab (32768) and optimizer (the default,
+Muon + AdamW), the layout the memory plan picks for the preset's default batch (1b: fsdp over 4),
+and the real step code (the backend's to_device, device_accumulation, clip, optimizer). Only the
+tokens are cut, to 1 sequence of 64 per device: tracing and compiling see the same operations at
+any batch shape, and the CPU has to execute every step. 1b is also narrowed (16 layers, 32 query /
+8 K/V heads, tied, as 1b, but 512 wide with MLP 2048 instead of 2048 / 8192): its Muon step at
+full width would take the CPU ~25 minutes a step. Its trace and compile see the same operations;
+its compile time is not 1b's.
+
+Host ms per step: Python time from the learning-rate update to the return of the step's
+torch_xla.sync() (trace, batch transfer, graph hashing, dispatch), the median over the timed
+steps, after two warm-up steps that compile. The device is idle at the start of every timed step
+(the bench waits for it in between), and where the CPU client runs the program inside the sync,
+its ExecuteReplicatedTime is taken out. Compile seconds: torch_xla's CompileTime, summed over the
+whole run (every program of the run).
 """
 
 from __future__ import annotations
@@ -14,61 +29,110 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHILD = """
-import json, sys, time
+CHILD = r"""
+import json, statistics, sys, time
+from dataclasses import replace
 sys.path.insert(0, {root!r})
 import torch
-torch.set_num_threads(1)
-from pathlib import Path
 from codex.config import build_config
-from tests.train_helpers import make_run
-from train.loop import train
-import torch_xla.debug.metrics as met
-run = {run!r}
-make_run(Path(run))
-ov = ["train.hardware={hw}", "train.device_batch=2", "train.seq_len=32", "train.batch_tokens=512",
-      "train.max_steps={steps}", "train.warmup_steps=2", "train.log_every={steps}", "train.eval_every=0",
-      "train.save_every=0", "train.wandb=off", "train.dtype=fp32", "train.allow_cpu_xla=true"]
-t0 = time.perf_counter()
-r = train(build_config(overrides=ov, model="tiny", run=run))
-total = time.perf_counter() - t0
-m = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
-compile_s = met.metric_data("CompileTime")[1] / 1e9
-print("BENCH " + json.dumps({{"compiles": met.metric_data("CompileTime")[0], "compile_s": compile_s,
-                             "total_s": total, "step_ms_logged": 1000 * m[-1]["step_time_s"]}}))
+from model.gpt import mlp_hidden
+from train.backend import unwrap
+from train.hardware import get_preset
+from train.loop import resolve_batch
+from train.optim import clip_grad_norm, make_optimizer, set_lr
+from train.xla_backend import make_xla_backend
+import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
+
+name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}
+cfg = build_config(model=name, run="/tmp/codex-bench-xla", overrides=[
+    "train.hardware=v6e-4", "train.allow_cpu_xla=true", f"train.xla_step={{step_mode}}", "train.lr=0.003"])
+m = replace(cfg.model, vocab_size=32768)
+if name == "1b":   # see the module docstring
+    m = replace(m, n_embd=512, mlp_hidden=2048)
+cfg = replace(cfg, model=replace(m, mlp_hidden=mlp_hidden(m)))
+preset = get_preset("v6e-4")
+backend = make_xla_backend(cfg, preset)
+default_B, default_T, _, _, _, layout = resolve_batch(cfg, preset, backend.world_size)
+B, T = 1, 64
+model = backend.build_model(cfg.model, 0, layout)
+raw = unwrap(model)
+optimizer = make_optimizer(raw, cfg.train, "tpu", backend.autocast_dtype)
+accumulate = backend.device_accumulation(model, accum)
+rows = B * backend.devices_per_loader
+gen = torch.Generator().manual_seed(0)
+def batches():
+    while True:
+        t = torch.randint(0, m.vocab_size, (rows, T + 1), generator=gen)
+        yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+loader = batches()
+def metric(key):
+    d = met.metric_data(key)
+    return d[1] / 1e6 if d else 0.0   # ms
+backend.synchronize()
+host = []
+for step in range(2 + steps):
+    xm.wait_device_ops()
+    e0 = metric("ExecuteReplicatedTime")
+    t0 = time.perf_counter()
+    set_lr(optimizer, 1e-3)
+    if accumulate is not None:
+        loss_sum = accumulate(loader)
+    else:
+        for micro in range(accum):
+            x, y = backend.to_device(next(loader))
+            with backend.autocast():
+                loss = model(x, y)
+            (loss / accum).backward()
+    backend.all_reduce_grads(raw)
+    clip_grad_norm(raw, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    t_sync = time.perf_counter()
+    backend.step_boundary()
+    t1 = time.perf_counter()
+    xm.wait_device_ops()
+    t2 = time.perf_counter()
+    executed = metric("ExecuteReplicatedTime") - e0
+    sync_ms = 1000 * (t1 - t_sync)
+    inline = 1000 * (t2 - t1) < 0.1 * executed   # the CPU ran the program inside the sync
+    if step >= 2:
+        host.append(1000 * (t_sync - t0) + (max(0.0, sync_ms - executed) if inline else sync_ms))
+print("BENCH " + json.dumps({{"host_ms": statistics.median(host), "host_all": host,
+    "compile_s": met.metric_data("CompileTime")[1] / 1e9, "compiles": met.metric_data("CompileTime")[0],
+    "layout": layout.describe(), "default_batch": [default_B, default_T]}}))
 """
 
 
-def run(devices: int, steps: int, special_scalars_off: bool) -> dict:
-    hw = {1: "v6e-1", 4: "v6e-4", 8: "v6e-8"}[devices]
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT))
-        env["XLA_NO_SPECIAL_SCALARS"] = "1" if special_scalars_off else "0"
-        code = CHILD.format(root=str(ROOT), run=os.path.join(tmp, "run"), hw=hw, steps=steps)
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(proc.stderr[-3000:])
-        line = next(l for l in proc.stdout.splitlines() if l.startswith("BENCH "))
-        return json.loads(line[6:])
+def run(name: str, accum: int, step_mode: str, steps: int) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", PYTHONPATH=str(ROOT))
+    code = CHILD.format(root=str(ROOT), name=name, accum=accum, step_mode=step_mode, steps=steps)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{name} accum {accum} {step_mode}: failed\n{proc.stderr[-3000:]}")
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("BENCH "))
+    return json.loads(line[6:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--devices", type=int, default=4, choices=[1, 4, 8])
+    ap.add_argument("--models", default="tiny,124m,1b")
+    ap.add_argument("--accums", default="1,8")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps")
     args = ap.parse_args()
-    print(f"tiny model, seq 32, 512 tokens/step (accum 2), {args.devices} XLA CPU devices, SPMD, {args.steps} steps")
-    print(f"{'XLA_NO_SPECIAL_SCALARS':>22}  {'compiles':>8}  {'compile s':>9}  {'total s':>7}  {'ms/step (last window)':>21}")
-    for flag in (True, False):
-        r = run(args.devices, args.steps, flag)
-        print(f"{int(flag):>22}  {r['compiles']:>8}  {r['compile_s']:>9.1f}  {r['total_s']:>7.1f}  "
-              f"{r['step_ms_logged']:>21.0f}")
+    print("v6e-4 mesh on 4 XLA CPU devices; 1 x 64 tokens per device per micro-batch; default optimizer (Muon)")
+    print(f"{'model':>5} {'accum':>5}  {'layout':>12}  {'traced host ms':>14} {'cached host ms':>14} {'cut':>5}  "
+          f"{'traced compile s':>16} {'cached compile s':>16}", flush=True)
+    for name in args.models.split(","):
+        for accum in (int(a) for a in args.accums.split(",")):
+            old, new = (run(name, accum, mode, args.steps) for mode in ("traced", "cached"))
+            print(f"{name:>5} {accum:>5}  {new['layout']:>12}  {old['host_ms']:>14.0f} {new['host_ms']:>14.0f} "
+                  f"{old['host_ms'] / new['host_ms']:>4.1f}x  {old['compile_s']:>16.1f} {new['compile_s']:>16.1f}",
+                  flush=True)
+            print("BENCH_JSON " + json.dumps({"model": name, "accum": accum, "traced": old, "cached": new}), flush=True)
 
 
 if __name__ == "__main__":

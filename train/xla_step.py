@@ -88,10 +88,12 @@ class DeviceAccumulation:
         import torch_xla
         import torch_xla.core.xla_builder as xb
 
-        x0, y0 = x[:, 0], y[:, 0]
+        # Micro-batch stand-ins with no data (no slicing program to compile); the parameters must be
+        # device data, not pending IR, so that the lowering sees them as inputs (a no-op normally:
+        # the loop synchronises before its first step).
+        x0, y0 = (xb.create_placeholder_tensor((t.size(0), t.size(2)), t.dtype) for t in (x, y))
         body_inputs = [x0, y0, *params]
-        # Device data, not pending IR: the lowering below must see them as graph inputs.
-        torch_xla._XLAC._xla_sync_multi([x, y, x0, y0, *params], devices=[], wait=True, sync_xla_data=False)
+        torch_xla._XLAC._xla_sync_multi(params, devices=[], wait=True, sync_xla_data=False)
         where = {torch_xla._XLAC._xla_get_tensor_id(t): i for i, t in enumerate(body_inputs)}
         saved = [p.grad for p in params]
         for p in params:
