@@ -88,10 +88,11 @@ class DeviceAccumulation:
         import torch_xla
         import torch_xla.core.xla_builder as xb
 
-        # Micro-batch stand-ins with no data (no slicing program to compile); the parameters must be
-        # device data, not pending IR, so that the lowering sees them as inputs (a no-op normally:
-        # the loop synchronises before its first step).
-        x0, y0 = (xb.create_placeholder_tensor((t.size(0), t.size(2)), t.dtype) for t in (x, y))
+        # Micro-batch stand-ins copied from the host (slicing x[:, 0] would compile a program; data-less
+        # placeholders crash torch_xla 2.9 under train.remat=block). The parameters must be device
+        # data, not pending IR, so that the lowering sees them as inputs (a no-op normally: the loop
+        # synchronises before its first step).
+        x0, y0 = (torch.zeros((t.size(0), t.size(2)), dtype=t.dtype).to(t.device) for t in (x, y))
         body_inputs = [x0, y0, *params]
         torch_xla._XLAC._xla_sync_multi(params, devices=[], wait=True, sync_xla_data=False)
         where = {torch_xla._XLAC._xla_get_tensor_id(t): i for i, t in enumerate(body_inputs)}
