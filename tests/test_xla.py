@@ -13,7 +13,8 @@ share them:
     spmd_b     (4 devices)     60 steps -> the same compile count; a device-count mismatch error
     muon       (eager, 4 dev.) train.optimizer=muon: 30 steps each (parity, no new program
                                after step 10); its own fixture, so it can run alone
-    spawn      (1 device)      --xla-mode spawn, XLA_ALWAYS_ALLREDUCE=1, 5 steps
+    spawn      (1 device)      --xla-mode spawn, XLA_ALWAYS_ALLREDUCE=1, 5 steps, train.xla_step=traced
+                               (the Python micro-batch loop; every other run uses the cached While)
     eager_resume (no XLA)      resume the SPMD checkpoint on the eager CPU path
 
 Every run uses the tiny model preset, seq_len 32, 512 tokens a step with gradient accumulation 2
@@ -192,7 +193,7 @@ emit("spmd60_compiles", met.metric_data("CompileTime")[0])
 """
     spawn = f"""
 from train.xla_backend import spawn_train
-emit("spawn5", spawn_train(cfg({d['spawn5']!r}, {overrides('v6e-1', 8, 5, xla_mode='spawn')!r})))
+emit("spawn5", spawn_train(cfg({d['spawn5']!r}, {overrides('v6e-1', 8, 5, xla_mode='spawn', xla_step='traced')!r})))
 """
     # Three independent XLA processes at once: compiles are mostly single-threaded.
     with ThreadPoolExecutor(3) as pool:
@@ -237,6 +238,7 @@ def test_compile_count_is_fixed(runs):
 
 
 def test_spawn_one_device_with_all_reduce_matches_eager(runs):
+    # Also train.xla_step=traced: the re-traced Python micro-batch loop still trains the same model.
     d = runs["dirs"]
     assert runs["spawn5"]["step"] == 5 and runs["spawn5"]["world_size"] == 1
     diff = max_diff(model_at(d["spawn5"], 5), model_at(d["eager5"], 5))
