@@ -25,17 +25,18 @@ XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it
 (pytorch/xla #9094), so every process still compiles its programs once.
 
 No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
-what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla.
+what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla
+(train/xla_platform.py, checked before the runtime starts).
 
-Everything torch_xla-specific lives in this file, train/flash_attention.py (model.attention=flash,
-installed by prepare_model) and train/remat.py's choice of torch_xla's checkpoint: torch_xla is
+Everything torch_xla-specific lives in this file, train/xla_platform.py, train/xla_sharding.py
+(train.parallel=fsdp), train/xla_step.py (train.xla_step=cached), train/flash_attention.py
+(model.attention=flash, installed by prepare_model) and train/remat.py's choice of torch_xla's
+checkpoint: torch_xla is
 being superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Backend interface.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -46,105 +47,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from codex import fsio
 from codex.config import ConfigError, from_dict, to_dict
 from train import xla_sharding
 from train.backend import BackendError, autocast_context, resolve_dtype, unwrap
-from train.flash_attention import flash_unavailable, use_flash_attention
+from train.flash_attention import use_flash_attention
 from train.control import ControlPlane, control_timeout
 from train.hardware import get_preset, set_xla_import_env
 from train.loop import train
+from train.xla_platform import cache_dir, check_attention, check_platform
 
 log = logging.getLogger("codex.xla")
 
 
 class CompileLimitError(RuntimeError):
     """More XLA compilations than train.max_compiles: something recompiles every step."""
-
-
-def _env_defaults() -> None:
-    """Environment torch_xla reads when it is imported (train.hardware.XLA_IMPORT_ENV): `codex train`
-    sets it before the run lock, and check_platform again before its import for direct callers."""
-
-    set_xla_import_env()
-
-
-# --- the no-silent-fallback check -------------------------------------------------------------
-
-def _tpu_chips_on_host() -> int:
-    """TPU chips on this host's PCI bus (does not start the XLA runtime)."""
-    try:
-        from torch_xla._internal import tpu
-
-        return int(tpu.num_available_chips())
-    except Exception:  # no /sys (containers), or torch_xla internals moved: count /dev/accel*
-        return len([d for d in os.listdir("/dev") if d.startswith("accel")]) if os.path.isdir("/dev") else 0
-
-
-def check_platform(cfg, preset) -> str:
-    """"TPU" or "CPU" (the XLA CPU backend, only with train.allow_cpu_xla); otherwise a
-    BackendError naming PJRT_DEVICE, the devices found and the fix. Starts nothing."""
-    # Read before importing torch_xla: the import sets PJRT_DEVICE=CPU when it is unset.
-    pjrt = os.environ.get("PJRT_DEVICE", "")
-    _env_defaults()   # torch_xla reads them once, at import: this is the first import on the XLA path
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError as e:
-        raise BackendError(
-            f"hardware preset '{preset.name}' runs on PyTorch/XLA, but torch_xla cannot be imported ({e}). "
-            "Fix: on the TPU VM, pip install -e '.[tpu,gcs]' -f https://storage.googleapis.com/libtpu-releases/index.html "
-            "(torch==2.9.0 + torch_xla[tpu]==2.9.0); or pick --hardware cpu or a GPU preset.") from None
-    chips = _tpu_chips_on_host()
-    found = f"{chips} TPU chip(s) on this host's PCI bus"
-    if pjrt == "TPU":
-        if chips == 0:
-            raise BackendError(
-                f"hardware preset '{preset.name}' needs TPUs and PJRT_DEVICE=TPU, but found {found} (no TPU here). "
-                "Fix: run on a TPU VM of that type (gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...), "
-                "or pick --hardware cpu or a GPU preset.")
-        return "TPU"
-    if pjrt == "CPU":
-        if cfg.train.allow_cpu_xla:
-            log.warning("PJRT_DEVICE=CPU with --allow-cpu-xla: the XLA path runs on the CPU (%s devices); "
-                        "this is for tests, not for training", os.environ.get("CPU_NUM_DEVICES", "1"))
-            return "CPU"
-        raise BackendError(
-            f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE=CPU selects the XLA CPU backend ({found}). "
-            "Fix: export PJRT_DEVICE=TPU on a TPU VM; to run the XLA path on the CPU on purpose (tests), "
-            "also pass --allow-cpu-xla (train.allow_cpu_xla=true).")
-    raise BackendError(
-        f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE={pjrt or '(unset)'} (torch_xla would fall back "
-        f"to the CPU) and found {found}. Fix: export PJRT_DEVICE=TPU on the TPU VM; or pick --hardware cpu or a GPU "
-        "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests.")
-
-
-def check_attention(cfg, platform: str) -> None:
-    """model.attention=flash needs a real TPU (its Pallas kernel is a TPU custom call) and JAX
-    (torch_xla traces the kernel with it at the first forward): refused here, before the run."""
-    if cfg.model.attention != "flash":
-        return
-    if platform != "TPU":
-        raise BackendError(flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}"))
-    if importlib.util.find_spec("jax") is None:
-        raise BackendError("model.attention=flash traces torch_xla's Pallas kernel with JAX, which is not installed. "
-                           "Fix: pip install 'torch_xla[pallas]==2.9.0' (see torch_xla's README for the JAX index), "
-                           "or --set model.attention=sdpa.")
-
-
-def cache_dir(cfg) -> str:
-    """The persistent compilation cache: train.xla_cache, else RUN/xla_cache. XLA writes it with
-    local file I/O, so a gs:// run keeps its cache on the local disk (one per host)."""
-    if cfg.train.xla_cache:
-        path = cfg.train.xla_cache
-    elif fsio.is_remote(cfg.run):
-        key = hashlib.sha1(cfg.run.rstrip("/").encode()).hexdigest()[:12]
-        path = os.path.join(os.path.expanduser("~"), ".cache", "codex", "xla_cache", key)
-    else:
-        path = fsio.join(cfg.run, "xla_cache")
-    if fsio.is_remote(path):
-        raise BackendError(f"train.xla_cache={path}: the XLA compilation cache must be a local directory")
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 # --- the backend --------------------------------------------------------------------------------
@@ -329,7 +245,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
     if mode == "spawn" and not spawned:
         raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
                            "`codex train --xla-mode spawn ...` (train.xla_backend.spawn_train), not train() directly")
-    _env_defaults()
+    set_xla_import_env()
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -404,7 +320,7 @@ def spawn_train(cfg) -> dict:
         raise ConfigError(f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
                           "(use torchrun for several GPUs)")
     check_attention(cfg, check_platform(cfg, preset))  # fail here, in the parent, before any process starts
-    _env_defaults()
+    set_xla_import_env()
     import torch_xla
 
     with tempfile.TemporaryDirectory(prefix="codex-spawn-") as tmp:
