@@ -6,13 +6,14 @@ train/xla_step.py), side by side in one run.
 
 Every configuration runs in its own process (one XLA runtime, fresh compile metrics) on the v6e-4
 mesh (4 XLA CPU devices), with the model's layers, heads, vocab (32768) and optimizer (the default,
-Muon + AdamW), the layout the memory plan picks for the preset's default batch (1b: fsdp over 4),
+Muon + AdamW), the layout the memory plan picks for the preset's default batch,
 and the real step code (the backend's to_device, device_accumulation, clip, optimizer). Only the
 tokens are cut, to 1 sequence of 64 per device: tracing and compiling see the same operations at
 any batch shape, and the CPU has to execute every step. 1b is also narrowed (16 layers, 32 query /
 8 K/V heads, tied, as 1b, but 512 wide with MLP 2048 instead of 2048 / 8192): its Muon step at
-full width would take the CPU ~25 minutes a step. Its trace and compile see the same operations;
-its compile time is not 1b's.
+full width would take the CPU ~25 minutes a step. Its trace sees the same operations; its
+compile time is not 1b's, and the narrowed model fits replicated, so it runs replicated where
+the real 1b on v6e-4 would be sharded (fsdp over 4: `codex hardware --model 1b`).
 
 Host ms per step: Python time from the learning-rate update to the return of the step's
 torch_xla.sync() (trace, batch transfer, graph hashing, dispatch), the median over the timed
