@@ -199,3 +199,17 @@ class StopFlag:
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def rank_tag(control: ControlPlane) -> str:
+    """"rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
+    return f"rank {control.rank}/{control.world}: " if control.world > 1 else ""
+
+
+FAULT_ENV = "CODEX_TEST_RAISE_AT"   # "RANK:STEP": that control-plane rank raises before that step (tests)
+
+
+def injected_step_fault(control: ControlPlane, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{control.rank}:{step}":
+        raise RuntimeError(f"{FAULT_ENV}={spec}: injected failure on rank {control.rank} at step {step}")

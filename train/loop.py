@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -41,7 +40,7 @@ from pipeline.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from train import checkpoint
 from train.backend import Backend, loader_layout, open_backend, unwrap
 from train.config import DEFAULT_LR
-from train.control import StopFlag, resume
+from train.control import StopFlag, injected_step_fault, rank_tag, resume
 from train.hardware import device_defaults, get_preset
 from train.loader import TrainLoader, val_batches
 from train.token_shards import load_manifest
@@ -214,7 +213,7 @@ def _train(cfg, backend: Backend) -> dict:
     try:
         while step < plan.total_steps:
             # --- one optimizer step ---
-            _injected_fault(backend, step)
+            injected_step_fault(backend.control, step)
             lr = set_lr(optimizer, lr_for(step, tcfg, plan.total_steps))
             if accumulate is not None:   # XLA: every micro-batch in one While, traced once (train/xla_step.py)
                 window.add(accumulate(loader))
@@ -285,7 +284,7 @@ def _resume(cfg, backend: Backend, model, optimizer, loader) -> tuple[int | None
         return existing, 0, 0, {"loss_sum": 0.0, "since": 0}
     step, tokens, log_window = restore_training(cfg, backend.control, chosen, model, optimizer, loader)
     if backend.is_main or backend.control.world > 1:
-        log.info("%sresumed from step %d (%d tokens) in %s", _rank_tag(backend), step, tokens,
+        log.info("%sresumed from step %d (%d tokens) in %s", rank_tag(backend.control), step, tokens,
                  rundir.checkpoints_dir(cfg.run))
     return existing, step, tokens, log_window
 
@@ -375,7 +374,7 @@ def _save(cfg, backend, plan, model, optimizer, loader, metrics, window, step, t
 
 def _log_stopped(cfg, backend, plan, stop, step: int, saved_at: int) -> None:
     if not backend.is_main:
-        log.info("%sstopped at step %d", _rank_tag(backend), step)
+        log.info("%sstopped at step %d", rank_tag(backend.control), step)
         return
     log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
                 "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", step,
@@ -388,18 +387,3 @@ def _summary(plan: Plan, step: int, tokens: int, stopped: bool, loss=None, val=N
             "val_loss": val.get("loss"), "val": val, "stopped": stopped, "accum": plan.accum,
             "batch_tokens": plan.batch_tokens, "device_batch": plan.device_batch, "seq_len": plan.seq_len,
             "world_size": plan.world_size}
-
-
-def _rank_tag(backend) -> str:
-    """"rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
-    n = backend.control.world
-    return f"rank {backend.control.rank}/{n}: " if n > 1 else ""
-
-
-FAULT_ENV = "CODEX_TEST_RAISE_AT"   # "RANK:STEP": that control-plane rank raises before that step (tests)
-
-
-def _injected_fault(backend, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec == f"{backend.control.rank}:{step}":
-        raise RuntimeError(f"{FAULT_ENV}={spec}: injected failure on rank {backend.control.rank} at step {step}")
