@@ -3,7 +3,8 @@
     backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
     for step in range(start, total):
         lr = lr_for(step)
-        for micro-batch in range(accum):           # no communication here (fsdp: the last one reduce-scatters)
+        for micro-batch in range(accum):           # no communication here (fsdp: the last one reduce-scatters;
+                                                   #   XLA: one While traced once, train/xla_step.py)
             loss = model(x, y) / accum; loss.backward()
         backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step (fsdp: done in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()

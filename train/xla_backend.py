@@ -31,8 +31,8 @@ what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train
 Everything torch_xla-specific lives in this file, train/xla_platform.py, train/xla_sharding.py
 (train.parallel=fsdp), train/xla_step.py (train.xla_step=cached), train/flash_attention.py
 (model.attention=flash, installed by prepare_model) and train/remat.py's choice of torch_xla's
-checkpoint: torch_xla is
-being superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Backend interface.
+checkpoint: torch_xla is being superseded (RFC pytorch/xla #9684), so the rest of codex only sees
+the Backend interface.
 """
 
 from __future__ import annotations
