@@ -55,7 +55,7 @@ def training_state(model) -> dict:
 
 def one_process(vocab: int, folder: str) -> list[tuple[str, float, float]]:
     from model.gpt import GPT
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
 
     with torch.device("meta"):
         model = GPT(model_config(vocab))
@@ -92,9 +92,10 @@ def worker(vocab: int, folder: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from model.gpt import GPT
-    from train import checkpoint
-    from train.control import ControlPlane
-    from train.fsdp import Layout, make_mesh
+    from train.checkpoint import folders as checkpoint
+    from train.dist.control import ControlPlane
+    from train.dist.fsdp import make_mesh
+    from train.plan.layout import Layout
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -116,7 +116,7 @@ def main() -> None:
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
     rows = []
     for w in [int(x) for x in args.workers.split(",")]:
-        code = ("from codex.config import build_config; from pipeline.clean import run_clean\n"
+        code = ("from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
                 f"cfg = build_config(overrides=['data.clean.preset=web', 'data.clean.fineweb.enabled=false', "
                 f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
                 f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)")

@@ -15,7 +15,7 @@ import time
 import torch
 
 from eval.evaluate import evaluate
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 
 

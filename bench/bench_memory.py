@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from codex.config import build_config
-from train.hardware import format_hardware_table, format_model_fit, get_preset
-from train.memory import plan
+from train.plan.hardware import format_hardware_table, format_model_fit, get_preset
+from train.plan.memory import plan
 
 MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")   # prints the peak in bytes
 

@@ -32,12 +32,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from codex.config import CONFIGS_DIR, build_config  # noqa: E402
-from codex.demo import stdlib_inputs  # noqa: E402
+from codex.cli.demo import stdlib_inputs  # noqa: E402
 from codex.progress import setup_logging  # noqa: E402
 from eval.run import run_eval  # noqa: E402
-from pipeline.clean import run_clean  # noqa: E402
-from pipeline.shard import run_shard  # noqa: E402
-from pipeline.tokenizer import run_tokenizer  # noqa: E402
+from pipeline.clean.clean import run_clean  # noqa: E402
+from pipeline.shard.shard import run_shard  # noqa: E402
+from pipeline.tokenizer.tokenizer import run_tokenizer  # noqa: E402
+from eval.evaluate import evaluate
 from train.loop import train  # noqa: E402
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -133,7 +134,7 @@ def train_and_score(kind: str, prepared: str, base: list[str], data: list[str], 
     if kind == "demo":
         cfg.data.clean.inputs = stdlib_inputs()
     t0 = time.perf_counter()
-    summary = train(cfg)
+    summary = train(cfg, evaluate)
     wall = time.perf_counter() - t0
     cfg.eval.data = data
     result = run_eval(cfg)

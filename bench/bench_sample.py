@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model, decode, prefill
 
 

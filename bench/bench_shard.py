@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from pipeline.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
+from pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
 from pipeline.encode import split_long_text  # noqa: E402
-from pipeline.shard import BATCH_CHARS  # noqa: E402
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.shard.shard import BATCH_CHARS  # noqa: E402
+from pipeline.tokenizer.tokenizer import load_tokenizer  # noqa: E402
 
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 
@@ -141,7 +141,7 @@ SHARD_CHILD = """
 import json, os, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 from codex.config import Config
-from pipeline.shard import run_shard
+from pipeline.shard.shard import run_shard
 
 def rss_kb(pid):
     try:

@@ -60,7 +60,7 @@ import json, sys, time, resource
 sys.path.insert(0, {root!r})
 from codex.config import Config
 from codex.progress import setup_logging
-from pipeline.tokenizer import run_tokenizer
+from pipeline.tokenizer.tokenizer import run_tokenizer
 setup_logging()
 cfg = Config(run={run!r})
 cfg.data.tokenizer.inputs = [{corpus!r}]
@@ -73,7 +73,7 @@ t0, c0 = time.perf_counter(), cpu()
 meta = run_tokenizer(cfg)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-from pipeline.tokenizer import load_tokenizer
+from pipeline.tokenizer.tokenizer import load_tokenizer
 tok = load_tokenizer({run!r} + "/tokenizer")
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 bpt = sum(len(d.encode()) for d in held) / sum(len(e.ids) for e in tok.encode_batch(held))
@@ -87,7 +87,7 @@ import glob, hashlib, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 from tokenizers import trainers, pre_tokenizers
-from pipeline.bpe import new_tokenizer, SPECIAL_TOKENS
+from pipeline.tokenizer.bpe import new_tokenizer, SPECIAL_TOKENS
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
@@ -111,7 +111,7 @@ import glob, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 import rustbpe
-from pipeline.bpe import SPLIT_PATTERN
+from pipeline.tokenizer.bpe import SPLIT_PATTERN
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from codex.config import build_config  # noqa: E402
 from model.gpt import build_model, flops_per_token  # noqa: E402
-from train.hardware import device_defaults, get_preset  # noqa: E402
+from train.plan.hardware import device_defaults, get_preset  # noqa: E402
+from eval.evaluate import evaluate
 from train.loop import train  # noqa: E402
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
@@ -73,7 +74,7 @@ def codex_tokens_per_s(run: str, model: str, hardware: str, B: int, T: int, warm
     if T > build_config(model=model).model.max_seq_len:
         overrides.append(f"model.max_seq_len={T}")
     cfg = build_config(overrides=overrides, model=model, run=run)
-    train(cfg)
+    train(cfg, evaluate)
     lines = [json.loads(l) for l in open(Path(run) / "metrics.jsonl") if '"train"' in l]
     # Lines every `warmup` steps (and at the end); the first one includes compile/warm-up time.
     seconds, prev, timed = 0.0, warmup, [l for l in lines if l["step"] > warmup]

@@ -41,11 +41,12 @@ sys.path.insert(0, {root!r})
 import torch
 from codex.config import build_config
 from model.gpt import mlp_hidden
-from train.backend import unwrap
-from train.hardware import get_preset
-from train.loop import resolve_batch
-from train.optim import clip_grad_norm, make_optimizer, set_lr
-from train.xla_backend import make_xla_backend
+from train.dist.backend import unwrap
+from train.plan.hardware import get_preset
+from train.plan.plan import resolve_batch
+from train.optim.optimizer import clip_grad_norm, make_optimizer
+from train.optim.schedule import set_lr
+from train.xla.backend import make_xla_backend
 import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 
 name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}

@@ -37,7 +37,6 @@ import uuid
 
 from codex import fsio
 from codex.config import ConfigError
-from train.hardware import get_preset
 
 log = logging.getLogger("codex.runlock")
 
@@ -343,12 +342,13 @@ def _exit_lost(lock: RunLock, err: Exception) -> None:
 
 # --- who holds it --------------------------------------------------------------------------------
 
-def process_index(hardware: str | None = None) -> int:
+def process_index(hosts: int = 1) -> int:
     """This process's index in its job: torchrun's RANK, a TPU slice's worker id, else 0.
 
     On a multi-host TPU slice every host runs the same command and none of these variables may be
     set, so the worker id is read the way torch_xla does (the TPU VM's metadata), without starting
-    the XLA runtime. -1 when it cannot be told: that host then holds no lease.
+    the XLA runtime. -1 when it cannot be told: that host then holds no lease. `hosts`: how many
+    hosts the job's hardware preset spans.
     """
     for var in ("RANK", "CLOUD_TPU_TASK_ID", "TPU_WORKER_ID"):
         value = os.environ.get(var, "").strip()
@@ -357,15 +357,14 @@ def process_index(hardware: str | None = None) -> int:
                 return int(value)
             except ValueError:
                 raise ConfigError(f"environment variable {var}={value!r} is not an integer") from None
-    if hardware and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
-        if get_preset(hardware).hosts > 1:
-            try:
-                from torch_xla._internal import tpu
+    if hosts > 1 and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        try:
+            from torch_xla._internal import tpu
 
-                return int(tpu.worker_id())
-            except Exception as e:   # noqa: BLE001 - any failure: say so, hold no lease
-                log.warning("run lock: cannot tell this TPU host's worker id (%s); this host takes no lock", e)
-                return -1
+            return int(tpu.worker_id())
+        except Exception as e:   # noqa: BLE001 - any failure: say so, hold no lease
+            log.warning("run lock: cannot tell this TPU host's worker id (%s); this host takes no lock", e)
+            return -1
     return 0
 
 
@@ -389,8 +388,9 @@ class _Held(contextlib.AbstractContextManager):
         atexit.unregister(self.lock.release)
 
 
-def hold(folder: str, command: str, lease_name: str = LEASE_NAME, hardware: str | None = None):
-    """A context manager holding `folder`'s lease in process 0 of the job; a no-op in the others."""
-    if process_index(hardware) != 0:
+def hold(folder: str, command: str, lease_name: str = LEASE_NAME, hosts: int = 1):
+    """A context manager holding `folder`'s lease in process 0 of the job; a no-op in the others.
+    `hosts`: how many hosts the job spans (a multi-host TPU slice's worker id decides process 0)."""
+    if process_index(hosts) != 0:
         return contextlib.nullcontext()
     return _Held(RunLock(folder, command, lease_name=lease_name))

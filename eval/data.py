@@ -12,12 +12,12 @@ import numpy as np
 
 from codex import fsio, rundir
 from pipeline.encode import Encoder, token_dtype
-from pipeline.filters import normalize
+from pipeline.clean.filters import normalize
 from pipeline.inputs import list_inputs
 from pipeline.readers import FileReport, read_records
-from pipeline.shard import write_npy
-from pipeline.shard_manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
-from pipeline.tokenizer import load_tokenizer
+from pipeline.shard.shard import write_npy
+from pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
+from pipeline.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("codex.eval")
 

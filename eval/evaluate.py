@@ -20,7 +20,7 @@ A batch is (x, y) or (x, y, mask): `mask` is a per-row bool [B] for fixed-shape 
 (XLA compiles one graph per shape, so the last partial batch is padded with rows that count 0).
 
 The `codex eval` command around it is eval/run.py (checkpoint -> model -> val split or --data
-text -> RUN/eval/step_N.json); eval/load.py loads a checkpoint's model, eval/data.py turns
+text -> RUN/eval/step_N.json); train/checkpoint/read.py loads a checkpoint's model, eval/data.py turns
 --data text into a temporary val shard.
 """
 
@@ -43,7 +43,7 @@ def evaluate(model, batches, token_bytes: torch.Tensor, backend=None, progress=N
     model:       forward(x, targets=y, reduction="none") -> per-token losses [B, T] (fp32)
     batches:     iterable of (x, y) or (x, y, row_mask) int64 [B, T] tensors (host or device)
     token_bytes: [vocab_size] UTF-8 byte length of every token id, 0 for special tokens
-    backend:     train.backend object; when given, batches are moved with backend.to_device,
+    backend:     train.dist.backend object; when given, batches are moved with backend.to_device,
                  the forward runs under backend.autocast(), and the sums are all-reduced with
                  backend.all_reduce_sum (so every rank returns the global numbers)
     progress:    optional codex.progress.Progress, advanced by one per batch (tokens counted)

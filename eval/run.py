@@ -1,6 +1,6 @@
 """`codex eval`: loss / perplexity / bits per byte of a checkpoint, written to RUN/eval/step_N.json.
 
-    checkpoint (eval/load.py) -> the run's val split, or --data text (eval/data.py)
+    checkpoint (train/checkpoint/read.py) -> the run's val split, or --data text (eval/data.py)
     -> evaluate() (eval/evaluate.py, the same function as training's validation)
     -> RUN/eval/step_N.json (step_N.data-<hash>.json for --data), a table, RUN/eval/loss.png
 """
@@ -19,11 +19,13 @@ from codex import fsio, rundir
 from codex.progress import Progress, setup_logging
 from eval.data import tokenize_to_shard
 from eval.evaluate import evaluate
-from eval.load import eval_batch_size, load_model, trained_seq_len
-from pipeline.tokenizer import load_meta, load_token_bytes
-from train.backend import loader_layout, open_backend, unwrap
-from train.loader import val_batches
-from train.token_shards import load_split
+from pipeline.tokenizer.tokenizer import load_meta, load_token_bytes
+from train.checkpoint.read import load_model
+from train.dist.backend import loader_layout, unwrap
+from train.launch import open_backend
+from train.data.loader import val_batches
+from train.data.token_shards import load_split
+from train.plan.hardware import default_seq_len, device_defaults, get_preset
 
 log = logging.getLogger("codex.eval")
 
@@ -167,3 +169,18 @@ def format_table(r: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def trained_seq_len(run_cfg) -> int:
+    """The sequence length the checkpoint was trained with: evaluate at the same context length,
+    or the numbers are not comparable with the training curve."""
+    if run_cfg.train.seq_len > 0:
+        return int(run_cfg.train.seq_len)
+    return default_seq_len(get_preset(run_cfg.train.hardware), run_cfg.model)
+
+
+def eval_batch_size(cfg, run_cfg) -> int:
+    """eval.device_batch, else this hardware preset's training device batch for the model."""
+    if cfg.eval.device_batch > 0:
+        return int(cfg.eval.device_batch)
+    return device_defaults(get_preset(cfg.train.hardware), run_cfg.model)[0]

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from codex import rundir
-from eval.load import load_model
+from train.checkpoint.read import load_model
 from model.gpt import decode, prefill
-from pipeline.tokenizer import load_tokenizer
-from train.backend import open_backend
+from pipeline.tokenizer.tokenizer import load_tokenizer
+from train.launch import open_backend
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 

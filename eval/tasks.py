@@ -27,8 +27,9 @@ import torch
 from codex import fsio, rundir
 from codex.config import ConfigError
 from model.export_hf import export_hf
-from train.backend import BackendError
-from train.hardware import get_preset
+from train.checkpoint.read import load_model
+from train.dist.backend import BackendError
+from train.plan.hardware import get_preset
 
 log = logging.getLogger("codex.eval")
 
@@ -47,7 +48,7 @@ def run_tasks(cfg) -> dict:
         _check_dataset(name, task_manager)
     limit = cfg.eval.tasks_limit or None
     with tempfile.TemporaryDirectory(prefix="codex-eval-hf-") as tmp:
-        exported = export_hf(cfg, os.path.join(tmp, "hf"), checkpoint=cfg.eval.checkpoint)
+        exported = export_hf(*load_model(cfg, cfg.eval.checkpoint), os.path.join(tmp, "hf"))
         batch = cfg.eval.device_batch or 8
         results = lm_eval.simple_evaluate(
             model="hf", model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",

@@ -51,8 +51,8 @@ import torch
 
 from codex import fsio, rundir
 from codex.config import ConfigError, to_yaml
-from model.config import ModelConfig
-from model.gpt import mlp_hidden
+from codex.config.model import ModelConfig
+from model.gpt import GPT, mlp_hidden
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -154,25 +154,20 @@ def hf_tokenizer(run: str, max_seq_len: int):
                                    model_max_length=max_seq_len, split_special_tokens=True)
 
 
-def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: str | int = "2GB") -> dict:
-    """Write checkpoint `checkpoint` of cfg.run as a HF model directory at `out` (local path).
+def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | int = "2GB") -> dict:
+    """Write a checkpoint's model (as train/checkpoint/read.py's load_model returns it: the model,
+    its Config, the checkpoint info) as a HF model directory at `out` (local path).
 
     Everything is written into a temporary folder beside `out`, renamed to `out` at the end: an
     interrupted export leaves no half directory. Returns {"path", "architecture", "step", ...}.
     """
-    from eval.load import load_model  # eval.load imports train.*: only the export command needs it
-
     _require_transformers()
-    if fsio.is_remote(out):
-        raise ConfigError(f"--out {out}: export writes a local directory; copy it to remote storage afterwards")
-    if os.path.exists(out):
-        raise ConfigError(f"--out {out} already exists; remove it or choose another directory")
-    model, run_cfg, info = load_model(cfg, checkpoint)
+    check_export_target(out)
     m = run_cfg.model
     arch = check_exportable(m)
-    tokenizer = hf_tokenizer(cfg.run, m.max_seq_len)
+    tokenizer = hf_tokenizer(info["run"], m.max_seq_len)
     if len(tokenizer) != m.vocab_size:
-        raise ValueError(f"{rundir.tokenizer_dir(cfg.run)}: {len(tokenizer)} tokens, but the checkpoint "
+        raise ValueError(f"{rundir.tokenizer_dir(info['run'])}: {len(tokenizer)} tokens, but the checkpoint "
                          f"{info['path']} was trained with model.vocab_size={m.vocab_size}")
     hf = build_hf_model(model, m)
     parent = os.path.dirname(os.path.abspath(out))
@@ -189,7 +184,7 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
         tokenizer.save_pretrained(tmp)
         _update_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
         with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(model_card(cfg.run, run_cfg, info, arch))
+            f.write(model_card(info["run"], run_cfg, info, arch))
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -197,6 +192,14 @@ def export_hf(cfg, out: str, checkpoint: str | int = "latest", max_shard_size: s
     return {"path": out, "architecture": arch, "vocab_size": m.vocab_size, "step": info["step"],
             "train_tokens": info["train_tokens"], "checkpoint": info["path"],
             "config_fingerprint": info["config_fingerprint"]}
+
+
+def check_export_target(out: str) -> None:
+    """Refuse an --out that is remote or exists (exit 2), before a checkpoint is read."""
+    if fsio.is_remote(out):
+        raise ConfigError(f"--out {out}: export writes a local directory; copy it to remote storage afterwards")
+    if os.path.exists(out):
+        raise ConfigError(f"--out {out} already exists; remove it or choose another directory")
 
 
 def _require_transformers() -> None:

@@ -6,7 +6,7 @@ and the model config, nothing else, loadable with torch.load(weights_only=True) 
      "step": int, "tokenizer_sha256": str}
 
     import torch
-    from model.config import ModelConfig
+    from codex.config.model import ModelConfig
     from model.gpt import GPT
     saved = torch.load("model.pt", weights_only=True)
     model = GPT(ModelConfig(**saved["model_config"]))
@@ -28,14 +28,11 @@ from codex import fsio
 from codex.config import ConfigError
 
 
-def export_torch(cfg, out: str, checkpoint: str | int = "latest") -> dict:
-    """Write checkpoint `checkpoint` of cfg.run as one torch.save file at `out` (local or gs://,
-    written atomically: an interrupted export leaves no partial file). Returns {"path", "step", ...}."""
-    from eval.load import read_checkpoint  # eval.load imports train.*: only the export command needs it
-
-    if fsio.exists(out):
-        raise ConfigError(f"--out {out} already exists; remove it or choose another file")
-    weights, run_cfg, info = read_checkpoint(cfg, checkpoint)
+def export_torch(weights: dict, run_cfg, info: dict, out: str) -> dict:
+    """Write a checkpoint's weights (as train/checkpoint/read.py's read_checkpoint returns them,
+    with its Config and info) as one torch.save file at `out` (local or gs://, written atomically:
+    an interrupted export leaves no partial file). Returns {"path", "step", ...}."""
+    check_export_target(out)
     saved = {"model": {k: v.detach().to("cpu", torch.float32).contiguous() if v.is_floating_point() else v.cpu()
                        for k, v in weights.items()},
              "model_config": dataclasses.asdict(run_cfg.model),
@@ -44,6 +41,12 @@ def export_torch(cfg, out: str, checkpoint: str | int = "latest") -> dict:
     _save(saved, out)
     return {"path": out, "step": info["step"], "train_tokens": info["train_tokens"], "checkpoint": info["path"],
             "vocab_size": run_cfg.model.vocab_size, "bytes": fsio.size(out)}
+
+
+def check_export_target(out: str) -> None:
+    """Refuse an --out that exists (exit 2), before a checkpoint is read."""
+    if fsio.exists(out):
+        raise ConfigError(f"--out {out} already exists; remove it or choose another file")
 
 
 def _save(obj, out: str) -> None:

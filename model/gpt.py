@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 
 
 def padded_vocab(vocab_size: int) -> int:

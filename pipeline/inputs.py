@@ -15,7 +15,7 @@ import os
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline.clean_stats import nothing_kept
+from pipeline.clean.stats import nothing_kept
 from pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
 
 log = logging.getLogger("codex.clean")

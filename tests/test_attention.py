@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model, sdpa_causal
 from tests.train_helpers import base_overrides, child_env, make_run
-from train.flash_attention import REQUIREMENT, expand_kv_heads, flash_partition_spec
+from train.xla.flash import REQUIREMENT, expand_kv_heads, flash_partition_spec
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)

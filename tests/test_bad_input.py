@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 from codex.config import build_config
 from tests.test_clean import prose
 from tests.test_pipeline import _corpus
 from tests.train_helpers import TINY_MODEL
-from train.hardware import get_preset
-from train.memory import plan
+from train.plan.hardware import get_preset
+from train.plan.memory import plan
 
 TRAIN = [f"--set={o}" for o in TINY_MODEL] + [
     "--set=train.hardware=cpu", "--set=train.wandb=off", "--set=train.compile=false", "--set=train.warmup_steps=1",

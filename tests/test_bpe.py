@@ -8,9 +8,9 @@ import random
 import pytest
 
 from codex.config import ConfigError
-from pipeline import bpe as B
-from pipeline import doc_select
-from pipeline import tokenizer as T
+from pipeline.tokenizer import bpe as B
+from pipeline.tokenizer import doc_select
+from pipeline.tokenizer import tokenizer as T
 from tests.test_tokenizer import TRICKY, VOCAB, config, make_docs, random_strings, write_parquet
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.test_train import one_thread, run_train  # noqa: F401  (one_thread: autouse, one torch thread)
 from tests.train_helpers import make_run
-from train import checkpoint
+from train.checkpoint import folders as checkpoint
 
 
 def _state(step: int) -> dict:

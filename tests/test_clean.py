@@ -18,9 +18,9 @@ import pytest
 
 from codex import fsio
 from codex.config import build_config
-from pipeline import filters as F
-from pipeline.clean import CleanError, run_clean
-from pipeline.config import CleanConfig
+from pipeline.clean import filters as F
+from pipeline.clean.clean import CleanError, run_clean
+from codex.config.data import CleanConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,7 +244,7 @@ def test_huge_single_line_is_dropped_with_bounded_memory(tmp_path):
             f.write(b"a" * (1 << 20))                              # pieces, never held by this test
         f.write(b'"}\n')
         f.write(json.dumps({"text": prose(2)}).encode() + b"\n")
-    code = ("import resource, json; from codex.config import build_config; from pipeline.clean import run_clean\n"
+    code = ("import resource, json; from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
             f"cfg = build_config(run={str(tmp_path / 'run')!r}); cfg.data.clean.inputs = [{str(big)!r}]\n"
             "s = run_clean(cfg)\n"
             # VmHWM is this process's own peak: ru_maxrss carries the parent's peak across fork+exec
@@ -303,7 +303,7 @@ def test_sigkill_midway_then_rerun_matches_uninterrupted(tmp_path):
     args = ["data.clean.chunk_bytes=100000"]
     ref = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
     assert ref["chunks"] >= 12
-    code = ("from codex.config import build_config; from pipeline.clean import run_clean\n"
+    code = ("from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
             f"cfg = build_config(overrides={args!r}, run={str(tmp_path / 'killed')!r})\n"
             f"cfg.data.clean.inputs = [{str(tmp_path / 'in')!r}]\nrun_clean(cfg)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 from codex.config import ConfigError, all_keys, build_config, from_dict, preset_names, to_dict, to_yaml
 
 

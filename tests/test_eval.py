@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eval.evaluate import evaluate, summarize
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Grüße aus Köln, déjà 
 
 def make_tokenizer(vocab_size: int = 300, text: str = TEXT):
     """A codex byte-level BPE (pipeline/tokenizer.py): specials <|bos|> 0, <|eos|> 1, <|pad|> 2."""
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer(iter([[text] * 20]), vocab_size)
     tok.encode_special_tokens = True
@@ -32,7 +32,7 @@ def make_tokenizer(vocab_size: int = 300, text: str = TEXT):
 
 
 def token_bytes_of(tok) -> torch.Tensor:
-    from pipeline import tokenizer as ptok
+    from pipeline.tokenizer import tokenizer as ptok
 
     return torch.from_numpy(ptok.token_bytes_of(tok))
 

@@ -34,7 +34,7 @@ def make_run(root: Path, T: int = 8, step: int = 7, train_steps: int = 0) -> tup
 
     from codex import fsio
     from codex.config import Config, to_dict
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
 
     run = str(root / "run")
     tok = make_tokenizer()
@@ -129,7 +129,7 @@ def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
 
 def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
     from eval.run import run_eval
-    from pipeline.filters import normalize
+    from pipeline.clean.filters import normalize
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -170,7 +170,7 @@ def test_run_eval_names_a_missing_checkpoint(tmp_path):
 def test_fixed_shape_masked_batches_across_ranks_cover_every_window_once(tmp_path):
     """The XLA path: val_batches(with_mask=True) gives every rank the same number of full batches;
     the per-rank sums (what all_reduce_sum adds up) equal one process's numbers."""
-    from train.loader import val_batches
+    from train.data.loader import val_batches
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -257,7 +257,7 @@ def _metrics(run: Path, lines: list[str]) -> None:
 def test_cli_eval_and_sample(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run, tok, model = make_run(tmp_path)
     _metrics(Path(run), ['{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
@@ -286,6 +286,7 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
 
     from codex.config import Config
     from eval.run import run_eval
+    from eval.evaluate import evaluate
     from train.loop import train
 
     run, _, _ = make_run(tmp_path, T=8)
@@ -298,7 +299,7 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     cfg.train.hardware, cfg.train.wandb = "cpu", "off"
     cfg.train.seq_len, cfg.train.device_batch, cfg.train.max_steps = 8, 4, 20
     cfg.train.eval_every, cfg.train.log_every, cfg.train.warmup_steps = 10, 5, 2
-    result = train(cfg)
+    result = train(cfg, evaluate)
     rec = run_eval(eval_cfg(run, batch=3))
     assert rec["step"] == 20
     for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes"):

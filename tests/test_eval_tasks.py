@@ -64,7 +64,7 @@ def codex_choice(model, tok, context: str, choices: list[str]) -> int:
 def test_eval_tasks_accuracy_matches_hand_computation(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run, tok, model = make_run(tmp_path, train_steps=30)
     model.eval()
@@ -91,7 +91,7 @@ def test_eval_tasks_accuracy_matches_hand_computation(tmp_path):
 def test_eval_tasks_missing_dataset_and_unknown_task(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run, _, _ = make_run(tmp_path)
     tasks = write_task(tmp_path / "tasks", "codex_missing", None, dataset_path="codex-test-org/not-downloaded")

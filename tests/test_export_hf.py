@@ -33,7 +33,7 @@ def offline(monkeypatch):
 def save_model(run: str, model_cfg, step: int, seed: int = 0):
     """A checkpoint of a model with `model_cfg` whose weights are far from the init: std 0.3
     matrices and random norm weights, so a transposed or swapped tensor shows in the logits."""
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
 
     cfg = Config()
     cfg.run = run
@@ -54,10 +54,11 @@ def save_model(run: str, model_cfg, step: int, seed: int = 0):
 
 def export(run: str, out: Path, step, **kw) -> Path:
     from model.export_hf import export_hf
+    from train.checkpoint.read import load_model
 
     cfg = Config()
     cfg.run = run
-    export_hf(cfg, str(out), checkpoint=step, **kw)
+    export_hf(*load_model(cfg, step), str(out), **kw)
     return out
 
 
@@ -133,7 +134,7 @@ def test_model_card_reports_validation_bits_per_byte(tmp_path):
 def test_unexportable_option_refuses_with_exit_2(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run, tok, _ = make_run(tmp_path)
     save_model(run, tiny_cfg(tok.get_vocab_size(), mlp="relu2"), step=9)

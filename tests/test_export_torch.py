@@ -7,12 +7,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 from codex.config import Config, build_config
-from eval.load import load_model
-from model.config import ModelConfig
+from train.checkpoint.read import load_model
+from codex.config.model import ModelConfig
 from model.gpt import GPT
 from tests.train_helpers import VOCAB, base_overrides, make_run
+from eval.evaluate import evaluate
 from train.loop import train
 
 
@@ -20,7 +21,7 @@ from train.loop import train
 def test_exported_file_loads_with_weights_only_and_gives_the_checkpoints_logits(tmp_path, tied):
     run = make_run(tmp_path / "run")
     overrides = base_overrides(max_steps=3, save_every=2) + [f"model.tie_embeddings={str(tied).lower()}"]
-    train(build_config(overrides=overrides, run=str(run)))   # checkpoints at steps 2 and 3
+    train(build_config(overrides=overrides, run=str(run)), evaluate)   # checkpoints at steps 2 and 3
     out = tmp_path / "exports" / "model.pt"
     res = CliRunner().invoke(cli, ["export", "--run", str(run), "--checkpoint", "2", "--format", "torch",
                                    "--out", str(out)], catch_exceptions=False)

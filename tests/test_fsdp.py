@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.test_train import assert_close, final_model, one_thread, run_train, train_cli_args  # noqa: F401
 from tests.train_helpers import child_env, make_run
-from train import checkpoint
+from train.checkpoint import folders as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ STEPS = dict(max_steps=5, lr=1e-3, device_batch=4)
 
 
 def torchrun(run: str, nproc: int = 2, script: str | None = None, check: bool = True, **train_keys):
-    target = [script, "--"] if script else ["-m", "train", "--"]
+    target = [script, "--"] if script else ["-m", "codex.cli", "--", "train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
            *train_cli_args(run, **train_keys)]
     proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -84,7 +84,7 @@ def test_hsdp_two_replicas_of_one_shard_match_one_process(tmp_path):
 
 KILL_IN_SAVE = """
 import os, signal, sys
-from train import dcp_io
+from train.checkpoint import dcp as dcp_io
 real = dcp_io.write_tree
 def write_tree(folder, tree, control):
     records = real(folder, tree, control)
@@ -92,8 +92,8 @@ def write_tree(folder, tree, control):
         os.kill(os.getpid(), signal.SIGKILL)   # after writing its shards, before DONE
     return records
 dcp_io.write_tree = write_tree
-from train.__main__ import main
-sys.exit(main(sys.argv[1:]))
+from codex.cli.__main__ import main
+sys.exit(main(["train", *[a for a in sys.argv[1:] if a != "--"]]))
 """
 
 
@@ -168,8 +168,8 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
 
 def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     from codex.config import ConfigError, build_config
-    from train.fsdp import layout_for
-    from train.memory import setting_for
+    from train.plan.layout import layout_for
+    from train.plan.memory import setting_for
 
     with pytest.raises(ConfigError, match="train.fsdp_size=3 must divide the world size 4"):
         layout_for("fsdp", 3, 4)

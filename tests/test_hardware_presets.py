@@ -15,9 +15,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 from codex.config import ConfigError, build_config
-from train.hardware import format_hardware_table, get_preset, require_shared_run_dir
+from train.plan.hardware import format_hardware_table, get_preset, require_shared_run_dir
 
 # name -> (chips, hosts, family, per-chip bf16 TFLOP/s, HBM GB per chip)
 MULTI_HOST = {

@@ -89,7 +89,7 @@ def test_the_cache_under_bf16_autocast_holds_bf16_and_tracks_the_forward():
 def test_run_sample_on_a_gpu_preset_without_a_gpu_is_an_error(tmp_path):
     from eval.sample import run_sample
     from tests.test_eval_run import eval_cfg, make_run
-    from train.backend import BackendError
+    from train.dist.backend import BackendError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

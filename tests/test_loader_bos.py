@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.loader import TrainLoader
-from train.token_shards import bos_aligned_starts
+from train.data.loader import TrainLoader
+from train.data.token_shards import bos_aligned_starts
 
 T = 8
 

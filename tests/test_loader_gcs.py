@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_loader import T, upload_dir, write_shards
-from train.loader import epoch_order
-from train.token_shards import load_split
+from train.data.loader import epoch_order
+from train.data.token_shards import load_split
 
 # One rank of the test, as a trainer runs it: the per-step barrier stands for the gradient
 # all-reduce that keeps real ranks in lockstep. fsio.download is wrapped so the downloads are
@@ -34,7 +34,7 @@ def counting_download(src, dst):
     downloads.append(fsio.basename(src))
     _download(src, dst)
 fsio.download = counting_download
-from train.loader import TrainLoader
+from train.data.loader import TrainLoader
 
 r, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="file://" + a["pg"], rank=r, world_size=W,

@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 from codex.config import ConfigError, build_config
-from train.hardware import default_seq_len, device_defaults, get_preset, list_presets, preset_model
-from train.memory import HEADROOM, check_fits, choose_layout, plan
+from train.plan.hardware import default_seq_len, device_defaults, get_preset, list_presets, preset_model
+from train.plan.memory import HEADROOM, check_fits, choose_layout, plan
 
 GB = 1e9
 

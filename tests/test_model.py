@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from codex.config import build_config, preset_names
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import GPT, build_model, flops_per_token, matmul_params, num_params, padded_vocab
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def test_two_processes_with_different_ranks_build_identical_weights():
         rank = int(sys.argv[1])
         torch.manual_seed(rank)            # what a per-rank seeded process would do first
         torch.rand(rank * 17 + 1)
-        from model.config import ModelConfig
+        from codex.config.model import ModelConfig
         from model.gpt import build_model
         m = build_model(ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300,
                                     max_seq_len=32, tie_embeddings=True), seed=1337)
@@ -206,7 +206,7 @@ def test_forward_backward_lowers_under_xla_and_matches_cpu():
 
     out = run_xla(textwrap.dedent("""
         import torch, torch_xla, torch_xla.debug.metrics as met
-        from model.config import ModelConfig
+        from codex.config.model import ModelConfig
         from model.gpt import build_model
         dev = torch_xla.device()  # before any CPU backward: the autograd engine sizes its device queues once
         cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=32,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from tests.train_helpers import base_overrides, child_env, make_run
-from train import checkpoint
+from train.checkpoint import folders as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def start_hosts(run: str, env_extra: dict | None = None, per_rank: dict | None =
             args += ["--set", o]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               "-m", "train", "--", *args]
+               "-m", "codex.cli", "--", "train", *args]
         # Own session: a test that times out kills the agent and its worker together (killpg).
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
@@ -102,10 +102,11 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_pa
 def _checkpoints_at(run: str, steps: list[int]) -> None:
     """Checkpoints at `steps` from one process with the two hosts' global batch (2 x 4 rows)."""
     from codex.config import build_config
+    from eval.evaluate import evaluate
     from train.loop import train
 
     train(build_config(overrides=base_overrides(max_steps=steps[-1], save_every=steps[0], device_batch=8),
-                       run=run))
+                       run=run), evaluate)
     assert checkpoint.complete_steps(run) == steps
 
 

@@ -16,9 +16,10 @@ from model.gpt import build_model
 from tests.test_train import (KILL_AT_SAVE, ROOT, assert_close, final_model, one_thread,  # noqa: F401 (autouse)
                               run_train, train_cli_args)
 from tests.train_helpers import base_overrides, child_env, make_run
-from train import checkpoint
-from train.muon import Muon, Optimizers, orthogonalize
-from train.optim import make_optimizer, set_lr
+from train.checkpoint import folders as checkpoint
+from train.optim.muon import Muon, Optimizers, orthogonalize
+from train.optim.optimizer import make_optimizer
+from train.optim.schedule import set_lr
 
 MUON = dict(optimizer="muon", muon_lr=0.02)
 
@@ -61,7 +62,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 def test_muon_one_process_two_processes_and_accumulation_agree(tmp_path):
     runs = {name: make_run(tmp_path / name) for name in ("big", "accum", "ddp")}
     steps = dict(max_steps=5, save_every=5, lr=1e-3, **MUON)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", "--",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "codex.cli", "--", "train",
            *train_cli_args(runs["ddp"], device_batch=4, **steps)]
     proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -96,7 +97,7 @@ def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
 def _sharded_muon_step(rank: int, world: int, port: int, out: str) -> None:
     """One Muon step on rank `rank` of a real gloo group; records which matrices it orthogonalised."""
     import torch.distributed as dist
-    import train.muon as muon_module
+    import train.optim.muon as muon_module
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     done = []
     plain = muon_module.orthogonalize

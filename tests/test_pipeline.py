@@ -9,7 +9,7 @@ import random
 import numpy as np
 from click.testing import CliRunner
 
-from codex.cli import cli
+from codex.cli.main import cli
 
 
 def _corpus(path, n_docs=120, seed=0):
@@ -72,7 +72,7 @@ def test_stages_chain_through_the_run_directory(tmp_path):
 def test_demo_redoes_outputs_made_with_another_tokenizer(tmp_path):
     import json
 
-    from codex.demo import drop_stale_outputs
+    from codex.cli.demo import drop_stale_outputs
 
     run = tmp_path / "run"
     (run / "tokenizer").mkdir(parents=True)

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from codex.config import build_config
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 from tests.train_helpers import base_overrides, make_run
+from eval.evaluate import evaluate
 from train.loop import train
 
 torch.set_num_threads(1)
@@ -64,7 +65,7 @@ def test_bf16_training_follows_the_fp32_loss_curve_within_2_percent(tmp_path):
     for dtype in ("fp32", "bf16"):
         run = make_run(tmp_path / dtype)
         train(build_config(overrides=base_overrides(max_steps=20, dtype=dtype, device_batch=8, seq_len=32),
-                           run=run))
+                           run=run), evaluate)
         curves[dtype] = losses(run)
     fp32, bf16 = curves["fp32"], curves["bf16"]
     assert len(fp32) == len(bf16) == 20

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 from train.remat import apply_remat
 
@@ -55,7 +55,8 @@ def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, mon
     import train.remat as remat_module
     from codex.config import build_config
     from tests.train_helpers import base_overrides, make_run
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
+    from eval.evaluate import evaluate
     from train.loop import train
 
     calls = []
@@ -69,7 +70,7 @@ def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, mon
     finals = {}
     for remat in ("none", "block"):
         run = make_run(tmp_path / remat)
-        train(build_config(overrides=base_overrides(max_steps=3, remat=remat), run=run))
+        train(build_config(overrides=base_overrides(max_steps=3, remat=remat), run=run), evaluate)
         finals[remat] = checkpoint.load(run, "latest")["model"]
     assert calls == ["cpu"] * (3 * 2)   # 3 steps x 2 blocks (TINY_MODEL), none from the "none" run
     for name, value in finals["none"].items():
@@ -86,8 +87,8 @@ def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
     from pathlib import Path
 
     from codex.config import build_config
-    from train.hardware import get_preset
-    from train.memory import plan
+    from train.plan.hardware import get_preset
+    from train.plan.memory import plan
 
     overrides = ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_layer=8"]
     script = (

@@ -96,12 +96,12 @@ def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp
 BLOCKING_SHARD = """
 import sys, time
 from pathlib import Path
-from pipeline import shard
+from pipeline.shard import shard
 def write_npy(path, tokens):
     Path(sys.argv[1]).write_text("writing")
     time.sleep(600)
 shard.write_npy = write_npy
-from codex.cli import cli
+from codex.cli.main import cli
 cli(sys.argv[2:], prog_name="codex")
 """
 
@@ -138,7 +138,7 @@ def test_which_commands_take_which_lease(tmp_path):
     (it runs beside a trainer); a clean job-array task is refused only by the same task."""
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run = make_run(tmp_path / "run")
     text = tmp_path / "a.txt"

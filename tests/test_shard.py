@@ -17,10 +17,10 @@ import pytest
 
 from codex import fsio
 from codex.config import Config
-from pipeline import shard as shard_mod
+from pipeline.shard import shard as shard_mod
 from pipeline.encode import split_long_text
-from pipeline.shard import run_shard
-from pipeline.verify import verify_shards
+from pipeline.shard.shard import run_shard
+from pipeline.shard.verify import verify_shards
 from pipeline.upload import upload_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
 
 
 def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
-    from pipeline.tokenizer import SPECIAL_IDS, train_tokenizer
+    from pipeline.tokenizer.tokenizer import SPECIAL_IDS, train_tokenizer
 
     tok = train_tokenizer(iter([docs]), vocab_size)
     text = tok.to_str(pretty=True)
@@ -140,7 +140,7 @@ def shas(manifest: dict) -> list[tuple]:
 # --- round trip and the manifest contract ----------------------------------------------------------
 
 def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.tokenizer.tokenizer import load_tokenizer
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     m = run_shard(make_cfg(run))
@@ -165,13 +165,13 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
         assert hashlib.sha256((out / e["path"]).read_bytes()).hexdigest() == e["sha256"]
     assert (out / "config.yaml").exists()
     assert verify_shards(str(out), str(run / "tokenizer")) == []
-    from train.token_shards import load_manifest   # the training loader accepts the manifest as written
+    from train.data.token_shards import load_manifest   # the training loader accepts the manifest as written
 
     assert load_manifest(str(out))["totals"] == m["totals"]
 
 
 def test_append_eos_and_parquet_format(tmp_path, corpus, tokenizer_files):
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.tokenizer.tokenizer import load_tokenizer
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     m = run_shard(make_cfg(run, append_eos=True, format="both"))
@@ -221,7 +221,7 @@ def test_same_shards_across_reruns_and_worker_counts(tmp_path, corpus, tokenizer
 KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from pipeline import shard
+from pipeline.shard import shard
 from tests.test_shard import make_cfg
 after, where = int(sys.argv[2]), sys.argv[3]
 count = [0]
@@ -362,7 +362,7 @@ def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_file
 def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     out = tmp_path / "elsewhere"

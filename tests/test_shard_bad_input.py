@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import shard as shard_mod
-from pipeline.shard import ShardError, run_shard
-from pipeline.verify import verify_shards
+from pipeline.shard import shard as shard_mod
+from pipeline.shard.shard import ShardError, run_shard
+from pipeline.shard.verify import verify_shards
 from tests.test_shard import corpus, make_cfg, make_run, tokenizer_files, write_tokenizer  # noqa: F401 (fixtures)
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline import bpe as B
-from pipeline import doc_select, encode
-from pipeline import tokenizer as T
+from pipeline.tokenizer import bpe as B
+from pipeline import encode
+from pipeline.tokenizer import doc_select
+from pipeline.tokenizer import tokenizer as T
 
 VOCAB = 600
 
@@ -331,7 +332,7 @@ def test_token_dtype_boundary():
 def test_cli_data_tokenize(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     write_parquet(tmp_path / "c.parquet", make_docs(40, seed=11))
     run = tmp_path / "run"

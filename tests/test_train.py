@@ -16,8 +16,10 @@ import torch
 
 from codex.config import ConfigError, build_config
 from tests.train_helpers import base_overrides, child_env, make_run, optimizer_tensors
-from train import checkpoint
-from train.loop import grad_accum_steps, train
+from train.checkpoint import folders as checkpoint
+from eval.evaluate import evaluate
+from train.loop import train
+from train.plan.plan import grad_accum_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +34,7 @@ def one_thread():
 
 
 def run_train(run: str, **train_keys) -> dict:
-    return train(build_config(overrides=base_overrides(**train_keys), run=run))
+    return train(build_config(overrides=base_overrides(**train_keys), run=run), evaluate)
 
 
 def final_model(run: str) -> dict:
@@ -74,7 +76,7 @@ def test_grad_accum_formula():
 def test_cli_bad_batch_tokens_exits_2(tmp_path):
     from click.testing import CliRunner
 
-    from codex.cli import cli
+    from codex.cli.main import cli
 
     run = make_run(tmp_path / "run")
     result = CliRunner().invoke(cli, ["train", "--batch-tokens", "1000", "--device-batch", "4", "--seq-len", "16",
@@ -94,7 +96,7 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
     # in near-zero gradients to ~3e-5 (measured); at 1e-3 the three runs agree to ~5e-8.
     steps = dict(max_steps=5, save_every=5, lr=1e-3)
     # torchrun first (a subprocess), so the in-process runs overlap nothing.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "train", "--",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "codex.cli", "--", "train",
            *train_cli_args(runs["ddp"], device_batch=4, **steps)]
     proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -129,7 +131,7 @@ def build_init(run: str) -> dict:
 
 KILL_AT_SAVE = """
 import os, signal, sys
-from train import checkpoint
+from train.checkpoint import folders as checkpoint
 real_save = checkpoint.save
 def save(run, state, **kw):
     if state["step"] == {kill_step}:
@@ -140,8 +142,8 @@ def save(run, state, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return real_save(run, state, **kw)
 checkpoint.save = save
-from train.__main__ import main
-sys.exit(main({args!r}))
+from codex.cli.__main__ import main
+sys.exit(main(["train", *{args!r}]))
 """
 
 
@@ -194,7 +196,7 @@ def sigterm_after_three_steps(proc: subprocess.Popen, metrics: Path, timeout: fl
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
     run = make_run(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "train", *train_cli_args(run, max_steps=100_000)],
+    proc = subprocess.Popen([sys.executable, "-m", "codex.cli", "train", *train_cli_args(run, max_steps=100_000)],
                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(run) / "metrics.jsonl"
     err = sigterm_after_three_steps(proc, metrics, timeout=60)
@@ -214,7 +216,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     flag all-reduce), rank 0 saves, the workers exit 0. torchrun itself then reports the signal."""
     run = make_run(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "train", "--", *train_cli_args(run, max_steps=100_000)],
+                             "-m", "codex.cli", "--", "train", *train_cli_args(run, max_steps=100_000)],
                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(run) / "metrics.jsonl"
     err = sigterm_after_three_steps(proc, metrics, timeout=120)
@@ -234,7 +236,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
 # --- schedule, parameter groups, presets, backend errors -----------------------------------------
 
 def test_lr_schedules():
-    from train.optim import lr_at
+    from train.optim.schedule import lr_at
 
     kw = dict(max_lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
@@ -250,7 +252,7 @@ def test_lr_schedules():
 
 def test_no_weight_decay_on_norms_embeddings_and_vectors():
     from model.gpt import build_model
-    from train.optim import param_groups
+    from train.optim.optimizer import param_groups
 
     cfg = build_config(overrides=base_overrides())
     cfg.model.vocab_size = 300
@@ -267,7 +269,7 @@ def test_no_weight_decay_on_norms_embeddings_and_vectors():
 
 
 def test_hardware_presets_and_table():
-    from train.hardware import format_hardware_table, get_preset
+    from train.plan.hardware import format_hardware_table, get_preset
 
     table = format_hardware_table()
     for name in ("cpu", "a100", "h100-8", "h200", "v4-8", "v5litepod-16", "v5p-8", "v6e-1", "v6e-16"):
@@ -283,7 +285,8 @@ def test_hardware_presets_and_table():
 def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from train.backend import BackendError, make_backend
+    from train.dist.backend import BackendError
+    from train.launch import make_backend
 
     cfg = build_config(overrides=base_overrides(hardware="h100-8"), run=str(tmp_path))
     with pytest.raises(BackendError) as e:
@@ -292,7 +295,7 @@ def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
 
 
 def test_default_batch_comes_from_the_preset(tmp_path):
-    from train.hardware import device_defaults, get_preset
+    from train.plan.hardware import device_defaults, get_preset
 
     cfg = build_config(model="124m")
     assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)
@@ -312,7 +315,7 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     runs that same wrapper and loop on the CPU (inductor's C++ backend): losses match eager bf16,
     checkpoints hold plain keys (no '_orig_mod.'), and a resumed compiled run ends where an
     uninterrupted one does. (~1 min: inductor compiles the model once per process.)"""
-    import train.backend as B
+    import train.launch as B
 
     real = B.make_backend
 

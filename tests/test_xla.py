@@ -67,6 +67,7 @@ torch.set_num_threads(1)
 from pathlib import Path
 from codex.config import build_config
 from tests.train_helpers import make_run
+from eval.evaluate import evaluate
 from train.loop import train
 
 def cfg(run, ov):
@@ -107,7 +108,7 @@ def run_xla_script(script: str, devices: int, env: dict | None = None) -> dict:
 
 
 def model_at(run: str, step: int) -> dict:
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
 
     return checkpoint.load(run, step)["model"]
 
@@ -130,8 +131,8 @@ def runs(tmp_path_factory):
     out: dict = {"dirs": d}
 
     out.update(run_eager(f"""
-emit("eager30", train(cfg({d['eager30']!r}, {overrides('cpu', 8, 30, save_every=5)!r})))
-emit("eager5", train(cfg({d['eager5']!r}, {overrides('cpu', 8, 5)!r})))
+emit("eager30", train(cfg({d['eager30']!r}, {overrides('cpu', 8, 30, save_every=5)!r}), evaluate))
+emit("eager5", train(cfg({d['eager5']!r}, {overrides('cpu', 8, 5)!r}), evaluate))
 """))
     # The XLA run that resumes an eager checkpoint starts from eager30's step 25.
     shutil.copytree(Path(d["eager30"]) / "checkpoints" / "step_00000025",
@@ -139,20 +140,21 @@ emit("eager5", train(cfg({d['eager5']!r}, {overrides('cpu', 8, 5)!r})))
 
     spmd_a = f"""
 import torch_xla.debug.metrics as met
-r = train(cfg({d['spmd30']!r}, {overrides('v6e-4', 2, 30, save_every=5)!r}))
+r = train(cfg({d['spmd30']!r}, {overrides('v6e-4', 2, 30, save_every=5)!r}), evaluate)
 emit("spmd30", r)
 emit("spmd30_compiles", met.metric_data("CompileTime")[0])
 emit("spmd30_metrics", [json.loads(l) for l in open(os.path.join({d['spmd30']!r}, "metrics.jsonl"))])
 
 # An eager checkpoint (step 25) resumes on XLA and finishes the run (steps 26..30).
-emit("resume_xla", train(cfg({d['resume_xla']!r}, {overrides('v6e-4', 2, 30, save_every=5)!r})))
+emit("resume_xla", train(cfg({d['resume_xla']!r}, {overrides('v6e-4', 2, 30, save_every=5)!r}), evaluate))
 
 # eval.evaluate: one set of weights (eager30 step 30), SPMD over 4 devices vs the eager CPU.
 from eval.evaluate import evaluate
 from model.gpt import build_model
-from train import checkpoint
-from train.backend import loader_layout, make_backend
-from train.loader import val_batches
+from train.checkpoint import folders as checkpoint
+from train.dist.backend import loader_layout
+from train.launch import make_backend
+from train.data.loader import val_batches
 import numpy as np
 c = cfg({d['eager30']!r}, {overrides('v6e-4', 2, 30)!r})
 state = checkpoint.load(c.run, 30)
@@ -172,7 +174,7 @@ eager_640 = evaluate(cpu_model, val_batches(shards, seq_len=32, batch_size=8, ma
 emit("eval", {{"eager_all": eager, "xla": xla, "eager": eager_640, "layout": [rank, world, rows]}})
 
 # max_compiles fails loudly.
-from train.xla_backend import CompileLimitError
+from train.xla.backend import CompileLimitError
 backend.max_compiles = backend.compile_count() - 1
 try:
     backend.step_boundary()
@@ -182,18 +184,21 @@ except CompileLimitError as e:
 """
     spmd_b = f"""
 import torch_xla.debug.metrics as met
-from train.backend import BackendError, make_backend
+from train.dist.backend import BackendError
+from train.launch import make_backend
 try:
     make_backend(cfg({d['spmd60']!r}, {overrides('v6e-8', 2, 60)!r}))
     emit("mismatch_error", None)
 except BackendError as e:
     emit("mismatch_error", str(e))
-emit("spmd60", train(cfg({d['spmd60']!r}, {overrides('v6e-4', 2, 60)!r})))
+emit("spmd60", train(cfg({d['spmd60']!r}, {overrides('v6e-4', 2, 60)!r}), evaluate))
 emit("spmd60_compiles", met.metric_data("CompileTime")[0])
 """
     spawn = f"""
-from train.xla_backend import spawn_train
-emit("spawn5", spawn_train(cfg({d['spawn5']!r}, {overrides('v6e-1', 8, 5, xla_mode='spawn', xla_step='traced')!r})))
+import functools
+from train.xla.backend import spawn_train
+emit("spawn5", spawn_train(cfg({d['spawn5']!r}, {overrides('v6e-1', 8, 5, xla_mode='spawn', xla_step='traced')!r}),
+                           functools.partial(train, evaluate=evaluate)))
 """
     # Three independent XLA processes at once: compiles are mostly single-threaded.
     with ThreadPoolExecutor(3) as pool:
@@ -206,8 +211,8 @@ emit("spawn5", spawn_train(cfg({d['spawn5']!r}, {overrides('v6e-1', 8, 5, xla_mo
     for src, dst in (("spmd30", "resume_eager_from_xla"), ("eager30", "resume_eager_from_eager")):
         shutil.copytree(Path(d[src]) / "checkpoints" / "step_00000030", Path(d[dst]) / "checkpoints" / "step_00000030")
     out.update(run_eager(f"""
-emit("resume_eager_from_xla", train(cfg({d['resume_eager_from_xla']!r}, {overrides('cpu', 8, 35)!r})))
-emit("resume_eager_from_eager", train(cfg({d['resume_eager_from_eager']!r}, {overrides('cpu', 8, 35)!r})))
+emit("resume_eager_from_xla", train(cfg({d['resume_eager_from_xla']!r}, {overrides('cpu', 8, 35)!r}), evaluate))
+emit("resume_eager_from_eager", train(cfg({d['resume_eager_from_eager']!r}, {overrides('cpu', 8, 35)!r}), evaluate))
 """))
     return out
 
@@ -248,7 +253,7 @@ def test_spawn_one_device_with_all_reduce_matches_eager(runs):
 def test_xla_checkpoint_resumes_on_eager_cpu_and_back(runs):
     d = runs["dirs"]
     # A DCP checkpoint like every other: loads into CPU tensors without torch_xla.
-    from train import checkpoint
+    from train.checkpoint import folders as checkpoint
 
     state = checkpoint.load(d["spmd30"], 30)
     parts = list(state["optimizer"].values())   # AdamW, or Muon + AdamW
@@ -285,7 +290,8 @@ NO_FALLBACK = f"""
 import os, sys, json
 sys.path.insert(0, {str(ROOT)!r})
 from codex.config import build_config
-from train.backend import BackendError, make_backend
+from train.dist.backend import BackendError
+from train.launch import make_backend
 out = {{}}
 for case, env, allow in (("unset", None, True), ("cpu_not_allowed", "CPU", False), ("tpu_missing", "TPU", True)):
     os.environ.pop("PJRT_DEVICE", None)
@@ -366,7 +372,7 @@ def test_compile_count_fixed_for_1000_steps_and_after_a_resume(tmp_path):
     long_run = f"""
 import torch_xla.debug.metrics as met
 from codex.config import build_config
-r = train(build_config(overrides={_long_overrides(1000, max_compiles=LONG_RUN_COMPILES)!r}, run={fresh!r}))
+r = train(build_config(overrides={_long_overrides(1000, max_compiles=LONG_RUN_COMPILES)!r}, run={fresh!r}), evaluate)
 emit("fresh", r)
 emit("fresh_compiles", met.metric_data("CompileTime")[0])
 """
@@ -381,7 +387,7 @@ emit("fresh_compiles", met.metric_data("CompileTime")[0])
     resume = f"""
 import torch_xla.debug.metrics as met
 from codex.config import build_config
-emit("resumed", train(build_config(overrides={_long_overrides(1000)!r}, run={resumed!r})))
+emit("resumed", train(build_config(overrides={_long_overrides(1000)!r}, run={resumed!r}), evaluate))
 emit("resumed_compiles", met.metric_data("CompileTime")[0])
 """
     out = run_xla_script(resume, 4)
@@ -404,10 +410,10 @@ def muon_runs(tmp_path_factory):
         make_run(Path(path))
     out = {"dirs": d}
     out.update(run_eager(f"""
-emit("eager", train(cfg({d['eager']!r}, {overrides('cpu', 8, 30, **MUON)!r})))
+emit("eager", train(cfg({d['eager']!r}, {overrides('cpu', 8, 30, **MUON)!r}), evaluate))
 """))
     out.update(run_xla_script(f"""
-emit("spmd", train(cfg({d['spmd']!r}, {overrides('v6e-4', 2, 30, **MUON)!r})))
+emit("spmd", train(cfg({d['spmd']!r}, {overrides('v6e-4', 2, 30, **MUON)!r}), evaluate))
 emit("spmd_metrics", [json.loads(l) for l in open(os.path.join({d['spmd']!r}, "metrics.jsonl"))])
 """, 4))
     return out
@@ -430,7 +436,7 @@ import json
 import torch
 torch.set_num_threads(1)
 import torch_xla
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 from train.remat import apply_remat
 

@@ -29,7 +29,7 @@ import torch
 
 from tests.test_xla import max_diff, model_at, overrides, run_eager, run_xla_script
 from tests.train_helpers import make_run
-from train.xla_sharding import param_spec
+from train.xla.sharding import param_spec
 
 pytestmark = pytest.mark.xla
 
@@ -39,7 +39,7 @@ DEVICES = 4
 # step hooks mark (train/xla_sharding.py: shard_optimizer_state).
 CAPTURE = """
 import train.loop as loop_module
-from train import xla_sharding
+from train.xla import sharding as xla_sharding
 import torch_xla.core.xla_model as xm
 captured, marks = {}, []
 _make_optimizer, _shard_state = loop_module.make_optimizer, xla_sharding.shard_optimizer_state
@@ -191,13 +191,14 @@ def test_export_gives_the_live_sharded_models_logits(runs, tmp_path):
     """`codex export`'s file (torch.load(weights_only=True)) in a fresh model gives the logits the
     live XLA fsdp=4 model gave at the same step."""
     from codex.config import build_config
-    from model.config import ModelConfig
+    from codex.config.model import ModelConfig
     from model.export_torch import export_torch
     from model.gpt import GPT
+    from train.checkpoint.read import read_checkpoint
 
     d = runs["dirs"]
     out = str(tmp_path / "model.pt")
-    info = export_torch(build_config(overrides=[], run=d["fsdp4"]), out, checkpoint=10)
+    info = export_torch(*read_checkpoint(build_config(overrides=[], run=d["fsdp4"]), 10), out)
     assert info["step"] == 10
     saved = torch.load(out, weights_only=True)
     model = GPT(ModelConfig(**saved["model_config"]))
@@ -224,11 +225,11 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
     """train.parallel=auto on a TPU preset where the replicated state does not fit gives fsdp over
     the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any device work."""
     from codex.config import ConfigError, build_config
-    from model.config import ModelConfig
-    from train.fsdp import Layout
-    from train.hardware import get_preset
-    from train.loop import resolve_batch
-    from train.xla_backend import XLABackend
+    from codex.config.model import ModelConfig
+    from train.plan.layout import Layout
+    from train.plan.hardware import get_preset
+    from train.plan.plan import resolve_batch
+    from train.xla.backend import XLABackend
 
     preset = get_preset("v5litepod-4")
     *_, layout = resolve_batch(build_config(model="1b", overrides=["train.hardware=v5litepod-4"]), preset, 4)

@@ -21,10 +21,10 @@ import json
 import torch
 torch.set_num_threads(1)
 import torch_xla
-from model.config import ModelConfig
+from codex.config.model import ModelConfig
 from model.gpt import build_model
 from train.remat import apply_remat
-from train.xla_step import DeviceAccumulation
+from train.xla.step import DeviceAccumulation
 
 ACCUM, STEPS = 3, 3
 cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)

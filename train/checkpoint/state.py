@@ -1,0 +1,181 @@
+"""The whole training state in a checkpoint (train/checkpoint.py): built by `save_training` on
+every rank, put back by `restore_training` on every rank, so the loop never touches its keys.
+
+    {"model":     {fqn: tensor},                          DTensor shards under fsdp
+     "optimizer": {"adamw"|"muon": {"state": {fqn: {name: tensor}}, "param_groups": [...]}},
+     "rng":       {"rank_R": {"torch", "cuda"}},          per rank: each rank writes its own
+     "step", "tokens", "loader", "log_window", "config", "codex_version", "world_size",
+     "batch_tokens", "tokenizer_sha256", "parallel"}
+
+The optimizer state is keyed by parameter name (fqn), not by torch's positional ids, so it loads
+into any layout: restore_training makes each state tensor's target like its parameter (a DTensor
+slice under fsdp, a full CPU tensor otherwise) and DCP fills it. (torch's get/set_optimizer_state_dict
+would do the same for fsdp, but set_ runs a dummy optimizer step to create the state first: one more
+XLA program, and a Muon step with collectives; naming the state by fqn here is a few lines.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import codex
+from codex import rundir
+from codex.config import ConfigError, to_dict
+from train.checkpoint import folders as checkpoint
+from train.checkpoint import dcp as dcp_io
+from train.optim.muon import Optimizers
+from train.optim.optimizer import load_optimizer_state
+
+log = logging.getLogger("codex.checkpoint")
+
+
+def optimizer_parts(optimizer) -> dict[str, torch.optim.Optimizer]:
+    return dict(optimizer.optimizers) if isinstance(optimizer, Optimizers) else {"adamw": optimizer}
+
+
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor where it is when DCP can write it from there (CPU, CUDA, DTensor shards: DCP copies
+    only what this rank writes to the host); XLA tensors copied to the CPU (sharded ones from their shards)."""
+    if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda"):
+        return t.detach()
+    from train.xla.sharding import to_cpu
+
+    return to_cpu(t)
+
+
+def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
+    """{name: {"state": {fqn: {key: tensor}}, "param_groups": [{hyperparameters, "params": [fqn]}]}}."""
+    names = _names(model)
+    out = {}
+    for key, opt in optimizer_parts(optimizer).items():
+        state = {names[id(p)]: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                 for p, st in opt.state.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in opt.param_groups]
+        out[key] = {"state": state, "param_groups": groups}
+    return out
+
+
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves and restores besides the counters: the plain model (no
+    torch.compile wrapper), its optimizer and the training loader."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    loader: Any
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a checkpoint records about where training stands and how it ran."""
+
+    step: int
+    tokens: int
+    log_window: dict       # the unfinished loss window (metrics.LossWindow.state())
+    world_size: int
+    batch_tokens: int
+    tokenizer_sha: str     # eval and sample refuse a checkpoint of a retrained tokenizer
+    parallel: str          # the layout, as Layout.describe() says it
+
+
+def save_training(cfg, control, parts: TrainingParts, record: StepRecord,
+                  background: bool = False) -> checkpoint.PendingSave:
+    """Every rank: write everything a resumed run needs to continue exactly. background: copy the
+    state now and write it while training goes on (train.async_save); wait() on the result."""
+    state = {
+        "model": {k: _local(v) for k, v in parts.model.state_dict().items()},
+        "optimizer": optimizer_tree(parts.model, parts.optimizer),
+        "rng": {f"rank_{control.rank}": checkpoint.rng_state()},
+        "step": record.step, "tokens": record.tokens, "loader": parts.loader.state_dict(),
+        "config": to_dict(cfg), "codex_version": codex.__version__, "world_size": record.world_size,
+        "batch_tokens": record.batch_tokens, "tokenizer_sha256": record.tokenizer_sha,
+        "log_window": record.log_window, "parallel": record.parallel,
+    }
+    keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every, control=control)
+    if background:
+        return checkpoint.save_in_background(cfg.run, state, **keep)
+    return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, **keep))
+
+
+def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor:
+    """Where DCP loads one saved tensor: into a DTensor shaped like its parameter (this rank's
+    slice only), else a full CPU tensor."""
+    if isinstance(like, DTensor) and list(like.shape) == leaf[dcp_io.TENSOR]:
+        return torch.zeros_like(like, dtype=getattr(torch, leaf["dtype"]))
+    return dcp_io.empty_like_leaf(leaf)
+
+
+def _optimizer_targets(model: torch.nn.Module, saved: dict) -> dict:
+    params = dict(model.named_parameters())
+    return {key: {"state": {fqn: {k: _target(v, params.get(fqn)) if dcp_io.is_tensor_leaf(v) else v
+                                   for k, v in st.items()} for fqn, st in part["state"].items()}}
+            for key, part in saved.items()}
+
+
+def _torch_format(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict, loaded: dict) -> dict:
+    """A saved (fqn-keyed) optimizer part as torch's state_dict for `opt` (positional ids)."""
+    names = _names(model)
+    ids, groups = {}, []
+    for cur, old in zip(opt.param_groups, saved["param_groups"]):
+        fqns = [names[id(p)] for p in cur["params"]]
+        if sorted(fqns) != sorted(old["params"]) or len(opt.param_groups) != len(saved["param_groups"]):
+            raise ConfigError("the checkpoint's optimizer parameter groups differ from this run's: resume with the "
+                              "same model and train.optimizer, or use a new --run")
+        for f in fqns:
+            ids[f] = len(ids)
+        groups.append({**old, "params": [ids[f] for f in fqns]})
+    state = {ids[fqn]: {k: loaded[fqn][k] if dcp_io.is_tensor_leaf(v) else v for k, v in st.items()}
+             for fqn, st in saved["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _check_same_model(cfg, saved_config: dict) -> None:
+    saved_model = saved_config.get("model", {})
+    for k, v in to_dict(cfg.model).items():
+        if k != "preset" and k in saved_model and saved_model[k] != v:   # the preset is a name, not the model
+            raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
+                              f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
+
+
+def restore_training(cfg, control, step: int, parts: TrainingParts) -> tuple[int, int, dict]:
+    """Every rank: load checkpoint `step` into the model, optimizer, loader and this rank's RNGs,
+    whatever layout and world size wrote it; returns (step, tokens, the unfinished log window)."""
+    model, optimizer, loader = parts.model, parts.optimizer, parts.loader
+    folder = checkpoint.step_dir(cfg.run, step)
+    tree = checkpoint.read_skeleton(folder)
+    _check_same_model(cfg, tree["config"])
+    parts = optimizer_parts(optimizer)
+    if set(parts) != set(tree["optimizer"]):
+        def name(keys):
+            return "muon" if "muon" in keys else "adamw"
+        raise ConfigError(f"the checkpoint's optimizer state is for train.optimizer={name(tree['optimizer'])}, this "
+                          f"run uses {name(parts)}: resume with the same optimizer or use a new --run")
+    sd = model.state_dict()
+    targets = {"model": {k: _target(v, sd.get(k)) for k, v in tree["model"].items()},
+               "optimizer": _optimizer_targets(model, tree["optimizer"])}
+    rng_key = f"rank_{control.rank}"
+    if rng_key in tree["rng"]:
+        targets["rng"] = {rng_key: dcp_io.targets_from_skeleton(tree["rng"][rng_key])}
+    else:
+        log.warning("%s was written by %d ranks: rank %d keeps its fresh RNG state", folder, tree["world_size"],
+                    control.rank)
+    dcp_io.read_tensors(folder, targets, control)
+    model.load_state_dict(targets["model"])
+    saved = {key: _torch_format(model, opt, tree["optimizer"][key], targets["optimizer"][key]["state"])
+             for key, opt in parts.items()}
+    load_optimizer_state(optimizer, saved if isinstance(optimizer, Optimizers) else saved["adamw"])
+    loader.load_state_dict(tree["loader"])
+    if "rng" in targets:
+        checkpoint.set_rng_state(targets["rng"][rng_key])
+    step = int(tree["step"])
+    return step, int(tree["tokens"]), tree.get("log_window") or {"loss_sum": 0.0, "since": step}

@@ -1,0 +1,305 @@
+"""The rank-strided token loader: exact, resumable, never the bottleneck.
+
+Contract (ARCHITECTURE.md, "Loader contract"):
+
+- A split is its npy shards in manifest order. A shard of n tokens gives (n - 1) // T windows;
+  window j is shard[j*T : j*T + T + 1] (x = first T, y = last T). Windows are numbered globally.
+- Training order: per epoch, a seeded permutation of all window ids (numpy default_rng([seed,
+  epoch])). The epochs are laid end to end as one infinite stream; stream position
+  s = epoch * windows_per_epoch + position.
+- Rank r of W, with a global position p, takes stream positions p + r, p + r + W, ... (B of them);
+  one step covers [p, p + B*W) for all ranks together. A batch that runs past the end of an epoch
+  simply continues into the next epoch's permutation: every batch is full, nothing is padded or
+  dropped, and every window is seen exactly once per epoch.
+- State: {"epoch", "position"} (global, identical on every rank) plus a few fingerprint keys that
+  make a resume on different data or a different seq_len an error rather than a silent change.
+  Resuming with another W (or B) continues the same global stream.
+
+The state always describes what the consumer has received, never what the background thread has
+read ahead: each prefetched batch carries the state after it, and the loader adopts that state
+when it hands the batch out.
+
+Speed: one batch is a handful of numpy fancy-index gathers (one per shard touched) from a strided
+(windows, T+1) view of each memory-mapped shard straight into int64 buffers (pinned on CUDA); no
+Python loop over windows. bench/bench_loader.py measures it.
+
+gs:// shards are streamed into the host's local cache (train/shard_cache.py: one folder for all
+local ranks, one download per shard per host, flock so that no process deletes a file another
+one holds). Each rank fetches only the shards its own windows touch, in the blocks of its current
+batch and the block after (double buffering), and lets go of a shard after its last window. With
+the default full shuffle a block is the whole epoch, so the cache holds all shards;
+`shuffle_shards=K` makes the permutation block-structured instead (the shard order is shuffled
+per epoch, then windows are shuffled within each group of K shards), so about 2*K shards per host
+are on local disk at a time (3*K while ranks straddle a block boundary). K is part of the state:
+changing it changes the order, so a resume with another K is refused.
+
+`bos_aligned` (train.bos_aligned) moves each training window to the first document start (<|bos|>)
+inside its grid cell when the window still fits there (token_shards.bos_aligned_starts); the window
+ids and the order are the same, so resuming stays exact. Validation keeps the fixed grid.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from pipeline.tokenizer.bpe import SPECIAL_IDS
+from train.data.token_shards import ShardReader, Split, gather, load_split
+
+# ----------------------------------------------------------------------------- training order
+
+def epoch_order(split: Split, seed: int, epoch: int, shuffle_shards: int = 0):
+    """(permutation of all window ids for this epoch, blocks), blocks = [(start, end, shard_ids)]:
+    stream positions [start, end) of the epoch only use windows of those shards."""
+    rng = np.random.default_rng([int(seed), int(epoch)])
+    n_shards, n = len(split.paths), split.windows
+    if shuffle_shards <= 0 or shuffle_shards >= n_shards:
+        return rng.permutation(n), [(0, n, np.arange(n_shards))]
+    shard_order = rng.permutation(n_shards)
+    parts, blocks, pos = [], [], 0
+    for b in range(0, n_shards, shuffle_shards):
+        ids = shard_order[b:b + shuffle_shards]
+        w = np.concatenate([np.arange(split.window_start[i], split.window_start[i + 1]) for i in ids])
+        parts.append(w[rng.permutation(len(w))])
+        blocks.append((pos, pos + len(w), ids))
+        pos += len(w)
+    return np.concatenate(parts), blocks
+
+
+class TrainLoader:
+    """Iterate forever over (x, y) int64 [B, T] batches of this rank; epochs roll over.
+
+        loader = TrainLoader(run + "/shards", seq_len=1024, batch_size=16, rank=r, world_size=W, seed=1337)
+        loader.load_state_dict(ckpt["loader"])      # optional: resume exactly
+        for step, (x, y) in zip(range(steps), loader): ...
+        ckpt["loader"] = loader.state_dict()        # what this consumer has received so far
+
+    `prefetch` batches are prepared ahead by a background thread (0: synchronous). On CUDA the
+    batches are built in pinned memory and copied with non_blocking=True.
+    """
+
+    def __init__(self, shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, device=None, prefetch: int = 2, cache_dir: str | None = None,
+                 shuffle_shards: int = 0, split: str = "train", bos_aligned: bool = False):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.split = load_split(shards_dir, split, seq_len)
+        self.seq_len, self.batch_size, self.rank, self.world_size = seq_len, batch_size, rank, world_size
+        self.seed, self.shuffle_shards, self.prefetch = int(seed), int(shuffle_shards), int(prefetch)
+        self.device = torch.device(device) if device is not None else None
+        self.pin = self.device is not None and self.device.type == "cuda"
+        cache_shards = 2 * self.shuffle_shards if 0 < self.shuffle_shards < len(self.split.paths) else 0
+        self.bos_aligned = bool(bos_aligned)
+        self.reader = ShardReader(self.split, cache_dir, cache_shards, bos=SPECIAL_IDS["bos"] if bos_aligned else None)
+        self._orders: dict[int, tuple[np.ndarray, list]] = {}
+        self._plans: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._state = (0, 0)  # (epoch, position) of the next batch the consumer will receive
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return self.split.windows
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.split.windows * self.seq_len
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        epoch, position = self._state
+        return {"epoch": epoch, "position": position, "seed": self.seed, "seq_len": self.seq_len,
+                "windows": self.split.windows, "shuffle_shards": self.shuffle_shards, "bos_aligned": self.bos_aligned}
+
+    def load_state_dict(self, d: dict) -> None:
+        for key in ("epoch", "position"):
+            if key not in d:
+                raise ValueError(f"loader state has no '{key}' (got keys {sorted(d)})")
+        mine = self.state_dict()
+        for key in ("seed", "seq_len", "windows", "shuffle_shards", "bos_aligned"):
+            if key in d and int(d[key]) != mine[key]:
+                raise ValueError(f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
+                                 "the data order would differ, so resuming exactly is impossible")
+        if not 0 <= int(d["position"]) < self.split.windows or int(d["epoch"]) < 0:
+            raise ValueError(f"loader state epoch={d['epoch']} position={d['position']} is out of range "
+                             f"(windows per epoch: {self.split.windows})")
+        self.close()
+        self._state = (int(d["epoch"]), int(d["position"]))
+
+    # -- batches -------------------------------------------------------------------------------
+    def _order(self, epoch: int):
+        if epoch not in self._orders:
+            self._orders[epoch] = epoch_order(self.split, self.seed, epoch, self.shuffle_shards)
+            for old in [e for e in self._orders if e < epoch - 1]:
+                del self._orders[old]
+        return self._orders[epoch]
+
+    def window_ids(self, epoch: int, position: int) -> np.ndarray:
+        """The window ids of this rank's batch whose global step starts at (epoch, position)."""
+        n = self.split.windows
+        stream = epoch * n + position + self.rank + self.world_size * np.arange(self.batch_size, dtype=np.int64)
+        ep, pos = np.divmod(stream, n)
+        ids = np.empty(self.batch_size, dtype=np.int64)
+        for e in np.unique(ep):  # one or two epochs, unless B*W > windows per epoch
+            sel = ep == e
+            ids[sel] = self._order(int(e))[0][pos[sel]]
+        return ids
+
+    def _block_plan(self, epoch: int, k: int, phase: int):
+        """This rank's use of block k of `epoch`: (shard ids in order of first use, the epoch
+        position of each one's last use). The rank takes the stream positions s = phase (mod W)."""
+        key = (epoch, k, phase)
+        if key not in self._plans:
+            order, blocks = self._order(epoch)
+            a, b, _ = blocks[k]
+            n, W = self.split.windows, self.world_size
+            pos = np.arange(a + (phase - epoch * n - a) % W, b, W)
+            shard = np.searchsorted(self.split.window_start, order[pos], side="right") - 1
+            ids, first = np.unique(shard, return_index=True)
+            _, last_rev = np.unique(shard[::-1], return_index=True)
+            by_first = np.argsort(first)
+            self._plans[key] = (ids[by_first], pos[len(pos) - 1 - last_rev][by_first])
+            for old in [o for o in self._plans if o[0] < epoch - 1]:
+                del self._plans[old]
+        return self._plans[key]
+
+    def _needed_shards(self, epoch: int, position: int) -> list[int]:
+        """The shards this rank's own windows touch from (epoch, position) on, in the blocks this
+        batch spans and the block after the one it starts in (double buffering): about 2K with
+        shuffle_shards=K, nothing another rank alone reads."""
+        n, W = self.split.windows, self.world_size
+        start = epoch * n + position
+        end = start + self.batch_size * W  # this step's stream positions: [start, end)
+        phase = (start + self.rank) % W
+        blocks = self._order(epoch)[1]
+        e, k = epoch, next(i for i, (a, b, _) in enumerate(blocks) if a <= position < b)
+        want, count = [], 0
+        while True:
+            ids, last = self._block_plan(e, k, phase)
+            want += ids[e * n + last >= start].tolist()  # a shard this rank is done with is let go
+            count += 1
+            if count >= 2 and e * n + blocks[k][1] >= end:
+                break
+            k += 1
+            if k == len(blocks):
+                e, k = e + 1, 0
+                blocks = self._order(e)[1]
+        return list(dict.fromkeys(want))
+
+    def _prefetch_shards(self, epoch: int, position: int) -> None:
+        if self.reader.remote:
+            self.reader.prefetch(self._needed_shards(epoch, position))
+
+    def _make(self, epoch: int, position: int):
+        """Build the batch starting at (epoch, position); return (x, y, state after it)."""
+        self._prefetch_shards(epoch, position)
+        ids = self.window_ids(epoch, position)
+        B, T = self.batch_size, self.seq_len
+        x = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
+        y = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
+        gather(self.reader, ids, x.numpy(), y.numpy())
+        nxt_epoch, nxt_pos = divmod(epoch * self.split.windows + position + B * self.world_size, self.split.windows)
+        return x, y, (nxt_epoch, nxt_pos)
+
+    def _worker(self, q: queue.Queue, stop: threading.Event, state) -> None:
+        try:
+            while not stop.is_set():
+                item = self._make(*state)
+                state = item[2]
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # hand the error to the consumer; never die silently
+            while not stop.is_set():
+                try:
+                    q.put(e, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.prefetch <= 0:
+            x, y, state = self._make(*self._state)
+        else:
+            if self._thread is None:
+                self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+                self._thread = threading.Thread(target=self._worker, args=(self._queue, self._stop, self._state),
+                                                name="codex-loader", daemon=True)
+                self._thread.start()
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            x, y, state = item
+        self._state = state  # only now has the consumer received this batch
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=self.pin), y.to(self.device, non_blocking=self.pin)
+        return x, y
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it restarts from the consumer's state on the next batch)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = self._queue = self._stop = None
+
+    def __del__(self):
+        try:
+            self.close()
+            self.reader.close()
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------- validation
+
+def val_batches(shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                max_tokens: int = 0, with_mask: bool = False, cache_dir: str | None = None, split: str = "val"):
+    """The val split in a fixed order (window 0, 1, 2, ...), every window exactly once across ranks.
+
+    Step g covers windows [g*B*W, (g+1)*B*W); rank r takes g*B*W + r + k*W (k < B), like training.
+    `max_tokens` > 0 keeps only the first max_tokens // seq_len windows (at least one).
+
+    with_mask=False: yields (x, y); the last batch of a rank may be smaller (rows past the end are
+    dropped), and a rank with nothing left yields nothing, so ranks may yield different counts.
+    with_mask=True (XLA, or any collective per batch): every rank yields the same number of full
+    (x, y, mask) batches; mask is a bool [B] that is False for filler rows (copies of window 0,
+    real tokens) whose losses must be ignored.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    sp = load_split(shards_dir, split, seq_len)
+    n = sp.windows if max_tokens <= 0 else min(sp.windows, max(1, max_tokens // seq_len))
+    reader = ShardReader(sp, cache_dir)
+    per_step = batch_size * world_size
+    try:
+        for g in range((n + per_step - 1) // per_step):
+            ids = g * per_step + rank + world_size * np.arange(batch_size, dtype=np.int64)
+            valid = ids < n
+            if with_mask:
+                ids = np.where(valid, ids, 0)
+            else:
+                ids = ids[valid]
+                if len(ids) == 0:
+                    continue
+            x = np.empty((len(ids), seq_len), dtype=np.int64)
+            y = np.empty((len(ids), seq_len), dtype=np.int64)
+            gather(reader, ids, x, y)
+            if with_mask:
+                yield torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(valid)
+            else:
+                yield torch.from_numpy(x), torch.from_numpy(y)
+    finally:
+        reader.close()

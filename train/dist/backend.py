@@ -1,0 +1,349 @@
+"""The backend interface: everything the training loop needs from a device, in one small place.
+
+    backend = make_backend(cfg)            # CPU or CUDA here; TPU in train/xla_backend.py
+    model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
+    for each optimizer step:
+        for each micro-batch:
+            x, y = backend.to_device(batch)
+            with backend.autocast():
+                loss = model(x, y) / accum
+            loss.backward()
+        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step
+        clip, optimizer.step()
+        backend.step_boundary()            # XLA: cut the graph; CPU/CUDA: nothing
+
+Why not DistributedDataParallel: DDP all-reduces inside every backward unless each micro-batch
+but the last is wrapped in no_sync(), and hides where the communication happens. Here the one
+all-reduce per optimizer step is a plain call you can find, time and test. Gradients are summed
+in fp32 buckets and divided by the world size, so the result is the gradient of the mean loss
+over every token of the global batch.
+
+Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for several
+machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL on CUDA.
+There is no silent fallback: a CUDA preset without CUDA, or a device count that does not match
+the launch, is an error that says what was found and how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows has no resource module
+    resource = None
+
+from codex.config import ConfigError
+from model.gpt import build_model
+from train.dist.control import ControlPlane, control_timeout
+from train.dist.fsdp import build_sharded, set_grad_sync
+from train.plan.layout import Layout
+from train.plan.hardware import get_preset
+
+
+class BackendError(ConfigError):
+    """The requested hardware does not match what this machine / launch provides. A ConfigError,
+    so the CLI reports it in one line and exits 2."""
+
+
+class Backend(Protocol):
+    """What train/loop.py and eval/ use. TorchBackend (CPU/CUDA) and train/xla_backend.py implement it."""
+
+    kind: str                 # the hardware preset's kind: "cpu", "cuda" or "tpu"
+    device: torch.device
+    rank: int                 # global rank of this process (0 .. world_size-1 on CPU/CUDA)
+    world_size: int           # data-parallel replicas = devices (batch arithmetic, MFU)
+    local_rank: int
+    autocast_dtype: torch.dtype | None   # bf16 on CUDA/TPU by default, None = fp32
+    control: ControlPlane    # host-side gloo group: barrier, stop flag, resume decision (train/control.py)
+    # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
+    # devices_per_loader 1). Under XLA SPMD one process per host feeds all its chips.
+    loader_rank: int          # this process among the processes that load data
+    loader_world: int
+    devices_per_loader: int   # devices one process's batch is split over
+    global_values: bool       # a loss on this process is already the mean over every replica (SPMD)
+    fixed_shapes: bool        # validation needs full, masked batches of one shape (XLA compiles per shape)
+    pinned_copy_device: torch.device | None   # the loader copies from pinned memory to it (CUDA), or None
+
+    @property
+    def is_main(self) -> bool: ...
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...   # training's model, in `layout`
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...   # before each micro-batch's backward
+    def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...  # XLA's While, or None
+    def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def any_flag(self, flag: bool) -> bool: ...   # True on every rank if any rank's flag is set
+    def step_boundary(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def barrier(self) -> None: ...
+    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+    def memory_stats(self) -> dict[str, float]: ...
+    def compile_count(self) -> int | None: ...
+    def close(self, ok: bool = True) -> None: ...   # ok False: a rank failed, no clean-exit barrier
+
+
+def loader_layout(backend: Backend, device_batch: int) -> tuple[int, int, int]:
+    """(rank, world, rows) for this process's train/val loader: the global batch of
+    device_batch * world_size rows is split over `world` loaders of `rows` rows each."""
+    return backend.loader_rank, backend.loader_world, device_batch * backend.devices_per_loader
+
+
+def replica_mean(backend: Backend, tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-replica value (e.g. a loss) over all replicas, on every rank."""
+    if backend.global_values:
+        return tensor
+    return backend.all_reduce_sum(tensor.clone()) / backend.world_size
+
+
+def autocast_context(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """bf16 matmuls under autocast (parameters stay fp32, the master weights); None = plain fp32."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under torch.compile's wrapper (its state_dict keys have no '_orig_mod.')."""
+    return getattr(model, "_orig_mod", model)
+
+
+@dataclass
+class TorchBackend:
+    """CPU or CUDA, one process or several under torchrun (gloo / NCCL)."""
+
+    kind: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    autocast_dtype: torch.dtype | None = None
+    compile: bool = False
+    bucket_bytes: int = 64 << 20     # gradient all-reduce bucket size (fewer, larger collectives)
+    distributed: bool = False
+    control: ControlPlane = field(default_factory=ControlPlane)   # host-side gloo (train/control.py)
+    devices_per_loader: int = 1
+    global_values: bool = False
+    fixed_shapes: bool = False
+    layout: Layout = field(default_factory=Layout)   # set by build_model (train/fsdp.py)
+    _compiled: list = field(default_factory=list)
+
+    @property
+    def loader_rank(self) -> int:
+        return self.rank
+
+    @property
+    def loader_world(self) -> int:
+        return self.world_size
+
+    @property
+    def pinned_copy_device(self) -> torch.device | None:
+        return self.device if self.kind == "cuda" else None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        return autocast_context(self.device.type, self.autocast_dtype)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Parameters stay fp32 (the master weights); autocast runs the matmuls in bf16.
+        model = model.to(self.device)
+        if self.compile:
+            model = torch.compile(model)
+            self._compiled.append(model)
+        return model
+
+    def build_model(self, model_cfg, seed: int, layout: Layout) -> torch.nn.Module:
+        """build_model(model_cfg, seed)'s weights: replicated on this device, or sharded (fsdp:
+        built on the meta device and materialised already sharded, train/fsdp.py)."""
+        self.layout = layout
+        if not layout.sharded:
+            return self.prepare_model(build_model(model_cfg, seed=seed))  # same seed on every rank: identical weights
+        return build_sharded(model_cfg, seed, layout, self.device, self.autocast_dtype, self.compile)
+
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
+        """fsdp: reduce-scatter gradients in this backward only when `on` (the step's last
+        micro-batch), so a step has one gradient reduction. replicate: all_reduce_grads does it."""
+        if self.layout.sharded:
+            set_grad_sync(model, on)
+
+    def device_accumulation(self, model: torch.nn.Module, accum: int) -> None:
+        return None   # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
+
+    def to_device(self, batch):
+        non_blocking = self.device.type == "cuda"
+        return tuple(t.to(self.device, non_blocking=non_blocking) for t in batch)
+
+    @torch.no_grad()
+    def all_reduce_grads(self, model: torch.nn.Module) -> None:
+        """THE gradient all-reduce: average .grad over the replicas. Call once per optimizer step,
+        after the last micro-batch's backward and before clipping. fsdp: nothing to do, the last
+        micro-batch's backward already reduce-scattered every gradient (set_grad_sync)."""
+        if self.world_size == 1 or self.layout.sharded:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # Buckets of same-dtype grads, flattened into one buffer each: a handful of collectives
+        # instead of one per parameter, issued async so they pipeline.
+        pending = []
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads:
+            if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > self.bucket_bytes):
+                pending.append(self._reduce_bucket(bucket))
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
+            pending.append(self._reduce_bucket(bucket))
+        for work, flat, members in pending:
+            work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for g in members:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+
+    def _reduce_bucket(self, bucket: list[torch.Tensor]):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        # SUM then divide: gloo has no AVG op, and the result is the same on NCCL.
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        return work, flat, bucket
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over all replicas, in place; returns it (a no-op on one process)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank (all ranks stop at the same step).
+        Runs on the host through the control plane's gloo group, so on CUDA it does not wait for the GPU."""
+        return self.control.any_flag(flag)
+
+    def step_boundary(self) -> None:
+        pass  # eager CPU/CUDA: nothing to cut; XLA cuts the graph here
+
+    def synchronize(self) -> None:
+        """Block until the device has finished all queued work (timing must come after this)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.control.barrier()   # host-side (gloo), with the control plane's timeout
+
+    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Model weights, keys without a torch.compile prefix, where they are (fsdp: this rank's
+        DTensor shards): the checkpoint writer copies to the host only the part this rank writes,
+        so no rank of a replicated CUDA job makes a host copy of the whole model."""
+        return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
+
+    def memory_stats(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
+                    "mem_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9}
+        if resource is None:  # pragma: no cover - Windows
+            return {}
+        return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
+
+    def compile_count(self) -> int | None:
+        return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
+
+    def close(self, ok: bool = True) -> None:
+        """ok: wait for every rank, then tear down (a rank that destroys its gloo group while a peer is
+        still connected can abort at exit). Not ok (this rank raised): no barrier, since the peers may sit
+        in a collective this rank will never join; leaving closes this rank's sockets, so their
+        collectives fail at once and the job ends non-zero instead of hanging until a timeout."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        if ok:
+            self.control.barrier()
+            dist.destroy_process_group()
+        elif self.device.type == "cpu":
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()   # gloo: closes the sockets now; NCCL is left to process exit
+
+
+def _launch_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1 process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
+
+
+def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
+    """train.dtype -> autocast dtype: auto = bf16 on accelerators, fp32 (None) on the CPU."""
+    if setting == "auto":
+        return None if device_kind == "cpu" else torch.bfloat16
+    return torch.bfloat16 if setting == "bf16" else None   # fp32: no autocast
+
+
+def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
+    """This process's GPU, after checking the launch against the preset (exit 2 with the fix)."""
+    if not torch.cuda.is_available():
+        raise BackendError(
+            f"hardware preset '{preset.name}' needs CUDA GPUs, but torch {torch.__version__} found none "
+            f"(torch.cuda.is_available() is False; torch.version.cuda={torch.version.cuda}). "
+            "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu.")
+    found = torch.cuda.device_count()
+    if local_world != preset.devices_per_host:
+        raise BackendError(
+            f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host but this launch "
+            f"runs {local_world} process(es) per host. Fix: torchrun --nproc_per_node={preset.devices_per_host} "
+            f"-m codex.cli -- train ... (or pick the preset that matches, e.g. --hardware {preset.family}-{local_world}).")
+    if found < local_world:
+        raise BackendError(
+            f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, found {found} "
+            f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
+            f"Fix: use --hardware {preset.family}-{found}" + (" or" if found else "") +
+            " check CUDA_VISIBLE_DEVICES.")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+def make_torch_backend(cfg, preset) -> TorchBackend:
+    """The backend for a CPU or CUDA preset: one process, or one per device under torchrun."""
+    rank, world, local_rank, local_world = _launch_env()
+    launched = "WORLD_SIZE" in os.environ and world > 1
+    if preset.kind == "cuda":
+        device, pg_backend = _cuda_device(preset, local_rank, local_world), "nccl"
+    elif preset.kind == "cpu":
+        device = torch.device("cpu")
+        pg_backend = "gloo"
+    else:
+        raise BackendError(f"hardware preset '{preset.name}': unknown kind {preset.kind!r}")
+
+    if launched:
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": datetime.timedelta(minutes=30)}
+            if pg_backend == "nccl":
+                kwargs["device_id"] = device
+            dist.init_process_group(**kwargs)
+        if dist.get_world_size() != world:
+            raise BackendError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}")
+    control = ControlPlane()
+    if launched:
+        # Its own gloo group with the control plane's timeout (the default group keeps 30 min: a first
+        # gradient all-reduce may wait for a peer's torch.compile).
+        control = ControlPlane(dist.new_group(backend="gloo", timeout=control_timeout()), rank, world)
+    return TorchBackend(
+        kind=preset.kind, device=device, rank=rank, world_size=world, local_rank=local_rank,
+        autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
+        compile=bool(cfg.train.compile) and preset.kind == "cuda",
+        distributed=launched, control=control,
+    )

@@ -1,0 +1,170 @@
+"""The host-side control plane: one gloo process group that every backend uses for decisions.
+
+    control = ControlPlane(group, rank, world)   # made by make_backend / make_xla_backend
+    control.barrier()                            # host barrier (every backend, XLA SPMD included)
+    control.any_flag(flag)                       # the stop flag: True everywhere if any rank's is
+    control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config
+    stop = StopFlag().install()                  # SIGTERM/SIGINT: finish the step, save, return
+
+The group: CPU uses its default gloo group; CUDA a gloo group beside NCCL; XLA (SPMD, several
+hosts) `dist.init_process_group("gloo", init_method="xla://")`, as torch_xla's distributed
+checkpoint docs do (under SPMD xr.world_size() is 1, so xm.rendezvous synchronises nothing across
+hosts). Its ranks are processes (hosts under SPMD), not chips. Everything here runs on the host:
+no device value is read back, so a per-step stop check does not drain an accelerator's pipeline.
+
+Timeouts: the control group waits CONTROL_TIMEOUT_S (env CODEX_CONTROL_TIMEOUT_S, default 600 s)
+in any collective: long enough for rank 0 to write a large checkpoint to gs:// while the others
+wait in the barrier after it, short against the default 30 min. A dead peer is not waited for:
+gloo sees its sockets close and the collective raises at once; the timeout catches a hung peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from codex.config import ConfigError
+
+log = logging.getLogger("codex.train")
+
+
+CONTROL_TIMEOUT_S = float(os.environ.get("CODEX_CONTROL_TIMEOUT_S", "600"))
+
+
+def control_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
+
+
+@dataclass
+class ControlPlane:
+    """Host-side collectives over a gloo group; with world == 1 every call is local."""
+
+    group: Any = None
+    rank: int = 0
+    world: int = 1
+    _background: Any = field(default=None, repr=False)
+
+    def background(self) -> ControlPlane:
+        """A control plane over its own gloo group for collectives that run in a background thread
+        (an asynchronous checkpoint save) while this one serves the training loop: two threads must
+        never share a group. Made on first use, so every rank must call this at the same point."""
+        if self.world == 1:
+            return self
+        if self._background is None:
+            group = dist.new_group(backend="gloo", timeout=control_timeout())
+            self._background = ControlPlane(group, self.rank, self.world)
+        return self._background
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any rank. Every rank calls it once per step,
+        so all stop at the same step."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (a small picklable value)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        # src is a global rank; the control group's rank 0 is global rank 0 (every group made here spans all ranks).
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def check_same_config(self, config: dict) -> None:
+        """ConfigError on every rank when any rank's resolved config differs from rank 0's,
+        naming the ranks and the keys that differ."""
+        flat = _flatten(config)
+        digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+        digests = self.gather(digest)
+        if len(set(digests)) == 1:
+            return
+        configs = self.gather(flat)
+        ref = configs[0]
+        parts = []
+        for r, c in enumerate(configs):
+            if digests[r] == digests[0]:
+                continue
+            keys = sorted(k for k in ref.keys() | c.keys() if ref.get(k) != c.get(k))
+            shown = ", ".join(f"{k}={c.get(k)!r} (rank 0: {ref.get(k)!r})" for k in keys[:5])
+            parts.append(f"rank {r}: {shown}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else ""))
+        raise ConfigError("the ranks of this job run different configs: " + "; ".join(parts) +
+                          ". Every host must get the same command, config files and --set flags")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (a spot VM gets ~30 s); the loop finishes the current step, saves and
+    returns. Every rank stops at the same step: the loop checks `backend.any_flag(stop.is_set)`."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._old = {}
+
+    @property
+    def is_set(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self) -> StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a notebook worker)
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+        self.signal_name = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, then saving a checkpoint", self.signal_name)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def rank_tag(control: ControlPlane) -> str:
+    """"rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
+    return f"rank {control.rank}/{control.world}: " if control.world > 1 else ""
+
+
+FAULT_ENV = "CODEX_TEST_RAISE_AT"   # "RANK:STEP": that control-plane rank raises before that step (tests)
+
+
+def injected_step_fault(control: ControlPlane, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{control.rank}:{step}":
+        raise RuntimeError(f"{FAULT_ENV}={spec}: injected failure on rank {control.rank} at step {step}")

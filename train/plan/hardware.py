@@ -1,0 +1,234 @@
+"""Hardware presets (configs/hardware/*.yaml): what a device is, how fast, how much memory, and
+which device batch / sequence length fit each model preset.
+
+    --hardware cpu | a100 | a100-8 | h100 | h100-8 | h200 | h200-8 | v4-8/16/32 |
+               v5litepod-1/4/8/16/32 | v5p-8/16/32/64 | v6e-1/4/8/16/32   (`codex hardware` prints the table)
+
+A GPU name with any device count works too (`h100-4`): it is the `h100` file with 4 GPUs per host.
+TPU names follow Cloud TPU: v4 and v5p names count TensorCores (v5p-8 = 4 chips, v5p-16 = 8 chips
+on 2 hosts), v5e and v6e names count chips. Slices beyond one TPU VM are multi-host (`hosts` > 1,
+4 chips per VM): the same command runs on every worker, so the run directory must be shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from codex import fsio
+from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
+
+
+@dataclass
+class HardwarePreset:
+    name: str
+    kind: str                   # "cpu", "cuda" or "tpu"
+    family: str                 # a100, h100, h200, v4, v5e, v5p, v6e, cpu
+    device_name: str
+    devices_per_host: int       # GPUs or TPU chips per host (a replica each)
+    hosts: int                  # TPU VMs (workers) in the slice, one process each; 1 for GPU presets
+    memory_gb: float            # per device (HBM)
+    peak_tflops_bf16: float     # dense bf16 per device; MFU = achieved / (peak * devices)
+    defaults: dict = field(default_factory=dict)   # model preset -> {seq_len, max_device_batch (optional)}
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_host * self.hosts
+
+    @property
+    def peak_flops(self) -> float:
+        """Per-device peak in FLOP/s (0 when unknown, e.g. the CPU: no MFU then)."""
+        return float(self.peak_tflops_bf16) * 1e12
+
+
+def _load(name: str, path) -> HardwarePreset:
+    data = yaml.safe_load(open(path)) or {}
+    names = {f.name for f in dataclasses.fields(HardwarePreset)} - {"name"}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (have: {sorted(names)})")
+    missing = names - set(data) - {"defaults"}
+    if missing:
+        raise ConfigError(f"{path}: missing keys {sorted(missing)}")
+    return HardwarePreset(name=name, **data)
+
+
+def get_preset(name: str) -> HardwarePreset:
+    """The preset called `name`; `h100-4` is the h100 file with 4 GPUs per host."""
+    if (CONFIGS_DIR / "hardware" / f"{name}.yaml").exists():
+        return _load(name, CONFIGS_DIR / "hardware" / f"{name}.yaml")
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", name)
+    if m and (CONFIGS_DIR / "hardware" / f"{m.group(1)}.yaml").exists():
+        base = _load(m.group(1), CONFIGS_DIR / "hardware" / f"{m.group(1)}.yaml")
+        n = int(m.group(2))
+        if base.kind == "cuda" and 1 <= n <= 16:
+            return dataclasses.replace(base, name=name, devices_per_host=n)
+    try:
+        preset_path("hardware", name)  # raises the error with the list and a suggestion
+    except ConfigError as e:
+        raise ConfigError(f"train.hardware: {e}") from None
+    raise AssertionError("unreachable")
+
+
+# Environment torch_xla reads once, when it is first imported: set it before anything imports
+# torch_xla (the run lock does, to ask a multi-host TPU VM for its worker id), or it has no effect.
+# XLA_NO_SPECIAL_SCALARS: the Python scalars 0 and 1 stay device data like any other scalar,
+# instead of constants baked into the graph (a learning rate reaching 0 or 1 would compile anew).
+XLA_IMPORT_ENV = {"XLA_NO_SPECIAL_SCALARS": "1"}
+
+
+def set_xla_import_env() -> None:
+    for key, value in XLA_IMPORT_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def require_shared_run_dir(cfg) -> None:
+    """A multi-host preset runs the same command on every worker, and they must all read and write
+    one run directory: a local path is one folder per host (each resumes its own checkpoints, or
+    none), so it is refused unless the user says it is a shared disk (train.shared_run_dir)."""
+    preset = get_preset(cfg.train.hardware)
+    if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
+        return
+    raise ConfigError(
+        f"--hardware {preset.name} runs on {preset.hosts} hosts, but --run {cfg.run} is a local path that each host "
+        "would see as its own folder. Fix: use a bucket every host reads (--run gs://BUCKET/RUN), or, when that path "
+        "is a disk all hosts share (NFS, Filestore), say so with --set train.shared_run_dir=true")
+
+
+def list_presets() -> list[HardwarePreset]:
+    def natural(name: str):   # v4-8 before v4-16
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+    return [get_preset(n) for n in sorted(preset_names("hardware"), key=natural)]
+
+
+# The most tokens one device's micro-batch holds by default (B x T): the largest any preset used
+# (h200, 124m: 64 x 1024). The default token batch is B x T x devices, so a small model that
+# memory would let take 1M tokens per device would silently train with a far larger batch than
+# the presets' learning rates were set for; past ~64K tokens a bigger micro-batch buys no speed.
+MAX_DEVICE_TOKENS = 65536
+
+
+def _entry(preset: HardwarePreset, model_cfg) -> tuple[str, dict]:
+    name = model_cfg.preset or None
+    entry_name = name if name in preset.defaults else "default"
+    if entry_name not in preset.defaults:
+        raise ConfigError(f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' nor a 'default' "
+                          "entry; set train.device_batch and train.seq_len")
+    return entry_name, preset.defaults[entry_name]
+
+
+def default_seq_len(preset: HardwarePreset, model_cfg) -> int:
+    """The sequence length the preset suggests for this model (its model.preset entry, else 'default')."""
+    return int(_entry(preset, model_cfg)[1]["seq_len"])
+
+
+def default_device_batch(preset: HardwarePreset, model_cfg, seq_len: int, **setting) -> tuple[int, str]:
+    """(device batch, layout) the memory plan suggests (train.plan.memory.default_batch) at this seq_len:
+    the largest power of two that fits with headroom, at most MAX_DEVICE_TOKENS / seq_len and the
+    entry's max_device_batch. The CPU preset's memory is the machine's, so there it is the entry's
+    max_device_batch (chosen for step time; train's check against free RAM still refuses). 0 =
+    nothing fits."""
+    from train.plan.memory import default_batch
+
+    _, entry = _entry(preset, model_cfg)
+    cap = min(int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len))
+    if preset.memory_gb <= 0:
+        return cap, "replicate"
+    setting = {"dtype": "bf16", "layout": "replicate", **setting}
+    return default_batch(model_cfg, preset, seq_len, cap, **setting)
+
+
+def device_defaults(preset: HardwarePreset, model_cfg, **setting) -> tuple[int, int]:
+    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even one
+    sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer, layout ('auto'
+    too), fsdp_size, remat; by default bf16, AdamW, replicated."""
+    seq_len = default_seq_len(preset, model_cfg)
+    batch, layout = default_device_batch(preset, model_cfg, seq_len, **setting)
+    if batch <= 0:
+        raise ConfigError(f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} ({preset.memory_gb:g} GB "
+                          f"per device, {layout}) even at train.device_batch=1 x train.seq_len={seq_len} by the memory "
+                          "plan; pick hardware with more memory, a shorter train.seq_len, or shard the state "
+                          "(`codex hardware --model NAME` shows what fits where)")
+    return batch, seq_len
+
+
+def _render(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def preset_model(name: str):
+    """The ModelConfig of model preset `name` ('default': the defaults), vocab left 0 (the plan
+    counts train.plan.memory.DEFAULT_VOCAB)."""
+    from codex.config import build_config
+
+    return build_config(model=None if name == "default" else name).model
+
+
+def format_hardware_table() -> str:
+    """The `codex hardware` listing: one row per preset, plus the default device batch x seq_len per
+    model preset from the memory plan (layout auto: replicated when it fits, else fsdp)."""
+    presets = list_presets()
+    models = []
+    for p in presets:
+        for k in p.defaults:
+            if k not in models:
+                models.append(k)
+    configs = {m: preset_model(m) for m in models}
+    head = ["preset", "kind", "device", "hosts", "dev/host", "mem GB", "bf16 TFLOP/s"] + [f"{m} B×T" for m in models]
+    rows = [head]
+    for p in presets:
+        cells = [p.name, p.kind, p.device_name, str(p.hosts), str(p.devices_per_host), f"{p.memory_gb:g}",
+                 f"{p.peak_tflops_bf16:g}" if p.peak_tflops_bf16 else "-"]
+        for m in models:
+            if m not in p.defaults:
+                cells.append("?")
+                continue
+            T = default_seq_len(p, configs[m])
+            B, layout = default_device_batch(p, configs[m], T, layout="auto")
+            cells.append("-" if B <= 0 else f"{B}×{T}" + (" fsdp" if layout == "fsdp" else ""))
+        rows.append(cells)
+    lines = _render(rows)
+    lines.append("")
+    lines.append("GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
+                 "torchrun --nproc_per_node=N -m codex.cli -- train ...; B×T = default device batch × sequence length from the "
+                 "memory plan (bf16, AdamW, a 32K vocab; - = does not fit; fsdp = fits only with the weights, "
+                 "gradients and optimizer state sharded over every device). `codex hardware --model NAME` shows the "
+                 "plan. v4/v5p names count TensorCores, v5e/v6e names count chips. hosts > 1 = "
+                 "multi-host: run the same command on every worker (--worker=all) with a gs:// run directory.")
+    return "\n".join(lines)
+
+
+def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") -> str:
+    """`codex hardware --model NAME`: for every preset, the largest device batch (a power of two)
+    that fits with headroom replicated and under fsdp over every device, and the layout
+    train.parallel=auto picks (train.plan.memory.choose_layout)."""
+    from train.plan.memory import HEADROOM, choose_layout, largest_batch, plan
+
+    m = preset_model(model)
+    setting = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
+    rows = [["preset", "mem GB", "devices", "B×T max: replicate", "fsdp", "fits", "layout", "plan at B (GB)"]]
+    for p in list_presets():
+        T = default_seq_len(p, m)
+        if p.memory_gb <= 0:
+            rows.append([p.name, "-", str(p.devices), "-", "-", "?", "-", "the machine's free RAM"])
+            continue
+        cap = max(1, MAX_DEVICE_TOKENS // T)
+        rep = largest_batch(m, p, T, cap, layout="replicate", **setting)
+        fsdp = largest_batch(m, p, T, cap, layout="fsdp", **setting) if p.devices > 1 else 0
+        B = rep or fsdp
+        layout = choose_layout(m, p, B, T, **setting) if B else "-"
+        total = plan(m, p, B, T, layout=layout, **setting).total / 1e9 if B else 0
+        rows.append([p.name, f"{p.memory_gb:g}", str(p.devices), f"{rep}×{T}" if rep else "-",
+                     f"{fsdp}×{T}" if fsdp else "-", "yes" if B else "no", layout, f"{total:.1f}" if B else "-"])
+    n = plan(m, list_presets()[0], 1, 1).params
+    return "\n".join([f"model {model}: {n / 1e6:.0f}M parameters (32K vocab), bf16, {optimizer}, remat {remat}; "
+                      f"fits = at most {HEADROOM:.0%} of a device's memory by the plan (train/memory.py), "
+                      f"device batch at most {MAX_DEVICE_TOKENS} tokens"] + _render(rows))

@@ -1,0 +1,301 @@
+"""The memory plan: bytes per device to train a model on a hardware preset, in a layout, at a device
+batch, so a setting that cannot fit is refused before training starts (exit 2 with the fix)
+instead of dying minutes later, and so the presets' default device batches and the layout
+(`choose_layout`) follow from memory instead of hand-written tables.
+
+Per device, P = parameters, F = devices sharing the state (1 replicated, train.fsdp_size under fsdp),
+c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len tokens:
+
+    weights          4 P / F     fp32 master weights
+    gradients        4 P / F     fp32 (full for the whole step once accumulation has begun)
+    optimizer        8 P / F     AdamW's two fp32 moments; Muon: 4 bytes (one momentum) for the
+                                 blocks' matrices, AdamW's 8 for the rest
+    compute weights  replicate:  c x matmul weights under bf16 autocast (its cast cache keeps one
+                                 bf16 copy of every weight from the forward until backward used it)
+                     fsdp:       the gathered weights in c: two blocks (the one computing and the next,
+                                 prefetched) and the root's (embedding, head, final norm, which FSDP2
+                                 keeps gathered between forward and backward), plus one block's
+                                 unsharded gradient (c + 4 for the fp32 reduce-scatter)
+    activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
+                     remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
+                     one block's activations recomputed at a time
+    logits           3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient
+    workspace        N x per_layer: the gradients of the block in backward (as large as its saved
+                     activations), the transient that sits on top of the forward's peak
+
+The attention matters: SDPA's fused kernels (flash on CUDA, its CPU kernel, GQA included; checked
+on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head; XLA's math
+decomposition keeps the fp32 probabilities [n_head, T] per token and K/V copied to every query head.
+
+Measured on the CPU (fp32, one process, forward + backward + AdamW step, peak RSS from
+resource.getrusage's ru_maxrss minus the resident size before the model was built, in a fresh process:
+tests/test_memory_plan.py): the estimate is within 25% of the peak; see the table in README.
+A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
+the CUDA context and the XLA runtime take the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from codex.config import ConfigError
+from model.gpt import has_value_embed, matmul_params, mlp_hidden, padded_vocab
+
+HEADROOM = 0.9              # a plan fits when its total is at most this share of the device's memory
+DEFAULT_VOCAB = 32768       # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
+LAYOUTS = ("replicate", "fsdp")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device for one setting; `lines()` is the readable breakdown."""
+
+    hardware: str
+    layout: str             # replicate | fsdp
+    shards: int             # devices the weights, gradients and optimizer state are divided over
+    device_batch: int
+    seq_len: int
+    dtype: str              # compute dtype: bf16 | fp32
+    remat: str              # none | block
+    attention: str          # fused | math
+    optimizer: str          # adamw | muon
+    params: int
+    weights: int
+    gradients: int
+    optimizer_state: int
+    compute_weights: int
+    activations: int
+    logits: int
+    workspace: int
+    device_memory: int      # bytes per device (0 = unknown)
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer_state + self.compute_weights + self.activations
+                + self.logits + self.workspace)
+
+    def fits(self, headroom: float = HEADROOM) -> bool:
+        return self.device_memory <= 0 or self.total <= headroom * self.device_memory
+
+    def lines(self) -> list[str]:
+        unit, scale = ("GB", 1e9) if self.total >= 1e9 else ("MB", 1e6)
+        gb = lambda n: f"{n / scale:8.2f} {unit}"  # noqa: E731
+        layout = "replicate" if self.layout == "replicate" else f"fsdp over {self.shards} devices"
+        mem = f"{self.device_memory / 1e9:.1f} GB" if self.device_memory > 0 else "unknown"
+        parts = [("weights (fp32)", self.weights), ("gradients (fp32)", self.gradients),
+                 (f"optimizer ({self.optimizer})", self.optimizer_state),
+                 ("gathered weights" if self.layout == "fsdp" else f"weights in {self.dtype}", self.compute_weights),
+                 (f"activations (remat {self.remat})", self.activations), ("logits (fp32)", self.logits),
+                 ("workspace", self.workspace)]
+        head = (f"memory plan: {self.params / 1e6:.1f}M params on {self.hardware} ({mem} per device), {layout}, "
+                f"device batch {self.device_batch} x {self.seq_len}, {self.dtype}, {self.attention} attention")
+        share = f" ({self.total / self.device_memory:.0%} of the device)" if self.device_memory > 0 else ""
+        return [head] + [f"  {name:<24}{gb(n)}" for name, n in parts if n] + [f"  {'total':<24}{gb(self.total)}{share}"]
+
+
+# --- parameter counts ---------------------------------------------------------------------------
+
+def param_count(m) -> int:
+    """Parameters of model.gpt.GPT for ModelConfig `m`: the matmul weights (output head over the
+    padded vocab included), the embedding table when it is not tied to the head, and the value
+    embeddings (model.value_embed: a padded vocab x K/V width table on every other layer)."""
+    kv_width = m.n_kv_head * (m.n_embd // m.n_head)
+    value_tables = sum(has_value_embed(m, i) for i in range(m.n_layer))
+    embeddings = (0 if m.tie_embeddings else m.n_embd) + value_tables * kv_width
+    return matmul_params(m) + padded_vocab(m.vocab_size) * embeddings
+
+
+def block_params(m) -> int:
+    """One transformer block's parameters (model.gpt.Block)."""
+    return (matmul_params(m) - m.n_embd - m.n_embd * padded_vocab(m.vocab_size)) // m.n_layer
+
+
+def _muon_params(m) -> int:
+    """The blocks' 2-D weights (train.optim.muon.is_hidden_matrix): everything in a block but its norms."""
+    hd = m.n_embd // m.n_head
+    return m.n_layer * (block_params(m) - 2 * m.n_embd - (2 * hd if m.qk_norm else 0))
+
+
+def optimizer_bytes(m, optimizer: str) -> int:
+    """Optimizer state for the whole model: AdamW keeps two fp32 moments per parameter; Muon one fp32
+    momentum per hidden matrix entry, and AdamW's two for everything else."""
+    if optimizer == "muon":
+        return 4 * _muon_params(m) + 8 * (param_count(m) - _muon_params(m))
+    return 8 * param_count(m)
+
+
+# --- activations ----------------------------------------------------------------------------------
+
+def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -> int:
+    """Bytes one block keeps for backward per token, read off model/gpt.py's Block.forward.
+    fp32 (no autocast): RMSNorm keeps its input and normalised value, QK-norm the same per head.
+    bf16 autocast: the residual stream is bf16 (GPT.embed); each norm keeps its bf16 input, x times
+    its fp32-computed scale and its output (the statistics per token are negligible), and the
+    linears read that bf16 output as is."""
+    d, c = m.n_embd, compute_bytes
+    hd = d // m.n_head
+    dkv, h = m.n_kv_head * hd, mlp_hidden(m)
+    if c < 4:   # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
+        norm_in, attn_norm, mid, mlp_norm = c * d, 2 * c * d, c * d, 2 * c * d
+        per_qk = 4 * c if m.qk_norm else 2 * c              # projection, (QK-norm's two), RoPE output
+    else:
+        norm_in, attn_norm, mid, mlp_norm = 4 * d, 8 * d, 4 * d, 8 * d
+        per_qk = 16 if m.qk_norm else 8                     # projection, normalised, norm output, RoPE output
+    q, k, v = per_qk * d, per_qk * dkv, c * dkv
+    if attention == "math":   # fp32 probabilities per head over the T keys, K and V copied to every query head
+        sdpa = c * d + 4 * m.n_head * seq_len + (2 * c * d if dkv != d else 0)
+    else:                     # fused: the output and a log-sum-exp per head
+        sdpa = c * d + 4 * m.n_head
+    attn_out = c * d                                       # the [B, T, H*hd] copy c_proj reads
+    mlp = (4 if m.mlp == "swiglu" else 2) * c * h          # swiglu: gate, silu(gate), up, product; relu2: relu, square
+    return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
+
+
+def head_bytes_per_token(m, compute_bytes: int) -> int:
+    """The final norm: the last block's output, its scaled (fp32: normalised) value, and the head's
+    input; all three in the residual stream's dtype, bf16 under autocast."""
+    return 3 * compute_bytes * m.n_embd
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+def shards_for(layout: str, fsdp_size: int, devices: int) -> int:
+    """Devices the state is divided over: 1 replicated; fsdp_size (0 = all devices) under fsdp."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return 1 if layout == "replicate" else (fsdp_size if fsdp_size > 0 else max(1, devices))
+
+
+def attention_for(kind: str) -> str:
+    """The attention implementation a backend of `kind` runs: XLA lowers SDPA to its math form."""
+    return "math" if kind == "tpu" else "fused"
+
+
+def plan(m, preset, device_batch: int, seq_len: int, *, layout: str = "replicate", fsdp_size: int = 0,
+         dtype: str = "bf16", remat: str = "none", optimizer: str = "adamw",
+         device_memory: int | None = None) -> MemoryPlan:
+    """The memory plan for ModelConfig `m` (vocab_size set; 0 counts DEFAULT_VOCAB) on `preset`
+    (a train.plan.hardware.HardwarePreset: kind, devices, memory_gb). device_memory overrides the
+    preset's memory per device (the GPU's real size, the CPU's free RAM)."""
+    if m.vocab_size <= 0:
+        m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
+    c = 2 if dtype == "bf16" else 4
+    attention = attention_for(preset.kind)
+    shards = shards_for(layout, fsdp_size, preset.devices)
+    P = param_count(m)
+    tokens = device_batch * seq_len
+    per_layer = layer_bytes_per_token(m, c, attention, seq_len)
+    kept_layers = m.n_layer * per_layer if remat == "none" else m.n_layer * c * m.n_embd + per_layer
+    if layout == "fsdp":
+        root = P - m.n_layer * block_params(m)
+        compute_weights = c * (2 * block_params(m) + root) + (c + 4) * block_params(m)
+    else:
+        compute_weights = c * matmul_params(m) if c < 4 else 0
+    if device_memory is None:
+        device_memory = int(preset.memory_gb * 1e9)
+    return MemoryPlan(
+        hardware=preset.name, layout=layout, shards=shards, device_batch=device_batch, seq_len=seq_len, dtype=dtype,
+        remat=remat, attention=attention, optimizer=optimizer, params=P,
+        weights=-(-4 * P // shards), gradients=-(-4 * P // shards),
+        optimizer_state=-(-optimizer_bytes(m, optimizer) // shards), compute_weights=compute_weights,
+        activations=tokens * (kept_layers + head_bytes_per_token(m, c)),
+        logits=3 * 4 * padded_vocab(m.vocab_size) * tokens, workspace=tokens * per_layer,
+        device_memory=device_memory)
+
+
+def largest_batch(m, preset, seq_len: int, cap: int, **setting) -> int:
+    """The largest power of two <= cap whose plan fits with headroom; 0 when not even 1 does."""
+    b = 1 << max(0, cap.bit_length() - 1)
+    while b >= 1 and not plan(m, preset, b, seq_len, **setting).fits():
+        b //= 2
+    return b if b >= 1 else 0
+
+
+def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
+    """train.parallel=auto: replicate when the replicated plan fits with headroom (no gathers, the
+    fastest layout), else fsdp (over train.fsdp_size devices; 0 = all)."""
+    setting = {k: v for k, v in setting.items() if k != "layout"}
+    return "replicate" if plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits() else "fsdp"
+
+
+# --- the refusal ----------------------------------------------------------------------------------
+
+def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
+    """Memory one process may use: the GPU's own total memory when CUDA is up (an A100 may have 40
+    or 80 GB), else the preset's device memory on accelerators; MemAvailable divided by the
+    processes on this host on the CPU; None when unknown."""
+    if kind == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if kind in ("cuda", "tpu"):
+        return int(preset_memory_gb * 1e9) if preset_memory_gb > 0 else None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        return int(info["MemAvailable"]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _train_key_exists(name: str) -> bool:
+    """Whether train.<name> is a setting, so a fix never names a key the config would reject."""
+    from codex.config.train import TrainConfig
+
+    return name in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0) -> list[str]:
+    """The settings that would make `p` fit with headroom, each checked against the plan: a smaller
+    device batch (same layout), the fsdp layout, block rematerialisation."""
+    same = dict(layout=p.layout, fsdp_size=fsdp_size, remat=p.remat, dtype=p.dtype, optimizer=p.optimizer,
+                device_memory=p.device_memory)
+    out = []
+    b = largest_batch(m, preset, p.seq_len, p.device_batch - 1, **same) if p.device_batch > 1 else 0
+    if b:
+        out.append(f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)")
+    for key, field, value in (("parallel", "layout", "fsdp"), ("remat", "remat", "block")):
+        if _train_key_exists(key) and same[field] != value:
+            q = plan(m, preset, p.device_batch, p.seq_len, **(same | {field: value}))
+            if q.fits():
+                out.append(f"train.{key}={value} ({q.total / 1e9:.1f} GB)")
+    return out
+
+
+def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryPlan:
+    """The plan for this setting on this machine (the GPU's real memory, the CPU's free RAM), or a
+    ConfigError (exit 2) with the breakdown and the fixes when its total exceeds the device."""
+    avail = available_bytes(preset.kind, preset.memory_gb)
+    p = plan(m, preset, device_batch, seq_len, device_memory=avail or 0, **setting)
+    if avail is None or p.fits(1.0):
+        return p
+    where = "available on this machine" if preset.kind == "cpu" else "per device"
+    found = fixes(m, preset, p, setting.get("fsdp_size", 0))
+    fix = "; ".join(found) if found else "a smaller model, hardware with more memory or a shorter train.seq_len"
+    raise ConfigError(
+        f"train.device_batch={device_batch} x train.seq_len={seq_len} needs {p.total / 1e9:.1f} GB per device "
+        f"(weights {p.weights / 1e9:.1f}, gradients {p.gradients / 1e9:.1f}, optimizer {p.optimizer_state / 1e9:.1f}, "
+        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, compute copies of the weights and "
+        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}. Fix: {fix}")
+
+
+def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **setting) -> tuple[int, str]:
+    """(device batch, layout) a preset suggests: the largest power of two <= cap that fits with
+    headroom, replicated when any batch fits replicated (layout auto), else under fsdp. The batch
+    is 0 when nothing fits."""
+    if layout != "auto":
+        return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
+    b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
+    return (b, "replicate") if b else (largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp")
+
+
+def setting_for(tcfg, kind: str) -> dict:
+    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one place
+    that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
+    layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
+    dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
+    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": tcfg.parallel, "fsdp_size": tcfg.fsdp_size,
+            "remat": tcfg.remat}

@@ -1,0 +1,96 @@
+"""Before the XLA runtime starts: the no-silent-fallback platform check (a TPU preset needs
+PJRT_DEVICE=TPU and TPU chips; PJRT_DEVICE=CPU only with train.allow_cpu_xla), the flash-attention
+requirements, and where XLA's persistent compilation cache lives. Nothing here starts the runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+
+from codex import fsio
+from train.dist.backend import BackendError
+from train.xla.flash import flash_unavailable
+from train.plan.hardware import set_xla_import_env
+
+log = logging.getLogger("codex.xla")
+
+
+# --- the no-silent-fallback check -------------------------------------------------------------
+
+def _tpu_chips_on_host() -> int:
+    """TPU chips on this host's PCI bus (does not start the XLA runtime)."""
+    try:
+        from torch_xla._internal import tpu
+
+        return int(tpu.num_available_chips())
+    except Exception:  # no /sys (containers), or torch_xla internals moved: count /dev/accel*
+        return len([d for d in os.listdir("/dev") if d.startswith("accel")]) if os.path.isdir("/dev") else 0
+
+
+def check_platform(cfg, preset) -> str:
+    """"TPU" or "CPU" (the XLA CPU backend, only with train.allow_cpu_xla); otherwise a
+    BackendError naming PJRT_DEVICE, the devices found and the fix. Starts nothing."""
+    # Read before importing torch_xla: the import sets PJRT_DEVICE=CPU when it is unset.
+    pjrt = os.environ.get("PJRT_DEVICE", "")
+    set_xla_import_env()   # torch_xla reads them once, at import: this is the first import on the XLA path
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError as e:
+        raise BackendError(
+            f"hardware preset '{preset.name}' runs on PyTorch/XLA, but torch_xla cannot be imported ({e}). "
+            "Fix: on the TPU VM, pip install -e '.[tpu,gcs]' -f https://storage.googleapis.com/libtpu-releases/index.html "
+            "(torch==2.9.0 + torch_xla[tpu]==2.9.0); or pick --hardware cpu or a GPU preset.") from None
+    chips = _tpu_chips_on_host()
+    found = f"{chips} TPU chip(s) on this host's PCI bus"
+    if pjrt == "TPU":
+        if chips == 0:
+            raise BackendError(
+                f"hardware preset '{preset.name}' needs TPUs and PJRT_DEVICE=TPU, but found {found} (no TPU here). "
+                "Fix: run on a TPU VM of that type (gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...), "
+                "or pick --hardware cpu or a GPU preset.")
+        return "TPU"
+    if pjrt == "CPU":
+        if cfg.train.allow_cpu_xla:
+            log.warning("PJRT_DEVICE=CPU with --allow-cpu-xla: the XLA path runs on the CPU (%s devices); "
+                        "this is for tests, not for training", os.environ.get("CPU_NUM_DEVICES", "1"))
+            return "CPU"
+        raise BackendError(
+            f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE=CPU selects the XLA CPU backend ({found}). "
+            "Fix: export PJRT_DEVICE=TPU on a TPU VM; to run the XLA path on the CPU on purpose (tests), "
+            "also pass --allow-cpu-xla (train.allow_cpu_xla=true).")
+    raise BackendError(
+        f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE={pjrt or '(unset)'} (torch_xla would fall back "
+        f"to the CPU) and found {found}. Fix: export PJRT_DEVICE=TPU on the TPU VM; or pick --hardware cpu or a GPU "
+        "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests.")
+
+
+def check_attention(cfg, platform: str) -> None:
+    """model.attention=flash needs a real TPU (its Pallas kernel is a TPU custom call) and JAX
+    (torch_xla traces the kernel with it at the first forward): refused here, before the run."""
+    if cfg.model.attention != "flash":
+        return
+    if platform != "TPU":
+        raise BackendError(flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}"))
+    if importlib.util.find_spec("jax") is None:
+        raise BackendError("model.attention=flash traces torch_xla's Pallas kernel with JAX, which is not installed. "
+                           "Fix: pip install 'torch_xla[pallas]==2.9.0' (see torch_xla's README for the JAX index), "
+                           "or --set model.attention=sdpa.")
+
+
+def cache_dir(cfg) -> str:
+    """The persistent compilation cache: train.xla_cache, else RUN/xla_cache. XLA writes it with
+    local file I/O, so a gs:// run keeps its cache on the local disk (one per host)."""
+    if cfg.train.xla_cache:
+        path = cfg.train.xla_cache
+    elif fsio.is_remote(cfg.run):
+        key = hashlib.sha1(cfg.run.rstrip("/").encode()).hexdigest()[:12]
+        path = os.path.join(os.path.expanduser("~"), ".cache", "codex", "xla_cache", key)
+    else:
+        path = fsio.join(cfg.run, "xla_cache")
+    if fsio.is_remote(path):
+        raise BackendError(f"train.xla_cache={path}: the XLA compilation cache must be a local directory")
+    os.makedirs(path, exist_ok=True)
+    return path
