@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 XLA_VENV := .venv-xla
 
-.PHONY: demo test test-main test-xla venv venv-xla
+.PHONY: demo test lint test-main test-xla venv venv-xla
 
 venv: $(VENV)/.codex-installed
 venv-xla: $(XLA_VENV)/.codex-installed
@@ -28,7 +28,13 @@ demo: venv
 
 # pytest exits 5 when it collects no test: that fails `make test` on purpose (a suite that runs
 # nothing must not pass).
-test: test-main test-xla
+test: lint test-main test-xla
+
+# ruff (lint + format, pinned in pyproject.toml) on the whole tree, mypy on the packages.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test-main: venv
 	$(VENV)/bin/python -m pytest -m "not xla" -q

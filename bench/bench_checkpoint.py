@@ -9,7 +9,8 @@ Rows:
                             torch.save of the whole state + fsync
   DCP, 1 process            train/checkpoint.save in one process (what replicate on one GPU does)
   DCP, 2 ranks (fsdp)       train/checkpoint.save on 2 gloo ranks under torchrun, each holding and
-                            writing half of every tensor (FSDP2 DTensors); the time of the slower rank
+                            writing half of every tensor (FSDP2 DTensors); the time of the slower
+                            rank
   async: loop blocked       the same with train.async_save (checkpoint.save_in_background): the time
                             the caller waits (the copy of its shards), and until DONE exists
 Every row includes writing DONE (and state.json, sha256 of every file) where it applies. Nothing
@@ -41,16 +42,26 @@ def model_config(vocab: int):
 
 
 def adam_state(named_params) -> dict:
-    return {n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(1.0)}
-            for n, p in named_params}
+    return {
+        n: {
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+            "step": torch.tensor(1.0),
+        }
+        for n, p in named_params
+    }
 
 
 def training_state(model) -> dict:
     with torch.no_grad():
         for p in model.parameters():
-            p.fill_(0.5)   # touch the memory: untouched pages would make copies look free
-        return {"model": model.state_dict(), "optimizer": {"adamw": {"state": adam_state(model.named_parameters())}},
-                "step": 1, "tokens": 0}
+            p.fill_(0.5)  # touch the memory: untouched pages would make copies look free
+        return {
+            "model": model.state_dict(),
+            "optimizer": {"adamw": {"state": adam_state(model.named_parameters())}},
+            "step": 1,
+            "tokens": 0,
+        }
 
 
 def one_process(vocab: int, folder: str) -> list[tuple[str, float, float]]:
@@ -108,8 +119,10 @@ def worker(vocab: int, folder: str, out: str) -> None:
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     state = training_state(model)
-    local = sum(t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * t.element_size()
-                for t in _tensors(state))
+    local = sum(
+        t.to_local().numel() * 4 if hasattr(t, "to_local") else t.numel() * t.element_size()
+        for t in _tensors(state)
+    )
     control.barrier()
     t = time.perf_counter()
     checkpoint.save(os.path.join(folder, "dcp2"), state, control=control)
@@ -126,29 +139,54 @@ def worker(vocab: int, folder: str, out: str) -> None:
     times = control.gather((seconds, local, blocked, total))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"seconds": max(r[0] for r in times), "bytes": sum(r[1] for r in times),
-                       "blocked": max(r[2] for r in times), "async_total": max(r[3] for r in times)}, f)
+            json.dump(
+                {
+                    "seconds": max(r[0] for r in times),
+                    "bytes": sum(r[1] for r in times),
+                    "blocked": max(r[2] for r in times),
+                    "async_total": max(r[3] for r in times),
+                },
+                f,
+            )
     control.barrier()
     dist.destroy_process_group()
 
 
 def two_ranks(vocab: int, folder: str) -> list[tuple[str, float, float]]:
     out = os.path.join(folder, "two.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", "--vocab", str(vocab), "--dir", folder, "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--worker",
+        "--vocab",
+        str(vocab),
+        "--dir",
+        folder,
+        "--out",
+        out,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
     r = json.load(open(out))
     shutil.rmtree(os.path.join(folder, "dcp2"))
     gb = r["bytes"] / GB
-    return [("DCP, 2 ranks (fsdp)", gb, r["seconds"]), ("  async: loop blocked", gb, r["blocked"]),
-            ("  async: until DONE", gb, r["async_total"])]
+    return [
+        ("DCP, 2 ranks (fsdp)", gb, r["seconds"]),
+        ("  async: loop blocked", gb, r["blocked"]),
+        ("  async: until DONE", gb, r["async_total"]),
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder in /tmp)")
+    ap.add_argument(
+        "--dir", default=None, help="where to write (default: a temporary folder in /tmp)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

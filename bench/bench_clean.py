@@ -45,9 +45,11 @@ from datatrove.pipeline.filters import GopherRepetitionFilter, GopherQualityFilt
 from datatrove.pipeline.writers import ParquetWriter
 inp, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 n = len(glob.glob(inp + "/*.jsonl"))
-LocalPipelineExecutor(pipeline=[JsonlReader(inp), GopherRepetitionFilter(), GopherQualityFilter(), C4QualityFilter(),
-                                ParquetWriter(out)], tasks=n, workers=workers, logging_dir=out + "/logs").run()
+LocalPipelineExecutor(pipeline=[JsonlReader(inp), GopherRepetitionFilter(), GopherQualityFilter(),
+                                C4QualityFilter(), ParquetWriter(out)],
+                      tasks=n, workers=workers, logging_dir=out + "/logs").run()
 """
+
 
 def build_input(folder: Path, mb: int, files: int = 16) -> int:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -72,10 +74,13 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
         f.close()
     return total
 
+
 def measure(cmd: list[str], env=None) -> tuple[float, float]:
     """(seconds, peak RSS MB of the process tree)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_rss(proc.pid))
@@ -84,6 +89,7 @@ def measure(cmd: list[str], env=None) -> tuple[float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:3]} failed:\n{proc.stderr.read().decode()[-3000:]}")
     return dt, peak / 1e6
+
 
 def tree_rss(pid: int) -> int:
     children: dict[int, list[int]] = {}
@@ -105,6 +111,7 @@ def tree_rss(pid: int) -> int:
         todo += children.get(p, [])
     return total
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=100)
@@ -116,16 +123,21 @@ def main() -> None:
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
     rows = []
     for w in [int(x) for x in args.workers.split(",")]:
-        code = ("from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
-                f"cfg = build_config(overrides=['data.clean.preset=web', 'data.clean.fineweb.enabled=false', "
-                f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
-                f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)")
+        code = (
+            "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
+            "cfg = build_config(overrides=['data.clean.preset=web', "
+            "'data.clean.fineweb.enabled=false', "
+            f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
+            f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)"
+        )
         dt, rss = measure([sys.executable, "-c", code])
         stats = json.loads((tmp / f"codex{w}" / "clean" / "stats.json").read_text())
         rows.append((f"codex workers={w}", dt, rss, stats["docs_out"]))
-        if args.datatrove:   # needs: pip install datatrove orjson spacy nltk (in the bench venv)
+        if args.datatrove:  # needs: pip install datatrove orjson spacy nltk (in the bench venv)
             try:
-                dt, rss = measure([args.datatrove, "-c", DATATROVE, str(tmp / "in"), str(tmp / f"dt{w}"), str(w)])
+                dt, rss = measure(
+                    [args.datatrove, "-c", DATATROVE, str(tmp / "in"), str(tmp / f"dt{w}"), str(w)]
+                )
             except SystemExit as e:
                 print(f"datatrove workers={w} failed: {str(e)[-400:]}")
                 continue
@@ -133,7 +145,11 @@ def main() -> None:
             rows.append((f"datatrove workers={w}", dt, rss, None))
     print(f"\n{'':22} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'docs kept':>10}")
     for name, dt, rss, kept in rows:
-        print(f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {rss:12.0f} {kept if kept is not None else '':>10}")
+        print(
+            f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {rss:12.0f} "
+            f"{kept if kept is not None else '':>10}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from eval.evaluate import evaluate
 from codex.config.model import ModelConfig
+from eval.evaluate import evaluate
 from model.gpt import build_model
 
 
@@ -31,8 +31,13 @@ def main():
     cfg = ModelConfig(vocab_size=a.vocab, max_seq_len=a.seq)  # the default 4 x 128 model
     model = build_model(cfg, seed=0).eval()
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, a.vocab, (a.batch, a.seq), generator=g),
-             torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)) for _ in range(a.batches)]
+    data = [
+        (
+            torch.randint(0, a.vocab, (a.batch, a.seq), generator=g),
+            torch.randint(0, a.vocab, (a.batch, a.seq), generator=g),
+        )
+        for _ in range(a.batches)
+    ]
     masked = [(x, y, torch.ones(a.batch, dtype=torch.bool)) for x, y in data]
     tb = torch.randint(1, 6, (a.vocab,), generator=g, dtype=torch.int32)
     tokens = a.batches * a.batch * a.seq
@@ -51,13 +56,20 @@ def main():
         return evaluate(model, masked, tb)
 
     rows = []
-    for name, fn in (("forward mean loss", plain), ("evaluate()", ours), ("evaluate() masked", ours_masked)):
+    for name, fn in (
+        ("forward mean loss", plain),
+        ("evaluate()", ours),
+        ("evaluate() masked", ours_masked),
+    ):
         fn()  # warm up
         best = min(_timed(fn) for _ in range(3))
         rows.append((name, best, tokens / best))
     base = rows[0][1]
-    print(f"model 4x128, vocab {a.vocab}, {a.batches} batches of {a.batch}x{a.seq} = {tokens} tokens, "
-          f"{a.threads} threads, best of 3")
+    print(
+        f"model 4x128, vocab {a.vocab}, {a.batches} batches of {a.batch}x{a.seq} = "
+        f"{tokens} tokens, "
+        f"{a.threads} threads, best of 3"
+    )
     print(f"{'loop':<20} {'seconds':>8} {'tokens/s':>10} {'overhead':>9}")
     for name, t, tps in rows:
         print(f"{name:<20} {t:8.3f} {tps:10.0f} {100 * (t / base - 1):8.1f}%")

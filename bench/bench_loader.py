@@ -29,7 +29,9 @@ from train.data.loader import TrainLoader  # noqa: E402
 
 def build_shards(root: str, n_tokens: int, shard_tokens: int) -> None:
     data = bytearray()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+    for path in sorted(
+        glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)
+    ):
         with open(path, "rb") as f:
             data += f.read()
         if len(data) >= n_tokens:
@@ -39,12 +41,27 @@ def build_shards(root: str, n_tokens: int, shard_tokens: int) -> None:
     shards = []
     for i, start in enumerate(range(0, n_tokens, shard_tokens)):
         name = f"train_{i:05d}.npy"
-        np.save(os.path.join(root, name), tokens[start:start + shard_tokens])
-        shards.append({"split": "train", "path": name, "format": "npy",
-                       "tokens": int(min(shard_tokens, n_tokens - start)), "documents": 1, "sha256": None})
-    manifest = {"format_version": 1, "tokenizer": {"sha256": hashlib.sha256(b"bytes").hexdigest(), "vocab_size": 256},
-                "special_ids": {}, "dtype": "uint16", "append_eos": False, "val_fraction": 0.0,
-                "shards": shards, "totals": {}}
+        np.save(os.path.join(root, name), tokens[start : start + shard_tokens])
+        shards.append(
+            {
+                "split": "train",
+                "path": name,
+                "format": "npy",
+                "tokens": int(min(shard_tokens, n_tokens - start)),
+                "documents": 1,
+                "sha256": None,
+            }
+        )
+    manifest = {
+        "format_version": 1,
+        "tokenizer": {"sha256": hashlib.sha256(b"bytes").hexdigest(), "vocab_size": 256},
+        "special_ids": {},
+        "dtype": "uint16",
+        "append_eos": False,
+        "val_fraction": 0.0,
+        "shards": shards,
+        "totals": {},
+    }
     with open(os.path.join(root, "manifest.json"), "w") as f:
         json.dump(manifest, f)
 
@@ -72,17 +89,23 @@ def main() -> None:
     ap.add_argument("-T", type=int, default=1024)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):  # one core: the loader must keep up on the one core a host spares it
+    if hasattr(
+        os, "sched_setaffinity"
+    ):  # one core: the loader must keep up on the one core a host spares it
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     with tempfile.TemporaryDirectory() as root:
         build_shards(root, args.tokens, args.shard_tokens)
-        print(f"shards: {args.tokens / 1e6:.0f}M tokens in {args.tokens // args.shard_tokens} files, "
-              f"B x T = {args.B} x {args.T}, one core, page cache warm")
+        print(
+            f"shards: {args.tokens / 1e6:.0f}M tokens in {args.tokens // args.shard_tokens} files, "
+            f"B x T = {args.B} x {args.T}, one core, page cache warm"
+        )
         print(f"{'mode':<44} {'M tokens/s':>10}")
-        for label, kw in [("full shuffle, batch building (prefetch=0)", dict(prefetch=0)),
-                          ("full shuffle, consumer via prefetch thread", dict(prefetch=4)),
-                          ("block shuffle of 2 shards (prefetch=0)", dict(prefetch=0, shuffle_shards=2)),
-                          ("block shuffle of 2 shards, prefetch thread", dict(prefetch=4, shuffle_shards=2))]:
+        for label, kw in [
+            ("full shuffle, batch building (prefetch=0)", dict(prefetch=0)),
+            ("full shuffle, consumer via prefetch thread", dict(prefetch=4)),
+            ("block shuffle of 2 shards (prefetch=0)", dict(prefetch=0, shuffle_shards=2)),
+            ("block shuffle of 2 shards, prefetch thread", dict(prefetch=4, shuffle_shards=2)),
+        ]:
             print(f"{label:<44} {measure(root, args.B, args.T, args.steps, **kw) / 1e6:>10.1f}")
 
 

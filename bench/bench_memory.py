@@ -1,8 +1,9 @@
-"""The memory plan (train/memory.py) against the measured peak of one CPU training step, and the
-preset tables it produces.
+"""The memory plan (train/plan/memory.py) against the measured peak of one CPU training step, and
+the preset tables it produces.
 
-    PYTHONPATH=. python bench/bench_memory.py            # CPU: estimate vs measured peak RSS (~40 s)
-    PYTHONPATH=. python bench/bench_memory.py --tables   # `codex hardware` and `codex hardware --model 1b`
+    PYTHONPATH=. python bench/bench_memory.py           # CPU: estimate vs measured peak RSS (~40 s)
+    PYTHONPATH=. python bench/bench_memory.py --tables  # `codex hardware` and
+                                                        # `codex hardware --model 1b`
 
 Each setting runs in a fresh process: forward (under bf16 autocast for the bf16 rows), backward and
 one AdamW step of model/gpt.py with 1 thread; peak = resource.getrusage(RUSAGE_SELF).ru_maxrss after
@@ -21,7 +22,9 @@ from codex.config import build_config
 from train.plan.hardware import format_hardware_table, format_model_fit, get_preset
 from train.plan.memory import plan
 
-MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")   # prints the peak in bytes
+MEASURE = str(
+    Path(__file__).resolve().parent / "measure_step_memory.py"
+)  # prints the peak in bytes
 
 # (dtype, device batch, seq_len, model overrides on the default 4 x 128 model)
 SETTINGS = [
@@ -29,7 +32,12 @@ SETTINGS = [
     ("fp32", 32, 256, ["model.vocab_size=8192"]),
     ("fp32", 32, 256, ["model.vocab_size=8192", "model.qk_norm=false", "model.mlp=relu2"]),
     ("fp32", 16, 256, ["model.vocab_size=4096", "model.n_kv_head=2", "model.n_layer=2"]),
-    ("fp32", 4, 512, ["model.vocab_size=512", "model.n_embd=256", "model.n_kv_head=2", "model.max_seq_len=512"]),
+    (
+        "fp32",
+        4,
+        512,
+        ["model.vocab_size=512", "model.n_embd=256", "model.n_kv_head=2", "model.max_seq_len=512"],
+    ),
     ("bf16", 8, 1024, ["model.vocab_size=256", "model.max_seq_len=1024"]),
     ("bf16", 32, 256, ["model.vocab_size=8192"]),
     ("bf16", 16, 256, ["model.vocab_size=4096", "model.n_kv_head=2", "model.n_layer=2"]),
@@ -37,13 +45,20 @@ SETTINGS = [
 
 
 def measured_peak(dtype: str, B: int, T: int, overrides: list[str]) -> int:
-    out = subprocess.run([sys.executable, MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, MEASURE, dtype, str(B), str(T), *overrides],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     return int(out.stdout.strip())
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tables", action="store_true", help="print the preset tables instead")
     args = ap.parse_args()
     if args.tables:
@@ -51,13 +66,21 @@ def main() -> None:
         print()
         print(format_model_fit("1b"))
         return
-    print("| dtype | B x T | model (default 4 x 128 plus) | measured peak MB | plan MB | plan / measured |")
+    print(
+        "| dtype | B x T | model (default 4 x 128 plus) | measured peak MB | plan MB "
+        "| plan / measured |"
+    )
     print("|---|---|---|---|---|---|")
     for dtype, B, T, overrides in SETTINGS:
         peak = measured_peak(dtype, B, T, overrides)
-        est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total
+        est = plan(
+            build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype
+        ).total
         shape = ", ".join(o.removeprefix("model.") for o in overrides)
-        print(f"| {dtype} | {B} x {T} | {shape} | {peak / 1e6:.0f} | {est / 1e6:.0f} | {est / peak:.2f} |")
+        print(
+            f"| {dtype} | {B} x {T} | {shape} | {peak / 1e6:.0f} | {est / 1e6:.0f} "
+            f"| {est / peak:.2f} |"
+        )
 
 
 if __name__ == "__main__":

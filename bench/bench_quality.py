@@ -31,14 +31,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from codex.config import CONFIGS_DIR, build_config  # noqa: E402
 from codex.cli.demo import stdlib_inputs  # noqa: E402
+from codex.config import CONFIGS_DIR, build_config  # noqa: E402
 from codex.progress import setup_logging  # noqa: E402
+from eval.evaluate import evaluate  # noqa: E402
 from eval.run import run_eval  # noqa: E402
 from pipeline.clean.clean import run_clean  # noqa: E402
 from pipeline.shard.shard import run_shard  # noqa: E402
 from pipeline.tokenizer.tokenizer import run_tokenizer  # noqa: E402
-from eval.evaluate import evaluate
 from train.loop import train  # noqa: E402
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -46,12 +46,12 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 # The old recipe, pinned: AdamW at lr 3e-3 for every tensor, cosine schedule, SwiGLU; on the demo,
 # its 200 steps (the demo now trains 180 with the new defaults).
 ADAMW = ["train.optimizer=adamw", "train.lr=0.003"]
-MUON_BEST = ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"]   # today's defaults
+MUON_BEST = ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.006"]  # today's defaults
 
 RECIPES = {
     "adamw": ADAMW,
     "adamw_demo200": ADAMW + ["train.max_steps=200"],
-    "defaults": [],                                      # whatever the config defaults are now
+    "defaults": [],  # whatever the config defaults are now
     "adamw_lr6e-3": ["train.optimizer=adamw", "train.lr=0.006"],
     "wsd": ADAMW + ["train.schedule=wsd"],
     "relu2": ADAMW + ["model.mlp=relu2"],
@@ -63,30 +63,71 @@ RECIPES = {
     "muon_lr0.01": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.003"],
     "muon_lr0.03": ["train.optimizer=muon", "train.muon_lr=0.03", "train.lr=0.003"],
     "muon_lr0.005": ["train.optimizer=muon", "train.muon_lr=0.005", "train.lr=0.003"],
-    "muon_wsd": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd"],
-    "muon_wsd_lr6e-3": ["train.optimizer=muon", "train.muon_lr=0.02", "train.schedule=wsd", "train.lr=0.006"],
-    "muon_wsd_relu2": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd",
-                       "model.mlp=relu2"],
-    "muon_wsd_warmup0": ["train.optimizer=muon", "train.muon_lr=0.02", "train.lr=0.003", "train.schedule=wsd",
-                         "train.warmup_steps=0"],
-    "muon_lr0.01_wsd": ["train.optimizer=muon", "train.muon_lr=0.01", "train.lr=0.003", "train.schedule=wsd"],
+    "muon_wsd": [
+        "train.optimizer=muon",
+        "train.muon_lr=0.02",
+        "train.lr=0.003",
+        "train.schedule=wsd",
+    ],
+    "muon_wsd_lr6e-3": [
+        "train.optimizer=muon",
+        "train.muon_lr=0.02",
+        "train.schedule=wsd",
+        "train.lr=0.006",
+    ],
+    "muon_wsd_relu2": [
+        "train.optimizer=muon",
+        "train.muon_lr=0.02",
+        "train.lr=0.003",
+        "train.schedule=wsd",
+        "model.mlp=relu2",
+    ],
+    "muon_wsd_warmup0": [
+        "train.optimizer=muon",
+        "train.muon_lr=0.02",
+        "train.lr=0.003",
+        "train.schedule=wsd",
+        "train.warmup_steps=0",
+    ],
+    "muon_lr0.01_wsd": [
+        "train.optimizer=muon",
+        "train.muon_lr=0.01",
+        "train.lr=0.003",
+        "train.schedule=wsd",
+    ],
     "muon_lr0.01_wsd_lr6e-3": MUON_BEST + ["train.schedule=wsd"],
     "muon_best": MUON_BEST,
     "muon_best_zero_init": MUON_BEST + ["model.zero_init_proj=true"],
     "muon_best_softcap15": MUON_BEST + ["model.logit_softcap=15"],
     "muon_best_value_embed": MUON_BEST + ["model.value_embed=true"],
     "muon_best_bos_aligned": MUON_BEST + ["train.bos_aligned=true"],
-    # model.depth=4: 4 layers x 256 (2 heads of 128); nanochat's width-scaled AdamW lr (0.0042) vs 0.006
+    # model.depth=4: 4 layers x 256 (2 heads of 128); nanochat's width-scaled AdamW lr (0.0042)
+    # vs 0.006
     "depth4": ["model.depth=4", "model.max_seq_len=128", "train.lr=0.0042"],
     "depth4_lr6e-3": ["model.depth=4", "model.max_seq_len=128", "train.lr=0.006"],
 }
 
 SHAKESPEARE_SETTINGS = [
-    "data.clean.preset=code", "data.clean.code.enabled=false", "data.clean.workers=2",
-    "data.tokenizer.vocab_size=1024", "data.shard.val_fraction=0.02", "data.shard.workers=2",
-    "model.n_layer=4", "model.n_head=4", "model.n_kv_head=4", "model.n_embd=128", "model.max_seq_len=128",
-    "train.hardware=cpu", "train.device_batch=16", "train.seq_len=128", "train.batch_tokens=2048",
-    "train.max_steps=300", "train.log_every=50", "train.eval_every=0", "train.save_every=300", "train.wandb=off",
+    "data.clean.preset=code",
+    "data.clean.code.enabled=false",
+    "data.clean.workers=2",
+    "data.tokenizer.vocab_size=1024",
+    "data.shard.val_fraction=0.02",
+    "data.shard.workers=2",
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.n_kv_head=4",
+    "model.n_embd=128",
+    "model.max_seq_len=128",
+    "train.hardware=cpu",
+    "train.device_batch=16",
+    "train.seq_len=128",
+    "train.batch_tokens=2048",
+    "train.max_steps=300",
+    "train.log_every=50",
+    "train.eval_every=0",
+    "train.save_every=300",
+    "train.wandb=off",
 ]
 
 
@@ -94,7 +135,7 @@ def write_shakespeare_docs(folder: Path) -> tuple[Path, Path]:
     """(train.jsonl, heldout.jsonl): ~2,000-character documents cut at blank lines, 90% / 10%."""
     text = SHAKESPEARE.read_text()
     cut = int(len(text) * 0.9)
-    cut = text.index("\n\n", cut) + 2   # at a speech boundary
+    cut = text.index("\n\n", cut) + 2  # at a speech boundary
     out = []
     for name, part in (("train", text[:cut]), ("heldout", text[cut:])):
         docs, cur = [], ""
@@ -126,9 +167,12 @@ def prepare(kind: str, root: Path) -> tuple[str, list[str], list[str]]:
     return str(run), base, data
 
 
-def train_and_score(kind: str, prepared: str, base: list[str], data: list[str], recipe: list[str],
-                    run: Path) -> dict:
-    shutil.copytree(prepared, run, ignore=shutil.ignore_patterns("checkpoints", "eval", "metrics.jsonl"))
+def train_and_score(
+    kind: str, prepared: str, base: list[str], data: list[str], recipe: list[str], run: Path
+) -> dict:
+    shutil.copytree(
+        prepared, run, ignore=shutil.ignore_patterns("checkpoints", "eval", "metrics.jsonl")
+    )
     config_file = str(CONFIGS_DIR / "runs" / "demo.yaml") if kind == "demo" else None
     cfg = build_config(config_file, base + recipe, run=str(run))
     if kind == "demo":
@@ -138,14 +182,23 @@ def train_and_score(kind: str, prepared: str, base: list[str], data: list[str], 
     wall = time.perf_counter() - t0
     cfg.eval.data = data
     result = run_eval(cfg)
-    return {"bits_per_byte": result["bits_per_byte"], "loss": result["loss"], "train_s": wall,
-            "tokens": summary["tokens"], "final_train_loss": summary["loss"]}
+    return {
+        "bits_per_byte": result["bits_per_byte"],
+        "loss": result["loss"],
+        "train_s": wall,
+        "tokens": summary["tokens"],
+        "final_train_loss": summary["loss"],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--corpus", choices=["shakespeare", "demo"], default="shakespeare")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}")
+    ap.add_argument(
+        "--recipes", default=",".join(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     setup_logging()
@@ -164,8 +217,11 @@ def main() -> None:
     print(f"\n{args.corpus}: held-out bits per byte")
     print(f"{'recipe':<22} {'tokens':>10} {'bits/byte':>9} {'loss':>7} {'train s':>8}  overrides")
     for name, r in rows:
-        print(f"{name:<22} {r['tokens']:>10,} {r['bits_per_byte']:>9.4f} {r['loss']:>7.4f} {r['train_s']:>8.1f}  "
-              f"{' '.join(RECIPES[name])}")
+        print(
+            f"{name:<22} {r['tokens']:>10,} {r['bits_per_byte']:>9.4f} {r['loss']:>7.4f} "
+            f"{r['train_s']:>8.1f}  "
+            f"{' '.join(RECIPES[name])}"
+        )
 
 
 if __name__ == "__main__":

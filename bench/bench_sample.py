@@ -37,13 +37,15 @@ def per_token_ms(step, n: int) -> float:
 def bench_position(model, p: int, n: int, vocab: int) -> tuple[float, float]:
     """(cached, uncached) milliseconds per token at position p."""
     ids = torch.randint(0, vocab, (1, p + n + 1), generator=torch.Generator().manual_seed(p))
-    _, cache = prefill(model, ids[:, :p - 1])
+    _, cache = prefill(model, ids[:, : p - 1])
 
-    def cached(i):   # appends the token at position p + i (i = -1: the warm-up) and predicts the next
-        int(decode(model, ids[:, p + i:p + i + 1], cache).argmax())
+    def cached(
+        i,
+    ):  # appends the token at position p + i (i = -1: the warm-up) and predicts the next
+        int(decode(model, ids[:, p + i : p + i + 1], cache).argmax())
 
     def uncached(i):
-        int(model(ids[:, :p + i + 1])[:, -1].argmax())
+        int(model(ids[:, : p + i + 1])[:, -1].argmax())
 
     return per_token_ms(cached, n), per_token_ms(uncached, n)
 
@@ -59,12 +61,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     max_len = max(args.positions) + args.tokens + 2
-    cfg = ModelConfig(vocab_size=args.vocab, n_layer=args.layers, n_embd=args.dim, n_head=args.dim // 64,
-                      n_kv_head=max(1, args.dim // 128), max_seq_len=max_len)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        n_layer=args.layers,
+        n_embd=args.dim,
+        n_head=args.dim // 64,
+        n_kv_head=max(1, args.dim // 128),
+        max_seq_len=max_len,
+    )
     model = build_model(cfg, seed=0).eval()
-    print(f"model: {args.layers} layers, d={args.dim}, {cfg.n_head} heads ({cfg.n_kv_head} kv), vocab {args.vocab}, "
-          f"max_seq_len {max_len} (the cache's length); CPU, {args.threads} thread(s), fp32; "
-          f"median of {args.tokens} tokens\n")
+    print(
+        f"model: {args.layers} layers, d={args.dim}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
+        f"vocab {args.vocab}, "
+        f"max_seq_len {max_len} (the cache's length); CPU, {args.threads} thread(s), fp32; "
+        f"median of {args.tokens} tokens\n"
+    )
     print(f"{'position':>8}  {'KV cache ms/token':>17}  {'no cache ms/token':>17}  {'speed-up':>8}")
     for p in args.positions:
         c, u = bench_position(model, p, args.tokens, args.vocab)

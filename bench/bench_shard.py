@@ -1,19 +1,20 @@
 """Throughput of `codex data shard` vs bare `Tokenizer.encode_batch` on the same text, and peak RSS.
 
-    python bench/bench_shard.py                  # >= 100 MB of Python stdlib sources + tinyshakespeare
+    python bench/bench_shard.py               # >= 100 MB of Python stdlib sources + tinyshakespeare
     python bench/bench_shard.py --mb 20 --cores 0,1
 
 Builds a run directory (clean parquet + a BPE tokenizer trained on a 4 MB sample) under --dir, then
 in one session, alternating so machine load hits both alike:
-  bare      Tokenizer.encode_batch (and encode_batch_fast) over the same documents, already in memory,
-            in the same ~4M-char batches, long documents cut the same way (the library's limit)
+  bare      Tokenizer.encode_batch (and encode_batch_fast) over the same documents, already in
+            memory, in the same ~4M-char batches, long documents cut the same way (the
+            library's limit)
   shard     the whole stage in a fresh process (read parquet, hash the split, encode, write shards,
             sha256, manifest) with --workers 1 (tokenizers' threads) and --workers 2 (processes)
 Peak RSS of the shard process includes its worker processes. --cores pins everything with
 taskset-like affinity (default: the first 2 cores).
 
-Measured (2 cores pinned, shared machine at load ~2, 100 MB = stdlib .py + tinyshakespeare, vocab 8192,
-shard_tokens 10M, 30.5M tokens):
+Measured (2 cores pinned, shared machine at load ~2, 100 MB = stdlib .py + tinyshakespeare,
+vocab 8192, shard_tokens 10M, 30.5M tokens):
 
     what                            MB/s  Mtok/s  x bare  cpu s  peak RSS
     bare encode_batch               2.35   0.717    1.00   78.0
@@ -46,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
 from pipeline.encode import split_long_text  # noqa: E402
 from pipeline.shard.shard import BATCH_CHARS  # noqa: E402
+from pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
 from pipeline.tokenizer.tokenizer import load_tokenizer  # noqa: E402
 
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
@@ -57,14 +58,16 @@ SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 def corpus_docs(target_bytes: int) -> list[str]:
     """Stdlib .py files (+ tinyshakespeare in 5k-char documents), repeated until target_bytes."""
     base = []
-    for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+    for f in sorted(
+        glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)
+    ):
         try:
             base.append(Path(f).read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
     if os.path.exists(SHAKESPEARE):
         text = Path(SHAKESPEARE).read_text(encoding="utf-8")
-        base += [text[i:i + 5000] for i in range(0, len(text), 5000)]
+        base += [text[i : i + 5000] for i in range(0, len(text), 5000)]
     docs, n, rep = [], 0, 0
     while n < target_bytes:
         for d in base:
@@ -86,10 +89,18 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
     clean.mkdir(parents=True, exist_ok=True)
     per = 20_000
     for k in range(0, len(docs), per):
-        part = docs[k:k + per]
-        pq.write_table(pa.table({"text": part, "id": [str(i) for i in range(len(part))],
-                                 "source": ["bench"] * len(part)}),
-                       clean / f"part-00000-{k // per:05d}-000.parquet", compression="zstd")
+        part = docs[k : k + per]
+        pq.write_table(
+            pa.table(
+                {
+                    "text": part,
+                    "id": [str(i) for i in range(len(part))],
+                    "source": ["bench"] * len(part),
+                }
+            ),
+            clean / f"part-00000-{k // per:05d}-000.parquet",
+            compression="zstd",
+        )
     (clean / "stats.json").write_text("{}")
     sample, n = [], 0
     for d in docs[::7]:
@@ -101,9 +112,15 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
     text = tok.to_str(pretty=True)
     (run / "tokenizer").mkdir(parents=True, exist_ok=True)
     (run / "tokenizer" / "tokenizer.json").write_text(text, encoding="utf-8")
-    (run / "tokenizer" / "tokenizer_meta.json").write_text(json.dumps({
-        "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_ids": dict(SPECIAL_IDS),
-        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}))
+    (run / "tokenizer" / "tokenizer_meta.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+                "special_ids": dict(SPECIAL_IDS),
+                "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            }
+        )
+    )
 
 
 def bare(run: Path, method: str) -> dict:
@@ -129,7 +146,13 @@ def bare(run: Path, method: str) -> dict:
     for b in batches:
         tokens += sum(len(e.ids) for e in fn(b, add_special_tokens=False))
     dt, cpu = time.perf_counter() - t0, cpu_seconds(resource.RUSAGE_SELF) - c0
-    return {"name": f"bare {method}", "seconds": dt, "cpu": cpu, "tokens": tokens + len(docs), "bytes": n_bytes}
+    return {
+        "name": f"bare {method}",
+        "seconds": dt,
+        "cpu": cpu,
+        "tokens": tokens + len(docs),
+        "bytes": n_bytes,
+    }
 
 
 def cpu_seconds(who) -> float:
@@ -156,7 +179,8 @@ def tree(pid):
     out = [pid]
     for t in os.listdir(f"/proc/{{pid}}/task"):
         try:
-            out += [c for k in open(f"/proc/{{pid}}/task/{{t}}/children").read().split() for c in tree(int(k))]
+            out += [c for k in open(f"/proc/{{pid}}/task/{{t}}/children").read().split()
+                    for c in tree(int(k))]
         except OSError:
             pass
     return out
@@ -168,10 +192,13 @@ def sample():   # RSS of this process + its worker processes, every 0.1 s
         time.sleep(0.1)
 threading.Thread(target=sample, daemon=True).start()
 cfg = Config(); cfg.run = {run!r}
-cfg.data.shard.out = {out!r}; cfg.data.shard.workers = {workers}; cfg.data.shard.shard_tokens = {shard_tokens}
+cfg.data.shard.out = {out!r}; cfg.data.shard.workers = {workers}
+cfg.data.shard.shard_tokens = {shard_tokens}
 t0 = time.perf_counter(); m = run_shard(cfg); dt = time.perf_counter() - t0
-cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
-print(json.dumps({{"seconds": dt, "cpu": cpu, "tokens": m["totals"]["train"]["tokens"] + m["totals"]["val"]["tokens"],
+cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                            resource.getrusage(resource.RUSAGE_CHILDREN)))
+print(json.dumps({{"seconds": dt, "cpu": cpu,
+                  "tokens": m["totals"]["train"]["tokens"] + m["totals"]["val"]["tokens"],
                   "rss_mb": peak[0] / 1024, "shards": len(m["shards"])}}))
 """
 
@@ -179,13 +206,18 @@ print(json.dumps({{"seconds": dt, "cpu": cpu, "tokens": m["totals"]["train"]["to
 def shard(run: Path, workers: int, shard_tokens: int, tag: str) -> dict:
     out = run / f"shards-bench-{tag}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    code = SHARD_CHILD.format(root=str(ROOT), run=str(run), out=str(out), workers=workers, shard_tokens=shard_tokens)
+    code = SHARD_CHILD.format(
+        root=str(ROOT), run=str(run), out=str(out), workers=workers, shard_tokens=shard_tokens
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    n_bytes = sum(len(t.encode("utf-8")) for f in sorted((run / "clean").glob("part-*.parquet"))
-                  for t in pq.read_table(f, columns=["text"]).column(0).to_pylist())
+    n_bytes = sum(
+        len(t.encode("utf-8"))
+        for f in sorted((run / "clean").glob("part-*.parquet"))
+        for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()
+    )
     return {"name": f"codex data shard --workers {workers}", "bytes": n_bytes, **r}
 
 
@@ -199,11 +231,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     if args.cores:
-        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})   # inherited by the children
+        os.sched_setaffinity(
+            0, {int(c) for c in args.cores.split(",")}
+        )  # inherited by the children
     run = Path(args.dir)
     t0 = time.perf_counter()
     build_run(run, args.mb, args.vocab)
-    print(f"run dir ready in {time.perf_counter() - t0:.0f}s: {run} (cores {sorted(os.sched_getaffinity(0))})")
+    print(
+        f"run dir ready in {time.perf_counter() - t0:.0f}s: {run} "
+        f"(cores {sorted(os.sched_getaffinity(0))})"
+    )
     rows = []
     for i in range(args.rounds):
         rows.append(bare(run, "encode_batch"))
@@ -215,15 +252,23 @@ def main() -> None:
         if r["name"] == "bare encode_batch":
             base.setdefault("rate", []).append(r["tokens"] / r["seconds"])
     ref = sum(base["rate"]) / len(base["rate"])
-    print(f"\n{'what':34s} {'MB':>7s} {'Mtokens':>8s} {'s':>7s} {'MB/s':>6s} {'Mtok/s':>7s} {'x bare':>6s} "
-          f"{'cpu s':>7s} {'MB/cpu-s':>8s} {'RSS MB':>7s}")
+    print(
+        f"\n{'what':34s} {'MB':>7s} {'Mtokens':>8s} {'s':>7s} {'MB/s':>6s} {'Mtok/s':>7s} "
+        f"{'x bare':>6s} "
+        f"{'cpu s':>7s} {'MB/cpu-s':>8s} {'RSS MB':>7s}"
+    )
     for r in rows:
         rate = r["tokens"] / r["seconds"]
-        print(f"{r['name']:34s} {r['bytes'] / 1e6:7.1f} {r['tokens'] / 1e6:8.2f} {r['seconds']:7.1f} "
-              f"{r['bytes'] / r['seconds'] / 1e6:6.2f} {rate / 1e6:7.3f} {rate / ref:6.2f} "
-              f"{r['cpu']:7.1f} {r['bytes'] / r['cpu'] / 1e6:8.2f} {r.get('rss_mb', float('nan')):7.0f}")
-    print(f"\nbench process peak RSS (holds the whole corpus in memory for bare): "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+        print(
+            f"{r['name']:34s} {r['bytes'] / 1e6:7.1f} {r['tokens'] / 1e6:8.2f} {r['seconds']:7.1f} "
+            f"{r['bytes'] / r['seconds'] / 1e6:6.2f} {rate / 1e6:7.3f} {rate / ref:6.2f} "
+            f"{r['cpu']:7.1f} {r['bytes'] / r['cpu'] / 1e6:8.2f} "
+            f"{r.get('rss_mb', float('nan')):7.0f}"
+        )
+    print(
+        f"\nbench process peak RSS (holds the whole corpus in memory for bare): "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Tokenizer training: codex (`run_tokenizer`, both trainers) vs bare HF `tokenizers` vs bare rustbpe vs sentencepiece.
+"""Tokenizer training: codex (`run_tokenizer`, both trainers) vs bare HF `tokenizers` vs bare
+rustbpe vs sentencepiece.
 
     .venv/bin/python bench/bench_tokenizer.py [--mb 110] [--vocab 32768] [--spm-python PY]
 
@@ -11,7 +12,8 @@ Each contender runs in its own fresh process so its peak RSS (ru_maxrss) is its 
 - codex: the whole `run_tokenizer` (scan + hash pass, training, held-out compression, writes),
          once with the default trainer (rustbpe) and once with --trainer hf;
 - bare:  the same text already in a Python list, timing only `Tokenizer.train_from_iterator`
-         with the same pre-tokenizer/trainer settings (the baseline that codex's overhead is measured against);
+         with the same pre-tokenizer/trainer settings (the baseline that codex's overhead is
+         measured against);
 - bare rustbpe: the same list, timing only `rustbpe.Tokenizer.train_from_iterator`;
 - spm:   `SentencePieceTrainer.train(model_type="bpe", byte_fallback=True)` on the text file,
          run with --spm-python (a venv with sentencepiece; default /work/benchenv-tok).
@@ -30,7 +32,8 @@ Measured (2-core VM, quiet; wall times drift up to 1.5x between runs, CPU second
     bare tokenizers.train_from_iterator       27.7    1.00    50.0    1.00          888        4.040
     bare rustbpe.train_from_iterator          14.4    0.52    25.6    0.51          833        4.040
     sentencepiece bpe                         22.6    0.82    27.8    0.56         1009        4.346
-    (a second run: codex 15.5 s, --trainer hf 28.5 s, bare HF 27.3 s, bare rustbpe 15.8 s, spm 23.6 s)
+    (a second run: codex 15.5 s, --trainer hf 28.5 s, bare HF 27.3 s, bare rustbpe 15.8 s,
+     spm 23.6 s)
 
 codex --trainer hf's tokenizer.json was byte-identical to the bare call's; transformers loaded
 codex's default one unchanged (same ids, lossless). codex beats sentencepiece (0.76x wall) only
@@ -78,8 +81,10 @@ tok = load_tokenizer({run!r} + "/tokenizer")
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 bpt = sum(len(d.encode()) for d in held) / sum(len(e.ids) for e in tok.encode_batch(held))
 print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss,
-                  "vocab": meta["vocab_size"], "bpt": bpt, "bpt_own_heldout": meta["compression"]["bytes_per_token"],
-                  "detail": meta["seconds"], "chars": meta["chars_used"], "sha256": meta["sha256"]}}))
+                  "vocab": meta["vocab_size"], "bpt": bpt,
+                  "bpt_own_heldout": meta["compression"]["bytes_per_token"],
+                  "detail": meta["seconds"], "chars": meta["chars_used"],
+                  "sha256": meta["sha256"]}}))
 """
 
 BARE_CHILD = r"""
@@ -93,7 +98,8 @@ for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
 tok = new_tokenizer()
 trainer = trainers.BpeTrainer(vocab_size={vocab}, special_tokens=list(SPECIAL_TOKENS),
-                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                              show_progress=False)
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 t0, c0 = time.perf_counter(), cpu()
 tok.train_from_iterator(docs, trainer=trainer)
@@ -102,8 +108,8 @@ rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 bpt = sum(len(d.encode()) for d in held) / sum(len(e.ids) for e in tok.encode_batch(held))
 sha = hashlib.sha256(tok.to_str(pretty=True).encode()).hexdigest()
-print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": tok.get_vocab_size(), "bpt": bpt,
-                  "chars": sum(map(len, docs)), "sha256": sha}}))
+print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": tok.get_vocab_size(),
+                  "bpt": bpt, "chars": sum(map(len, docs)), "sha256": sha}}))
 """
 
 RUSTBPE_CHILD = r"""
@@ -123,7 +129,8 @@ dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 bpt = sum(len(d.encode()) for d in held) / sum(map(len, bpe.batch_encode(held)))
-print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": bpe.vocab_size + 3, "bpt": bpt}}))
+print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss, "vocab": bpe.vocab_size + 3,
+                  "bpt": bpt}}))
 """
 
 SPM_CHILD = r"""
@@ -131,8 +138,9 @@ import json, os, time, resource
 import sentencepiece as spm
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 t0, c0 = time.perf_counter(), cpu()
-spm.SentencePieceTrainer.train(input={txt!r}, model_prefix={prefix!r}, model_type="bpe", vocab_size={vocab},
-    byte_fallback=True, character_coverage=0.9995, num_threads=os.cpu_count(), input_sentence_size=0,
+spm.SentencePieceTrainer.train(input={txt!r}, model_prefix={prefix!r}, model_type="bpe",
+    vocab_size={vocab}, byte_fallback=True, character_coverage=0.9995,
+    num_threads=os.cpu_count(), input_sentence_size=0,
     max_sentence_length=16384, split_digits=False, minloglevel=2)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -140,7 +148,8 @@ sp = spm.SentencePieceProcessor(model_file={prefix!r} + ".model")
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 tokens = sum(len(sp.encode(d)) for d in held)
 print(json.dumps({{"seconds": dt, "cpu_s": cpu_s, "rss_mb": rss,
-                  "vocab": sp.get_piece_size(), "bpt": sum(len(d.encode()) for d in held) / tokens}}))
+                  "vocab": sp.get_piece_size(),
+                  "bpt": sum(len(d.encode()) for d in held) / tokens}}))
 """
 
 HF_CHECK_CHILD = r"""
@@ -154,9 +163,11 @@ tok.encode_special_tokens = True
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l][:200]
 held += ["emoji 🙂 CJK 東京 \ufffd  spaces\t\n", "x" * 3000]
 same = all(fast.encode(d, add_special_tokens=False) == tok.encode(d).ids for d in held)
-lossless = all(fast.decode(fast.encode(d, add_special_tokens=False), clean_up_tokenization_spaces=False) == d
+lossless = all(fast.decode(fast.encode(d, add_special_tokens=False),
+                           clean_up_tokenization_spaces=False) == d
                for d in held)
-print(json.dumps({{"transformers_loads": True, "same_ids": same, "lossless": lossless, "docs": len(held)}}))
+print(json.dumps({{"transformers_loads": True, "same_ids": same, "lossless": lossless,
+                  "docs": len(held)}}))
 """
 
 
@@ -177,7 +188,7 @@ def build_corpus(out: Path, mb: float) -> tuple[int, int]:
         except (UnicodeDecodeError, OSError):
             continue
         for i in range(0, len(text), DOC_CHARS):
-            docs.append(text[i:i + DOC_CHARS])
+            docs.append(text[i : i + DOC_CHARS])
         total += len(text.encode("utf-8"))
         if total >= mb * 1e6:
             break
@@ -189,7 +200,10 @@ def build_corpus(out: Path, mb: float) -> tuple[int, int]:
     total = sum(len(d.encode("utf-8")) for d in docs)
     (out / "corpus").mkdir(parents=True)
     for i in range(0, len(docs), 20_000):
-        pq.write_table(pa.table({"text": docs[i:i + 20_000]}), out / "corpus" / f"part-00000-{i // 20_000:05d}.parquet")
+        pq.write_table(
+            pa.table({"text": docs[i : i + 20_000]}),
+            out / "corpus" / f"part-00000-{i // 20_000:05d}.parquet",
+        )
     # sentencepiece reads sentences, one per line
     with open(out / "corpus.txt", "w", encoding="utf-8") as f:
         for d in docs:
@@ -212,10 +226,23 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=110)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--spm-python", default="/work/benchenv-tok/bin/python")
-    ap.add_argument("--codex-heldout", type=int, default=0,
-                    help="codex's data.tokenizer.heldout_docs (0 = same documents as bare, so tokenizer.json must match)")
-    ap.add_argument("--skip", default="",
-                    help="comma list of contenders to skip: codex (both), codex-rustbpe, codex-hf, bare, rustbpe, spm, hf")
+    ap.add_argument(
+        "--codex-heldout",
+        type=int,
+        default=0,
+        help=(
+            "codex's data.tokenizer.heldout_docs "
+            "(0 = same documents as bare, so tokenizer.json must match)"
+        ),
+    )
+    ap.add_argument(
+        "--skip",
+        default="",
+        help=(
+            "comma list of contenders to skip: "
+            "codex (both), codex-rustbpe, codex-hf, bare, rustbpe, spm, hf"
+        ),
+    )
     args = ap.parse_args()
     skip = set(args.skip.split(","))
 
@@ -224,14 +251,19 @@ def main() -> None:
 
 
 def run_contenders(args, skip: set) -> tuple[dict, dict | None]:
-    """Build the corpus, train every contender not skipped, each in its own process; (results, hf check)."""
+    """Build the corpus, train every contender not skipped, each in its own process;
+    (results, hf check)."""
     with tempfile.TemporaryDirectory(prefix="bench-tok-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
         n_docs, n_bytes = build_corpus(tmp, args.mb)
         print(f"load average before: {os.getloadavg()[0]:.1f}")
-        print(f"corpus: {n_docs} docs, {n_bytes / 1e6:.1f} MB UTF-8 ({time.perf_counter() - t0:.0f}s to build); "
-              f"vocab {args.vocab}; {os.cpu_count()} cores", flush=True)
+        print(
+            f"corpus: {n_docs} docs, {n_bytes / 1e6:.1f} MB UTF-8 "
+            f"({time.perf_counter() - t0:.0f}s to build); "
+            f"vocab {args.vocab}; {os.cpu_count()} cores",
+            flush=True,
+        )
         py = sys.executable
         held = tmp / "held.txt"
         results = {}
@@ -239,26 +271,54 @@ def run_contenders(args, skip: set) -> tuple[dict, dict | None]:
             if "codex" in skip or f"codex-{trainer}" in skip:
                 continue
             name = "codex run_tokenizer" + ("" if trainer == "rustbpe" else " --trainer hf")
-            results[name] = child(py, CODEX_CHILD.format(
-                root=str(ROOT), run=str(tmp / f"run-{trainer}"), corpus=str(tmp / "corpus"), vocab=args.vocab,
-                held=str(held), heldout=args.codex_heldout, trainer=trainer))
+            results[name] = child(
+                py,
+                CODEX_CHILD.format(
+                    root=str(ROOT),
+                    run=str(tmp / f"run-{trainer}"),
+                    corpus=str(tmp / "corpus"),
+                    vocab=args.vocab,
+                    held=str(held),
+                    heldout=args.codex_heldout,
+                    trainer=trainer,
+                ),
+            )
             print(f"{name}:", results[name], flush=True)
         if "bare" not in skip:
-            results["bare tokenizers.train_from_iterator"] = child(py, BARE_CHILD.format(
-                root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)))
+            results["bare tokenizers.train_from_iterator"] = child(
+                py,
+                BARE_CHILD.format(
+                    root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)
+                ),
+            )
             print("bare:", results["bare tokenizers.train_from_iterator"], flush=True)
         if "rustbpe" not in skip:
-            results["bare rustbpe.train_from_iterator"] = child(py, RUSTBPE_CHILD.format(
-                root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)))
+            results["bare rustbpe.train_from_iterator"] = child(
+                py,
+                RUSTBPE_CHILD.format(
+                    root=str(ROOT), corpus=str(tmp / "corpus"), vocab=args.vocab, held=str(held)
+                ),
+            )
             print("bare rustbpe:", results["bare rustbpe.train_from_iterator"], flush=True)
         if "spm" not in skip:
-            results["sentencepiece bpe"] = child(args.spm_python, SPM_CHILD.format(
-                txt=str(tmp / "corpus.txt"), prefix=str(tmp / "spm"), vocab=args.vocab, held=str(held)))
+            results["sentencepiece bpe"] = child(
+                args.spm_python,
+                SPM_CHILD.format(
+                    txt=str(tmp / "corpus.txt"),
+                    prefix=str(tmp / "spm"),
+                    vocab=args.vocab,
+                    held=str(held),
+                ),
+            )
             print("spm:", results["sentencepiece bpe"], flush=True)
         hf = None
         if "hf" not in skip and "codex run_tokenizer" in results:
-            hf = child(args.spm_python, HF_CHECK_CHILD.format(
-                path=str(tmp / "run-rustbpe" / "tokenizer" / "tokenizer.json"), held=str(held)))
+            hf = child(
+                args.spm_python,
+                HF_CHECK_CHILD.format(
+                    path=str(tmp / "run-rustbpe" / "tokenizer" / "tokenizer.json"), held=str(held)
+                ),
+            )
     return results, hf
 
 
@@ -266,22 +326,32 @@ def print_report(results: dict, hf: dict | None, codex_heldout: int) -> None:
     base = results.get("bare tokenizers.train_from_iterator", {}).get("seconds")
     print()
     base_cpu = results.get("bare tokenizers.train_from_iterator", {}).get("cpu_s")
-    print(f"{'contender':38s} {'wall s':>7s} {'x bare':>7s} {'CPU s':>7s} {'x bare':>7s} {'peak RSS MB':>12s} "
-          f"{'vocab':>6s} {'bytes/token':>12s}")
+    print(
+        f"{'contender':38s} {'wall s':>7s} {'x bare':>7s} {'CPU s':>7s} {'x bare':>7s} "
+        f"{'peak RSS MB':>12s} "
+        f"{'vocab':>6s} {'bytes/token':>12s}"
+    )
     for name, r in results.items():
         ratio = f"{r['seconds'] / base:.2f}" if base else "-"
         cratio = f"{r['cpu_s'] / base_cpu:.2f}" if base_cpu else "-"
         bpt = f"{r['bpt']:.3f}" if r.get("bpt") else "-"
-        print(f"{name:38s} {r['seconds']:7.1f} {ratio:>7s} {r['cpu_s']:7.1f} {cratio:>7s} {r['rss_mb']:12.0f} "
-              f"{r['vocab']:6d} {bpt:>12s}")
+        print(
+            f"{name:38s} {r['seconds']:7.1f} {ratio:>7s} {r['cpu_s']:7.1f} {cratio:>7s} "
+            f"{r['rss_mb']:12.0f} "
+            f"{r['vocab']:6d} {bpt:>12s}"
+        )
     for name in ("codex run_tokenizer", "codex run_tokenizer --trainer hf"):
         if name in results:
             print(f"{name} breakdown (s): {results[name]['detail']}")
     hf_name = "codex run_tokenizer --trainer hf"
     if hf_name in results and base:
-        same = results[hf_name]["sha256"] == results["bare tokenizers.train_from_iterator"]["sha256"]
-        print(f"codex --trainer hf tokenizer.json identical to bare tokenizers (sha256): {same}"
-              + ("" if codex_heldout == 0 else " (expected False: codex held documents out)"))
+        same = (
+            results[hf_name]["sha256"] == results["bare tokenizers.train_from_iterator"]["sha256"]
+        )
+        print(
+            f"codex --trainer hf tokenizer.json identical to bare tokenizers (sha256): {same}"
+            + ("" if codex_heldout == 0 else " (expected False: codex held documents out)")
+        )
     if "sentencepiece bpe" in results and "codex run_tokenizer" in results:
         r = results["codex run_tokenizer"]["seconds"] / results["sentencepiece bpe"]["seconds"]
         print(f"codex (default trainer) / sentencepiece wall time: {r:.2f}")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,10 +34,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from codex.config import build_config  # noqa: E402
+from eval.evaluate import evaluate  # noqa: E402
 from model.gpt import build_model, flops_per_token  # noqa: E402
-from train.plan.hardware import device_defaults, get_preset  # noqa: E402
-from eval.evaluate import evaluate
 from train.loop import train  # noqa: E402
+from train.plan.hardware import device_defaults, get_preset  # noqa: E402
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
 
@@ -56,55 +56,86 @@ def make_run(root: Path, vocab: int, tokens: int) -> str:
     n_val = max(len(data) // 100, 10_000)
     np.save(root / "shards" / "train_00000.npy", data[n_val:])
     np.save(root / "shards" / "val_00000.npy", data[:n_val])
-    manifest = {"format_version": 1, "tokenizer": {"vocab_size": vocab}, "dtype": "uint16",
-                "shards": [{"split": "train", "path": "train_00000.npy", "format": "npy", "tokens": len(data) - n_val},
-                           {"split": "val", "path": "val_00000.npy", "format": "npy", "tokens": n_val}]}
+    manifest = {
+        "format_version": 1,
+        "tokenizer": {"vocab_size": vocab},
+        "dtype": "uint16",
+        "shards": [
+            {
+                "split": "train",
+                "path": "train_00000.npy",
+                "format": "npy",
+                "tokens": len(data) - n_val,
+            },
+            {"split": "val", "path": "val_00000.npy", "format": "npy", "tokens": n_val},
+        ],
+    }
     (root / "shards" / "manifest.json").write_text(json.dumps(manifest))
     return str(root)
 
 
-def codex_tokens_per_s(run: str, model: str, hardware: str, B: int, T: int, warmup: int, steps: int,
-                       compile_: bool) -> dict:
+def codex_tokens_per_s(
+    run: str, model: str, hardware: str, B: int, T: int, warmup: int, steps: int, compile_: bool
+) -> dict:
     """Full codex loop; the metrics line at step warmup+steps covers exactly the timed steps."""
     shutil.rmtree(Path(run) / "checkpoints", ignore_errors=True)
-    overrides = [f"train.hardware={hardware}", f"train.device_batch={B}", f"train.seq_len={T}",
-                 f"train.max_steps={warmup + steps}", f"train.log_every={warmup}", "train.eval_every=0",
-                 "train.save_every=0", "train.wandb=off", f"train.compile={str(compile_).lower()}",
-                 "train.warmup_steps=2"]
+    overrides = [
+        f"train.hardware={hardware}",
+        f"train.device_batch={B}",
+        f"train.seq_len={T}",
+        f"train.max_steps={warmup + steps}",
+        f"train.log_every={warmup}",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.wandb=off",
+        f"train.compile={str(compile_).lower()}",
+        "train.warmup_steps=2",
+    ]
     if T > build_config(model=model).model.max_seq_len:
         overrides.append(f"model.max_seq_len={T}")
     cfg = build_config(overrides=overrides, model=model, run=run)
     train(cfg, evaluate)
-    lines = [json.loads(l) for l in open(Path(run) / "metrics.jsonl") if '"train"' in l]
+    lines = [json.loads(line) for line in open(Path(run) / "metrics.jsonl") if '"train"' in line]
     # Lines every `warmup` steps (and at the end); the first one includes compile/warm-up time.
-    seconds, prev, timed = 0.0, warmup, [l for l in lines if l["step"] > warmup]
-    for l in timed:
-        seconds += l["step_time_s"] * (l["step"] - prev)
-        prev = l["step"]
+    seconds, prev, timed = 0.0, warmup, [rec for rec in lines if rec["step"] > warmup]
+    for rec in timed:
+        seconds += rec["step_time_s"] * (rec["step"] - prev)
+        prev = rec["step"]
     assert prev == warmup + steps, lines
-    mfus = [l["mfu"] for l in timed if "mfu" in l]
-    return {"tokens_per_s": B * T * steps / seconds, "mfu": statistics.median(mfus) if mfus else None,
-            "mem_gb": timed[-1].get("mem_gb")}
+    mfus = [rec["mfu"] for rec in timed if "mfu" in rec]
+    return {
+        "tokens_per_s": B * T * steps / seconds,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "mem_gb": timed[-1].get("mem_gb"),
+    }
 
 
-def bare_tokens_per_s(run: str, model: str, B: int, T: int, warmup: int, steps: int, device: str,
-                      compile_: bool) -> float:
+def bare_tokens_per_s(
+    run: str, model: str, B: int, T: int, warmup: int, steps: int, device: str, compile_: bool
+) -> float:
     """forward, backward, AdamW: nothing else."""
     cfg = build_config(model=model)
-    cfg.model.vocab_size = json.loads((Path(run) / "tokenizer" / "tokenizer_meta.json").read_text())["vocab_size"]
+    cfg.model.vocab_size = json.loads(
+        (Path(run) / "tokenizer" / "tokenizer_meta.json").read_text()
+    )["vocab_size"]
     if T > cfg.model.max_seq_len:
         cfg.model.max_seq_len = T
     data = np.load(Path(run) / "shards" / "train_00000.npy", mmap_mode="r")
     net = build_model(cfg.model, seed=0).to(device)
     fwd = torch.compile(net) if compile_ else net
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device == "cuda")
+    opt = torch.optim.AdamW(
+        net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda"
+    )
     rng = np.random.default_rng(0)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def batch():
         starts = rng.integers(0, len(data) - T - 1, B)
-        w = torch.from_numpy(np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64))
+        w = torch.from_numpy(np.stack([data[s : s + T + 1] for s in starts]).astype(np.int64))
         return w[:, :-1].to(device), w[:, 1:].to(device)
 
     def sync():
@@ -128,8 +159,17 @@ def bare_tokens_per_s(run: str, model: str, B: int, T: int, warmup: int, steps: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="*", default=None, help="model presets (default: tiny on CPU, 124m 350m on CUDA)")
-    ap.add_argument("--hardware", default=None, help="hardware preset (default: cpu, or h200/h100/a100 by GPU name)")
+    ap.add_argument(
+        "--models",
+        nargs="*",
+        default=None,
+        help="model presets (default: tiny on CPU, 124m 350m on CUDA)",
+    )
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="hardware preset (default: cpu, or h200/h100/a100 by GPU name)",
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -142,7 +182,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         name = torch.cuda.get_device_name(0)
-        hardware = args.hardware or next((h for h in ("h200", "h100", "a100") if h.upper() in name.upper()), "h100")
+        hardware = args.hardware or next(
+            (h for h in ("h200", "h100", "a100") if h.upper() in name.upper()), "h100"
+        )
         models = args.models or ["124m", "350m"]
         steps, warmup, repeats = args.steps or 20, args.warmup or 10, args.repeats or 1
         vocab, device = 32768, "cuda"
@@ -158,27 +200,50 @@ def main() -> None:
         for model in models:
             mcfg = build_config(model=model).model
             B, T = device_defaults(preset, mcfg)
-            run = make_run(Path(tmp) / model, vocab, tokens=max(2_000_000, 4 * B * T * (warmup + steps)))
+            run = make_run(
+                Path(tmp) / model, vocab, tokens=max(2_000_000, 4 * B * T * (warmup + steps))
+            )
             codex_runs, bare_runs, mfus, mem = [], [], [], None
             for _ in range(repeats):
-                bare_runs.append(bare_tokens_per_s(run, model, B, T, warmup, steps, device, compile_=cuda))
+                bare_runs.append(
+                    bare_tokens_per_s(run, model, B, T, warmup, steps, device, compile_=cuda)
+                )
                 c = codex_tokens_per_s(run, model, hardware, B, T, warmup, steps, compile_=cuda)
                 codex_runs.append(c["tokens_per_s"])
                 mfus.append(c["mfu"])
                 mem = c["mem_gb"]
             cx, bx = statistics.median(codex_runs), statistics.median(bare_runs)
             mcfg.vocab_size = vocab
-            bare_mfu = flops_per_token(mcfg, T) * bx / preset.peak_flops if preset.peak_flops else None
-            rows.append((model, f"{B}x{T}", bx, cx, 100 * (bx - cx) / bx,
-                         None if mfus[0] is None else 100 * statistics.median(mfus),
-                         None if bare_mfu is None else 100 * bare_mfu, mem))
-    print(f"\n{'model':6} {'B x T':>9} {'bare tok/s':>11} {'codex tok/s':>12} {'overhead':>9} {'codex MFU':>10} "
-          f"{'bare MFU':>9} {'mem GB':>7}")
+            bare_mfu = (
+                flops_per_token(mcfg, T) * bx / preset.peak_flops if preset.peak_flops else None
+            )
+            rows.append(
+                (
+                    model,
+                    f"{B}x{T}",
+                    bx,
+                    cx,
+                    100 * (bx - cx) / bx,
+                    None if mfus[0] is None else 100 * statistics.median(mfus),
+                    None if bare_mfu is None else 100 * bare_mfu,
+                    mem,
+                )
+            )
+    print(
+        f"\n{'model':6} {'B x T':>9} {'bare tok/s':>11} {'codex tok/s':>12} {'overhead':>9} "
+        f"{'codex MFU':>10} {'bare MFU':>9} {'mem GB':>7}"
+    )
     for model, bt, bx, cx, ov, mfu, bmfu, mem in rows:
-        print(f"{model:6} {bt:>9} {bx:11.0f} {cx:12.0f} {ov:8.1f}% {'-' if mfu is None else f'{mfu:.1f}%':>10} "
-              f"{'-' if bmfu is None else f'{bmfu:.1f}%':>9} {'-' if mem is None else f'{mem:.1f}':>7}")
-    print(f"\n(median of {repeats} interleaved runs, {steps} timed steps after {warmup} warm-up steps; "
-          "overhead = (bare - codex) / bare; target <= 5%)")
+        print(
+            f"{model:6} {bt:>9} {bx:11.0f} {cx:12.0f} {ov:8.1f}% "
+            f"{'-' if mfu is None else f'{mfu:.1f}%':>10} "
+            f"{'-' if bmfu is None else f'{bmfu:.1f}%':>9} "
+            f"{'-' if mem is None else f'{mem:.1f}':>7}"
+        )
+    print(
+        f"\n(median of {repeats} interleaved runs, {steps} timed steps after {warmup} "
+        "warm-up steps; overhead = (bare - codex) / bare; target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

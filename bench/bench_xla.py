@@ -1,6 +1,6 @@
 """The XLA step's host cost: host ms per optimizer step and compile seconds, train.xla_step=traced
 (the Python micro-batch loop, re-traced every step) against cached (one While traced once,
-train/xla_step.py), side by side in one run.
+train/xla/step.py), side by side in one run.
 
     PJRT_DEVICE=CPU .venv-xla/bin/python bench/bench_xla.py [--models tiny,124m,1b] [--accums 1,8]
 
@@ -51,7 +51,8 @@ import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 
 name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}
 cfg = build_config(model=name, run="/tmp/codex-bench-xla", overrides=[
-    "train.hardware=v6e-4", "train.allow_cpu_xla=true", f"train.xla_step={{step_mode}}", "train.lr=0.003"])
+    "train.hardware=v6e-4", "train.allow_cpu_xla=true", f"train.xla_step={{step_mode}}",
+    "train.lr=0.003"])
 m = replace(cfg.model, vocab_size=32768)
 if name == "1b":   # see the module docstring
     m = replace(m, n_embd=512, mlp_hidden=2048)
@@ -104,7 +105,8 @@ for step in range(2 + steps):
     if step >= 2:
         host.append(1000 * (t_sync - t0) + (max(0.0, sync_ms - executed) if inline else sync_ms))
 print("BENCH " + json.dumps({{"host_ms": statistics.median(host), "host_all": host,
-    "compile_s": met.metric_data("CompileTime")[1] / 1e9, "compiles": met.metric_data("CompileTime")[0],
+    "compile_s": met.metric_data("CompileTime")[1] / 1e9,
+    "compiles": met.metric_data("CompileTime")[0],
     "layout": layout.describe(), "default_batch": [default_B, default_T]}}))
 """
 
@@ -115,7 +117,7 @@ def run(name: str, accum: int, step_mode: str, steps: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} accum {accum} {step_mode}: failed\n{proc.stderr[-3000:]}")
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("BENCH "))
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("BENCH "))
     return json.loads(line[6:])
 
 
@@ -125,16 +127,31 @@ def main() -> None:
     ap.add_argument("--accums", default="1,8")
     ap.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps")
     args = ap.parse_args()
-    print("v6e-4 mesh on 4 XLA CPU devices; 1 x 64 tokens per device per micro-batch; default optimizer (Muon)")
-    print(f"{'model':>5} {'accum':>5}  {'layout':>12}  {'traced host ms':>14} {'cached host ms':>14} {'cut':>5}  "
-          f"{'traced compile s':>16} {'cached compile s':>16}", flush=True)
+    print(
+        "v6e-4 mesh on 4 XLA CPU devices; 1 x 64 tokens per device per micro-batch; "
+        "default optimizer (Muon)"
+    )
+    print(
+        f"{'model':>5} {'accum':>5}  {'layout':>12}  {'traced host ms':>14} "
+        f"{'cached host ms':>14} {'cut':>5}  "
+        f"{'traced compile s':>16} {'cached compile s':>16}",
+        flush=True,
+    )
     for name in args.models.split(","):
         for accum in (int(a) for a in args.accums.split(",")):
             old, new = (run(name, accum, mode, args.steps) for mode in ("traced", "cached"))
-            print(f"{name:>5} {accum:>5}  {new['layout']:>12}  {old['host_ms']:>14.0f} {new['host_ms']:>14.0f} "
-                  f"{old['host_ms'] / new['host_ms']:>4.1f}x  {old['compile_s']:>16.1f} {new['compile_s']:>16.1f}",
-                  flush=True)
-            print("BENCH_JSON " + json.dumps({"model": name, "accum": accum, "traced": old, "cached": new}), flush=True)
+            print(
+                f"{name:>5} {accum:>5}  {new['layout']:>12}  {old['host_ms']:>14.0f} "
+                f"{new['host_ms']:>14.0f} "
+                f"{old['host_ms'] / new['host_ms']:>4.1f}x  {old['compile_s']:>16.1f} "
+                f"{new['compile_s']:>16.1f}",
+                flush=True,
+            )
+            print(
+                "BENCH_JSON "
+                + json.dumps({"model": name, "accum": accum, "traced": old, "cached": new}),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

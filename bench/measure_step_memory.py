@@ -1,5 +1,5 @@
-"""Peak memory of one CPU training step, printed in bytes: what the memory plan (train/memory.py)
-is checked against by bench/bench_memory.py and tests/test_memory_plan.py.
+"""Peak memory of one CPU training step, printed in bytes: what the memory plan
+(train/plan/memory.py) is checked against by bench/bench_memory.py and tests/test_memory_plan.py.
 
     python bench/measure_step_memory.py DTYPE B T [model overrides ...]    # run in a fresh process
 
@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 m = build_config(overrides=overrides).model
 import_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()   # resident now
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()  # resident now
 model = build_model(m, seed=0)
 opt = torch.optim.AdamW(model.parameters())
 x = torch.randint(0, m.vocab_size, (B, T))

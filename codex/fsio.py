@@ -20,7 +20,8 @@ import os
 import posixpath
 import tempfile
 import time
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 import fsspec
 
@@ -31,7 +32,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 log = logging.getLogger("codex.fsio")
 
-RETRIES = 5   # attempts for a remote write hitting a transient error
+RETRIES = 5  # attempts for a remote write hitting a transient error
 
 
 def is_remote(path: str) -> bool:
@@ -40,11 +41,12 @@ def is_remote(path: str) -> bool:
 
 def _strip_file(path: str) -> str:
     path = str(path)
-    return path[len("file://"):] if path.startswith("file://") else path
+    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path within it). Remote filesystems are created with our retry/emulator options."""
+    """(filesystem, path within it). Remote filesystems are created with our retry/emulator
+    options."""
     path = _strip_file(path)
     if not is_remote(path):
         return fsspec.filesystem("file"), os.path.abspath(path)
@@ -57,7 +59,9 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
         try:
             import gcsfs  # noqa: F401
         except ImportError as e:  # no silent fallback: say how to fix it
-            raise RuntimeError(f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'") from e
+            raise RuntimeError(
+                f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'"
+            ) from e
     # url_to_fs, not get_fs_token_paths: the latter expands globs (and fails on no match).
     fs, p = fsspec.core.url_to_fs(path, **options)
     return fs, p
@@ -71,7 +75,8 @@ def join(base: str, *parts: str) -> str:
 
 
 def _url(fs: fsspec.AbstractFileSystem, path: str, like: str) -> str:
-    """Put the protocol back on a path returned by fs.ls/glob, so callers get what they passed in."""
+    """Put the protocol back on a path returned by fs.ls/glob, so callers get what they passed
+    in."""
     if not is_remote(like):
         return path
     protocol = like.split("://", 1)[0]
@@ -107,14 +112,23 @@ def join_inside(base: str, rel: str, where: str) -> str:
     naming `where` when it is absolute, a URL, or climbs out of `base` with '..'. A manifest must
     never make codex read (or train on) a file outside the folder it describes."""
     parts = str(rel).replace("\\", "/").split("/")
-    if not rel or "://" in str(rel) or str(rel).startswith(("/", "~")) or ".." in parts or ":" in parts[0]:
-        raise ValueError(f"{where}: path {rel!r} is not inside {base} (absolute, a URL or '..'); "
-                         "shard paths must be relative to the manifest's folder")
+    if (
+        not rel
+        or "://" in str(rel)
+        or str(rel).startswith(("/", "~"))
+        or ".." in parts
+        or ":" in parts[0]
+    ):
+        raise ValueError(
+            f"{where}: path {rel!r} is not inside {base} (absolute, a URL or '..'); "
+            "shard paths must be relative to the manifest's folder"
+        )
     return join(base, rel)
 
 
 def basename(path: str) -> str:
-    """The last component of a local path or URL ("gs://b/run/x.npy" -> "x.npy", "dir/" -> "dir")."""
+    """The last component of a local path or URL ("gs://b/run/x.npy" -> "x.npy",
+    "dir/" -> "dir")."""
     return posixpath.basename(path.replace(os.sep, "/").rstrip("/"))
 
 
@@ -162,7 +176,9 @@ def atomic_open(path: str, mode: str = "wb") -> Iterator[IO]:
         return
     path = os.path.abspath(_strip_file(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(
+        prefix=".tmp-" + os.path.basename(path) + ".", dir=os.path.dirname(path)
+    )
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -207,7 +223,9 @@ def read_json(path: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        raise ValueError(
+            f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from e
 
 
 def upload(local_path: str, remote_path: str) -> None:
@@ -223,7 +241,8 @@ def download(remote_path: str, local_path: str) -> None:
             dst.write(chunk)
 
 
-# --- retries and hashing ---------------------------------------------------------------------------
+# --- retries and hashing --------------------------------------------------------------------------
+
 
 def _is_transient(e: BaseException) -> bool:
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
@@ -245,8 +264,15 @@ def with_retries(fn, what: str, attempts: int = RETRIES):
             if i == attempts - 1 or not _is_transient(e):
                 raise
             wait = min(2.0**i, 30.0)
-            log.warning("%s: transient error (%s: %s); retry %d/%d in %.0fs", what, type(e).__name__, e,
-                        i + 1, attempts - 1, wait)
+            log.warning(
+                "%s: transient error (%s: %s); retry %d/%d in %.0fs",
+                what,
+                type(e).__name__,
+                e,
+                i + 1,
+                attempts - 1,
+                wait,
+            )
             time.sleep(wait)
 
 
@@ -276,7 +302,8 @@ class HashingReader:
 
 
 def file_digests(path: str, *algorithms: str) -> list:
-    """The hashlib digests of a local or gs:// file, read once in 8 MiB chunks, one per algorithm."""
+    """The hashlib digests of a local or gs:// file, read once in 8 MiB chunks, one per
+    algorithm."""
     hashes = [hashlib.new(a) for a in algorithms]
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):

@@ -18,8 +18,12 @@ log = logging.getLogger("codex")
 
 def setup_logging(level: int = logging.INFO) -> None:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S", stream=sys.stderr)
+        logging.basicConfig(
+            level=level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+            stream=sys.stderr,
+        )
     # fsspec logs every remote file it opens at INFO ("... AdaptiveReadaheadCache enabled"): about
     # 60 lines a stage on gs://, none of them news to the user.
     logging.getLogger("fsspec").setLevel(max(level, logging.WARNING))
@@ -40,8 +44,15 @@ def _human_bytes(x: float) -> str:
 
 
 class Progress:
-    def __init__(self, name: str, total: int | None = None, unit: str = "it", log_every: float = 10.0,
-                 stream=None, enabled: bool = True):
+    def __init__(
+        self,
+        name: str,
+        total: int | None = None,
+        unit: str = "it",
+        log_every: float = 10.0,
+        stream=None,
+        enabled: bool = True,
+    ):
         self.name, self.total, self.unit = name, total, unit
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -51,7 +62,8 @@ class Progress:
         self.counters: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self._last = 0.0
-        self._logged: tuple | None = None   # the state of the last plain log line (no repeat at close)
+        # the state of the last plain log line (no repeat at close)
+        self._logged: tuple | None = None
 
     def __enter__(self):
         return self
@@ -72,7 +84,7 @@ class Progress:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         head = f"{self.name}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}"
         if self.total:
-            head = f"{self.name}: {100 * self.n / self.total:5.1f}% " + head[len(self.name) + 2:]
+            head = f"{self.name}: {100 * self.n / self.total:5.1f}% " + head[len(self.name) + 2 :]
         parts = [head, f"{_human(self.n / dt)} {self.unit}/s"]
         for k, v in self.counters.items():
             if k == "bytes":
@@ -91,7 +103,7 @@ class Progress:
             return
         state = (self.n, tuple(self.counters.items()))
         if final and state == self._logged:
-            return   # the last line already said this (e.g. 100% logged by the final update)
+            return  # the last line already said this (e.g. 100% logged by the final update)
         self._logged = state
         log.info(self.line())
 

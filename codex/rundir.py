@@ -6,7 +6,8 @@
     RUN/checkpoints/  step_XXXXXXXX/ checkpoints                               (codex train)
     RUN/eval/         step_N.json, loss.png                                    (codex eval)
     RUN/metrics.jsonl training and validation metrics, one JSON object a line (codex train)
-    RUN/.codex-lock.json  the lease of the command writing RUN now (codex/runlock.py); eval's is in RUN/eval/
+    RUN/.codex-lock.json  the lease of the command writing RUN now (codex/runlock.py);
+                      eval's is in RUN/eval/
 
 so stages chain with nothing more than `--run DIR`. Each data stage saves the resolved config it
 ran with as config.yaml inside its own folder and writes its completion marker last

@@ -41,9 +41,9 @@ from codex.config import ConfigError
 log = logging.getLogger("codex.runlock")
 
 LEASE_NAME = ".codex-lock.json"
-STALE_AFTER_S = 120.0    # a heartbeat older than this marks the holder dead
-HEARTBEAT_S = 15.0       # how often the holder refreshes it (8 chances before it goes stale)
-EXIT_LOST = 3            # exit status of a holder whose lease was taken over
+STALE_AFTER_S = 120.0  # a heartbeat older than this marks the holder dead
+HEARTBEAT_S = 15.0  # how often the holder refreshes it (8 chances before it goes stale)
+EXIT_LOST = 3  # exit status of a holder whose lease was taken over
 
 
 class LockHeld(ConfigError):
@@ -63,16 +63,18 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # exists, owned by someone else
+    except PermissionError:  # exists, owned by someone else
         return True
-    try:   # a killed process nobody has reaped yet (a zombie) is gone too
+    try:  # a killed process nobody has reaped yet (a zombie) is gone too
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
 
 
-def stale_reason(lease: dict | None, stale_after: float = STALE_AFTER_S, now: float | None = None) -> str | None:
+def stale_reason(
+    lease: dict | None, stale_after: float = STALE_AFTER_S, now: float | None = None
+) -> str | None:
     """Why `lease` may be taken over, or None while its holder looks alive."""
     if lease is None:
         return "the lease file is unreadable"
@@ -91,14 +93,18 @@ def _dumps(lease: dict) -> bytes:
 
 def describe(lease: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    return (f"`{lease.get('command', '?')}` (pid {lease.get('pid', '?')} on host {lease.get('host', '?')}, "
-            f"since {_now_utc(float(lease.get('started', 0)))}, "
-            f"last heartbeat {max(0.0, now - float(lease.get('heartbeat', 0))):.0f} s ago)")
+    return (
+        f"`{lease.get('command', '?')}` "
+        f"(pid {lease.get('pid', '?')} on host {lease.get('host', '?')}, "
+        f"since {_now_utc(float(lease.get('started', 0)))}, "
+        f"last heartbeat {max(0.0, now - float(lease.get('heartbeat', 0))):.0f} s ago)"
+    )
 
 
 # --- storage: the same four atomic operations locally and on GCS ---------------------------------
 # read() -> (lease or None when unreadable, version or None when absent); create/swap return the
 # new version, or None when the lease was not absent / not at `version` any more.
+
 
 class _LocalLease:
     """A lease file guarded by flock on `<lease>.guard`; version = the holder's token."""
@@ -106,7 +112,7 @@ class _LocalLease:
     def __init__(self, path: str):
         self.path = path
         self.guard_path = path + ".guard"
-        self._mutex = threading.Lock()   # one guard at a time within this object's threads
+        self._mutex = threading.Lock()  # one guard at a time within this object's threads
 
     @contextlib.contextmanager
     def _guard(self):
@@ -114,7 +120,9 @@ class _LocalLease:
             while True:
                 fd = os.open(self.guard_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                try:   # the releaser unlinks the guard: a lock on a file no longer at that path guards nothing
+                # the releaser unlinks the guard: a lock on a file no longer at that path guards
+                # nothing
+                try:
                     st, now = os.fstat(fd), os.stat(self.guard_path)
                     if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
                         break
@@ -161,7 +169,7 @@ class _LocalLease:
         with self._guard():
             if self._read()[1] != version:
                 return None
-            fsio.write_bytes(self.path, _dumps(lease))   # temp file + fsync + os.replace
+            fsio.write_bytes(self.path, _dumps(lease))  # temp file + fsync + os.replace
             return lease["token"]
 
     def delete(self, version: str) -> bool:
@@ -169,7 +177,7 @@ class _LocalLease:
             if self._read()[1] != version:
                 return False
             os.unlink(self.path)
-            os.unlink(self.guard_path)   # still flocked: later guards see it gone and start afresh
+            os.unlink(self.guard_path)  # still flocked: later guards see it gone and start afresh
             return True
 
 
@@ -190,8 +198,14 @@ class _GcsLease:
         try:
             meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, json_out=True)
             # the body of exactly that generation (404 if it changed since: read again)
-            _, body = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media",
-                                   generation=meta["generation"])
+            _, body = self.fs.call(
+                "GET",
+                "b/{}/o/{}",
+                self.bucket,
+                self.key,
+                alt="media",
+                generation=meta["generation"],
+            )
         except FileNotFoundError:
             return None, None
         try:
@@ -200,11 +214,18 @@ class _GcsLease:
             return None, str(meta["generation"])
 
     def _upload(self, lease: dict, if_generation: str) -> str | None:
-        try:   # text/plain: the GCS emulator parses an application/json upload body and hangs up
-            out = self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{self.bucket}/o", uploadType="media",
-                               name=self.key, ifGenerationMatch=if_generation, data=_dumps(lease),
-                               headers={"Content-Type": "text/plain"}, json_out=True)
-        except FileExistsError:      # 412: someone else changed it first
+        try:  # text/plain: the GCS emulator parses an application/json upload body and hangs up
+            out = self.fs.call(
+                "POST",
+                f"{self.fs._location}/upload/storage/v1/b/{self.bucket}/o",
+                uploadType="media",
+                name=self.key,
+                ifGenerationMatch=if_generation,
+                data=_dumps(lease),
+                headers={"Content-Type": "text/plain"},
+                json_out=True,
+            )
+        except FileExistsError:  # 412: someone else changed it first
             return None
         return str(out["generation"])
 
@@ -224,6 +245,7 @@ class _GcsLease:
 
 # --- the lock ------------------------------------------------------------------------------------
 
+
 class RunLock:
     """Hold `folder`'s lease while the block runs: `with RunLock(run, "codex train"): ...`.
 
@@ -231,8 +253,15 @@ class RunLock:
     warning; release() (on leaving the block, or at exit) deletes it only while it is still ours.
     """
 
-    def __init__(self, folder: str, command: str, lease_name: str = LEASE_NAME, stale_after: float = STALE_AFTER_S,
-                 heartbeat: float = HEARTBEAT_S, on_lost=None):
+    def __init__(
+        self,
+        folder: str,
+        command: str,
+        lease_name: str = LEASE_NAME,
+        stale_after: float = STALE_AFTER_S,
+        heartbeat: float = HEARTBEAT_S,
+        on_lost=None,
+    ):
         self.folder, self.command = str(folder), command
         self.path = fsio.join(self.folder, lease_name)
         self.stale_after, self.heartbeat_s = stale_after, heartbeat
@@ -246,40 +275,59 @@ class RunLock:
 
     def _new_lease(self) -> dict:
         now = time.time()
-        return {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
-                "argv": " ".join(sys.argv)[:500], "started": now, "started_utc": _now_utc(now), "heartbeat": now,
-                "token": uuid.uuid4().hex}
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "command": self.command,
+            "argv": " ".join(sys.argv)[:500],
+            "started": now,
+            "started_utc": _now_utc(now),
+            "heartbeat": now,
+            "token": uuid.uuid4().hex,
+        }
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self._made_folder = not fsio.is_remote(self.folder) and not os.path.isdir(self.folder)
         if self._made_folder:
             os.makedirs(self.folder, exist_ok=True)
         self.lease = self._new_lease()
-        for _ in range(5):   # a pass fails only when another writer's change landed in between
+        for _ in range(5):  # a pass fails only when another writer's change landed in between
             current, version = self._store.read()
             if version is None:
                 self._version = self._store.create(self.lease)
             else:
                 reason = stale_reason(current, self.stale_after)
                 if reason is None:
-                    raise LockHeld(f"{self.folder} is in use by {describe(current)}; wait for it to finish or stop "
-                                   f"it. A lock whose process has died, or whose heartbeat is older than "
-                                   f"{self.stale_after:.0f} s, is taken over automatically ({self.path})")
+                    raise LockHeld(
+                        f"{self.folder} is in use by {describe(current)}; wait for it to finish "
+                        f"or stop it. A lock whose process has died, or whose heartbeat is older "
+                        f"than {self.stale_after:.0f} s, is taken over automatically ({self.path})"
+                    )
                 self._version = self._store.swap(version, self.lease)
             if self._version or self._is_mine():
                 if version is not None:
-                    log.warning("taking over the stale lock %s of %s: %s", self.path,
-                                describe(current) if current else "an unknown holder", reason)
+                    log.warning(
+                        "taking over the stale lock %s of %s: %s",
+                        self.path,
+                        describe(current) if current else "an unknown holder",
+                        reason,
+                    )
                 break
         else:
-            raise LockHeld(f"{self.folder}: could not take the lock {self.path}; other writers keep changing it")
+            raise LockHeld(
+                f"{self.folder}: could not take the lock {self.path}; "
+                "other writers keep changing it"
+            )
         self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="codex-runlock-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat, name="codex-runlock-heartbeat", daemon=True
+        )
         self._thread.start()
         return self
 
     def _is_mine(self) -> bool:
-        """Whether the lease holds our token (a retried request may report 412 for our own write)."""
+        """Whether the lease holds our token (a retried request may report 412 for our own
+        write)."""
         current, version = self._store.read()
         if current is not None and current.get("token") == self.lease["token"]:
             self._version = version
@@ -293,18 +341,29 @@ class RunLock:
             except LockLost as e:
                 self.on_lost(self, e)
                 return
-            except Exception as e:   # noqa: BLE001 - transient: the next beat retries; stale only after STALE_AFTER_S
-                log.warning("run lock %s: heartbeat failed (%s); retrying in %.0f s", self.path, e, self.heartbeat_s)
+            except Exception as e:  # noqa: BLE001 - transient: the next beat retries; stale only after STALE_AFTER_S
+                log.warning(
+                    "run lock %s: heartbeat failed (%s); retrying in %.0f s",
+                    self.path,
+                    e,
+                    self.heartbeat_s,
+                )
 
     def refresh(self) -> None:
         """Write a new heartbeat, only while the lease is still ours; LockLost otherwise."""
+        assert self._version is not None  # set by acquire(), which starts the heartbeat
         lease = dict(self.lease, heartbeat=time.time())
         version = self._store.swap(self._version, lease)
         if version is None:
             if not self._is_mine():
                 current, _ = self._store.read()
-                raise LockLost(f"{self.path} was taken over by {describe(current) if current else 'another writer'}")
-            version = self._store.swap(self._version, lease)   # our retried write had landed: once more
+                raise LockLost(
+                    f"{self.path} was taken over by "
+                    f"{describe(current) if current else 'another writer'}"
+                )
+            version = self._store.swap(
+                self._version, lease
+            )  # our retried write had landed: once more
             if version is None:
                 raise LockLost(f"{self.path} keeps changing under its holder")
         self.lease, self._version = lease, version
@@ -317,17 +376,24 @@ class RunLock:
             self._thread.join(timeout=30)
         self._thread = None
         if self.lease.get("pid") != os.getpid():
-            return   # a forked child never releases its parent's lease
+            return  # a forked child never releases its parent's lease
+        assert self._version is not None  # set by acquire(), which started the heartbeat thread
         try:
             if not self._store.delete(self._version) and self._is_mine():
                 self._store.delete(self._version)
-            if self._made_folder:   # a command that failed at once leaves no empty run directory behind
+            if (
+                self._made_folder
+            ):  # a command that failed at once leaves no empty run directory behind
                 with contextlib.suppress(OSError):
                     os.rmdir(self.folder)
-        except Exception as e:   # noqa: BLE001 - the next writer finds it stale
-            log.warning("run lock %s: could not release it (%s); the next run takes it over once stale", self.path, e)
+        except Exception as e:  # noqa: BLE001 - the next writer finds it stale
+            log.warning(
+                "run lock %s: could not release it (%s); the next run takes it over once stale",
+                self.path,
+                e,
+            )
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -335,12 +401,15 @@ class RunLock:
 
 
 def _exit_lost(lock: RunLock, err: Exception) -> None:
-    log.error("run lock lost: %s. Stopping now so that two writers never share %s", err, lock.folder)
+    log.error(
+        "run lock lost: %s. Stopping now so that two writers never share %s", err, lock.folder
+    )
     logging.shutdown()
     os._exit(EXIT_LOST)
 
 
 # --- who holds it --------------------------------------------------------------------------------
+
 
 def process_index(hosts: int = 1) -> int:
     """This process's index in its job: torchrun's RANK, a TPU slice's worker id, else 0.
@@ -356,14 +425,18 @@ def process_index(hosts: int = 1) -> int:
             try:
                 return int(value)
             except ValueError:
-                raise ConfigError(f"environment variable {var}={value!r} is not an integer") from None
+                raise ConfigError(
+                    f"environment variable {var}={value!r} is not an integer"
+                ) from None
     if hosts > 1 and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         try:
             from torch_xla._internal import tpu
 
             return int(tpu.worker_id())
-        except Exception as e:   # noqa: BLE001 - any failure: say so, hold no lease
-            log.warning("run lock: cannot tell this TPU host's worker id (%s); this host takes no lock", e)
+        except Exception as e:  # noqa: BLE001 - any failure: say so, hold no lease
+            log.warning(
+                "run lock: cannot tell this TPU host's worker id (%s); this host takes no lock", e
+            )
             return -1
     return 0
 

@@ -7,24 +7,28 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from typing import cast
 
 import numpy as np
 
 from codex import fsio, rundir
-from pipeline.encode import Encoder, token_dtype
 from pipeline.clean.filters import normalize
+from pipeline.encode import Encoder, token_dtype
 from pipeline.inputs import list_inputs
 from pipeline.readers import FileReport, read_records
-from pipeline.shard.shard import write_npy
 from pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
+from pipeline.shard.shard import write_npy
 from pipeline.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("codex.eval")
 
 
-def tokenize_to_shard(cfg, run_cfg, tok_dir: str, data_paths: list[str], max_tokens: int, seq_len: int, backend):
-    """Read, normalise and tokenize `data_paths` with the run's tokenizer into one temporary npy shard
-    + manifest, so the exact windowing and rank split of train/loader.val_batches apply unchanged.
+def tokenize_to_shard(
+    cfg, run_cfg, tok_dir: str, data_paths: list[str], max_tokens: int, seq_len: int, backend
+):
+    """Read, normalise and tokenize `data_paths` with the run's tokenizer into one temporary npy
+    shard + manifest, so the exact windowing and rank split of train/loader.val_batches apply
+    unchanged.
 
     "Cleaning" here is the clean stage's text normalisation (NFC, newlines, control characters) and
     dropping empty documents, not its quality filters: the user chose this held-out text, and a
@@ -32,40 +36,72 @@ def tokenize_to_shard(cfg, run_cfg, tok_dir: str, data_paths: list[str], max_tok
     by `codex data shard`'s Encoder (<|bos|> + tokens (+ <|eos|> when the run's shards have it)) and
     written by its shard writer and manifest code. Every rank tokenizes the same text
     (deterministic) and keeps its own copy. Returns (shards_dir, TemporaryDirectory, documents).
-    """
+
+    7 parameters: what run_eval has resolved for it (both configs, the tokenizer folder, the paths,
+    the token budget, the length, the backend); its one caller."""
     tok = load_tokenizer(tok_dir)
     manifest_path = fsio.join(rundir.shards_dir(cfg.run), "manifest.json")
-    append_eos = (fsio.read_json(manifest_path).get("append_eos", False) if fsio.exists(manifest_path)
-                  else run_cfg.data.shard.append_eos)
+    append_eos = (
+        fsio.read_json(manifest_path).get("append_eos", False)
+        if fsio.exists(manifest_path)
+        else run_cfg.data.shard.append_eos
+    )
     dtype = token_dtype(run_cfg.model.vocab_size)
-    encoder = Encoder(tok.to_str(), tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>"), append_eos, dtype,
-                      run_cfg.data.shard.chunk_chars)
+    encoder = Encoder(
+        tok.to_str(),
+        cast(int, tok.token_to_id("<|bos|>")),  # every codex tokenizer has its specials
+        cast(int, tok.token_to_id("<|eos|>")),
+        append_eos,
+        dtype,
+        run_cfg.data.shard.chunk_chars,
+    )
     files, skipped = list_inputs(data_paths, cfg.data.clean.text_extensions)
     if not files:
-        raise FileNotFoundError(f"--data {' '.join(data_paths)}: no readable text files"
-                                + (f" (skipped {len(skipped)} of another type, e.g. {skipped[0]})" if skipped else ""))
+        raise FileNotFoundError(
+            f"--data {' '.join(data_paths)}: no readable text files"
+            + (f" (skipped {len(skipped)} of another type, e.g. {skipped[0]})" if skipped else "")
+        )
     if skipped and backend.is_main:
-        log.warning("--data: skipped %d files of an unsupported type (e.g. %s)", len(skipped), skipped[0])
+        log.warning(
+            "--data: skipped %d files of an unsupported type (e.g. %s)", len(skipped), skipped[0]
+        )
     budget = max_tokens + 1 if max_tokens > 0 else None
-    parts, documents = _encode_data_files(files, cfg.data.clean, encoder, tok, budget, backend.is_main)
+    parts, documents = _encode_data_files(
+        files, cfg.data.clean, encoder, tok, budget, backend.is_main
+    )
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     if budget is not None:
         tokens = tokens[:budget]
     if len(tokens) < seq_len + 1:
-        raise ValueError(f"--data {' '.join(data_paths)}: {len(tokens)} tokens in {documents} documents, fewer than "
-                         f"one window of seq_len + 1 = {seq_len + 1} tokens")
+        raise ValueError(
+            f"--data {' '.join(data_paths)}: {len(tokens)} tokens in {documents} documents, "
+            "fewer than "
+            f"one window of seq_len + 1 = {seq_len + 1} tokens"
+        )
     tmp = tempfile.TemporaryDirectory(prefix="codex-eval-data-")
     name = shard_name("val", 0, "npy")
     sha, _ = write_npy(fsio.join(tmp.name, name), tokens)
-    entry = shard_entry("val", name, "npy", len(tokens), int(np.count_nonzero(tokens == encoder.bos)), sha)
-    fsio.write_json(fsio.join(tmp.name, MANIFEST), {
-        "format_version": FORMAT_VERSION, "dtype": dtype, "append_eos": append_eos, "shards": [entry]})
+    entry = shard_entry(
+        "val", name, "npy", len(tokens), int(np.count_nonzero(tokens == encoder.bos)), sha
+    )
+    fsio.write_json(
+        fsio.join(tmp.name, MANIFEST),
+        {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype,
+            "append_eos": append_eos,
+            "shards": [entry],
+        },
+    )
     return tmp.name, tmp, documents
 
 
-def _encode_data_files(files, clean_cfg, encoder, tok, budget: int | None, is_main: bool) -> tuple[list, int]:
+def _encode_data_files(
+    files, clean_cfg, encoder, tok, budget: int | None, is_main: bool
+) -> tuple[list, int]:
     """(encoded batches, documents) of normalised non-empty documents, until `budget` tokens."""
-    parts, pending = [], []
+    parts: list[np.ndarray] = []
+    pending: list[str] = []
     total, documents, empty, oversized = 0, 0, 0, 0
 
     def flush():
@@ -98,6 +134,11 @@ def _encode_data_files(files, clean_cfg, encoder, tok, budget: int | None, is_ma
     if pending:
         flush()
     if (oversized or empty) and is_main:
-        log.warning("--data: %d documents used, %d empty after normalisation and %d over "
-                    "data.clean.max_record_bytes skipped", documents, empty, oversized)
+        log.warning(
+            "--data: %d documents used, %d empty after normalisation and %d over "
+            "data.clean.max_record_bytes skipped",
+            documents,
+            empty,
+            oversized,
+        )
     return parts, documents

@@ -20,8 +20,8 @@ A batch is (x, y) or (x, y, mask): `mask` is a per-row bool [B] for fixed-shape 
 (XLA compiles one graph per shape, so the last partial batch is padded with rows that count 0).
 
 The `codex eval` command around it is eval/run.py (checkpoint -> model -> val split or --data
-text -> RUN/eval/step_N.json); train/checkpoint/read.py loads a checkpoint's model, eval/data.py turns
---data text into a temporary val shard.
+text -> RUN/eval/step_N.json); train/checkpoint/read.py loads a checkpoint's model, eval/data.py
+turns --data text into a temporary val shard.
 """
 
 from __future__ import annotations
@@ -68,8 +68,11 @@ def evaluate(model, batches, token_bytes: torch.Tensor, backend=None, progress=N
                     losses = model(x, targets=y, reduction="none")
                 losses = losses.float()
                 if losses.shape != y.shape:
-                    raise ValueError(f"model returned per-token losses of shape {tuple(losses.shape)} "
-                                     f"for targets of shape {tuple(y.shape)}; expected reduction='none' to give [B, T]")
+                    raise ValueError(
+                        f"model returned per-token losses of shape {tuple(losses.shape)} "
+                        f"for targets of shape {tuple(y.shape)}; "
+                        "expected reduction='none' to give [B, T]"
+                    )
                 target_bytes = token_bytes[y]
                 if mask is None:
                     nats += losses.to(acc_dtype).sum()
@@ -77,7 +80,8 @@ def evaluate(model, batches, token_bytes: torch.Tensor, backend=None, progress=N
                     nbytes += target_bytes.sum()
                 else:
                     keep = mask.to(torch.bool)[:, None]
-                    # where(), not multiply: a padded row must count 0 even if its loss were inf/nan.
+                    # where(), not multiply: a padded row must count 0 even if its loss were
+                    # inf/nan.
                     nats += torch.where(keep, losses, torch.zeros_like(losses)).to(acc_dtype).sum()
                     tokens += keep.sum() * y.shape[1]
                     nbytes += torch.where(keep, target_bytes, torch.zeros_like(target_bytes)).sum()
@@ -142,4 +146,6 @@ def _unpack(batch):
         return x, y, None
     if len(batch) == 3:
         return batch
-    raise ValueError(f"evaluate: a batch must be (x, y) or (x, y, row_mask), got {len(batch)} items")
+    raise ValueError(
+        f"evaluate: a batch must be (x, y) or (x, y, row_mask), got {len(batch)} items"
+    )

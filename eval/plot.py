@@ -44,7 +44,9 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
-def loss_curves(rows: list[dict], path: str = "metrics.jsonl") -> dict[str, list[tuple[float, float]]]:
+def loss_curves(
+    rows: list[dict], path: str = "metrics.jsonl"
+) -> dict[str, list[tuple[float, float]]]:
     """{"train": [(tokens, loss), ...], "val": [...]}, sorted by tokens, last line per step wins."""
     latest: dict[str, dict] = {"train": {}, "val": {}}
     for i, row in enumerate(rows, start=1):
@@ -53,7 +55,9 @@ def loss_curves(rows: list[dict], path: str = "metrics.jsonl") -> dict[str, list
             continue  # other kinds (e.g. run info) and rows without a loss are not plotted
         for key in ("tokens", "step"):
             if not isinstance(row.get(key), (int, float)):
-                raise ValueError(f"{path} row {i}: a {kind} row needs a numeric '{key}', got {row.get(key)!r}")
+                raise ValueError(
+                    f"{path} row {i}: a {kind} row needs a numeric '{key}', got {row.get(key)!r}"
+                )
         latest[kind][row["step"]] = (float(row["tokens"]), float(row["loss"]))
     return {kind: sorted(by_step.values()) for kind, by_step in latest.items()}
 
@@ -72,13 +76,19 @@ def plot_loss(run: str) -> str:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     if curves["train"]:
-        t, loss = zip(*curves["train"])
+        t, loss = zip(*curves["train"], strict=True)
         ax.plot(t, loss, label="train", color="tab:blue", linewidth=1.2, alpha=0.85)
     if curves["val"]:
-        t, loss = zip(*curves["val"])
+        t, loss = zip(*curves["val"], strict=True)
         ax.plot(t, loss, label="val", color="tab:orange", marker="o", markersize=3.5, linewidth=1.5)
-        ax.annotate(f"{loss[-1]:.3f}", (t[-1], loss[-1]), textcoords="offset points", xytext=(4, 6),
-                    fontsize=8, color="tab:orange")
+        ax.annotate(
+            f"{loss[-1]:.3f}",
+            (t[-1], loss[-1]),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=8,
+            color="tab:orange",
+        )
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"codex: {run.rstrip('/').rsplit('/', 1)[-1]}")

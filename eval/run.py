@@ -1,8 +1,8 @@
 """`codex eval`: loss / perplexity / bits per byte of a checkpoint, written to RUN/eval/step_N.json.
 
-    checkpoint (train/checkpoint/read.py) -> the run's val split, or --data text (eval/data.py)
-    -> evaluate() (eval/evaluate.py, the same function as training's validation)
-    -> RUN/eval/step_N.json (step_N.data-<hash>.json for --data), a table, RUN/eval/loss.png
+checkpoint (train/checkpoint/read.py) -> the run's val split, or --data text (eval/data.py)
+-> evaluate() (eval/evaluate.py, the same function as training's validation)
+-> RUN/eval/step_N.json (step_N.data-<hash>.json for --data), a table, RUN/eval/loss.png
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from eval.data import tokenize_to_shard
 from eval.evaluate import evaluate
 from pipeline.tokenizer.tokenizer import load_meta, load_token_bytes
 from train.checkpoint.read import load_model
-from train.dist.backend import loader_layout, unwrap
-from train.launch import open_backend
 from train.data.loader import val_batches
 from train.data.token_shards import load_split
+from train.dist.backend import loader_layout, unwrap
+from train.launch import open_backend
 from train.plan.hardware import default_seq_len, device_defaults, get_preset
 
 log = logging.getLogger("codex.eval")
@@ -50,8 +50,11 @@ def _run_eval(cfg, backend) -> dict:
     tok_dir = rundir.tokenizer_dir(cfg.run)
     token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype("int64"))
     if len(token_bytes) != run_cfg.model.vocab_size:
-        raise ValueError(f"{fsio.join(tok_dir, 'token_bytes.npy')}: {len(token_bytes)} tokens, but the checkpoint "
-                         f"{info['path']} was trained with model.vocab_size={run_cfg.model.vocab_size}")
+        raise ValueError(
+            f"{fsio.join(tok_dir, 'token_bytes.npy')}: {len(token_bytes)} tokens, "
+            "but the checkpoint "
+            f"{info['path']} was trained with model.vocab_size={run_cfg.model.vocab_size}"
+        )
     T, B = trained_seq_len(run_cfg), eval_batch_size(cfg, run_cfg)
     # The same layout as training's validation (train/loop.py): one loader per data-loading
     # process (under XLA SPMD one per host, feeding all its chips), and on XLA full batches with a
@@ -61,7 +64,9 @@ def _run_eval(cfg, backend) -> dict:
     model = unwrap(backend.prepare_model(model))
 
     if data_paths:
-        shards_dir, tmp, documents = tokenize_to_shard(cfg, run_cfg, tok_dir, data_paths, max_tokens, T, backend)
+        shards_dir, tmp, documents = tokenize_to_shard(
+            cfg, run_cfg, tok_dir, data_paths, max_tokens, T, backend
+        )
     else:
         shards_dir, tmp, documents = _val_shards(cfg.run, tok_dir), None, None
     try:
@@ -69,8 +74,15 @@ def _run_eval(cfg, backend) -> dict:
         if max_tokens > 0:
             windows = min(windows, max(1, max_tokens // T))
         steps = -(-windows // (rows * world))
-        batches = val_batches(shards_dir, seq_len=T, batch_size=rows, rank=rank, world_size=world,
-                              max_tokens=max_tokens, with_mask=with_mask)
+        batches = val_batches(
+            shards_dir,
+            seq_len=T,
+            batch_size=rows,
+            rank=rank,
+            world_size=world,
+            max_tokens=max_tokens,
+            with_mask=with_mask,
+        )
         with Progress("eval", total=steps, unit="batches", enabled=backend.is_main) as progress:
             result = evaluate(model, batches, token_bytes, backend=backend, progress=progress)
     finally:
@@ -89,12 +101,17 @@ def _val_shards(run: str, tok_dir: str) -> str:
     manifest = fsio.read_json(manifest_path) if fsio.exists(manifest_path) else None
     meta = load_meta(tok_dir)
     if manifest and manifest.get("tokenizer", {}).get("sha256") not in (None, meta.get("sha256")):
-        raise ValueError(f"{manifest_path}: the shards were made with another tokenizer "
-                         f"({manifest['tokenizer']['sha256'][:12]}) than {tok_dir} ({meta.get('sha256', '')[:12]})")
+        raise ValueError(
+            f"{manifest_path}: the shards were made with another tokenizer "
+            f"({manifest['tokenizer']['sha256'][:12]}) than {tok_dir} "
+            f"({meta.get('sha256', '')[:12]})"
+        )
     return shards_dir
 
 
 def _eval_record(cfg, backend, info: dict, result: dict, *, T: int, B: int, documents) -> dict:
+    """7 parameters: one per part of the record it assembles; _run_eval, its one caller, has each at
+    hand."""
     data_paths = list(cfg.eval.data)
     return {
         "step": info["step"],
@@ -112,7 +129,7 @@ def _eval_record(cfg, backend, info: dict, result: dict, *, T: int, B: int, docu
         "checkpoint": info["path"],
         "train_tokens": info["train_tokens"],
         "world_size": backend.world_size,
-        "backend": backend.device.type,   # cpu, cuda or xla
+        "backend": backend.device.type,  # cpu, cuda or xla
         "hardware": cfg.train.hardware,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config_fingerprint": info["config_fingerprint"],
@@ -152,20 +169,30 @@ def _plot_if_possible(run: str) -> str | None:
 
 def _json_safe(record: dict) -> dict:
     # json.dumps writes NaN/Infinity, which is not JSON; strings keep the file parseable everywhere.
-    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return {
+        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in record.items()
+    }
 
 
 def format_table(r: dict) -> str:
     what = "val split" if r.get("split") else ", ".join(r["data"])
     rows = [
         ("checkpoint", f"step {r['step']} ({r['checkpoint']})"),
-        ("data", what + (f" ({r['documents']} documents)" if r.get("documents") is not None else "")),
+        (
+            "data",
+            what + (f" ({r['documents']} documents)" if r.get("documents") is not None else ""),
+        ),
         ("tokens", f"{r['tokens']:,}"),
         ("bytes", f"{r['bytes']:,}"),
         ("loss (nats/token)", f"{r['loss']:.4f}"),
         ("perplexity", f"{r['perplexity']:.3f}"),
         ("bits per byte", f"{r['bits_per_byte']:.4f}"),
-        ("backend", f"{r['backend']} x{r['world_size']} ({r['hardware']}), batch {r['device_batch']} x {r['seq_len']}"),
+        (
+            "backend",
+            f"{r['backend']} x{r['world_size']} ({r['hardware']}), "
+            f"batch {r['device_batch']} x {r['seq_len']}",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -21,22 +21,32 @@ from __future__ import annotations
 import torch
 
 from codex import rundir
-from train.checkpoint.read import load_model
 from model.gpt import decode, prefill
 from pipeline.tokenizer.tokenizer import load_tokenizer
+from train.checkpoint.read import load_model
 from train.launch import open_backend
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 
 
-def sample(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int = 50, seed: int = 0, use_cache: bool = True) -> str:
+def sample(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> str:
     """The prompt followed by up to `max_new_tokens` generated tokens, as text.
 
     temperature 0 is greedy (argmax); top_k 0 samples from the whole vocabulary. Generation stops
     early at <|eos|> or <|bos|> (the start of a new document). The same seed gives the same text.
     Runs on the model's device, under whatever autocast the caller holds.
-    """
+
+    8 parameters: keyword generation options with defaults, as Hugging Face's generate takes
+    them."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0:
@@ -45,7 +55,9 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     if bos is None:
-        raise ValueError(f"the tokenizer has no {BOS} token; was it trained by `codex data tokenize`?")
+        raise ValueError(
+            f"the tokenizer has no {BOS} token; was it trained by `codex data tokenize`?"
+        )
     stop = {bos} | ({eos} if eos is not None else set())
     ids = [bos] + tokenizer.encode(prompt).ids
     was_training = model.training
@@ -60,9 +72,20 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature
 
 
 @torch.no_grad()
-def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, stop: set[int] = frozenset(), use_cache: bool = True) -> list[int]:
-    """ids followed by up to max_new_tokens tokens (stopping before a token in `stop`)."""
+def generate(
+    model,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: set[int] | frozenset[int] = frozenset(),
+    use_cache: bool = True,
+) -> list[int]:
+    """ids followed by up to max_new_tokens tokens (stopping before a token in `stop`).
+
+    8 parameters: keyword generation options with defaults, as Hugging Face's generate takes
+    them."""
     max_seq_len = _max_seq_len(model)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -70,9 +93,11 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 0.
     for _ in range(max_new_tokens):
         if not use_cache:
             logits = model(torch.tensor([ids[-max_seq_len:]], device=device))[:, -1]
-        elif cache is None or len(ids) > max_seq_len:   # the prompt, or a sliding window (module doc)
+        elif (
+            cache is None or len(ids) > max_seq_len
+        ):  # the prompt, or a sliding window (module doc)
             logits, cache = prefill(model, torch.tensor([ids[-max_seq_len:]], device=device))
-        else:   # ids[-1] is the one token not in the cache yet, at position len(ids) - 1
+        else:  # ids[-1] is the one token not in the cache yet, at position len(ids) - 1
             logits = decode(model, torch.tensor([ids[-1:]], device=device), cache)
         if device.type == "xla":
             _xla_sync()
@@ -124,9 +149,18 @@ def run_sample(cfg, prompt: str) -> str | None:
     e = cfg.eval
     with open_backend(cfg) as backend:
         model, _, _ = load_model(cfg, e.checkpoint)
-        model = model.to(backend.device)   # not prepare_model: torch.compile would recompile per shape
+        model = model.to(
+            backend.device
+        )  # not prepare_model: torch.compile would recompile per shape
         tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
         with backend.autocast():
-            text = sample(model, tokenizer, prompt, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                          top_k=e.top_k, seed=e.seed)
+            text = sample(
+                model,
+                tokenizer,
+                prompt,
+                max_new_tokens=e.max_new_tokens,
+                temperature=e.temperature,
+                top_k=e.top_k,
+                seed=e.seed,
+            )
         return text if backend.is_main else None

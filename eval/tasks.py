@@ -9,7 +9,8 @@ context starts with <|bos|>, as every training document did. A task whose datase
 machine (no network, never downloaded) fails with one line naming it and how to get it. Extra task
 YAMLs (a local JSON dataset, say) come from eval.tasks_path, lm-eval's include_path.
 
-lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported here only.
+lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported
+here only.
 """
 
 from __future__ import annotations
@@ -38,24 +39,36 @@ def run_tasks(cfg) -> dict:
     """Score checkpoint cfg.eval.checkpoint on lm-eval tasks cfg.eval.tasks (at most
     cfg.eval.tasks_limit examples each, 0 = all); write and return the record."""
     tasks = [t for t in cfg.eval.tasks if t]
-    device = _device(cfg.train.hardware)   # before anything is loaded: a wrong preset fails at once
+    device = _device(cfg.train.hardware)  # before anything is loaded: a wrong preset fails at once
     lm_eval, task_manager = _lm_eval(cfg.eval.tasks_path, tasks)
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown:
-        raise ConfigError(f"eval.tasks: unknown lm-eval task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
-                          "a local task YAML goes in a folder given by --tasks-path)")
+        raise ConfigError(
+            f"eval.tasks: unknown lm-eval task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
+            "a local task YAML goes in a folder given by --tasks-path)"
+        )
     for name in tasks:
         _check_dataset(name, task_manager)
     limit = cfg.eval.tasks_limit or None
     with tempfile.TemporaryDirectory(prefix="codex-eval-hf-") as tmp:
-        exported = export_hf(*load_model(cfg, cfg.eval.checkpoint), os.path.join(tmp, "hf"))
+        model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
+        exported = export_hf(model, run_cfg, info, os.path.join(tmp, "hf"))
+        del model, run_cfg, info  # lm-eval loads the export: no second copy in memory meanwhile
         batch = cfg.eval.device_batch or 8
         results = lm_eval.simple_evaluate(
-            model="hf", model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
-            tasks=tasks, limit=limit, batch_size=batch, device=device, task_manager=task_manager,
-            log_samples=False)
+            model="hf",
+            model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
+            tasks=tasks,
+            limit=limit,
+            batch_size=batch,
+            device=device,
+            task_manager=task_manager,
+            log_samples=False,
+        )
     record = _record(cfg, exported, results, lm_eval.__version__)
-    key = hashlib.sha256(json.dumps([sorted(tasks), limit, cfg.eval.tasks_path]).encode()).hexdigest()[:8]
+    key = hashlib.sha256(
+        json.dumps([sorted(tasks), limit, cfg.eval.tasks_path]).encode()
+    ).hexdigest()[:8]
     out = fsio.join(rundir.eval_dir(cfg.run), f"step_{exported['step']}.tasks-{key}.json")
     fsio.write_json(out, record)
     record["path"] = out
@@ -65,12 +78,15 @@ def run_tasks(cfg) -> dict:
 
 def _lm_eval(tasks_path: str, tasks: list[str]):
     """lm_eval and a TaskManager that knows `tasks`: only tasks_path's YAMLs when they are all
-    there (indexing lm-eval's ~15k built-in tasks takes ~15 s), else those plus the built-in ones."""
+    there (indexing lm-eval's ~15k built-in tasks takes ~15 s), else those plus the built-in
+    ones."""
     try:
         import lm_eval  # optional dependency: only codex eval --tasks needs it
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise ConfigError("codex eval --tasks needs lm-eval-harness: pip install 'codex[hf,tasks]'") from None
+        raise ConfigError(
+            "codex eval --tasks needs lm-eval-harness: pip install 'codex[hf,tasks]'"
+        ) from None
     if tasks_path:
         if not os.path.isdir(tasks_path):
             raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
@@ -82,16 +98,24 @@ def _lm_eval(tasks_path: str, tasks: list[str]):
 
 def _check_dataset(name: str, task_manager) -> None:
     """Load task `name` (its dataset) once before the model is exported, so a dataset missing on
-    this machine is one line naming the task. simple_evaluate loads it again from the local cache."""
+    this machine is one line naming the task. simple_evaluate loads it again from the local
+    cache."""
     try:
-        with warnings.catch_warnings():  # 0.4.13 deprecates it for load(), which 0.4.5 does not have
+        with (
+            warnings.catch_warnings()
+        ):  # 0.4.13 deprecates it for load(), which 0.4.5 does not have
             warnings.simplefilter("ignore", DeprecationWarning)
             task_manager.load_task_or_group([name])
-    except Exception as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ...)
+    except (
+        Exception
+    ) as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ...)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"task {name}: its dataset could not be loaded ({reason}); run `codex eval --tasks {name}` "
-                         "once on a machine with network access and copy its Hugging Face cache "
-                         "(~/.cache/huggingface, or $HF_HOME) here") from None
+        raise ValueError(
+            f"task {name}: its dataset could not be loaded ({reason}); "
+            f"run `codex eval --tasks {name}` "
+            "once on a machine with network access and copy its Hugging Face cache "
+            "(~/.cache/huggingface, or $HF_HOME) here"
+        ) from None
 
 
 def _device(hardware: str) -> str:
@@ -99,11 +123,15 @@ def _device(hardware: str) -> str:
     and no TPU (lm-eval's hf model has no XLA device)."""
     preset = get_preset(hardware)
     if preset.kind == "tpu":
-        raise ConfigError(f"codex eval --tasks runs on the CPU or CUDA (lm-eval's hf model has no XLA device); "
-                          f"'{preset.name}' is a TPU preset: pass --hardware cpu")
+        raise ConfigError(
+            f"codex eval --tasks runs on the CPU or CUDA (lm-eval's hf model has no XLA device); "
+            f"'{preset.name}' is a TPU preset: pass --hardware cpu"
+        )
     if preset.kind == "cuda" and not torch.cuda.is_available():
-        raise BackendError(f"hardware preset '{preset.name}' needs a CUDA GPU, but torch found none. "
-                           "Fix: run on a GPU machine, or pass --hardware cpu.")
+        raise BackendError(
+            f"hardware preset '{preset.name}' needs a CUDA GPU, but torch found none. "
+            "Fix: run on a GPU machine, or pass --hardware cpu."
+        )
     return "cuda" if preset.kind == "cuda" else "cpu"
 
 
@@ -112,8 +140,14 @@ def _record(cfg, exported: dict, results: dict, version: str) -> dict:
     filter suffix; plus the checkpoint and the settings that make the numbers comparable."""
     per_task = {}
     for task, metrics in results["results"].items():
-        clean = {k.split(",")[0]: v for k, v in metrics.items() if "," in k and isinstance(v, (int, float))}
-        clean["samples"] = int(results.get("n-samples", {}).get(task, {}).get("effective", 0)) or None
+        clean: dict[str, int | float | None] = {
+            k.split(",")[0]: v
+            for k, v in metrics.items()
+            if "," in k and isinstance(v, (int, float))
+        }
+        clean["samples"] = (
+            int(results.get("n-samples", {}).get(task, {}).get("effective", 0)) or None
+        )
         per_task[task] = clean
     return {
         "step": exported["step"],
@@ -130,8 +164,16 @@ def _record(cfg, exported: dict, results: dict, version: str) -> dict:
 
 
 def format_tasks_table(r: dict) -> str:
-    rows = [(task, ", ".join(f"{k} {v:.4f}" for k, v in sorted(m.items()) if k != "samples" and v is not None)
-             + (f" ({m['samples']} examples)" if m.get("samples") else "")) for task, m in sorted(r["tasks"].items())]
+    rows = [
+        (
+            task,
+            ", ".join(
+                f"{k} {v:.4f}" for k, v in sorted(m.items()) if k != "samples" and v is not None
+            )
+            + (f" ({m['samples']} examples)" if m.get("samples") else ""),
+        )
+        for task, m in sorted(r["tasks"].items())
+    ]
     rows.insert(0, ("checkpoint", f"step {r['step']} ({r['checkpoint']})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

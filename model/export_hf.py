@@ -8,14 +8,17 @@ with no custom code:
 
     codex                       Hugging Face
     wte                         model.embed_tokens
-    blocks.i.attn_norm          model.layers.i.input_layernorm        (RMSNorm with weight, eps = norm_eps)
+    blocks.i.attn_norm          model.layers.i.input_layernorm
+                                (RMSNorm with weight, eps = norm_eps)
     blocks.i.attn.c_q/k/v       model.layers.i.self_attn.q/k/v_proj   (head_dim = n_embd // n_head)
     blocks.i.attn.q/k_norm      model.layers.i.self_attn.q/k_norm     (Qwen3 only)
     blocks.i.attn.c_proj        model.layers.i.self_attn.o_proj
     blocks.i.mlp_norm           model.layers.i.post_attention_layernorm
-    blocks.i.mlp.w_gate/up/down model.layers.i.mlp.gate/up/down_proj  (SwiGLU: down(silu(gate x) * up x))
+    blocks.i.mlp.w_gate/up/down model.layers.i.mlp.gate/up/down_proj
+                                (SwiGLU: down(silu(gate x) * up x))
     norm_f                      model.norm
-    lm_head                     lm_head                               (tie_word_embeddings = tie_embeddings)
+    lm_head                     lm_head
+                                (tie_word_embeddings = tie_embeddings)
 
 Both sides: RoPE on rotated halves (HF's rotate_half), rope_theta, attention scale 1/sqrt(head_dim),
 GQA with num_key_value_heads = n_kv_head, no biases, RMSNorm statistics in fp32. The weights are
@@ -46,6 +49,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -59,40 +64,75 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
 # model.* options whose every value maps onto Qwen3 / Llama (mlp: only "swiglu", checked below).
 # init_std only matters at initialisation; preset only names where the values came from.
-MAPPED_OPTIONS = {"preset", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp", "mlp_hidden", "qk_norm",
-                  "tie_embeddings", "rope_theta", "norm_eps", "vocab_size", "max_seq_len", "init_std",
-                  "zero_init_proj",   # an initialisation only: the trained weights map as usual
-                  "attention"}        # a kernel choice (sdpa or TPU flash): the same function
+MAPPED_OPTIONS = {
+    "preset",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "mlp",
+    "mlp_hidden",
+    "qk_norm",
+    "tie_embeddings",
+    "rope_theta",
+    "norm_eps",
+    "vocab_size",
+    "max_seq_len",
+    "init_std",
+    "zero_init_proj",  # an initialisation only: the trained weights map as usual
+    "attention",
+}  # a kernel choice (sdpa or TPU flash): the same function
 
 
 def check_exportable(m: ModelConfig) -> str:
-    """The HF architecture name for model config `m`, or ConfigError naming the option that has none."""
+    """The HF architecture name for model config `m`, or ConfigError naming the option that has
+    none."""
     if m.mlp != "swiglu":
-        raise ConfigError(f"model.mlp={m.mlp}: not exportable to a standard Hugging Face architecture "
-                          "(Qwen3 and Llama have a gated SwiGLU MLP); train with model.mlp=swiglu to export")
+        raise ConfigError(
+            f"model.mlp={m.mlp}: not exportable to a standard Hugging Face architecture "
+            "(Qwen3 and Llama have a gated SwiGLU MLP); train with model.mlp=swiglu to export"
+        )
     for f in dataclasses.fields(ModelConfig):
         if f.name in MAPPED_OPTIONS:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        # Every ModelConfig field has a default or a default_factory.
+        factory = cast(Callable[[], object], f.default_factory)
+        default = f.default if f.default is not dataclasses.MISSING else factory()
         if getattr(m, f.name) != default:
-            raise ConfigError(f"model.{f.name}={getattr(m, f.name)!r}: the Hugging Face export does not know how "
-                              "to map this option (model/export_hf.py MAPPED_OPTIONS)")
+            raise ConfigError(
+                f"model.{f.name}={getattr(m, f.name)!r}: the Hugging Face export does not know how "
+                "to map this option (model/export_hf.py MAPPED_OPTIONS)"
+            )
     return "Qwen3ForCausalLM" if m.qk_norm else "LlamaForCausalLM"
 
 
 def hf_config(m: ModelConfig):
-    """The transformers config of the matching architecture (vocab_size = the real, unpadded vocab)."""
+    """The transformers config of the matching architecture (vocab_size = the real, unpadded
+    vocab)."""
     from transformers import LlamaConfig, Qwen3Config  # optional dependency: only export needs it
 
     arch = check_exportable(m)
-    common = dict(
-        vocab_size=m.vocab_size, hidden_size=m.n_embd, intermediate_size=mlp_hidden(m),
-        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head,
-        head_dim=m.n_embd // m.n_head, hidden_act="silu", max_position_embeddings=m.max_seq_len,
-        rms_norm_eps=m.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
-        tie_word_embeddings=m.tie_embeddings, attention_bias=False, attention_dropout=0.0,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=m.init_std,
-        architectures=[arch], dtype="float32",
+    common: dict[str, Any] = dict(
+        vocab_size=m.vocab_size,
+        hidden_size=m.n_embd,
+        intermediate_size=mlp_hidden(m),
+        num_hidden_layers=m.n_layer,
+        num_attention_heads=m.n_head,
+        num_key_value_heads=m.n_kv_head,
+        head_dim=m.n_embd // m.n_head,
+        hidden_act="silu",
+        max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        tie_word_embeddings=m.tie_embeddings,
+        attention_bias=False,
+        attention_dropout=0.0,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        initializer_range=m.init_std,
+        architectures=[arch],
+        dtype="float32",
     )
     if arch == "Qwen3ForCausalLM":
         return Qwen3Config(use_sliding_window=False, **common)
@@ -102,36 +142,54 @@ def hf_config(m: ModelConfig):
 def hf_state_dict(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """codex parameter names -> HF names, padding rows of wte / lm_head dropped; fp32 copies."""
     V = m.vocab_size
-    out = {"model.embed_tokens.weight": state["wte.weight"][:V],
-           "model.norm.weight": state["norm_f.weight"],
-           "lm_head.weight": state["lm_head.weight"][:V]}
-    names = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-             "attn.c_q.weight": "self_attn.q_proj.weight", "attn.c_k.weight": "self_attn.k_proj.weight",
-             "attn.c_v.weight": "self_attn.v_proj.weight", "attn.c_proj.weight": "self_attn.o_proj.weight",
-             "mlp.w_gate.weight": "mlp.gate_proj.weight", "mlp.w_up.weight": "mlp.up_proj.weight",
-             "mlp.w_down.weight": "mlp.down_proj.weight"}
+    out = {
+        "model.embed_tokens.weight": state["wte.weight"][:V],
+        "model.norm.weight": state["norm_f.weight"],
+        "lm_head.weight": state["lm_head.weight"][:V],
+    }
+    names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        "attn.c_q.weight": "self_attn.q_proj.weight",
+        "attn.c_k.weight": "self_attn.k_proj.weight",
+        "attn.c_v.weight": "self_attn.v_proj.weight",
+        "attn.c_proj.weight": "self_attn.o_proj.weight",
+        "mlp.w_gate.weight": "mlp.gate_proj.weight",
+        "mlp.w_up.weight": "mlp.up_proj.weight",
+        "mlp.w_down.weight": "mlp.down_proj.weight",
+    }
     if m.qk_norm:
-        names.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+        names.update(
+            {
+                "attn.q_norm.weight": "self_attn.q_norm.weight",
+                "attn.k_norm.weight": "self_attn.k_norm.weight",
+            }
+        )
     for i in range(m.n_layer):
         for ours, theirs in names.items():
             out[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
-    known = {"wte.weight", "norm_f.weight", "lm_head.weight"} | {f"blocks.{i}.{k}" for i in range(m.n_layer) for k in names}
+    known = {"wte.weight", "norm_f.weight", "lm_head.weight"} | {
+        f"blocks.{i}.{k}" for i in range(m.n_layer) for k in names
+    }
     extra = sorted(set(state) - known)
-    if extra:   # a codex parameter with no HF home would be silently lost
-        raise ConfigError(f"the checkpoint has parameters the Hugging Face export does not map: {', '.join(extra[:5])}")
+    if extra:  # a codex parameter with no HF home would be silently lost
+        raise ConfigError(
+            "the checkpoint has parameters the Hugging Face export does not map: "
+            f"{', '.join(extra[:5])}"
+        )
     return {k: v.detach().to(torch.float32).clone() for k, v in out.items()}
 
 
 def build_hf_model(model, m: ModelConfig):
-    """The transformers model with codex `model`'s weights; load_state_dict(strict=True), so a missing
-    or unexpected name fails here rather than in a user's from_pretrained."""
+    """The transformers model with codex `model`'s weights; load_state_dict(strict=True), so a
+    missing or unexpected name fails here rather than in a user's from_pretrained."""
     from transformers import AutoModelForCausalLM  # optional dependency: only export needs it
 
     config = hf_config(m)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = hf_state_dict(model.state_dict(), m)
     if m.tie_embeddings and "lm_head.weight" not in hf.state_dict():
-        weights.pop("lm_head.weight")   # tied: transformers keeps one copy, under embed_tokens
+        weights.pop("lm_head.weight")  # tied: transformers keeps one copy, under embed_tokens
     hf.load_state_dict(weights, strict=True)
     if m.tie_embeddings:
         hf.tie_weights()
@@ -139,7 +197,8 @@ def build_hf_model(model, m: ModelConfig):
 
 
 def hf_tokenizer(run: str, max_seq_len: int):
-    """RUN/tokenizer/tokenizer.json as a PreTrainedTokenizerFast that puts <|bos|> first (see the docstring)."""
+    """RUN/tokenizer/tokenizer.json as a PreTrainedTokenizerFast that puts <|bos|> first (see the
+    module docstring)."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast  # optional dependency: only export needs it
@@ -149,9 +208,17 @@ def hf_tokenizer(run: str, max_seq_len: int):
     for name, i in ((BOS, BOS_ID), (EOS, EOS_ID), (PAD, PAD_ID)):
         if tok.token_to_id(name) != i:
             raise ValueError(f"{path}: {name} has id {tok.token_to_id(name)}, expected {i}")
-    tok.post_processor = TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, BOS_ID)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   model_max_length=max_seq_len, split_special_tokens=True)
+    tok.post_processor = TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=max_seq_len,
+        split_special_tokens=True,
+    )
 
 
 def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | int = "2GB") -> dict:
@@ -167,37 +234,50 @@ def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | i
     arch = check_exportable(m)
     tokenizer = hf_tokenizer(info["run"], m.max_seq_len)
     if len(tokenizer) != m.vocab_size:
-        raise ValueError(f"{rundir.tokenizer_dir(info['run'])}: {len(tokenizer)} tokens, but the checkpoint "
-                         f"{info['path']} was trained with model.vocab_size={m.vocab_size}")
+        raise ValueError(
+            f"{rundir.tokenizer_dir(info['run'])}: {len(tokenizer)} tokens, but the checkpoint "
+            f"{info['path']} was trained with model.vocab_size={m.vocab_size}"
+        )
     hf = build_hf_model(model, m)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-", dir=parent)
     try:
-        hf.generation_config.update(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, BOS_ID], pad_token_id=PAD_ID,
-                                    do_sample=False)
+        hf.generation_config.update(
+            bos_token_id=BOS_ID, eos_token_id=[EOS_ID, BOS_ID], pad_token_id=PAD_ID, do_sample=False
+        )
         hf.save_pretrained(tmp, max_shard_size=max_shard_size)
-        # transformers < 5 (and the vLLM releases pinned to it) read a top-level rope_theta, ignoring
-        # rope_parameters (without it they would silently use 10000), and know the tokenizer class
-        # by its old name.
+        # transformers < 5 (and the vLLM releases pinned to it) read a top-level rope_theta,
+        # ignoring rope_parameters (without it they would silently use 10000), and know the
+        # tokenizer class by its old name.
         _update_json(os.path.join(tmp, "config.json"), rope_theta=float(m.rope_theta))
         tokenizer.save_pretrained(tmp)
-        _update_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
+        _update_json(
+            os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast"
+        )
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(info["run"], run_cfg, info, arch))
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"path": out, "architecture": arch, "vocab_size": m.vocab_size, "step": info["step"],
-            "train_tokens": info["train_tokens"], "checkpoint": info["path"],
-            "config_fingerprint": info["config_fingerprint"]}
+    return {
+        "path": out,
+        "architecture": arch,
+        "vocab_size": m.vocab_size,
+        "step": info["step"],
+        "train_tokens": info["train_tokens"],
+        "checkpoint": info["path"],
+        "config_fingerprint": info["config_fingerprint"],
+    }
 
 
 def check_export_target(out: str) -> None:
     """Refuse an --out that is remote or exists (exit 2), before a checkpoint is read."""
     if fsio.is_remote(out):
-        raise ConfigError(f"--out {out}: export writes a local directory; copy it to remote storage afterwards")
+        raise ConfigError(
+            f"--out {out}: export writes a local directory; copy it to remote storage afterwards"
+        )
     if os.path.exists(out):
         raise ConfigError(f"--out {out} already exists; remove it or choose another directory")
 
@@ -206,8 +286,9 @@ def _require_transformers() -> None:
     try:
         import transformers  # noqa: F401  optional dependency: only export needs it
     except ImportError:
-        raise ConfigError("codex export --format hf needs transformers and safetensors: "
-                          "pip install 'codex[hf]'") from None
+        raise ConfigError(
+            "codex export --format hf needs transformers and safetensors: pip install 'codex[hf]'"
+        ) from None
 
 
 def _update_json(path: str, **updates) -> None:
@@ -223,28 +304,29 @@ def model_card(run: str, run_cfg, info: dict, arch: str) -> str:
     """README.md: what the model is, what it was trained on and how long, how well it does."""
     step = info["step"]
     eval_path = fsio.join(rundir.eval_dir(run), f"step_{step}.json")
-    bpb = "not measured (run `codex eval --run RUN --checkpoint %d`)" % step
+    bpb = f"not measured (run `codex eval --run RUN --checkpoint {step:d}`)"
     if fsio.exists(eval_path):
         bpb = f"{float(fsio.read_json(eval_path)['bits_per_byte']):.4f} ({eval_path})"
     m = run_cfg.model
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
-tags: [codex, {arch.removesuffix('ForCausalLM').lower()}]
+tags: [codex, {arch.removesuffix("ForCausalLM").lower()}]
 ---
 
-# codex model: {os.path.basename(run.rstrip('/'))}, step {step}
+# codex model: {os.path.basename(run.rstrip("/"))}, step {step}
 
-A {m.n_layer}-layer decoder-only transformer (d_model {m.n_embd}, {m.n_head} heads, {m.n_kv_head} KV heads,
+A {m.n_layer}-layer decoder-only transformer (d_model {m.n_embd}, {m.n_head} heads, \
+{m.n_kv_head} KV heads,
 vocabulary {m.vocab_size}) trained with codex and exported as `{arch}` (no custom code).
 
 | | |
 |---|---|
 | run | `{run}` |
-| checkpoint | step {step} (`{info['path']}`) |
-| tokens seen | {info['train_tokens']:,} |
+| checkpoint | step {step} (`{info["path"]}`) |
+| tokens seen | {info["train_tokens"]:,} |
 | validation bits per byte | {bpb} |
-| config fingerprint | `{info['config_fingerprint']}` |
+| config fingerprint | `{info["config_fingerprint"]}` |
 
 Every training document starts with `<|bos|>`; the tokenizer puts it in front of each encoding, and
 generation stops at `<|eos|>` or `<|bos|>`.
@@ -253,7 +335,8 @@ generation stops at `<|eos|>` or `<|bos|>`.
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained("DIR")
 model = AutoModelForCausalLM.from_pretrained("DIR")
-out = model.generate(**tok("def fibonacci(n):", return_tensors="pt"), max_new_tokens=50, do_sample=False)
+out = model.generate(**tok("def fibonacci(n):", return_tensors="pt"), max_new_tokens=50, \
+do_sample=False)
 print(tok.decode(out[0], skip_special_tokens=True))
 ```
 
@@ -265,4 +348,3 @@ Trained by `codex train --run {run} --config config.yaml` with this configuratio
 {to_yaml(run_cfg).rstrip()}
 ```
 """
-

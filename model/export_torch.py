@@ -1,7 +1,9 @@
-"""A checkpoint as one plain PyTorch file (`codex export --format torch --out model.pt`): the weights
-and the model config, nothing else, loadable with torch.load(weights_only=True) (no pickled code):
+"""A checkpoint as one plain PyTorch file (`codex export --format torch --out model.pt`): the
+weights and the model config, nothing else, loadable with torch.load(weights_only=True) (no pickled
+code):
 
-    {"model":        the state dict of model.gpt.GPT, fp32 CPU tensors (full, whatever layout trained it),
+    {"model":        the state dict of model.gpt.GPT, fp32 CPU tensors (full, whatever layout
+                     trained it),
      "model_config": dataclasses.asdict(ModelConfig): str, int, float and bool only,
      "step": int, "tokenizer_sha256": str}
 
@@ -33,14 +35,27 @@ def export_torch(weights: dict, run_cfg, info: dict, out: str) -> dict:
     with its Config and info) as one torch.save file at `out` (local or gs://, written atomically:
     an interrupted export leaves no partial file). Returns {"path", "step", ...}."""
     check_export_target(out)
-    saved = {"model": {k: v.detach().to("cpu", torch.float32).contiguous() if v.is_floating_point() else v.cpu()
-                       for k, v in weights.items()},
-             "model_config": dataclasses.asdict(run_cfg.model),
-             "step": info["step"], "tokenizer_sha256": info["tokenizer_sha256"]}
+    saved = {
+        "model": {
+            k: v.detach().to("cpu", torch.float32).contiguous()
+            if v.is_floating_point()
+            else v.cpu()
+            for k, v in weights.items()
+        },
+        "model_config": dataclasses.asdict(run_cfg.model),
+        "step": info["step"],
+        "tokenizer_sha256": info["tokenizer_sha256"],
+    }
     _retie(saved["model"], run_cfg.model)
     _save(saved, out)
-    return {"path": out, "step": info["step"], "train_tokens": info["train_tokens"], "checkpoint": info["path"],
-            "vocab_size": run_cfg.model.vocab_size, "bytes": fsio.size(out)}
+    return {
+        "path": out,
+        "step": info["step"],
+        "train_tokens": info["train_tokens"],
+        "checkpoint": info["path"],
+        "vocab_size": run_cfg.model.vocab_size,
+        "bytes": fsio.size(out),
+    }
 
 
 def check_export_target(out: str) -> None:

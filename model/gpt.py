@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -61,13 +62,22 @@ def mlp_hidden(cfg: ModelConfig) -> int:
 def check_config(cfg: ModelConfig) -> None:
     """Raise ValueError naming the model.* key that makes the shapes impossible."""
     if cfg.vocab_size <= 0:
-        raise ValueError("model.vocab_size must be set (> 0); it is normally taken from the run's tokenizer")
+        raise ValueError(
+            "model.vocab_size must be set (> 0); it is normally taken from the run's tokenizer"
+        )
     if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
+        raise ValueError(
+            f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})"
+        )
     if (cfg.n_embd // cfg.n_head) % 2:
-        raise ValueError(f"head dim n_embd/n_head = {cfg.n_embd // cfg.n_head} must be even for rotary embeddings")
+        raise ValueError(
+            f"head dim n_embd/n_head = {cfg.n_embd // cfg.n_head} must be even for rotary "
+            "embeddings"
+        )
     if cfg.n_kv_head <= 0 or cfg.n_head % cfg.n_kv_head:
-        raise ValueError(f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})")
+        raise ValueError(
+            f"model.n_head ({cfg.n_head}) must be a multiple of model.n_kv_head ({cfg.n_kv_head})"
+        )
     if cfg.n_layer <= 0 or cfg.max_seq_len <= 0:
         raise ValueError("model.n_layer and model.max_seq_len must be positive")
 
@@ -84,7 +94,10 @@ class RMSNorm(nn.Module):
         # bf16 activations: the mean of squares accumulated in fp32 (a bf16 sum of squares loses
         # precision), the output in x's dtype. vector_norm(dtype=fp32) reads x without an fp32
         # [B, T, d] copy kept for the backward (it saves x itself), as x.float() would.
-        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square() / x.shape[-1]
+        ms = (
+            torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square()
+            / x.shape[-1]
+        )
         return x * torch.rsqrt(ms + self.eps).to(x.dtype) * self.weight.to(x.dtype)
 
 
@@ -96,7 +109,8 @@ def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x, cos, sin):
-    """x [B, H, T, D]; rotate the pairs (x[..., i], x[..., i + D/2]) by position-dependent angles."""
+    """x [B, H, T, D]; rotate the pairs (x[..., i], x[..., i + D/2]) by position-dependent
+    angles."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d], x[..., d:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -107,14 +121,18 @@ def sdpa_causal(q, k, v):
     """Causal attention of q [B, H, T, D] over k, v [B, n_kv_head, T, D] (model.attention=sdpa).
     enable_gqa: CUDA's flash kernel reads the n_kv_head shared K/V heads without copies; the math
     path (the CPU, and torch_xla 2.9, which lowers SDPA to it) repeats K/V per query head and holds
-    the [B, H, T, T] scores. model.attention=flash replaces this on TPU (train/flash_attention.py)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    the [B, H, T, T] scores. model.attention=flash replaces this on TPU
+    (train/xla/flash.py)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attend = sdpa_causal   # GPT.set_attention swaps the kernel (same function, other hardware)
+        # GPT.set_attention swaps the kernel (same function, other hardware)
+        self.attend = sdpa_causal
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
@@ -149,13 +167,21 @@ class Attention(nn.Module):
         """One new token x [B, 1, C] at position `pos` (a 1-element long tensor): writes its k, v
         into this layer's cache kv [2, B, n_kv_head, max_len, hd] at `pos` and attends over the
         whole buffer with `mask` [max_len] (True at positions 0..pos). Every shape is fixed, so
-        under XLA one compiled program serves every position."""
+        under XLA one compiled program serves every position.
+
+        7 parameters: one decode step's per-layer pieces (input, rotary cos/sin, this layer's cache,
+        position, mask, value embedding), as plain tensors of fixed shapes."""
         B = x.shape[0]
         q, k, v = self.qkv(x, cos, sin, ve)
         kv[0].index_copy_(2, pos, k.to(kv.dtype))
         kv[1].index_copy_(2, pos, v.to(kv.dtype))
-        y = F.scaled_dot_product_attention(q, kv[0].to(q.dtype), kv[1].to(q.dtype), attn_mask=mask,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(
+            q,
+            kv[0].to(q.dtype),
+            kv[1].to(q.dtype),
+            attn_mask=mask,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
         return self.c_proj(y.transpose(1, 2).reshape(B, 1, -1))
 
 
@@ -193,6 +219,10 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), k, v
 
     def decode(self, x, cos, sin, kv, pos, mask, ve=None):
+        """Attention.decode after the norm, then the MLP: one new token through this block.
+
+        7 parameters: one decode step's per-layer pieces (input, rotary cos/sin, this layer's
+        cache, position, mask, value embedding), as plain tensors of fixed shapes."""
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, kv, pos, mask, ve)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -203,6 +233,9 @@ def has_value_embed(cfg: ModelConfig, layer: int) -> bool:
 
 
 class GPT(nn.Module):
+    rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         check_config(cfg)
@@ -212,8 +245,13 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(self.padded_vocab, kv_dim)
-                                           for i in range(cfg.n_layer) if has_value_embed(cfg, i)})
+        self.value_embeds = nn.ModuleDict(
+            {
+                str(i): nn.Embedding(self.padded_vocab, kv_dim)
+                for i in range(cfg.n_layer)
+                if has_value_embed(cfg, i)
+            }
+        )
         self.norm_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         if cfg.tie_embeddings:
@@ -236,7 +274,7 @@ class GPT(nn.Module):
         (the backend's kernel for model.attention, e.g. flash on TPU). Generation's decode step
         keeps SDPA: it attends one query over a masked cache."""
         for block in self.blocks:
-            block.attn.attend = attend
+            cast(Block, block).attn.attend = attend
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
@@ -245,7 +283,9 @@ class GPT(nn.Module):
         Draws only from `generator`, so the result depends on the seed alone."""
         for name, p in self.named_parameters():  # named_parameters yields a tied weight once
             init_parameter(self.cfg, name, p, generator)
-        cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta)
+        cos, sin = rope_cache(
+            self.cfg.max_seq_len, self.cfg.n_embd // self.cfg.n_head, self.cfg.rope_theta
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -282,8 +322,12 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         # fp32 cross-entropy: bf16 log-softmax over a 32K+ vocab loses ~2 digits of the loss.
-        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), targets.reshape(-1),
-                               ignore_index=-1, reduction="none" if reduction == "none" else "mean")
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, self.vocab_size),
+            targets.reshape(-1),
+            ignore_index=-1,
+            reduction="none" if reduction == "none" else "mean",
+        )
         if reduction == "none":
             return loss.view(B, T)
         if reduction != "mean":
@@ -292,6 +336,7 @@ class GPT(nn.Module):
 
 
 # --- generation with a KV cache -------------------------------------------------------------------
+
 
 @dataclass
 class KVCache:
@@ -324,9 +369,9 @@ def prefill(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
     x = model.embed(idx)
     kvs = []
     for i, block in enumerate(model.blocks):
-        x, k, v = block.prefill(x, cos, sin, model.value_embedding(i, idx))
+        x, k, v = cast(Block, block).prefill(x, cos, sin, model.value_embedding(i, idx))
         kvs.append(torch.stack([k, v]))
-    kv = F.pad(torch.stack(kvs), (0, 0, 0, L - T))   # zero positions T..L-1 of dim 4
+    kv = F.pad(torch.stack(kvs), (0, 0, 0, L - T))  # zero positions T..L-1 of dim 4
     pos = torch.full((1,), T, dtype=torch.long, device=idx.device)
     return model.logits(x[:, -1]), KVCache(kv, pos)
 
@@ -341,22 +386,26 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, -1)
     x = model.embed(token)
     for i, block in enumerate(model.blocks):
-        x = block.decode(x, cos, sin, cache.kv[i], pos, mask, model.value_embedding(i, token))
+        x = cast(Block, block).decode(
+            x, cos, sin, cache.kv[i], pos, mask, model.value_embedding(i, token)
+        )
     cache.pos = pos + 1
     return model.logits(x[:, -1])
 
 
 @torch.no_grad()
-def init_parameter(cfg: ModelConfig, name: str, p: torch.Tensor, generator: torch.Generator) -> None:
-    """GPT.init_weights' rule for one parameter, drawn from `generator` (train/fsdp.py replays it
-    parameter by parameter to initialise a sharded model exactly as build_model would)."""
+def init_parameter(
+    cfg: ModelConfig, name: str, p: torch.Tensor, generator: torch.Generator
+) -> None:
+    """GPT.init_weights' rule for one parameter, drawn from `generator` (train/dist/fsdp.py replays
+    it parameter by parameter to initialise a sharded model exactly as build_model would)."""
     std = cfg.init_std
     if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
         p.fill_(1.0)
-    elif name.startswith("value_embeds."):   # the scale of the values it is added to
-        p.normal_(0.0, cfg.n_embd ** -0.5, generator=generator)
+    elif name.startswith("value_embeds."):  # the scale of the values it is added to
+        p.normal_(0.0, cfg.n_embd**-0.5, generator=generator)
     elif name.endswith("c_proj.weight") or name.endswith("w_down.weight"):
-        if cfg.zero_init_proj:   # every block starts as the identity on the residual stream
+        if cfg.zero_init_proj:  # every block starts as the identity on the residual stream
             p.zero_()
         else:
             p.normal_(0.0, std / math.sqrt(2 * cfg.n_layer), generator=generator)

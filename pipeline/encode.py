@@ -16,8 +16,9 @@ import concurrent.futures as cf
 import itertools
 import multiprocessing as mp
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -67,22 +68,26 @@ class Encoder:
 
     def load(self) -> Tokenizer:
         tok = Tokenizer.from_str(self.tokenizer_json)
-        tok.encode_special_tokens = True  # a literal "<|bos|>" in a document is text, not a boundary
+        # a literal "<|bos|>" in a document is text, not a boundary
+        tok.encode_special_tokens = True
         return tok
 
     def encode(self, tok: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(flat token ids of all documents, tokens per document), each document with its specials."""
+        """(flat token ids of all documents, tokens per document), each document with its
+        specials."""
         pieces, first, last = [], [], []
         for text in texts:
             parts = split_long_text(text, self.chunk_chars)
             first += [True] + [False] * (len(parts) - 1)
             last += [False] * (len(parts) - 1) + [True]
             pieces += parts
-        # add_special_tokens=False: the documents' specials are ours to place, not a post-processor's
+        # add_special_tokens=False: the documents' specials are ours to place, not a
+        # post-processor's
         encodings = tok.encode_batch_fast(pieces, add_special_tokens=False)
         bos, eos = (self.bos,), (self.eos,)
-        seqs, doc_starts = [], []
-        for enc, is_first, is_last in zip(encodings, first, last):
+        seqs: list[Sequence[int]] = []
+        doc_starts: list[int] = []
+        for enc, is_first, is_last in zip(encodings, first, last, strict=True):
             if is_first:
                 doc_starts.append(len(seqs))
                 seqs.append(bos)
@@ -95,7 +100,7 @@ class Encoder:
         return flat, per_doc
 
 
-# --- worker processes ------------------------------------------------------------------------------
+# --- worker processes -----------------------------------------------------------------------------
 
 _worker_state: dict = {}
 
@@ -112,18 +117,28 @@ def _worker_encode(texts: list[str]):
     return _worker_state["encoder"].encode(_worker_state["tok"], texts)
 
 
-def encode_in_order(batches: Iterable[tuple[list[str], object]], encoder: Encoder, tok: Tokenizer,
-                    workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, object, int]]:
-    """(flat ids, tokens per document, tag, UTF-8 bytes) for each (texts, tag) batch, in input order.
+_Tag = TypeVar("_Tag")  # what encode_in_order passes through with each batch
+
+
+def encode_in_order(
+    batches: Iterable[tuple[list[str], _Tag]], encoder: Encoder, tok: Tokenizer, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, _Tag, int]]:
+    """(flat ids, tokens per document, tag, UTF-8 bytes) for each (texts, tag) batch, in input
+    order.
 
     workers == 1: one encode thread (tokenizers releases the GIL and uses its own thread pool), so
     reading, hashing and writing overlap with encoding. workers > 1: spawned processes, each with a
     share of the cores. At most 2 x workers batches are in flight, which bounds memory.
     """
+    pool: cf.Executor
     if workers > 1:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
-        pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                      initargs=(encoder, threads))
+        pool = cf.ProcessPoolExecutor(
+            workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(encoder, threads),
+        )
         submit = lambda texts: pool.submit(_worker_encode, texts)  # noqa: E731
     else:
         pool = cf.ThreadPoolExecutor(1)

@@ -2,9 +2,10 @@
 cleaned corpus's file list. Nothing here opens a document; pipeline/readers.py does.
 
     list_inputs(inputs, text_extensions)  `codex data clean` and `codex eval --data`
-    input_files(cfg)                      `codex data tokenize` (data.tokenizer.inputs, else clean_parts)
-    clean_parts(run)                      the parquet parts a finished clean lists in RUN/clean/stats.json
-                                          (tokenize and shard)
+    input_files(cfg)                      `codex data tokenize` (data.tokenizer.inputs, else
+                                          clean_parts)
+    clean_parts(run)                      the parquet parts a finished clean lists in
+                                          RUN/clean/stats.json (tokenize and shard)
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
 
 log = logging.getLogger("codex.clean")
 
-# What `codex data tokenize` reads from data.tokenizer.inputs: the formats readers.iter_text_batches knows.
+# What `codex data tokenize` reads from data.tokenizer.inputs: the formats
+# readers.iter_text_batches knows.
 TOKENIZER_TEXT_EXTENSIONS = [".txt"]
 
 
@@ -49,8 +51,10 @@ def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[Inp
         kind = file_kind(path, text_extensions)
         if kind is None:
             if explicit:
-                raise BadInputFile(f"{path}: unsupported file type (want .jsonl[.gz|.zst], .parquet or a text "
-                                   f"extension in data.clean.text_extensions: {' '.join(text_extensions)})")
+                raise BadInputFile(
+                    f"{path}: unsupported file type (want .jsonl[.gz|.zst], .parquet or a text "
+                    f"extension in data.clean.text_extensions: {' '.join(text_extensions)})"
+                )
             skipped.append(path)
         else:
             found[path] = InputFile(path, size, kind)
@@ -59,7 +63,9 @@ def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[Inp
         fs, p = _filesystem(spec)
         if any(c in spec for c in "*?["):
             matches = fs.glob(p, detail=True)
-            if not matches:   # not an error by itself (a job may glob optional parts); no files at all is
+            if (
+                not matches
+            ):  # not an error by itself (a job may glob optional parts); no files at all is
                 log.warning("clean: %s matches no files", spec)
             entries = [(name, info) for name, info in matches.items()]
         elif fs.isdir(p):
@@ -85,7 +91,7 @@ def _filesystem(spec: str):
     (fsspec expands a remote glob while resolving it and fails when nothing matches)."""
     if not any(c in spec for c in "*?["):
         return fsio.filesystem(spec)
-    head = spec[:min(spec.index(c) for c in "*?[" if c in spec)]
+    head = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
     fs, head_path = fsio.filesystem(head or ".")
     if fsio.is_remote(spec):
         return fs, fs._strip_protocol(spec)
@@ -111,15 +117,24 @@ def input_files(cfg: Config) -> list[str]:
         if any(ch in spec for ch in "*?["):
             found = [f for f in fsio.glob(spec) if file_kind(f, exts)]
         elif fsio.isdir(spec):
-            found = [f for f in fsio.listdir(spec) if file_kind(f, exts) and not fsio.basename(f).startswith(".")]
+            found = [
+                f
+                for f in fsio.listdir(spec)
+                if file_kind(f, exts) and not fsio.basename(f).startswith(".")
+            ]
         elif fsio.exists(spec):
             if not file_kind(spec, exts):
-                raise ConfigError(f"data.tokenizer.inputs: {spec}: unsupported file type (use {', '.join(suffixes)})")
+                raise ConfigError(
+                    f"data.tokenizer.inputs: {spec}: unsupported file type "
+                    f"(use {', '.join(suffixes)})"
+                )
             found = [spec]
         else:
             raise FileNotFoundError(f"data.tokenizer.inputs: {spec} does not exist")
         if not found:
-            raise FileNotFoundError(f"data.tokenizer.inputs: {spec} matches no {'/'.join(suffixes)} files")
+            raise FileNotFoundError(
+                f"data.tokenizer.inputs: {spec} matches no {'/'.join(suffixes)} files"
+            )
         files += found
     return sorted(set(files))
 
@@ -133,15 +148,24 @@ def clean_parts(run: str) -> list[str]:
     stats_path = fsio.join(clean, "stats.json")
     if not fsio.exists(stats_path):
         partial = bool(ls_matching(clean, "part-*.parquet"))
-        raise FileNotFoundError(f"{stats_path} not found: " + (
-            "`codex data clean` has not finished (tasks still running, killed or failed); finish it first"
-            if partial else "run `codex data clean` first"))
+        raise FileNotFoundError(
+            f"{stats_path} not found: "
+            + (
+                "`codex data clean` has not finished (tasks still running, killed or failed); "
+                "finish it first"
+                if partial
+                else "run `codex data clean` first"
+            )
+        )
     stats = fsio.read_json(stats_path)
     failed = stats.get("bad_input", {}).get("failed_files") or []
     if failed:
-        raise ValueError(f"{stats_path}: clean did not finish: {len(failed)} input file(s) failed and are missing "
-                         f"from the corpus ({'; '.join(f['error'] for f in failed[:3])}); fix or remove them and rerun "
-                         "`codex data clean` (only their chunks are redone)")
+        raise ValueError(
+            f"{stats_path}: clean did not finish: {len(failed)} input file(s) failed and are "
+            f"missing from the corpus ({'; '.join(f['error'] for f in failed[:3])}); "
+            "fix or remove them and rerun "
+            "`codex data clean` (only their chunks are redone)"
+        )
     shards = stats.get("shards")
     if not isinstance(shards, list):
         raise ValueError(f"{stats_path}: no 'shards' list (not written by `codex data clean`)")
@@ -150,6 +174,8 @@ def clean_parts(run: str) -> list[str]:
     present = {fsio.basename(p) for p in ls_matching(clean, "part-*.parquet")}
     missing = [name for name in shards if name not in present]
     if missing:
-        raise FileNotFoundError(f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
-                                f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run")
+        raise FileNotFoundError(
+            f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
+            f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run"
+        )
     return sorted(fsio.join(clean, name) for name in shards)

@@ -29,8 +29,8 @@ import gzip
 import io
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,8 +41,8 @@ from codex import fsio
 log = logging.getLogger("codex.clean")
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-FIRST_N = 5   # how many malformed line numbers a report keeps
-READ_BATCH_ROWS = 1024   # parquet rows / jsonl lines per batch of iter_text_batches
+FIRST_N = 5  # how many malformed line numbers a report keeps
+READ_BATCH_ROWS = 1024  # parquet rows / jsonl lines per batch of iter_text_batches
 
 
 class BadInputFile(ValueError):
@@ -53,34 +53,42 @@ class BadInputFile(ValueError):
 class InputFile:
     path: str
     size: int
-    kind: str   # "text", "jsonl" or "parquet"
+    kind: str  # "text", "jsonl" or "parquet"
 
 
 @dataclass
 class Record:
     id: str
-    text: str | None   # None: over max_record_bytes, skipped unread
-    nbytes: int        # bytes on disk (UTF-8 bytes for parquet)
+    text: str | None  # None: over max_record_bytes, skipped unread
+    nbytes: int  # bytes on disk (UTF-8 bytes for parquet)
 
 
 @dataclass
 class FileReport:
     """What went wrong in one file (all zeros for a clean file)."""
+
     path: str
     records: int = 0
     invalid_utf8_records: int = 0
-    replaced_bytes: int = 0           # U+FFFD introduced by decoding
-    nul_chars: int = 0                # NUL characters removed by normalisation (set by the stage)
+    replaced_bytes: int = 0  # U+FFFD introduced by decoding
+    nul_chars: int = 0  # NUL characters removed by normalisation (set by the stage)
     oversized_records: int = 0
     malformed_lines: int = 0
-    malformed_first: list[str] = field(default_factory=list)   # "line 7: <why>"
+    malformed_first: list[str] = field(default_factory=list)  # "line 7: <why>"
     null_values: int = 0
     empty: bool = False
     error: str = ""
 
     def bad(self) -> bool:
-        return bool(self.invalid_utf8_records or self.nul_chars or self.oversized_records or self.malformed_lines
-                    or self.null_values or self.empty or self.error)
+        return bool(
+            self.invalid_utf8_records
+            or self.nul_chars
+            or self.oversized_records
+            or self.malformed_lines
+            or self.null_values
+            or self.empty
+            or self.error
+        )
 
     def describe(self) -> str:
         """What went wrong, in words (for the log)."""
@@ -88,13 +96,19 @@ class FileReport:
         if self.empty:
             parts.append("empty file")
         if self.invalid_utf8_records:
-            parts.append(f"invalid UTF-8 in {self.invalid_utf8_records} records ({self.replaced_bytes} replaced)")
+            parts.append(
+                f"invalid UTF-8 in {self.invalid_utf8_records} records "
+                f"({self.replaced_bytes} replaced)"
+            )
         if self.nul_chars:
             parts.append(f"{self.nul_chars} NUL characters removed")
         if self.oversized_records:
             parts.append(f"{self.oversized_records} records over max_record_bytes skipped")
         if self.malformed_lines:
-            parts.append(f"{self.malformed_lines} malformed lines skipped (first: {'; '.join(self.malformed_first)})")
+            parts.append(
+                f"{self.malformed_lines} malformed lines skipped "
+                f"(first: {'; '.join(self.malformed_first)})"
+            )
         if self.null_values:
             parts.append(f"{self.null_values} null values skipped")
         return ", ".join(parts)
@@ -107,7 +121,7 @@ def _decode(raw: bytes, report: FileReport) -> str:
         text = raw.decode("utf-8", "replace")
         report.invalid_utf8_records += 1
         report.replaced_bytes += text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
-    return text[1:] if text.startswith("\ufeff") else text   # a UTF-8 byte-order mark is not text
+    return text[1:] if text.startswith("\ufeff") else text  # a UTF-8 byte-order mark is not text
 
 
 def read_records(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
@@ -115,7 +129,7 @@ def read_records(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
     if f.size == 0 and f.kind != "parquet":
         report.empty = True
         if f.kind == "text" and not cfg.txt_delimiter:
-            yield Record(f.path, "", 0)   # an empty document: the length filter drops it, counted
+            yield Record(f.path, "", 0)  # an empty document: the length filter drops it, counted
         return
     if f.kind == "text":
         yield from _read_text(f, cfg, report)
@@ -137,7 +151,9 @@ def _read_text(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
         yield Record(f.path, _decode(raw, report), len(raw))
         return
     delim = cfg.txt_delimiter
-    if "\\" in delim:   # a delimiter typed on the command line: --set data.clean.txt_delimiter='\n\n'
+    if (
+        "\\" in delim
+    ):  # a delimiter typed on the command line: --set data.clean.txt_delimiter='\n\n'
         delim = delim.encode("ascii", "backslashreplace").decode("unicode_escape")
     delim = delim.encode("utf-8")
     i = 0
@@ -151,9 +167,10 @@ def _read_text(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
 
 
 def _split_stream(path: str, delim: bytes, limit: int) -> Iterator[tuple[bytes | None, int]]:
-    """(piece, bytes) for each delimiter-separated piece, streaming; (None, bytes) when over limit."""
+    """(piece, bytes) for each delimiter-separated piece, streaming; (None, bytes) when over
+    limit."""
     buf = bytearray()
-    skipping = 0   # > 0 while inside an oversized piece: bytes of it seen so far
+    skipping = 0  # > 0 while inside an oversized piece: bytes of it seen so far
     with fsio.open(path, "rb") as fh:
         while True:
             block = fh.read(1 << 20)
@@ -171,9 +188,9 @@ def _split_stream(path: str, delim: bytes, limit: int) -> Iterator[tuple[bytes |
             if not block:
                 break
             if limit and (skipping or len(buf) > limit):
-                keep = len(delim) - 1   # a delimiter may straddle two blocks
+                keep = len(delim) - 1  # a delimiter may straddle two blocks
                 skipping += len(buf) - keep
-                del buf[:len(buf) - keep]
+                del buf[: len(buf) - keep]
     if skipping:
         yield None, skipping + len(buf)
     elif buf:
@@ -186,7 +203,9 @@ def _open_decompressed(path: str, fh):
         return gzip.GzipFile(fileobj=fh)
     if name.endswith(".zst"):
         return io.BufferedReader(_ZstdReader(path, fh), 1 << 20)
-    if fsio.is_remote(path):   # fsspec's remote files have no readline(size), which bounds a huge line
+    if fsio.is_remote(
+        path
+    ):  # fsspec's remote files have no readline(size), which bounds a huge line
         return io.BufferedReader(fh, 1 << 20)
     return fh
 
@@ -201,7 +220,7 @@ class _ZstdReader(io.RawIOBase):
         self.path, self.fh, self._zstd = path, fh, zstandard
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
         self.pending = b""
-        self.in_frame = False   # fed bytes of a frame that has not ended yet
+        self.in_frame = False  # fed bytes of a frame that has not ended yet
 
     def readable(self) -> bool:
         return True
@@ -211,7 +230,10 @@ class _ZstdReader(io.RawIOBase):
             block = self.fh.read(1 << 20)
             if not block:
                 if self.in_frame:
-                    raise EOFError(f"{self.path}: compressed file ended before the end of its zstd frame (truncated)")
+                    raise EOFError(
+                        f"{self.path}: compressed file ended before the end of its zstd frame "
+                        "(truncated)"
+                    )
                 return 0
             self._feed(block)
         n = min(len(buf), len(self.pending))
@@ -227,7 +249,7 @@ class _ZstdReader(io.RawIOBase):
                 raise BadInputFile(f"{self.path}: not a valid zstd stream ({e})") from None
             self.in_frame = not self.dobj.eof
             block = self.dobj.unused_data if self.dobj.eof else b""
-            if self.dobj.eof:   # the next frame starts in the leftover bytes
+            if self.dobj.eof:  # the next frame starts in the leftover bytes
                 self.dobj = self._zstd.ZstdDecompressor().decompressobj()
 
 
@@ -248,9 +270,9 @@ def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
             if not line:
                 break
             lineno += 1
-            if len(line) > limit and not line.endswith(b"\n"):   # a huge line: skip the rest unread
+            if len(line) > limit and not line.endswith(b"\n"):  # a huge line: skip the rest unread
                 n = len(line)
-                while (rest := fh.readline(1 << 20)):
+                while rest := fh.readline(1 << 20):
                     n += len(rest)
                     if rest.endswith(b"\n"):
                         break
@@ -266,9 +288,15 @@ def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
                 malformed(lineno, f"invalid JSON ({e.msg}, column {e.colno})")
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                got = "not an object" if not isinstance(obj, dict) else (
-                    f"no field '{key}' (fields: {', '.join(list(obj)[:10])})" if key not in obj
-                    else f"field '{key}' is {type(obj[key]).__name__}, not a string")
+                got = (
+                    "not an object"
+                    if not isinstance(obj, dict)
+                    else (
+                        f"no field '{key}' (fields: {', '.join(list(obj)[:10])})"
+                        if key not in obj
+                        else f"field '{key}' is {type(obj[key]).__name__}, not a string"
+                    )
+                )
                 malformed(lineno, got)
                 continue
             yield Record(f"{f.path}#{lineno}", obj[key], len(line))
@@ -280,8 +308,10 @@ def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
         if col not in names:
-            raise BadInputFile(f"{f.path}: no column '{col}' (columns: {', '.join(names)}); "
-                               f"choose one with --text-column / data.clean.text_column")
+            raise BadInputFile(
+                f"{f.path}: no column '{col}' (columns: {', '.join(names)}); "
+                f"choose one with --text-column / data.clean.text_column"
+            )
         typ = pf.schema_arrow.field(col).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise BadInputFile(f"{f.path}: column '{col}' has type {typ}, expected a string column")
@@ -293,7 +323,11 @@ def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
                 if text is None:
                     report.null_values += 1
                 else:
-                    yield Record(f"{f.path}#{row}", text, len(text) if text.isascii() else len(text.encode("utf-8")))
+                    yield Record(
+                        f"{f.path}#{row}",
+                        text,
+                        len(text) if text.isascii() else len(text.encode("utf-8")),
+                    )
                 row += 1
 
 
@@ -303,10 +337,15 @@ def read_part(path: str) -> pa.Table:
         return pq.read_table(fh)
 
 
-# --- plain text batches (tokenize, shard) ----------------------------------------------------------
+# --- plain text batches (tokenize, shard) ---------------------------------------------------------
 
-def iter_text_batches(path: str, text_field: str = "text", text_column: str = "text",
-                      batch_rows: int = READ_BATCH_ROWS) -> Iterator[list]:
+
+def iter_text_batches(
+    path: str,
+    text_field: str = "text",
+    text_column: str = "text",
+    batch_rows: int = READ_BATCH_ROWS,
+) -> Iterator[list]:
     """Lists of document texts (None for a null row or value) in file order: .parquet (column
     `text_column`), .jsonl[.gz|.zst] (field `text_field`), anything else = one UTF-8 document.
     Unlike read_records, bad input stops here: these stages must not train on part of a file."""
@@ -328,7 +367,9 @@ def _parquet_texts(path: str, column: str, batch_rows: int) -> Iterator[list]:
         except Exception as e:
             raise BadInputFile(f"{path}: not a readable parquet file ({e})") from None
         if column not in pf.schema_arrow.names:
-            raise BadInputFile(f"{path}: no '{column}' column (columns: {', '.join(pf.schema_arrow.names)})")
+            raise BadInputFile(
+                f"{path}: no '{column}' column (columns: {', '.join(pf.schema_arrow.names)})"
+            )
         for batch in pf.iter_batches(batch_size=batch_rows, columns=[column]):
             yield batch.column(0).to_pylist()
 
@@ -346,7 +387,9 @@ def _jsonl_texts(path: str, key: str, batch_rows: int) -> Iterator[list]:
             except (KeyError, TypeError):
                 raise BadInputFile(f"{path}:{lineno}: no '{key}' field") from None
             if text is not None and not isinstance(text, str):
-                raise BadInputFile(f"{path}:{lineno}: '{key}' is {type(text).__name__}, not a string")
+                raise BadInputFile(
+                    f"{path}:{lineno}: '{key}' is {type(text).__name__}, not a string"
+                )
             batch.append(text)
             if len(batch) >= batch_rows:
                 yield batch

@@ -27,11 +27,11 @@ log = logging.getLogger("codex.stage")
 
 @dataclass
 class Stage:
-    command: str                       # "codex data shard", for messages
+    command: str  # "codex data shard", for messages
     cfg: Config
-    out: str                           # the stage's folder (RUN/clean, RUN/tokenizer, RUN/shards)
-    marker: str                        # completion marker's file name inside `out`, written last
-    later: tuple[str, ...] = ()        # folders of later stages built from this output
+    out: str  # the stage's folder (RUN/clean, RUN/tokenizer, RUN/shards)
+    marker: str  # completion marker's file name inside `out`, written last
+    later: tuple[str, ...] = ()  # folders of later stages built from this output
     error: type[ConfigError] = ConfigError
 
     @property
@@ -47,16 +47,21 @@ class Stage:
 
     def built_on(self) -> list[str]:
         """The later stages' folders that hold output (a manifest, or any file)."""
-        return [d for d in self.later
-                if fsio.exists(fsio.join(d, "manifest.json")) or (fsio.isdir(d) and fsio.listdir(d))]
+        return [
+            d
+            for d in self.later
+            if fsio.exists(fsio.join(d, "manifest.json")) or (fsio.isdir(d) and fsio.listdir(d))
+        ]
 
     def refuse_if_built_on(self, why: str) -> None:
         """Refuse to rewrite `out` (for `why`) when a later stage's output was built from it."""
         built = self.built_on()
         if built:
             later = " and ".join(built)
-            raise self.error(f"{self.out} {why}, but {later} were built from it; to start over "
-                             f"use a new --run, or delete {later} and {self.out} first")
+            raise self.error(
+                f"{self.out} {why}, but {later} were built from it; to start over "
+                f"use a new --run, or delete {later} and {self.out} first"
+            )
 
     def start(self) -> None:
         fsio.makedirs(self.out)

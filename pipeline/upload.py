@@ -14,9 +14,11 @@ it vouches for.
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import os
 import re
+from typing import Any
 
 from codex import fsio
 from codex.config import ConfigError
@@ -25,7 +27,9 @@ from codex.progress import Progress
 log = logging.getLogger("codex.upload")
 
 MARKER_NAMES = {"manifest.json", "DONE", "stats.json", "tokenizer_meta.json"}
-TEMP_NAME = re.compile(r"(^\.tmp-)|(\.tmp-[0-9a-f]{8}$)")   # fsio.atomic_open's temp files, local and remote
+TEMP_NAME = re.compile(
+    r"(^\.tmp-)|(\.tmp-[0-9a-f]{8}$)"
+)  # fsio.atomic_open's temp files, local and remote
 
 
 def _local_files(root: str) -> list[str]:
@@ -34,9 +38,10 @@ def _local_files(root: str) -> list[str]:
         dirnames.sort()
         for name in sorted(filenames):
             if TEMP_NAME.search(name):
-                continue   # a killed local write; never part of the run
+                continue  # a killed local write; never part of the run
             if name.startswith(".codex-lock"):
-                continue   # the local run's lock (codex/runlock.py), not data; the remote has its own
+                # the local run's lock (codex/runlock.py), not data; the remote has its own
+                continue
             rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     # markers last, so the remote copy only ever shows a marker once its data is there
     return sorted(rels, key=lambda r: (_is_marker(r), r))
@@ -92,8 +97,15 @@ def upload_run(local_run: str, remote: str) -> dict:
     stale = _remove_stale_temps(remote)
     if stale:
         log.info("upload: removed %d temp object(s) left by an interrupted upload", stale)
-    result = {"files": len(files), "uploaded": 0, "skipped": 0, "bytes_uploaded": 0, "verified": 0,
-              "checksum": set(), "remote": remote}
+    result: dict[str, Any] = {
+        "files": len(files),
+        "uploaded": 0,
+        "skipped": 0,
+        "bytes_uploaded": 0,
+        "verified": 0,
+        "checksum": set(),
+        "remote": remote,
+    }
     failed = []
     total = sum(os.path.getsize(os.path.join(local_run, r)) for r in files)
     with Progress("upload", total=len(files), unit="files") as prog:
@@ -105,12 +117,15 @@ def upload_run(local_run: str, remote: str) -> dict:
             if ok:
                 result["skipped"] += 1
             else:
-                for attempt in range(3):   # a mismatch after upload (rare: corruption in transit) is retried
-                    fsio.with_retries(lambda: fsio.upload(src, dst), dst)
+                # a mismatch after upload (rare: corruption in transit) is retried
+                for _attempt in range(3):
+                    fsio.with_retries(functools.partial(fsio.upload, src, dst), dst)
                     ok, method = _remote_matches(dst, size, md5_b64, sha_hex)
                     if ok:
                         break
-                    log.warning("upload: %s does not match %s after upload (%s); retrying", dst, src, method)
+                    log.warning(
+                        "upload: %s does not match %s after upload (%s); retrying", dst, src, method
+                    )
                 result["uploaded"] += 1
                 result["bytes_uploaded"] += size
             if ok:
@@ -122,9 +137,17 @@ def upload_run(local_run: str, remote: str) -> dict:
     result["checksum"] = sorted(result["checksum"])
     result["bytes"] = total
     if failed:
-        raise RuntimeError(f"upload: {len(failed)} object(s) do not match their local file after 3 attempts: "
-                           + "; ".join(failed[:5]))
-    log.info("upload: %d files (%d uploaded, %d already there), %.1f MB, all verified (%s) -> %s",
-             result["files"], result["uploaded"], result["skipped"], total / 1e6, ", ".join(result["checksum"]),
-             remote)
+        raise RuntimeError(
+            f"upload: {len(failed)} object(s) do not match their local file after 3 attempts: "
+            + "; ".join(failed[:5])
+        )
+    log.info(
+        "upload: %d files (%d uploaded, %d already there), %.1f MB, all verified (%s) -> %s",
+        result["files"],
+        result["uploaded"],
+        result["skipped"],
+        total / 1e6,
+        ", ".join(result["checksum"]),
+        remote,
+    )
     return result

@@ -36,12 +36,17 @@ def gcs_emulator():
     Sets STORAGE_EMULATOR_HOST so codex.fsio (gcsfs) talks to it; the test makes its own bucket
     through `gcs_bucket`.
     """
-    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).parent / "gcp-storage-emulator")
+    exe = shutil.which("gcp-storage-emulator") or str(
+        Path(sys.executable).parent / "gcp-storage-emulator"
+    )
     if not Path(exe).exists():
         pytest.fail("gcp-storage-emulator is not installed: pip install -e '.[dev]'")
     port = _free_port()
-    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -79,17 +84,31 @@ def gcs_bucket(gcs_emulator):
     yield f"gs://{name}"
 
 
-def run_xla(script: str, devices: int = 1, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run `script` (Python source) in a fresh process on the XLA CPU backend with `devices` devices.
+def run_xla(
+    script: str, devices: int = 1, env: dict | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess:
+    """Run `script` (Python source) in a fresh process on the XLA CPU backend with `devices`
+    devices.
 
     The XLA runtime cannot be re-initialised inside one process, so every device count gets its own
     subprocess. Raises with the child's output when it fails.
     """
     full_env = dict(os.environ)
-    full_env.update({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONPATH": str(ROOT)})
+    full_env.update(
+        {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONPATH": str(ROOT)}
+    )
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"XLA subprocess failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"XLA subprocess failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-8000:]}"
+        )
     return proc

@@ -1,4 +1,4 @@
-"""model.attention (model/gpt.py sdpa_causal, train/flash_attention.py): what can run off a TPU.
+"""model.attention (model/gpt.py sdpa_causal, train/xla/flash.py): what can run off a TPU.
 The GQA head mapping of the flash path, its SPMD partition spec, the model's kernel hook, and the
 refusal of model.attention=flash on a CPU preset (the XLA CPU backend's refusal is in
 tests/test_xla.py, NO_FALLBACK). The Pallas kernel itself runs only on a TPU: not tested here."""
@@ -27,14 +27,19 @@ def test_expand_kv_heads_maps_query_head_h_to_kv_head_h_over_group():
     assert full.shape == (B, H, T, D)
     for h in range(H):
         assert torch.equal(full[:, h], kv[:, h // (H // KV)])
-    assert expand_kv_heads(full, H) is full   # MHA: no copy
+    assert expand_kv_heads(full, H) is full  # MHA: no copy
 
 
 def test_expanded_heads_give_sdpa_with_enable_gqa():
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 6, 16, 8, generator=g), torch.randn(2, 3, 16, 8, generator=g), torch.randn(2, 3, 16, 8, generator=g)
-    plain = torch.nn.functional.scaled_dot_product_attention(q, expand_kv_heads(k, 6), expand_kv_heads(v, 6),
-                                                             is_causal=True)
+    q, k, v = (
+        torch.randn(2, 6, 16, 8, generator=g),
+        torch.randn(2, 3, 16, 8, generator=g),
+        torch.randn(2, 3, 16, 8, generator=g),
+    )
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, expand_kv_heads(k, 6), expand_kv_heads(v, 6), is_causal=True
+    )
     assert (plain - sdpa_causal(q, k, v)).abs().max().item() < 1e-6
 
 
@@ -75,9 +80,17 @@ def test_flash_on_a_cpu_preset_exits_2_naming_the_requirement(tmp_path):
     args = ["--run", run]
     for o in base_overrides(max_steps=1) + ["model.attention=flash"]:
         args += ["--set", o]
-    proc = subprocess.run([sys.executable, "-m", "codex.cli", "train", *args], env=child_env(),
-                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "codex.cli", "train", *args],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 2, proc.stderr
     err = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
-    assert len(err) == 1 and REQUIREMENT in err[0] and "'cpu' is a cpu preset" in err[0], proc.stderr
+    assert len(err) == 1 and REQUIREMENT in err[0] and "'cpu' is a cpu preset" in err[0], (
+        proc.stderr
+    )
     assert "model.attention=sdpa" in err[0] and "Traceback" not in proc.stderr

@@ -14,11 +14,11 @@ import json
 import logging
 import os
 import shutil
-import zstandard
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 from click.testing import CliRunner
 
 from codex.cli.main import cli
@@ -30,12 +30,20 @@ from train.plan.hardware import get_preset
 from train.plan.memory import plan
 
 TRAIN = [f"--set={o}" for o in TINY_MODEL] + [
-    "--set=train.hardware=cpu", "--set=train.wandb=off", "--set=train.compile=false", "--set=train.warmup_steps=1",
-    "--set=train.log_every=1", "--set=train.eval_every=0", "--device-batch=2", "--seq-len=16"]
+    "--set=train.hardware=cpu",
+    "--set=train.wandb=off",
+    "--set=train.compile=false",
+    "--set=train.warmup_steps=1",
+    "--set=train.log_every=1",
+    "--set=train.eval_every=0",
+    "--device-batch=2",
+    "--seq-len=16",
+]
 
 
 def invoke(args: list[str], code: int, *patterns: str) -> str:
-    """Run `codex args`; assert the exit code, that each pattern is in the one-line error, no traceback."""
+    """Run `codex args`; assert the exit code, that each pattern is in the one-line error, no
+    traceback."""
     res = CliRunner().invoke(cli, args, catch_exceptions=False)
     out = res.output
     assert res.exit_code == code, f"exit {res.exit_code}, wanted {code}:\n{out}"
@@ -55,8 +63,20 @@ def base_run(tmp_path_factory) -> Path:
     _corpus(root / "src")
     run = root / "run"
     r = ["--run", str(run)]
-    invoke(["data", "clean", *r, "--input", str(root / "src"), "--preset", "code",
-            "--set", "data.clean.text_extensions=[.py]"], 0)
+    invoke(
+        [
+            "data",
+            "clean",
+            *r,
+            "--input",
+            str(root / "src"),
+            "--preset",
+            "code",
+            "--set",
+            "data.clean.text_extensions=[.py]",
+        ],
+        0,
+    )
     invoke(["data", "tokenize", *r, "--vocab-size", "300"], 0)
     invoke(["data", "shard", *r, "--val-fraction", "0.1"], 0)
     invoke(["train", *r, *TRAIN, "--max-steps", "3"], 0)
@@ -72,20 +92,43 @@ def run(base_run, tmp_path) -> Path:
 
 
 def files_under(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 # --- clean ----------------------------------------------------------------------------------------
 
+
 def test_a_txt_file_over_max_chars_fails_naming_the_rule_and_the_delimiter_option(tmp_path):
     book = tmp_path / "book.txt"
     book.write_text("\n\n".join(prose(i) for i in range(6)))
-    small = "--set=data.clean.length.max_chars=2000"     # stands in for the 1 MB default
-    invoke(["data", "clean", "--run", str(tmp_path / "r1"), "--input", str(book), small], 1,
-           "kept no documents", "length:too_long", "--txt-delimiter")
-    assert not (tmp_path / "r1" / "clean" / "stats.json").exists() or \
-        json.loads((tmp_path / "r1" / "clean" / "stats.json").read_text())["docs_out"] == 0
-    invoke(["data", "clean", "--run", str(tmp_path / "r2"), "--input", str(book), small, "--txt-delimiter", r"\n\n"], 0)
+    small = "--set=data.clean.length.max_chars=2000"  # stands in for the 1 MB default
+    invoke(
+        ["data", "clean", "--run", str(tmp_path / "r1"), "--input", str(book), small],
+        1,
+        "kept no documents",
+        "length:too_long",
+        "--txt-delimiter",
+    )
+    assert (
+        not (tmp_path / "r1" / "clean" / "stats.json").exists()
+        or json.loads((tmp_path / "r1" / "clean" / "stats.json").read_text())["docs_out"] == 0
+    )
+    invoke(
+        [
+            "data",
+            "clean",
+            "--run",
+            str(tmp_path / "r2"),
+            "--input",
+            str(book),
+            small,
+            "--txt-delimiter",
+            r"\n\n",
+        ],
+        0,
+    )
     assert json.loads((tmp_path / "r2" / "clean" / "stats.json").read_text())["docs_out"] == 6
 
 
@@ -109,28 +152,52 @@ def test_a_rule_that_drops_most_documents_is_named_with_its_switch(tmp_path, cap
 
 def _zst_lines(n: int, start: int = 0) -> bytes:
     return zstandard.ZstdCompressor().compress(
-        "".join(json.dumps({"text": prose(i)}) + "\n" for i in range(start, start + n)).encode())
+        "".join(json.dumps({"text": prose(i)}) + "\n" for i in range(start, start + n)).encode()
+    )
 
 
-@pytest.mark.parametrize("damage, pattern", [("random", "not a valid zstd stream"), ("truncated", "truncated")])
-def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(tmp_path, damage, pattern, caplog):
+@pytest.mark.parametrize(
+    "damage, pattern", [("random", "not a valid zstd stream"), ("truncated", "truncated")]
+)
+def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(
+    tmp_path, damage, pattern, caplog
+):
     src = tmp_path / "in"
     src.mkdir()
     (src / "a.jsonl.zst").write_bytes(_zst_lines(4))
     whole = _zst_lines(30, start=4)
-    (src / "g.jsonl.zst").write_bytes(np.random.default_rng(0).bytes(5000) if damage == "random"
-                                      else whole[: len(whole) // 2])
+    (src / "g.jsonl.zst").write_bytes(
+        np.random.default_rng(0).bytes(5000) if damage == "random" else whole[: len(whole) // 2]
+    )
     run = str(tmp_path / "r")
     with caplog.at_level(logging.WARNING):
-        invoke(["data", "clean", "--run", run, "--input", str(src)], 1, "1 input file(s) failed", "g.jsonl.zst",
-               pattern)
-    assert "clean: bad input (details in stats.json): 1 failed files" in caplog.text   # no stray ", "
+        invoke(
+            ["data", "clean", "--run", run, "--input", str(src)],
+            1,
+            "1 input file(s) failed",
+            "g.jsonl.zst",
+            pattern,
+        )
+    assert (
+        "clean: bad input (details in stats.json): 1 failed files" in caplog.text
+    )  # no stray ", "
     stats = json.loads((tmp_path / "r" / "clean" / "stats.json").read_text())
-    assert stats["docs_out"] == 4                                   # the good file was cleaned
+    assert stats["docs_out"] == 4  # the good file was cleaned
     assert [f["path"] for f in stats["bad_input"]["failed_files"]] == [str(src / "g.jsonl.zst")]
     invoke(["data", "tokenize", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
-    invoke(["data", "tokenize", "--run", run, "--input", str(tmp_path / "r" / "clean" / "part-*.parquet"),
-            "--vocab-size", "300"], 0)                              # a tokenizer from the files given
+    invoke(
+        [
+            "data",
+            "tokenize",
+            "--run",
+            run,
+            "--input",
+            str(tmp_path / "r" / "clean" / "part-*.parquet"),
+            "--vocab-size",
+            "300",
+        ],
+        0,
+    )  # a tokenizer from the files given
     invoke(["data", "shard", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
     assert not (tmp_path / "r" / "shards" / "manifest.json").exists()
 
@@ -138,34 +205,61 @@ def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(tm
 def test_jsonl_without_the_text_field_says_which_field(tmp_path):
     f = tmp_path / "x.jsonl"
     f.write_text("".join(json.dumps({"body": prose(i)}) + "\n" for i in range(3)))
-    invoke(["data", "clean", "--run", str(tmp_path / "r"), "--input", str(f)], 1,
-           "no document was read", "no field 'text'", "--text-field")
+    invoke(
+        ["data", "clean", "--run", str(tmp_path / "r"), "--input", str(f)],
+        1,
+        "no document was read",
+        "no field 'text'",
+        "--text-field",
+    )
 
 
-@pytest.mark.parametrize("args, code, pattern", [
-    (["--input", "/nonexistent/in.jsonl"], 2, "/nonexistent/in.jsonl: no such file"),
-    (["--input", "{tmp}/x.bin"], 2, "unsupported file type"),
-    (["--input", "{tmp}/p.parquet"], 1, "no column 'text'"),
-    (["--input", "{tmp}/p.parquet", "--workers", "0"], 2, "data.clean.workers=0"),
-    (["--input", "{tmp}/p.parquet", "--num-tasks", "2", "--task-index", "3"], 2, "task_index=3"),
-    (["--input", "{tmp}/p.parquet", "--set", "data.clean.preset=prose"], 2, "data.clean.preset"),
-])
+@pytest.mark.parametrize(
+    "args, code, pattern",
+    [
+        (["--input", "/nonexistent/in.jsonl"], 2, "/nonexistent/in.jsonl: no such file"),
+        (["--input", "{tmp}/x.bin"], 2, "unsupported file type"),
+        (["--input", "{tmp}/p.parquet"], 1, "no column 'text'"),
+        (["--input", "{tmp}/p.parquet", "--workers", "0"], 2, "data.clean.workers=0"),
+        (
+            ["--input", "{tmp}/p.parquet", "--num-tasks", "2", "--task-index", "3"],
+            2,
+            "task_index=3",
+        ),
+        (
+            ["--input", "{tmp}/p.parquet", "--set", "data.clean.preset=prose"],
+            2,
+            "data.clean.preset",
+        ),
+    ],
+)
 def test_clean_usage_and_unusable_files(tmp_path, args, code, pattern):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     (tmp_path / "x.bin").write_bytes(b"\0")
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "p.parquet")
-    invoke(["data", "clean", "--run", str(tmp_path / "r"), *[a.format(tmp=tmp_path) for a in args]], code, pattern)
+    invoke(
+        ["data", "clean", "--run", str(tmp_path / "r"), *[a.format(tmp=tmp_path) for a in args]],
+        code,
+        pattern,
+    )
 
 
-# --- tokenize / shard / verify ------------------------------------------------------------------------
+# --- tokenize / shard / verify --------------------------------------------------------------------
+
 
 def test_tokenize_refuses_to_retrain_under_shards_and_checkpoints(run):
     before = files_under(run / "tokenizer")
-    invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "320"], 2,
-           "would be retrained", "shards", "checkpoints", "new --run")
-    assert files_under(run / "tokenizer") == before                 # nothing overwritten
+    invoke(
+        ["data", "tokenize", "--run", str(run), "--vocab-size", "320"],
+        2,
+        "would be retrained",
+        "shards",
+        "checkpoints",
+        "new --run",
+    )
+    assert files_under(run / "tokenizer") == before  # nothing overwritten
 
 
 def test_tokenize_under_shards_reruns_only_as_a_no_op(run):
@@ -174,26 +268,44 @@ def test_tokenize_under_shards_reruns_only_as_a_no_op(run):
     shutil.rmtree(run / "checkpoints")
     before = files_under(run / "tokenizer")
     invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "300"], 0)
-    assert files_under(run / "tokenizer") == before                 # identical settings: nothing rewritten
-    out = invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "320"], 2,
-                 "would be retrained", "shards", "new --run", "delete")
+    assert files_under(run / "tokenizer") == before  # identical settings: nothing rewritten
+    out = invoke(
+        ["data", "tokenize", "--run", str(run), "--vocab-size", "320"],
+        2,
+        "would be retrained",
+        "shards",
+        "new --run",
+        "delete",
+    )
     assert "checkpoints" not in out
     assert files_under(run / "tokenizer") == before
-    shutil.rmtree(run / "tokenizer")                                 # no tokenizer, but shards made with one
-    invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "300"], 2,
-           "would be trained", "shards", "new --run")
+    shutil.rmtree(run / "tokenizer")  # no tokenizer, but shards made with one
+    invoke(
+        ["data", "tokenize", "--run", str(run), "--vocab-size", "300"],
+        2,
+        "would be trained",
+        "shards",
+        "new --run",
+    )
     assert not (run / "tokenizer" / "tokenizer_meta.json").exists()
 
 
-@pytest.mark.parametrize("args, code, pattern", [
-    (["data", "tokenize", "--vocab-size", "100"], 2, "data.tokenizer.vocab_size=100"),
-    (["data", "tokenize"], 2, "run `codex data clean` first"),
-    (["data", "shard", "--set", "data.shard.format=zip"], 2, "data.shard.format"),
-    (["data", "shard", "--val-fraction", "1.5"], 2, "data.shard.val_fraction=1.5"),
-    (["data", "shard", "--set", "data.shard.shard_tokens=0"], 2, "data.shard.shard_tokens=0 is out of range"),
-    (["data", "verify", "{tmp}/a", "--run", "{tmp}/b"], 2, "two run directories"),
-    (["data", "verify", "{tmp}/never"], 1, "1 problem(s)"),
-])
+@pytest.mark.parametrize(
+    "args, code, pattern",
+    [
+        (["data", "tokenize", "--vocab-size", "100"], 2, "data.tokenizer.vocab_size=100"),
+        (["data", "tokenize"], 2, "run `codex data clean` first"),
+        (["data", "shard", "--set", "data.shard.format=zip"], 2, "data.shard.format"),
+        (["data", "shard", "--val-fraction", "1.5"], 2, "data.shard.val_fraction=1.5"),
+        (
+            ["data", "shard", "--set", "data.shard.shard_tokens=0"],
+            2,
+            "data.shard.shard_tokens=0 is out of range",
+        ),
+        (["data", "verify", "{tmp}/a", "--run", "{tmp}/b"], 2, "two run directories"),
+        (["data", "verify", "{tmp}/never"], 1, "1 problem(s)"),
+    ],
+)
 def test_data_stage_usage(tmp_path, args, code, pattern):
     args = [a.format(tmp=tmp_path) for a in args]
     if args[1] != "verify":
@@ -211,7 +323,9 @@ def test_manifest_paths_outside_the_shards_folder_are_refused(run, bad_path):
     manifest_path.write_text(json.dumps(m))
     out = invoke(["data", "verify", str(run)], 1, "problem(s)")
     assert f"path {bad_path!r} is not inside" in out
-    invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5"], 1, "shards[0].path", "not inside")
+    invoke(
+        ["train", "--run", str(run), *TRAIN, "--max-steps", "5"], 1, "shards[0].path", "not inside"
+    )
 
 
 def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
@@ -225,16 +339,20 @@ def test_a_manifest_entry_without_its_checksum_is_a_problem_not_a_crash(run):
 
 # --- train ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra, pattern", [
-    (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected >= 0"),
-    (["--device-batch", "-2"], "train.device_batch=-2"),
-    (["--set", "model.mlp=foo"], "model.mlp: expected one of swiglu, relu2"),
-    (["--set", "train.resume=sometimes"], "train.resume"),
-    (["--set", "model.n_layerz=2"], "did you mean 'model.n_layer'"),
-    (["--set", "model.n_head=3"], "model.n_embd=32 must be divisible by model.n_head=3"),
-    (["--set", "model.n_kv_head=3"], "model.n_head=2 must be a multiple of model.n_kv_head=3"),
-    (["--config", "/nonexistent.yaml"], "config file not found"),
-])
+
+@pytest.mark.parametrize(
+    "extra, pattern",
+    [
+        (["--set", "train.lr=-0.001"], "train.lr=-0.001 is out of range: expected >= 0"),
+        (["--device-batch", "-2"], "train.device_batch=-2"),
+        (["--set", "model.mlp=foo"], "model.mlp: expected one of swiglu, relu2"),
+        (["--set", "train.resume=sometimes"], "train.resume"),
+        (["--set", "model.n_layerz=2"], "did you mean 'model.n_layer'"),
+        (["--set", "model.n_head=3"], "model.n_embd=32 must be divisible by model.n_head=3"),
+        (["--set", "model.n_kv_head=3"], "model.n_head=2 must be a multiple of model.n_kv_head=3"),
+        (["--config", "/nonexistent.yaml"], "config file not found"),
+    ],
+)
 def test_train_config_mistakes_exit_2_before_any_run_file_is_read(tmp_path, extra, pattern):
     # The run directory does not exist: a check that came after reading it would say so instead.
     invoke(["train", "--run", str(tmp_path / "no-such-run"), *TRAIN, *extra], 2, pattern)
@@ -247,8 +365,13 @@ def test_invalid_yaml_names_the_line(tmp_path):
 
 
 def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(run):
-    invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5", "--device-batch", "10000000"], 2,
-           "train.device_batch=10000000", "GB", "Fix: train.device_batch=")
+    invoke(
+        ["train", "--run", str(run), *TRAIN, "--max-steps", "5", "--device-batch", "10000000"],
+        2,
+        "train.device_batch=10000000",
+        "GB",
+        "Fix: train.device_batch=",
+    )
     # The default 4x128 model, vocab 32768, 2000 x 256 on the CPU: OOM-killed when not refused.
     m = build_config().model
     m.vocab_size = 32768
@@ -262,20 +385,31 @@ def test_warmup_longer_than_the_run_warns_and_a_finished_run_has_nothing_to_do(r
     shutil.rmtree(run / "checkpoints")
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        invoke(["train", "--run", str(run), *TRAIN, "--set=train.warmup_steps=50", "--max-steps", "2"], 0)
+        invoke(
+            ["train", "--run", str(run), *TRAIN, "--set=train.warmup_steps=50", "--max-steps", "2"],
+            0,
+        )
     assert "train.warmup_steps=50 covers the whole run (2 steps)" in caplog.text
 
 
 # --- eval / sample -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, code, pattern", [
-    (["eval", "--checkpoint", "abc"], 2, "eval.checkpoint='abc'"),
-    (["eval", "--max-tokens", "-5"], 2, "eval.max_tokens=-5"),
-    (["eval", "--checkpoint", "99"], 2, "no complete checkpoint"),
-    (["eval", "--data", "{run}/shards/train_00000.npy"], 1, "train_00000.npy: unsupported file type"),
-    (["eval", "--checkpoint", "12"], 1, "not a readable checkpoint"),
-    (["sample", "--prompt", "def", "--checkpoint", "12"], 1, "not a readable checkpoint"),
-])
+
+@pytest.mark.parametrize(
+    "args, code, pattern",
+    [
+        (["eval", "--checkpoint", "abc"], 2, "eval.checkpoint='abc'"),
+        (["eval", "--max-tokens", "-5"], 2, "eval.max_tokens=-5"),
+        (["eval", "--checkpoint", "99"], 2, "no complete checkpoint"),
+        (
+            ["eval", "--data", "{run}/shards/train_00000.npy"],
+            1,
+            "train_00000.npy: unsupported file type",
+        ),
+        (["eval", "--checkpoint", "12"], 1, "not a readable checkpoint"),
+        (["sample", "--prompt", "def", "--checkpoint", "12"], 1, "not a readable checkpoint"),
+    ],
+)
 def test_eval_and_sample_mistakes(run, args, code, pattern):
     junk = run / "checkpoints" / "step_00000012"
     junk.mkdir()
@@ -288,7 +422,7 @@ def test_eval_and_sample_refuse_a_retrained_tokenizer(run):
     invoke(["sample", "--run", str(run), "--prompt", "def", "--max-new-tokens", "2"], 0)
     meta_path = run / "tokenizer" / "tokenizer_meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["sha256"] = "f" * 64                                       # as if retrained after training
+    meta["sha256"] = "f" * 64  # as if retrained after training
     meta_path.write_text(json.dumps(meta))
     for cmd in (["sample", "--prompt", "def"], ["eval"]):
         invoke([*cmd, "--run", str(run)], 1, "is not the tokenizer", "was trained with")

@@ -1,5 +1,6 @@
-"""pipeline/bpe.py: rustbpe's merges rebuilt as an HF BPE model (the pairs training merged, a token
-built twice, encoding as rustbpe itself, the int32 limit); pipeline/doc_select.py's hash budget."""
+"""pipeline/tokenizer/bpe.py: rustbpe's merges rebuilt as an HF BPE model (the pairs training
+merged, a token built twice, encoding as rustbpe itself, the int32 limit);
+pipeline/tokenizer/doc_select.py's hash budget."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from tests.test_tokenizer import TRICKY, VOCAB, config, make_docs, random_string
 
 
 def reference_bpe(words: dict[bytes, int], n_merges: int) -> list[tuple[int, int]]:
-    """Plain BPE training (minbpe-style): merge the most frequent pair, ties to the smallest pair."""
+    """Plain BPE training (minbpe-style): merge the most frequent pair, ties to the smallest
+    pair."""
     seqs = {w: list(w) for w in words}
     merges = []
     for new_id in range(256, 256 + n_merges):
         counts: dict[tuple[int, int], int] = {}
         for w, ids in seqs.items():
-            for p in zip(ids, ids[1:]):
+            for p in zip(ids, ids[1:], strict=False):
                 counts[p] = counts.get(p, 0) + words[w]
         if not counts:
             break
@@ -34,7 +36,10 @@ def reference_bpe(words: dict[bytes, int], n_merges: int) -> list[tuple[int, int
 def test_merge_pairs_recovers_the_pairs_training_merged():
     rng = random.Random(5)
     alphabet = b"aab ccd\x00\xff"
-    words = {bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 12))): rng.randint(1, 50) for _ in range(300)}
+    words = {
+        bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 12))): rng.randint(1, 50)
+        for _ in range(300)
+    }
     words[b"aaaaaaaa"] = 40  # overlapping pairs: merged left to right
     pairs = reference_bpe(words, 150)
     token_bytes = [bytes([i]) for i in range(256)]
@@ -79,7 +84,9 @@ def test_rustbpe_refuses_more_text_than_int32_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "RUSTBPE_MAX_BYTES", 1000)
     with pytest.raises(ConfigError, match="data.tokenizer.trainer=rustbpe.*trainer=hf"):
         T.run_tokenizer(config(tmp_path / "r", [tmp_path / "d.parquet"], vocab=300))
-    meta = T.run_tokenizer(config(tmp_path / "r", [tmp_path / "d.parquet"], vocab=300, trainer="hf"))
+    meta = T.run_tokenizer(
+        config(tmp_path / "r", [tmp_path / "d.parquet"], vocab=300, trainer="hf")
+    )
     assert meta["trainer"] == "hf" and meta["corpus"]["bytes_used"] > 1000
 
 

@@ -1,6 +1,6 @@
-"""train/checkpoint.py: a damaged or truncated checkpoint falls back (an I/O error is retried instead),
-retention keeps the intact ones, the DCP + JSON layout, round trips and resume on gs://.
-Several ranks and layouts: tests/test_fsdp.py."""
+"""train/checkpoint/folders.py: a damaged or truncated checkpoint falls back (an I/O error is
+retried instead), retention keeps the intact ones, the DCP + JSON layout, round trips and resume on
+gs://. Several ranks and layouts: tests/test_fsdp.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from train.checkpoint import folders as checkpoint
 
 
 def _state(step: int) -> dict:
-    return {"step": step, "tokens": step * 10, "model": {"w": torch.full((64,), float(step))},
-            "config": {"train": {"lr": 0.1}}, "rng": checkpoint.rng_state()}
+    return {
+        "step": step,
+        "tokens": step * 10,
+        "model": {"w": torch.full((64,), float(step))},
+        "config": {"train": {"lr": 0.1}},
+        "rng": checkpoint.rng_state(),
+    }
 
 
 def _shard(run: str, step: int) -> Path:
@@ -30,41 +35,61 @@ def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
         checkpoint.save(run, _state(s), keep_last=5)
     shard3 = _shard(run, 3)
     data = shard3.read_bytes()
-    shard3.write_bytes(data[: len(data) // 2])                  # truncated
+    shard3.write_bytes(data[: len(data) // 2])  # truncated
     assert checkpoint.latest_step(run) == 3
     state = checkpoint.load(run)
     assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
     assert "step_00000003" in caplog.text and "damaged" in caplog.text
     with pytest.raises(ValueError, match="truncated"):
-        checkpoint.load(run, 3)                                 # an explicit step is never swapped
-    shard3.write_bytes(b"\0" * len(data))                       # right size, garbage content: the sha256 differs
+        checkpoint.load(run, 3)  # an explicit step is never swapped
+    shard3.write_bytes(b"\0" * len(data))  # right size, garbage content: the sha256 differs
     assert checkpoint.load(run)["step"] == 2
     (Path(checkpoint.step_dir(run, 2)) / ".metadata").unlink()  # a file DONE lists is gone
     assert checkpoint.load(run)["step"] == 1
-    (Path(checkpoint.step_dir(run, 1)) / "DONE").write_text('{"step": 1, "bytes": 100}')   # an old ckpt.pt checkpoint
+    (Path(checkpoint.step_dir(run, 1)) / "DONE").write_text(
+        '{"step": 1, "bytes": 100}'
+    )  # an old ckpt.pt checkpoint
     with pytest.raises(FileNotFoundError, match="single-file checkpoint of an older codex"):
         checkpoint.load(run)
 
 
 def test_a_checkpoint_holds_tensors_in_dcp_and_the_rest_in_json(tmp_path):
     run = str(tmp_path / "run")
-    state = _state(4) | {"optimizer": {"adamw": {"state": {"w": {"exp_avg": torch.ones(64), "step": torch.tensor(3.0)}},
-                                                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}}
+    state = _state(4) | {
+        "optimizer": {
+            "adamw": {
+                "state": {"w": {"exp_avg": torch.ones(64), "step": torch.tensor(3.0)}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}],
+            }
+        }
+    }
     checkpoint.save(run, state)
     folder = Path(checkpoint.step_dir(run, 4))
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "DONE", "__0_0.distcp", "state.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "DONE",
+        "__0_0.distcp",
+        "state.json",
+    ]
     skeleton = json.loads((folder / "state.json").read_text())
-    assert skeleton["model"]["w"] == {"__tensor__": [64], "dtype": "float32"} and skeleton["tokens"] == 40
+    assert (
+        skeleton["model"]["w"] == {"__tensor__": [64], "dtype": "float32"}
+        and skeleton["tokens"] == 40
+    )
     back = checkpoint.load(run, 4)
     assert back["optimizer"]["adamw"]["param_groups"][0]["betas"] == [0.9, 0.95]
     assert torch.equal(back["optimizer"]["adamw"]["state"]["w"]["step"], torch.tensor(3.0))
     only_model = checkpoint.load(run, 4, keys=("model",))
-    assert "optimizer" not in only_model and "rng" not in only_model and only_model["config"] == state["config"]
+    assert (
+        "optimizer" not in only_model
+        and "rng" not in only_model
+        and only_model["config"] == state["config"]
+    )
 
 
 def test_retention_keeps_last_k_and_every_m(tmp_path):
     run = str(tmp_path / "run")
-    Path(checkpoint.step_dir(run, 1)).mkdir(parents=True)       # a leftover save with no DONE
+    Path(checkpoint.step_dir(run, 1)).mkdir(parents=True)  # a leftover save with no DONE
     for s in range(2, 13):
         checkpoint.save(run, _state(s), keep_last=2, keep_every=5)
     assert checkpoint.complete_steps(run) == [5, 10, 11, 12]
@@ -95,9 +120,11 @@ def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
             fsio.upload(str(f), f"{run}/{f.relative_to(local)}")
     first = run_train(run, max_steps=2, save_every=1)
     assert first["step"] == 2 and checkpoint.complete_steps(run) == [1, 2]
-    second = run_train(run, max_steps=3, save_every=1)          # resumes at 2, one more step
+    second = run_train(run, max_steps=3, save_every=1)  # resumes at 2, one more step
     assert second["step"] == 3
-    steps = [json.loads(l)["step"] for l in fsio.read_text(f"{run}/metrics.jsonl").splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in fsio.read_text(f"{run}/metrics.jsonl").splitlines()
+    ]
     assert steps == [1, 2, 3]
 
 
@@ -107,10 +134,10 @@ def test_retention_after_a_fallback_keeps_the_intact_checkpoints(tmp_path, caplo
     run = str(tmp_path / "run")
     for s in range(1, 6):
         checkpoint.save(run, _state(s), keep_last=10)
-    for s in (4, 5):                                            # the two newest are damaged
+    for s in (4, 5):  # the two newest are damaged
         _shard(run, s).write_bytes(_shard(run, s).read_bytes()[:100])
-    assert checkpoint.load(run)["step"] == 3                   # the fallback
-    checkpoint.save(run, _state(4), keep_last=1)               # training goes on from step 3
+    assert checkpoint.load(run)["step"] == 3  # the fallback
+    checkpoint.save(run, _state(4), keep_last=1)  # training goes on from step 3
     assert checkpoint.complete_steps(run) == [4]
     assert checkpoint.load(run)["step"] == 4 and "not resumed from" in caplog.text
     checkpoint.save(run, _state(5), keep_last=2)
@@ -133,9 +160,9 @@ def test_an_io_error_on_the_newest_checkpoint_is_retried_never_a_fallback(tmp_pa
         return real_damage(folder, rank, world)
 
     monkeypatch.setattr(checkpoint, "_damage", lambda f, r, w: flaky(f, r, w, 1))
-    assert checkpoint.load(run)["step"] == 2                    # retried, not the older step 1
+    assert checkpoint.load(run)["step"] == 2  # retried, not the older step 1
     calls.clear()
     monkeypatch.setattr(checkpoint, "_damage", lambda f, r, w: flaky(f, r, w, 99))
     with pytest.raises(OSError, match="step_00000002: could not read the newest checkpoint"):
         checkpoint.load(run)
-    assert checkpoint.complete_steps(run) == [1, 2]             # nothing deleted
+    assert checkpoint.complete_steps(run) == [1, 2]  # nothing deleted

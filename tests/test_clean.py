@@ -18,18 +18,20 @@ import pytest
 
 from codex import fsio
 from codex.config import build_config
+from codex.config.data import CleanConfig
 from pipeline.clean import filters as F
 from pipeline.clean.clean import CleanError, run_clean
-from codex.config.data import CleanConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PROSE = ("The history of the river valley is long and varied, and the people who have lived there "
-         "have left many traces of their lives. Farmers built terraces on the slopes to grow grain and "
-         "vines. Traders carried salt and cloth along the old road that follows the water. In the "
-         "spring the floods renewed the soil, and the villages held festivals to mark the return of "
-         "the birds. Historians have studied the records kept by the monks of the abbey, which describe "
-         "harvests, disputes and the building of the stone bridge that still stands today.")
+PROSE = (
+    "The history of the river valley is long and varied, and the people who have lived there "
+    "have left many traces of their lives. Farmers built terraces on the slopes to grow grain and "
+    "vines. Traders carried salt and cloth along the old road that follows the water. In the "
+    "spring the floods renewed the soil, and the villages held festivals to mark the return of "
+    "the birds. Historians have studied the records kept by the monks of the abbey, which describe "
+    "harvests, disputes and the building of the stone bridge that still stands today."
+)
 
 CODE = '''import os
 
@@ -53,11 +55,16 @@ class Counter:
 
 def prose(seed: int) -> str:
     """A distinct prose document that passes the web filters."""
-    return PROSE.replace("river valley", f"valley number {seed}") + f"\nIt was recorded in the year {1000 + seed}."
+    return (
+        PROSE.replace("river valley", f"valley number {seed}")
+        + f"\nIt was recorded in the year {1000 + seed}."
+    )
 
 
 def cfg_for(tmp_path, inputs, *overrides, run="run"):
-    cfg = build_config(overrides=list(overrides), run=str(tmp_path / run) if "://" not in run else run)
+    cfg = build_config(
+        overrides=list(overrides), run=str(tmp_path / run) if "://" not in run else run
+    )
     cfg.data.clean.inputs = [str(i) for i in inputs]
     return cfg
 
@@ -109,7 +116,7 @@ def test_gopher_repetition_filter():
 
 
 def test_c4_filter():
-    doc = F.Doc(PROSE + "\nmenu home contact")   # a line without terminal punctuation is removed
+    doc = F.Doc(PROSE + "\nmenu home contact")  # a line without terminal punctuation is removed
     assert F.c4_filter(doc, CleanConfig().c4) is None and "menu home" not in doc.text
     assert check("c4", PROSE + " function f() { return 1; }.") == "c4:curly_bracket"
     assert check("c4", "Lorem ipsum dolor sit amet. " + PROSE) == "c4:lorem_ipsum"
@@ -127,12 +134,22 @@ def test_fineweb_filter():
 def test_code_filter():
     assert check("code", CODE) is None
     assert check("code", CODE + "x = '" + "a" * 2000 + "'\n") == "code:long_line"
-    assert check("code", "0x1f, 0x2e, 0x3d;\n" * 10 + "= = = = = = = = = = = = = = = = = =\n" * 30) == "code:low_alnum_fraction"
+    assert (
+        check("code", "0x1f, 0x2e, 0x3d;\n" * 10 + "= = = = = = = = = = = = = = = = = =\n" * 30)
+        == "code:low_alnum_fraction"
+    )
 
 
 def test_presets_and_switches():
     c = CleanConfig()
-    assert F.active_filters(c) == ["length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "dedup"]
+    assert F.active_filters(c) == [
+        "length",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+        "dedup",
+    ]
     c.preset = "code"
     assert F.active_filters(c) == ["length", "code", "dedup"]
     c.dedup.enabled = False
@@ -148,16 +165,20 @@ def test_code_preset_keeps_python_and_web_drops_it(tmp_path):
     src.mkdir()
     for i in range(5):
         (src / f"m{i}.py").write_text(CODE + f"\nVALUE = {i}\n")
-    (src / "dup.py").write_text(CODE + "\nVALUE = 0\n")        # exact duplicate of m0.py
-    (src / "notes.bin").write_bytes(b"\x00\x01")               # unsupported type inside a dir: skipped
+    (src / "dup.py").write_text(CODE + "\nVALUE = 0\n")  # exact duplicate of m0.py
+    (src / "notes.bin").write_bytes(b"\x00\x01")  # unsupported type inside a dir: skipped
     stats = run_clean(cfg_for(tmp_path, [src], "data.clean.preset=code", run="code"))
     assert (stats["docs_in"], stats["docs_out"]) == (6, 5)
     assert stats["drops"] == {"dedup": {"duplicate": 1}}
     assert stats["files"]["skipped_unsupported"] == 1
     rows = read_out(str(tmp_path / "code"))
-    assert sorted(r["text"] for r in rows) == sorted((CODE + f"\nVALUE = {i}\n").strip() for i in range(5))
+    assert sorted(r["text"] for r in rows) == sorted(
+        (CODE + f"\nVALUE = {i}\n").strip() for i in range(5)
+    )
     assert all(r["source"].endswith(".py") and r["id"] for r in rows)
-    with pytest.raises(CleanError, match="kept no documents .*--preset code"):   # a clean that keeps nothing fails
+    with pytest.raises(
+        CleanError, match="kept no documents .*--preset code"
+    ):  # a clean that keeps nothing fails
         run_clean(cfg_for(tmp_path, [src], "data.clean.preset=web", run="web"))
     web = json.loads((tmp_path / "web" / "clean" / "stats.json").read_text())
     assert web["docs_out"] == 0 and web["drops_total"] == 6
@@ -169,27 +190,50 @@ def test_formats_and_output_layout(tmp_path):
         for i in range(3, 6):
             f.write(json.dumps({"body": prose(i)}) + "\n")
     import zstandard
-    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
-        "".join(json.dumps({"body": prose(i)}) + "\n" for i in range(6, 8)).encode()))
+
+    (tmp_path / "c.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(
+            "".join(json.dumps({"body": prose(i)}) + "\n" for i in range(6, 8)).encode()
+        )
+    )
     pq.write_table(pa.table({"content": [prose(8), prose(9)]}), tmp_path / "d.parquet")
-    cfg = cfg_for(tmp_path, [tmp_path / "a.txt", str(tmp_path / "*.jsonl.*"), tmp_path / "d.parquet"],
-                  "data.clean.txt_delimiter='===\\n'", "data.clean.text_field=body", "data.clean.text_column=content",
-                  "data.clean.row_group_size=2", "data.clean.docs_per_shard=3")
+    cfg = cfg_for(
+        tmp_path,
+        [tmp_path / "a.txt", str(tmp_path / "*.jsonl.*"), tmp_path / "d.parquet"],
+        "data.clean.txt_delimiter='===\\n'",
+        "data.clean.text_field=body",
+        "data.clean.text_column=content",
+        "data.clean.row_group_size=2",
+        "data.clean.docs_per_shard=3",
+    )
     stats = run_clean(cfg)
     assert stats["docs_in"] == 9 and stats["docs_out"] == 9, stats
     out = tmp_path / "run" / "clean"
     shards = sorted(out.glob("part-*.parquet"))
-    assert len(shards) == 3   # 9 docs, 3 per shard
+    assert len(shards) == 3  # 9 docs, 3 per shard
     meta = pq.ParquetFile(shards[0]).metadata
-    assert meta.num_rows == 3 and meta.num_row_groups == 2 and meta.row_group(0).column(0).compression == "ZSTD"
-    assert sorted(r["text"] for r in read_out(str(tmp_path / "run"))) == sorted(prose(i) for i in range(1, 10))
-    assert json.loads((out / "stats.json").read_text())["docs_out"] == 9 and (out / "config.yaml").exists()
+    assert (
+        meta.num_rows == 3
+        and meta.num_row_groups == 2
+        and meta.row_group(0).column(0).compression == "ZSTD"
+    )
+    assert sorted(r["text"] for r in read_out(str(tmp_path / "run"))) == sorted(
+        prose(i) for i in range(1, 10)
+    )
+    assert (
+        json.loads((out / "stats.json").read_text())["docs_out"] == 9
+        and (out / "config.yaml").exists()
+    )
 
 
 def test_keep_rejected_writes_reason(tmp_path):
-    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in [prose(1), "too short.", prose(1)]))
+    (tmp_path / "in.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in [prose(1), "too short.", prose(1)])
+    )
     run_clean(cfg_for(tmp_path, [tmp_path / "in.jsonl"], "data.clean.keep_rejected=true"))
-    rej = pq.read_table(next((tmp_path / "run" / "clean" / "rejected").glob("*.parquet"))).to_pylist()
+    rej = pq.read_table(
+        next((tmp_path / "run" / "clean" / "rejected").glob("*.parquet"))
+    ).to_pylist()
     assert sorted(r["reason"] for r in rej) == ["dedup:duplicate", "gopher_quality:short_doc"]
     assert {r["text"] for r in rej} >= {prose(1)}
 
@@ -202,28 +246,40 @@ def test_bad_inputs_are_reported_and_the_rest_is_cleaned(tmp_path, caplog):
     d = tmp_path / "in"
     d.mkdir()
     (d / "good.txt").write_text(prose(1))
-    (d / "latin1.txt").write_bytes(prose(2).encode() + b" caf\xe9 \xff.")        # invalid UTF-8
+    (d / "latin1.txt").write_bytes(prose(2).encode() + b" caf\xe9 \xff.")  # invalid UTF-8
     (d / "nul.txt").write_bytes(prose(3).encode().replace(b"valley", b"val\x00ley") + b"\x00")
     (d / "empty.txt").write_bytes(b"")
-    lines = [json.dumps({"text": prose(4)}), "{not json", json.dumps({"title": "x"}), json.dumps({"text": prose(5)}),
-             json.dumps({"text": 3})]
+    lines = [
+        json.dumps({"text": prose(4)}),
+        "{not json",
+        json.dumps({"title": "x"}),
+        json.dumps({"text": prose(5)}),
+        json.dumps({"text": 3}),
+    ]
     (d / "mixed.jsonl").write_text("\n".join(lines) + "\n")
-    (d / "corrupt.jsonl.gz").write_bytes(gzip.compress(b'{"text": "abc"}\n' * 1000)[:60])   # cannot be read
+    (d / "corrupt.jsonl.gz").write_bytes(
+        gzip.compress(b'{"text": "abc"}\n' * 1000)[:60]
+    )  # cannot be read
     pq.write_table(pa.table({"body": ["x"], "url": ["u"]}), d / "nocol.parquet")
     cfg = cfg_for(tmp_path, [d])
-    with pytest.raises(CleanError, match="nocol.parquet: no column 'text' \\(columns: body, url\\)"):
+    with pytest.raises(
+        CleanError, match="nocol.parquet: no column 'text' \\(columns: body, url\\)"
+    ):
         run_clean(cfg)
     stats = json.loads((tmp_path / "run" / "clean" / "stats.json").read_text())
     bad = stats["bad_input"]
     failed = {Path(f["path"]).name: f["error"] for f in bad["failed_files"]}
     assert set(failed) == {"nocol.parquet", "corrupt.jsonl.gz"}
-    assert bad["invalid_utf8_records"]["count"] == 1 and bad["invalid_utf8_records"]["first_files"][0].endswith("latin1.txt")
+    assert bad["invalid_utf8_records"]["count"] == 1 and bad["invalid_utf8_records"]["first_files"][
+        0
+    ].endswith("latin1.txt")
     assert bad["nul_chars"]["count"] == 2
     assert bad["empty_files"]["files"] == 1
     assert bad["malformed_lines"]["count"] == 3
-    assert bad["malformed_lines"]["first"][0]["lines"][:2] == ["line 2: invalid JSON (Expecting property name enclosed "
-                                                               "in double quotes, column 2)",
-                                                               "line 3: no field 'text' (fields: title)"]
+    assert bad["malformed_lines"]["first"][0]["lines"][:2] == [
+        "line 2: invalid JSON (Expecting property name enclosed in double quotes, column 2)",
+        "line 3: no field 'text' (fields: title)",
+    ]
     texts = {r["text"] for r in read_out(str(tmp_path / "run"))}
     assert prose(1) in texts and prose(3) in texts and prose(4) in texts and prose(5) in texts
     assert any(t.startswith(prose(2)) and "\ufffd" in t for t in texts)
@@ -231,7 +287,9 @@ def test_bad_inputs_are_reported_and_the_rest_is_cleaned(tmp_path, caplog):
     # a rerun redoes only what failed (the chunk holding the failed files) and still reports it
     (d / "nocol.parquet").unlink()
     (d / "corrupt.jsonl.gz").unlink()
-    with pytest.raises(Exception, match="other inputs"):   # the input set changed: refuse to mix outputs
+    with pytest.raises(
+        Exception, match="other inputs"
+    ):  # the input set changed: refuse to mix outputs
         run_clean(cfg)
 
 
@@ -240,20 +298,27 @@ def test_huge_single_line_is_dropped_with_bounded_memory(tmp_path):
     with open(big, "wb") as f:
         f.write(json.dumps({"text": prose(1)}).encode() + b"\n")
         f.write(b'{"text": "')
-        for _ in range(200):                                       # a single 200 MB line, written in
-            f.write(b"a" * (1 << 20))                              # pieces, never held by this test
+        for _ in range(200):  # a single 200 MB line, written in
+            f.write(b"a" * (1 << 20))  # pieces, never held by this test
         f.write(b'"}\n')
         f.write(json.dumps({"text": prose(2)}).encode() + b"\n")
-    code = ("import resource, json; from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
-            f"cfg = build_config(run={str(tmp_path / 'run')!r}); cfg.data.clean.inputs = [{str(big)!r}]\n"
-            "s = run_clean(cfg)\n"
-            # VmHWM is this process's own peak: ru_maxrss carries the parent's peak across fork+exec
-            "hwm = int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
-            "print(json.dumps([s['docs_out'], s['drops'], hwm]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    code = (
+        "import resource, json; from codex.config import build_config; "
+        "from pipeline.clean.clean import run_clean\n"
+        f"cfg = build_config(run={str(tmp_path / 'run')!r}); "
+        f"cfg.data.clean.inputs = [{str(big)!r}]\n"
+        "s = run_clean(cfg)\n"
+        # VmHWM is this process's own peak: ru_maxrss carries the parent's peak across fork+exec
+        "hwm = int(next(l for l in open('/proc/self/status') "
+        "if l.startswith('VmHWM')).split()[1])\n"
+        "print(json.dumps([s['docs_out'], s['drops'], hwm]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     docs_out, drops, maxrss_kb = json.loads(out.stdout.strip().splitlines()[-1])
     assert docs_out == 2 and drops == {"length": {"too_long": 1}}
-    assert maxrss_kb < 150_000, maxrss_kb   # never held the 200 MB line
+    assert maxrss_kb < 150_000, maxrss_kb  # never held the 200 MB line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +331,9 @@ def make_corpus(d: Path, n_files: int, docs_per_file: int, dup_every: int = 7) -
     for i in range(n_files):
         with open(d / f"f{i:03d}.jsonl", "w") as f:
             for _ in range(docs_per_file):
-                f.write(json.dumps({"text": prose(k % dup_every if k % 5 == 0 else k)}) + "\n")   # cross-file dups
+                f.write(
+                    json.dumps({"text": prose(k % dup_every if k % 5 == 0 else k)}) + "\n"
+                )  # cross-file dups
                 k += 1
 
 
@@ -277,24 +344,46 @@ def snapshot(run: Path) -> dict[str, bytes]:
 def test_one_and_two_workers_give_identical_output(tmp_path):
     make_corpus(tmp_path / "in", 6, 30)
     s1 = run_clean(cfg_for(tmp_path, [tmp_path / "in"], "data.clean.chunk_bytes=20000", run="w1"))
-    s2 = run_clean(cfg_for(tmp_path, [tmp_path / "in"], "data.clean.chunk_bytes=20000", "data.clean.workers=2", run="w2"))
+    s2 = run_clean(
+        cfg_for(
+            tmp_path,
+            [tmp_path / "in"],
+            "data.clean.chunk_bytes=20000",
+            "data.clean.workers=2",
+            run="w2",
+        )
+    )
     assert s1["chunks"] > 2 and s1["dedup_across_chunks"] > 0
-    assert snapshot(tmp_path / "w1") == snapshot(tmp_path / "w2") and len(snapshot(tmp_path / "w1")) > 2
+    assert (
+        snapshot(tmp_path / "w1") == snapshot(tmp_path / "w2")
+        and len(snapshot(tmp_path / "w1")) > 2
+    )
     assert s1 == s2
 
 
 def test_dedup_is_exact_across_tasks(tmp_path):
     make_corpus(tmp_path / "in", 4, 30)
     single = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="one"))
-    for i in (1, 0):   # any order; the last task to finish writes stats.json
-        stats = run_clean(cfg_for(tmp_path, [tmp_path / "in"], "data.clean.num_tasks=2", f"data.clean.task_index={i}",
-                                  run="two"))
+    for i in (1, 0):  # any order; the last task to finish writes stats.json
+        stats = run_clean(
+            cfg_for(
+                tmp_path,
+                [tmp_path / "in"],
+                "data.clean.num_tasks=2",
+                f"data.clean.task_index={i}",
+                run="two",
+            )
+        )
     texts = [r["text"] for r in read_out(str(tmp_path / "two"))]
     assert len(texts) == len(set(texts)) == single["docs_out"] == stats["docs_out"]
     assert set(texts) == {r["text"] for r in read_out(str(tmp_path / "one"))}
     assert stats["drops"]["dedup"] == single["drops"]["dedup"]
-    assert sorted(p.name for p in (tmp_path / "two" / "clean").glob("part-*"))[0].startswith("part-00000-")
-    assert any(p.name.startswith("part-00001-") for p in (tmp_path / "two" / "clean").glob("part-*"))
+    assert sorted(p.name for p in (tmp_path / "two" / "clean").glob("part-*"))[0].startswith(
+        "part-00000-"
+    )
+    assert any(
+        p.name.startswith("part-00001-") for p in (tmp_path / "two" / "clean").glob("part-*")
+    )
 
 
 @pytest.mark.slow
@@ -303,10 +392,14 @@ def test_sigkill_midway_then_rerun_matches_uninterrupted(tmp_path):
     args = ["data.clean.chunk_bytes=100000"]
     ref = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
     assert ref["chunks"] >= 12
-    code = ("from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
-            f"cfg = build_config(overrides={args!r}, run={str(tmp_path / 'killed')!r})\n"
-            f"cfg.data.clean.inputs = [{str(tmp_path / 'in')!r}]\nrun_clean(cfg)")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True)
+    code = (
+        "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
+        f"cfg = build_config(overrides={args!r}, run={str(tmp_path / 'killed')!r})\n"
+        f"cfg.data.clean.inputs = [{str(tmp_path / 'in')!r}]\nrun_clean(cfg)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     markers = tmp_path / "killed" / "clean" / "markers"
     deadline = time.time() + 60
     while time.time() < deadline and len(list(markers.glob("*.json"))) < 3:
@@ -334,6 +427,8 @@ def test_gcs_round_trip(tmp_path, gcs_bucket):
     local = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="local"))
     remote = run_clean(cfg_for(tmp_path, [f"{gcs_bucket}/raw"], run=f"{gcs_bucket}/run"))
     assert remote["docs_out"] == local["docs_out"] > 0 and remote["drops"] == local["drops"]
-    assert sorted(r["text"] for r in read_out(f"{gcs_bucket}/run")) == sorted(r["text"] for r in read_out(str(tmp_path / "local")))
+    assert sorted(r["text"] for r in read_out(f"{gcs_bucket}/run")) == sorted(
+        r["text"] for r in read_out(str(tmp_path / "local"))
+    )
     assert all(r["source"].startswith("gs://") for r in read_out(f"{gcs_bucket}/run"))
     assert fsio.read_json(f"{gcs_bucket}/run/clean/stats.json")["docs_out"] == local["docs_out"]

@@ -4,12 +4,27 @@ import pytest
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import ConfigError, all_keys, build_config, from_dict, preset_names, to_dict, to_yaml
+from codex.config import (
+    ConfigError,
+    all_keys,
+    build_config,
+    from_dict,
+    preset_names,
+    to_dict,
+    to_yaml,
+)
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = build_config(overrides=["model.n_layer=6", "train.lr=3e-4", "data.clean.inputs=[a, b]",
-                                  "train.compile=false", "data.shard.val_fraction=0.01"])
+    cfg = build_config(
+        overrides=[
+            "model.n_layer=6",
+            "train.lr=3e-4",
+            "data.clean.inputs=[a, b]",
+            "train.compile=false",
+            "data.shard.val_fraction=0.01",
+        ]
+    )
     assert cfg.model.n_layer == 6 and isinstance(cfg.model.n_layer, int)
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.data.clean.inputs == ["a", "b"]
@@ -17,9 +32,14 @@ def test_overrides_are_typed_and_nested():
     assert cfg.data.shard.val_fraction == 0.01
 
 
-@pytest.mark.parametrize("bad,suggestion", [("model.n_layerz=4", "model.n_layer"),
-                                            ("train.lrr=1", "train.lr"),
-                                            ("data.clean.workrs=2", "data.clean.workers")])
+@pytest.mark.parametrize(
+    "bad,suggestion",
+    [
+        ("model.n_layerz=4", "model.n_layer"),
+        ("train.lrr=1", "train.lr"),
+        ("data.clean.workrs=2", "data.clean.workers"),
+    ],
+)
 def test_unknown_key_names_it_and_suggests(bad, suggestion):
     with pytest.raises(ConfigError) as e:
         build_config(overrides=[bad])
@@ -33,21 +53,36 @@ def test_wrong_type_names_the_key():
         build_config(overrides=["train.compile=maybe"])
 
 
-@pytest.mark.parametrize("key", ["model.mlp", "train.schedule", "train.dtype", "train.xla_mode", "train.resume",
-                                 "train.wandb", "data.shard.format", "data.shard.dtype", "data.tokenizer.trainer",
-                                 "data.clean.preset"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.mlp",
+        "train.schedule",
+        "train.dtype",
+        "train.xla_mode",
+        "train.resume",
+        "train.wandb",
+        "data.shard.format",
+        "data.shard.dtype",
+        "data.tokenizer.trainer",
+        "data.clean.preset",
+    ],
+)
 def test_a_value_outside_a_literal_set_names_the_key_and_the_allowed_values(key):
     with pytest.raises(ConfigError, match=rf"{key}: expected one of .*, got 'nope'"):
         build_config(overrides=[f"{key}=nope"])
 
 
 def test_the_allowed_values_come_from_the_literal_types():
-    # The checks of the stages that dispatch on these values (model/gpt.py, train/optim.py) live here.
+    # The checks of the stages that dispatch on these values (model/gpt.py,
+    # train/optim/optimizer.py) live here.
     with pytest.raises(ValueError, match="model.mlp"):
         build_config(overrides=["model.mlp=gelu"])
     with pytest.raises(ConfigError, match="train.schedule"):
         build_config(overrides=["train.schedule=linear"])
-    assert build_config(overrides=["train.wandb=off", "data.shard.format=both"]).train.wandb == "off"
+    assert (
+        build_config(overrides=["train.wandb=off", "data.shard.format=both"]).train.wandb == "off"
+    )
 
 
 def test_yaml_file_unknown_key_names_file(tmp_path):
@@ -55,7 +90,11 @@ def test_yaml_file_unknown_key_names_file(tmp_path):
     f.write_text("model:\n  n_heads: 4\n")
     with pytest.raises(ConfigError) as e:
         build_config(str(f))
-    assert str(f) in str(e.value) and "model.n_heads" in str(e.value) and "model.n_head" in str(e.value)
+    assert (
+        str(f) in str(e.value)
+        and "model.n_heads" in str(e.value)
+        and "model.n_head" in str(e.value)
+    )
 
 
 def test_invalid_yaml_names_line(tmp_path):
@@ -81,9 +120,21 @@ def test_the_model_preset_name_is_kept_in_the_config():
 def test_typed_values_are_applied_as_they_are_after_the_file_and_before_set(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("train:\n  max_steps: 7\n  lr: 0.5\n")
-    cfg = build_config(str(f), ["train.lr=0.25"], values={"train.max_steps": 100, "train.lr": 0.1,
-                                                         "data.clean.inputs": ["a b", "c"], "train.xla_cache": None})
-    assert cfg.train.max_steps == 100 and cfg.train.lr == 0.25 and cfg.data.clean.inputs == ["a b", "c"]
+    cfg = build_config(
+        str(f),
+        ["train.lr=0.25"],
+        values={
+            "train.max_steps": 100,
+            "train.lr": 0.1,
+            "data.clean.inputs": ["a b", "c"],
+            "train.xla_cache": None,
+        },
+    )
+    assert (
+        cfg.train.max_steps == 100
+        and cfg.train.lr == 0.25
+        and cfg.data.clean.inputs == ["a b", "c"]
+    )
     assert cfg.train.xla_cache == ""
     with pytest.raises(ConfigError, match="train.max_steps: expected an integer"):
         build_config(values={"train.max_steps": "many"})
@@ -107,8 +158,18 @@ def test_cli_bad_key_exits_2_with_one_clear_line():
     assert "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("args", [["--help"], ["data", "shard", "--help"], ["train", "--help"], ["eval", "--help"],
-                                  ["data", "clean", "--help"], ["data", "tokenize", "--help"], ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["data", "shard", "--help"],
+        ["train", "--help"],
+        ["eval", "--help"],
+        ["data", "clean", "--help"],
+        ["data", "tokenize", "--help"],
+        ["demo", "--help"],
+    ],
+)
 def test_help_has_an_example(args):
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
@@ -129,9 +190,11 @@ def test_yaml_boolean_for_string_key_says_quote_it(tmp_path):
 
 
 def test_model_depth_derives_the_shape():
-    m = build_config(overrides=["model.depth=12", "model.n_layer=3"]).model   # depth wins over the shape keys
-    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head) == (12, 768, 6, 6)    # 64 x 12, heads of 128
-    assert build_config(overrides=["model.depth=3"]).model.n_embd == 256      # 192 rounded up to 128s
-    assert build_config(overrides=["model.depth=2"]).model.n_head == 1        # 128 wide: one head of 128
+    m = build_config(
+        overrides=["model.depth=12", "model.n_layer=3"]
+    ).model  # depth wins over the shape keys
+    assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head) == (12, 768, 6, 6)  # 64 x 12, heads of 128
+    assert build_config(overrides=["model.depth=3"]).model.n_embd == 256  # 192 rounded up to 128s
+    assert build_config(overrides=["model.depth=2"]).model.n_head == 1  # 128 wide: one head of 128
     with pytest.raises(ConfigError, match="model.depth=-1"):
         build_config(overrides=["model.depth=-1"])

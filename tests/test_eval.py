@@ -9,21 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.evaluate import evaluate, summarize
 from codex.config.model import ModelConfig
+from eval.evaluate import evaluate, summarize
 from model.gpt import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Grüße aus Köln, déjà vu ✓. "
-        "def add(a, b):\n    return a + b\n") * 4
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Grüße aus Köln, déjà vu ✓. "
+    "def add(a, b):\n    return a + b\n"
+) * 4
 
 
 # --- helpers ------------------------------------------------------------------------------------
 
+
 def make_tokenizer(vocab_size: int = 300, text: str = TEXT):
-    """A codex byte-level BPE (pipeline/tokenizer.py): specials <|bos|> 0, <|eos|> 1, <|pad|> 2."""
+    """A codex byte-level BPE (pipeline/tokenizer/tokenizer.py): specials <|bos|> 0, <|eos|> 1,
+    <|pad|> 2."""
     from pipeline.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer(iter([[text] * 20]), vocab_size)
@@ -47,15 +51,16 @@ def windows(ids: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All (x, y) windows of the loader contract: (n - 1) // T windows of T + 1 tokens."""
     a = torch.tensor(ids, dtype=torch.long)
     n = (len(ids) - 1) // T
-    w = torch.stack([a[j * T: j * T + T + 1] for j in range(n)])
+    w = torch.stack([a[j * T : j * T + T + 1] for j in range(n)])
     return w[:, :-1], w[:, 1:]
 
 
 def batched(x, y, B):
-    return [(x[i:i + B], y[i:i + B]) for i in range(0, len(x), B)]
+    return [(x[i : i + B], y[i : i + B]) for i in range(0, len(x), B)]
 
 
 # --- evaluate: the numbers ----------------------------------------------------------------------
+
 
 def test_uniform_logits_give_perplexity_equal_to_vocab_size():
     V = 300  # not a multiple of 128: the model must slice its padded head back to the real vocab
@@ -76,7 +81,9 @@ def test_bits_per_byte_on_known_text_equals_hand_computation():
     tb = token_bytes_of(tok)
     V = tok.get_vocab_size()
     text = "Grüße aus Köln ✓ déjà vu, the lazy dog."
-    ids = [0] + tok.encode(text).ids  # <|bos|> + the text: the targets are exactly the text's tokens
+    ids = [0] + tok.encode(
+        text
+    ).ids  # <|bos|> + the text: the targets are exactly the text's tokens
     T = len(ids) - 1
     x, y = windows(ids, T)
 
@@ -124,8 +131,10 @@ def test_row_mask_excludes_padded_rows_exactly():
     # the same 5 rows as fixed-shape batches of 4: the last one padded with 3 junk rows, masked out
     pad_x = torch.cat([x[4:], x[:3]])
     pad_y = torch.cat([y[4:], torch.full((3, 8), 7)])
-    fixed = [(x[:4], y[:4], torch.ones(4, dtype=torch.bool)),
-             (pad_x, pad_y, torch.tensor([True, False, False, False]))]
+    fixed = [
+        (x[:4], y[:4], torch.ones(4, dtype=torch.bool)),
+        (pad_x, pad_y, torch.tensor([True, False, False, False])),
+    ]
     r = evaluate(model, fixed, tb)
     assert r["tokens"] == ref["tokens"] == 40
     assert r["bytes"] == ref["bytes"]

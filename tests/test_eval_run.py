@@ -1,5 +1,6 @@
-"""`codex eval` on a run directory: run_eval's JSON record, --data, ranks (W=1 vs W=2 on gloo), sampling,
-the loss plot, the commands, and training's validation against codex eval of its checkpoint."""
+"""`codex eval` on a run directory: run_eval's JSON record, --data, ranks (W=1 vs W=2 on gloo),
+sampling, the loss plot, the commands, and training's validation against codex eval of its
+checkpoint."""
 
 from __future__ import annotations
 
@@ -21,14 +22,21 @@ from tests.test_eval import ROOT, batched, make_tokenizer, tiny_cfg, token_bytes
 torch.set_num_threads(1)
 
 
-# --- a run directory per the contracts: tokenizer, shards, checkpoint ------------------------------
+# --- a run directory per the contracts: tokenizer, shards, checkpoint -----------------------------
 
-VAL_DOCS = ["Grüße aus Köln ✓ déjà vu, the lazy dog sleeps.", "def add(a, b):\n    return a + b\n",
-            "The quick brown fox jumps over the lazy dog. " * 3, "ünïcödé ✓✓ naïve café"]
+VAL_DOCS = [
+    "Grüße aus Köln ✓ déjà vu, the lazy dog sleeps.",
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "ünïcödé ✓✓ naïve café",
+]
 
 
-def make_run(root: Path, T: int = 8, step: int = 7, train_steps: int = 0) -> tuple[str, object, "GPT"]:
-    """RUN/ with tokenizer/, shards/ (val = VAL_DOCS) and one checkpoint; returns (run, tok, model)."""
+def make_run(
+    root: Path, T: int = 8, step: int = 7, train_steps: int = 0
+) -> tuple[str, object, GPT]:
+    """RUN/ with tokenizer/, shards/ (val = VAL_DOCS) and one checkpoint; returns
+    (run, tok, model)."""
     import hashlib
     import io
 
@@ -46,19 +54,30 @@ def make_run(root: Path, T: int = 8, step: int = 7, train_steps: int = 0) -> tup
     np.save(buf, token_bytes_of(tok).numpy().astype(np.int32))
     fsio.write_bytes(os.path.join(tok_dir, "token_bytes.npy"), buf.getvalue())
     sha = hashlib.sha256(text.encode()).hexdigest()
-    fsio.write_json(os.path.join(tok_dir, "tokenizer_meta.json"),
-                    {"vocab_size": V, "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "sha256": sha})
+    fsio.write_json(
+        os.path.join(tok_dir, "tokenizer_meta.json"),
+        {"vocab_size": V, "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "sha256": sha},
+    )
 
     shard_dir = os.path.join(run, "shards")
     os.makedirs(shard_dir)
     ids = np.concatenate([[0] + tok.encode(d).ids for d in VAL_DOCS]).astype(np.uint16)
     np.save(os.path.join(shard_dir, "val_00000.npy"), ids)
     np.save(os.path.join(shard_dir, "train_00000.npy"), ids)
-    fsio.write_json(os.path.join(shard_dir, "manifest.json"), {
-        "format_version": 1, "tokenizer": {"sha256": sha, "vocab_size": V},
-        "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "dtype": "uint16", "append_eos": False,
-        "shards": [{"split": s, "path": f"{s}_00000.npy", "format": "npy", "tokens": int(len(ids))}
-                   for s in ("train", "val")]})
+    fsio.write_json(
+        os.path.join(shard_dir, "manifest.json"),
+        {
+            "format_version": 1,
+            "tokenizer": {"sha256": sha, "vocab_size": V},
+            "special_ids": {"bos": 0, "eos": 1, "pad": 2},
+            "dtype": "uint16",
+            "append_eos": False,
+            "shards": [
+                {"split": s, "path": f"{s}_00000.npy", "format": "npy", "tokens": int(len(ids))}
+                for s in ("train", "val")
+            ],
+        },
+    )
 
     cfg = Config()
     cfg.run = run
@@ -73,9 +92,19 @@ def make_run(root: Path, T: int = 8, step: int = 7, train_steps: int = 0) -> tup
             opt.zero_grad()
             loss.backward()
             opt.step()
-    checkpoint.save(run, {"model": model.state_dict(), "optimizer": {}, "step": step, "tokens": 1234,
-                          "loader": {"epoch": 0, "position": 0}, "rng": checkpoint.rng_state(),
-                          "config": to_dict(cfg), "codex_version": "test"})
+    checkpoint.save(
+        run,
+        {
+            "model": model.state_dict(),
+            "optimizer": {},
+            "step": step,
+            "tokens": 1234,
+            "loader": {"epoch": 0, "position": 0},
+            "rng": checkpoint.rng_state(),
+            "config": to_dict(cfg),
+            "codex_version": "test",
+        },
+    )
     return run, tok, model
 
 
@@ -102,9 +131,22 @@ def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
 
     rec = run_eval(eval_cfg(run, batch=3))
     out = json.loads(Path(run, "eval", "step_7.json").read_text())
-    schema = {"step": int, "tokens": int, "bytes": int, "loss": float, "perplexity": float,
-              "bits_per_byte": float, "split": str, "checkpoint": str, "world_size": int, "backend": str,
-              "timestamp": str, "config_fingerprint": str, "seq_len": int, "device_batch": int}
+    schema = {
+        "step": int,
+        "tokens": int,
+        "bytes": int,
+        "loss": float,
+        "perplexity": float,
+        "bits_per_byte": float,
+        "split": str,
+        "checkpoint": str,
+        "world_size": int,
+        "backend": str,
+        "timestamp": str,
+        "config_fingerprint": str,
+        "seq_len": int,
+        "device_batch": int,
+    }
     for key, typ in schema.items():
         assert isinstance(out[key], typ), (key, out.get(key))
     assert out["step"] == 7 and out["split"] == "val" and out["data"] is None
@@ -153,7 +195,9 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert rec["split"] is None and rec["data"] == [str(data)]
     written = [p.name for p in Path(run, "eval").iterdir()]
-    assert len(written) == 1 and written[0].startswith("step_7.data-")  # the val result is not overwritten
+    assert len(written) == 1 and written[0].startswith(
+        "step_7.data-"
+    )  # the val result is not overwritten
 
     with pytest.raises(FileNotFoundError, match="no such file"):
         run_eval(eval_cfg(run, data=[str(tmp_path / "missing.txt")]))
@@ -184,7 +228,11 @@ def test_fixed_shape_masked_batches_across_ranks_cover_every_window_once(tmp_pat
         counts.append(len(batches))
         assert all(len(b) == 3 and b[0].shape == (3, T) for b in batches)
         r = evaluate(model, batches, tb)
-        nats, tokens, nbytes = nats + r["loss"] * r["tokens"], tokens + r["tokens"], nbytes + r["bytes"]
+        nats, tokens, nbytes = (
+            nats + r["loss"] * r["tokens"],
+            tokens + r["tokens"],
+            nbytes + r["bytes"],
+        )
     assert counts[0] == counts[1]
     combined = summarize(nats, tokens, nbytes)
     assert combined["tokens"] == single["tokens"] and combined["bytes"] == single["bytes"]
@@ -214,16 +262,33 @@ print("RESULT " + json.dumps(r))
 def _launch(world: int, port: int, run: str) -> list[dict]:
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EVAL_RUN=run)
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT], env=env, cwd=str(ROOT),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT),
+            OMP_NUM_THREADS="1",
+            EVAL_RUN=run,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK_SCRIPT],
+                env=env,
+                cwd=str(ROOT),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, f"rank failed (rc={p.returncode}):\n{out}\n{err[-4000:]}"
-        results.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
+        results.append(json.loads(next(s for s in out.splitlines() if s.startswith("RESULT "))[7:]))
     return results
 
 
@@ -244,7 +309,9 @@ def test_world_size_1_and_2_give_the_same_numbers(tmp_path):
         assert r["bytes"] == single["bytes"]
         for k in ("loss", "perplexity", "bits_per_byte"):
             assert r[k] == pytest.approx(single[k], rel=1e-5, abs=1e-5)
-    assert json.loads(Path(run, "eval", "step_7.json").read_text())["world_size"] == 2  # rank 0 wrote it
+    assert (
+        json.loads(Path(run, "eval", "step_7.json").read_text())["world_size"] == 2
+    )  # rank 0 wrote it
 
 
 def _metrics(run: Path, lines: list[str]) -> None:
@@ -254,22 +321,40 @@ def _metrics(run: Path, lines: list[str]) -> None:
 
 # --- the commands ---------------------------------------------------------------------------------
 
+
 def test_cli_eval_and_sample(tmp_path):
     from click.testing import CliRunner
 
     from codex.cli.main import cli
 
     run, tok, model = make_run(tmp_path)
-    _metrics(Path(run), ['{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
-                         '{"kind": "val", "step": 1, "tokens": 16, "loss": 5.6}'])
+    _metrics(
+        Path(run),
+        [
+            '{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
+            '{"kind": "val", "step": 1, "tokens": 16, "loss": 5.6}',
+        ],
+    )
     r = CliRunner().invoke(cli, ["eval", "--run", run, "--device-batch", "4", "--max-tokens", "40"])
     assert r.exit_code == 0, r.output
     out = json.loads(Path(run, "eval", "step_7.json").read_text())
     assert out["tokens"] == 40 and out["device_batch"] == 4
     assert "perplexity" in r.output and Path(run, "eval", "loss.png").exists()
 
-    r = CliRunner().invoke(cli, ["sample", "--run", run, "--prompt", "The quick", "--temperature", "0",
-                                 "--max-new-tokens", "5"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "sample",
+            "--run",
+            run,
+            "--prompt",
+            "The quick",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+        ],
+    )
     assert r.exit_code == 0, r.output
     from eval.sample import sample
 
@@ -285,8 +370,8 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     import shutil
 
     from codex.config import Config
-    from eval.run import run_eval
     from eval.evaluate import evaluate
+    from eval.run import run_eval
     from train.loop import train
 
     run, _, _ = make_run(tmp_path, T=8)
@@ -314,8 +399,13 @@ def test_run_eval_and_plot_on_gcs(tmp_path, gcs_bucket):
     from eval.run import run_eval
 
     local, _, _ = make_run(tmp_path, T=8)
-    _metrics(Path(local), ['{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
-                           '{"kind": "val", "step": 1, "tokens": 16, "loss": 5.6}'])
+    _metrics(
+        Path(local),
+        [
+            '{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
+            '{"kind": "val", "step": 1, "tokens": 16, "loss": 5.6}',
+        ],
+    )
     want = run_eval(eval_cfg(local, batch=3))
     run = f"{gcs_bucket}/run"
     for path in Path(local).rglob("*"):
@@ -323,7 +413,9 @@ def test_run_eval_and_plot_on_gcs(tmp_path, gcs_bucket):
             fsio.upload(str(path), fsio.join(run, str(path.relative_to(local))))
     got = run_eval(eval_cfg(run, batch=3))
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-9) and got["tokens"] == want["tokens"]
-    assert fsio.read_json(f"{run}/eval/step_7.json")["bits_per_byte"] == pytest.approx(want["bits_per_byte"])
+    assert fsio.read_json(f"{run}/eval/step_7.json")["bits_per_byte"] == pytest.approx(
+        want["bits_per_byte"]
+    )
     assert fsio.read_bytes(f"{run}/eval/loss.png")[:4] == b"\x89PNG"
 
 
@@ -338,7 +430,8 @@ def test_spmd_4_devices_equals_eager(tmp_path):
 
     run, _, _ = make_run(tmp_path, T=8, train_steps=5)
     eager = run_eval(eval_cfg(run, batch=1))
-    out = run_xla(f"""
+    out = run_xla(
+        f"""
 import json
 from codex.config import Config
 from eval.run import run_eval
@@ -349,8 +442,10 @@ cfg.train.xla_cache = {str(tmp_path / "xla_cache")!r}
 cfg.eval.device_batch = 1
 r = run_eval(cfg)
 print("RESULT " + json.dumps(r))
-""", devices=4)
-    xla = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
+""",
+        devices=4,
+    )
+    xla = json.loads(next(s for s in out.stdout.splitlines() if s.startswith("RESULT "))[7:])
     assert xla["backend"] == "xla" and xla["world_size"] == 4
     assert xla["tokens"] == eager["tokens"] and xla["bytes"] == eager["bytes"]
     for k in ("loss", "perplexity", "bits_per_byte"):

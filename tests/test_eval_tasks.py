@@ -23,24 +23,37 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
-QUESTIONS = [("The quick brown fox jumps over the lazy", ["dog", "fox", "sleeps", "vu"]),
-             ("def add(a, b):\n    return a", ["+ b", "- b", "lazy", "dog"]),
-             ("Grüße aus", ["Köln", "dog", "return", "quick"]),
-             ("The quick brown", ["fox", "dog", "add", "café"]),
-             ("ünïcödé ✓✓ naïve", ["café", "dog", "brown", "b"]),
-             ("the lazy dog", ["sleeps", "jumps", "Köln", "return"])]
+QUESTIONS = [
+    ("The quick brown fox jumps over the lazy", ["dog", "fox", "sleeps", "vu"]),
+    ("def add(a, b):\n    return a", ["+ b", "- b", "lazy", "dog"]),
+    ("Grüße aus", ["Köln", "dog", "return", "quick"]),
+    ("The quick brown", ["fox", "dog", "add", "café"]),
+    ("ünïcödé ✓✓ naïve", ["café", "dog", "brown", "b"]),
+    ("the lazy dog", ["sleeps", "jumps", "Köln", "return"]),
+]
 
 
-def write_task(folder: Path, name: str, docs: list[dict] | None, dataset_path: str = "json") -> Path:
+def write_task(
+    folder: Path, name: str, docs: list[dict] | None, dataset_path: str = "json"
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     lines = [f"task: {name}", f"dataset_path: {dataset_path}"]
     if docs is not None:
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         lines += ["dataset_kwargs:", "  data_files:", f"    test: {data}"]
-    lines += ["test_split: test", "output_type: multiple_choice", 'doc_to_text: "{{question}}"',
-              'doc_to_choice: "{{choices}}"', "doc_to_target: label", 'target_delimiter: " "',
-              "metric_list:", "  - metric: acc", "    aggregation: mean", "    higher_is_better: true"]
+    lines += [
+        "test_split: test",
+        "output_type: multiple_choice",
+        'doc_to_text: "{{question}}"',
+        'doc_to_choice: "{{choices}}"',
+        "doc_to_target: label",
+        'target_delimiter: " "',
+        "metric_list:",
+        "  - metric: acc",
+        "    aggregation: mean",
+        "    higher_is_better: true",
+    ]
     (folder / f"{name}.yaml").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -53,7 +66,7 @@ def codex_choice(model, tok, context: str, choices: list[str]) -> int:
     for choice in choices:
         ctx = [0] + tok.encode(context).ids
         whole = [0] + tok.encode(context + " " + choice).ids
-        cont = whole[len(ctx):]
+        cont = whole[len(ctx) :]
         ids = torch.tensor([ctx + cont])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids[:, :-1]).float(), dim=-1)[0]
@@ -71,13 +84,30 @@ def test_eval_tasks_accuracy_matches_hand_computation(tmp_path):
     picks = [codex_choice(model, tok, q, c) for q, c in QUESTIONS]
     # targets: the model's pick for the first four questions, another choice for the last two
     labels = [p if i < 4 else (p + 1) % len(QUESTIONS[i][1]) for i, p in enumerate(picks)]
-    expected = sum(p == t for p, t in zip(picks, labels)) / len(labels)
+    expected = sum(p == t for p, t in zip(picks, labels, strict=True)) / len(labels)
     assert expected == pytest.approx(4 / 6)
-    docs = [{"question": q, "choices": c, "label": t} for (q, c), t in zip(QUESTIONS, labels)]
+    docs = [
+        {"question": q, "choices": c, "label": t}
+        for (q, c), t in zip(QUESTIONS, labels, strict=True)
+    ]
     tasks = write_task(tmp_path / "tasks", "codex_local_mc", docs)
 
-    r = CliRunner().invoke(cli, ["eval", "--run", run, "--checkpoint", "7", "--tasks", "codex_local_mc",
-                                 "--tasks-path", str(tasks), "--limit", "100"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "eval",
+            "--run",
+            run,
+            "--checkpoint",
+            "7",
+            "--tasks",
+            "codex_local_mc",
+            "--tasks-path",
+            str(tasks),
+            "--limit",
+            "100",
+        ],
+    )
     assert r.exit_code == 0, r.output
     records = list(Path(run, "eval").glob("step_7.tasks-*.json"))
     assert len(records) == 1
@@ -94,13 +124,19 @@ def test_eval_tasks_missing_dataset_and_unknown_task(tmp_path):
     from codex.cli.main import cli
 
     run, _, _ = make_run(tmp_path)
-    tasks = write_task(tmp_path / "tasks", "codex_missing", None, dataset_path="codex-test-org/not-downloaded")
-    r = CliRunner().invoke(cli, ["eval", "--run", run, "--tasks", "codex_missing", "--tasks-path", str(tasks)])
+    tasks = write_task(
+        tmp_path / "tasks", "codex_missing", None, dataset_path="codex-test-org/not-downloaded"
+    )
+    r = CliRunner().invoke(
+        cli, ["eval", "--run", run, "--tasks", "codex_missing", "--tasks-path", str(tasks)]
+    )
     assert r.exit_code == 1, r.output
     assert "task codex_missing: its dataset could not be loaded" in r.output
     assert len(r.output.strip().splitlines()) == 1
     assert not list(Path(run, "eval").glob("*.tasks-*.json"))
 
-    r = CliRunner().invoke(cli, ["eval", "--run", run, "--tasks", "no_such_task_xyz", "--tasks-path", str(tasks)])
+    r = CliRunner().invoke(
+        cli, ["eval", "--run", run, "--tasks", "no_such_task_xyz", "--tasks-path", str(tasks)]
+    )
     assert r.exit_code == 2, r.output
     assert "no_such_task_xyz" in r.output

@@ -46,9 +46,19 @@ def save_model(run: str, model_cfg, step: int, seed: int = 0):
                 p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    checkpoint.save(run, {"model": model.state_dict(), "optimizer": {}, "step": step, "tokens": 99,
-                          "loader": {"epoch": 0, "position": 0}, "rng": checkpoint.rng_state(),
-                          "config": to_dict(cfg), "codex_version": "test"})
+    checkpoint.save(
+        run,
+        {
+            "model": model.state_dict(),
+            "optimizer": {},
+            "step": step,
+            "tokens": 99,
+            "loader": {"epoch": 0, "position": 0},
+            "rng": checkpoint.rng_state(),
+            "config": to_dict(cfg),
+            "codex_version": "test",
+        },
+    )
     return model.eval()
 
 
@@ -62,8 +72,10 @@ def export(run: str, out: Path, step, **kw) -> Path:
     return out
 
 
-COMBOS = [dict(qk_norm=q, n_kv_head=kv, tie_embeddings=t)
-          for q, kv, t in itertools.product([True, False], [2, 4], [False, True])]
+COMBOS = [
+    dict(qk_norm=q, n_kv_head=kv, tie_embeddings=t)
+    for q, kv, t in itertools.product([True, False], [2, 4], [False, True])
+]
 
 
 def test_exported_logits_equal_codex_for_every_exportable_combination(tmp_path):
@@ -78,15 +90,21 @@ def test_exported_logits_equal_codex_for_every_exportable_combination(tmp_path):
         model = save_model(run, m, step=100 + i, seed=i)
         out = export(run, tmp_path / f"hf{i}", 100 + i, max_shard_size="30KB")
         config = json.loads((out / "config.json").read_text())
-        assert config["architectures"] == ["Qwen3ForCausalLM" if combo["qk_norm"] else "LlamaForCausalLM"]
-        assert config["vocab_size"] == V and config["tie_word_embeddings"] == combo["tie_embeddings"]
-        assert (out / "model.safetensors.index.json").exists()   # sharded: the weights are over 30 KB
+        assert config["architectures"] == [
+            "Qwen3ForCausalLM" if combo["qk_norm"] else "LlamaForCausalLM"
+        ]
+        assert (
+            config["vocab_size"] == V and config["tie_word_embeddings"] == combo["tie_embeddings"]
+        )
+        assert (
+            out / "model.safetensors.index.json"
+        ).exists()  # sharded: the weights are over 30 KB
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert hf.config.num_key_value_heads == combo["n_kv_head"]
         with torch.no_grad():
             ours, theirs = model(ids), hf(ids).logits
-        assert theirs.shape == ours.shape == (2, 64, V)   # padding rows dropped
-        assert ours.abs().max() > 1.0                       # logits far from uniform: the check has teeth
+        assert theirs.shape == ours.shape == (2, 64, V)  # padding rows dropped
+        assert ours.abs().max() > 1.0  # logits far from uniform: the check has teeth
         diffs[str(combo)] = float((ours - theirs).abs().max())
     print("max |logit diff| per combination:", json.dumps(diffs, indent=1))
     assert max(diffs.values()) < 1e-4, diffs
@@ -103,15 +121,17 @@ def test_generate_matches_codex_greedy_sample_and_tokenizer_matches(tmp_path):
     prompt = "The quick brown"
     ours = sample(model.eval(), tok, prompt, max_new_tokens=20, temperature=0)
     enc = hf_tok(prompt, return_tensors="pt")
-    assert enc.input_ids[0, 0].item() == 0   # <|bos|> first, as every training document
-    gen = hf.generate(**enc, max_new_tokens=20, do_sample=False)   # stops at <|eos|> / <|bos|>, as sample does
-    new = gen[0, enc.input_ids.shape[1]:].tolist()
-    assert len(new) >= 5, new                 # a real continuation, not an immediate stop
+    assert enc.input_ids[0, 0].item() == 0  # <|bos|> first, as every training document
+    gen = hf.generate(
+        **enc, max_new_tokens=20, do_sample=False
+    )  # stops at <|eos|> / <|bos|>, as sample does
+    new = gen[0, enc.input_ids.shape[1] :].tolist()
+    assert len(new) >= 5, new  # a real continuation, not an immediate stop
     assert hf_tok.decode(gen[0], skip_special_tokens=True) == ours
     assert len(ours) > len(prompt)
 
     text = "Grüße aus Köln ✓ déjà vu <|bos|> def add(a, b):\n    return a + b\n"
-    plain = tok.encode(text).ids   # a literal <|bos|> is text in codex: never the special id
+    plain = tok.encode(text).ids  # a literal <|bos|> is text in codex: never the special id
     assert hf_tok(text, add_special_tokens=False).input_ids == plain
     assert hf_tok(text).input_ids == [0] + plain
     assert hf_tok.decode(plain) == tok.decode(plain, skip_special_tokens=False)
@@ -139,7 +159,9 @@ def test_unexportable_option_refuses_with_exit_2(tmp_path):
     run, tok, _ = make_run(tmp_path)
     save_model(run, tiny_cfg(tok.get_vocab_size(), mlp="relu2"), step=9)
     out = tmp_path / "hf"
-    r = CliRunner().invoke(cli, ["export", "--run", run, "--checkpoint", "9", "--format", "hf", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli, ["export", "--run", run, "--checkpoint", "9", "--format", "hf", "--out", str(out)]
+    )
     assert r.exit_code == 2, r.output
     assert "model.mlp=relu2" in r.output
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp")]
@@ -149,5 +171,7 @@ def test_unexportable_option_refuses_with_exit_2(tmp_path):
     assert "Qwen3ForCausalLM" in r.output and (out / "config.json").exists()
     r = CliRunner().invoke(cli, ["export", "--run", run, "--checkpoint", "7", "--out", str(out)])
     assert r.exit_code == 2 and "already exists" in r.output
-    r = CliRunner().invoke(cli, ["export", "--run", run, "--format", "gguf", "--out", str(tmp_path / "x")])
+    r = CliRunner().invoke(
+        cli, ["export", "--run", run, "--format", "gguf", "--out", str(tmp_path / "x")]
+    )
     assert r.exit_code == 2

@@ -9,33 +9,42 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.config import Config, build_config
-from train.checkpoint.read import load_model
 from codex.config.model import ModelConfig
+from eval.evaluate import evaluate
 from model.gpt import GPT
 from tests.train_helpers import VOCAB, base_overrides, make_run
-from eval.evaluate import evaluate
+from train.checkpoint.read import load_model
 from train.loop import train
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_exported_file_loads_with_weights_only_and_gives_the_checkpoints_logits(tmp_path, tied):
     run = make_run(tmp_path / "run")
-    overrides = base_overrides(max_steps=3, save_every=2) + [f"model.tie_embeddings={str(tied).lower()}"]
-    train(build_config(overrides=overrides, run=str(run)), evaluate)   # checkpoints at steps 2 and 3
+    overrides = base_overrides(max_steps=3, save_every=2) + [
+        f"model.tie_embeddings={str(tied).lower()}"
+    ]
+    train(build_config(overrides=overrides, run=str(run)), evaluate)  # checkpoints at steps 2 and 3
     out = tmp_path / "exports" / "model.pt"
-    res = CliRunner().invoke(cli, ["export", "--run", str(run), "--checkpoint", "2", "--format", "torch",
-                                   "--out", str(out)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        cli,
+        ["export", "--run", str(run), "--checkpoint", "2", "--format", "torch", "--out", str(out)],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "step 2 " in res.output and str(out) in res.output
 
     saved = torch.load(out, weights_only=True)
-    assert set(saved) == {"model", "model_config", "step", "tokenizer_sha256"} and saved["step"] == 2
+    assert (
+        set(saved) == {"model", "model_config", "step", "tokenizer_sha256"} and saved["step"] == 2
+    )
     assert all(type(v) in (str, int, float, bool) for v in saved["model_config"].values())
     model = GPT(ModelConfig(**saved["model_config"]))
     model.load_state_dict(saved["model"])
     model.eval()
     assert (model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()) == tied
-    assert (saved["model"]["lm_head.weight"].data_ptr() == saved["model"]["wte.weight"].data_ptr()) == tied
+    assert (
+        saved["model"]["lm_head.weight"].data_ptr() == saved["model"]["wte.weight"].data_ptr()
+    ) == tied
 
     cfg = Config()
     cfg.run = str(run)
@@ -44,7 +53,11 @@ def test_exported_file_loads_with_weights_only_and_gives_the_checkpoints_logits(
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
-        assert not torch.equal(model(x), load_model(cfg, 3)[0](x))   # the step asked for, not the latest
+        assert not torch.equal(
+            model(x), load_model(cfg, 3)[0](x)
+        )  # the step asked for, not the latest
 
-    again = CliRunner().invoke(cli, ["export", "--run", str(run), "--format", "torch", "--out", str(out)])
+    again = CliRunner().invoke(
+        cli, ["export", "--run", str(run), "--format", "torch", "--out", str(out)]
+    )
     assert again.exit_code == 2 and "already exists" in again.output

@@ -26,9 +26,18 @@ STEPS = dict(max_steps=5, lr=1e-3, device_batch=4)
 
 def torchrun(run: str, nproc: int = 2, script: str | None = None, check: bool = True, **train_keys):
     target = [script, "--"] if script else ["-m", "codex.cli", "--", "train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
-           *train_cli_args(run, **train_keys)]
-    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *target,
+        *train_cli_args(run, **train_keys),
+    ]
+    proc = subprocess.run(
+        cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -46,7 +55,9 @@ def test_fsdp_replicate_and_one_process_agree_and_each_rank_holds_half(tmp_path)
     err = torchrun(runs["fsdp"], parallel="fsdp", **STEPS).stderr
     assert "fsdp over 2" in err
     assert "replicate" in torchrun(runs["replicate"], parallel="replicate", **STEPS).stderr
-    run_train(runs["one"], **{**STEPS, "device_batch": 8})   # the same 8-row global batch in one process
+    run_train(
+        runs["one"], **{**STEPS, "device_batch": 8}
+    )  # the same 8-row global batch in one process
     one = final_model(runs["one"])
     assert_close(final_model(runs["fsdp"]), one, 1e-5)
     assert_close(final_model(runs["replicate"]), one, 1e-5)
@@ -56,10 +67,14 @@ def test_fsdp_replicate_and_one_process_agree_and_each_rank_holds_half(tmp_path)
     for key, t in one.items():
         half = t.shape[0] // 2
         rest = list(t.shape[1:])
-        assert chunks(folder, f"model.{key}") == [([0] + [0] * len(rest), [half] + rest),
-                                                  ([half] + [0] * len(rest), [half] + rest)], key
+        assert chunks(folder, f"model.{key}") == [
+            ([0] + [0] * len(rest), [half] + rest),
+            ([half] + [0] * len(rest), [half] + rest),
+        ], key
     # The replicated run wrote each weight once, whole.
-    assert all(len(chunks(checkpoint.step_dir(runs["replicate"], 5), f"model.{k}")) == 1 for k in one)
+    assert all(
+        len(chunks(checkpoint.step_dir(runs["replicate"], 5), f"model.{k}")) == 1 for k in one
+    )
 
 
 def test_fsdp_with_accumulation_and_muon_matches_one_process(tmp_path):
@@ -99,14 +114,16 @@ sys.exit(main(["train", *[a for a in sys.argv[1:] if a != "--"]]))
 
 @pytest.mark.slow
 def test_fsdp_sigkill_then_resume_is_bitwise_identical(tmp_path):
-    keys = dict(max_steps=8, save_every=2, parallel="fsdp", device_batch=2, batch_tokens=2 * 2 * 16 * 2)  # accum 2
+    keys = dict(
+        max_steps=8, save_every=2, parallel="fsdp", device_batch=2, batch_tokens=2 * 2 * 16 * 2
+    )  # accum 2
     ref, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     torchrun(ref, **keys)
     script = tmp_path / "kill.py"
     script.write_text(KILL_IN_SAVE.format(kill_step=6))
     killed = torchrun(run, script=str(script), check=False, **keys)
     assert killed.returncode != 0
-    assert checkpoint.latest_step(run) == 4                  # step 6 has its shards but no DONE
+    assert checkpoint.latest_step(run) == 4  # step 6 has its shards but no DONE
     assert (Path(checkpoint.step_dir(run, 6)) / "__0_0.distcp").exists()
     err = torchrun(run, **keys).stderr
     assert "rank 1/2: resumed from step 4" in err
@@ -117,7 +134,7 @@ def test_fsdp_sigkill_then_resume_is_bitwise_identical(tmp_path):
         for name, t in st.items():
             assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (fqn, name)
     assert a["loader"] == b["loader"] and a["log_window"] == b["log_window"]
-    assert set(a["rng"]) == {"rank_0", "rank_1"}             # one RNG state per rank
+    assert set(a["rng"]) == {"rank_0", "rank_1"}  # one RNG state per rank
     assert checkpoint.complete_steps(run) == [4, 6, 8]
 
 
@@ -157,13 +174,13 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
     torchrun(run, parallel="fsdp", max_steps=4, save_every=2, device_batch=4)
     shard = Path(checkpoint.step_dir(run, 4)) / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF                              # same size, one byte flipped
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
     shard.write_bytes(bytes(data))
     err = torchrun(run, parallel="fsdp", max_steps=6, save_every=2, device_batch=4).stderr
     assert "damaged" in err and "__1_0.distcp" in err
     for r in (0, 1):
         assert f"rank {r}/2: resumed from step 2 " in err, err[-3000:]
-    assert checkpoint.complete_steps(run) == [2, 4, 6]        # step 4 rewritten by the resumed run
+    assert checkpoint.complete_steps(run) == [2, 4, 6]  # step 4 rewritten by the resumed run
 
 
 def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
@@ -176,13 +193,16 @@ def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     layout = layout_for("fsdp", 2, 4)
     assert (layout.shard, layout.replicas) == (2, 2) and "HSDP" in layout.describe()
     assert (layout_for("fsdp", 0, 4).shard, layout_for("fsdp", 0, 4).replicas) == (4, 1)
-    assert not layout_for("fsdp", 0, 1).sharded                # one process: nothing to shard
+    assert not layout_for("fsdp", 0, 1).sharded  # one process: nothing to shard
     assert not layout_for("replicate", 0, 4).sharded
     tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=2"]).train
-    assert setting_for(tcfg, "cuda")["layout"] == "fsdp" and setting_for(tcfg, "cuda")["fsdp_size"] == 2
-    assert setting_for(tcfg, "tpu")["layout"] == "fsdp"   # XLA SPMD (train/xla_sharding.py)
+    assert (
+        setting_for(tcfg, "cuda")["layout"] == "fsdp"
+        and setting_for(tcfg, "cuda")["fsdp_size"] == 2
+    )
+    assert setting_for(tcfg, "tpu")["layout"] == "fsdp"  # XLA SPMD (train/xla/sharding.py)
     auto = build_config(overrides=[]).train
-    assert setting_for(auto, "tpu")["layout"] == "auto"    # resolved by the memory plan, as on CUDA
+    assert setting_for(auto, "tpu")["layout"] == "auto"  # resolved by the memory plan, as on CUDA
 
 
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
@@ -201,4 +221,8 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
             assert torch.equal(a["model"][k], b["model"][k]), (step, k)
         for fqn, st in a["optimizer"]["adamw"]["state"].items():
             for name, t in st.items():
-                assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (step, fqn, name)
+                assert torch.equal(t, b["optimizer"]["adamw"]["state"][fqn][name]), (
+                    step,
+                    fqn,
+                    name,
+                )

@@ -22,8 +22,15 @@ VARIANTS = [(4, 2, True), (4, 4, True), (4, 1, False), (2, 2, False)]
 
 
 def model_for(n_head: int, n_kv_head: int, qk_norm: bool, max_seq_len: int = 24):
-    cfg = tiny_cfg(VOCAB, n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=32, qk_norm=qk_norm,
-                   max_seq_len=max_seq_len)
+    cfg = tiny_cfg(
+        VOCAB,
+        n_layer=2,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=32,
+        qk_norm=qk_norm,
+        max_seq_len=max_seq_len,
+    )
     return build_model(cfg, seed=n_head * 10 + n_kv_head + qk_norm).eval()
 
 
@@ -34,11 +41,11 @@ def test_decode_logits_equal_the_full_forward(n_head, n_kv_head, qk_norm):
     with torch.no_grad():
         logits, cache = prefill(model, ids[:, :3])
         assert (logits - model(ids[:, :3])[:, -1]).abs().max() < 1e-5
-        assert cache.kv.shape == (2, 2, 2, n_kv_head, 24, 32 // n_head)   # only the n_kv_head heads
-        for t in range(3, 24):   # to the last position the cache holds
-            logits = decode(model, ids[:, t:t + 1], cache)
+        assert cache.kv.shape == (2, 2, 2, n_kv_head, 24, 32 // n_head)  # only the n_kv_head heads
+        for t in range(3, 24):  # to the last position the cache holds
+            logits = decode(model, ids[:, t : t + 1], cache)
             assert int(cache.pos) == t + 1
-            assert (logits - model(ids[:, :t + 1])[:, -1]).abs().max() < 1e-5, t
+            assert (logits - model(ids[:, : t + 1])[:, -1]).abs().max() < 1e-5, t
 
 
 @pytest.mark.parametrize("n_head,n_kv_head,qk_norm", VARIANTS)
@@ -47,7 +54,7 @@ def test_greedy_tokens_with_the_cache_equal_those_without(n_head, n_kv_head, qk_
     and takes the sliding-window path."""
     model = model_for(n_head, n_kv_head, qk_norm)
     rng = torch.Generator().manual_seed(1)
-    for length in (1, 5, 13, 30):   # 30 > max_seq_len: the prompt itself is cropped
+    for length in (1, 5, 13, 30):  # 30 > max_seq_len: the prompt itself is cropped
         prompt = [0] + torch.randint(3, VOCAB, (length - 1,), generator=rng).tolist()
         cached = generate(model, prompt, 45, use_cache=True)
         assert len(cached) == length + 45
@@ -59,12 +66,30 @@ def test_seeded_sampling_with_the_cache_equals_without():
     model = build_model(tiny_cfg(tok.get_vocab_size(), n_layer=2, max_seq_len=16), seed=4).eval()
     for seed in (1, 2):
         a = sample(model, tok, "def add", max_new_tokens=30, temperature=1.5, top_k=0, seed=seed)
-        b = sample(model, tok, "def add", max_new_tokens=30, temperature=1.5, top_k=0, seed=seed,
-                   use_cache=False)
+        b = sample(
+            model,
+            tok,
+            "def add",
+            max_new_tokens=30,
+            temperature=1.5,
+            top_k=0,
+            seed=seed,
+            use_cache=False,
+        )
         assert a == b and a.startswith("def add")
     assert sample(model, tok, "def add", max_new_tokens=30, temperature=1.5, top_k=0, seed=1) != a
-    assert (sample(model, tok, "The quick", max_new_tokens=30, temperature=0.8, top_k=5, seed=7)
-            == sample(model, tok, "The quick", max_new_tokens=30, temperature=0.8, top_k=5, seed=7, use_cache=False))
+    assert sample(
+        model, tok, "The quick", max_new_tokens=30, temperature=0.8, top_k=5, seed=7
+    ) == sample(
+        model,
+        tok,
+        "The quick",
+        max_new_tokens=30,
+        temperature=0.8,
+        top_k=5,
+        seed=7,
+        use_cache=False,
+    )
 
 
 def test_decode_past_the_cache_is_refused_by_prefill():
@@ -80,7 +105,7 @@ def test_the_cache_under_bf16_autocast_holds_bf16_and_tracks_the_forward():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         _, cache = prefill(model, ids[:, :4])
         for t in range(4, 12):
-            logits = decode(model, ids[:, t:t + 1], cache)
+            logits = decode(model, ids[:, t : t + 1], cache)
         full = model(ids)[:, -1]
     assert cache.kv.dtype == torch.bfloat16
     assert (logits.float() - full.float()).abs().max() < 0.05
@@ -100,7 +125,7 @@ def test_run_sample_on_a_gpu_preset_without_a_gpu_is_an_error(tmp_path):
         run_sample(cfg, "The quick")
 
 
-# --- XLA: the same tokens, a fixed number of compiled programs -------------------------------------
+# --- XLA: the same tokens, a fixed number of compiled programs ------------------------------------
 
 XLA_SCRIPT = """
 import json
@@ -112,7 +137,9 @@ from model.gpt import build_model
 from tests.test_eval import tiny_cfg
 
 torch.manual_seed(0)
-model = build_model(tiny_cfg(300, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=64), seed=3).eval()
+model = build_model(
+    tiny_cfg(300, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=64), seed=3
+).eval()
 prompt = [0, 17, 42, 99, 5, 250, 31]
 eager = {n: generate(model, prompt, n) for n in (10, 30)}
 model.to(torch_xla.device())

@@ -18,7 +18,8 @@ T = 8
 
 
 def write_shards(root, sizes: dict[str, list[int]], start: int = 7, sha: bool = True) -> str:
-    """npy shards whose tokens are a global counter (so a window's first token names it) + manifest."""
+    """npy shards whose tokens are a global counter (so a window's first token names it) +
+    manifest."""
     os.makedirs(root, exist_ok=True)
     shards, nxt = [], start
     for split, lens in sizes.items():
@@ -29,17 +30,35 @@ def write_shards(root, sizes: dict[str, list[int]], start: int = 7, sha: bool = 
             np.save(os.path.join(root, name), arr)
             with open(os.path.join(root, name), "rb") as f:
                 digest = hashlib.sha256(f.read()).hexdigest()
-            shards.append({"split": split, "path": name, "format": "npy", "tokens": n, "documents": 1,
-                           "sha256": digest if sha else None})
-    manifest = {"format_version": 1, "tokenizer": {"sha256": "x", "vocab_size": 65536},
-                "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "dtype": "uint16", "append_eos": False,
-                "val_fraction": 0.1, "shards": shards, "totals": {}}
+            shards.append(
+                {
+                    "split": split,
+                    "path": name,
+                    "format": "npy",
+                    "tokens": n,
+                    "documents": 1,
+                    "sha256": digest if sha else None,
+                }
+            )
+    manifest = {
+        "format_version": 1,
+        "tokenizer": {"sha256": "x", "vocab_size": 65536},
+        "special_ids": {"bos": 0, "eos": 1, "pad": 2},
+        "dtype": "uint16",
+        "append_eos": False,
+        "val_fraction": 0.1,
+        "shards": shards,
+        "totals": {},
+    }
     with open(os.path.join(root, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     return str(root)
 
 
-SIZES = {"train": [170, 97, 8 * 30 + 1, 9], "val": [50, 41]}  # 21 + 12 + 30 + 1 = 64 train, 6 + 5 val windows
+SIZES = {
+    "train": [170, 97, 8 * 30 + 1, 9],
+    "val": [50, 41],
+}  # 21 + 12 + 30 + 1 = 64 train, 6 + 5 val windows
 
 
 def all_windows(d: str, split: str) -> dict[int, int]:
@@ -71,16 +90,18 @@ def test_windows_are_cut_per_shard_and_y_is_x_shifted(shards):
     assert loader.windows_per_epoch == len(first) == 64
     x, y = next(loader)
     assert x.shape == y.shape == (4, T) and x.dtype == y.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1])                 # y is x shifted by one token
-    assert torch.equal(y[:, -1], x[:, -1] + 1)             # tokens are a counter within a shard
-    assert all(int(v) in first for v in x[:, 0])          # every row starts on a window boundary
+    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+    assert torch.equal(y[:, -1], x[:, -1] + 1)  # tokens are a counter within a shard
+    assert all(int(v) in first for v in x[:, 0])  # every row starts on a window boundary
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 8])
 def test_every_window_exactly_once_per_epoch_across_ranks(shards, W):
     first = all_windows(shards, "train")
     n, B = len(first), 3
-    loaders = [TrainLoader(shards, T, B, rank=r, world_size=W, seed=5, prefetch=0) for r in range(W)]
+    loaders = [
+        TrainLoader(shards, T, B, rank=r, world_size=W, seed=5, prefetch=0) for r in range(W)
+    ]
     steps = -(-2 * n // (B * W))  # two epochs' worth
     stream = {}
     for step in range(steps):
@@ -90,7 +111,7 @@ def test_every_window_exactly_once_per_epoch_across_ranks(shards, W):
     epoch0 = [stream[p] for p in range(n)]
     epoch1 = [stream[p] for p in range(n, 2 * n)]
     assert sorted(epoch0) == list(range(n)) and sorted(epoch1) == list(range(n))
-    assert epoch0 != epoch1 and epoch0 != list(range(n))   # shuffled, differently per epoch
+    assert epoch0 != epoch1 and epoch0 != list(range(n))  # shuffled, differently per epoch
     assert loaders[0].state_dict() == loaders[-1].state_dict()  # the state is global
 
 
@@ -111,10 +132,15 @@ def test_resume_at_any_step_reproduces_the_next_100_batches(shards, prefetch):
     ref.close()
     for step in (0, 1, 6, 7, 13, 37, 59):
         ld = TrainLoader(shards, T, 5, rank=1, world_size=2, seed=3, prefetch=prefetch)
-        ld.load_state_dict(json.loads(json.dumps(states[step])))  # survives a JSON / checkpoint round trip
+        ld.load_state_dict(
+            json.loads(json.dumps(states[step]))
+        )  # survives a JSON / checkpoint round trip
         for i in range(100):
             x, y = next(ld)
-            assert torch.equal(x, batches[step + i][0]) and torch.equal(y, batches[step + i][1]), (step, i)
+            assert torch.equal(x, batches[step + i][0]) and torch.equal(y, batches[step + i][1]), (
+                step,
+                i,
+            )
         ld.close()
 
 
@@ -122,6 +148,7 @@ def test_state_dict_is_what_the_consumer_received_despite_read_ahead(shards):
     ld = TrainLoader(shards, T, 4, seed=0, prefetch=4)
     next(ld)
     import time
+
     time.sleep(0.2)  # let the thread fill its queue
     assert ld.state_dict()["position"] == 4 and ld.state_dict()["epoch"] == 0
     ld.close()
@@ -131,7 +158,9 @@ def test_resume_with_a_different_world_size_continues_the_global_sequence(shards
     first = all_windows(shards, "train")
 
     def global_stream(W, B, steps, state=None):
-        loaders = [TrainLoader(shards, T, B, rank=r, world_size=W, seed=9, prefetch=1) for r in range(W)]
+        loaders = [
+            TrainLoader(shards, T, B, rank=r, world_size=W, seed=9, prefetch=1) for r in range(W)
+        ]
         if state:
             for ld in loaders:
                 ld.load_state_dict(state)
@@ -145,12 +174,12 @@ def test_resume_with_a_different_world_size_continues_the_global_sequence(shards
             ld.close()
         return [out[p] for p in sorted(out)], st
 
-    reference, _ = global_stream(1, 4, 60)                 # 240 windows, crossing epochs
-    head, state = global_stream(2, 4, 5)                   # 40 windows on 2 ranks
-    tail, _ = global_stream(4, 2, 20, state)               # then 160 more on 4 ranks, B=2
+    reference, _ = global_stream(1, 4, 60)  # 240 windows, crossing epochs
+    head, state = global_stream(2, 4, 5)  # 40 windows on 2 ranks
+    tail, _ = global_stream(4, 2, 20, state)  # then 160 more on 4 ranks, B=2
     tail2, _ = global_stream(3, 2, 10, {"epoch": 1, "position": 13})
     assert head + tail == reference[:200]
-    assert tail2 == reference[len(first) + 13:len(first) + 13 + 60]
+    assert tail2 == reference[len(first) + 13 : len(first) + 13 + 60]
 
 
 def test_state_from_another_dataset_or_seq_len_is_refused(shards):
@@ -160,7 +189,9 @@ def test_state_from_another_dataset_or_seq_len_is_refused(shards):
     with pytest.raises(ValueError, match="seq_len"):
         TrainLoader(shards, T + 1, 4, seed=1, prefetch=0).load_state_dict(st)
     with pytest.raises(ValueError, match="position"):
-        TrainLoader(shards, T, 4, seed=1, prefetch=0).load_state_dict({"epoch": 0, "position": 10**6})
+        TrainLoader(shards, T, 4, seed=1, prefetch=0).load_state_dict(
+            {"epoch": 0, "position": 10**6}
+        )
 
 
 def test_block_shuffle_covers_every_window_and_stays_within_blocks(tmp_path):
@@ -170,7 +201,7 @@ def test_block_shuffle_covers_every_window_and_stays_within_blocks(tmp_path):
     seq = [w for _ in range(12) for w in ids_of(next(ld)[0], first)]  # 60 windows = one epoch
     assert sorted(seq) == list(range(60))
     for b in range(3):  # each block of 20 windows comes from exactly 2 shards
-        assert len({w // 10 for w in seq[b * 20:(b + 1) * 20]}) == 2
+        assert len({w // 10 for w in seq[b * 20 : (b + 1) * 20]}) == 2
     with pytest.raises(ValueError, match="shuffle_shards"):
         TrainLoader(d, T, 5, seed=4, prefetch=0).load_state_dict(ld.state_dict())
 
@@ -185,9 +216,9 @@ def test_val_covers_every_window_once_in_fixed_order(shards, W):
         seen += [w for x, _ in batches for w in ids_of(x, first)]
         mb = list(val_batches(shards, T, B, rank=r, world_size=W, with_mask=True))
         counts.append(len(mb))
-        for x, y, mask in mb:
+        for x, _y, mask in mb:
             assert x.shape == (B, T) and mask.dtype == torch.bool
-            masked_seen += [w for w, ok in zip(ids_of(x, first), mask.tolist()) if ok]
+            masked_seen += [w for w, ok in zip(ids_of(x, first), mask.tolist(), strict=True) if ok]
     assert sorted(seen) == list(range(n)) == sorted(masked_seen)
     assert len(set(counts)) == 1  # same number of batches on every rank with a mask
     rank0 = [w for x, _ in val_batches(shards, T, B) for w in ids_of(x, first)]
@@ -206,7 +237,9 @@ def test_bad_inputs_name_the_problem(tmp_path, shards):
     json.dump(m, open(os.path.join(shards, "manifest.json"), "w"))
     with pytest.raises(ValueError, match="train_00000.npy"):
         next(TrainLoader(shards, T, 64, prefetch=0))
-    with pytest.raises(ValueError, match="train_00000.npy"):  # errors in the thread reach the consumer
+    with pytest.raises(
+        ValueError, match="train_00000.npy"
+    ):  # errors in the thread reach the consumer
         next(TrainLoader(shards, T, 64, prefetch=2))
 
 
@@ -230,13 +263,18 @@ def test_gs_shards_stream_through_a_bounded_cache(tmp_path, gcs_bucket):
     for _ in range(30):  # 2.5 epochs
         a, b = next(ref), next(ld)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        # about 2 blocks of 2 shards: the cap (4) holds between evictions, and the next block fetched ahead
-        # can stand beside both for a moment (3 blocks); a download in flight (".part-*") is no shard yet
-        assert len([f for f in os.listdir(cache) if f.endswith(".npy") and not f.startswith(".")]) <= 6
+        # about 2 blocks of 2 shards: the cap (4) holds between evictions, and the next block
+        # fetched ahead can stand beside both for a moment (3 blocks); a download in flight
+        # (".part-*") is no shard yet
+        assert (
+            len([f for f in os.listdir(cache) if f.endswith(".npy") and not f.startswith(".")]) <= 6
+        )
     ld.close()
     val_local = [x for x, _ in val_batches(local, T, 2)]
     val_remote = [x for x, _ in val_batches(remote, T, 2, cache_dir=str(tmp_path / "vcache"))]
-    assert len(val_local) == 2 and all(torch.equal(a, b) for a, b in zip(val_local, val_remote))
+    assert len(val_local) == 2 and all(
+        torch.equal(a, b) for a, b in zip(val_local, val_remote, strict=False)
+    )
 
 
 @pytest.mark.gcs
@@ -260,7 +298,9 @@ def test_parquet_entries_of_format_both_are_skipped(tmp_path):
     m = json.load(open(mpath))
     npy_only = TrainLoader(d, T, 5, seed=1, prefetch=0)
     expect = [next(npy_only) for _ in range(3)]
-    m["shards"] += [dict(s, path=s["path"].replace(".npy", ".parquet"), format="parquet") for s in m["shards"]]
+    m["shards"] += [
+        dict(s, path=s["path"].replace(".npy", ".parquet"), format="parquet") for s in m["shards"]
+    ]
     json.dump(m, open(mpath, "w"))
     both = TrainLoader(d, T, 5, seed=1, prefetch=0)
     for a in expect:
@@ -282,7 +322,9 @@ def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
     a.acquire(0), a.acquire(1)
     b.acquire(1), b.acquire(2)
     b.evict()
-    assert a.fetched == [0, 1] and b.fetched == [2]  # shard 1 was on disk already: one download per host
+    assert a.fetched == [0, 1] and b.fetched == [
+        2
+    ]  # shard 1 was on disk already: one download per host
     assert len(on_disk()) == 3  # over the bound of 1, but every file is held
     a.release(0)
     a.release(1)
@@ -299,10 +341,13 @@ def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
     assert os.listdir(str(tmp_path / "c2")) == ["locks"]  # nothing unverified left behind
 
 
-def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(tmp_path, monkeypatch):
+def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(
+    tmp_path, monkeypatch
+):
     # Two ranks find a shard missing at the same moment; the one that downloads it keeps holding it
     # (as a rank does until its next block). The other must then get the file, not wait for that
-    # hold to end: ranks wait for each other in the step's collective, so that wait would hang the job.
+    # hold to end: ranks wait for each other in the step's collective, so that wait would hang the
+    # job.
     import threading
 
     from codex.fsio import file_sha256 as sha256_of
@@ -311,7 +356,9 @@ def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(tm
     src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1]})
     paths = [os.path.join(src, "train_00000.npy")]
     folder = str(tmp_path / "cache")
-    a, b = (HostShardCache(folder, "train", paths, [sha256_of(paths[0])], bound=1) for _ in range(2))
+    a, b = (
+        HostShardCache(folder, "train", paths, [sha256_of(paths[0])], bound=1) for _ in range(2)
+    )
     both_looked, real_exists, first_look = threading.Barrier(2, timeout=10), os.path.exists, set()
 
     def exists(path):  # each acquirer's first look at the file waits for the other's

@@ -1,5 +1,5 @@
-"""The memory plan (train/memory.py) against hand computations, against a measured CPU step, and
-what it decides: the presets' default device batches, the layout, `codex hardware --model`."""
+"""The memory plan (train/plan/memory.py) against hand computations, against a measured CPU step,
+and what it decides: the presets' default device batches, the layout, `codex hardware --model`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.config import ConfigError, build_config
-from train.plan.hardware import default_seq_len, device_defaults, get_preset, list_presets, preset_model
+from train.plan.hardware import (
+    default_seq_len,
+    device_defaults,
+    get_preset,
+    list_presets,
+    preset_model,
+)
 from train.plan.memory import HEADROOM, check_fits, choose_layout, plan
 
 GB = 1e9
@@ -26,53 +32,76 @@ def model(name: str, vocab: int = 32768):
 
 
 def test_124m_on_h100_by_hand():
-    d, L, h, H, V = 768, 12, 2048, 12, 32768          # 124m: 12 x 768, 12 heads (no GQA), SwiGLU 2048
-    block = 4 * d * d + 3 * d * h + 2 * d + 2 * 64     # q, k, v, o; gate, up, down; two norms; QK-norm (head dim 64)
-    matmul = L * block + d + d * V                     # + final norm + head (32K vocab, already a multiple of 128)
-    P = matmul + V * d                                 # untied embedding
+    d, L, h, H, V = 768, 12, 2048, 12, 32768  # 124m: 12 x 768, 12 heads (no GQA), SwiGLU 2048
+    block = (
+        4 * d * d + 3 * d * h + 2 * d + 2 * 64
+    )  # q, k, v, o; gate, up, down; two norms; QK-norm (head dim 64)
+    matmul = L * block + d + d * V  # + final norm + head (32K vocab, already a multiple of 128)
+    P = matmul + V * d  # untied embedding
     assert P == 135_287_040
-    N = 32 * 1024                                      # device batch 32 x seq_len 1024
-    # bf16 autocast, fused attention, per token and layer, all bf16 (2 bytes): block input 2d; attention
-    # norm's scaled x and output 4d; q and k: projection, QK-norm's two, RoPE output = 8d each; v 2d;
-    # SDPA output 2d + fp32 log-sum-exp 4 H; c_proj's input copy 2d; mid residual 2d; MLP norm 4d;
-    # SwiGLU: gate, silu, up, product = 4 x 2h
-    per_layer = 2 * d + 4 * d + 8 * d + 8 * d + 2 * d + (2 * d + 4 * H) + 2 * d + 2 * d + 4 * d + 8 * h
+    N = 32 * 1024  # device batch 32 x seq_len 1024
+    # bf16 autocast, fused attention, per token and layer, all bf16 (2 bytes): block input 2d;
+    # attention norm's scaled x and output 4d; q and k: projection, QK-norm's two, RoPE output = 8d
+    # each; v 2d; SDPA output 2d + fp32 log-sum-exp 4 H; c_proj's input copy 2d; mid residual 2d;
+    # MLP norm 4d; SwiGLU: gate, silu, up, product = 4 x 2h
+    per_layer = (
+        2 * d + 4 * d + 8 * d + 8 * d + 2 * d + (2 * d + 4 * H) + 2 * d + 2 * d + 4 * d + 8 * h
+    )
     assert per_layer == 42_544
     p = plan(model("124m"), get_preset("h100"), 32, 1024, dtype="bf16")
     assert (p.params, p.shards, p.attention) == (P, 1, "fused")
     assert p.weights == p.gradients == 4 * P
-    assert p.optimizer_state == 8 * P                  # AdamW: two fp32 moments
-    assert p.compute_weights == 2 * matmul             # autocast's bf16 copy of every matmul weight
-    assert p.activations == N * (L * per_layer + 6 * d)   # + final norm: block output, scaled, output (bf16)
+    assert p.optimizer_state == 8 * P  # AdamW: two fp32 moments
+    assert p.compute_weights == 2 * matmul  # autocast's bf16 copy of every matmul weight
+    assert p.activations == N * (
+        L * per_layer + 6 * d
+    )  # + final norm: block output, scaled, output (bf16)
     assert p.logits == 3 * 4 * V * N
     assert p.workspace == N * per_layer
     total = 16 * P + 2 * matmul + N * (L * per_layer + 6 * d) + 12 * V * N + N * per_layer
     assert p.total == total and round(total / GB, 1) == 33.5 and p.fits()
-    assert plan(model("124m"), get_preset("h100"), 64, 1024).fits()       # 64.7 GB <= 90% of 80
+    assert plan(model("124m"), get_preset("h100"), 64, 1024).fits()  # 64.7 GB <= 90% of 80
     assert not plan(model("124m"), get_preset("h100"), 128, 1024).fits()
-    assert device_defaults(get_preset("h100"), model("124m")) == (64, 1024)   # also the 64K-token cap
+    assert device_defaults(get_preset("h100"), model("124m")) == (
+        64,
+        1024,
+    )  # also the 64K-token cap
 
 
 def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
-    d, L, h, H, kv, V = 2048, 16, 8192, 32, 512, 32768   # 1b: 8 K/V heads of 64 = 512, tied embedding
+    d, L, h, H, kv, V = (
+        2048,
+        16,
+        8192,
+        32,
+        512,
+        32768,
+    )  # 1b: 8 K/V heads of 64 = 512, tied embedding
     block = 2 * d * d + 2 * d * kv + 3 * d * h + 2 * d + 2 * 64
     P = L * block + d + d * V
     assert P == 1_040_257_024
-    assert 16 * P > 16 * GB                              # weights + gradients + AdamW alone exceed v5e's HBM
+    assert 16 * P > 16 * GB  # weights + gradients + AdamW alone exceed v5e's HBM
     v5e = get_preset("v5litepod-1")
     assert not plan(model("1b"), v5e, 1, 1024).fits(1.0)
     with pytest.raises(ConfigError, match="does not fit on v5litepod-1"):
         device_defaults(v5e, model("1b"))
-    # fsdp over 8 chips, 1 x 1024, XLA's math attention: fp32 probabilities 4 H T and K/V copied to the 32 query
-    # heads 2 x 2d per token and layer instead of the fused kernel's 4 H
+    # fsdp over 8 chips, 1 x 1024, XLA's math attention: fp32 probabilities 4 H T and K/V copied to
+    # the 32 query heads 2 x 2d per token and layer instead of the fused kernel's 4 H
     pod = get_preset("v5litepod-8")
     N, T = 1024, 1024
-    # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T, c_proj input 2d,
-    # mid 2d, MLP norm 4d, SwiGLU 8h
+    # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T,
+    # c_proj input 2d, mid 2d, MLP norm 4d, SwiGLU 8h
     per_layer = 28 * d + 10 * kv + 8 * h + 4 * H * T
-    gathered = 2 * (2 * block + (P - L * block)) + 6 * block   # two blocks + the root in bf16, one block's grads
+    gathered = (
+        2 * (2 * block + (P - L * block)) + 6 * block
+    )  # two blocks + the root in bf16, one block's grads
     p = plan(model("1b"), pod, 1, T, layout="fsdp")
-    assert (p.shards, p.attention, p.weights, p.optimizer_state) == (8, "math", 4 * P // 8, 8 * P // 8)
+    assert (p.shards, p.attention, p.weights, p.optimizer_state) == (
+        8,
+        "math",
+        4 * P // 8,
+        8 * P // 8,
+    )
     assert p.compute_weights == gathered
     assert p.activations == N * (L * per_layer + 6 * d) and p.workspace == N * per_layer
     total = 16 * P // 8 + gathered + N * (L * per_layer + 6 * d) + 12 * V * N + N * per_layer
@@ -85,22 +114,31 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
 def test_parameter_count_matches_the_model_for_every_shape_option():
     from model.gpt import GPT, num_params
 
-    for overrides in ([], ["model.tie_embeddings=true"], ["model.value_embed=true", "model.n_layer=3"],
-                      ["model.n_kv_head=2", "model.mlp=relu2", "model.qk_norm=false"]):
+    for overrides in (
+        [],
+        ["model.tie_embeddings=true"],
+        ["model.value_embed=true", "model.n_layer=3"],
+        ["model.n_kv_head=2", "model.mlp=relu2", "model.qk_norm=false"],
+    ):
         m = build_config(overrides=["model.vocab_size=300", *overrides]).model
-        with torch.device("meta"):   # shapes only
+        with torch.device("meta"):  # shapes only
             assert plan(m, get_preset("cpu"), 1, 8).params == num_params(GPT(m)), overrides
 
 
 def test_muon_state_and_block_remat_by_hand():
     m, h100 = model("124m"), get_preset("h100")
-    d, L, matrices = 768, 12, 4 * 768 * 768 + 3 * 768 * 2048   # Muon: the blocks' 2-D weights
+    d, L, matrices = 768, 12, 4 * 768 * 768 + 3 * 768 * 2048  # Muon: the blocks' 2-D weights
     adamw, muon = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, optimizer="muon")
-    assert adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices   # one moment instead of two
+    assert (
+        adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices
+    )  # one moment instead of two
     none, block = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, remat="block")
     per_layer = none.workspace // (8 * 1024)
-    # remat=block keeps every block's (bf16) input and one block's activations, recomputed in backward
-    assert none.activations - block.activations == 8 * 1024 * (L * per_layer - (L * 2 * d + per_layer))
+    # remat=block keeps every block's (bf16) input and one block's activations, recomputed in
+    # backward
+    assert none.activations - block.activations == 8 * 1024 * (
+        L * per_layer - (L * 2 * d + per_layer)
+    )
 
 
 def test_default_batches_are_the_largest_power_of_two_that_fits():
@@ -113,12 +151,14 @@ def test_default_batches_are_the_largest_power_of_two_that_fits():
             T = default_seq_len(preset, m)
             try:
                 B, _ = device_defaults(preset, m, layout="auto")
-            except ConfigError:   # nothing fits (1b on one v5e or v6e chip): tested above
+            except ConfigError:  # nothing fits (1b on one v5e or v6e chip): tested above
                 continue
             layout = choose_layout(m, preset, B, T)
             assert plan(m, preset, B, T, layout=layout).fits(), (preset.name, name)
             cap = preset.defaults[name].get("max_device_batch", 65536 // T)
-            assert B & (B - 1) == 0 and (2 * B > cap or not plan(m, preset, 2 * B, T, layout=layout).fits())
+            assert B & (B - 1) == 0 and (
+                2 * B > cap or not plan(m, preset, 2 * B, T, layout=layout).fits()
+            )
             checked += 1
     assert checked > 80
 
@@ -128,7 +168,10 @@ def test_a_setting_that_cannot_fit_is_refused_with_the_fixes():
     with pytest.raises(ConfigError) as e:
         check_fits(model("124m"), h100, 128, 1024, dtype="bf16")
     msg = str(e.value)
-    assert "train.device_batch=128 x train.seq_len=1024 needs" in msg and "80.0 GB is per device" in msg
+    assert (
+        "train.device_batch=128 x train.seq_len=1024 needs" in msg
+        and "80.0 GB is per device" in msg
+    )
     assert "Fix: train.device_batch=64" in msg
     assert check_fits(model("124m"), h100, 32, 1024, dtype="bf16").device_batch == 32
 
@@ -143,20 +186,40 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
 
-MEASURE = str(Path(__file__).resolve().parent.parent / "bench" / "measure_step_memory.py")   # prints the peak in bytes
+MEASURE = str(
+    Path(__file__).resolve().parent.parent / "bench" / "measure_step_memory.py"
+)  # prints the peak in bytes
 
 
-@pytest.mark.parametrize("dtype,B,T,overrides", [
-    ("fp32", 8, 1024, ["model.vocab_size=256", "model.max_seq_len=1024"]),          # activations dominate
-    ("bf16", 16, 1024, ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_kv_head=2"]),   # bf16 stream, GQA
-])
+@pytest.mark.parametrize(
+    "dtype,B,T,overrides",
+    [
+        (
+            "fp32",
+            8,
+            1024,
+            ["model.vocab_size=256", "model.max_seq_len=1024"],
+        ),  # activations dominate
+        (
+            "bf16",
+            16,
+            1024,
+            ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_kv_head=2"],
+        ),  # bf16 stream, GQA
+    ],
+)
 def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, overrides):
     """Peak RSS of one training step (forward, backward, AdamW step) in a fresh process: ru_maxrss
     after the step minus the resident size (/proc/self/statm) before the model is built (torch
     imported, nothing allocated). Not ru_maxrss there: import's transient peak varies with the
     environment, and subtracting it undercounted the step by up to 90 MB."""
-    out = subprocess.run([sys.executable, MEASURE, dtype, str(B), str(T), *overrides], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).parent.parent)
+    out = subprocess.run(
+        [sys.executable, MEASURE, dtype, str(B), str(T), *overrides],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
     peak = int(out.stdout.strip())
     est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total
     assert 0.75 * peak <= est <= 1.25 * peak, (est, peak)

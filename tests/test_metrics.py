@@ -22,20 +22,25 @@ def read_wandb_history(path: Path) -> list[dict]:
     assert data[:4] == b":W&B", data[:8]
     pos, block, rows, buf = 7, 32768, [], b""
     while pos + 7 <= len(data):
-        if block - pos % block < 7:                             # block trailer padding
+        if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4: pos + 7])
-        payload = data[pos + 7: pos + 7 + length]
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        payload = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             continue
         buf = payload if kind in (1, 2) else buf + payload
-        if kind in (1, 4):                                      # FULL or LAST: a whole record
+        if kind in (1, 4):  # FULL or LAST: a whole record
             rec = pb.Record()
             rec.ParseFromString(buf)
             if rec.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+                rows.append(
+                    {
+                        (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                        for i in rec.history.item
+                    }
+                )
     return rows
 
 
@@ -53,9 +58,9 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
         if len(rows) == 3:
             break
         time.sleep(0.2)
-    logged = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
+    logged = [json.loads(line) for line in open(Path(run) / "metrics.jsonl")]
     assert [r["_step"] for r in rows] == [1, 2, 3]
-    assert [r["train/loss"] for r in rows] == pytest.approx([l["loss"] for l in logged])
+    assert [r["train/loss"] for r in rows] == pytest.approx([rec["loss"] for rec in logged])
     assert [r["tokens"] for r in rows] == [64, 128, 192]
 
 
@@ -73,8 +78,8 @@ def test_wandb_failure_never_stops_training(tmp_path, monkeypatch):
 
 @pytest.mark.gcs
 def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
-    """gs:// metrics.jsonl grows by composed chunks of at most FLUSH_LINES lines: no whole-file rewrite
-    per line; a resume still cuts the lines after its checkpoint."""
+    """gs:// metrics.jsonl grows by composed chunks of at most FLUSH_LINES lines: no whole-file
+    rewrite per line; a resume still cuts the lines after its checkpoint."""
     import gcsfs
 
     from train import metrics as M
@@ -98,12 +103,18 @@ def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
     for step in range(1, 36):
         logger.log("train", step, step * 10, loss=1.0 / step)
     logger.close()
-    assert written == [10] and len(merges) == 3          # one first chunk, then 3 appends (10, 10, 5 lines)
-    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
+    assert written == [10] and len(merges) == 3  # one first chunk, then 3 appends (10, 10, 5 lines)
+    steps = [
+        json.loads(line)["step"]
+        for line in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()
+    ]
     assert steps == list(range(1, 36))
-    assert not [p for p in M.fsio.listdir(run) if ".chunk-" in p]   # chunk objects are deleted
+    assert not [p for p in M.fsio.listdir(run) if ".chunk-" in p]  # chunk objects are deleted
     resumed = M.MetricsLogger(run, resume_step=20)
     resumed.log("train", 21, 210, loss=0.5)
     resumed.flush()
-    steps = [json.loads(l)["step"] for l in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()]
+    steps = [
+        json.loads(line)["step"]
+        for line in M.fsio.read_text(M.rundir.metrics_path(run)).splitlines()
+    ]
     assert steps == list(range(1, 22))

@@ -42,7 +42,7 @@ def reference_forward(m: GPT, idx: torch.Tensor) -> torch.Tensor:
     cos, sin = torch.cos(pos * freq).float(), torch.sin(pos * freq).float()
 
     def rope(x):  # rotate pairs (i, i + D/2)
-        a, b = x[..., : D // 2], x[..., D // 2:]
+        a, b = x[..., : D // 2], x[..., D // 2 :]
         return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
 
     x = m.wte.weight[idx]
@@ -56,8 +56,8 @@ def reference_forward(m: GPT, idx: torch.Tensor) -> torch.Tensor:
         if cfg.qk_norm:
             q, k = rms(q, at.q_norm.weight), rms(k, at.k_norm.weight)
         q, k = rope(q), rope(k)
-        k = torch.cat([k[:, i // (H // KV): i // (H // KV) + 1] for i in range(H)], 1)
-        v = torch.cat([v[:, i // (H // KV): i // (H // KV) + 1] for i in range(H)], 1)
+        k = torch.cat([k[:, i // (H // KV) : i // (H // KV) + 1] for i in range(H)], 1)
+        v = torch.cat([v[:, i // (H // KV) : i // (H // KV) + 1] for i in range(H)], 1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
         att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, H * D)
@@ -72,8 +72,15 @@ def reference_forward(m: GPT, idx: torch.Tensor) -> torch.Tensor:
     return (rms(x, m.norm_f.weight) @ m.lm_head.weight.T)[..., : cfg.vocab_size]
 
 
-@pytest.mark.parametrize("kw", [dict(n_kv_head=4), dict(n_kv_head=2), dict(n_kv_head=1, mlp="relu2"),
-                                dict(n_kv_head=2, qk_norm=False, tie_embeddings=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_kv_head=4),
+        dict(n_kv_head=2),
+        dict(n_kv_head=1, mlp="relu2"),
+        dict(n_kv_head=2, qk_norm=False, tie_embeddings=True),
+    ],
+)
 def test_forward_matches_explicit_softmax_reference(kw):
     m = build_model(tiny(**kw), seed=0)
     idx = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(1))
@@ -102,8 +109,12 @@ def test_loss_contract_padded_vocab_and_per_token_losses():
     logits = m(idx)
     per_tok = m(idx, tgt, reduction="none")
     assert per_tok.shape == (2, 12) and per_tok.dtype == torch.float32
-    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), tgt.reshape(-1), reduction="none")
-    assert torch.allclose(per_tok.reshape(-1), manual, atol=1e-6)  # softmax over the real vocab only
+    manual = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 300), tgt.reshape(-1), reduction="none"
+    )
+    assert torch.allclose(
+        per_tok.reshape(-1), manual, atol=1e-6
+    )  # softmax over the real vocab only
     assert torch.allclose(m(idx, tgt), per_tok.mean(), atol=1e-6)
     with pytest.raises(ValueError, match="max_seq_len"):
         m(torch.zeros(1, 33, dtype=torch.long))
@@ -126,7 +137,9 @@ def test_init_depends_on_the_seed_only():
     torch.manual_seed(999)
     b = build_model(tiny(), seed=7)
     c = build_model(tiny(), seed=8)
-    for (k, p), q, r in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+    for (k, p), q, _r in zip(
+        a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
+    ):
         assert torch.equal(p, q), k
     assert not torch.equal(a.wte.weight, c.wte.weight)
     # residual projections are scaled down by 1/sqrt(2 * n_layer)
@@ -149,17 +162,26 @@ def test_two_processes_with_different_ranks_build_identical_weights():
             h.update(k.encode()); h.update(v.numpy().tobytes())
         print(h.hexdigest())
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=str(ROOT), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                                                     "PATH": "/usr/bin:/bin"})
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r)],
+            cwd=str(ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )
+        for r in (0, 1)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         outs.append(out.strip())
     assert len(outs[0]) == 64 and outs[0] == outs[1]
-    m = build_model(tiny(n_kv_head=2, tie_embeddings=True), seed=1337)  # and equal to this process's
+    m = build_model(
+        tiny(n_kv_head=2, tie_embeddings=True), seed=1337
+    )  # and equal to this process's
     h = hashlib.sha256()
     for k, v in sorted(m.state_dict().items()):
         h.update(k.encode())
@@ -183,11 +205,16 @@ def test_flops_per_token_is_6n_plus_attention(tie):
     assert matmul_params(cfg) == expected_n
     hd = cfg.n_embd // cfg.n_head
     assert flops_per_token(cfg, 16) == 6 * expected_n + 12 * cfg.n_layer * cfg.n_head * hd * 16
-    assert flops_per_token(cfg, 32) - flops_per_token(cfg, 16) == 12 * cfg.n_layer * cfg.n_head * hd * 16
+    assert (
+        flops_per_token(cfg, 32) - flops_per_token(cfg, 16)
+        == 12 * cfg.n_layer * cfg.n_head * hd * 16
+    )
 
 
-@pytest.mark.parametrize("name,lo,hi", [("tiny", 1e6, 20e6), ("124m", 100e6, 150e6),
-                                         ("350m", 300e6, 400e6), ("1b", 0.9e9, 1.3e9)])
+@pytest.mark.parametrize(
+    "name,lo,hi",
+    [("tiny", 1e6, 20e6), ("124m", 100e6, 150e6), ("350m", 300e6, 400e6), ("1b", 0.9e9, 1.3e9)],
+)
 def test_presets_build_with_the_advertised_size(name, lo, hi):
     assert name in preset_names("model")
     cfg = dataclasses.replace(build_config(model=name).model, vocab_size=32768)
@@ -204,13 +231,15 @@ def test_forward_backward_lowers_under_xla_and_matches_cpu():
     pytest.importorskip("torch_xla")
     from tests.conftest import run_xla
 
-    out = run_xla(textwrap.dedent("""
+    out = run_xla(
+        textwrap.dedent("""
         import torch, torch_xla, torch_xla.debug.metrics as met
         from codex.config.model import ModelConfig
         from model.gpt import build_model
-        dev = torch_xla.device()  # before any CPU backward: the autograd engine sizes its device queues once
-        cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=32,
-                          tie_embeddings=True)
+        # before any CPU backward: the autograd engine sizes its device queues once
+        dev = torch_xla.device()
+        cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300,
+                          max_seq_len=32, tie_embeddings=True)
         m = build_model(cfg, 0)
         idx = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
         loss = m(idx, idx.roll(1, 1)); loss.backward()
@@ -219,13 +248,15 @@ def test_forward_backward_lowers_under_xla_and_matches_cpu():
         mx = m.to(dev)
         assert mx.lm_head.weight is mx.wte.weight
         lx = mx(idx.to(dev), idx.roll(1, 1).to(dev)); lx.backward(); torch_xla.sync()
-        fallbacks = [n for n in met.counter_names() if n.startswith("aten::")]  # ops XLA could not lower
+        # ops XLA could not lower
+        fallbacks = [n for n in met.counter_names() if n.startswith("aten::")]
         assert not fallbacks, fallbacks
         assert abs(lx.item() - loss.item()) < 1e-4, (lx.item(), loss.item())
         worst = max((p.grad.cpu() - g[k]).abs().max().item() for k, p in mx.named_parameters())
         assert worst < 1e-5, worst
         print("OK", worst)
-    """))
+    """)
+    )
     assert "OK" in out.stdout
 
 
@@ -234,12 +265,14 @@ def test_zero_init_proj_makes_every_block_the_identity_and_still_trains():
     x = torch.randn(2, 8, m.cfg.n_embd)
     cos, sin = m.rope_cos[:8], m.rope_sin[:8]
     for block in m.blocks:
-        assert torch.equal(block(x, cos, sin), x)   # x + attn(...) + mlp(...) with zero projections
+        assert torch.equal(block(x, cos, sin), x)  # x + attn(...) + mlp(...) with zero projections
     idx = torch.randint(0, m.vocab_size, (2, 8))
     m(idx, idx).backward()
-    assert m.blocks[0].attn.c_proj.weight.grad.abs().sum() > 0   # the projections get gradient
-    assert not torch.equal(build_model(tiny(), seed=0).blocks[0].mlp.w_down.weight,
-                           torch.zeros_like(m.blocks[0].mlp.w_down.weight))
+    assert m.blocks[0].attn.c_proj.weight.grad.abs().sum() > 0  # the projections get gradient
+    assert not torch.equal(
+        build_model(tiny(), seed=0).blocks[0].mlp.w_down.weight,
+        torch.zeros_like(m.blocks[0].mlp.w_down.weight),
+    )
 
 
 def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
@@ -254,7 +287,7 @@ def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
     assert torch.allclose(b, 5.0 * torch.tanh(a / 5.0), atol=1e-5)
     with pytest.raises(ConfigError, match="model.logit_softcap=5.0"):
         check_exportable(capped.cfg)
-    check_exportable(build_model(tiny(zero_init_proj=True), seed=0).cfg)   # an init choice exports
+    check_exportable(build_model(tiny(zero_init_proj=True), seed=0).cfg)  # an init choice exports
 
 
 def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
@@ -263,18 +296,20 @@ def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
     from model.gpt import decode, prefill
 
     m = build_model(tiny(n_layer=4, n_kv_head=2, value_embed=True), seed=0).eval()
-    assert sorted(m.value_embeds) == ["1", "3"]                     # every other layer, the last included
-    assert m.value_embeds["3"].weight.shape == (m.padded_vocab, 2 * 16)   # n_kv_head x head_dim
+    assert sorted(m.value_embeds) == ["1", "3"]  # every other layer, the last included
+    assert m.value_embeds["3"].weight.shape == (m.padded_vocab, 2 * 16)  # n_kv_head x head_dim
     idx = torch.randint(0, m.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         with_ve = m(idx)
-        logits, cache = prefill(m, idx[:, :5])                       # the KV cache sees them too
+        logits, cache = prefill(m, idx[:, :5])  # the KV cache sees them too
         for t in range(5, 12):
-            logits = decode(m, idx[:, t:t + 1], cache)
-            assert (logits - m(idx[:, :t + 1])[:, -1]).abs().max() < 1e-5, t
+            logits = decode(m, idx[:, t : t + 1], cache)
+            assert (logits - m(idx[:, : t + 1])[:, -1]).abs().max() < 1e-5, t
         # Zero tables: exactly the plain model with the same other weights, so ve is added to v.
         plain = build_model(tiny(n_layer=4, n_kv_head=2), seed=0).eval()
-        plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("value_embeds.")})
+        plain.load_state_dict(
+            {k: v for k, v in m.state_dict().items() if not k.startswith("value_embeds.")}
+        )
         for table in m.value_embeds.values():
             table.weight.zero_()
         assert torch.equal(m(idx), plain(idx))
@@ -286,11 +321,11 @@ def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
 def test_derived_mlp_hidden_is_a_multiple_of_256_from_1024_and_of_128_below():
     from model.gpt import mlp_hidden
 
-    assert mlp_hidden(ModelConfig()) == 384                      # the default 4 x 128: 8/3 * 128 = 341 -> 384
-    assert mlp_hidden(ModelConfig(n_embd=768)) == 2048           # 124m: already a multiple of 256
-    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816          # 350m: 2730 -> 2816
+    assert mlp_hidden(ModelConfig()) == 384  # the default 4 x 128: 8/3 * 128 = 341 -> 384
+    assert mlp_hidden(ModelConfig(n_embd=768)) == 2048  # 124m: already a multiple of 256
+    assert mlp_hidden(ModelConfig(n_embd=1024)) == 2816  # 350m: 2730 -> 2816
     assert mlp_hidden(ModelConfig(n_embd=64, mlp="relu2")) == 256
-    assert mlp_hidden(ModelConfig(n_embd=1024, mlp_hidden=1000)) == 1000   # an explicit size is kept
+    assert mlp_hidden(ModelConfig(n_embd=1024, mlp_hidden=1000)) == 1000  # an explicit size is kept
     for name in preset_names("model"):
         h = mlp_hidden(build_config(model=name).model)
         assert h % 256 == 0 or (h < 1024 and h % 128 == 0), (name, h)

@@ -1,6 +1,7 @@
 """Two hosts simulated on the CPU: two `torchrun --nnodes=2 --nproc_per_node=1` agents on 127.0.0.1
-with gloo, the tiny model. The control plane (train/control.py) must keep them in step: one stop
-step for a SIGTERM on one host, one resume step (or a loud failure), a failing rank ends the job."""
+with gloo, the tiny model. The control plane (train/dist/control.py) must keep them in step: one
+stop step for a SIGTERM on one host, one resume step (or a loud failure), a failing rank ends the
+job."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from tests.train_helpers import base_overrides, child_env, make_run
 from train.checkpoint import folders as checkpoint
 
@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_hosts(run: str, env_extra: dict | None = None, per_rank: dict | None = None,
-                **train_keys) -> list[subprocess.Popen]:
+def start_hosts(
+    run: str, env_extra: dict | None = None, per_rank: dict | None = None, **train_keys
+) -> list[subprocess.Popen]:
     """One torchrun agent per simulated host; per_rank[r] adds --set flags on host r only."""
     port = free_port()
     env = child_env() | (env_extra or {})
@@ -37,12 +38,33 @@ def start_hosts(run: str, env_extra: dict | None = None, per_rank: dict | None =
         args = ["--run", run]
         for o in base_overrides(**train_keys) + (per_rank or {}).get(node, []):
             args += ["--set", o]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               "-m", "codex.cli", "--", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "-m",
+            "codex.cli",
+            "--",
+            "train",
+            *args,
+        ]
         # Own session: a test that times out kills the agent and its worker together (killpg).
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -63,7 +85,9 @@ def worker_pid(agent: subprocess.Popen, timeout: float = 60) -> int:
     """The training process torchrun started (the agent's child)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        out = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(
+            ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True
+        ).stdout.split()
         if out:
             return int(out[0])
         time.sleep(0.1)
@@ -71,7 +95,9 @@ def worker_pid(agent: subprocess.Popen, timeout: float = 60) -> int:
 
 
 def train_steps(metrics: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in metrics.read_text().splitlines() if '"train"' in l]
+    return [
+        json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line
+    ]
 
 
 def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_path):
@@ -82,13 +108,15 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_pa
     deadline = time.time() + 90
     while time.time() < deadline and (not metrics.exists() or len(train_steps(metrics)) < 3):
         time.sleep(0.05)
-    os.kill(host1, signal.SIGTERM)          # host 1 only: host 0 never sees a signal
+    os.kill(host1, signal.SIGTERM)  # host 1 only: host 0 never sees a signal
     errs = finish(procs, timeout=90)
     assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
     assert "SIGTERM received" in errs[1] and "SIGTERM received" not in errs[0]
     step = checkpoint.latest_step(run)
-    assert step is not None and step == train_steps(metrics)[-1]      # rank 0 saved the step both stopped at
-    assert f"stopped by a signal at step {step}/" in errs[0]          # rank 0 stopped for host 1's signal
+    assert (
+        step is not None and step == train_steps(metrics)[-1]
+    )  # rank 0 saved the step both stopped at
+    assert f"stopped by a signal at step {step}/" in errs[0]  # rank 0 stopped for host 1's signal
     assert f"rank 1/2: stopped at step {step}" in errs[1]
 
     procs = start_hosts(run, max_steps=step + 2)
@@ -105,8 +133,13 @@ def _checkpoints_at(run: str, steps: list[int]) -> None:
     from eval.evaluate import evaluate
     from train.loop import train
 
-    train(build_config(overrides=base_overrides(max_steps=steps[-1], save_every=steps[0], device_batch=8),
-                       run=run), evaluate)
+    train(
+        build_config(
+            overrides=base_overrides(max_steps=steps[-1], save_every=steps[0], device_batch=8),
+            run=run,
+        ),
+        evaluate,
+    )
     assert checkpoint.complete_steps(run) == steps
 
 
@@ -115,14 +148,16 @@ def test_a_read_fault_on_one_rank_never_splits_the_resume_step(tmp_path):
     both ranks naming rank 1 and the path, instead of rank 1 falling back to step 2 alone."""
     run = make_run(tmp_path / "run")
     _checkpoints_at(run, [2, 4])
-    procs = start_hosts(run, env_extra={"CODEX_TEST_FAIL_CKPT_READ_RANK": "1"}, max_steps=6, save_every=2)
+    procs = start_hosts(
+        run, env_extra={"CODEX_TEST_FAIL_CKPT_READ_RANK": "1"}, max_steps=6, save_every=2
+    )
     errs = finish(procs, timeout=120)
     assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
     for err in errs:
         assert "rank 0 chose checkpoint step 4, but rank 1 could not load" in err, err[-2000:]
         assert "step_00000004" in err
     assert "resumed from step" not in errs[0] + errs[1]
-    assert checkpoint.complete_steps(run) == [2, 4]          # nothing was trained or pruned
+    assert checkpoint.complete_steps(run) == [2, 4]  # nothing was trained or pruned
 
 
 def test_an_exception_on_one_rank_ends_the_job_non_zero_within_60s(tmp_path):
@@ -143,6 +178,5 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path):
     assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
     for err in errs:
         assert "rank 1: train.lr=0.02 (rank 0: 0.01)" in err, err[-2000:]
-        assert "exitcode  : 2" in err          # the worker's exit code (torchrun itself exits 1)
+        assert "exitcode  : 2" in err  # the worker's exit code (torchrun itself exits 1)
     assert not (Path(run) / "checkpoints").exists() or not checkpoint.complete_steps(run)
-

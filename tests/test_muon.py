@@ -1,5 +1,6 @@
-"""train/muon.py: the orthogonalisation against an SVD, which parameters Muon takes, its learning
-rate under the schedule, 1 process = 2 processes (gloo) = accumulation 2, and an exact resume."""
+"""train/optim/muon.py: the orthogonalisation against an SVD, which parameters Muon takes, its
+learning rate under the schedule, 1 process = 2 processes (gloo) = accumulation 2, and an exact
+resume."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ import torch
 
 from codex.config import ConfigError, build_config
 from model.gpt import build_model
-from tests.test_train import (KILL_AT_SAVE, ROOT, assert_close, final_model, one_thread,  # noqa: F401 (autouse)
-                              run_train, train_cli_args)
+from tests.test_train import (
+    KILL_AT_SAVE,
+    ROOT,
+    assert_close,
+    final_model,
+    one_thread,  # noqa: F401 (autouse)
+    run_train,
+    train_cli_args,
+)
 from tests.train_helpers import base_overrides, child_env, make_run
 from train.checkpoint import folders as checkpoint
 from train.optim.muon import Muon, Optimizers, orthogonalize
@@ -34,7 +42,8 @@ def test_orthogonalize_matches_the_svd_factor_within_the_methods_band(shape):
     diag = torch.diagonal(core, dim1=-2, dim2=-1)
     off = core - torch.diag_embed(diag)
     assert off.abs().max() < 0.05, off.abs().max()
-    # ...and the quintic's coefficients put every singular value in about [0.7, 1.2], never exactly 1.
+    # ...and the quintic's coefficients put every singular value in about [0.7, 1.2], never
+    # exactly 1.
     assert diag.min() > 0.6 and diag.max() < 1.2, (diag.min(), diag.max())
     assert (diag - 1).abs().max() > 1e-3
 
@@ -49,8 +58,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     adam_ids = {id(p) for g in opt.optimizers["adamw"].param_groups for p in g["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
     assert not muon_ids & adam_ids and muon_ids | adam_ids == set(names)
-    assert {names[i] for i in muon_ids} == {n for n, p in model.named_parameters()
-                                            if n.startswith("blocks.") and p.ndim == 2}
+    assert {names[i] for i in muon_ids} == {
+        n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2
+    }
     assert all("norm" in names[i] or not names[i].startswith("blocks.") for i in adam_ids)
     # The schedule scales both peaks alike: at half of train.lr, Muon is at half of muon_lr.
     set_lr(opt, 0.002)
@@ -62,9 +72,21 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 def test_muon_one_process_two_processes_and_accumulation_agree(tmp_path):
     runs = {name: make_run(tmp_path / name) for name in ("big", "accum", "ddp")}
     steps = dict(max_steps=5, save_every=5, lr=1e-3, **MUON)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "codex.cli", "--", "train",
-           *train_cli_args(runs["ddp"], device_batch=4, **steps)]
-    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "codex.cli",
+        "--",
+        "train",
+        *train_cli_args(runs["ddp"], device_batch=4, **steps),
+    ]
+    proc = subprocess.run(
+        cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     big = run_train(runs["big"], device_batch=8, **steps)
     acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
@@ -79,8 +101,14 @@ def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
     ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     run_train(ref_run, **steps)
     script = KILL_AT_SAVE.format(kill_step=4, args=train_cli_args(run, **steps))
-    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert checkpoint.latest_step(run) == 2
     assert run_train(run, **steps)["step"] == 6
@@ -95,23 +123,36 @@ def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
 
 def _sharded_muon_step(rank: int, world: int, port: int, out: str) -> None:
-    """One Muon step on rank `rank` of a real gloo group; records which matrices it orthogonalised."""
+    """One Muon step on rank `rank` of a real gloo group; records which matrices it
+    orthogonalised."""
     import torch.distributed as dist
+
     import train.optim.muon as muon_module
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     done = []
     plain = muon_module.orthogonalize
     muon_module.orthogonalize = lambda g, *a: done.append(tuple(g.shape)) or plain(g, *a)
     params = _muon_problem()
     opt = Muon(params, lr=0.1, shard_across=(rank, world))
     opt.step()
-    torch.save({"orthogonalized": done, "params": [p.detach() for p in params]}, f"{out}/rank{rank}.pt")
+    torch.save(
+        {"orthogonalized": done, "params": [p.detach() for p in params]}, f"{out}/rank{rank}.pt"
+    )
     dist.destroy_process_group()
 
 
 def _muon_problem() -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 8), (16, 8), (8, 24), (12, 12), (4, 4)]   # 5 matrices over 2 ranks: shares of 3 and 2
+    shapes = [
+        (8, 8),
+        (16, 8),
+        (8, 24),
+        (12, 12),
+        (4, 4),
+    ]  # 5 matrices over 2 ranks: shares of 3 and 2
     params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
@@ -120,7 +161,9 @@ def _muon_problem() -> list[torch.nn.Parameter]:
 
 def test_replicated_ranks_share_out_the_orthogonalisation_and_end_equal(tmp_path):
     import torch.multiprocessing as mp
+
     from tests.conftest import _free_port
+
     mp.spawn(_sharded_muon_step, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     # Rank 0 took matrices 0, 2, 4 and rank 1 matrices 1, 3: each orthogonalised once in all.
@@ -129,7 +172,7 @@ def test_replicated_ranks_share_out_the_orthogonalisation_and_end_equal(tmp_path
     reference = _muon_problem()
     Muon(reference, lr=0.1).step()
     for r in ranks:
-        for got, want in zip(r["params"], reference):
+        for got, want in zip(r["params"], reference, strict=True):
             assert torch.equal(got, want.detach())
 
 

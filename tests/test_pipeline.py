@@ -1,4 +1,5 @@
-"""The stages chain through one run directory: clean -> tokenize -> shard -> train -> eval, via the CLI."""
+"""The stages chain through one run directory: clean -> tokenize -> shard -> train -> eval, via
+the CLI."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ from codex.cli.main import cli
 def _corpus(path, n_docs=120, seed=0):
     """Small distinct Python-like files (the code preset keeps them)."""
     rng = random.Random(seed)
-    words = ["value", "count", "total", "items", "result", "index", "name", "data", "buffer", "offset"]
+    words = [
+        "value",
+        "count",
+        "total",
+        "items",
+        "result",
+        "index",
+        "name",
+        "data",
+        "buffer",
+        "offset",
+    ]
     path.mkdir()
     for i in range(n_docs):
         lines = [f"def function_{i}({rng.choice(words)}, {rng.choice(words)}):"]
@@ -36,8 +48,19 @@ def test_stages_chain_through_the_run_directory(tmp_path):
     _corpus(tmp_path / "src")
     run = str(tmp_path / "run")
     common = ["--run", run]
-    _invoke(["data", "clean", *common, "--input", str(tmp_path / "src"), "--preset", "code",
-             "--set", "data.clean.text_extensions=[.py]"])
+    _invoke(
+        [
+            "data",
+            "clean",
+            *common,
+            "--input",
+            str(tmp_path / "src"),
+            "--preset",
+            "code",
+            "--set",
+            "data.clean.text_extensions=[.py]",
+        ]
+    )
     stats = json.loads((tmp_path / "run" / "clean" / "stats.json").read_text())
     assert stats["docs_out"] == 120
 
@@ -52,11 +75,32 @@ def test_stages_chain_through_the_run_directory(tmp_path):
     first = np.load(tmp_path / "run" / "shards" / manifest["shards"][0]["path"], mmap_mode="r")
     assert first[0] == meta["special_ids"]["bos"]  # every document starts with <|bos|>
 
-    _invoke(["train", *common, "--model", "tiny", "--max-steps", "4", "--device-batch", "4", "--seq-len", "32",
-             "--wandb", "off", "--set", "train.eval_every=2", "--set", "train.save_every=2",
-             "--set", "train.log_every=1"])
+    _invoke(
+        [
+            "train",
+            *common,
+            "--model",
+            "tiny",
+            "--max-steps",
+            "4",
+            "--device-batch",
+            "4",
+            "--seq-len",
+            "32",
+            "--wandb",
+            "off",
+            "--set",
+            "train.eval_every=2",
+            "--set",
+            "train.save_every=2",
+            "--set",
+            "train.log_every=1",
+        ]
+    )
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "DONE").exists()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
 
     res = _invoke(["eval", *common])
@@ -80,11 +124,15 @@ def test_demo_redoes_outputs_made_with_another_tokenizer(tmp_path):
     for d in ("shards", "checkpoints/step_00000010", "eval"):
         (run / d).mkdir(parents=True)
     (run / "metrics.jsonl").write_text("{}\n")
-    (run / "shards" / "manifest.json").write_text(json.dumps({"settings": {"tokenizer_sha256": "a" * 64}}))
-    drop_stale_outputs(str(run))   # same tokenizer: everything kept
+    (run / "shards" / "manifest.json").write_text(
+        json.dumps({"settings": {"tokenizer_sha256": "a" * 64}})
+    )
+    drop_stale_outputs(str(run))  # same tokenizer: everything kept
     assert (run / "shards" / "manifest.json").exists() and (run / "checkpoints").exists()
-    (run / "shards" / "manifest.json").write_text(json.dumps({"settings": {"tokenizer_sha256": "b" * 64}}))
+    (run / "shards" / "manifest.json").write_text(
+        json.dumps({"settings": {"tokenizer_sha256": "b" * 64}})
+    )
     drop_stale_outputs(str(run))
     assert not any((run / d).exists() for d in ("shards", "checkpoints", "eval", "metrics.jsonl"))
     assert (run / "tokenizer" / "tokenizer_meta.json").exists()
-    drop_stale_outputs(str(run))   # nothing there: nothing to do
+    drop_stale_outputs(str(run))  # nothing there: nothing to do

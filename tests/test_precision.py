@@ -11,9 +11,9 @@ import torch
 
 from codex.config import build_config
 from codex.config.model import ModelConfig
+from eval.evaluate import evaluate
 from model.gpt import build_model
 from tests.train_helpers import base_overrides, make_run
-from eval.evaluate import evaluate
 from train.loop import train
 
 torch.set_num_threads(1)
@@ -30,8 +30,8 @@ def test_residual_stream_is_bf16_under_autocast_and_fp32_without():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(idx, idx)
     assert seen == [(torch.bfloat16, torch.bfloat16)] * CFG.n_layer
-    assert loss.dtype == torch.float32                       # the loss itself in fp32
-    assert all(p.dtype == torch.float32 for p in model.parameters())   # fp32 master weights
+    assert loss.dtype == torch.float32  # the loss itself in fp32
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     seen.clear()
     model(idx, idx)
     assert seen == [(torch.float32, torch.float32)] * CFG.n_layer
@@ -51,8 +51,9 @@ def test_no_fp32_copy_of_the_residual_stream_is_kept_for_the_backward():
                 x = block(x, model.rope_cos[:T], model.rope_sin[:T])
             x = model.norm_f(x)
     activations = [t for t in saved if t.numel() == B * T * d]
-    assert activations and all(t.dtype == torch.bfloat16 for t in activations), \
-        sorted({(tuple(t.shape), t.dtype) for t in activations}, key=str)
+    assert activations and all(t.dtype == torch.bfloat16 for t in activations), sorted(
+        {(tuple(t.shape), t.dtype) for t in activations}, key=str
+    )
 
 
 def losses(run: str) -> list[float]:
@@ -64,11 +65,16 @@ def test_bf16_training_follows_the_fp32_loss_curve_within_2_percent(tmp_path):
     curves = {}
     for dtype in ("fp32", "bf16"):
         run = make_run(tmp_path / dtype)
-        train(build_config(overrides=base_overrides(max_steps=20, dtype=dtype, device_batch=8, seq_len=32),
-                           run=run), evaluate)
+        train(
+            build_config(
+                overrides=base_overrides(max_steps=20, dtype=dtype, device_batch=8, seq_len=32),
+                run=run,
+            ),
+            evaluate,
+        )
         curves[dtype] = losses(run)
     fp32, bf16 = curves["fp32"], curves["bf16"]
     assert len(fp32) == len(bf16) == 20
-    assert fp32[-1] < fp32[0] - 0.5          # it learns, so the comparison covers a moving curve
-    worst = max(abs(b - f) / f for f, b in zip(fp32, bf16))
+    assert fp32[-1] < fp32[0] - 0.5  # it learns, so the comparison covers a moving curve
+    worst = max(abs(b - f) / f for f, b in zip(fp32, bf16, strict=True))
     assert worst < 0.02, (worst, fp32, bf16)

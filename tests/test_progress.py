@@ -35,7 +35,7 @@ def test_the_final_line_is_not_repeated(caplog):
     with caplog.at_level(logging.INFO, logger="codex"):
         with Progress("shard", total=2, unit="files", stream=io.StringIO(), log_every=0) as p:
             p.update(1)
-            p.update(1)                  # logs 100% here; close() must not log it again
+            p.update(1)  # logs 100% here; close() must not log it again
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shard:")]
     assert sum("100.0%" in line for line in lines) == 1, lines
 

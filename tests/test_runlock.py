@@ -41,7 +41,10 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
     deadline = time.time() + timeout
     while not predicate():
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: the process exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+            raise AssertionError(
+                f"{what}: the process exited early ({proc.returncode}): "
+                f"{proc.stderr.read()[-3000:]}"
+            )
         if time.time() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
@@ -50,7 +53,9 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 def assert_refused(proc: subprocess.CompletedProcess, command: str, pid: int) -> None:
     """Exit 2, one line naming the holder: its command, pid, host and start time."""
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"is in use by `{command}` (pid {pid} on host {HOST}, since " in proc.stderr, proc.stderr[-3000:]
+    assert f"is in use by `{command}` (pid {pid} on host {HOST}, since " in proc.stderr, (
+        proc.stderr[-3000:]
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -62,34 +67,58 @@ def sigkill(proc: subprocess.Popen) -> None:
 
 # --- the CLI, across processes -------------------------------------------------------------------
 
+
 def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp_path):
     run = make_run(tmp_path / "run")
     lease = Path(run) / runlock.LEASE_NAME
     metrics = Path(run) / "metrics.jsonl"
-    first = subprocess.Popen(codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=100_000))),
-                             env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=100_000))),
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 90, "first trainer's steps", first)
+        wait_for(
+            lambda: metrics.exists() and metrics.read_text().count("\n") >= 2,
+            90,
+            "first trainer's steps",
+            first,
+        )
         held = json.loads(lease.read_text())
         assert (held["pid"], held["host"], held["command"]) == (first.pid, HOST, "codex train")
 
-        second = subprocess.run(codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=3))),
-                                env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=90)
+        second = subprocess.run(
+            codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=3))),
+            env=child_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert_refused(second, "codex train", first.pid)
-        assert first.poll() is None                               # the holder is untouched
+        assert first.poll() is None  # the holder is untouched
     finally:
         if first.poll() is None:
             sigkill(first)
-    assert json.loads(lease.read_text())["pid"] == first.pid      # SIGKILL leaves the lease behind
+    assert json.loads(lease.read_text())["pid"] == first.pid  # SIGKILL leaves the lease behind
 
-    third = subprocess.run(codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=3))),
-                           env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    third = subprocess.run(
+        codex_cmd("train", "--run", run, *sets(base_overrides(max_steps=3))),
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     assert "taking over the stale lock" in third.stderr
     assert f"its process {first.pid} is no longer running on this host" in third.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == [1, 2, 3]                                     # it trained (from scratch: nothing was saved)
-    assert not list(Path(run).glob(".codex-lock*"))               # released on a clean exit, guard file too
+    assert steps == [1, 2, 3]  # it trained (from scratch: nothing was saved)
+    assert not list(Path(run).glob(".codex-lock*"))  # released on a clean exit, guard file too
 
 
 # The first shard blocks inside its first shard write, holding the lock, until it is killed.
@@ -113,19 +142,28 @@ def test_second_shard_exits_2_and_a_sigkilled_shards_lease_is_taken_over(tmp_pat
     write_tokenizer(run, docs, vocab_size=300)
     args = ["data", "shard", "--run", str(run), "--shard-tokens", "1500", "--val-fraction", "0.2"]
     started = tmp_path / "started"
-    first = subprocess.Popen([sys.executable, "-c", BLOCKING_SHARD, str(started), *args], env=child_env(), cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", BLOCKING_SHARD, str(started), *args],
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(started.exists, 60, "first shard's write", first)
-        second = subprocess.run(codex_cmd(*args), env=child_env(), cwd=ROOT, capture_output=True, text=True,
-                                timeout=60)
+        second = subprocess.run(
+            codex_cmd(*args), env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert_refused(second, "codex data shard", first.pid)
         assert not (run / "shards" / "manifest.json").exists()
     finally:
         if first.poll() is None:
             sigkill(first)
 
-    third = subprocess.run(codex_cmd(*args), env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=90)
+    third = subprocess.run(
+        codex_cmd(*args), env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=90
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     assert "taking over the stale lock" in third.stderr
     manifest = json.loads((run / "shards" / "manifest.json").read_text())
@@ -150,14 +188,22 @@ def test_which_commands_take_which_lease(tmp_path):
 
     refused = "is in use by `codex train` (pid"
     with RunLock(run, "codex train"):
-        for args in (["data", "clean", "--run", run, "--input", text], ["data", "tokenize", "--run", run],
-                     ["data", "shard", "--run", run], ["train", "--run", run], ["data", "upload", other, run],
-                     ["demo", "--run", run]):
+        for args in (
+            ["data", "clean", "--run", run, "--input", text],
+            ["data", "tokenize", "--run", run],
+            ["data", "shard", "--run", run],
+            ["train", "--run", run],
+            ["data", "upload", other, run],
+            ["demo", "--run", run],
+        ):
             out = invoke(*args)
             assert refused in out, (args, out)
         for args in (["sample", "--run", run, "--prompt", "x"], ["eval", "--run", run]):
             out = invoke(*args)
-            assert "in use" not in out and "no intact checkpoint" in out, (args, out)   # past the lock
+            assert "in use" not in out and "no intact checkpoint" in out, (
+                args,
+                out,
+            )  # past the lock
         with RunLock(f"{run}/eval", "codex eval"):
             assert "is in use by `codex eval`" in invoke("eval", "--run", run)
     task = ["data", "clean", "--run", run, "--input", text, "--num-tasks", "2", "--task-index", "1"]
@@ -167,22 +213,29 @@ def test_which_commands_take_which_lease(tmp_path):
 
 # --- the lease, in-process -----------------------------------------------------------------------
 
+
 def test_lease_records_the_holder_beats_and_refuses_a_second_writer(tmp_path):
     with RunLock(tmp_path, "codex test", heartbeat=0.05) as lock:
         lease = json.loads(Path(lock.path).read_text())
         assert (lease["host"], lease["pid"], lease["command"]) == (HOST, os.getpid(), "codex test")
         first_beat = lease["heartbeat"]
-        wait_for(lambda: json.loads(Path(lock.path).read_text())["heartbeat"] > first_beat, 5, "a heartbeat")
+        wait_for(
+            lambda: json.loads(Path(lock.path).read_text())["heartbeat"] > first_beat,
+            5,
+            "a heartbeat",
+        )
         with pytest.raises(LockHeld, match=rf"in use by `codex test` \(pid {os.getpid()} on host "):
             RunLock(tmp_path, "codex other").acquire()
-        assert json.loads(Path(lock.path).read_text())["token"] == lock.lease["token"]   # the refusal changed nothing
-    assert os.listdir(tmp_path) == []                              # lease and its flock guard file gone
+        assert (
+            json.loads(Path(lock.path).read_text())["token"] == lock.lease["token"]
+        )  # the refusal changed nothing
+    assert os.listdir(tmp_path) == []  # lease and its flock guard file gone
     with RunLock(tmp_path, "codex again"):
         pass
 
 
 def test_stale_heartbeat_is_taken_over_and_the_old_holder_finds_out(tmp_path, caplog):
-    old = RunLock(tmp_path, "codex old", heartbeat=3600).acquire()   # alive, but its heartbeat stops
+    old = RunLock(tmp_path, "codex old", heartbeat=3600).acquire()  # alive, but its heartbeat stops
     time.sleep(0.3)
     new = RunLock(tmp_path, "codex new", stale_after=0.2).acquire()
     try:
@@ -190,7 +243,7 @@ def test_stale_heartbeat_is_taken_over_and_the_old_holder_finds_out(tmp_path, ca
         assert "`codex old`" in caplog.text and "its last heartbeat was" in caplog.text
         with pytest.raises(LockLost, match="taken over by `codex new`"):
             old.refresh()
-        old.release()                                             # must not delete the new holder's lease
+        old.release()  # must not delete the new holder's lease
         assert json.loads(Path(new.path).read_text())["command"] == "codex new"
     finally:
         new.release()
@@ -199,9 +252,21 @@ def test_stale_heartbeat_is_taken_over_and_the_old_holder_finds_out(tmp_path, ca
 
 def test_lost_lease_stops_the_holder_from_its_heartbeat(tmp_path):
     lost = []
-    old = RunLock(tmp_path, "codex old", heartbeat=0.1, on_lost=lambda lock, err: lost.append(str(err))).acquire()
-    Path(old.path).write_text(json.dumps({"host": "elsewhere", "pid": 1, "command": "codex intruder",
-                                          "started": time.time(), "heartbeat": time.time(), "token": "x"}))
+    old = RunLock(
+        tmp_path, "codex old", heartbeat=0.1, on_lost=lambda lock, err: lost.append(str(err))
+    ).acquire()
+    Path(old.path).write_text(
+        json.dumps(
+            {
+                "host": "elsewhere",
+                "pid": 1,
+                "command": "codex intruder",
+                "started": time.time(),
+                "heartbeat": time.time(),
+                "token": "x",
+            }
+        )
+    )
     wait_for(lambda: lost, 5, "the lost-lease callback")
     assert "taken over by `codex intruder` (pid 1 on host elsewhere" in lost[0]
 
@@ -211,10 +276,10 @@ def test_exceptions_release_and_only_rank_0_holds(tmp_path, monkeypatch):
         with runlock.hold(str(tmp_path / "typo"), "codex test"):
             assert (tmp_path / "typo" / runlock.LEASE_NAME).exists()
             raise ValueError("boom")
-    assert not (tmp_path / "typo").exists()                       # a folder made only for the lock goes too
+    assert not (tmp_path / "typo").exists()  # a folder made only for the lock goes too
     monkeypatch.setenv("RANK", "1")
     with runlock.hold(str(tmp_path / "r1"), "codex test"):
-        assert not (tmp_path / "r1").exists()                     # rank 1 takes no lease
+        assert not (tmp_path / "r1").exists()  # rank 1 takes no lease
     monkeypatch.setenv("RANK", "0")
     with runlock.hold(str(tmp_path / "r0"), "codex test"):
         assert (tmp_path / "r0" / runlock.LEASE_NAME).exists()
@@ -244,15 +309,25 @@ def test_racing_acquirers_exactly_one_wins(tmp_path):
     for t in threads:
         t.join()
     assert len(wins) == 1 and len(refused) == 7
-    assert json.loads((tmp_path / runlock.LEASE_NAME).read_text())["token"] == wins[0].lease["token"]
+    assert (
+        json.loads((tmp_path / runlock.LEASE_NAME).read_text())["token"] == wins[0].lease["token"]
+    )
     wins[0].release()
 
 
 # --- gs:// ---------------------------------------------------------------------------------------
 
+
 def _lease(command: str, host: str = "other-host", pid: int = 4242, age: float = 0.0) -> dict:
     t = time.time() - age
-    return {"host": host, "pid": pid, "command": command, "started": t, "heartbeat": t, "token": command}
+    return {
+        "host": host,
+        "pid": pid,
+        "command": command,
+        "started": t,
+        "heartbeat": t,
+        "token": command,
+    }
 
 
 @pytest.mark.gcs
@@ -263,9 +338,11 @@ def test_gcs_lease_refuses_a_second_writer_and_takes_over_a_stale_heartbeat(gcs_
         first, gen = store.read()
         assert (first["pid"], first["host"], first["command"]) == (os.getpid(), HOST, "codex train")
         wait_for(lambda: store.read()[1] != gen, 10, "a heartbeat (a new generation)")
-        with pytest.raises(LockHeld, match=rf"in use by `codex train` \(pid {os.getpid()} on host {HOST}, since "):
+        with pytest.raises(
+            LockHeld, match=rf"in use by `codex train` \(pid {os.getpid()} on host {HOST}, since "
+        ):
             RunLock(run, "codex train").acquire()
-    assert store.read() == (None, None)                           # released
+    assert store.read() == (None, None)  # released
 
     # A holder on another host that stopped beating 5 minutes ago (a dead TPU VM).
     assert store.create(_lease("codex data shard", age=300)) is not None
@@ -302,7 +379,9 @@ def strict_gcs(monkeypatch):
                 current = req.storage.get_file_obj(m.group(1), name)["generation"]
             except NotFound:
                 current = "0"
-            if str(current) != query["ifGenerationMatch"][0]:   # one server thread: check + write are atomic
+            if (
+                str(current) != query["ifGenerationMatch"][0]
+            ):  # one server thread: check + write are atomic
                 body = b'{"error": {"code": 412, "message": "Precondition Failed"}}'
                 req.send_response(412)
                 req.send_header("Content-Type", "application/json")
@@ -330,24 +409,30 @@ def strict_gcs(monkeypatch):
 
 @pytest.mark.gcs
 def test_gcs_every_lease_change_is_conditional_on_the_generation(strict_gcs):
-    """Two writers that read the same state: only the first change lands (create, takeover, heartbeat,
-    release alike), so two takers of one stale lease can never both hold it."""
+    """Two writers that read the same state: only the first change lands (create, takeover,
+    heartbeat, release alike), so two takers of one stale lease can never both hold it."""
     store = runlock._GcsLease(f"{strict_gcs}/run/{runlock.LEASE_NAME}")
     g1 = store.create(_lease("a"))
-    assert g1 is not None and store.create(_lease("b")) is None  # ifGenerationMatch=0: already there
-    g2 = store.swap(g1, _lease("b"))                              # takeover from the generation read
+    assert (
+        g1 is not None and store.create(_lease("b")) is None
+    )  # ifGenerationMatch=0: already there
+    g2 = store.swap(g1, _lease("b"))  # takeover from the generation read
     assert g2 is not None and g2 != g1
-    assert store.swap(g1, _lease("c")) is None                    # the slower taker read g1 too: refused
+    assert store.swap(g1, _lease("c")) is None  # the slower taker read g1 too: refused
     assert store.read()[0]["token"] == "b" and store.read()[1] == g2
     assert store.delete(g1) is False and store.read()[1] == g2
     assert store.delete(g2) is True and store.read() == (None, None)
 
-    winners = []                                                  # and through RunLock, racing
+    winners = []  # and through RunLock, racing
+
     def go(i):
         try:
-            winners.append(RunLock(f"{strict_gcs}/run", f"codex racer {i}", heartbeat=3600).acquire())
+            winners.append(
+                RunLock(f"{strict_gcs}/run", f"codex racer {i}", heartbeat=3600).acquire()
+            )
         except LockHeld:
             pass
+
     threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()

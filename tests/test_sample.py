@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 
 # --- sampling -------------------------------------------------------------------------------------
 
+
 def test_sample_greedy_topk_seed_and_crop():
     from eval.sample import sample
 
@@ -57,14 +58,20 @@ def test_run_sample_loads_the_checkpoint(tmp_path):
 
 # --- the loss plot --------------------------------------------------------------------------------
 
+
 def test_plot_loss_writes_a_png_and_dedups_resumed_steps(tmp_path):
     from eval.plot import loss_curves, plot_loss, read_metrics
 
     run = tmp_path / "run"
-    rows = [{"kind": "train", "step": s, "tokens": 1000 * s, "loss": 5.0 - 0.1 * s} for s in range(1, 11)]
-    rows += [{"kind": "val", "step": 5, "tokens": 5000, "loss": 4.9, "bits_per_byte": 2.0},
-             {"kind": "train", "step": 10, "tokens": 10000, "loss": 3.5},  # a resumed run redoes step 10
-             {"kind": "val", "step": 10, "tokens": 10000, "loss": 4.2}]
+    rows = [
+        {"kind": "train", "step": s, "tokens": 1000 * s, "loss": 5.0 - 0.1 * s}
+        for s in range(1, 11)
+    ]
+    rows += [
+        {"kind": "val", "step": 5, "tokens": 5000, "loss": 4.9, "bits_per_byte": 2.0},
+        {"kind": "train", "step": 10, "tokens": 10000, "loss": 3.5},  # a resumed run redoes step 10
+        {"kind": "val", "step": 10, "tokens": 10000, "loss": 4.2},
+    ]
     _metrics(run, [json.dumps(r) for r in rows] + ['{"kind": "train", "ste'])  # torn last line
     curves = loss_curves(read_metrics(str(run / "metrics.jsonl")))
     assert len(curves["train"]) == 10 and curves["train"][-1] == (10000.0, 3.5)

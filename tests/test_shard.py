@@ -1,4 +1,5 @@
-"""codex data shard / verify / upload: round trip, determinism, resume after SIGKILL, GCS, bad input."""
+"""codex data shard / verify / upload: round trip, determinism, resume after SIGKILL, GCS, bad
+input."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ import pytest
 
 from codex import fsio
 from codex.config import Config
-from pipeline.shard import shard as shard_mod
 from pipeline.encode import split_long_text
+from pipeline.shard import shard as shard_mod
 from pipeline.shard.shard import run_shard
 from pipeline.shard.verify import verify_shards
 from pipeline.upload import upload_run
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("the quick brown fox jumps over lazy dog river stone light night morning king queen sword "
-         "castle bread water fire shadow garden thunder whisper silver golden ancient forest").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dog river stone light night morning king queen sword "
+    "castle bread water fire shadow garden thunder whisper silver golden ancient forest"
+).split()
 
 
 def make_docs(n: int = 160, seed: int = 0) -> list[str]:
@@ -40,9 +43,11 @@ def make_docs(n: int = 160, seed: int = 0) -> list[str]:
             text += " naïve café 東京 🙂 — “quotes”"
         docs.append(text)
     docs[3] = "a literal <|bos|> and <|eos|> inside text must stay text"
-    docs[5] = ("line of a very long document\n" * 150) + ("x" * 2500) + (" word" * 700)  # > chunk_chars
-    docs[8] = ""          # an empty document is still a document: just <|bos|>
-    docs[9] = docs[10]    # an exact duplicate lands in the same split as its twin
+    docs[5] = (
+        ("line of a very long document\n" * 150) + ("x" * 2500) + (" word" * 700)
+    )  # > chunk_chars
+    docs[8] = ""  # an empty document is still a document: just <|bos|>
+    docs[9] = docs[10]  # an exact duplicate lands in the same split as its twin
     return docs
 
 
@@ -52,11 +57,21 @@ def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
     per = -(-len(docs) // files)
     names = []
     for k in range(files):
-        part = docs[k * per:(k + 1) * per]
+        part = docs[k * per : (k + 1) * per]
         names.append(f"part-00000-{k:05d}-000.parquet")
-        pq.write_table(pa.table({"text": part, "id": [f"d{k}-{i}" for i in range(len(part))],
-                                 "source": ["test"] * len(part)}), clean / names[-1])
-    (clean / "stats.json").write_text(json.dumps({"shards": names, "docs_out": len(docs)}))   # clean's record
+        pq.write_table(
+            pa.table(
+                {
+                    "text": part,
+                    "id": [f"d{k}-{i}" for i in range(len(part))],
+                    "source": ["test"] * len(part),
+                }
+            ),
+            clean / names[-1],
+        )
+    (clean / "stats.json").write_text(
+        json.dumps({"shards": names, "docs_out": len(docs)})
+    )  # clean's record
 
 
 def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
@@ -67,9 +82,15 @@ def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
     d = run / "tokenizer"
     d.mkdir(parents=True, exist_ok=True)
     (d / "tokenizer.json").write_text(text, encoding="utf-8")
-    (d / "tokenizer_meta.json").write_text(json.dumps({
-        "vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_ids": dict(SPECIAL_IDS),
-        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}))
+    (d / "tokenizer_meta.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+                "special_ids": dict(SPECIAL_IDS),
+                "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +137,9 @@ def load_split(shards_dir: Path, manifest: dict, split: str, fmt: str = "npy") -
     for e in manifest["shards"]:
         if e["split"] == split and e["format"] == fmt:
             p = shards_dir / e["path"]
-            arrays.append(np.load(p, mmap_mode="r") if fmt == "npy" else pq.read_table(p).column(0).to_numpy())
+            arrays.append(
+                np.load(p, mmap_mode="r") if fmt == "npy" else pq.read_table(p).column(0).to_numpy()
+            )
     return np.concatenate(arrays)
 
 
@@ -124,8 +147,8 @@ def decode_docs(tokens: np.ndarray, tok, bos: int = 0, eos: int | None = None) -
     starts = np.flatnonzero(tokens == bos)
     assert starts[0] == 0, "a split starts with <|bos|>"
     docs = []
-    for a, b in zip(starts, list(starts[1:]) + [len(tokens)]):
-        ids = tokens[a + 1:b].tolist()
+    for a, b in zip(starts, list(starts[1:]) + [len(tokens)], strict=True):
+        ids = tokens[a + 1 : b].tolist()
         if eos is not None:
             assert ids[-1] == eos
             ids = ids[:-1]
@@ -137,7 +160,8 @@ def shas(manifest: dict) -> list[tuple]:
     return [(e["path"], e["sha256"], e["tokens"], e["documents"]) for e in manifest["shards"]]
 
 
-# --- round trip and the manifest contract ----------------------------------------------------------
+# --- round trip and the manifest contract ---------------------------------------------------------
+
 
 def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
     from pipeline.tokenizer.tokenizer import load_tokenizer
@@ -158,14 +182,19 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
         sizes = [e["tokens"] for e in m["shards"] if e["split"] == split]
         assert all(s == 1500 for s in sizes[:-1]) and 0 < sizes[-1] <= 1500
     assert m["format_version"] == 1 and m["dtype"] == "uint16"
-    assert m["tokenizer"]["sha256"] == json.loads((run / "tokenizer/tokenizer_meta.json").read_text())["sha256"]
+    assert (
+        m["tokenizer"]["sha256"]
+        == json.loads((run / "tokenizer/tokenizer_meta.json").read_text())["sha256"]
+    )
     assert m["special_ids"] == {"bos": 0, "eos": 1, "pad": 2}
     assert all("/" not in e["path"] for e in m["shards"])
     for e in m["shards"]:
         assert hashlib.sha256((out / e["path"]).read_bytes()).hexdigest() == e["sha256"]
     assert (out / "config.yaml").exists()
     assert verify_shards(str(out), str(run / "tokenizer")) == []
-    from train.data.token_shards import load_manifest   # the training loader accepts the manifest as written
+    from train.data.token_shards import (
+        load_manifest,
+    )  # the training loader accepts the manifest as written
 
     assert load_manifest(str(out))["totals"] == m["totals"]
 
@@ -202,19 +231,22 @@ def test_split_long_text_pieces():
     pieces = split_long_text(text, 1000)
     assert "".join(pieces) == text
     assert all(0 < len(p) <= 1000 for p in pieces)
-    assert pieces[0].endswith("\n")                   # cut after a newline where there is one
-    assert any(p.startswith(" z") for p in pieces)    # else before a space
+    assert pieces[0].endswith("\n")  # cut after a newline where there is one
+    assert any(p.startswith(" z") for p in pieces)  # else before a space
     assert split_long_text("short", 1000) == ["short"]
 
 
-# --- determinism and resume -------------------------------------------------------------------------
+# --- determinism and resume -----------------------------------------------------------------------
+
 
 def test_same_shards_across_reruns_and_worker_counts(tmp_path, corpus, tokenizer_files):
     run = make_run(tmp_path, corpus, tokenizer_files)
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
     two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), workers=2))
     assert shas(one) == shas(two) and len(one["shards"]) >= 4
-    again = run_shard(make_cfg(run, out=str(tmp_path / "w1")))   # complete: nothing redone, same manifest
+    again = run_shard(
+        make_cfg(run, out=str(tmp_path / "w1"))
+    )  # complete: nothing redone, same manifest
     assert again == one
 
 
@@ -244,12 +276,19 @@ shard.run_shard(make_cfg(sys.argv[1]))
 
 
 @pytest.mark.parametrize("where", ["after_commit", "before_progress"])
-def test_sigkill_mid_run_then_rerun_gives_same_manifest(tmp_path, corpus, tokenizer_files, where, monkeypatch):
+def test_sigkill_mid_run_then_rerun_gives_same_manifest(
+    tmp_path, corpus, tokenizer_files, where, monkeypatch
+):
     ref_run = make_run(tmp_path, corpus, tokenizer_files, "ref")
     ref = run_shard(make_cfg(ref_run))
     run = make_run(tmp_path, corpus, tokenizer_files, "killed")
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(root=str(ROOT)), str(run), "3", where],
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT.format(root=str(ROOT)), str(run), "3", where],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     out = run / "shards"
     assert not (out / "manifest.json").exists()
@@ -259,10 +298,12 @@ def test_sigkill_mid_run_then_rerun_gives_same_manifest(tmp_path, corpus, tokeni
 
     rewritten = []
     orig = shard_mod.write_npy
-    monkeypatch.setattr(shard_mod, "write_npy", lambda p, t: (rewritten.append(os.path.basename(p)), orig(p, t))[1])
+    monkeypatch.setattr(
+        shard_mod, "write_npy", lambda p, t: (rewritten.append(os.path.basename(p)), orig(p, t))[1]
+    )
     again = run_shard(make_cfg(run))
     assert again == ref
-    assert len(rewritten) == len(ref["shards"]) - done      # finished shards were skipped, not redone
+    assert len(rewritten) == len(ref["shards"]) - done  # finished shards were skipped, not redone
     assert not [p for p in os.listdir(out) if ".tmp" in p]
     assert verify_shards(str(out)) == []
 
@@ -277,15 +318,17 @@ def test_corrupt_shard_is_caught_and_redone(tmp_path, corpus, tokenizer_files):
     victim.write_bytes(bytes(data))
     problems = verify_shards(str(out))
     assert problems and all(victim.name in p for p in problems) and "sha256" in problems[0]
-    (out / m["shards"][2]["path"]).write_bytes(victim.read_bytes()[:200])   # truncated
+    (out / m["shards"][2]["path"]).write_bytes(victim.read_bytes()[:200])  # truncated
     assert len(verify_shards(str(out))) >= 2
     assert run_shard(make_cfg(run)) == m
     assert verify_shards(str(out)) == []
-    stray = out / "train_09999.npy"   # shard-named but not in the manifest
+    stray = out / "train_09999.npy"  # shard-named but not in the manifest
     stray.write_bytes(victim.read_bytes())
     (out / "notes.txt").write_text("not a shard name: not reported")
     problems = verify_shards(str(out))
-    assert len(problems) == 1 and "train_09999.npy" in problems[0] and "does not list" in problems[0]
+    assert (
+        len(problems) == 1 and "train_09999.npy" in problems[0] and "does not list" in problems[0]
+    )
 
 
 def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, monkeypatch):
@@ -309,14 +352,15 @@ def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, m
 # --- bad input ------------------------------------------------------------------------------------
 
 
-# --- GCS (emulator) ---------------------------------------------------------------------------------
+# --- GCS (emulator) -------------------------------------------------------------------------------
+
 
 @pytest.mark.gcs
 def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_files, gcs_bucket):
     run = make_run(tmp_path, corpus, tokenizer_files)
     local = run_shard(make_cfg(run))
     remote_out = f"{gcs_bucket}/direct/shards"
-    direct = run_shard(make_cfg(run, out=remote_out))                # write straight to gs://
+    direct = run_shard(make_cfg(run, out=remote_out))  # write straight to gs://
     assert shas(direct) == shas(local)
     assert verify_shards(remote_out) == []
 
@@ -339,7 +383,9 @@ def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_file
         fsio.upload = saved
     assert not fsio.exists(f"{remote_run}/shards/manifest.json"), "markers go last"
     res = upload_run(str(run), remote_run)
-    assert res["skipped"] == 3 and res["uploaded"] == res["files"] - 3 and res["checksum"] == ["md5"]
+    assert (
+        res["skipped"] == 3 and res["uploaded"] == res["files"] - 3 and res["checksum"] == ["md5"]
+    )
     assert not fsio.exists(f"{remote_run}/shards/train_00000.npy.tmp-0123abcd")
     assert verify_shards(f"{remote_run}/shards") == []
 
@@ -351,13 +397,18 @@ def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_file
     fs.pipe(p, bytes(data))
     fs.invalidate_cache()
     problems = verify_shards(f"{remote_run}/shards")
-    assert problems and all(local["shards"][0]["path"] in p for p in problems) and "sha256" in problems[0]
+    assert (
+        problems
+        and all(local["shards"][0]["path"] in p for p in problems)
+        and "sha256" in problems[0]
+    )
     res = upload_run(str(run), remote_run)
     assert res["uploaded"] == 1
     assert verify_shards(f"{remote_run}/shards") == []
 
 
-# --- the command line -------------------------------------------------------------------------------
+# --- the command line -----------------------------------------------------------------------------
+
 
 def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
     from click.testing import CliRunner
@@ -366,12 +417,34 @@ def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     out = tmp_path / "elsewhere"
-    r = CliRunner().invoke(cli, ["data", "shard", "--run", str(run), "--out", str(out), "--shard-tokens", "3000",
-                                 "--val-fraction", "0.25", "--format", "both", "--workers", "1",
-                                 "--set", "data.shard.chunk_chars=1000"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "data",
+            "shard",
+            "--run",
+            str(run),
+            "--out",
+            str(out),
+            "--shard-tokens",
+            "3000",
+            "--val-fraction",
+            "0.25",
+            "--format",
+            "both",
+            "--workers",
+            "1",
+            "--set",
+            "data.shard.chunk_chars=1000",
+        ],
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
-    assert m["shard_tokens"] == 3000 and m["val_fraction"] == 0.25 and {e["format"] for e in m["shards"]} == {"npy", "parquet"}
+    assert (
+        m["shard_tokens"] == 3000
+        and m["val_fraction"] == 0.25
+        and {e["format"] for e in m["shards"]} == {"npy", "parquet"}
+    )
     assert CliRunner().invoke(cli, ["data", "verify", str(run), "--out", str(out)]).exit_code == 0
     (out / m["shards"][0]["path"]).write_bytes(b"garbage")
     r = CliRunner().invoke(cli, ["data", "verify", str(run), "--out", str(out)])
@@ -380,4 +453,6 @@ def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
     assert r.exit_code == 2 and "codex data tokenize" in r.output
     r = CliRunner().invoke(cli, ["data", "upload", str(run), str(tmp_path / "copy")])
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "copy" / "clean" / "stats.json").read_bytes() == (run / "clean" / "stats.json").read_bytes()
+    assert (tmp_path / "copy" / "clean" / "stats.json").read_bytes() == (
+        run / "clean" / "stats.json"
+    ).read_bytes()

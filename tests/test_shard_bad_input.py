@@ -13,7 +13,12 @@ import pytest
 from pipeline.shard import shard as shard_mod
 from pipeline.shard.shard import ShardError, run_shard
 from pipeline.shard.verify import verify_shards
-from tests.test_shard import corpus, make_cfg, make_run, tokenizer_files, write_tokenizer  # noqa: F401 (fixtures)
+from tests import test_shard as shard_tests
+from tests.test_shard import make_cfg, make_run, write_tokenizer
+
+# test_shard.py's module-scoped fixtures, found by pytest under these names
+corpus = shard_tests.corpus
+tokenizer_files = shard_tests.tokenizer_files
 
 
 def test_missing_or_changed_tokenizer(tmp_path, corpus, tokenizer_files):
@@ -23,11 +28,15 @@ def test_missing_or_changed_tokenizer(tmp_path, corpus, tokenizer_files):
         run_shard(make_cfg(run))
     os.rename(run / "tok_away", run / "tokenizer")
     run_shard(make_cfg(run))
-    write_tokenizer(run, corpus, vocab_size=350)   # another tokenizer under the same run
+    write_tokenizer(run, corpus, vocab_size=350)  # another tokenizer under the same run
     with pytest.raises(ShardError, match="made with another tokenizer"):
         run_shard(make_cfg(run))
-    assert any("were made with" in p for p in verify_shards(str(run / "shards"), str(run / "tokenizer")))
-    (run / "tokenizer" / "tokenizer.json").write_text("{}")   # edited after training: sha256 mismatch
+    assert any(
+        "were made with" in p for p in verify_shards(str(run / "shards"), str(run / "tokenizer"))
+    )
+    (run / "tokenizer" / "tokenizer.json").write_text(
+        "{}"
+    )  # edited after training: sha256 mismatch
     with pytest.raises(ShardError, match="does not match"):
         run_shard(make_cfg(run, out=str(tmp_path / "other")))
 
@@ -55,9 +64,13 @@ def test_empty_corpus_and_bad_parquet(tmp_path, corpus, tokenizer_files):
         run_shard(make_cfg(run))
     for p in (run / "clean").glob("*.parquet"):
         p.unlink()
-    with pytest.raises(FileNotFoundError, match="part-00000-00000-000.parquet: listed in .*stats.json but missing"):
+    with pytest.raises(
+        FileNotFoundError, match="part-00000-00000-000.parquet: listed in .*stats.json but missing"
+    ):
         run_shard(make_cfg(run))
-    (run / "clean" / "stats.json").write_text(json.dumps({"shards": ["part-00000-00000-000.parquet"]}))
+    (run / "clean" / "stats.json").write_text(
+        json.dumps({"shards": ["part-00000-00000-000.parquet"]})
+    )
     pq.write_table(pa.table({"text": ["ok", None]}), run / "clean" / "part-00000-00000-000.parquet")
     with pytest.raises(ShardError, match="part-00000-00000-000.parquet: row 1: text is null"):
         run_shard(make_cfg(run))

@@ -13,8 +13,8 @@ import pytest
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline.tokenizer import bpe as B
 from pipeline import encode
+from pipeline.tokenizer import bpe as B
 from pipeline.tokenizer import doc_select
 from pipeline.tokenizer import tokenizer as T
 
@@ -24,8 +24,28 @@ VOCAB = 600
 def make_docs(n: int = 300, seed: int = 0) -> list[str]:
     """Prose, code, numbers and non-Latin text, ~150 KB: enough for a few hundred merges."""
     rng = random.Random(seed)
-    words = ["the", "model", "token", "train", "data", "river", "stone", "quickly", "über", "naïve",
-             "東京", "言語", "モデル", "данные", "🙂", "def", "return", "self", "import", "print"]
+    words = [
+        "the",
+        "model",
+        "token",
+        "train",
+        "data",
+        "river",
+        "stone",
+        "quickly",
+        "über",
+        "naïve",
+        "東京",
+        "言語",
+        "モデル",
+        "данные",
+        "🙂",
+        "def",
+        "return",
+        "self",
+        "import",
+        "print",
+    ]
     docs = []
     for i in range(n):
         kind = i % 3
@@ -33,11 +53,17 @@ def make_docs(n: int = 300, seed: int = 0) -> list[str]:
             docs.append(" ".join(rng.choice(words) for _ in range(rng.randint(20, 120))) + ".")
         elif kind == 1:
             name = rng.choice(words[15:])
-            docs.append(f"def f_{i}(x):\n    # {name} {rng.randint(0, 10**6)}\n    return x * {rng.random():.5f}\n\n"
-                        f"class C{i}:\n\tpass\n")
+            docs.append(
+                f"def f_{i}(x):\n    # {name} {rng.randint(0, 10**6)}\n"
+                f"    return x * {rng.random():.5f}\n\n"
+                f"class C{i}:\n\tpass\n"
+            )
         else:
-            docs.append(f"Invoice {rng.randint(1000, 99999)}: total ${rng.randint(1, 10**7)}.{rng.randint(0, 99):02d} "
-                        f"on 2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}\n" * rng.randint(1, 5))
+            docs.append(
+                f"Invoice {rng.randint(1000, 99999)}: "
+                f"total ${rng.randint(1, 10**7)}.{rng.randint(0, 99):02d} "
+                f"on 2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}\n" * rng.randint(1, 5)
+            )
     return docs
 
 
@@ -64,12 +90,22 @@ def trained(tmp_path_factory, request):
     docs = make_docs()
     for i in range(3):
         write_parquet(clean / f"part-00000-{i:05d}.parquet", docs[i::3])
-    write_parquet(clean / "part-99999-00000.parquet", ["leftover of a crashed chunk, not in stats.json"])
-    fsio.write_json(str(clean / "stats.json"), {"shards": [f"part-00000-{i:05d}.parquet" for i in range(3)]})
+    write_parquet(
+        clean / "part-99999-00000.parquet", ["leftover of a crashed chunk, not in stats.json"]
+    )
+    fsio.write_json(
+        str(clean / "stats.json"), {"shards": [f"part-00000-{i:05d}.parquet" for i in range(3)]}
+    )
     meta = T.run_tokenizer(config(run, trainer=request.param))
     out = rundir.tokenizer_dir(str(run))
-    return {"run": run, "dir": out, "meta": meta, "tok": T.load_tokenizer(out), "docs": docs,
-            "trainer": request.param}
+    return {
+        "run": run,
+        "dir": out,
+        "meta": meta,
+        "tok": T.load_tokenizer(out),
+        "docs": docs,
+        "trainer": request.param,
+    }
 
 
 TRICKY = [
@@ -77,10 +113,14 @@ TRICKY = [
     "hello world",
     "  leading and trailing   ",
     "\t\t\n\n\r\n   \u00a0\u2003 whitespace runs \n\n\n\n",
-    "replacement \ufffd\ufffd chars and " + b"\xff\xfe invalid \xc3\x28 bytes".decode("utf-8", errors="replace"),
+    "replacement \ufffd\ufffd chars and "
+    + b"\xff\xfe invalid \xc3\x28 bytes".decode("utf-8", errors="replace"),
     "emoji 🙂👍🏽👨‍👩‍👧‍👦 flags 🇯🇵",
     "CJK 東京で言語モデルを訓練する 한국어 텍스트",
-    "combining e\u0301 vs \u00e9, zero width \u200b\u200d joiner, RTL \u202e text \u05e9\u05dc\u05d5\u05dd",
+    (
+        "combining e\u0301 vs \u00e9, zero width \u200b\u200d joiner, "
+        "RTL \u202e text \u05e9\u05dc\u05d5\u05dd"
+    ),
     "def f(x):\n\treturn {'a': [1, 2, 3]}  # code\n",
     "123456789 0.000001 1e-9 -42 ١٢٣ ⅷ",
     "a" * 5000,
@@ -95,10 +135,18 @@ def random_strings(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        cps = [rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])
-               for _ in range(rng.randint(0, 200))]
+        cps = [
+            rng.choice(
+                [rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]
+            )
+            for _ in range(rng.randint(0, 200))
+        ]
         out.append("".join(map(chr, cps)))
-        out.append(bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode("utf-8", errors="replace"))
+        out.append(
+            bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300))).decode(
+                "utf-8", errors="replace"
+            )
+        )
     return out
 
 
@@ -135,8 +183,11 @@ def test_corpus_full_of_literal_specials_never_yields_special_ids(tmp_path):
     tok = T.load_tokenizer(rundir.tokenizer_dir(str(tmp_path / "run")))
     assert meta["vocab_size"] == tok.get_vocab_size()
     # the merges could only rebuild "<|bos|>" if the split regex let it be one pre-token
-    assert sorted(t for t in tok.get_vocab() if t.startswith("<|") and t.endswith("|>")) == \
-        ["<|bos|>", "<|eos|>", "<|pad|>"]
+    assert sorted(t for t in tok.get_vocab() if t.startswith("<|") and t.endswith("|>")) == [
+        "<|bos|>",
+        "<|eos|>",
+        "<|pad|>",
+    ]
     for d in docs[:5]:
         ids = tok.encode(d).ids
         assert min(ids) > 2
@@ -150,7 +201,9 @@ def test_token_bytes_sum_to_utf8_length(trained):
     assert list(tb[:3]) == [0, 0, 0] and tb[3:].min() >= 1
     for text in TRICKY + random_strings(20, seed=2) + trained["docs"][:10]:
         ids = tok.encode(text).ids
-        assert int(tb[ids].sum()) == len(tok.decode(ids).encode("utf-8")) == len(text.encode("utf-8"))
+        assert (
+            int(tb[ids].sum()) == len(tok.decode(ids).encode("utf-8")) == len(text.encode("utf-8"))
+        )
     # with specials in the sequence they count 0 bytes
     ids = [0] + tok.encode("abc def").ids + [1]
     assert int(tb[ids].sum()) == len(b"abc def")
@@ -161,19 +214,28 @@ def test_meta_and_outputs(trained):
     assert meta == T.load_meta(out)
     assert meta["vocab_size"] == VOCAB == meta["vocab_size_requested"]
     assert meta["token_dtype"] == "uint16"
-    assert meta["sha256"] == hashlib.sha256(fsio.read_bytes(fsio.join(out, "tokenizer.json"))).hexdigest()
+    assert (
+        meta["sha256"]
+        == hashlib.sha256(fsio.read_bytes(fsio.join(out, "tokenizer.json"))).hexdigest()
+    )
     c = meta["corpus"]
     assert c["docs_seen"] == len(trained["docs"]) and c["files"] == 3
     assert c["heldout_docs"] == 20 and c["docs_used"] == c["docs_seen"] - 20
-    assert meta["chars_used"] == c["chars_used"] == sum(map(len, trained["docs"])) - _heldout_chars(trained)
+    assert (
+        meta["chars_used"]
+        == c["chars_used"]
+        == sum(map(len, trained["docs"])) - _heldout_chars(trained)
+    )
     comp = meta["compression"]
     assert comp["sample"] == "heldout" and comp["docs"] == 20
     assert comp["bytes_per_token"] == pytest.approx(comp["bytes"] / comp["tokens"], rel=1e-3)
     assert comp["bytes_per_token"] > 1.5  # real merges happened (a bytes-only tokenizer gives 1.0)
     assert meta["peak_rss_mb"] > 0
     assert meta["trainer"] == trained["trainer"] == meta["settings"]["trainer"]
-    assert meta["corpus"]["bytes_used"] == sum(len(d.encode()) for d in trained["docs"]) - _heldout_bytes(trained)
-    assert (fsio.exists(fsio.join(out, "config.yaml")))
+    assert meta["corpus"]["bytes_used"] == sum(
+        len(d.encode()) for d in trained["docs"]
+    ) - _heldout_bytes(trained)
+    assert fsio.exists(fsio.join(out, "config.yaml"))
     assert "vocab_size: 600" in fsio.read_text(fsio.join(out, "config.yaml"))
 
 
@@ -184,11 +246,13 @@ def _heldout_chars(trained) -> int:
 
 
 def _heldout_bytes(trained) -> int:
-    hashes = sorted(((doc_select.doc_hash(d), len(d.encode())) for d in trained["docs"]), reverse=True)
+    hashes = sorted(
+        ((doc_select.doc_hash(d), len(d.encode())) for d in trained["docs"]), reverse=True
+    )
     return sum(n for _, n in hashes[:20])
 
 
-# --- the rustbpe trainer: its merges, rebuilt as an HF BPE model -------------------------------------
+# --- the rustbpe trainer: its merges, rebuilt as an HF BPE model ----------------------------------
 
 
 @pytest.mark.parametrize("trainer", B.TRAINERS)
@@ -202,12 +266,16 @@ def test_same_tokenizer_from_different_shard_layouts(tmp_path, trainer):
     random.Random(7).shuffle(shuffled)
     for i in range(5):  # 5 shards, different names, documents in another order, mixed formats
         if i == 4:
-            (b / "z.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in shuffled[i::5]))
+            (b / "z.jsonl").write_text(
+                "".join(json.dumps({"text": d}) + "\n" for d in shuffled[i::5])
+            )
         else:
             write_parquet(b / f"x{4 - i}.parquet", shuffled[i::5])
     budget = sum(map(len, docs)) // 2  # a real sample: about half of the corpus
     ma = T.run_tokenizer(config(tmp_path / "ra", [a], max_chars=budget, trainer=trainer))
-    mb = T.run_tokenizer(config(tmp_path / "rb", [b / "*.parquet", b / "z.jsonl"], max_chars=budget, trainer=trainer))
+    mb = T.run_tokenizer(
+        config(tmp_path / "rb", [b / "*.parquet", b / "z.jsonl"], max_chars=budget, trainer=trainer)
+    )
     ja = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "ra")), "tokenizer.json"))
     jb = fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(tmp_path / "rb")), "tokenizer.json"))
     assert ja == jb and ma["sha256"] == mb["sha256"]
@@ -237,11 +305,15 @@ def test_tiny_corpus_records_the_real_vocab_size(tmp_path, caplog):
 def test_doc_cap_and_budget(tmp_path):
     docs = make_docs(100, seed=5) + ["x" * 50_000]
     write_parquet(tmp_path / "d.parquet", docs)
-    meta = T.run_tokenizer(config(tmp_path / "run", [tmp_path / "d.parquet"], doc_max_chars=1000, heldout_docs=0))
+    meta = T.run_tokenizer(
+        config(tmp_path / "run", [tmp_path / "d.parquet"], doc_max_chars=1000, heldout_docs=0)
+    )
     c = meta["corpus"]
     assert c["docs_capped"] == 1
     assert c["chars_seen"] == sum(min(len(d), 1000) for d in docs) == meta["chars_used"]
-    assert meta["compression"]["sample"] == "none" and meta["compression"]["bytes_per_token"] is None
+    assert (
+        meta["compression"]["sample"] == "none" and meta["compression"]["bytes_per_token"] is None
+    )
 
 
 def test_rerun_is_a_no_op_and_config_change_retrains(trained, monkeypatch):
@@ -286,7 +358,9 @@ def test_bad_settings_and_inputs(tmp_path):
         T.run_tokenizer(config(tmp_path / "r"))
     (tmp_path / "r" / "clean").mkdir(parents=True)
     write_parquet(tmp_path / "r" / "clean" / "part-00000-00000.parquet", ["half-cleaned"])
-    with pytest.raises(FileNotFoundError, match="stats.json not found: `codex data clean` has not finished"):
+    with pytest.raises(
+        FileNotFoundError, match="stats.json not found: `codex data clean` has not finished"
+    ):
         T.run_tokenizer(config(tmp_path / "r"))
     pq.write_table(pa.table({"body": ["x"]}), str(tmp_path / "nocol.parquet"))
     with pytest.raises(ValueError, match="nocol.parquet: no 'text' column"):
@@ -302,7 +376,9 @@ def test_bad_settings_and_inputs(tmp_path):
 
 def test_loads_in_transformers_unchanged(trained):
     transformers = pytest.importorskip("transformers")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=fsio.join(trained["dir"], "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=fsio.join(trained["dir"], "tokenizer.json")
+    )
     for text in TRICKY[1:10]:
         ids = fast.encode(text, add_special_tokens=False)
         assert ids == trained["tok"].encode(text).ids
@@ -336,14 +412,40 @@ def test_cli_data_tokenize(tmp_path):
 
     write_parquet(tmp_path / "c.parquet", make_docs(40, seed=11))
     run = tmp_path / "run"
-    res = CliRunner().invoke(cli, ["data", "tokenize", "--run", str(run), "--input", str(tmp_path / "c.parquet"),
-                                   "--vocab-size", "300", "--max-chars", "50000", "--doc-max-chars", "500"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "data",
+            "tokenize",
+            "--run",
+            str(run),
+            "--input",
+            str(tmp_path / "c.parquet"),
+            "--vocab-size",
+            "300",
+            "--max-chars",
+            "50000",
+            "--doc-max-chars",
+            "500",
+        ],
+    )
     assert res.exit_code == 0, res.output
     meta = T.load_meta(str(run / "tokenizer"))
     assert meta["vocab_size"] == 300 and meta["settings"]["doc_max_chars"] == 500
     assert meta["chars_used"] <= 50_000
-    res = CliRunner().invoke(cli, ["data", "tokenize", "--run", str(run), "--input", str(tmp_path / "c.parquet"),
-                                   "--vocab-size", "10"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "data",
+            "tokenize",
+            "--run",
+            str(run),
+            "--input",
+            str(tmp_path / "c.parquet"),
+            "--vocab-size",
+            "10",
+        ],
+    )
     assert res.exit_code == 2 and "data.tokenizer.vocab_size" in res.output
 
 

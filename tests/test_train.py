@@ -1,6 +1,7 @@
 """codex train on the CPU: data parallel == grad accumulation == one big batch, exact resume after
 SIGKILL, SIGTERM checkpoints, the batch arithmetic, schedules, presets, the compiled bf16 path.
-Checkpoint files and retention: tests/test_checkpoint.py; metrics and wandb: tests/test_metrics.py."""
+Checkpoint files and retention: tests/test_checkpoint.py; metrics and wandb:
+tests/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from codex.config import ConfigError, build_config
+from eval.evaluate import evaluate
 from tests.train_helpers import base_overrides, child_env, make_run, optimizer_tensors
 from train.checkpoint import folders as checkpoint
-from eval.evaluate import evaluate
 from train.loop import train
 from train.plan.plan import grad_accum_steps
 
@@ -57,16 +58,17 @@ def train_cli_args(run: str, **train_keys) -> list[str]:
 
 # --- batch arithmetic ---------------------------------------------------------------------------
 
+
 def test_grad_accum_formula():
-    assert grad_accum_steps(0, 4, 16, 2) == 1                 # 0 = one micro-batch per step
+    assert grad_accum_steps(0, 4, 16, 2) == 1  # 0 = one micro-batch per step
     assert grad_accum_steps(4 * 16 * 2 * 3, 4, 16, 2) == 3
-    assert grad_accum_steps(524288, 16, 1024, 8) == 4         # 0.5M tokens on 8 GPUs
-    with pytest.raises(ConfigError) as e:                     # 1000 is no multiple of 4*16*2 = 128
+    assert grad_accum_steps(524288, 16, 1024, 8) == 4  # 0.5M tokens on 8 GPUs
+    with pytest.raises(ConfigError) as e:  # 1000 is no multiple of 4*16*2 = 128
         grad_accum_steps(1000, 4, 16, 2)
     msg = str(e.value)
     assert "1024 (accum 8)" in msg and "896 (accum 7)" in msg
-    assert "multiple of seq_len * world_size = 32" in msg     # 1000 % 32 != 0: no device batch fits
-    with pytest.raises(ConfigError) as e:                     # 3072 = 96 seqs per rank; B=5 does not divide
+    assert "multiple of seq_len * world_size = 32" in msg  # 1000 % 32 != 0: no device batch fits
+    with pytest.raises(ConfigError) as e:  # 3072 = 96 seqs per rank; B=5 does not divide
         grad_accum_steps(3072, 5, 16, 2)
     msg = str(e.value)
     assert "3040 (accum 19)" in msg and "3200 (accum 20)" in msg
@@ -79,14 +81,26 @@ def test_cli_bad_batch_tokens_exits_2(tmp_path):
     from codex.cli.main import cli
 
     run = make_run(tmp_path / "run")
-    result = CliRunner().invoke(cli, ["train", "--batch-tokens", "1000", "--device-batch", "4", "--seq-len", "16",
-                                      *train_cli_args(run)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "--batch-tokens",
+            "1000",
+            "--device-batch",
+            "4",
+            "--seq-len",
+            "16",
+            *train_cli_args(run),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "train.batch_tokens=1000" in result.output and "1024 (accum 16)" in result.output
     assert not (Path(run) / "checkpoints" / "step_00000001").exists()
 
 
 # --- equivalence: 1 process / 2 processes (torchrun, gloo) / grad accumulation -------------------
+
 
 @pytest.mark.slow
 def test_one_process_two_processes_and_accumulation_agree(tmp_path):
@@ -96,11 +110,25 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
     # in near-zero gradients to ~3e-5 (measured); at 1e-3 the three runs agree to ~5e-8.
     steps = dict(max_steps=5, save_every=5, lr=1e-3)
     # torchrun first (a subprocess), so the in-process runs overlap nothing.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "codex.cli", "--", "train",
-           *train_cli_args(runs["ddp"], device_batch=4, **steps)]
-    proc = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "codex.cli",
+        "--",
+        "train",
+        *train_cli_args(runs["ddp"], device_batch=4, **steps),
+    ]
+    proc = subprocess.run(
+        cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr   # really two ranks, no accumulation
+    assert (
+        "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr
+    )  # really two ranks, no accumulation
 
     big = run_train(runs["big"], device_batch=8, **steps)
     acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
@@ -108,12 +136,18 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
 
     init = build_init(runs["big"])
     m_big, m_acc, m_ddp = (final_model(runs[n]) for n in ("big", "accum", "ddp"))
-    assert max((m_big[k] - init[k]).abs().max().item() for k in init) > 1e-3   # it did train
+    assert max((m_big[k] - init[k]).abs().max().item() for k in init) > 1e-3  # it did train
     assert_close(m_big, m_acc, 1e-5)
     assert_close(m_big, m_ddp, 1e-5)
     # The logged losses are the mean over every token of the step, whichever way it was split.
-    losses = {n: [json.loads(l)["loss"] for l in open(Path(runs[n]) / "metrics.jsonl") if '"train"' in l]
-              for n in runs}
+    losses = {
+        n: [
+            json.loads(line)["loss"]
+            for line in open(Path(runs[n]) / "metrics.jsonl")
+            if '"train"' in line
+        ]
+        for n in runs
+    }
     assert len(losses["big"]) == 5
     for n in ("accum", "ddp"):
         assert losses[n] == pytest.approx(losses["big"], abs=1e-5)
@@ -124,7 +158,9 @@ def build_init(run: str) -> dict:
 
     cfg = build_config(overrides=base_overrides(), run=run)
     cfg.model.vocab_size = 300
-    return {k: v.clone() for k, v in build_model(cfg.model, seed=cfg.train.seed).state_dict().items()}
+    return {
+        k: v.clone() for k, v in build_model(cfg.model, seed=cfg.train.seed).state_dict().items()
+    }
 
 
 # --- exact resume after SIGKILL ------------------------------------------------------------------
@@ -148,15 +184,23 @@ sys.exit(main(["train", *{args!r}]))
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
-    steps = dict(max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128)  # accum 2
+    steps = dict(
+        max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128
+    )  # accum 2
     ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     ref = run_train(ref_run, **steps)
 
     script = KILL_AT_SAVE.format(kill_step=6, args=train_cli_args(run, **steps))
-    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert checkpoint.latest_step(run) == 4                     # step 6 has no DONE
+    assert checkpoint.latest_step(run) == 4  # step 6 has no DONE
     assert (Path(run) / "checkpoints" / "step_00000006" / "__0_0.distcp").exists()
 
     resumed = run_train(run, **steps)
@@ -170,25 +214,41 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
         assert torch.equal(t, b_opt[key]), key
     assert a["loader"] == b["loader"] and a["tokens"] == b["tokens"] == 8 * 128
     assert resumed["val_loss"] == ref["val_loss"]
-    # metrics.jsonl reads like one run: the killed run's lines after step 4 were dropped, not doubled.
-    recs = [json.loads(l) for l in open(Path(run) / "metrics.jsonl")]
+    # metrics.jsonl reads like one run: the killed run's lines after step 4 were dropped, not
+    # doubled.
+    recs = [json.loads(line) for line in open(Path(run) / "metrics.jsonl")]
     assert [r["step"] for r in recs if r["kind"] == "train"] == list(range(1, 9))
-    ref_recs = [json.loads(l) for l in open(Path(ref_run) / "metrics.jsonl")]
-    assert [r["loss"] for r in recs if r["kind"] == "train"] == [r["loss"] for r in ref_recs if r["kind"] == "train"]
+    ref_recs = [json.loads(line) for line in open(Path(ref_run) / "metrics.jsonl")]
+    assert [r["loss"] for r in recs if r["kind"] == "train"] == [
+        r["loss"] for r in ref_recs if r["kind"] == "train"
+    ]
     # Retention (keep_last=3) removed the oldest, and the half-written step 6 was replaced.
     assert checkpoint.complete_steps(run) == [4, 6, 8]
-    # Every checkpoint's non-tensor part is plain JSON with the contract's keys (tensors: DCP files).
+    # Every checkpoint's non-tensor part is plain JSON with the contract's keys (tensors: DCP
+    # files).
     raw = json.loads((Path(run) / "checkpoints" / "step_00000008" / "state.json").read_text())
-    assert {"model", "optimizer", "step", "tokens", "loader", "rng", "config", "codex_version"} <= raw.keys()
+    assert {
+        "model",
+        "optimizer",
+        "step",
+        "tokens",
+        "loader",
+        "rng",
+        "config",
+        "codex_version",
+    } <= raw.keys()
     assert raw["config"]["train"]["max_steps"] == 8 and raw["step"] == 8
 
 
 # --- SIGTERM: finish the step, save, exit 0 ------------------------------------------------------
 
+
 def sigterm_after_three_steps(proc: subprocess.Popen, metrics: Path, timeout: float) -> str:
     """Once the run has logged 3 lines, SIGTERM it; its stderr after it exits."""
     deadline = time.time() + timeout
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+    while time.time() < deadline and (
+        not metrics.exists() or len(metrics.read_text().splitlines()) < 3
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     return proc.communicate(timeout=timeout)[1]
@@ -196,16 +256,22 @@ def sigterm_after_three_steps(proc: subprocess.Popen, metrics: Path, timeout: fl
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
     run = make_run(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "codex.cli", "train", *train_cli_args(run, max_steps=100_000)],
-                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "codex.cli", "train", *train_cli_args(run, max_steps=100_000)],
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = Path(run) / "metrics.jsonl"
     err = sigterm_after_three_steps(proc, metrics, timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM" in err and "Resume: run the same command again" in err
     step = checkpoint.latest_step(run)
     assert step is not None and 3 <= step < 100_000
-    last_logged = [json.loads(l) for l in metrics.read_text().splitlines()][-1]["step"]
-    assert last_logged == step                                 # the step in flight finished, then saved
+    last_logged = [json.loads(line) for line in metrics.read_text().splitlines()][-1]["step"]
+    assert last_logged == step  # the step in flight finished, then saved
     state = checkpoint.load(run)
     assert state["step"] == step and state["tokens"] == step * 64
 
@@ -215,15 +281,31 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     """torchrun forwards SIGTERM to every worker; the ranks agree on the stop step (a host-side
     flag all-reduce), rank 0 saves, the workers exit 0. torchrun itself then reports the signal."""
     run = make_run(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "codex.cli", "--", "train", *train_cli_args(run, max_steps=100_000)],
-                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "codex.cli",
+            "--",
+            "train",
+            *train_cli_args(run, max_steps=100_000),
+        ],
+        env=child_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = Path(run) / "metrics.jsonl"
     err = sigterm_after_three_steps(proc, metrics, timeout=120)
-    assert err.count("SIGTERM received") == 2, err[-3000:]      # both workers got it
+    assert err.count("SIGTERM received") == 2, err[-3000:]  # both workers got it
     assert "checkpoint (preempted)" in err and "Resume: run the same command again" in err
     step = checkpoint.latest_step(run)
-    last_logged = [json.loads(l) for l in metrics.read_text().splitlines()][-1]["step"]
+    last_logged = [json.loads(line) for line in metrics.read_text().splitlines()][-1]["step"]
     assert step is not None and step == last_logged and checkpoint.load(run)["tokens"] == step * 128
 
 
@@ -235,6 +317,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
 
 # --- schedule, parameter groups, presets, backend errors -----------------------------------------
 
+
 def test_lr_schedules():
     from train.optim.schedule import lr_at
 
@@ -244,7 +327,7 @@ def test_lr_schedules():
     mid = 10 + (99 - 10) / 2
     assert lr_at(int(mid), **kw) == pytest.approx(0.55, abs=0.02)
     c = [lr_at(s, **kw) for s in range(10, 100)]
-    assert all(a >= b for a, b in zip(c, c[1:]))               # cosine never goes up
+    assert all(a >= b for a, b in zip(c, c[1:], strict=False))  # cosine never goes up
     w = dict(kw, schedule="wsd", decay_fraction=0.2)
     assert [lr_at(s, **w) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]
     assert lr_at(80, **w) < 1.0 and lr_at(99, **w) == pytest.approx(0.1)
@@ -263,7 +346,11 @@ def test_no_weight_decay_on_norms_embeddings_and_vectors():
     nd = {names[id(p)] for p in no_decay["params"]}
     d = {names[id(p)] for p in decay["params"]}
     assert "wte.weight" in nd and "norm_f.weight" in nd and "blocks.0.attn.q_norm.weight" in nd
-    assert "lm_head.weight" in d and "blocks.0.attn.c_q.weight" in d and "blocks.1.mlp.w_down.weight" in d
+    assert (
+        "lm_head.weight" in d
+        and "blocks.0.attn.c_q.weight" in d
+        and "blocks.1.mlp.w_down.weight" in d
+    )
     assert all(model.get_parameter(n).ndim == 2 for n in d)
     assert len(d) + len(nd) == len(list(model.parameters()))
 
@@ -272,7 +359,17 @@ def test_hardware_presets_and_table():
     from train.plan.hardware import format_hardware_table, get_preset
 
     table = format_hardware_table()
-    for name in ("cpu", "a100", "h100-8", "h200", "v4-8", "v5litepod-16", "v5p-8", "v6e-1", "v6e-16"):
+    for name in (
+        "cpu",
+        "a100",
+        "h100-8",
+        "h200",
+        "v4-8",
+        "v5litepod-16",
+        "v5p-8",
+        "v6e-1",
+        "v6e-16",
+    ):
         assert f"\n{name} " in table
     assert get_preset("v5p-8").devices == 4 and get_preset("v6e-8").devices == 8
     p = get_preset("v6e-16")
@@ -299,15 +396,16 @@ def test_default_batch_comes_from_the_preset(tmp_path):
 
     cfg = build_config(model="124m")
     assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)
-    assert device_defaults(get_preset("v5litepod-4"), cfg.model) == (4, 1024)   # by the memory plan
+    assert device_defaults(get_preset("v5litepod-4"), cfg.model) == (4, 1024)  # by the memory plan
     with pytest.raises(ConfigError, match="does not fit"):
-        device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)   # replicated
+        device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)  # replicated
     run = make_run(tmp_path / "run")
-    out = run_train(run, device_batch=0, max_steps=1)   # a custom model shape: the 'default' entry
+    out = run_train(run, device_batch=0, max_steps=1)  # a custom model shape: the 'default' entry
     assert (out["device_batch"], out["seq_len"], out["batch_tokens"]) == (4, 16, 64)
 
 
-# --- the CUDA code path's torch.compile + bf16 autocast, run on the CPU ------------------------------
+# --- the CUDA code path's torch.compile + bf16 autocast, run on the CPU ---------------------------
+
 
 @pytest.mark.slow
 def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch):
@@ -332,17 +430,25 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     compiled = run_train(compiled_run, compile=True, **steps)
 
     def losses(run):
-        return [json.loads(l)["loss"] for l in open(Path(run) / "metrics.jsonl") if '"kind": "train"' in l]
+        return [
+            json.loads(line)["loss"]
+            for line in open(Path(run) / "metrics.jsonl")
+            if '"kind": "train"' in line
+        ]
 
     e, c = losses(eager_run), losses(compiled_run)
     assert len(e) == len(c) == 6
-    assert max(abs(a - b) for a, b in zip(e, c)) < 0.01, (e, c)   # bf16 kernels differ (~2e-3), the run does not
+    assert max(abs(a - b) for a, b in zip(e, c, strict=True)) < 0.01, (
+        e,
+        c,
+    )  # bf16 kernels differ (~2e-3), the run does not
     assert abs(eager["val_loss"] - compiled["val_loss"]) < 0.01
     final = checkpoint.load(compiled_run, "latest")
     assert final["step"] == 6 and not [k for k in final["model"] if "_orig_mod" in k]
     assert final["model"].keys() == checkpoint.load(eager_run, "latest")["model"].keys()
 
-    # Lose the final checkpoint; the rerun resumes at step 3 into a compiled model and ends the same.
+    # Lose the final checkpoint; the rerun resumes at step 3 into a compiled model and ends the
+    # same.
     import shutil
 
     shutil.rmtree(Path(compiled_run) / "checkpoints" / "step_00000006")
@@ -357,18 +463,20 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     import shutil
 
     def losses(run):
-        recs = [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
     full = make_run(tmp_path / "full")
     run_train(full, max_steps=10, log_every=4, save_every=6, keep_last=5)
     resumed = str(tmp_path / "resumed")
     shutil.copytree(full, resumed)
-    shutil.rmtree(checkpoint.step_dir(resumed, 10))     # as if killed after the step-6 checkpoint
+    shutil.rmtree(checkpoint.step_dir(resumed, 10))  # as if killed after the step-6 checkpoint
     out = run_train(resumed, max_steps=10, log_every=4, save_every=6, keep_last=5)
     assert out["step"] == 10
     a, b = losses(full), losses(resumed)
     assert sorted(a) == sorted(b) == [4, 8, 10]
-    assert b[8] == a[8] and b[10] == a[10]              # step 8 averages steps 5-8, across the resume
-    again = run_train(resumed, max_steps=6, log_every=4)  # below the checkpoint: says so, trains nothing
+    assert b[8] == a[8] and b[10] == a[10]  # step 8 averages steps 5-8, across the resume
+    again = run_train(
+        resumed, max_steps=6, log_every=4
+    )  # below the checkpoint: says so, trains nothing
     assert again["step"] == 10 and not again["stopped"]

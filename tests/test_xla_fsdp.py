@@ -1,4 +1,4 @@
-"""train.parallel=fsdp on the XLA SPMD backend (train/xla_sharding.py), for real on the XLA CPU
+"""train.parallel=fsdp on the XLA SPMD backend (train/xla/sharding.py), for real on the XLA CPU
 backend with 4 devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES=4).
 
 Run in the XLA venv:  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -m xla tests/test_xla_fsdp.py
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.xla
 DEVICES = 4
 
 # Hands the loop's model and optimizer to the script, and counts the optimizer state tensors the
-# step hooks mark (train/xla_sharding.py: shard_optimizer_state).
+# step hooks mark (train/xla/sharding.py: shard_optimizer_state).
 CAPTURE = """
 import train.loop as loop_module
 from train.xla import sharding as xla_sharding
@@ -64,10 +64,13 @@ def layout():
         state = next((o.state[p] for o in parts if p in o.state), {})
         out[name] = {"shape": list(p.shape), "sharding": xla_sharding.sharding_of(p),
                      "local": xla_sharding.local_shard_shapes(p),
-                     "state": {k: {"sharding": xla_sharding.sharding_of(v), "local": xla_sharding.local_shard_shapes(v)}
-                               for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}}
+                     "state": {k: {"sharding": xla_sharding.sharding_of(v),
+                                   "local": xla_sharding.local_shard_shapes(v)}
+                               for k, v in state.items()
+                               if isinstance(v, torch.Tensor) and v.shape == p.shape}}
     return {"params": out, "marks": list(marks)}
 """
+
 
 def copy_checkpoint(src: str, dst: str, step: int) -> None:
     name = f"step_{step:08d}"
@@ -82,51 +85,72 @@ def fsdp(steps: int, size: int, **extra) -> list[str]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("xla_fsdp")
     make_run(root / "data")
-    d = {name: str(root / name) for name in ("eager", "eager_adamw", "fsdp4", "fsdp2", "resume_xla", "resume_eager")}
+    d = {
+        name: str(root / name)
+        for name in ("eager", "eager_adamw", "fsdp4", "fsdp2", "resume_xla", "resume_eager")
+    }
     for path in d.values():
         shutil.copytree(root / "data", path)
     d["logits"] = str(root / "logits.pt")
     out: dict = {"dirs": d}
-    out.update(run_eager(f"""
-emit("eager", train(cfg({d['eager']!r}, {overrides('cpu', 8, 10, save_every=5)!r})))
-emit("eager_adamw", train(cfg({d['eager_adamw']!r}, {overrides('cpu', 8, 5, optimizer='adamw')!r})))
-"""))
+    out.update(
+        run_eager(f"""
+emit("eager", train(cfg({d["eager"]!r}, {overrides("cpu", 8, 10, save_every=5)!r})))
+emit("eager_adamw", train(cfg({d["eager_adamw"]!r}, {overrides("cpu", 8, 5, optimizer="adamw")!r})))
+""")
+    )
     copy_checkpoint(d["eager"], d["resume_xla"], 5)
-    fsdp4 = CAPTURE + f"""
+    fsdp4 = (
+        CAPTURE
+        + f"""
 import torch_xla
 import torch_xla.debug.metrics as met
-emit("fsdp4", train(cfg({d['fsdp4']!r}, {fsdp(10, 0, save_every=5)!r})))
+emit("fsdp4", train(cfg({d["fsdp4"]!r}, {fsdp(10, 0, save_every=5)!r})))
 emit("fsdp4_compiles", met.metric_data("CompileTime")[0])
 emit("fsdp4_layout", layout())
-tokens = torch.randint(0, captured["model"].vocab_size, (4, 16), generator=torch.Generator().manual_seed(7))
+tokens = torch.randint(0, captured["model"].vocab_size, (4, 16),
+                       generator=torch.Generator().manual_seed(7))
 with torch.no_grad():   # the live sharded model (step 10) on fixed tokens, for the export test
     logits = captured["model"](tokens.to(torch_xla.device()))
-torch.save({{"tokens": tokens, "logits": logits.cpu()}}, {d['logits']!r})
-emit("resume_xla", train(cfg({d['resume_xla']!r}, {fsdp(10, 0, eval_every=0)!r})))
+torch.save({{"tokens": tokens, "logits": logits.cpu()}}, {d["logits"]!r})
+emit("resume_xla", train(cfg({d["resume_xla"]!r}, {fsdp(10, 0, eval_every=0)!r})))
 emit("resume_xla_layout", layout())
 """
-    fsdp2 = CAPTURE + f"""
-emit("fsdp2", train(cfg({d['fsdp2']!r}, {fsdp(5, 2, optimizer='adamw', eval_every=0)!r})))
+    )
+    fsdp2 = (
+        CAPTURE
+        + f"""
+emit("fsdp2", train(cfg({d["fsdp2"]!r}, {fsdp(5, 2, optimizer="adamw", eval_every=0)!r})))
 emit("fsdp2_layout", layout())
 """
-    with ThreadPoolExecutor(2) as pool:   # two XLA processes at once: compiles are mostly single-threaded
+    )
+    with ThreadPoolExecutor(
+        2
+    ) as pool:  # two XLA processes at once: compiles are mostly single-threaded
         for job in [pool.submit(run_xla_script, script, DEVICES) for script in (fsdp4, fsdp2)]:
             out.update(job.result())
     copy_checkpoint(d["fsdp4"], d["resume_eager"], 5)
-    out.update(run_eager(f"""
-emit("resume_eager", train(cfg({d['resume_eager']!r}, {overrides('cpu', 8, 10, eval_every=0)!r})))
-"""))
+    out.update(
+        run_eager(f"""
+emit("resume_eager", train(cfg({d["resume_eager"]!r}, {overrides("cpu", 8, 10, eval_every=0)!r})))
+""")
+    )
     return out
 
 
 def check_layout(layout: dict, shard: int) -> int:
     """Every parameter and each of its optimizer state tensors is sharded as planned: each of the 4
-    devices holds the planned dim divided by `shard`. Returns the number of state tensors checked."""
+    devices holds the planned dim divided by `shard`. Returns the number of state tensors
+    checked."""
     n_state = 0
     for name, p in layout["params"].items():
         spec = param_spec(tuple(p["shape"]), shard)
-        assert "fsdp" in spec, f"{name}: every tensor of the tiny model has a dim divisible by {shard}"
-        local = [s if axis is None else s // shard for s, axis in zip(p["shape"], spec)]
+        assert "fsdp" in spec, (
+            f"{name}: every tensor of the tiny model has a dim divisible by {shard}"
+        )
+        local = [
+            s if axis is None else s // shard for s, axis in zip(p["shape"], spec, strict=True)
+        ]
         assert [list(s) for s in p["local"]] == [local] * DEVICES, (name, p)
         assert p["state"], f"{name} has no optimizer state"
         for key, st in p["state"].items():
@@ -137,11 +161,11 @@ def check_layout(layout: dict, shard: int) -> int:
 
 
 def test_param_spec_rule():
-    assert param_spec((384, 128), 4) == ("fsdp", None)     # dim 0 when it divides
-    assert param_spec((6, 8), 4) == (None, "fsdp")         # else the first dim that does
-    assert param_spec((6, 3), 4) == (None, None)           # else replicated
+    assert param_spec((384, 128), 4) == ("fsdp", None)  # dim 0 when it divides
+    assert param_spec((6, 8), 4) == (None, "fsdp")  # else the first dim that does
+    assert param_spec((6, 3), 4) == (None, None)  # else replicated
     assert param_spec((128,), 2) == ("fsdp",)
-    assert param_spec((8, 8), 1) == (None, None)           # one device per copy: nothing to shard
+    assert param_spec((8, 8), 1) == (None, None)  # one device per copy: nothing to shard
 
 
 def test_fsdp4_and_fsdp2x2_match_eager_after_5_steps(runs):
@@ -149,19 +173,23 @@ def test_fsdp4_and_fsdp2x2_match_eager_after_5_steps(runs):
     assert runs["fsdp4"]["world_size"] == runs["fsdp2"]["world_size"] == DEVICES
     diff = max_diff(model_at(d["fsdp4"], 5), model_at(d["eager"], 5))
     assert diff < 1e-4, f"XLA fsdp=4 vs eager after 5 steps: max abs diff {diff:.3g}"
-    assert max_diff(model_at(d["fsdp4"], 5), model_at(d["fsdp4"], 10)) > 1e-3   # it trained
+    assert max_diff(model_at(d["fsdp4"], 5), model_at(d["fsdp4"], 10)) > 1e-3  # it trained
     assert max_diff(model_at(d["fsdp4"], 10), model_at(d["eager"], 10)) < 1e-4
-    assert abs(runs["fsdp4"]["val_loss"] - runs["eager"]["val_loss"]) < 1e-4     # validation under fsdp
+    assert (
+        abs(runs["fsdp4"]["val_loss"] - runs["eager"]["val_loss"]) < 1e-4
+    )  # validation under fsdp
     diff = max_diff(model_at(d["fsdp2"], 5), model_at(d["eager_adamw"], 5))
-    assert diff < 1e-4, f"XLA fsdp=2 x replica=2 (AdamW) vs eager after 5 steps: max abs diff {diff:.3g}"
+    assert diff < 1e-4, (
+        f"XLA fsdp=2 x replica=2 (AdamW) vs eager after 5 steps: max abs diff {diff:.3g}"
+    )
 
 
 def test_parameters_and_optimizer_state_are_sharded_as_planned(runs):
-    n4 = check_layout(runs["fsdp4_layout"], 4)   # Muon momenta + AdamW moments
-    n2 = check_layout(runs["fsdp2_layout"], 2)   # AdamW moments of every parameter
+    n4 = check_layout(runs["fsdp4_layout"], 4)  # Muon momenta + AdamW moments
+    n2 = check_layout(runs["fsdp2_layout"], 2)  # AdamW moments of every parameter
     params = runs["fsdp2_layout"]["params"]
     assert n2 == 2 * len(params) and n4 > len(params)
-    for p in params.values():   # fsdp=2 x replica=2: each half on two devices
+    for p in params.values():  # fsdp=2 x replica=2: each half on two devices
         assert "last_tile_dim_replicate" in p["sharding"]
     # The state the first step creates is marked then (where propagation did not already give it the
     # sharding), never again on later steps.
@@ -223,23 +251,38 @@ def test_xla_fsdp_compiles_what_replicate_compiles(runs):
 
 def test_auto_picks_fsdp_on_tpu_and_refusals():
     """train.parallel=auto on a TPU preset where the replicated state does not fit gives fsdp over
-    the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any device work."""
+    the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any
+    device work."""
     from codex.config import ConfigError, build_config
     from codex.config.model import ModelConfig
-    from train.plan.layout import Layout
     from train.plan.hardware import get_preset
+    from train.plan.layout import Layout
     from train.plan.plan import resolve_batch
     from train.xla.backend import XLABackend
 
     preset = get_preset("v5litepod-4")
-    *_, layout = resolve_batch(build_config(model="1b", overrides=["train.hardware=v5litepod-4"]), preset, 4)
+    *_, layout = resolve_batch(
+        build_config(model="1b", overrides=["train.hardware=v5litepod-4"]), preset, 4
+    )
     assert (layout.parallel, layout.shard, layout.replicas) == ("fsdp", 4, 1)
-    *_, layout = resolve_batch(build_config(model="tiny", overrides=["train.hardware=v5litepod-4"]), preset, 4)
+    *_, layout = resolve_batch(
+        build_config(model="tiny", overrides=["train.hardware=v5litepod-4"]), preset, 4
+    )
     assert layout.parallel == "replicate"
     tiny = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=32, vocab_size=64, max_seq_len=16)
-    base = dict(device=torch.device("cpu"), rank=0, world_size=4, local_rank=0, autocast_dtype=None,
-                loader_rank=0, devices_per_loader=4, global_values=True)
+    base = dict(
+        device=torch.device("cpu"),
+        rank=0,
+        world_size=4,
+        local_rank=0,
+        autocast_dtype=None,
+        loader_rank=0,
+        devices_per_loader=4,
+        global_values=True,
+    )
     for mode, hosts in (("spawn", 1), ("spmd", 2)):
         backend = XLABackend(mode=mode, loader_world=hosts, **base)
-        with pytest.raises(ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd on one host"):
+        with pytest.raises(
+            ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd on one host"
+        ):
             backend.build_model(tiny, 0, Layout("fsdp", shard=4, replicas=1))

@@ -1,4 +1,4 @@
-"""train.xla_step=cached (train/xla_step.py) against the Python micro-batch loop, on the XLA CPU
+"""train.xla_step=cached (train/xla/step.py) against the Python micro-batch loop, on the XLA CPU
 backend: the same gradients and losses step after step, with the model's Python forward run once
 per run instead of once per micro-batch. The whole-loop checks (4-device SPMD parity with eager,
 the fixed compile count over 1,000 steps, fsdp) run the cached step too: it is the default.
@@ -29,11 +29,13 @@ from train.xla.step import DeviceAccumulation
 ACCUM, STEPS = 3, 3
 cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)
 g = torch.Generator().manual_seed(1)
-data = [torch.randint(0, 300, (2, ACCUM, 17), generator=g) for _ in range(STEPS)]   # [rows, accum, T + 1]
+# [rows, accum, T + 1]
+data = [torch.randint(0, 300, (2, ACCUM, 17), generator=g) for _ in range(STEPS)]
 dev = torch_xla.device()
 out = {}
 for mode in ("traced", "cached", "cached_remat"):
-    model = apply_remat(build_model(cfg, seed=0), "block" if mode.endswith("remat") else "none", "tpu").to(dev)
+    model = apply_remat(build_model(cfg, seed=0), "block" if mode.endswith("remat") else "none",
+                        "tpu").to(dev)
     calls = []
     def loss_fn(x, y):
         calls.append(1)
@@ -68,7 +70,8 @@ class Noisy(torch.nn.Module):   # draws random numbers in its forward: not a pur
 
 noisy = Noisy().to(dev)
 try:
-    DeviceAccumulation(noisy, noisy, 2)(torch.zeros(1, 2, 4, device=dev), torch.zeros(1, 2, 4, device=dev))
+    DeviceAccumulation(noisy, noisy, 2)(torch.zeros(1, 2, 4, device=dev),
+                                        torch.zeros(1, 2, 4, device=dev))
     out["refused"] = ""
 except RuntimeError as e:
     out["refused"] = str(e)
@@ -83,12 +86,14 @@ def step_runs() -> dict:
 
 def test_cached_step_matches_the_python_loop_and_traces_once(step_runs):
     traced = step_runs["traced"]
-    assert traced["calls"] == 3 * 3   # the Python loop runs the forward for every micro-batch of every step
+    assert (
+        traced["calls"] == 3 * 3
+    )  # the Python loop runs the forward for every micro-batch of every step
     for mode in ("cached", "cached_remat"):
         run = step_runs[mode]
-        assert run["calls"] == 1, mode     # traced on the first step, replayed after
+        assert run["calls"] == 1, mode  # traced on the first step, replayed after
         assert run["losses"] == pytest.approx(traced["losses"], rel=1e-6, abs=1e-6), mode
-        assert traced["losses"][0] != traced["losses"][-1]   # the parameters really moved
+        assert traced["losses"][0] != traced["losses"][-1]  # the parameters really moved
         for name, p in traced["params"].items():
             diff = (torch.tensor(p) - torch.tensor(run["params"][name])).abs().max().item()
             assert diff <= 1e-6, (mode, name, diff)
@@ -96,4 +101,7 @@ def test_cached_step_matches_the_python_loop_and_traces_once(step_runs):
 
 def test_cached_step_refuses_a_forward_that_draws_random_numbers(step_runs):
     # A While replaying one traced body would reuse the first step's random numbers every step.
-    assert "deterministic forward" in step_runs["refused"] and "xla_step=traced" in step_runs["refused"]
+    assert (
+        "deterministic forward" in step_runs["refused"]
+        and "xla_step=traced" in step_runs["refused"]
+    )

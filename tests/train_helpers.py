@@ -13,20 +13,29 @@ import torch
 VOCAB = 300
 
 # A model that trains in milliseconds a step on one core.
-TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_kv_head=1", "model.n_embd=32",
-              "model.max_seq_len=32"]
+TINY_MODEL = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_kv_head=1",
+    "model.n_embd=32",
+    "model.max_seq_len=32",
+]
 
 
 def make_run(root: Path, train_tokens: int = 20_000, val_tokens: int = 2_000, seed: int = 0) -> str:
-    """RUN/tokenizer/{tokenizer_meta.json, token_bytes.npy} + RUN/shards/{train,val}_*.npy + manifest."""
+    """RUN/tokenizer/{tokenizer_meta.json, token_bytes.npy} + RUN/shards/{train,val}_*.npy +
+    manifest."""
     rng = np.random.default_rng(seed)
     run = Path(root)
     tok = run / "tokenizer"
     shards = run / "shards"
     tok.mkdir(parents=True, exist_ok=True)
     shards.mkdir(parents=True, exist_ok=True)
-    (tok / "tokenizer_meta.json").write_text(json.dumps(
-        {"vocab_size": VOCAB, "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "sha256": "0" * 64}))
+    (tok / "tokenizer_meta.json").write_text(
+        json.dumps(
+            {"vocab_size": VOCAB, "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "sha256": "0" * 64}
+        )
+    )
     token_bytes = np.concatenate([[0, 0, 0], rng.integers(1, 5, VOCAB - 3)]).astype(np.int32)
     np.save(tok / "token_bytes.npy", token_bytes)
 
@@ -35,7 +44,9 @@ def make_run(root: Path, train_tokens: int = 20_000, val_tokens: int = 2_000, se
         out = []
         while sum(map(len, out)) < n:
             start, stride, length = rng.integers(3, VOCAB), rng.integers(1, 4), rng.integers(10, 60)
-            out.append(np.concatenate([[0], 3 + (start + stride * np.arange(length)) % (VOCAB - 3)]))
+            out.append(
+                np.concatenate([[0], 3 + (start + stride * np.arange(length)) % (VOCAB - 3)])
+            )
         return np.concatenate(out)[:n].astype(np.uint16)
 
     entries = []
@@ -44,18 +55,38 @@ def make_run(root: Path, train_tokens: int = 20_000, val_tokens: int = 2_000, se
         for i in range(n_shards):
             name = f"{split}_{i:05d}.npy"
             np.save(shards / name, doc_stream(per))
-            entries.append({"split": split, "path": name, "format": "npy", "tokens": per, "documents": 0})
-    manifest = {"format_version": 1, "tokenizer": {"sha256": "0" * 64, "vocab_size": VOCAB},
-                "special_ids": {"bos": 0, "eos": 1, "pad": 2}, "dtype": "uint16", "append_eos": False,
-                "val_fraction": 0.1, "shards": entries, "totals": {}}
+            entries.append(
+                {"split": split, "path": name, "format": "npy", "tokens": per, "documents": 0}
+            )
+    manifest = {
+        "format_version": 1,
+        "tokenizer": {"sha256": "0" * 64, "vocab_size": VOCAB},
+        "special_ids": {"bos": 0, "eos": 1, "pad": 2},
+        "dtype": "uint16",
+        "append_eos": False,
+        "val_fraction": 0.1,
+        "shards": entries,
+        "totals": {},
+    }
     (shards / "manifest.json").write_text(json.dumps(manifest))
     return str(run)
 
 
 def base_overrides(**train) -> list[str]:
     """Overrides for a tiny CPU run; keyword args set train.* keys."""
-    t = {"hardware": "cpu", "device_batch": 4, "seq_len": 16, "max_steps": 5, "warmup_steps": 2, "lr": 1e-2,
-         "log_every": 1, "eval_every": 0, "save_every": 0, "wandb": "off", "compile": False}
+    t = {
+        "hardware": "cpu",
+        "device_batch": 4,
+        "seq_len": 16,
+        "max_steps": 5,
+        "warmup_steps": 2,
+        "lr": 1e-2,
+        "log_every": 1,
+        "eval_every": 0,
+        "save_every": 0,
+        "wandb": "off",
+        "compile": False,
+    }
     t.update(train)
     return TINY_MODEL + [f"train.{k}={v}" for k, v in t.items()]
 
@@ -64,7 +95,14 @@ def child_env() -> dict:
     """Environment for subprocess runs: one thread (bitwise-comparable with the test process)."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": root, "WANDB_MODE": "offline"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": root,
+            "WANDB_MODE": "offline",
+        }
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -74,5 +112,10 @@ def optimizer_tensors(saved: dict) -> dict[tuple, torch.Tensor]:
     """Every tensor of a checkpoint's optimizer state, keyed (optimizer, param id, name): one
     AdamW's state, or Muon's and AdamW's (train.optimizer=muon)."""
     parts = [("adamw", saved)] if "state" in saved else list(saved.items())
-    return {(which, pid, name): t for which, part in parts for pid, st in part["state"].items()
-            for name, t in st.items() if isinstance(t, torch.Tensor)}
+    return {
+        (which, pid, name): t
+        for which, part in parts
+        for pid, st in part["state"].items()
+        for name, t in st.items()
+        if isinstance(t, torch.Tensor)
+    }

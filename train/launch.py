@@ -1,6 +1,7 @@
 """The backend a hardware preset runs on, opened and closed around a command's work.
 
-    with open_backend(cfg) as backend:   # CPU/CUDA: train/dist/backend.py; TPU: train/xla/backend.py
+    with open_backend(cfg) as backend:   # CPU/CUDA: train/dist/backend.py;
+                                         # TPU: train/xla/backend.py
         ...
 
 Only this module knows both backends, so neither imports the other.
@@ -24,7 +25,9 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
 
         return xla_backend.make_xla_backend(cfg, preset, spawned=xla_spawned)
     if cfg.model.attention == "flash":
-        raise BackendError(flash_unavailable(f"hardware preset '{preset.name}' is a {preset.kind} preset"))
+        raise BackendError(
+            flash_unavailable(f"hardware preset '{preset.name}' is a {preset.kind} preset")
+        )
     return make_torch_backend(cfg, preset)
 
 

@@ -3,24 +3,27 @@
     backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
     for step in range(start, total):
         lr = lr_for(step)
-        for micro-batch in range(accum):           # no communication here (fsdp: the last one reduce-scatters;
-                                                   #   XLA: one While traced once, train/xla_step.py)
+        for micro-batch in range(accum):   # no communication here (fsdp: the last one
+                                           #   reduce-scatters; XLA: one While traced once,
+                                           #   train/xla/step.py)
             loss = model(x, y) / accum; loss.backward()
-        backend.all_reduce_grads(model)            # THE gradient all-reduce, once per step (fsdp: done in backward)
+        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step (fsdp: done
+                                           #   in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
         every log_every: sync, tokens/s, MFU, memory  every eval_every: val loss + bits per byte
         every save_every (and on SIGTERM/SIGINT and at the end): checkpoint, every rank its own part
 
 Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum
-(train/plan/plan.py). Every micro-batch holds B*T tokens and every rank the same number of micro-batches, so dividing
-each micro-batch's mean loss by accum and averaging gradients over ranks gives exactly the
-gradient of the mean loss over every token of the step, the same as one big batch.
+(train/plan/plan.py). Every micro-batch holds B*T tokens and every rank the same number of
+micro-batches, so dividing each micro-batch's mean loss by accum and averaging gradients over ranks
+gives exactly the gradient of the mean loss over every token of the step, the same as one big
+batch.
 
 Exit paths: the end of training, or SIGTERM/SIGINT (a spot VM gets ~30 s): the current step
 finishes, a checkpoint is written, train() returns {"stopped": True} and the process exits 0.
 Running the same command again resumes from the newest intact checkpoint (train.resume=auto):
-rank 0 picks it and every rank loads that step (train/checkpoint/resume.py). A rank that raises skips the
-clean-exit barrier, so the whole job ends non-zero within seconds instead of hanging.
+rank 0 picks it and every rank loads that step (train/checkpoint/resume.py). A rank that raises
+skips the clean-exit barrier, so the whole job ends non-zero within seconds instead of hanging.
 
 `evaluate` is eval/evaluate.py's function, passed in by the caller (`codex train`, the demo) so
 that train/ never imports eval/, which sits above it.
@@ -55,7 +58,8 @@ from train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
 
-# eval/evaluate.py's evaluate(model, batches, token_bytes, backend=...) -> {"loss", "bits_per_byte", ...}
+# eval/evaluate.py's evaluate(model, batches, token_bytes, backend=...)
+#   -> {"loss", "bits_per_byte", ...}
 Evaluate = Callable[..., dict]
 
 
@@ -63,12 +67,12 @@ Evaluate = Callable[..., dict]
 class Run:
     """What every part of the loop reads, fixed once set-up is done."""
 
-    cfg: Config               # resolved: the tokenizer's vocab, the MLP width, the lr filled in
+    cfg: Config  # resolved: the tokenizer's vocab, the MLP width, the lr filled in
     backend: Backend
     plan: Plan
     preset: HardwarePreset
     evaluate: Evaluate
-    token_bytes: torch.Tensor | None   # UTF-8 bytes per token id, for bits per byte
+    token_bytes: torch.Tensor | None  # UTF-8 bytes per token id, for bits per byte
 
 
 @dataclass
@@ -77,10 +81,10 @@ class StepState:
 
     step: int
     tokens: int
-    loss: float | None = None           # the last logged training loss
-    val: dict = field(default_factory=dict)   # the last validation result
-    saved_at: int = -1                  # the step of the newest checkpoint (-1: none yet)
-    saving: PendingSave | None = None   # the checkpoint being written (train.async_save)
+    loss: float | None = None  # the last logged training loss
+    val: dict = field(default_factory=dict)  # the last validation result
+    saved_at: int = -1  # the step of the newest checkpoint (-1: none yet)
+    saving: PendingSave | None = None  # the checkpoint being written (train.async_save)
 
 
 @dataclass
@@ -103,16 +107,26 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
     the same evaluate() as `codex eval`."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     if run.token_bytes is None:
-        raise FileNotFoundError(f"{fsio.join(rundir.tokenizer_dir(cfg.run), 'token_bytes.npy')} not found: "
-                                "needed for bits per byte; re-run `codex data tokenize`")
+        raise FileNotFoundError(
+            f"{fsio.join(rundir.tokenizer_dir(cfg.run), 'token_bytes.npy')} not found: "
+            "needed for bits per byte; re-run `codex data tokenize`"
+        )
     rank, world, rows = loader_layout(backend, plan.device_batch)
-    batches = val_batches(rundir.shards_dir(cfg.run), seq_len=plan.seq_len, batch_size=rows, rank=rank,
-                          world_size=world, max_tokens=cfg.train.eval_tokens, with_mask=backend.fixed_shapes)
+    batches = val_batches(
+        rundir.shards_dir(cfg.run),
+        seq_len=plan.seq_len,
+        batch_size=rows,
+        rank=rank,
+        world_size=world,
+        max_tokens=cfg.train.eval_tokens,
+        with_mask=backend.fixed_shapes,
+    )
     # The uncompiled module: validation batches may have another shape than training's.
     return run.evaluate(unwrap(model), batches, run.token_bytes, backend=backend)
 
 
 # --- the loop ---------------------------------------------------------------------------------
+
 
 def train(cfg: Config, evaluate: Evaluate, xla_spawned: bool = False) -> dict:
     """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped).
@@ -126,16 +140,20 @@ def train(cfg: Config, evaluate: Evaluate, xla_spawned: bool = False) -> dict:
 def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
-    backend.control.check_same_config(to_dict(cfg))   # every host got the same command and files
+    backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     run = Run(cfg, backend, plan, preset, evaluate, token_bytes)
     tcfg = cfg.train
-    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)   # build_model's weights, placed (sharded)
-    model = apply_remat(model, tcfg.remat, backend.kind)             # train.remat: checkpoint every block
-    raw = unwrap(model)                               # without a torch.compile wrapper
+    model = backend.build_model(
+        cfg.model, tcfg.seed, plan.layout
+    )  # build_model's weights, placed (sharded)
+    model = apply_remat(model, tcfg.remat, backend.kind)  # train.remat: checkpoint every block
+    raw = unwrap(model)  # without a torch.compile wrapper
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     parts = TrainingParts(raw, optimizer, _make_loader(run))
-    accumulate = backend.device_accumulation(model, plan.accum)   # None: the Python micro-batch loop below
+    accumulate = backend.device_accumulation(
+        model, plan.accum
+    )  # None: the Python micro-batch loop below
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
     existing, state, log_window = _resume(run, parts)
@@ -149,10 +167,14 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
             # --- one optimizer step ---
             injected_step_fault(backend.control, state.step)
             lr = set_lr(optimizer, lr_for(state.step, tcfg, plan.total_steps))
-            if accumulate is not None:   # XLA: every micro-batch in one While, traced once (train/xla/step.py)
+            if (
+                accumulate is not None
+            ):  # XLA: every micro-batch in one While, traced once (train/xla/step.py)
                 meters.window.add(accumulate(parts.loader))
             for micro in range(plan.accum if accumulate is None else 0):
-                backend.set_grad_sync(model, micro == plan.accum - 1)   # fsdp: reduce in the last backward only
+                backend.set_grad_sync(
+                    model, micro == plan.accum - 1
+                )  # fsdp: reduce in the last backward only
                 x, y = backend.to_device(next(parts.loader))
                 with backend.autocast():
                     loss = model(x, y)
@@ -160,8 +182,10 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
                 # and the average over ranks in all_reduce_grads give the global token mean.
                 (loss / plan.accum).backward()
                 meters.window.add(loss)
-            backend.all_reduce_grads(raw)            # THE gradient all-reduce (once per step)
-            grad_norm = clip_grad_norm(raw, tcfg.grad_clip)   # the global gradient: after the all-reduce
+            backend.all_reduce_grads(raw)  # THE gradient all-reduce (once per step)
+            grad_norm = clip_grad_norm(
+                raw, tcfg.grad_clip
+            )  # the global gradient: after the all-reduce
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             backend.step_boundary()
@@ -175,7 +199,7 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
             if due(state.step, tcfg.eval_every, plan.total_steps):
                 with meters.timer.pause():
                     state.val = _log_validation(run, meters, model, state)
-            stopping = backend.any_flag(stop.is_set)   # every rank stops at the same step
+            stopping = backend.any_flag(stop.is_set)  # every rank stops at the same step
             last = state.step == plan.total_steps
             if stopping or last or due(state.step, tcfg.save_every, plan.total_steps):
                 with meters.timer.pause():
@@ -185,7 +209,7 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
             if stopping:
                 break
         if state.saving is not None:
-            state.saving.wait()   # the final and SIGTERM saves are synchronous; this is a no-op then
+            state.saving.wait()  # the final and SIGTERM saves are synchronous; this is a no-op then
     finally:
         stop.restore()
         parts.loader.close()
@@ -198,14 +222,23 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
 
 # --- the loop's parts, in the order they run ---------------------------------------------------
 
+
 def _make_loader(run: Run) -> TrainLoader:
     # One loader per process; under XLA SPMD it loads the batch of all the host's chips. On CUDA
     # it builds batches in pinned memory and copies them with non_blocking=True.
     cfg, backend = run.cfg, run.backend
     rank, world, rows = loader_layout(backend, run.plan.device_batch)
-    return TrainLoader(rundir.shards_dir(cfg.run), seq_len=run.plan.seq_len, batch_size=rows, rank=rank,
-                       world_size=world, seed=cfg.train.seed, shuffle_shards=cfg.train.shuffle_shards,
-                       device=backend.pinned_copy_device, bos_aligned=cfg.train.bos_aligned)
+    return TrainLoader(
+        rundir.shards_dir(cfg.run),
+        seq_len=run.plan.seq_len,
+        batch_size=rows,
+        rank=rank,
+        world_size=world,
+        seed=cfg.train.seed,
+        shuffle_shards=cfg.train.shuffle_shards,
+        device=backend.pinned_copy_device,
+        bos_aligned=cfg.train.bos_aligned,
+    )
 
 
 def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict]:
@@ -214,14 +247,21 @@ def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict
     cfg, backend = run.cfg, run.backend
     existing, chosen = resume(backend.control, cfg.run, allow=cfg.train.resume != "never")
     if existing is not None and cfg.train.resume == "never":
-        raise ConfigError(f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) and "
-                          "--no-resume was given: use a new --run, or delete that folder to start over")
+        raise ConfigError(
+            f"{rundir.checkpoints_dir(cfg.run)} already has checkpoints (up to step {existing}) "
+            "and --no-resume was given: use a new --run, or delete that folder to start over"
+        )
     if chosen is None:
         return existing, StepState(0, 0), {"loss_sum": 0.0, "since": 0}
     step, tokens, log_window = restore_training(cfg, backend.control, chosen, parts)
     if backend.is_main or backend.control.world > 1:
-        log.info("%sresumed from step %d (%d tokens) in %s", rank_tag(backend.control), step, tokens,
-                 rundir.checkpoints_dir(cfg.run))
+        log.info(
+            "%sresumed from step %d (%d tokens) in %s",
+            rank_tag(backend.control),
+            step,
+            tokens,
+            rundir.checkpoints_dir(cfg.run),
+        )
     return existing, StepState(step, tokens, saved_at=step), log_window
 
 
@@ -229,41 +269,77 @@ def _nothing_to_do(run: Run, step: int) -> bool:
     if step < run.plan.total_steps:
         return False
     if run.backend.is_main:
-        log.warning("nothing to do: the checkpoint is at step %d and this run ends at step %d; raise --max-steps "
-                    "(or train.max_tokens) to train further, or use a new --run", step, run.plan.total_steps)
+        log.warning(
+            "nothing to do: the checkpoint is at step %d and this run ends at step %d; "
+            "raise --max-steps (or train.max_tokens) to train further, or use a new --run",
+            step,
+            run.plan.total_steps,
+        )
     return True
 
 
-def _start_run(run: Run, n_params: int, state: StepState, existing: int | None, log_window: dict) -> Meters:
+def _start_run(
+    run: Run, n_params: int, state: StepState, existing: int | None, log_window: dict
+) -> Meters:
     """Log what this run does and save its resolved config; returns the loop's meters."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     step = state.step
-    metrics = make_logger(cfg, backend.is_main, resume_step=step if existing is not None else None,
-                          config_dict=to_dict(cfg) | {"n_params": n_params, "accum": plan.accum,
-                                                      "world_size": plan.world_size})
-    progress = Progress("train" if step == 0 else f"train (resumed at step {step})", total=plan.total_steps - step,
-                        unit="steps", enabled=backend.is_main)
-    meters = Meters(LossWindow(backend, plan.accum, log_window), StepTimer(backend, step, state.tokens),
-                    metrics, progress)
+    metrics = make_logger(
+        cfg,
+        backend.is_main,
+        resume_step=step if existing is not None else None,
+        config_dict=to_dict(cfg)
+        | {"n_params": n_params, "accum": plan.accum, "world_size": plan.world_size},
+    )
+    progress = Progress(
+        "train" if step == 0 else f"train (resumed at step {step})",
+        total=plan.total_steps - step,
+        unit="steps",
+        enabled=backend.is_main,
+    )
+    meters = Meters(
+        LossWindow(backend, plan.accum, log_window),
+        StepTimer(backend, step, state.tokens),
+        metrics,
+        progress,
+    )
     if not backend.is_main:
         return meters
     if cfg.train.warmup_steps >= plan.total_steps:
-        log.warning("train.warmup_steps=%d covers the whole run (%d steps): the learning rate never reaches train.lr",
-                    cfg.train.warmup_steps, plan.total_steps)
+        log.warning(
+            "train.warmup_steps=%d covers the whole run (%d steps): "
+            "the learning rate never reaches train.lr",
+            cfg.train.warmup_steps,
+            plan.total_steps,
+        )
     fsio.makedirs(rundir.checkpoints_dir(cfg.run))
     save_config(cfg, fsio.join(rundir.checkpoints_dir(cfg.run), "config.yaml"))
-    log.info("model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
-             "%d tokens/step | %d steps | %s", n_params / 1e6, run.preset.name, plan.world_size, backend.device,
-             plan.device_batch, plan.seq_len, plan.world_size, plan.accum, plan.batch_tokens, plan.total_steps,
-             plan.layout.describe())
+    log.info(
+        "model %.2fM params | %s x%d (%s) | device_batch %d x seq_len %d x world %d x accum %d = "
+        "%d tokens/step | %d steps | %s",
+        n_params / 1e6,
+        run.preset.name,
+        plan.world_size,
+        backend.device,
+        plan.device_batch,
+        plan.seq_len,
+        plan.world_size,
+        plan.accum,
+        plan.batch_tokens,
+        plan.total_steps,
+        plan.layout.describe(),
+    )
     log.info("\n".join(plan.memory.lines()))
     return meters
 
 
-def _log_train(run: Run, meters: Meters, state: StepState, lr: float, grad_norm: torch.Tensor) -> float:
-    """One train metrics line: loss, lr, grad norm, tokens/s, MFU, memory, compiles. Returns the loss."""
+def _log_train(
+    run: Run, meters: Meters, state: StepState, lr: float, grad_norm: torch.Tensor
+) -> float:
+    """One train metrics line: loss, lr, grad norm, tokens/s, MFU, memory, compiles. Returns the
+    loss."""
     backend, plan = run.backend, run.plan
-    loss_avg = meters.window.mean(state.step)     # computed by the timer's sync below
+    loss_avg = meters.window.mean(state.step)  # computed by the timer's sync below
     rec = meters.timer.lap(state.step, state.tokens)
     loss = float(loss_avg)
     meters.window.reset(state.step)
@@ -277,39 +353,72 @@ def _log_train(run: Run, meters: Meters, state: StepState, lr: float, grad_norm:
         rec["compiles"] = compiles
     meters.metrics.log("train", state.step, state.tokens, **rec)
     if backend.is_main:
-        log.info("step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
-                 state.step, plan.total_steps, loss, lr, rec["grad_norm"], rec["tokens_per_s"],
-                 1000 * rec["step_time_s"], f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "")
+        log.info(
+            "step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
+            state.step,
+            plan.total_steps,
+            loss,
+            lr,
+            rec["grad_norm"],
+            rec["tokens_per_s"],
+            1000 * rec["step_time_s"],
+            f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "",
+        )
     return loss
 
 
 def _log_validation(run: Run, meters: Meters, model: torch.nn.Module, state: StepState) -> dict:
     result = validation_loss(run, model)
-    meters.metrics.log("val", state.step, state.tokens,
-                       **{k: v for k, v in result.items() if k not in ("tokens", "bytes")},
-                       val_tokens=result["tokens"])
+    meters.metrics.log(
+        "val",
+        state.step,
+        state.tokens,
+        **{k: v for k, v in result.items() if k not in ("tokens", "bytes")},
+        val_tokens=result["tokens"],
+    )
     if run.backend.is_main:
-        log.info("step %d | val loss %.4f | bits/byte %.4f", state.step, result["loss"], result["bits_per_byte"])
+        log.info(
+            "step %d | val loss %.4f | bits/byte %.4f",
+            state.step,
+            result["loss"],
+            result["bits_per_byte"],
+        )
     return result
 
 
-def _save(run: Run, meters: Meters, parts: TrainingParts, state: StepState, reason: str) -> PendingSave:
+def _save(
+    run: Run, meters: Meters, parts: TrainingParts, state: StepState, reason: str
+) -> PendingSave:
     """Every rank writes its own part (its shards under fsdp); rank 0 the marker, last. Periodic
     saves under train.async_save only copy the state here and write it while training goes on; the
     final and SIGTERM saves (a spot VM gets ~30 s) are synchronous. One save at a time."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     if state.saving is not None:
         state.saving.wait()
-    log_window = meters.window.state()      # every rank: the partial loss window is averaged over replicas
+    log_window = (
+        meters.window.state()
+    )  # every rank: the partial loss window is averaged over replicas
     if backend.is_main:
-        meters.metrics.flush()   # gs://: every line up to this checkpoint is in the file before it exists
+        # gs://: every line up to this checkpoint is in the file before it exists
+        meters.metrics.flush()
     background = cfg.train.async_save and reason == "periodic"
-    record = StepRecord(step=state.step, tokens=state.tokens, log_window=log_window, world_size=plan.world_size,
-                        batch_tokens=plan.batch_tokens, tokenizer_sha=plan.tokenizer_sha,
-                        parallel=plan.layout.describe())
+    record = StepRecord(
+        step=state.step,
+        tokens=state.tokens,
+        log_window=log_window,
+        world_size=plan.world_size,
+        batch_tokens=plan.batch_tokens,
+        tokenizer_sha=plan.tokenizer_sha,
+        parallel=plan.layout.describe(),
+    )
     saving = save_training(cfg, backend.control, parts, record, background=background)
     if backend.is_main:
-        log.info("checkpoint (%s): %s%s", reason, saving.folder, " (writing in the background)" if background else "")
+        log.info(
+            "checkpoint (%s): %s%s",
+            reason,
+            saving.folder,
+            " (writing in the background)" if background else "",
+        )
     return saving
 
 
@@ -317,13 +426,28 @@ def _log_stopped(run: Run, stop: StopFlag, state: StepState) -> None:
     if not run.backend.is_main:
         log.info("%sstopped at step %d", rank_tag(run.backend.control), state.step)
         return
-    log.warning("stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
-                "(resume is automatic when a checkpoint exists).", stop.signal_name or "a signal", state.step,
-                run.plan.total_steps, checkpoint.step_dir(run.cfg.run, state.saved_at))
+    log.warning(
+        "stopped by %s at step %d/%d; checkpoint saved in %s. Resume: run the same command again "
+        "(resume is automatic when a checkpoint exists).",
+        stop.signal_name or "a signal",
+        state.step,
+        run.plan.total_steps,
+        checkpoint.step_dir(run.cfg.run, state.saved_at),
+    )
 
 
 def _summary(plan: Plan, state: StepState) -> dict:
-    return {"step": state.step, "total_steps": plan.total_steps, "tokens": state.tokens, "loss": state.loss,
-            "val_loss": state.val.get("loss"), "val": state.val, "stopped": state.step < plan.total_steps,
-            "accum": plan.accum, "batch_tokens": plan.batch_tokens, "device_batch": plan.device_batch,
-            "seq_len": plan.seq_len, "world_size": plan.world_size}
+    return {
+        "step": state.step,
+        "total_steps": plan.total_steps,
+        "tokens": state.tokens,
+        "loss": state.loss,
+        "val_loss": state.val.get("loss"),
+        "val": state.val,
+        "stopped": state.step < plan.total_steps,
+        "accum": plan.accum,
+        "batch_tokens": plan.batch_tokens,
+        "device_batch": plan.device_batch,
+        "seq_len": plan.seq_len,
+        "world_size": plan.world_size,
+    }

@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import time
+from typing import Literal, cast
 
 import torch
 
@@ -51,7 +52,7 @@ class LossWindow:
         # A host-to-device copy, not a computation: on XLA it adds no program to compile, fresh or
         # resumed (a resumed run carries the fp32 sum of its unfinished window).
         self.sum = torch.tensor(float(saved["loss_sum"]), dtype=torch.float32).to(backend.device)
-        self.since = int(saved["since"])   # may precede the resume step
+        self.since = int(saved["since"])  # may precede the resume step
 
     def add(self, loss: torch.Tensor) -> None:
         self.sum += loss.detach()
@@ -102,15 +103,19 @@ class StepTimer:
         wall = now - self.t0
         dt = wall - self.paused
         done = tokens - self.tokens0
-        out = {"tokens_per_s": done / dt, "tokens_per_s_wall": done / wall, "step_time_s": dt / (step - self.step0)}
+        out = {
+            "tokens_per_s": done / dt,
+            "tokens_per_s_wall": done / wall,
+            "step_time_s": dt / (step - self.step0),
+        }
         self._start(now, step, tokens)
         return out
 
 
 log = logging.getLogger("codex.metrics")
 
-FLUSH_LINES = 50       # gs://: lines per appended chunk at most
-FLUSH_SECONDS = 60.0   # gs://: and no line waits longer than this (checked when the next line comes)
+FLUSH_LINES = 50  # gs://: lines per appended chunk at most
+FLUSH_SECONDS = 60.0  # gs://: and no line waits longer than this (checked when the next line comes)
 
 
 def _clean(v):
@@ -121,12 +126,14 @@ def _clean(v):
 
 
 class MetricsLogger:
-    def __init__(self, run: str, enabled: bool = True, wandb_run=None, resume_step: int | None = None):
+    def __init__(
+        self, run: str, enabled: bool = True, wandb_run=None, resume_step: int | None = None
+    ):
         self.run = run
         self.path = rundir.metrics_path(run)
         self.enabled = enabled
         self.wandb_run = wandb_run
-        self.lines: list[str] = []     # what the file held when opened (after the resume cut)
+        self.lines: list[str] = []  # what the file held when opened (after the resume cut)
         self._pending: list[str] = []  # gs://: lines not appended yet
         self._flushed_at = time.monotonic()
         self._chunks = 0
@@ -146,7 +153,7 @@ class MetricsLogger:
             self.lines = kept
             if resume_step is None:
                 self.lines = []  # a fresh run (no checkpoint): start the file over
-            fsio.write_text(self.path, "".join(l + "\n" for l in self.lines))
+            fsio.write_text(self.path, "".join(line + "\n" for line in self.lines))
         if not fsio.is_remote(self.path):
             fsio.makedirs(os.path.dirname(os.path.abspath(self.path)))
             self._local = open(self.path, "a", buffering=1)  # line-buffered append
@@ -161,26 +168,36 @@ class MetricsLogger:
             self._local.write(line + "\n")
         else:
             self._pending.append(line)
-            if len(self._pending) >= FLUSH_LINES or time.monotonic() - self._flushed_at >= FLUSH_SECONDS:
+            if (
+                len(self._pending) >= FLUSH_LINES
+                or time.monotonic() - self._flushed_at >= FLUSH_SECONDS
+            ):
                 self.flush()
         if self.wandb_run is not None:
             try:
-                self.wandb_run.log({f"{kind}/{k}": v for k, v in values.items()
-                                    if isinstance(v, (int, float))} | {"tokens": int(tokens)}, step=int(step))
+                self.wandb_run.log(
+                    {f"{kind}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}
+                    | {"tokens": int(tokens)},
+                    step=int(step),
+                )
             except Exception as e:  # a wandb failure never stops training
                 self._wandb_failed(e)
 
     def _wandb_failed(self, e: Exception) -> None:
-        log.warning("wandb failed (%s: %s); continuing without wandb (metrics.jsonl still has everything)",
-                    type(e).__name__, e)
+        log.warning(
+            "wandb failed (%s: %s); continuing without wandb (metrics.jsonl still has everything)",
+            type(e).__name__,
+            e,
+        )
         self.wandb_run = None
 
     def flush(self) -> None:
-        """gs://: append the buffered lines as one chunk (upload, compose onto the file, delete the chunk)."""
+        """gs://: append the buffered lines as one chunk (upload, compose onto the file, delete the
+        chunk)."""
         self._flushed_at = time.monotonic()
         if not self._pending:
             return
-        data = "".join(l + "\n" for l in self._pending)
+        data = "".join(line + "\n" for line in self._pending)
         if not fsio.exists(self.path):
             fsio.write_text(self.path, data)
         else:
@@ -218,7 +235,7 @@ def wandb_mode(setting: str) -> str | None:
         if os.environ.get("WANDB_MODE") in ("offline", "online", "disabled"):
             return None if os.environ["WANDB_MODE"] == "disabled" else os.environ["WANDB_MODE"]
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return setting   # online or offline (config.check_values allows only these and auto/off)
+    return setting  # online or offline (config.check_values allows only these and auto/off)
 
 
 def wandb_dir(run: str) -> str:
@@ -239,15 +256,28 @@ def start_wandb(cfg, config_dict: dict):
         os.makedirs(directory, exist_ok=True)
         # One wandb id per run directory, so a resumed run continues the same wandb run.
         run_id = "codex-" + hashlib.sha1(str(cfg.run).encode()).hexdigest()[:12]
-        return wandb.init(project=cfg.train.wandb_project, dir=directory, mode=mode, id=run_id,
-                          resume="allow", config=config_dict, name=os.path.basename(str(cfg.run).rstrip("/")))
+        return wandb.init(
+            project=cfg.train.wandb_project,
+            dir=directory,
+            mode=cast(Literal["online", "offline"], mode),  # wandb_mode: never "disabled"
+            id=run_id,
+            resume="allow",
+            config=config_dict,
+            name=os.path.basename(str(cfg.run).rstrip("/")),
+        )
     except Exception as e:
-        log.warning("wandb did not start (%s: %s); training without it (metrics.jsonl still has everything)",
-                    type(e).__name__, e)
+        log.warning(
+            "wandb did not start (%s: %s); "
+            "training without it (metrics.jsonl still has everything)",
+            type(e).__name__,
+            e,
+        )
         return None
 
 
 def make_logger(cfg, is_main: bool, resume_step: int | None, config_dict: dict) -> MetricsLogger:
     if not is_main:
         return MetricsLogger(cfg.run, enabled=False)
-    return MetricsLogger(cfg.run, enabled=True, wandb_run=start_wandb(cfg, config_dict), resume_step=resume_step)
+    return MetricsLogger(
+        cfg.run, enabled=True, wandb_run=start_wandb(cfg, config_dict), resume_step=resume_step
+    )

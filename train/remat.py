@@ -20,6 +20,7 @@ use_reentrant=False (the variant PyTorch recommends, and the one torch.compile t
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 
@@ -46,7 +47,7 @@ def apply_remat(model: torch.nn.Module, mode: str, kind: str) -> torch.nn.Module
     if mode != "block":
         raise ValueError(f"train.remat={mode!r}: expected none or block")
     checkpoint = checkpoint_fn(kind)
-    for block in model.blocks:
+    for block in cast(torch.nn.ModuleList, model.blocks):
         block.forward = _checkpointed(block.forward, checkpoint)
     return model
 
@@ -55,6 +56,7 @@ def _checkpointed(forward, checkpoint):
     """forward (a block's bound method, so torch_xla's checkpoint finds the block's weights for
     its optimization barrier) run under `checkpoint` when a backward will follow; without
     gradients (validation) there is nothing to save memory for."""
+
     @functools.wraps(forward)
     def run(x, cos, sin, ve=None):
         if torch.is_grad_enabled():

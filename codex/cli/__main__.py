@@ -1,7 +1,8 @@
 """`python -m codex.cli ...` is `codex ...`: the entry for launchers such as torchrun.
 
     torchrun --nproc_per_node=8 -m codex.cli -- train --run runs/web --hardware h100-8 --model 124m
-    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --nproc_per_node=8 -m codex.cli -- train ...
+    torchrun --nnodes=2 --node_rank=R --master_addr=HOST --nproc_per_node=8 \\
+        -m codex.cli -- train ...
 
 The `--` matters: without it torchrun's own parser reads `--run` as an abbreviation of its
 `--run-path` option and stops. Every rank builds the same Config from the same flags. Exit 2 on a

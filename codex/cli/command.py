@@ -1,6 +1,6 @@
 """How a `codex` command is built: its config options (--run/--config/--set and the key options
 that are shortcuts for config keys), its one-line errors and exit codes, and the run lock it
-holds while it writes. The commands themselves are in codex/cli.py.
+holds while it writes. The commands themselves are in codex/cli/main.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def stage(fn):
         except (ConfigError, FileNotFoundError) as e:
             raise UserError(_one_line(e)) from None
         except (ValueError, OSError, RuntimeError) as e:
-            raise click.ClickException(f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)") from None
+            raise click.ClickException(
+                f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)"
+            ) from None
 
     return wrapper
 
@@ -51,12 +53,18 @@ def _one_line(e: BaseException) -> str:
 
 def run_lock(cfg, command: str):
     """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
-    The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its own."""
+    The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its
+    own."""
     c = cfg.data.clean
     if command == "codex data clean" and c.num_tasks > 1:
-        return runlock.hold(cfg.run, f"{command} (task {c.task_index})",
-                            lease_name=f".codex-lock.clean-task-{c.task_index:05d}.json")
-    return runlock.hold(cfg.run, command, hosts=preset_hosts(cfg) if command == "codex train" else 1)
+        return runlock.hold(
+            cfg.run,
+            f"{command} (task {c.task_index})",
+            lease_name=f".codex-lock.clean-task-{c.task_index:05d}.json",
+        )
+    return runlock.hold(
+        cfg.run, command, hosts=preset_hosts(cfg) if command == "codex train" else 1
+    )
 
 
 def preset_hosts(cfg) -> int:
@@ -69,12 +77,28 @@ def preset_hosts(cfg) -> int:
 
 def config_options(fn):
     """--run, --config, --set: shared by every command that builds a Config."""
-    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                      help="Override one config key, e.g. --set model.n_layer=6 (repeatable).")(fn)
-    fn = click.option("--config", "config_file", type=str, default=None, metavar="FILE",
-                      help="YAML config (see configs/runs/).")(fn)
-    fn = click.option("--run", type=str, default=None, metavar="DIR",
-                      help="Run directory, local path or gs://bucket/run (default: runs/default).")(fn)
+    fn = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one config key, e.g. --set model.n_layer=6 (repeatable).",
+    )(fn)
+    fn = click.option(
+        "--config",
+        "config_file",
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="YAML config (see configs/runs/).",
+    )(fn)
+    fn = click.option(
+        "--run",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="Run directory, local path or gs://bucket/run (default: runs/default).",
+    )(fn)
     return fn
 
 
@@ -91,8 +115,12 @@ def with_config(fn):
 
     @functools.wraps(fn)
     def wrapper(run, config_file, overrides, model=None, **kwargs):
-        values = {name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name}
-        values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}  # repeatable
+        values = {
+            name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name
+        }
+        values = {
+            k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()
+        }  # repeatable
         cfg = build_config(config_file, overrides, model=model, run=run, values=values)
         return fn(cfg, **kwargs)
 

@@ -12,9 +12,10 @@ import logging
 import os
 import sysconfig
 import time
+from collections.abc import Callable
 
 from codex import fsio, rundir
-from codex.config import CONFIGS_DIR, build_config
+from codex.config import CONFIGS_DIR, Config, build_config
 from pipeline.clean.clean import run_clean
 from pipeline.shard.shard import existing_state, run_shard
 from pipeline.tokenizer.tokenizer import load_meta, run_tokenizer
@@ -45,9 +46,19 @@ def drop_stale_outputs(run: str) -> None:
     current = load_meta(rundir.tokenizer_dir(run))["sha256"]
     if made_with is None or made_with == current:
         return
-    log.warning("demo: %s was made with another tokenizer (%s, now %s): removing the demo's shards, "
-                "checkpoints, eval and metrics to redo them", shards, made_with[:12], current[:12])
-    for path in (shards, rundir.checkpoints_dir(run), rundir.eval_dir(run), rundir.metrics_path(run)):
+    log.warning(
+        "demo: %s was made with another tokenizer (%s, now %s): removing the demo's shards, "
+        "checkpoints, eval and metrics to redo them",
+        shards,
+        made_with[:12],
+        current[:12],
+    )
+    for path in (
+        shards,
+        rundir.checkpoints_dir(run),
+        rundir.eval_dir(run),
+        rundir.metrics_path(run),
+    ):
         fsio.rm(path, recursive=True)
 
 
@@ -61,7 +72,12 @@ def run_demo(run: str, overrides=()) -> dict:
     if not cfg.data.clean.inputs:
         cfg.data.clean.inputs = stdlib_inputs()
     t0 = time.time()
-    steps = [("clean", run_clean), ("tokenize", run_tokenizer), ("shard", run_shard), ("train", functools.partial(train, evaluate=evaluate))]
+    steps: list[tuple[str, Callable[[Config], object]]] = [
+        ("clean", run_clean),
+        ("tokenize", run_tokenizer),
+        ("shard", run_shard),
+        ("train", functools.partial(train, evaluate=evaluate)),
+    ]
     for i, (name, fn) in enumerate(steps, 1):
         log.info("demo %d/5: %s (%.0fs elapsed)", i, name, time.time() - t0)
         if name == "shard":
@@ -70,6 +86,9 @@ def run_demo(run: str, overrides=()) -> dict:
     log.info("demo 5/5: eval (%.0fs elapsed)", time.time() - t0)
     result = run_eval(cfg)
     print(f"\ncodex demo finished in {time.time() - t0:.0f}s: run directory {run}")
-    print(f"validation loss {result['loss']:.4f} nats/token | perplexity {result['perplexity']:.2f} | "
-          f"bits per byte {result['bits_per_byte']:.4f} | {result['tokens']} tokens")
+    print(
+        f"validation loss {result['loss']:.4f} nats/token | "
+        f"perplexity {result['perplexity']:.2f} | "
+        f"bits per byte {result['bits_per_byte']:.4f} | {result['tokens']} tokens"
+    )
     return result

@@ -14,20 +14,35 @@ import sys
 import click
 
 from codex import fsio, rundir, runlock
-from codex.cli.command import UserError, config_options, key_option, preset_hosts, run_lock, stage, with_config
-from codex.config import build_config
+from codex.cli.command import (
+    UserError,
+    config_options,
+    key_option,
+    preset_hosts,
+    run_lock,
+    stage,
+    with_config,
+)
 from codex.cli.demo import run_demo
+from codex.config import build_config
+from codex.config.train import TrainConfig
 from codex.progress import setup_logging
 from pipeline.clean.clean import run_clean
 from pipeline.shard.shard import run_shard
+from pipeline.shard.verify import verify_shards
 from pipeline.tokenizer.tokenizer import run_tokenizer
 from pipeline.upload import upload_run
-from pipeline.shard.verify import verify_shards
-from codex.config.train import TrainConfig
-from train.plan.hardware import (format_hardware_table, format_model_fit, get_preset, require_shared_run_dir,
-                            set_xla_import_env)
+from train.plan.hardware import (
+    format_hardware_table,
+    format_model_fit,
+    get_preset,
+    require_shared_run_dir,
+    set_xla_import_env,
+)
 
-checkpoint_option = key_option("--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'.")
+checkpoint_option = key_option(
+    "--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'."
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -56,22 +71,56 @@ def data():
 
 # --- codex data clean -------------------------------------------------------------------------
 
+
 @data.command("clean")
 @with_config
-@key_option("--input", key="data.clean.inputs", multiple=True, metavar="PATH",
-            help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// (repeatable).")
+@key_option(
+    "--input",
+    key="data.clean.inputs",
+    multiple=True,
+    metavar="PATH",
+    help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// "
+    "(repeatable).",
+)
 @key_option("--workers", key="data.clean.workers", type=int, help="Processes on this machine.")
-@key_option("--num-tasks", key="data.clean.num_tasks", type=int, help="Split input files across N tasks (a job array).")
-@key_option("--task-index", key="data.clean.task_index", type=int, help="Which task this process runs (0..N-1).")
-@key_option("--text-field", key="data.clean.text_field", help="JSONL field holding the text (default: text).")
-@key_option("--text-column", key="data.clean.text_column", help="Parquet column holding the text (default: text).")
-@key_option("--txt-delimiter", key="data.clean.txt_delimiter", metavar="TEXT",
-            help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
-                 "(escapes such as \\n are understood). Default: a whole text file is one document, and one over "
-                 "1 MB (data.clean.length.max_chars) is dropped.")
-@key_option("--preset", key="data.clean.preset", type=click.Choice(["web", "code"]), help="Filter preset.")
-@key_option("--keep-rejected/--no-keep-rejected", key="data.clean.keep_rejected",
-            help="Also write dropped documents with their reason.")
+@key_option(
+    "--num-tasks",
+    key="data.clean.num_tasks",
+    type=int,
+    help="Split input files across N tasks (a job array).",
+)
+@key_option(
+    "--task-index",
+    key="data.clean.task_index",
+    type=int,
+    help="Which task this process runs (0..N-1).",
+)
+@key_option(
+    "--text-field",
+    key="data.clean.text_field",
+    help="JSONL field holding the text (default: text).",
+)
+@key_option(
+    "--text-column",
+    key="data.clean.text_column",
+    help="Parquet column holding the text (default: text).",
+)
+@key_option(
+    "--txt-delimiter",
+    key="data.clean.txt_delimiter",
+    metavar="TEXT",
+    help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
+    "(escapes such as \\n are understood). Default: a whole text file is one document, and one "
+    "over 1 MB (data.clean.length.max_chars) is dropped.",
+)
+@key_option(
+    "--preset", key="data.clean.preset", type=click.Choice(["web", "code"]), help="Filter preset."
+)
+@key_option(
+    "--keep-rejected/--no-keep-rejected",
+    key="data.clean.keep_rejected",
+    help="Also write dropped documents with their reason.",
+)
 def data_clean(cfg):
     """Clean raw text into parquet shards under RUN/clean/.
 
@@ -89,17 +138,42 @@ def data_clean(cfg):
 
 # --- codex data tokenize ----------------------------------------------------------------------
 
+
 @data.command("tokenize")
 @with_config
-@key_option("--vocab-size", key="data.tokenizer.vocab_size", type=int, help="Vocabulary size (default 32768).")
-@key_option("--max-chars", key="data.tokenizer.max_chars", type=int, help="Characters of training text to use.")
-@key_option("--doc-max-chars", key="data.tokenizer.doc_max_chars", type=int,
-            help="Use at most this many characters of each document.")
-@key_option("--trainer", key="data.tokenizer.trainer", type=click.Choice(["rustbpe", "hf"]),
-            help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB of text).")
-@key_option("--input", key="data.tokenizer.inputs", multiple=True, metavar="PATH",
-            help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] 'text' "
-                 "field, .txt = one document) instead of RUN/clean/ (repeatable).")
+@key_option(
+    "--vocab-size",
+    key="data.tokenizer.vocab_size",
+    type=int,
+    help="Vocabulary size (default 32768).",
+)
+@key_option(
+    "--max-chars",
+    key="data.tokenizer.max_chars",
+    type=int,
+    help="Characters of training text to use.",
+)
+@key_option(
+    "--doc-max-chars",
+    key="data.tokenizer.doc_max_chars",
+    type=int,
+    help="Use at most this many characters of each document.",
+)
+@key_option(
+    "--trainer",
+    key="data.tokenizer.trainer",
+    type=click.Choice(["rustbpe", "hf"]),
+    help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB "
+    "of text).",
+)
+@key_option(
+    "--input",
+    key="data.tokenizer.inputs",
+    multiple=True,
+    metavar="PATH",
+    help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] "
+    "'text' field, .txt = one document) instead of RUN/clean/ (repeatable).",
+)
 def data_tokenize(cfg):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
 
@@ -119,14 +193,27 @@ def data_tokenize(cfg):
 
 # --- codex data shard / verify / upload ---------------------------------------------------------
 
+
 @data.command("shard")
 @with_config
-@key_option("--out", key="data.shard.out",
-            help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).")
+@key_option(
+    "--out",
+    key="data.shard.out",
+    help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).",
+)
 @key_option("--shard-tokens", key="data.shard.shard_tokens", type=int, help="Tokens per shard.")
-@key_option("--val-fraction", key="data.shard.val_fraction", type=float,
-            help="Fraction of documents in the validation split.")
-@key_option("--format", key="data.shard.format", type=click.Choice(["npy", "parquet", "both"]), help="Shard format.")
+@key_option(
+    "--val-fraction",
+    key="data.shard.val_fraction",
+    type=float,
+    help="Fraction of documents in the validation split.",
+)
+@key_option(
+    "--format",
+    key="data.shard.format",
+    type=click.Choice(["npy", "parquet", "both"]),
+    help="Shard format.",
+)
 @key_option("--workers", key="data.shard.workers", type=int, help="Worker processes.")
 def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.
@@ -170,7 +257,8 @@ def data_verify(run_dir, run, config_file, overrides, out):
 @click.argument("remote", metavar="REMOTE")
 @stage
 def data_upload(local_run, remote):
-    """Copy a local run directory to gs:// (any fsspec URL), verifying each object's size and checksum.
+    """Copy a local run directory to gs:// (any fsspec URL), verifying each object's size and
+    checksum.
 
     A rerun resumes: objects that already match are skipped, differing ones are re-uploaded.
 
@@ -180,51 +268,95 @@ def data_upload(local_run, remote):
     """
     with runlock.hold(remote, "codex data upload"):
         r = upload_run(local_run, remote)
-    click.echo(f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
-               f"all verified ({', '.join(r['checksum'])}) -> {remote}")
+    click.echo(
+        f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
+        f"all verified ({', '.join(r['checksum'])}) -> {remote}"
+    )
 
 
 # --- codex train --------------------------------------------------------------------------------
 # The commands that run a model import torch (seconds) inside their body, after the config is
 # checked and the run lock is held: a usage mistake or a second writer is refused at once.
 
+
 @cli.command("train")
 @with_config
-@key_option("--hardware", key="train.hardware",
-            help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).")
-@click.option("--model", default=None, help="Model size preset: tiny, 124m, 350m, 1b (configs/model/).")
+@key_option(
+    "--hardware",
+    key="train.hardware",
+    help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).",
+)
+@click.option(
+    "--model", default=None, help="Model size preset: tiny, 124m, 350m, 1b (configs/model/)."
+)
 @key_option("--max-steps", key="train.max_steps", type=int, help="Optimizer steps to train.")
-@key_option("--batch-tokens", key="train.batch_tokens", type=int,
-            help="Tokens per optimizer step (grad accumulation is derived).")
-@key_option("--device-batch", key="train.device_batch", type=int, help="Sequences per device per micro-batch.")
+@key_option(
+    "--batch-tokens",
+    key="train.batch_tokens",
+    type=int,
+    help="Tokens per optimizer step (grad accumulation is derived).",
+)
+@key_option(
+    "--device-batch",
+    key="train.device_batch",
+    type=int,
+    help="Sequences per device per micro-batch.",
+)
 @key_option("--seq-len", key="train.seq_len", type=int, help="Sequence length.")
 @key_option("--save-every", key="train.save_every", type=int, help="Checkpoint every N steps.")
-@key_option("--wandb", key="train.wandb", type=click.Choice(["auto", "online", "offline", "off"]),
-            help="Weights & Biases logging.")
-@key_option("--resume/--no-resume", key="train.resume", callback=lambda _ctx, _p, v: None if v is None else (
-    "auto" if v else "never"), help="Resume from the latest checkpoint (default: when one exists).")
-@key_option("--xla-mode", key="train.xla_mode", type=click.Choice(["spmd", "spawn"]),
-            help="TPU: spmd (default, one process per host) or spawn (one process per chip).")
-@key_option("--xla-cache", key="train.xla_cache", metavar="DIR",
-            help="TPU: persistent compilation cache (default RUN/xla_cache).")
-@key_option("--max-compiles", key="train.max_compiles", type=int,
-            help="TPU: fail when XLA compiles more programs than this.")
-@key_option("--allow-cpu-xla", key="train.allow_cpu_xla", is_flag=True,
-            help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).")
+@key_option(
+    "--wandb",
+    key="train.wandb",
+    type=click.Choice(["auto", "online", "offline", "off"]),
+    help="Weights & Biases logging.",
+)
+@key_option(
+    "--resume/--no-resume",
+    key="train.resume",
+    callback=lambda _ctx, _p, v: None if v is None else ("auto" if v else "never"),
+    help="Resume from the latest checkpoint (default: when one exists).",
+)
+@key_option(
+    "--xla-mode",
+    key="train.xla_mode",
+    type=click.Choice(["spmd", "spawn"]),
+    help="TPU: spmd (default, one process per host) or spawn (one process per chip).",
+)
+@key_option(
+    "--xla-cache",
+    key="train.xla_cache",
+    metavar="DIR",
+    help="TPU: persistent compilation cache (default RUN/xla_cache).",
+)
+@key_option(
+    "--max-compiles",
+    key="train.max_compiles",
+    type=int,
+    help="TPU: fail when XLA compiles more programs than this.",
+)
+@key_option(
+    "--allow-cpu-xla",
+    key="train.allow_cpu_xla",
+    is_flag=True,
+    help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).",
+)
 def train_cmd(cfg):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
 
     \b
     Example:
       codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
-      torchrun --nproc_per_node=8 -m codex.cli -- train --run runs/web --hardware h100-8 --model 124m
+      torchrun --nproc_per_node=8 -m codex.cli -- train --run runs/web \\
+        --hardware h100-8 --model 124m
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
     """
-    require_shared_run_dir(cfg)   # a multi-host slice on a local path: refused before any host writes
+    require_shared_run_dir(
+        cfg
+    )  # a multi-host slice on a local path: refused before any host writes
     if get_preset(cfg.train.hardware).kind == "tpu":
-        set_xla_import_env()      # before the run lock, whose TPU worker-id lookup imports torch_xla
+        set_xla_import_env()  # before the run lock, whose TPU worker-id lookup imports torch_xla
     with run_lock(cfg, "codex train"):
-        from eval.evaluate import evaluate   # torch (seconds to import): only when a command runs
+        from eval.evaluate import evaluate  # torch (seconds to import): only when a command runs
         from train.loop import train
 
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
@@ -237,19 +369,49 @@ def train_cmd(cfg):
 
 # --- codex eval / sample ------------------------------------------------------------------------
 
+
 @cli.command("eval")
 @with_config
 @checkpoint_option
-@key_option("--max-tokens", key="eval.max_tokens", type=int, help="Evaluate at most this many tokens (0 = all).")
-@key_option("--data", key="eval.data", multiple=True, metavar="PATH",
-            help="Evaluate on other text instead of the validation split.")
-@key_option("--hardware", key="train.hardware", help="Where to evaluate (a preset, `codex hardware`; default cpu).")
-@key_option("--device-batch", key="eval.device_batch", type=int,
-            help="Sequences per device per batch (default: the preset's).")
-@key_option("--tasks", key="eval.tasks", metavar="T1,T2",
-            help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy).")
-@key_option("--limit", key="eval.tasks_limit", type=int, help="--tasks: at most N examples per task.")
-@key_option("--tasks-path", key="eval.tasks_path", metavar="DIR", help="--tasks: a folder of extra task YAMLs.")
+@key_option(
+    "--max-tokens",
+    key="eval.max_tokens",
+    type=int,
+    help="Evaluate at most this many tokens (0 = all).",
+)
+@key_option(
+    "--data",
+    key="eval.data",
+    multiple=True,
+    metavar="PATH",
+    help="Evaluate on other text instead of the validation split.",
+)
+@key_option(
+    "--hardware",
+    key="train.hardware",
+    help="Where to evaluate (a preset, `codex hardware`; default cpu).",
+)
+@key_option(
+    "--device-batch",
+    key="eval.device_batch",
+    type=int,
+    help="Sequences per device per batch (default: the preset's).",
+)
+@key_option(
+    "--tasks",
+    key="eval.tasks",
+    metavar="T1,T2",
+    help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy).",
+)
+@key_option(
+    "--limit", key="eval.tasks_limit", type=int, help="--tasks: at most N examples per task."
+)
+@key_option(
+    "--tasks-path",
+    key="eval.tasks_path",
+    metavar="DIR",
+    help="--tasks: a folder of extra task YAMLs.",
+)
 def eval_cmd(cfg):
     """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
     (and RUN/eval/loss.png from the training metrics). With --tasks: accuracy on lm-eval-harness
@@ -263,14 +425,19 @@ def eval_cmd(cfg):
       codex eval --run runs/web --tasks hellaswag,arc_easy --limit 500
     """
     if cfg.eval.tasks:
-        from eval.tasks import run_tasks as run_eval   # lm-eval and transformers: optional dependencies
+        from eval.tasks import (
+            run_tasks as run_eval,
+        )  # lm-eval and transformers: optional dependencies
     else:
         from eval.run import run_eval
 
     # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
     # does not exist gets no folder made (run_eval says what is missing)
-    lock = (runlock.hold(rundir.eval_dir(cfg.run), "codex eval", hosts=preset_hosts(cfg))
-            if fsio.isdir(cfg.run) else contextlib.nullcontext())
+    lock = (
+        runlock.hold(rundir.eval_dir(cfg.run), "codex eval", hosts=preset_hosts(cfg))
+        if fsio.isdir(cfg.run)
+        else contextlib.nullcontext()
+    )
     with lock:
         run_eval(cfg)
 
@@ -279,11 +446,32 @@ def eval_cmd(cfg):
 @with_config
 @click.option("--prompt", required=True, help="Text to continue.")
 @checkpoint_option
-@key_option("--max-new-tokens", key="eval.max_new_tokens", type=int, help="Tokens to generate (default 200).")
-@key_option("--temperature", key="eval.temperature", type=float, help="Sampling temperature; 0 = greedy (default 0.8).")
-@key_option("--top-k", key="eval.top_k", type=int, help="Sample among the k most likely tokens; 0 = all (default 50).")
-@key_option("--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text.")
-@key_option("--hardware", key="train.hardware", help="Where to generate (a preset, `codex hardware`; default cpu).")
+@key_option(
+    "--max-new-tokens",
+    key="eval.max_new_tokens",
+    type=int,
+    help="Tokens to generate (default 200).",
+)
+@key_option(
+    "--temperature",
+    key="eval.temperature",
+    type=float,
+    help="Sampling temperature; 0 = greedy (default 0.8).",
+)
+@key_option(
+    "--top-k",
+    key="eval.top_k",
+    type=int,
+    help="Sample among the k most likely tokens; 0 = all (default 50).",
+)
+@key_option(
+    "--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text."
+)
+@key_option(
+    "--hardware",
+    key="train.hardware",
+    help="Where to generate (a preset, `codex hardware`; default cpu).",
+)
 def sample_cmd(cfg, prompt):
     """Generate text from a checkpoint, with a KV cache, on the CPU, a GPU or a TPU.
 
@@ -295,26 +483,42 @@ def sample_cmd(cfg, prompt):
     from eval.sample import run_sample
 
     text = run_sample(cfg, prompt)
-    if text is not None:   # rank 0 of a multi-process launch prints; the others have nothing to say
+    if text is not None:  # rank 0 of a multi-process launch prints; the others have nothing to say
         click.echo(text)
 
 
 # --- codex export -------------------------------------------------------------------------------
 
+
 @cli.command("export")
 @with_config
 @checkpoint_option
-@click.option("--format", "fmt", type=click.Choice(["hf", "torch"]), default="hf", show_default=True,
-              help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness); torch: one file of "
-                   "the weights and the model config that torch.load(weights_only=True) reads.")
-@click.option("--out", required=True, metavar="PATH",
-              help="hf: a directory to create (local; must not exist); torch: a file to create (local or gs://).")
-@click.option("--max-shard-size", default="2GB", show_default=True,
-              help="hf: split the safetensors weights above this size.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["hf", "torch"]),
+    default="hf",
+    show_default=True,
+    help="hf: a Hugging Face model directory (transformers, vLLM, lm-eval-harness); torch: one "
+    "file of the weights and the model config that torch.load(weights_only=True) reads.",
+)
+@click.option(
+    "--out",
+    required=True,
+    metavar="PATH",
+    help="hf: a directory to create (local; must not exist); torch: a file to create (local or gs://).",
+)
+@click.option(
+    "--max-shard-size",
+    default="2GB",
+    show_default=True,
+    help="hf: split the safetensors weights above this size.",
+)
 def export_cmd(cfg, fmt, out, max_shard_size):
     """Export a checkpoint as a model directory that loads with no custom code: safetensors,
     config.json (Qwen3 with QK-norm, Llama without), generation_config.json, tokenizer, README.md;
-    or, with --format torch, as one file {"model": state dict, "model_config": dict} for model.gpt.GPT.
+    or, with --format torch, as one file {"model": state dict, "model_config": dict} for
+    model.gpt.GPT.
 
     \b
     Example:
@@ -328,23 +532,31 @@ def export_cmd(cfg, fmt, out, max_shard_size):
 
         check_export_target(out)
         r = export_torch(*read_checkpoint(cfg, cfg.eval.checkpoint), out)
-        click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['bytes'] / 1e6:.1f} MB, "
-                   f"vocab {r['vocab_size']})")
+        click.echo(
+            f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} "
+            f"({r['bytes'] / 1e6:.1f} MB, vocab {r['vocab_size']})"
+        )
         return
-    from model.export_hf import check_export_target, export_hf   # imports torch (start-up time)
+    from model.export_hf import check_export_target, export_hf  # imports torch (start-up time)
     from train.checkpoint.read import load_model
 
     check_export_target(out)
-    r = export_hf(*load_model(cfg, cfg.eval.checkpoint), out, max_shard_size=max_shard_size)
-    click.echo(f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
-               f"vocab {r['vocab_size']})")
+    model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
+    r = export_hf(model, run_cfg, info, out, max_shard_size=max_shard_size)
+    click.echo(
+        f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
+        f"vocab {r['vocab_size']})"
+    )
 
 
 # --- codex demo / hardware ----------------------------------------------------------------------
 
+
 @cli.command("demo")
 @click.option("--run", default="runs/demo", show_default=True, help="Run directory.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a demo config key.")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a demo config key."
+)
 @stage
 def demo_cmd(run, overrides):
     """The whole pipeline on the Python standard library's own sources, on this machine's CPU.
@@ -362,10 +574,19 @@ def demo_cmd(run, overrides):
 
 
 @cli.command("hardware")
-@click.option("--model", default=None, help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
-              "layout and device batch, by the memory plan.")
-@click.option("--optimizer", type=click.Choice(["adamw", "muon"]), default=TrainConfig().optimizer, show_default=True,
-              help="With --model: the optimizer whose state the plan counts.")
+@click.option(
+    "--model",
+    default=None,
+    help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
+    "layout and device batch, by the memory plan.",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["adamw", "muon"]),
+    default=TrainConfig().optimizer,
+    show_default=True,
+    help="With --model: the optimizer whose state the plan counts.",
+)
 @stage
 def hardware_cmd(model, optimizer):
     """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch from the
@@ -381,7 +602,7 @@ def hardware_cmd(model, optimizer):
         return
     from codex.config import preset_path
 
-    preset_path("model", model)   # an unknown name: exit 2 with the list and a suggestion
+    preset_path("model", model)  # an unknown name: exit 2 with the list and a suggestion
     click.echo(format_model_fit(model, optimizer=optimizer))
 
 

@@ -1,10 +1,10 @@
 """The whole configuration of a run as one typed dataclass tree, and how it is built.
 
     Config
-      data.clean / data.tokenizer / data.shard   pipeline/config.py
-      model                                      model/config.py
-      train                                      train/config.py
-      eval                                       eval/config.py
+      data.clean / data.tokenizer / data.shard   codex/config/data.py
+      model                                      codex/config/model.py
+      train                                      codex/config/train.py
+      eval                                       codex/config/eval.py
 
 Built in this order, later wins: dataclass defaults -> `--model NAME` preset
 (configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> a command's own options (typed
@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from codex import fsio
+from codex.config.data import DataConfig
 from codex.config.eval import EvalConfig
 from codex.config.model import ModelConfig, with_depth
-from codex.config.data import DataConfig
 from codex.config.train import TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    run: str = "runs/default"   # the run directory (local path or gs://bucket/run)
+    run: str = "runs/default"  # the run directory (local path or gs://bucket/run)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -66,7 +66,10 @@ def _suggest(bad: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
     if not close:  # compare the last component too: "model.n_layerz" -> "n_layer"
         leaf = {k.rsplit(".", 1)[-1]: k for k in valid}
-        close = [leaf[m] for m in difflib.get_close_matches(bad.rsplit(".", 1)[-1], list(leaf), n=1, cutoff=0.6)]
+        close = [
+            leaf[m]
+            for m in difflib.get_close_matches(bad.rsplit(".", 1)[-1], list(leaf), n=1, cutoff=0.6)
+        ]
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -111,13 +114,19 @@ def _coerce(key: str, value, typ):
         return int(f)
     if typ is float:
         try:
-            return float(str(value).replace("_", "")) if not isinstance(value, (int, float)) else float(value)
+            return (
+                float(str(value).replace("_", ""))
+                if not isinstance(value, (int, float))
+                else float(value)
+            )
         except ValueError:
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if typ is str:
         if isinstance(value, bool):  # YAML 1.1 reads off/no/yes/on as booleans
-            raise ConfigError(f"{key}: expected a string, got {value!r} (YAML reads off/on/no/yes as booleans: "
-                              f"quote it, e.g. {key.rsplit('.', 1)[-1]}: \"off\")")
+            raise ConfigError(
+                f"{key}: expected a string, got {value!r} (YAML reads off/on/no/yes as booleans: "
+                f'quote it, e.g. {key.rsplit(".", 1)[-1]}: "off")'
+            )
         return "" if value is None else str(value)
     return value
 
@@ -125,7 +134,9 @@ def _coerce(key: str, value, typ):
 def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
     """Set fields of dataclass `obj` from a nested dict, validating every key."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(
+            f"{source}{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}"
+        )
     names = {f.name for f in dataclasses.fields(obj)}
     for k, v in data.items():
         key = prefix + str(k)
@@ -160,7 +171,9 @@ def set_value(cfg: Config, key: str, value) -> None:
 def set_key(cfg: Config, assignment: str) -> None:
     """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b])."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. --set model.n_layer=4")
+        raise ConfigError(
+            f"--set {assignment!r}: expected section.key=value, e.g. --set model.n_layer=4"
+        )
     key, raw = assignment.split("=", 1)
     key = key.strip()
     try:
@@ -201,13 +214,24 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def build_config(config_file: str | None = None, overrides: tuple[str, ...] | list[str] = (),
-                 model: str | None = None, run: str | None = None, values: dict | None = None) -> Config:
+def build_config(
+    config_file: str | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    model: str | None = None,
+    run: str | None = None,
+    values: dict | None = None,
+) -> Config:
     """The Config of a command: defaults -> the `model` preset -> `config_file` -> `values` (typed,
-    from CLI options; None = not given) -> `overrides` (--set strings) -> `run`; then check_values."""
+    from CLI options; None = not given) -> `overrides` (--set strings) -> `run`; then
+    check_values."""
     cfg = Config()
     if model:
-        apply_dict(cfg.model, load_yaml(str(preset_path("model", model))), "model.", f"configs/model/{model}.yaml: ")
+        apply_dict(
+            cfg.model,
+            load_yaml(str(preset_path("model", model))),
+            "model.",
+            f"configs/model/{model}.yaml: ",
+        )
         cfg.model.preset = model
     if config_file:
         apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
@@ -227,29 +251,64 @@ def build_config(config_file: str | None = None, overrides: tuple[str, ...] | li
 # whether the ends themselves are allowed); None = unbounded. A value typed wrong is caught in
 # _coerce, a value outside a Literal field's set in _check_choices.
 _RANGES = {
-    "train.lr": (0, None, True), "train.min_lr_ratio": (0, 1, True), "train.warmup_steps": (0, None, True),
-    "train.decay_fraction": (0, 1, True), "train.weight_decay": (0, None, True), "train.beta1": (0, 1, True),
-    "train.beta2": (0, 1, True), "train.muon_lr": (0, None, False),
-    "train.muon_momentum": (0, 1, True), "train.grad_clip": (0, None, True), "train.device_batch": (0, None, True),
-    "train.seq_len": (0, None, True), "train.batch_tokens": (0, None, True), "train.max_steps": (0, None, True),
-    "train.max_tokens": (0, None, True), "train.log_every": (1, None, True), "train.eval_every": (0, None, True),
-    "train.eval_tokens": (0, None, True), "train.save_every": (0, None, True), "train.keep_last": (1, None, True),
-    "train.keep_every": (0, None, True), "train.max_compiles": (0, None, True), "train.shuffle_shards": (0, None, True),
+    "train.lr": (0, None, True),
+    "train.min_lr_ratio": (0, 1, True),
+    "train.warmup_steps": (0, None, True),
+    "train.decay_fraction": (0, 1, True),
+    "train.weight_decay": (0, None, True),
+    "train.beta1": (0, 1, True),
+    "train.beta2": (0, 1, True),
+    "train.muon_lr": (0, None, False),
+    "train.muon_momentum": (0, 1, True),
+    "train.grad_clip": (0, None, True),
+    "train.device_batch": (0, None, True),
+    "train.seq_len": (0, None, True),
+    "train.batch_tokens": (0, None, True),
+    "train.max_steps": (0, None, True),
+    "train.max_tokens": (0, None, True),
+    "train.log_every": (1, None, True),
+    "train.eval_every": (0, None, True),
+    "train.eval_tokens": (0, None, True),
+    "train.save_every": (0, None, True),
+    "train.keep_last": (1, None, True),
+    "train.keep_every": (0, None, True),
+    "train.max_compiles": (0, None, True),
+    "train.shuffle_shards": (0, None, True),
     "train.fsdp_size": (0, None, True),
-    "model.n_layer": (1, None, True), "model.depth": (0, None, True), "model.n_head": (1, None, True), "model.n_kv_head": (1, None, True),
-    "model.n_embd": (1, None, True), "model.mlp_hidden": (0, None, True), "model.max_seq_len": (1, None, True),
-    "model.vocab_size": (0, None, True), "model.init_std": (0, None, False), "model.logit_softcap": (0, None, True), "model.norm_eps": (0, None, False),
-    "eval.max_tokens": (0, None, True), "eval.device_batch": (0, None, True), "eval.max_new_tokens": (0, None, True),
-    "eval.temperature": (0, None, True), "eval.top_k": (0, None, True),
-    "data.tokenizer.vocab_size": (259, None, True), "data.tokenizer.max_chars": (1, None, True),
-    "data.shard.val_fraction": (0, 1, False), "data.shard.workers": (1, None, True),
-    "data.clean.workers": (1, None, True), "data.clean.num_tasks": (1, None, True),
-    "data.clean.task_index": (0, None, True), "data.clean.docs_per_shard": (1, None, True),
-    "data.clean.row_group_size": (1, None, True), "data.clean.chunk_bytes": (1, None, True),
-    "data.clean.max_record_bytes": (0, None, True), "data.clean.length.min_chars": (0, None, True),
-    "data.clean.length.max_chars": (0, None, True), "data.tokenizer.doc_max_chars": (1, None, True),
-    "data.tokenizer.heldout_docs": (0, None, True), "data.shard.shard_tokens": (1, None, True),
-    "data.shard.chunk_chars": (1, None, True), "model.rope_theta": (0, None, False),
+    "model.n_layer": (1, None, True),
+    "model.depth": (0, None, True),
+    "model.n_head": (1, None, True),
+    "model.n_kv_head": (1, None, True),
+    "model.n_embd": (1, None, True),
+    "model.mlp_hidden": (0, None, True),
+    "model.max_seq_len": (1, None, True),
+    "model.vocab_size": (0, None, True),
+    "model.init_std": (0, None, False),
+    "model.logit_softcap": (0, None, True),
+    "model.norm_eps": (0, None, False),
+    "eval.max_tokens": (0, None, True),
+    "eval.device_batch": (0, None, True),
+    "eval.max_new_tokens": (0, None, True),
+    "eval.temperature": (0, None, True),
+    "eval.top_k": (0, None, True),
+    "data.tokenizer.vocab_size": (259, None, True),
+    "data.tokenizer.max_chars": (1, None, True),
+    "data.shard.val_fraction": (0, 1, False),
+    "data.shard.workers": (1, None, True),
+    "data.clean.workers": (1, None, True),
+    "data.clean.num_tasks": (1, None, True),
+    "data.clean.task_index": (0, None, True),
+    "data.clean.docs_per_shard": (1, None, True),
+    "data.clean.row_group_size": (1, None, True),
+    "data.clean.chunk_bytes": (1, None, True),
+    "data.clean.max_record_bytes": (0, None, True),
+    "data.clean.length.min_chars": (0, None, True),
+    "data.clean.length.max_chars": (0, None, True),
+    "data.tokenizer.doc_max_chars": (1, None, True),
+    "data.tokenizer.heldout_docs": (0, None, True),
+    "data.shard.shard_tokens": (1, None, True),
+    "data.shard.chunk_chars": (1, None, True),
+    "model.rope_theta": (0, None, False),
 }
 
 
@@ -281,26 +340,36 @@ def check_values(cfg: Config) -> None:
         too_low = low is not None and (v < low if inclusive else v <= low)
         too_high = high is not None and (v > high if inclusive else v >= high)
         if too_low or too_high:
-            want = (f">= {low}" if inclusive else f"> {low}") if high is None else (
-                f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
+            want = (
+                (f">= {low}" if inclusive else f"> {low}")
+                if high is None
+                else (f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
+            )
             raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
     _check_model_shape(cfg.model)
     if cfg.model.preset:
-        preset_path("model", cfg.model.preset)   # a ConfigError naming the presets there are
+        preset_path("model", cfg.model.preset)  # a ConfigError naming the presets there are
     ckpt = str(cfg.eval.checkpoint)
     if ckpt != "latest" and not (ckpt.isdigit()):
-        raise ConfigError(f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'")
+        raise ConfigError(
+            f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'"
+        )
 
 
 def _check_model_shape(m) -> None:
-    """The shape rules of model/gpt.py's check_config, here so that they exit 2 before a run is read."""
+    """The shape rules of model/gpt.py's check_config, here so that they exit 2 before a run is
+    read."""
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if (m.n_embd // m.n_head) % 2:
-        raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head dim) must be even "
-                          "for rotary embeddings")
+        raise ConfigError(
+            f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head dim) must be even "
+            "for rotary embeddings"
+        )
     if m.n_head % m.n_kv_head:
-        raise ConfigError(f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head}")
+        raise ConfigError(
+            f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head}"
+        )
 
 
 def to_dict(cfg) -> dict:

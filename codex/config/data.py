@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
 # --- settings of each clean filter (data.clean.<filter>.*); the defaults are the published
-# thresholds, documented in pipeline/filters.py. A threshold of 0 switches that one rule off.
+# thresholds, documented in pipeline/clean/filters.py. A threshold of 0 switches that one rule off.
+
 
 @dataclass
 class LengthFilterConfig:
     enabled: bool = True
-    min_chars: int = 1                # documents shorter than this (after normalisation) are dropped
-    max_chars: int = 1_000_000        # ... and longer than this
+    min_chars: int = 1  # documents shorter than this (after normalisation) are dropped
+    max_chars: int = 1_000_000  # ... and longer than this
 
 
 @dataclass
@@ -41,8 +41,12 @@ class GopherRepetitionConfig:
     dup_para_frac: float = 0.3
     dup_line_char_frac: float = 0.2
     dup_para_char_frac: float = 0.2
-    top_ngram_fracs: list[float] = field(default_factory=lambda: [0.20, 0.18, 0.16])   # for 2-, 3-, 4-grams
-    dup_ngram_fracs: list[float] = field(default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10])  # 5..10-grams
+    top_ngram_fracs: list[float] = field(
+        default_factory=lambda: [0.20, 0.18, 0.16]
+    )  # for 2-, 3-, 4-grams
+    dup_ngram_fracs: list[float] = field(
+        default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10]
+    )  # 5..10-grams
 
 
 @dataclass
@@ -79,27 +83,54 @@ class CodeFilterConfig:
 
 @dataclass
 class DedupConfig:
-    enabled: bool = True              # exact dedup on the normalised text, across the whole corpus
+    enabled: bool = True  # exact dedup on the normalised text, across the whole corpus
 
 
 @dataclass
 class CleanConfig:
     inputs: list[str] = field(default_factory=list)  # paths, globs or directories, local or gs://
-    text_field: str = "text"          # .jsonl(.gz/.zst): the field holding the document text
-    text_column: str = "text"         # .parquet: the column holding the document text
-    txt_delimiter: str = ""           # .txt: split on this string; "" = one document per file
-    preset: Literal["web", "code", "all"] = "web"  # web: prose rules, code: source-code corpora, all
-    workers: int = 1                  # processes on this machine
-    num_tasks: int = 1                # tasks across machines (a job array); task I takes files I, I+N, ...
+    text_field: str = "text"  # .jsonl(.gz/.zst): the field holding the document text
+    text_column: str = "text"  # .parquet: the column holding the document text
+    txt_delimiter: str = ""  # .txt: split on this string; "" = one document per file
+    # web: prose rules, code: source-code corpora, all
+    preset: Literal["web", "code", "all"] = "web"
+    workers: int = 1  # processes on this machine
+    num_tasks: int = 1  # tasks across machines (a job array); task I takes files I, I+N, ...
     task_index: int = 0
-    keep_rejected: bool = False       # also write dropped documents with their reason
-    docs_per_shard: int = 20_000      # rows per output parquet file
+    keep_rejected: bool = False  # also write dropped documents with their reason
+    docs_per_shard: int = 20_000  # rows per output parquet file
     row_group_size: int = 2_000
-    text_extensions: list[str] = field(default_factory=lambda: [  # read as text (.txt rules) in dirs/globs
-        ".txt", ".text", ".md", ".rst", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js",
-        ".ts", ".java", ".sh", ".rb", ".lua", ".swift", ".kt", ".scala", ".sql", ".tex"])
-    chunk_bytes: int = 8_000_000      # input bytes per unit of work (resume + parallelism); a file is never split
-    max_record_bytes: int = 8_000_000  # records bigger than this on disk are dropped unread (bounded memory)
+    text_extensions: list[str] = field(
+        default_factory=lambda: [  # read as text (.txt rules) in dirs/globs
+            ".txt",
+            ".text",
+            ".md",
+            ".rst",
+            ".py",
+            ".c",
+            ".h",
+            ".cc",
+            ".cpp",
+            ".hpp",
+            ".rs",
+            ".go",
+            ".js",
+            ".ts",
+            ".java",
+            ".sh",
+            ".rb",
+            ".lua",
+            ".swift",
+            ".kt",
+            ".scala",
+            ".sql",
+            ".tex",
+        ]
+    )
+    # input bytes per unit of work (resume + parallelism); a file is never split
+    chunk_bytes: int = 8_000_000
+    # records bigger than this on disk are dropped unread (bounded memory)
+    max_record_bytes: int = 8_000_000
     # filters, in the order they run; the preset picks which apply ("web": all prose rules,
     # "code": length + code, "all": every enabled one), `enabled: false` switches one off
     length: LengthFilterConfig = field(default_factory=LengthFilterConfig)
@@ -115,22 +146,24 @@ class CleanConfig:
 class TokenizerConfig:
     inputs: list[str] = field(default_factory=list)  # default: RUN/clean/
     vocab_size: int = 32_768
-    max_chars: int = 200_000_000      # training-text budget (characters)
-    doc_max_chars: int = 100_000      # per-document cap
-    heldout_docs: int = 500           # documents held out to report compression
+    max_chars: int = 200_000_000  # training-text budget (characters)
+    doc_max_chars: int = 100_000  # per-document cap
+    heldout_docs: int = 500  # documents held out to report compression
     trainer: Literal["rustbpe", "hf"] = "rustbpe"  # rustbpe: fast; hf: HF tokenizers' BpeTrainer
 
 
 @dataclass
 class ShardConfig:
-    shard_tokens: int = 50_000_000    # tokens per shard (the last one may be short)
-    val_fraction: float = 0.005       # documents hashed into the validation split
+    shard_tokens: int = 50_000_000  # tokens per shard (the last one may be short)
+    val_fraction: float = 0.005  # documents hashed into the validation split
     format: Literal["npy", "parquet", "both"] = "npy"
-    append_eos: bool = False          # each document is <|bos|> + tokens (+ <|eos|>)
-    workers: int = 1                  # 1: encode in this process (tokenizers' threads); N: N processes
-    out: str = ""                     # default: RUN/shards (any fsspec URL)
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocab fits, else uint32
-    chunk_chars: int = 100_000        # longer documents are cut at line/space boundaries before encoding (BPE is quadratic)
+    append_eos: bool = False  # each document is <|bos|> + tokens (+ <|eos|>)
+    workers: int = 1  # 1: encode in this process (tokenizers' threads); N: N processes
+    out: str = ""  # default: RUN/shards (any fsspec URL)
+    # auto: uint16 when the vocab fits, else uint32
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    # longer documents are cut at line/space boundaries before encoding (BPE is quadratic)
+    chunk_chars: int = 100_000
 
 
 @dataclass

@@ -5,54 +5,65 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# train.lr when left at 0, per optimizer: the best of bench/bench_quality.py's sweeps (README, "Speed
-# to quality"). With Muon, AdamW trains only embeddings, head and norms, which take a higher rate.
-# Not scaled with the width: (n_embd / 128) ** -0.5, nanochat's AdamW scaling, lost at 4 x 256
-# (2.177 vs 2.158 bits per byte at 0.006; bench_quality depth4 vs depth4_lr6e-3).
+# train.lr when left at 0, per optimizer: the best of bench/bench_quality.py's sweeps (README,
+# "Speed to quality"). With Muon, AdamW trains only embeddings, head and norms, which take a
+# higher rate. Not scaled with the width: (n_embd / 128) ** -0.5, nanochat's AdamW scaling, lost
+# at 4 x 256 (2.177 vs 2.158 bits per byte at 0.006; bench_quality depth4 vs depth4_lr6e-3).
 DEFAULT_LR = {"muon": 0.006, "adamw": 0.003}
 
 
 @dataclass
 class TrainConfig:
-    hardware: str = "cpu"           # cpu, a100-8, h100, h200-8, v6e-4, v5litepod-8, ... (`codex hardware`)
-    device_batch: int = 0           # sequences per device per micro-batch; 0 = the preset's default
-    seq_len: int = 0                # 0 = the preset's default
-    batch_tokens: int = 0           # tokens per optimizer step; 0 = device_batch * seq_len * world
+    hardware: str = "cpu"  # cpu, a100-8, h100, h200-8, v6e-4, v5litepod-8, ... (`codex hardware`)
+    device_batch: int = 0  # sequences per device per micro-batch; 0 = the preset's default
+    seq_len: int = 0  # 0 = the preset's default
+    batch_tokens: int = 0  # tokens per optimizer step; 0 = device_batch * seq_len * world
     max_steps: int = 1000
-    max_tokens: int = 0             # > 0: a token budget instead of max_steps
-    lr: float = 0.0                 # AdamW's peak lr; 0 = DEFAULT_LR[optimizer] (with muon: embeddings, head, norms)
+    max_tokens: int = 0  # > 0: a token budget instead of max_steps
+    # AdamW's peak lr; 0 = DEFAULT_LR[optimizer] (with muon: embeddings, head, norms)
+    lr: float = 0.0
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     schedule: Literal["cosine", "wsd"] = "cosine"  # wsd = warmup-stable-decay
-    decay_fraction: float = 0.2     # wsd: the last fraction of steps decays
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    optimizer: Literal["adamw", "muon"] = "muon"   # muon: Muon for the blocks' matrices, AdamW for the rest
-    muon_lr: float = 0.01           # Muon's peak learning rate (the schedule scales it as it scales train.lr)
+    # muon: Muon for the blocks' matrices, AdamW for the rest
+    optimizer: Literal["adamw", "muon"] = "muon"
+    # Muon's peak learning rate (the schedule scales it as it scales train.lr)
+    muon_lr: float = 0.01
     muon_momentum: float = 0.95
     grad_clip: float = 1.0
     seed: int = 1337
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
-    compile: bool = True            # torch.compile on CUDA
-    parallel: Literal["auto", "replicate", "fsdp"] = "auto"  # auto: replicate when the replicated state fits (train/memory.py)
-    fsdp_size: int = 0              # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)
-    remat: Literal["none", "block"] = "none"   # block: recompute every transformer block in the backward (train/remat.py)
+    compile: bool = True  # torch.compile on CUDA
+    # auto: replicate when the replicated state fits (train/plan/memory.py)
+    parallel: Literal["auto", "replicate", "fsdp"] = "auto"
+    # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)
+    fsdp_size: int = 0
+    # block: recompute every transformer block in the backward (train/remat.py)
+    remat: Literal["none", "block"] = "none"
     log_every: int = 10
     eval_every: int = 200
-    eval_tokens: int = 0            # 0 = the whole validation split
+    eval_tokens: int = 0  # 0 = the whole validation split
     save_every: int = 500
     keep_last: int = 3
-    keep_every: int = 0             # also keep every M-th step forever (0 = off)
-    async_save: bool = False        # periodic checkpoints written in the background while training goes on
+    keep_every: int = 0  # also keep every M-th step forever (0 = off)
+    # periodic checkpoints written in the background while training goes on
+    async_save: bool = False
     resume: Literal["auto", "never"] = "auto"  # auto: resume when a checkpoint exists
-    wandb: Literal["auto", "online", "offline", "off"] = "auto"  # auto: online with an API key, else offline
+    # auto: online with an API key, else offline
+    wandb: Literal["auto", "online", "offline", "off"] = "auto"
     wandb_project: str = "codex"
     xla_mode: Literal["spmd", "spawn"] = "spmd"  # spawn: one process per chip
-    xla_step: Literal["cached", "traced"] = "cached"  # cached: micro-batches in one While traced once (train/xla_step.py)
-    xla_cache: str = ""             # persistent compilation cache; default RUN/xla_cache
-    max_compiles: int = 0           # > 0: fail when the XLA compile count exceeds it
-    allow_cpu_xla: bool = False     # run the XLA path on PJRT_DEVICE=CPU (tests)
-    shared_run_dir: bool = False    # a multi-host preset with a local --run path: true = every host sees it (NFS)
-    bos_aligned: bool = False       # training windows start at a document's <|bos|> where one fits
-    shuffle_shards: int = 0         # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle
+    # cached: micro-batches in one While traced once (train/xla/step.py)
+    xla_step: Literal["cached", "traced"] = "cached"
+    xla_cache: str = ""  # persistent compilation cache; default RUN/xla_cache
+    max_compiles: int = 0  # > 0: fail when the XLA compile count exceeds it
+    allow_cpu_xla: bool = False  # run the XLA path on PJRT_DEVICE=CPU (tests)
+    # a multi-host preset with a local --run path: true = every host sees it (NFS)
+    shared_run_dir: bool = False
+    bos_aligned: bool = False  # training windows start at a document's <|bos|> where one fits
+    # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle
+    shuffle_shards: int = 0

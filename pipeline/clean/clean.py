@@ -1,9 +1,11 @@
 """`codex data clean`: raw text -> normalised, filtered, exactly deduplicated parquet shards.
 
-    files --(sorted, task I takes files I, I+N, ...)--> chunks of <= chunk_bytes (a file never split)
-    chunk --read--> normalize --> filters (preset) --> in-chunk dedup --> part-TTTTT-CCCCC-SSS.parquet
-                                                                     + hashes/TTTTT-CCCCC.npy
-                                                                     + markers/TTTTT-CCCCC.json  (last)
+    files --(sorted, task I takes files I, I+N, ...)--> chunks of <= chunk_bytes
+                                                        (a file never split)
+    chunk --read--> normalize --> filters (preset) --> in-chunk dedup
+          --> part-TTTTT-CCCCC-SSS.parquet
+            + hashes/TTTTT-CCCCC.npy
+            + markers/TTTTT-CCCCC.json  (last)
     all chunks done --> cross-chunk dedup over the hash files --> rewrite affected shards
                     --> config.yaml, stats.json (last)
 
@@ -45,10 +47,10 @@ from codex import fsio, rundir
 from codex.config import ConfigError
 from codex.progress import Progress, setup_logging
 from pipeline.clean.dedup import cross_chunk_duplicates, rewrite_without
-from pipeline.clean.stats import drop_fix, nothing_kept, summarize, top_drop
 from pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
-from pipeline.inputs import list_inputs, ls_matching
 from pipeline.clean.parts import PartWriter
+from pipeline.clean.stats import drop_fix, nothing_kept, summarize, top_drop
+from pipeline.inputs import list_inputs, ls_matching
 from pipeline.readers import BadInputFile, FileReport, InputFile, Record, read_records
 from pipeline.stage import Stage
 
@@ -93,7 +95,9 @@ def plan_chunks(files: list[InputFile], num_tasks: int, chunk_bytes: int) -> lis
 
 def _fingerprint(c, files: list[InputFile]) -> str:
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
-    blob = json.dumps({"settings": settings, "files": [(f.path, f.size) for f in files]}, sort_keys=True)
+    blob = json.dumps(
+        {"settings": settings, "files": [(f.path, f.size) for f in files]}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -111,8 +115,13 @@ def _init_worker(q, parent_pid: int) -> None:
 
 
 def _remove_chunk_outputs(out: str, name: str) -> None:
-    """Delete what an interrupted earlier attempt at this chunk may have left (stale shard counts)."""
-    for sub, pattern in (("", f"part-{name}-*.parquet"), ("rejected", f"part-{name}-*.parquet"), ("hashes", f"{name}.npy")):
+    """Delete what an interrupted earlier attempt at this chunk may have left (stale shard
+    counts)."""
+    for sub, pattern in (
+        ("", f"part-{name}-*.parquet"),
+        ("rejected", f"part-{name}-*.parquet"),
+        ("hashes", f"{name}.npy"),
+    ):
         for path in ls_matching(fsio.join(out, sub) if sub else out, pattern):
             fsio.rm(path)
 
@@ -121,15 +130,24 @@ def _remove_chunk_outputs(out: str, name: str) -> None:
 class _ChunkCleaner:
     """One chunk's running state: its part writers, the hashes of kept documents, counters."""
 
-    c: object                          # CleanConfig
+    c: object  # CleanConfig
     filters: list[str]
     writer: PartWriter
     rejected: PartWriter | None
     report_progress: object = None
     seen: set = dataclasses.field(default_factory=set)
-    hashes: bytearray = dataclasses.field(default_factory=bytearray)   # 16-byte hash + 8-byte length each
-    stats: dict = dataclasses.field(default_factory=lambda: {"docs_in": 0, "bytes_in": 0, "docs_kept": 0,
-                                                             "bytes_kept": 0, "drops": {}})
+    hashes: bytearray = dataclasses.field(
+        default_factory=bytearray
+    )  # 16-byte hash + 8-byte length each
+    stats: dict = dataclasses.field(
+        default_factory=lambda: {
+            "docs_in": 0,
+            "bytes_in": 0,
+            "docs_kept": 0,
+            "bytes_kept": 0,
+            "drops": {},
+        }
+    )
     pending_docs: int = 0
     pending_bytes: int = 0
     last_report: float = dataclasses.field(default_factory=time.perf_counter)
@@ -146,7 +164,12 @@ class _ChunkCleaner:
                 self.pending_bytes += rec.nbytes
                 self._clean_record(rec, f.path, report)
                 self._maybe_report_progress()
-        except (BadInputFile, OSError, EOFError, ValueError) as e:   # ValueError: pyarrow decode errors
+        except (
+            BadInputFile,
+            OSError,
+            EOFError,
+            ValueError,
+        ) as e:  # ValueError: pyarrow decode errors
             report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
             if f.path not in report.error:
                 report.error = f"{f.path}: {report.error}"
@@ -193,12 +216,23 @@ class _ChunkCleaner:
         self.pending_docs = self.pending_bytes = 0
 
 
-def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None) -> dict:
+def clean_chunk(
+    chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None
+) -> dict:
     """Clean one chunk; write its parts, its hash file, then its marker. Returns the marker."""
     _remove_chunk_outputs(out, chunk.name)
     writer = PartWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
-    rejected = PartWriter(fsio.join(out, "rejected"), f"part-{chunk.name}", c.docs_per_shard, c.row_group_size,
-                          with_reason=True) if c.keep_rejected else None
+    rejected = (
+        PartWriter(
+            fsio.join(out, "rejected"),
+            f"part-{chunk.name}",
+            c.docs_per_shard,
+            c.row_group_size,
+            with_reason=True,
+        )
+        if c.keep_rejected
+        else None
+    )
     state = _ChunkCleaner(c, filters, writer, rejected, report_progress)
     reports: list[dict] = []
     try:
@@ -206,8 +240,12 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
             report = state.clean_file(f)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
-                if not report.error:   # empty files are common (__init__.py): summarised at the end instead
-                    (log.debug if report.empty else log.warning)("clean: bad input in %s: %s", f.path, report.describe())
+                if (
+                    not report.error
+                ):  # empty files are common (__init__.py): summarised at the end instead
+                    (log.debug if report.empty else log.warning)(
+                        "clean: bad input in %s: %s", f.path, report.describe()
+                    )
         parts = writer.close()
         if rejected is not None:
             rejected.close()
@@ -220,9 +258,18 @@ def clean_chunk(chunk: Chunk, c, out: str, filters: list[str], fingerprint: str,
     if "dedup" in filters:
         with fsio.atomic_open(fsio.join(out, "hashes", f"{chunk.name}.npy"), "wb") as fh:
             np.save(fh, np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3))
-    marker = {"chunk": chunk.name, "fingerprint": fingerprint, "files": len(chunk.files), "shards": parts,
-              "failed": [r["path"] for r in reports if r["error"]], "bad_files": reports, **state.stats}
-    fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)   # last: the chunk is done
+    marker = {
+        "chunk": chunk.name,
+        "fingerprint": fingerprint,
+        "files": len(chunk.files),
+        "shards": parts,
+        "failed": [r["path"] for r in reports if r["error"]],
+        "bad_files": reports,
+        **state.stats,
+    }
+    fsio.write_json(
+        fsio.join(out, "markers", f"{chunk.name}.json"), marker
+    )  # last: the chunk is done
     return marker
 
 
@@ -233,7 +280,7 @@ def _send_progress(report_progress, docs: int, nbytes: int) -> None:
         report_progress(docs, nbytes)
     elif _progress_queue is not None:
         _progress_queue.put((docs, nbytes))
-        if os.getppid() != _parent_pid:   # the parent was killed: do not keep writing as an orphan
+        if os.getppid() != _parent_pid:  # the parent was killed: do not keep writing as an orphan
             os._exit(3)
 
 
@@ -244,36 +291,58 @@ def _chunk_job(args) -> dict:
 # ----------------------------------------------------------------------------------------------
 # the stage
 
+
 def run_clean(cfg) -> dict:
     """Clean cfg.data.clean.inputs into RUN/clean/. Returns the stats (also RUN/clean/stats.json);
     when other tasks of a job array are still running, returns this task's stats and writes none."""
     c = cfg.data.clean
     if c.num_tasks < 1 or not 0 <= c.task_index < c.num_tasks:
-        raise ConfigError(f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 (num_tasks={c.num_tasks})")
+        raise ConfigError(
+            f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 "
+            f"(num_tasks={c.num_tasks})"
+        )
     if c.workers < 1:
         raise ConfigError(f"data.clean.workers must be >= 1, got {c.workers}")
     if not c.inputs:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH")
     filters = active_filters(c)
-    stage = Stage("codex data clean", cfg, rundir.clean_dir(cfg.run), "stats.json",
-                  later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)))
+    stage = Stage(
+        "codex data clean",
+        cfg,
+        rundir.clean_dir(cfg.run),
+        "stats.json",
+        later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)),
+    )
     out = stage.out
     try:
         files, skipped = list_inputs(c.inputs, c.text_extensions)
     except BadInputFile as e:
         raise ConfigError(str(e)) from None
     if not files:
-        raise ConfigError(f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})")
+        raise ConfigError(
+            f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})"
+        )
     fingerprint = _fingerprint(c, files)
     chunks = plan_chunks(files, c.num_tasks, c.chunk_bytes)
     markers = _read_markers(stage, fingerprint)
     mine = [ch for ch in chunks if ch.task == c.task_index]
     todo = [ch for ch in mine if ch.name not in markers or markers[ch.name]["failed"]]
-    log.info("clean: %d files (%.1f MB), %d skipped (unsupported type); task %d/%d: %d chunks, %d to do; filters: %s",
-             len(files), sum(f.size for f in files) / 1e6, len(skipped), c.task_index, c.num_tasks, len(mine),
-             len(todo), ", ".join(filters))
-    if todo:   # the corpus changes: not under a tokenizer made from it, and not "finished" meanwhile
-        stage.refuse_if_built_on(f"would be re-cleaned ({len(todo)} chunks without a finished marker)")
+    log.info(
+        "clean: %d files (%.1f MB), %d skipped (unsupported type); "
+        "task %d/%d: %d chunks, %d to do; filters: %s",
+        len(files),
+        sum(f.size for f in files) / 1e6,
+        len(skipped),
+        c.task_index,
+        c.num_tasks,
+        len(mine),
+        len(todo),
+        ", ".join(filters),
+    )
+    if todo:  # the corpus changes: not under a tokenizer made from it, and not "finished" meanwhile
+        stage.refuse_if_built_on(
+            f"would be re-cleaned ({len(todo)} chunks without a finished marker)"
+        )
         stage.start()
     fsio.makedirs(out)
     for m in _process(todo, c, out, filters, fingerprint):
@@ -282,16 +351,23 @@ def run_clean(cfg) -> dict:
         stats = _finalize(stage, chunks, markers, filters, files, skipped)
     else:
         waiting = sorted({ch.task for ch in chunks if ch.name not in markers})
-        log.info("clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
-                 c.task_index, waiting)
+        log.info(
+            "clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
+            c.task_index,
+            waiting,
+        )
         stats = summarize([markers[ch.name] for ch in mine], filters, files, skipped)
     failed = stats["bad_input"]["failed_files"]
     if failed:
-        raise CleanError(f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
-                         + "; ".join(f["error"] for f in failed[:3]))
+        raise CleanError(
+            f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
+            + "; ".join(f["error"] for f in failed[:3])
+        )
     if "shards" in stats and stats["docs_out"] == 0:
-        raise CleanError(f"clean kept no documents ({nothing_kept(stats)}); outputs left in {out} for "
-                         "inspection: rerun with the fix and a new --run, or delete that folder first")
+        raise CleanError(
+            f"clean kept no documents ({nothing_kept(stats)}); outputs left in {out} for "
+            "inspection: rerun with the fix and a new --run, or delete that folder first"
+        )
     return stats
 
 
@@ -300,8 +376,10 @@ def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
     for path in ls_matching(fsio.join(stage.out, "markers"), "*.json"):
         m = fsio.read_json(path)
         if m.get("fingerprint") != fingerprint:
-            stage.refuse(f"holds output cleaned from other inputs or settings ({path})",
-                         f"use another --run or delete {stage.out}")
+            stage.refuse(
+                f"holds output cleaned from other inputs or settings ({path})",
+                f"use another --run or delete {stage.out}",
+            )
         markers[m["chunk"]] = m
     return markers
 
@@ -312,6 +390,7 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
     total_bytes = sum(f.size for ch in todo for f in ch.files)
     done: list[dict] = []
     with Progress("clean", total=len(todo), unit="chunks") as progress:
+
         def on_progress(docs, nbytes):
             progress.update(0, docs=docs, bytes=nbytes)
 
@@ -321,10 +400,15 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
                 done.append(clean_chunk(ch, c, out, filters, fingerprint, on_progress))
                 progress.update(1)
         else:
-            ctx = mp.get_context("spawn")   # fork is unsafe with gcsfs' event-loop threads
+            ctx = mp.get_context("spawn")  # fork is unsafe with gcsfs' event-loop threads
             q = ctx.Queue()
-            with ctx.Pool(min(c.workers, len(todo)), initializer=_init_worker, initargs=(q, os.getpid())) as pool:
-                pending = [pool.apply_async(_chunk_job, ((ch, c, out, filters, fingerprint),)) for ch in todo]
+            with ctx.Pool(
+                min(c.workers, len(todo)), initializer=_init_worker, initargs=(q, os.getpid())
+            ) as pool:
+                pending = [
+                    pool.apply_async(_chunk_job, ((ch, c, out, filters, fingerprint),))
+                    for ch in todo
+                ]
                 while pending:
                     try:
                         while True:
@@ -332,7 +416,7 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
                     except queue_mod.Empty:
                         pass
                     for r in [r for r in pending if r.ready()]:
-                        done.append(r.get())   # re-raises a worker's exception
+                        done.append(r.get())  # re-raises a worker's exception
                         pending.remove(r)
                         progress.update(1)
                 while True:
@@ -347,12 +431,17 @@ def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: st
 # ----------------------------------------------------------------------------------------------
 # final pass: exact dedup across chunks, then stats.json
 
-def _finalize(stage: Stage, chunks: list[Chunk], markers: dict, filters: list[str], files, skipped) -> dict:
+
+def _finalize(
+    stage: Stage, chunks: list[Chunk], markers: dict, filters: list[str], files, skipped
+) -> dict:
     c, out = stage.cfg.data.clean, stage.out
     ordered = [markers[ch.name] for ch in chunks]
     cross_docs = cross_bytes = 0
     if "dedup" in filters:
-        drops = cross_chunk_duplicates(out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered))
+        drops = cross_chunk_duplicates(
+            out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered)
+        )
         for ch in chunks:
             if ch.name in drops:
                 cross_docs += len(drops[ch.name])
@@ -368,21 +457,42 @@ def _finalize(stage: Stage, chunks: list[Chunk], markers: dict, filters: list[st
     stats["dedup_across_chunks"] = cross_docs
     stats["shards"] = [s for m in ordered for s in m["shards"]]
     stage.commit(stats)
-    log.info("clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s", stats["docs_in"], stats["docs_out"],
-             stats["bytes_in"] / 1e6, stats["bytes_out"] / 1e6, stats["drops_total"],
-             ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none")
+    log.info(
+        "clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s",
+        stats["docs_in"],
+        stats["docs_out"],
+        stats["bytes_in"] / 1e6,
+        stats["bytes_out"] / 1e6,
+        stats["drops_total"],
+        ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none",
+    )
     bad = stats["bad_input"]
-    summary = [f"{bad[k]['count']} {k.replace('_', ' ')} in {bad[k]['files']} files" for k in
-               ("empty_files", "invalid_utf8_records", "nul_chars", "oversized_records", "null_values", "malformed_lines")
-               if bad[k]["count"]]
+    summary = [
+        f"{bad[k]['count']} {k.replace('_', ' ')} in {bad[k]['files']} files"
+        for k in (
+            "empty_files",
+            "invalid_utf8_records",
+            "nul_chars",
+            "oversized_records",
+            "null_values",
+            "malformed_lines",
+        )
+        if bad[k]["count"]
+    ]
     if bad["failed_files"]:
         summary.append(f"{len(bad['failed_files'])} failed files")
     if summary:
         log.warning("clean: bad input (details in stats.json): %s", ", ".join(summary))
     top = top_drop(stats)
     if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
-        log.warning("clean: %s:%s dropped %d of %d documents (%.0f%%); if that is wrong for this corpus, %s",
-                    top[0], top[1], top[2], stats["docs_in"], 100 * top[2] / stats["docs_in"], drop_fix(top[0], top[1]))
+        log.warning(
+            "clean: %s:%s dropped %d of %d documents (%.0f%%); "
+            "if that is wrong for this corpus, %s",
+            top[0],
+            top[1],
+            top[2],
+            stats["docs_in"],
+            100 * top[2] / stats["docs_in"],
+            drop_fix(top[0], top[1]),
+        )
     return stats
-
-

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from codex import fsio
 from pipeline.readers import read_part
 
-_HASH_BUCKET_BYTES = 256 << 20     # memory for one bucket of the final dedup pass
+_HASH_BUCKET_BYTES = 256 << 20  # memory for one bucket of the final dedup pass
 
 
 def cross_chunk_duplicates(out: str, names: list[str], total: int) -> dict[str, dict[bytes, int]]:
@@ -42,11 +42,11 @@ def cross_chunk_duplicates(out: str, names: list[str], total: int) -> dict[str, 
             continue
         h = np.concatenate(parts)
         owner = np.concatenate(owners)
-        order = np.lexsort((owner, h[:, 1], h[:, 0]))   # by hash, then chunk order
+        order = np.lexsort((owner, h[:, 1], h[:, 0]))  # by hash, then chunk order
         hs, ow = h[order], owner[order]
         repeat = np.zeros(len(hs), dtype=bool)
         repeat[1:] = (hs[1:, 0] == hs[:-1, 0]) & (hs[1:, 1] == hs[:-1, 1])
-        for row, i in zip(hs[repeat], ow[repeat]):
+        for row, i in zip(hs[repeat], ow[repeat], strict=True):
             drops.setdefault(names[i], {})[row[:2].tobytes()] = int(row[2])
     return drops
 
@@ -57,13 +57,24 @@ def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> No
         path = fsio.join(out, name)
         table = read_part(path)
         texts = table.column("text").to_pylist()
-        keep = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts]
+        keep = [
+            hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts
+        ]
         if all(keep):
             continue
         if c.keep_rejected:
             gone = table.filter(pa.array([not k for k in keep]))
-            gone = gone.append_column("reason", pa.array(["dedup:duplicate"] * len(gone), pa.string()))
-            with fsio.atomic_open(fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb") as fh:
+            gone = gone.append_column(
+                "reason", pa.array(["dedup:duplicate"] * len(gone), pa.string())
+            )
+            with fsio.atomic_open(
+                fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb"
+            ) as fh:
                 pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
         with fsio.atomic_open(path, "wb") as fh:
-            pq.write_table(table.filter(pa.array(keep)), fh, compression="zstd", row_group_size=c.row_group_size)
+            pq.write_table(
+                table.filter(pa.array(keep)),
+                fh,
+                compression="zstd",
+                row_group_size=c.row_group_size,
+            )

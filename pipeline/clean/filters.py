@@ -4,12 +4,12 @@ Every filter is a plain function `f(doc: Doc, cfg) -> str | None`: None keeps th
 string is the drop reason (e.g. "short_doc"). The stage records it as "<filter>:<reason>" in
 stats.json, so every dropped document says which rule dropped it. A filter may also rewrite
 `doc.text` (C4 removes lines). Thresholds live in the filter's settings dataclass in
-pipeline/config.py; the defaults are the published ones, copied from datatrove 0.10 (which copies
+codex/config/data.py; the defaults are the published ones, copied from datatrove 0.10 (which copies
 them from the papers), and written next to each function below.
 
 Which filters run: `FILTERS` in order, each only if `enabled` and named by the preset
 (`PRESETS`): "web" = prose rules, "code" = source-code rules, "all" = every enabled filter.
-Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean.py.
+Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean/clean.py.
 
 Words: datatrove splits words with nltk/spacy tokenizers (slow); we use one regex
 (`\\w+|[^\\w\\s]+`: runs of word characters, runs of punctuation), which splits punctuation off
@@ -23,7 +23,6 @@ import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
-
 
 # ----------------------------------------------------------------------------------------------
 # normalisation
@@ -101,7 +100,9 @@ def length_filter(doc: Doc, cfg) -> str | None:
 # Gopher quality (Rae et al. 2021, https://arxiv.org/abs/2112.11446, Table A1; datatrove
 # GopherQualityFilter)
 
-PUNCTUATION = set("!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»")
+PUNCTUATION = set(
+    "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»"
+)
 STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
 
 
@@ -120,7 +121,9 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
     """
     text, words = doc.text, doc.words
     n_words = len(words)
-    real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]  # not all punctuation
+    real = [
+        w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)
+    ]  # not all punctuation
     n_real = len(real)
     if cfg.min_doc_words and n_real < cfg.min_doc_words:
         return "short_doc"
@@ -135,14 +138,29 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
         return "above_avg_word_length"
     if cfg.max_symbol_word_ratio and text.count("#") / n_words > cfg.max_symbol_word_ratio:
         return "too_many_hashes"
-    if cfg.max_symbol_word_ratio and (text.count("...") + text.count("…")) / n_words > cfg.max_symbol_word_ratio:
+    if (
+        cfg.max_symbol_word_ratio
+        and (text.count("...") + text.count("…")) / n_words > cfg.max_symbol_word_ratio
+    ):
         return "too_many_ellipsis"
     lines = doc.lines
-    if cfg.max_bullet_lines_ratio and sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines) > cfg.max_bullet_lines_ratio:
+    if (
+        cfg.max_bullet_lines_ratio
+        and sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines)
+        > cfg.max_bullet_lines_ratio
+    ):
         return "too_many_bullets"
-    if cfg.max_ellipsis_lines_ratio and sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines) > cfg.max_ellipsis_lines_ratio:
+    if (
+        cfg.max_ellipsis_lines_ratio
+        and sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
+        > cfg.max_ellipsis_lines_ratio
+    ):
         return "too_many_end_ellipsis"
-    if cfg.max_non_alpha_words_ratio and sum(w[0].isalpha() or _has_alpha(w) for w in words) / n_words < cfg.max_non_alpha_words_ratio:
+    if (
+        cfg.max_non_alpha_words_ratio
+        and sum(w[0].isalpha() or _has_alpha(w) for w in words) / n_words
+        < cfg.max_non_alpha_words_ratio
+    ):
         return "below_alpha_threshold"
     if cfg.min_stop_words and len(STOP_WORDS.intersection(words)) < cfg.min_stop_words:
         return "not_enough_stop_words"
@@ -175,7 +193,8 @@ def _duplicates(items: list[str]) -> tuple[int, int]:
 def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
     """Gopher repetition rules. Defaults (datatrove = the paper):
 
-    - duplicate paragraphs: fraction <= dup_para_frac=0.3, their characters <= dup_para_char_frac=0.2
+    - duplicate paragraphs: fraction <= dup_para_frac=0.3, their characters
+      <= dup_para_char_frac=0.2
     - duplicate lines: fraction <= dup_line_frac=0.3, their characters <= dup_line_char_frac=0.2
     - most frequent n-gram's characters / all characters: 2-gram <= 0.20, 3-gram <= 0.18,
       4-gram <= 0.16 (top_ngram_fracs)
@@ -197,25 +216,26 @@ def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
     if cfg.dup_line_char_frac and chars / n_chars > cfg.dup_line_char_frac:
         return "dup_line_char_frac"
     words = doc.words
-    for n, frac in zip((2, 3, 4), cfg.top_ngram_fracs):
+    for n, frac in zip((2, 3, 4), cfg.top_ngram_fracs, strict=False):
         if frac and len(words) >= n:
-            grams = Counter(zip(*(words[i:] for i in range(n))))
+            grams = Counter(zip(*(words[i:] for i in range(n)), strict=False))
             gram, count = grams.most_common(1)[0]
             if (sum(map(len, gram)) + n - 1) * count / n_chars > frac:
                 return f"top_{n}_gram"
-    for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs):
+    for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs, strict=False):
         if frac and len(words) >= n and _dup_ngram_chars(words, n) / n_chars > frac:
             return f"duplicated_{n}_grams"
     return None
 
 
 def _dup_ngram_chars(words: list[str], n: int) -> int:
-    """Characters in n-grams that repeat an earlier n-gram, skipping past each repeat (datatrove)."""
+    """Characters in n-grams that repeat an earlier n-gram, skipping past each repeat
+    (datatrove)."""
     seen: set[tuple[str, ...]] = set()
     chars = i = 0
     last = len(words) - n + 1
     while i < last:
-        gram = tuple(words[i:i + n])
+        gram = tuple(words[i : i + n])
         if gram in seen:
             chars += sum(map(len, gram)) + n - 1
             i += n
@@ -230,7 +250,14 @@ def _dup_ngram_chars(words: list[str], n: int) -> int:
 
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
 _END_PUNCT = (".", "?", "!", '"', "'")
-_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_POLICY = (
+    "terms of use",
+    "privacy policy",
+    "cookie policy",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+)
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s|$)")
 
 
@@ -287,14 +314,22 @@ def fineweb_filter(doc: Doc, cfg) -> str | None:
 
     - fraction of lines ending in . ' " ! ? must be > line_punct_thr=0.12
     - fraction of lines with <= short_line_length=30 characters must be < short_line_thr=0.67
-    - characters in duplicated non-empty lines / all non-newline characters < char_duplicates_ratio=0.01
+    - characters in duplicated non-empty lines / all non-newline characters
+      < char_duplicates_ratio=0.01
     - newlines per word <= new_line_ratio=0.3
     """
     text = doc.text
     lines = text.split("\n")
-    if cfg.line_punct_thr and sum(line.endswith(_STOP_CHARS) for line in lines) / len(lines) <= cfg.line_punct_thr:
+    if (
+        cfg.line_punct_thr
+        and sum(line.endswith(_STOP_CHARS) for line in lines) / len(lines) <= cfg.line_punct_thr
+    ):
         return "line_punct_ratio"
-    if cfg.short_line_thr and sum(len(line) <= cfg.short_line_length for line in lines) / len(lines) >= cfg.short_line_thr:
+    if (
+        cfg.short_line_thr
+        and sum(len(line) <= cfg.short_line_length for line in lines) / len(lines)
+        >= cfg.short_line_thr
+    ):
         return "short_line_ratio"
     if cfg.char_duplicates_ratio:
         chars = _duplicates([line for line in lines if line.strip()])[1]
@@ -314,7 +349,7 @@ _ASCII_NOT_ALNUM = bytes(b for b in range(128) if not chr(b).isalnum())
 
 
 def _alnum_count(text: str) -> int:
-    if text.isascii():   # bytes.translate is ~50x faster than the regex
+    if text.isascii():  # bytes.translate: one C pass, no regex engine
         return len(text.encode("ascii").translate(None, _ASCII_NOT_ALNUM))
     return len(_NOT_ALNUM.sub("", text))
 
@@ -352,7 +387,7 @@ FILTERS = {  # name -> function; settings are cfg.data.clean.<name>
 
 PRESETS = {
     "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "dedup"),
-    "code": ("length", "code", "dedup"),   # prose rules (Gopher, C4, FineWeb) make no sense on code
+    "code": ("length", "code", "dedup"),  # prose rules (Gopher, C4, FineWeb) make no sense on code
     "all": tuple(FILTERS) + ("dedup",),
 }
 

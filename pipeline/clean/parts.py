@@ -1,21 +1,32 @@
-"""Cleaned documents -> parquet parts (text, id, source [, reason]), each part written atomically."""
+"""Cleaned documents -> parquet parts (text, id, source [, reason]), each part written
+atomically."""
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from codex import fsio
 
-_MAX_ROW_GROUP_BYTES = 256 << 20   # a row group is cut early only if its text would exceed this
+_MAX_ROW_GROUP_BYTES = 256 << 20  # a row group is cut early only if its text would exceed this
 
 
 class PartWriter:
     """Streams rows into prefix-000.parquet, prefix-001.parquet, ... (docs_per_shard rows each,
     zstd, row groups of row_group_size rows), each file written atomically. These are the cleaned
-    corpus's parquet parts; "shard" in codex means a token shard (pipeline/shard.py)."""
+    corpus's parquet parts; "shard" in codex means a token shard (pipeline/shard/shard.py)."""
 
-    def __init__(self, out_dir: str, prefix: str, docs_per_shard: int, row_group_size: int, with_reason: bool = False):
+    def __init__(
+        self,
+        out_dir: str,
+        prefix: str,
+        docs_per_shard: int,
+        row_group_size: int,
+        with_reason: bool = False,
+    ):
         self.out_dir, self.prefix = out_dir, prefix
         self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
         cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
@@ -23,11 +34,12 @@ class PartWriter:
         self.rows: list[list] = [[] for _ in self.schema.names]
         self.row_bytes = 0
         self.shards: list[str] = []
-        self._ctx = self._writer = None
+        self._ctx: AbstractContextManager[IO[Any]] | None = None
+        self._writer: pq.ParquetWriter | None = None
         self._in_shard = 0
 
     def add(self, *values: str) -> None:
-        for col, v in zip(self.rows, values):
+        for col, v in zip(self.rows, values, strict=False):
             col.append(v)
         self.row_bytes += len(values[0])
         if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
@@ -39,7 +51,9 @@ class PartWriter:
                 name = f"{self.prefix}-{len(self.shards):03d}.parquet"
                 self.shards.append(name)
                 self._ctx = fsio.atomic_open(fsio.join(self.out_dir, name), "wb")
-                self._writer = pq.ParquetWriter(self._ctx.__enter__(), self.schema, compression="zstd")
+                self._writer = pq.ParquetWriter(
+                    self._ctx.__enter__(), self.schema, compression="zstd"
+                )
                 self._in_shard = 0
             take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
             table = pa.table([col[:take] for col in self.rows], schema=self.schema)
@@ -51,6 +65,7 @@ class PartWriter:
         self.row_bytes = 0
 
     def _close_shard(self) -> None:
+        assert self._writer is not None and self._ctx is not None  # opened together in _flush
         self._writer.close()
         self._ctx.__exit__(None, None, None)
         self._writer = self._ctx = None
@@ -63,7 +78,10 @@ class PartWriter:
 
     def abort(self) -> None:
         if self._writer is not None:
+            assert self._ctx is not None  # opened together with the writer in _flush
             try:
                 self._writer.close()
             finally:
-                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)   # removes the temp file
+                self._ctx.__exit__(
+                    RuntimeError, RuntimeError("aborted"), None
+                )  # removes the temp file

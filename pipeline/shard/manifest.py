@@ -1,13 +1,15 @@
-"""The shard folder's files: names, manifest.json (the commit marker) and shard_progress.json (resume).
+"""The shard folder's files: names, manifest.json (the commit marker) and shard_progress.json
+(resume).
 
     RUN/shards/train_00000.npy ...   shards, each written atomically
     RUN/shards/shard_progress.json   after each shard: its entry + where the next shard of its split
                                      starts in the corpus; kept after the manifest so a damaged
                                      shard can be redone
     RUN/shards/manifest.json         last: every shard's entry (split, path, format, tokens,
-                                     documents, sha256), totals, and the settings they were made with
+                                     documents, sha256), totals, and the settings they were
+                                     made with
 
-A manifest entry is what train/loader.py reads and pipeline/verify.py checks.
+A manifest entry is what train/data/loader.py reads and pipeline/shard/verify.py checks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ log = logging.getLogger("codex.shard")
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-PROGRESS = "shard_progress.json"   # resume state; kept after the manifest so a damaged shard can be redone
+# resume state; kept after the manifest so a damaged shard can be redone
+PROGRESS = "shard_progress.json"
 SPLITS = ("train", "val")
 
 SHARD_NAME = re.compile(r"(train|val)_\d{5,}\.(npy|parquet)")
@@ -33,8 +36,14 @@ def shard_name(split: str, index: int, fmt: str) -> str:
 
 def shard_entry(split: str, name: str, fmt: str, tokens: int, documents: int, sha256: str) -> dict:
     """One manifest entry: a shard file of `tokens` tokens holding `documents` <|bos|> tokens."""
-    return {"split": split, "path": name, "format": fmt, "tokens": int(tokens), "documents": int(documents),
-            "sha256": sha256}
+    return {
+        "split": split,
+        "path": name,
+        "format": fmt,
+        "tokens": int(tokens),
+        "documents": int(documents),
+        "sha256": sha256,
+    }
 
 
 def mismatch(old: dict, new: dict) -> list[str]:
@@ -46,13 +55,15 @@ def good_prefix(out: str, entries: list[dict]) -> int:
     good = 0
     for group in entries:
         for e in group["files"]:
-            try:   # the progress file is read back like a manifest: its paths stay inside `out`
+            try:  # the progress file is read back like a manifest: its paths stay inside `out`
                 p = fsio.join_inside(out, e["path"], f"{fsio.join(out, PROGRESS)}: a shard path")
             except ValueError as err:
                 log.warning("shard: %s; redoing it and the rest of its split", err)
                 return good
             if not fsio.exists(p) or fsio.file_sha256(p) != e["sha256"]:
-                log.warning("shard: %s is missing or changed; redoing it and the rest of its split", p)
+                log.warning(
+                    "shard: %s is missing or changed; redoing it and the rest of its split", p
+                )
                 return good
         good += 1
     return good
@@ -84,14 +95,25 @@ def build_manifest(state: dict, meta: dict, dtype: str, s, docs: dict) -> dict:
         for g in groups:
             shards += g["files"]
         first = [g["files"][0] for g in groups]
-        totals[sp] = {"tokens": sum(e["tokens"] for e in first), "documents": sum(e["documents"] for e in first),
-                      "shards": len(groups)}
+        totals[sp] = {
+            "tokens": sum(e["tokens"] for e in first),
+            "documents": sum(e["documents"] for e in first),
+            "shards": len(groups),
+        }
         if totals[sp]["documents"] != docs[sp]:  # each document's <|bos|> sits in exactly one shard
-            raise RuntimeError(f"shard: {sp} shards hold {totals[sp]['documents']} documents, corpus has "
-                               f"{docs[sp]}: internal error, please report")
-    return {"format_version": FORMAT_VERSION,
-            "tokenizer": {"sha256": meta["sha256"], "vocab_size": meta["vocab_size"]},
-            "special_ids": dict(meta["special_ids"]),
-            "dtype": dtype, "append_eos": s.append_eos, "val_fraction": s.val_fraction,
-            "shard_tokens": s.shard_tokens, "shards": shards, "totals": totals,
-            "settings": state["settings"]}
+            raise RuntimeError(
+                f"shard: {sp} shards hold {totals[sp]['documents']} documents, corpus has "
+                f"{docs[sp]}: internal error, please report"
+            )
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {"sha256": meta["sha256"], "vocab_size": meta["vocab_size"]},
+        "special_ids": dict(meta["special_ids"]),
+        "dtype": dtype,
+        "append_eos": s.append_eos,
+        "val_fraction": s.val_fraction,
+        "shard_tokens": s.shard_tokens,
+        "shards": shards,
+        "totals": totals,
+        "settings": state["settings"],
+    }

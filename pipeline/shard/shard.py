@@ -1,11 +1,13 @@
-"""`codex data shard`: the cleaned corpus -> fixed-size token shards + manifest.json (the commit marker).
+"""`codex data shard`: the cleaned corpus -> fixed-size token shards + manifest.json (the commit
+marker).
 
     RUN/clean/part-*.parquet (sorted, rows in order)
       --> split per document: blake2b(text) < val_fraction -> val, else train (pinned, never leaks)
       --> encode batches of ~4M chars (tokenizers' encode_batch threads, or --workers processes);
           documents longer than chunk_chars are cut at line/space boundaries first (BPE on one huge
           string is quadratic); each document = <|bos|> + tokens (+ <|eos|>)
-      --> per split, a stream of tokens cut into shards of exactly shard_tokens (the last may be short)
+      --> per split, a stream of tokens cut into shards of exactly shard_tokens (the last may be
+          short)
           train_00000.npy, ..., val_00000.npy (+ .parquet with --format parquet|both)
       --> manifest.json last
 
@@ -23,7 +25,7 @@ Memory: one shard buffer per split (shard_tokens x 2 or 4 bytes) plus a few batc
 whatever the corpus size.
 
 Elsewhere: the encoding (pipeline/encode.py), the folder's file names, manifest and progress file
-(pipeline/shard_manifest.py), the checks of `codex data verify` (pipeline/verify.py), when the
+(pipeline/shard/manifest.py), the checks of `codex data verify` (pipeline/shard/verify.py), when the
 stage may skip or overwrite (pipeline/stage.py).
 """
 
@@ -32,7 +34,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -44,26 +48,40 @@ from codex.progress import Progress
 from pipeline.encode import Encoder, encode_in_order, token_dtype
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches
-from pipeline.shard.manifest import (FORMAT_VERSION, MANIFEST, PROGRESS, SPLITS, build_manifest, existing_state,
-                                     good_prefix, mismatch, remove_temp_files, shard_entry, shard_name)
+from pipeline.shard.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PROGRESS,
+    SPLITS,
+    build_manifest,
+    existing_state,
+    good_prefix,
+    mismatch,
+    remove_temp_files,
+    shard_entry,
+    shard_name,
+)
 from pipeline.stage import Stage
 from pipeline.tokenizer.tokenizer import load_meta, load_tokenizer
 
 log = logging.getLogger("codex.shard")
 
-BATCH_CHARS = 4_000_000           # text per encode task: big enough for the thread pool, small for memory
-READ_ROWS = 2048                  # parquet rows decoded at a time
-PARQUET_ROW_GROUP = 1 << 20       # tokens per row group in parquet shards
+BATCH_CHARS = 4_000_000  # text per encode task: big enough for the thread pool, small for memory
+READ_ROWS = 2048  # parquet rows decoded at a time
+PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
 
 
 class ShardError(ConfigError):
-    """Bad input for `codex data shard` (missing tokenizer or corpus, impossible settings). Exit 2."""
+    """Bad input for `codex data shard` (missing tokenizer or corpus, impossible settings).
+    Exit 2."""
 
 
-# --- the train/val split ---------------------------------------------------------------------------
+# --- the train/val split --------------------------------------------------------------------------
+
 
 def split_value(text: str) -> float:
-    """Where a document falls in [0, 1): the first 8 bytes of its BLAKE2b hash. val if < val_fraction.
+    """Where a document falls in [0, 1): the first 8 bytes of its BLAKE2b hash. val if
+    < val_fraction.
 
     A function of the text alone, so the split is the same on every rerun and machine, and exact
     duplicates always land in the same split (no train/val leak through copies).
@@ -85,6 +103,7 @@ def _suggest_fraction(min_value: float) -> str:
 
 # --- inputs --------------------------------------------------------------------------------------
 
+
 def _inputs_fingerprint(files: list[str]) -> str:
     h = hashlib.sha256()
     for f in files:
@@ -93,8 +112,8 @@ def _inputs_fingerprint(files: list[str]) -> str:
 
 
 def read_text_batches(files: list[str]):
-    """Yield lists of document texts in corpus order (files sorted, rows in order); a null text or an
-    unreadable file is a ShardError naming it."""
+    """Yield lists of document texts in corpus order (files sorted, rows in order); a null text or
+    an unreadable file is a ShardError naming it."""
     for path in files:
         row = 0
         try:
@@ -109,30 +128,41 @@ def read_text_batches(files: list[str]):
 
 # --- shard files ---------------------------------------------------------------------------------
 
+
 def write_npy(path: str, tokens: np.ndarray) -> tuple[str, int]:
     """Write tokens as .npy atomically; returns (sha256 of the file bytes, size)."""
+
     def attempt():
         with fsio.atomic_open(path, "wb") as f:
             w = fsio.HashingWriter(f)
             np.lib.format.write_array(w, tokens, version=(1, 0), allow_pickle=False)
         return w.sha.hexdigest(), w.n
+
     return fsio.with_retries(attempt, path)
 
 
 def write_parquet(path: str, tokens: np.ndarray) -> tuple[str, int]:
-    """One column `tokens`, one row per token (zstd). Bytes are deterministic for a pyarrow version."""
+    """One column `tokens`, one row per token (zstd). Bytes are deterministic for a pyarrow
+    version."""
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"tokens": pa.array(tokens)}), sink, compression="zstd",
-                   row_group_size=PARQUET_ROW_GROUP, write_statistics=False)
+    pq.write_table(
+        pa.table({"tokens": pa.array(tokens)}),
+        sink,
+        compression="zstd",
+        row_group_size=PARQUET_ROW_GROUP,
+        write_statistics=False,
+    )
     data = sink.getvalue().to_pybytes()
 
     def attempt():
         fsio.write_bytes(path, data)
         return hashlib.sha256(data).hexdigest(), len(data)
+
     return fsio.with_retries(attempt, path)
 
 
-# --- the per-split shard writer --------------------------------------------------------------------
+# --- the per-split shard writer -------------------------------------------------------------------
+
 
 @dataclass
 class _SplitWriter:
@@ -143,22 +173,23 @@ class _SplitWriter:
     shard_tokens: int
     dtype: str
     formats: list[str]
-    commit: object                    # callback(split, entries, cursor) after a shard's files exist
-    index: int = 0                    # next shard number
+    commit: Callable[[str, list[dict], dict], None]  # after a shard's files exist
+    index: int = 0  # next shard number
     cursor: dict = field(default_factory=lambda: {"doc": 0, "offset": 0})
     fill: int = 0
     docs: int = 0
     buf: np.ndarray | None = None
 
     def add(self, flat: np.ndarray, per_doc: np.ndarray, first_doc: int, first_offset: int) -> None:
-        """Append documents first_doc, first_doc+1, ... (the first one starting at token first_offset)."""
+        """Append documents first_doc, first_doc+1, ... (the first one starting at token
+        first_offset)."""
         if self.buf is None:
             self.buf = np.empty(self.shard_tokens, self.dtype)
         starts = np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64)
         pos = 0
         while pos < len(flat):
             take = min(self.shard_tokens - self.fill, len(flat) - pos)
-            self.buf[self.fill:self.fill + take] = flat[pos:pos + take]
+            self.buf[self.fill : self.fill + take] = flat[pos : pos + take]
             # documents whose <|bos|> lies in [pos, pos + take); a resumed first document has none
             lo, hi = np.searchsorted(starts, [pos, pos + take], side="left")
             self.docs += int(hi - lo) - (1 if lo == 0 < hi and first_offset > 0 else 0)
@@ -169,7 +200,10 @@ class _SplitWriter:
                     nxt = {"doc": first_doc + len(per_doc), "offset": 0}
                 else:
                     j = int(np.searchsorted(starts, pos, side="right")) - 1
-                    nxt = {"doc": first_doc + j, "offset": int(pos - starts[j]) + (first_offset if j == 0 else 0)}
+                    nxt = {
+                        "doc": first_doc + j,
+                        "offset": int(pos - starts[j]) + (first_offset if j == 0 else 0),
+                    }
                 self._write(nxt)
 
     def finish(self, end_doc: int) -> None:
@@ -177,7 +211,8 @@ class _SplitWriter:
             self._write({"doc": end_doc, "offset": 0})
 
     def _write(self, nxt: dict) -> None:
-        tokens = self.buf[:self.fill]
+        assert self.buf is not None  # allocated by add(), which fills it
+        tokens = self.buf[: self.fill]
         entries = []
         for fmt in self.formats:
             name = shard_name(self.split, self.index, fmt)
@@ -191,22 +226,27 @@ class _SplitWriter:
         self.docs = 0
 
 
-# --- settings, tokenizer, resume state -------------------------------------------------------------
+# --- settings, tokenizer, resume state ------------------------------------------------------------
+
 
 def _dtype_for(vocab_size: int, requested: str, where: str) -> str:
     """data.shard.dtype checked against the vocabulary; "auto" is encode.token_dtype's choice."""
     if requested == "auto":
         return token_dtype(vocab_size)
     if requested == "uint16" and token_dtype(vocab_size) != "uint16":
-        raise ShardError(f"data.shard.dtype=uint16 cannot hold vocab_size {vocab_size} of {where} "
-                         f"(uint16 holds ids < 65536): use dtype=uint32 or auto")
+        raise ShardError(
+            f"data.shard.dtype=uint16 cannot hold vocab_size {vocab_size} of {where} "
+            f"(uint16 holds ids < 65536): use dtype=uint32 or auto"
+        )
     return requested
 
 
 def _validate(cfg: Config) -> None:
     s = cfg.data.shard
     if s.shard_tokens < 2:
-        raise ShardError(f"data.shard.shard_tokens must be >= 2 (a window needs 2 tokens), got {s.shard_tokens}")
+        raise ShardError(
+            f"data.shard.shard_tokens must be >= 2 (a window needs 2 tokens), got {s.shard_tokens}"
+        )
     if not 0 < s.val_fraction < 1:
         raise ShardError(f"data.shard.val_fraction must be in (0, 1), got {s.val_fraction}")
     if s.workers < 1:
@@ -217,7 +257,9 @@ def _validate(cfg: Config) -> None:
 
 def _load_tokenizer(tok_dir: str):
     if not fsio.exists(fsio.join(tok_dir, "tokenizer.json")):
-        raise ShardError(f"no tokenizer: {tok_dir}/tokenizer.json not found (run `codex data tokenize` first)")
+        raise ShardError(
+            f"no tokenizer: {tok_dir}/tokenizer.json not found (run `codex data tokenize` first)"
+        )
     try:
         meta = load_meta(tok_dir)
         tok = load_tokenizer(tok_dir)
@@ -229,24 +271,35 @@ def _load_tokenizer(tok_dir: str):
     for name in ("bos", "eos"):
         token = f"<|{name}|>"
         if tok.token_to_id(token) != ids[name]:
-            raise ShardError(f"{tok_dir}: {token} has id {tok.token_to_id(token)} but tokenizer_meta.json says {ids[name]}")
+            raise ShardError(
+                f"{tok_dir}: {token} has id {tok.token_to_id(token)} "
+                f"but tokenizer_meta.json says {ids[name]}"
+            )
     return tok, meta
 
 
 def _settings(cfg: Config, meta: dict, dtype: str, inputs_sha: str) -> dict:
     """Everything the shard bytes depend on: a rerun with other settings must not mix outputs."""
     s = cfg.data.shard
-    return {"format_version": FORMAT_VERSION, "tokenizer_sha256": meta["sha256"], "vocab_size": meta["vocab_size"],
-            "dtype": dtype, "shard_tokens": s.shard_tokens, "val_fraction": s.val_fraction,
-            "append_eos": s.append_eos, "format": s.format, "chunk_chars": s.chunk_chars,
-            "inputs_sha256": inputs_sha}
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer_sha256": meta["sha256"],
+        "vocab_size": meta["vocab_size"],
+        "dtype": dtype,
+        "shard_tokens": s.shard_tokens,
+        "val_fraction": s.val_fraction,
+        "append_eos": s.append_eos,
+        "format": s.format,
+        "chunk_chars": s.chunk_chars,
+        "inputs_sha256": inputs_sha,
+    }
 
 
 def scan_corpus(files: list[str], val_fraction: float) -> dict:
     """Count documents per split before any encoding, so an impossible split fails in seconds, not
     after hours of tokenization. Reading + hashing is ~100x cheaper than encoding."""
     docs = {sp: 0 for sp in SPLITS}
-    min_value, n_bytes = 1.0, 0
+    min_value = 1.0
     with Progress("shard scan", unit="docs") as prog:
         for texts in read_text_batches(files):
             for text in texts:
@@ -256,49 +309,80 @@ def scan_corpus(files: list[str], val_fraction: float) -> dict:
             prog.update(len(texts))
     n = sum(docs.values())
     if n == 0:
-        raise ShardError(f"empty corpus: the {len(files)} cleaned parquet file(s) hold no documents")
+        raise ShardError(
+            f"empty corpus: the {len(files)} cleaned parquet file(s) hold no documents"
+        )
     if docs["val"] == 0:
-        raise ShardError(f"val_fraction={val_fraction} puts none of the {n} documents into validation: "
-                         f"use --val-fraction {_suggest_fraction(min_value)} or larger")
+        raise ShardError(
+            f"val_fraction={val_fraction} puts none of the {n} documents into validation: "
+            f"use --val-fraction {_suggest_fraction(min_value)} or larger"
+        )
     if docs["train"] == 0:
-        raise ShardError(f"val_fraction={val_fraction} puts all {n} documents into validation: lower it")
+        raise ShardError(
+            f"val_fraction={val_fraction} puts all {n} documents into validation: lower it"
+        )
     return docs
 
 
 # --- the stage -----------------------------------------------------------------------------------
 
+
 def run_shard(cfg: Config) -> dict:
-    """Tokenize RUN/clean into shards under cfg.data.shard.out (default RUN/shards); returns the manifest."""
+    """Tokenize RUN/clean into shards under cfg.data.shard.out (default RUN/shards); returns the
+    manifest."""
     s = cfg.data.shard
     _validate(cfg)
-    stage = Stage("codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError)
+    stage = Stage(
+        "codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError
+    )
     out = stage.out
     tok_dir = rundir.tokenizer_dir(cfg.run)
     tok, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
-    formats = ["npy", "parquet"] if s.format == "both" else [s.format]
+    formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     state, resume = _resume_state(stage, settings)
     progress_path = fsio.join(out, PROGRESS)
     complete = state.get("complete", {})
-    if fsio.exists(stage.marker_path) and all(complete.get(sp) == len(state["splits"][sp]) for sp in SPLITS):
+    if fsio.exists(stage.marker_path) and all(
+        complete.get(sp) == len(state["splits"][sp]) for sp in SPLITS
+    ):
         log.info("shard: %s is complete and every shard matches its sha256; nothing to do", out)
-        return stage.finished()
-    docs = scan_corpus(files, s.val_fraction)   # fails fast on an empty corpus or an empty val split
-    stage.start()   # a damaged or unfinished output has no manifest
+        return cast(dict, stage.finished())  # the marker exists: checked just above
+    docs = scan_corpus(files, s.val_fraction)  # fails fast on an empty corpus or an empty val split
+    stage.start()  # a damaged or unfinished output has no manifest
     state["complete"] = {}
     remove_temp_files(out)
 
     def commit(split: str, entries: list[dict], nxt: dict) -> None:
-        state["splits"][split].append({"index": len(state["splits"][split]), "files": entries, "next": nxt})
+        state["splits"][split].append(
+            {"index": len(state["splits"][split]), "files": entries, "next": nxt}
+        )
         fsio.with_retries(lambda: fsio.write_json(progress_path, state), progress_path)
 
     fsio.write_json(progress_path, state)
-    writers = {sp: _SplitWriter(sp, out, s.shard_tokens, dtype, formats, commit, index=len(state["splits"][sp]),
-                                cursor=resume[sp]) for sp in SPLITS}
-    encoder = Encoder(tok.to_str(), meta["special_ids"]["bos"], meta["special_ids"]["eos"], s.append_eos, dtype,
-                      s.chunk_chars)
+    writers = {
+        sp: _SplitWriter(
+            sp,
+            out,
+            s.shard_tokens,
+            dtype,
+            formats,
+            commit,
+            index=len(state["splits"][sp]),
+            cursor=resume[sp],
+        )
+        for sp in SPLITS
+    }
+    encoder = Encoder(
+        tok.to_str(),
+        meta["special_ids"]["bos"],
+        meta["special_ids"]["eos"],
+        s.append_eos,
+        dtype,
+        s.chunk_chars,
+    )
     _encode_corpus(files, encoder, tok, writers, resume, s.val_fraction, s.workers, docs)
     for sp in SPLITS:
         writers[sp].finish(docs[sp])
@@ -308,9 +392,16 @@ def run_shard(cfg: Config) -> dict:
     fsio.write_json(progress_path, state)
     stage.commit(manifest)
     t = manifest["totals"]
-    log.info("shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
-             t["train"]["tokens"], t["train"]["documents"], t["train"]["shards"],
-             t["val"]["tokens"], t["val"]["documents"], t["val"]["shards"], out)
+    log.info(
+        "shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
+        t["train"]["tokens"],
+        t["train"]["documents"],
+        t["train"]["shards"],
+        t["val"]["tokens"],
+        t["val"]["documents"],
+        t["val"]["shards"],
+        out,
+    )
     return manifest
 
 
@@ -323,8 +414,15 @@ def _resume_state(stage: Stage, settings: dict) -> tuple[dict, dict]:
     if state is not None:
         diff = mismatch(state["settings"], settings)
         if diff:
-            what = "another tokenizer" if any(d.startswith("tokenizer_sha256") for d in diff) else "other settings"
-            stage.refuse(f"holds shards made with {what} ({'; '.join(diff)})", f"remove {out} or pass another --out")
+            what = (
+                "another tokenizer"
+                if any(d.startswith("tokenizer_sha256") for d in diff)
+                else "other settings"
+            )
+            stage.refuse(
+                f"holds shards made with {what} ({'; '.join(diff)})",
+                f"remove {out} or pass another --out",
+            )
     if not state or "splits" not in state:
         state = {"settings": settings, "splits": {sp: [] for sp in SPLITS}}
     resume = {}
@@ -336,9 +434,20 @@ def _resume_state(stage: Stage, settings: dict) -> tuple[dict, dict]:
     return state, resume
 
 
-def _encode_corpus(files, encoder: Encoder, tok, writers: dict, resume: dict, val_fraction: float,
-                   workers: int, docs: dict) -> None:
-    """Stream the corpus through the encoder into the split writers, in corpus order."""
+def _encode_corpus(
+    files,
+    encoder: Encoder,
+    tok,
+    writers: dict,
+    resume: dict,
+    val_fraction: float,
+    workers: int,
+    docs: dict,
+) -> None:
+    """Stream the corpus through the encoder into the split writers, in corpus order.
+
+    8 parameters: what run_shard has set up for it (files, encoder, tokenizer, writers, resume
+    state, the document counts it fills) and two settings; its one caller."""
     doc_count = {sp: 0 for sp in SPLITS}
 
     def batches():
@@ -351,7 +460,7 @@ def _encode_corpus(files, encoder: Encoder, tok, writers: dict, resume: dict, va
                 doc_count[sp] += 1
                 r = resume[sp]
                 if i < r["doc"]:
-                    continue   # already in a finished shard
+                    continue  # already in a finished shard
                 batch.append(text)
                 plan.append((sp, i, r["offset"] if i == r["doc"] else 0))
                 chars += len(text)
@@ -361,17 +470,22 @@ def _encode_corpus(files, encoder: Encoder, tok, writers: dict, resume: dict, va
         if batch:
             yield batch, plan
 
-    todo = sum(docs[sp] - resume[sp]["doc"] for sp in SPLITS)   # a resumed run skips finished documents
+    todo = sum(
+        docs[sp] - resume[sp]["doc"] for sp in SPLITS
+    )  # a resumed run skips finished documents
     with Progress("shard", total=todo, unit="docs") as prog:
         for flat, per_doc, plan, n_bytes in encode_in_order(batches(), encoder, tok, workers):
             _route(flat, per_doc, plan, writers)
             prog.update(len(plan), tokens=len(flat), bytes=n_bytes)
     if doc_count != docs:
-        raise RuntimeError(f"shard: the corpus changed while it was read ({docs} documents, then {doc_count})")
+        raise RuntimeError(
+            f"shard: the corpus changed while it was read ({docs} documents, then {doc_count})"
+        )
 
 
 def _route(flat: np.ndarray, per_doc: np.ndarray, plan: list, writers: dict) -> None:
-    """Hand each split its documents from one encoded batch (in order), dropping resumed prefixes."""
+    """Hand each split its documents from one encoded batch (in order), dropping resumed
+    prefixes."""
     splits = np.array([p[0] == "val" for p in plan])
     for sp, is_val in (("train", False), ("val", True)):
         sel = np.flatnonzero(splits == is_val)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import rustbpe
@@ -41,19 +41,25 @@ from codex.config import ConfigError
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 SPECIAL_IDS = {"bos": 0, "eos": 1, "pad": 2}
 # GPT-4 (cl100k_base) split pattern. Digits: \p{N}{1,3}, see the module docstring.
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256
 
 
 def new_tokenizer(model: models.BPE | None = None) -> Tokenizer:
-    """A byte-level BPE tokenizer (untrained unless `model` is given): codex's split regex, no normalizer."""
+    """A byte-level BPE tokenizer (untrained unless `model` is given): codex's split regex, no
+    normalizer."""
     tok = Tokenizer(model if model is not None else models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        # use_regex=False: the split above replaces ByteLevel's GPT-2 regex; this only maps bytes.
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            # use_regex=False: the split above replaces ByteLevel's GPT-2 regex; this only maps
+            # bytes.
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -64,12 +70,18 @@ TRAINERS = ("rustbpe", "hf")
 RUSTBPE_MAX_BYTES = 2**31 - 1
 
 
-def train_tokenizer(texts, vocab_size: int, trainer: str = "rustbpe", length: int | None = None,
-                    buffer_docs: int = 1024) -> Tokenizer:
-    """Train on an iterator of strings (or of lists of strings); specials get ids 0..2, then the 256 bytes.
+def train_tokenizer(
+    texts,
+    vocab_size: int,
+    trainer: str = "rustbpe",
+    length: int | None = None,
+    buffer_docs: int = 1024,
+) -> Tokenizer:
+    """Train on an iterator of strings (or of lists of strings); specials get ids 0..2, then the
+    256 bytes.
 
     trainer="rustbpe" (default): nanochat's rustbpe counts the pre-tokens and runs the merge loop
-    (1.9x faster than HF's BpeTrainer on 2 cores: 14.4 s vs 27.7 s, bench/bench_tokenizer.py);
+    (faster than HF's BpeTrainer: bench/bench_tokenizer.py, figures in README);
     its merges become an HF `tokenizers` BPE model, saved and loaded like the other trainer's.
     trainer="hf": HF tokenizers' BpeTrainer. Both are byte-level BPE on the same split regex, and
     both are deterministic functions of the multiset of documents.
@@ -111,7 +123,9 @@ def _train_rustbpe(texts, vocab_size: int, buffer_docs: int) -> Tokenizer:
     bpe = rustbpe.Tokenizer()
     # rustbpe pulls `buffer_docs` documents at a time under the GIL, then splits and counts them
     # in parallel without it: the buffer bounds memory (documents are capped at doc_max_chars).
-    bpe.train_from_iterator(_strings(texts), n_tokens + spare, buffer_size=buffer_docs, pattern=SPLIT_PATTERN)
+    bpe.train_from_iterator(
+        _strings(texts), n_tokens + spare, buffer_size=buffer_docs, pattern=SPLIT_PATTERN
+    )
     ranks = sorted(bpe.get_mergeable_ranks(), key=lambda item: item[1])
     return tokenizer_from_merges(_merge_pairs([b for b, _ in ranks]), vocab_size)
 
@@ -131,12 +145,15 @@ def _merge_pairs(token_bytes: list[bytes]) -> list[tuple[int, int]]:
     for new_id in range(256, len(token_bytes)):
         ids = list(token_bytes[new_id])
         while len(ids) > 2:
-            best = min((rank.get(p, new_id), p) for p in zip(ids, ids[1:]))
+            best = min((rank.get(p, new_id), p) for p in zip(ids, ids[1:], strict=False))
             if best[0] == new_id:
                 break
             ids = _apply_merge(ids, best[1], best[0])
         if len(ids) != 2 or token_bytes[ids[0]] + token_bytes[ids[1]] != token_bytes[new_id]:
-            raise RuntimeError(f"rustbpe: token {new_id} {token_bytes[new_id]!r} is not a merge of two earlier tokens")
+            raise RuntimeError(
+                f"rustbpe: token {new_id} {token_bytes[new_id]!r} "
+                "is not a merge of two earlier tokens"
+            )
         rank[(ids[0], ids[1])] = new_id
         pairs.append((ids[0], ids[1]))
     return pairs
@@ -184,14 +201,18 @@ def _every_tenth_percent(record: logging.LogRecord) -> bool:
     """rustbpe logs (through Python logging) a line per 1% of merges: keep every 10th."""
     msg = record.getMessage()
     if msg.startswith("Progress: "):
-        pct = msg[len("Progress: "):].split("%", 1)[0]
+        pct = msg[len("Progress: ") :].split("%", 1)[0]
         return pct.isdigit() and int(pct) % 10 == 0
     return True
 
 
 def _byte_encoder() -> list[str]:
     """The GPT-2 bytes->unicode map used by the ByteLevel pre-tokenizer: byte b is the char [b]."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -199,7 +220,7 @@ def _byte_encoder() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -208,7 +229,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def token_bytes_of(tok: Tokenizer) -> np.ndarray:
-    """int32 [vocab_size]: UTF-8 byte length of each token, 0 for the specials (for bits per byte)."""
+    """int32 [vocab_size]: UTF-8 byte length of each token, 0 for the specials (for bits per
+    byte)."""
     byte_of = _byte_decoder()
     vocab = tok.get_vocab(with_added_tokens=True)
     n = tok.get_vocab_size(with_added_tokens=True)

@@ -3,14 +3,15 @@
     RUN/clean/part-*.parquet (or data.tokenizer.inputs)
       -> pass 1: hash every document, keep the smallest hashes up to max_chars (and the largest
                  `heldout_docs` hashes aside to measure compression)
-      -> pass 2: re-read, stream the selected documents into the BPE trainer (data.tokenizer.trainer)
+      -> pass 2: re-read, stream the selected documents into the BPE trainer
+                 (data.tokenizer.trainer)
       -> RUN/tokenizer/ tokenizer.json, token_bytes.npy, config.yaml, tokenizer_meta.json (last)
 
 Compression (bytes/token) is measured on held-out documents: the `heldout_docs` largest hashes
 (at most a tenth of the corpus), never trained on, encoded up to 2M characters.
 
-The tokenizer itself and its trainers: pipeline/bpe.py; which documents it is trained on:
-pipeline/doc_select.py.
+The tokenizer itself and its trainers: pipeline/tokenizer/bpe.py; which documents it is trained on:
+pipeline/tokenizer/doc_select.py.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ from tokenizers import Tokenizer
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline.tokenizer.bpe import (MIN_VOCAB, RUSTBPE_MAX_BYTES, SPECIAL_IDS, SPECIAL_TOKENS, SPLIT_PATTERN,
-                          train_tokenizer, token_bytes_of)
-from pipeline.tokenizer.doc_select import Selection, TextReader, iter_selected, select_documents
 from pipeline.encode import token_dtype
 from pipeline.inputs import input_files
 from pipeline.readers import iter_text_batches
 from pipeline.stage import Stage
+from pipeline.tokenizer.bpe import (
+    MIN_VOCAB,
+    RUSTBPE_MAX_BYTES,
+    SPECIAL_IDS,
+    SPECIAL_TOKENS,
+    SPLIT_PATTERN,
+    token_bytes_of,
+    train_tokenizer,
+)
+from pipeline.tokenizer.doc_select import Selection, TextReader, iter_selected, select_documents
 
 log = logging.getLogger("codex.tokenizer")
 
@@ -50,8 +58,8 @@ FORMAT_VERSION = 1
 def compression(tok: Tokenizer, texts: list[str], max_chars: int = COMPRESSION_MAX_CHARS) -> dict:
     """Bytes per token of `texts` (UTF-8 bytes / tokens, no specials), on at most `max_chars`.
 
-    Why a cap: encoding is ~3 MB/s a core; 500 long held-out documents took 16 s on 2 cores
-    (a fifth of a 100 MB training run), and 2M characters already give a stable ratio.
+    Why a cap: encoding the held-out documents whole would cost a large share of a small run's
+    tokenizer training, and 2M characters already give a stable ratio.
     """
     each = max(max_chars // max(len(texts), 1), 1)
     texts = [t[:each] for t in texts]
@@ -59,23 +67,37 @@ def compression(tok: Tokenizer, texts: list[str], max_chars: int = COMPRESSION_M
         return {"bytes_per_token": None, "docs": 0, "bytes": 0, "tokens": 0}
     tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
-    return {"bytes_per_token": round(nbytes / max(tokens, 1), 4), "docs": len(texts), "bytes": nbytes, "tokens": tokens}
+    return {
+        "bytes_per_token": round(nbytes / max(tokens, 1), 4),
+        "docs": len(texts),
+        "bytes": nbytes,
+        "tokens": tokens,
+    }
 
 
 # --- the stage ----------------------------------------------------------------------------------
 
+
 def _settings(cfg: Config) -> dict:
     t = cfg.data.tokenizer
-    return {"vocab_size": t.vocab_size, "max_chars": t.max_chars, "doc_max_chars": t.doc_max_chars,
-            "heldout_docs": t.heldout_docs, "trainer": t.trainer, "split_pattern": SPLIT_PATTERN,
-            "format_version": FORMAT_VERSION}
+    return {
+        "vocab_size": t.vocab_size,
+        "max_chars": t.max_chars,
+        "doc_max_chars": t.doc_max_chars,
+        "heldout_docs": t.heldout_docs,
+        "trainer": t.trainer,
+        "split_pattern": SPLIT_PATTERN,
+        "format_version": FORMAT_VERSION,
+    }
 
 
 def _validate(cfg: Config) -> None:
     t = cfg.data.tokenizer
     if t.vocab_size < MIN_VOCAB:
-        raise ConfigError(f"data.tokenizer.vocab_size={t.vocab_size}: must be at least {MIN_VOCAB} "
-                          f"({len(SPECIAL_TOKENS)} specials + 256 bytes)")
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={t.vocab_size}: must be at least {MIN_VOCAB} "
+            f"({len(SPECIAL_TOKENS)} specials + 256 bytes)"
+        )
     if t.vocab_size >= 2**32:
         raise ConfigError(f"data.tokenizer.vocab_size={t.vocab_size}: must be below 2**32")
     for key in ("max_chars", "doc_max_chars"):
@@ -93,7 +115,8 @@ def _peak_rss_mb() -> float:
 
 def _input_keys(inputs: list[dict], from_clean: bool) -> list[tuple[str, int]]:
     """What identifies the input files across a moved or copied run: the cleaned parts by name and
-    size (their folder is RUN/clean wherever RUN is), files named in data.tokenizer.inputs by path."""
+    size (their folder is RUN/clean wherever RUN is), files named in data.tokenizer.inputs by
+    path."""
     return [(fsio.basename(i["path"]) if from_clean else i["path"], i["bytes"]) for i in inputs]
 
 
@@ -104,10 +127,15 @@ def _up_to_date(out: str, settings: dict, inputs: list[dict], from_clean: bool) 
         return None
     try:
         meta = fsio.read_json(meta_path)
-        same = (meta.get("settings") == settings
-                and _input_keys(meta.get("inputs") or [], from_clean) == _input_keys(inputs, from_clean))
-        if same and hashlib.sha256(fsio.read_bytes(fsio.join(out, TOKENIZER_FILE))).hexdigest() == meta["sha256"] \
-                and fsio.exists(fsio.join(out, TOKEN_BYTES_FILE)):
+        same = meta.get("settings") == settings and _input_keys(
+            meta.get("inputs") or [], from_clean
+        ) == _input_keys(inputs, from_clean)
+        if (
+            same
+            and hashlib.sha256(fsio.read_bytes(fsio.join(out, TOKENIZER_FILE))).hexdigest()
+            == meta["sha256"]
+            and fsio.exists(fsio.join(out, TOKEN_BYTES_FILE))
+        ):
             return meta
     except (ValueError, KeyError, FileNotFoundError):
         pass  # unreadable or partial: train again
@@ -132,19 +160,31 @@ def run_tokenizer(cfg: Config) -> dict:
     _validate(cfg)
     t = cfg.data.tokenizer
     t0 = time.perf_counter()
-    stage = Stage("codex data tokenize", cfg, rundir.tokenizer_dir(cfg.run), META_FILE,
-                  later=(rundir.shards_dir(cfg.run), rundir.checkpoints_dir(cfg.run)))
+    stage = Stage(
+        "codex data tokenize",
+        cfg,
+        rundir.tokenizer_dir(cfg.run),
+        META_FILE,
+        later=(rundir.shards_dir(cfg.run), rundir.checkpoints_dir(cfg.run)),
+    )
     files = input_files(cfg)
     inputs = [{"path": f, "bytes": fsio.size(f)} for f in files]
     settings = _settings(cfg)
     done = _up_to_date(stage.out, settings, inputs, from_clean=not t.inputs)
     if done is not None:
-        log.info("tokenizer in %s is up to date (vocab %d, sha256 %s); nothing to do", stage.out, done["vocab_size"],
-                 done["sha256"][:12])
+        log.info(
+            "tokenizer in %s is up to date (vocab %d, sha256 %s); nothing to do",
+            stage.out,
+            done["vocab_size"],
+            done["sha256"][:12],
+        )
         return done
     # Retraining would give the later stages' token ids another meaning without a word.
-    stage.refuse_if_built_on("would be retrained (its settings or inputs changed)"
-                             if fsio.exists(stage.marker_path) else "would be trained (it holds no finished tokenizer)")
+    stage.refuse_if_built_on(
+        "would be retrained (its settings or inputs changed)"
+        if fsio.exists(stage.marker_path)
+        else "would be trained (it holds no finished tokenizer)"
+    )
 
     read = _text_reader(cfg)
     sel = _select(files, t, read)
@@ -152,70 +192,131 @@ def run_tokenizer(cfg: Config) -> dict:
     heldout: list[str] = []
     # rustbpe's buffer: ~64M characters of documents at a time (memory), at least 64 (parallelism).
     buffer_docs = max(64, min(8192, 64_000_000 // t.doc_max_chars))
-    tok = train_tokenizer(iter_selected(files, sel.train, sel.heldout, t.doc_max_chars, heldout, sel.train_docs, read),
-                          t.vocab_size, trainer=t.trainer, buffer_docs=buffer_docs)
+    tok = train_tokenizer(
+        iter_selected(
+            files, sel.train, sel.heldout, t.doc_max_chars, heldout, sel.train_docs, read
+        ),
+        t.vocab_size,
+        trainer=t.trainer,
+        buffer_docs=buffer_docs,
+    )
     t_train = time.perf_counter() - t0 - t_scan
     _check_specials(tok, t.vocab_size)
     tok.encode_special_tokens = True  # compression of plain text: "<|bos|>" in a document is text
     comp = _measure_compression(tok, heldout, files, sel, t, read)
     text = tok.to_str(pretty=True)
-    meta = _meta(tok, text, t, sel, comp, len(files), settings, inputs,
-                 {"scan": round(t_scan, 2), "train": round(t_train, 2), "total": round(time.perf_counter() - t0, 2)})
+    meta = _meta(
+        tok,
+        text,
+        t,
+        sel,
+        comp,
+        len(files),
+        settings,
+        inputs,
+        {
+            "scan": round(t_scan, 2),
+            "train": round(t_train, 2),
+            "total": round(time.perf_counter() - t0, 2),
+        },
+    )
     stage.start()
     fsio.write_text(fsio.join(stage.out, TOKENIZER_FILE), text)
     buf = io.BytesIO()
     np.save(buf, token_bytes_of(tok))
     fsio.write_bytes(fsio.join(stage.out, TOKEN_BYTES_FILE), buf.getvalue())
     stage.commit(meta)
-    log.info("tokenize: vocab %d, %.2f bytes/token on %d %s docs, peak RSS %.0f MB, %.1fs -> %s",
-             meta["vocab_size"], comp["bytes_per_token"] or 0, comp["docs"], comp["sample"], meta["peak_rss_mb"],
-             meta["seconds"]["total"], stage.out)
+    log.info(
+        "tokenize: vocab %d, %.2f bytes/token on %d %s docs, peak RSS %.0f MB, %.1fs -> %s",
+        meta["vocab_size"],
+        comp["bytes_per_token"] or 0,
+        comp["docs"],
+        comp["sample"],
+        meta["peak_rss_mb"],
+        meta["seconds"]["total"],
+        stage.out,
+    )
     return meta
 
 
 def _select(files: list[str], t, read: TextReader) -> Selection:
     """Pass 1 (which documents train), refusing a selection that cannot train."""
-    log.info("tokenize: %d input files, vocab %d, budget %d chars", len(files), t.vocab_size, t.max_chars)
+    log.info(
+        "tokenize: %d input files, vocab %d, budget %d chars", len(files), t.vocab_size, t.max_chars
+    )
     sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs, read)
     if sel.train_docs == 0:
-        raise ValueError(f"no training text: {sel.docs_seen} non-empty documents in {len(files)} files "
-                         f"and none fits data.tokenizer.max_chars={t.max_chars}")
-    log.info("tokenize: training on %d of %d documents (%d chars, %d capped at %d chars), %d held out",
-             sel.train_docs, sel.docs_seen, sel.train_chars, sel.docs_capped, t.doc_max_chars, sel.heldout_docs)
+        raise ValueError(
+            f"no training text: {sel.docs_seen} non-empty documents in {len(files)} files "
+            f"and none fits data.tokenizer.max_chars={t.max_chars}"
+        )
+    log.info(
+        "tokenize: training on %d of %d documents (%d chars, %d capped at %d chars), %d held out",
+        sel.train_docs,
+        sel.docs_seen,
+        sel.train_chars,
+        sel.docs_capped,
+        t.doc_max_chars,
+        sel.heldout_docs,
+    )
     if t.trainer == "rustbpe" and sel.train_bytes > RUSTBPE_MAX_BYTES:
-        raise ConfigError(f"data.tokenizer.trainer=rustbpe counts in 32-bit integers: at most {RUSTBPE_MAX_BYTES:,} "
-                          f"bytes of training text, and data.tokenizer.max_chars={t.max_chars:,} selected "
-                          f"{sel.train_bytes:,}; lower max_chars or set data.tokenizer.trainer=hf")
+        raise ConfigError(
+            "data.tokenizer.trainer=rustbpe counts in 32-bit integers: "
+            f"at most {RUSTBPE_MAX_BYTES:,} "
+            f"bytes of training text, and data.tokenizer.max_chars={t.max_chars:,} selected "
+            f"{sel.train_bytes:,}; lower max_chars or set data.tokenizer.trainer=hf"
+        )
     return sel
 
 
 def _check_specials(tok: Tokenizer, requested: int) -> None:
-    for name, i in SPECIAL_IDS.items():
+    for i in SPECIAL_IDS.values():
         got = tok.token_to_id(SPECIAL_TOKENS[i])
         if got != i:
             raise RuntimeError(f"special token {SPECIAL_TOKENS[i]} got id {got}, expected {i}")
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     if vocab_size < requested:
-        log.warning("tokenize: the corpus only supports %d tokens (asked for %d): no pair left to merge; "
-                    "meta records vocab_size=%d", vocab_size, requested, vocab_size)
+        log.warning(
+            "tokenize: the corpus only supports %d tokens (asked for %d): no pair left to merge; "
+            "meta records vocab_size=%d",
+            vocab_size,
+            requested,
+            vocab_size,
+        )
 
 
-def _measure_compression(tok: Tokenizer, heldout: list[str], files: list[str], sel: Selection, t,
-                         read: TextReader) -> dict:
+def _measure_compression(
+    tok: Tokenizer, heldout: list[str], files: list[str], sel: Selection, t, read: TextReader
+) -> dict:
     if heldout:
         return {**compression(tok, heldout), "sample": "heldout"}
     if t.heldout_docs == 0:
         return {**compression(tok, []), "sample": "none"}
     # fewer than 10 documents, none could be held out: measure on (tiny) training text, say so
-    log.warning("tokenize: %d documents, too few to hold any out; compression measured on training text",
-                sel.docs_seen)
+    log.warning(
+        "tokenize: %d documents, too few to hold any out; compression measured on training text",
+        sel.docs_seen,
+    )
     sample = list(iter_selected(files, sel.train, {}, t.doc_max_chars, [], sel.train_docs, read))
     return {**compression(tok, sample[: t.heldout_docs]), "sample": "training"}
 
 
-def _meta(tok: Tokenizer, text: str, t, sel: Selection, comp: dict, n_files: int, settings: dict,
-          inputs: list[dict], seconds: dict) -> dict:
-    """tokenizer_meta.json: the contract later stages check (sha256, vocab, specials) and the record."""
+def _meta(
+    tok: Tokenizer,
+    text: str,
+    t,
+    sel: Selection,
+    comp: dict,
+    n_files: int,
+    settings: dict,
+    inputs: list[dict],
+    seconds: dict,
+) -> dict:
+    """tokenizer_meta.json: the contract later stages check (sha256, vocab, specials) and the
+    record.
+
+    9 parameters: one per part of the record it assembles; run_tokenizer, its one caller, has each
+    at hand."""
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     return {
         "format_version": FORMAT_VERSION,
@@ -252,11 +353,14 @@ def _meta(tok: Tokenizer, text: str, t, sel: Selection, comp: dict, n_files: int
 
 # --- loading ------------------------------------------------------------------------------------
 
+
 def load_meta(tokenizer_dir: str) -> dict:
     path = fsio.join(tokenizer_dir, META_FILE)
     if not fsio.exists(path):
-        raise FileNotFoundError(f"{path} not found: {tokenizer_dir} is not a finished tokenizer "
-                                f"(run `codex data tokenize`)")
+        raise FileNotFoundError(
+            f"{path} not found: {tokenizer_dir} is not a finished tokenizer "
+            f"(run `codex data tokenize`)"
+        )
     return fsio.read_json(path)
 
 
@@ -272,12 +376,17 @@ def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
     data = fsio.read_bytes(path)
     digest = hashlib.sha256(data).hexdigest()
     if digest != meta["sha256"]:
-        raise ValueError(f"{path}: sha256 {digest[:12]} does not match {META_FILE} ({meta['sha256'][:12]}); "
-                         f"the tokenizer was modified or half-rewritten: rerun `codex data tokenize`")
+        raise ValueError(
+            f"{path}: sha256 {digest[:12]} does not match {META_FILE} ({meta['sha256'][:12]}); "
+            f"the tokenizer was modified or half-rewritten: rerun `codex data tokenize`"
+        )
     tok = Tokenizer.from_str(data.decode("utf-8"))
     tok.encode_special_tokens = True
     if tok.get_vocab_size(with_added_tokens=True) != meta["vocab_size"]:
-        raise ValueError(f"{path}: vocab size {tok.get_vocab_size()} != {META_FILE} vocab_size {meta['vocab_size']}")
+        raise ValueError(
+            f"{path}: vocab size {tok.get_vocab_size()} != {META_FILE} "
+            f"vocab_size {meta['vocab_size']}"
+        )
     return tok
 
 

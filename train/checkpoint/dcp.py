@@ -1,7 +1,8 @@
 """One checkpoint folder through torch.distributed.checkpoint (DCP), local or gs://.
 
     records = write_tree(folder, tree, control)   # every rank, collective: its own tensors
-    read_tensors(folder, targets, control)        # every rank, collective: into `targets`, resharded
+    read_tensors(folder, targets, control)        # every rank, collective: into `targets`,
+                                                  #   resharded
 
 A state tree is a nested dict. Its tensor leaves go to DCP: every rank writes the tensors it
 holds (its shards of a DTensor; a replicated tensor is written once, by one of the ranks that
@@ -24,6 +25,7 @@ import hashlib
 import os
 import threading
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,7 +38,9 @@ from codex import fsio
 TENSOR = "__tensor__"
 
 # DCP warns on every one-process save and load that it assumes one process: here that is the design.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 
 class _HashingStream:
@@ -50,7 +54,7 @@ class _HashingStream:
         self.n += memoryview(b).nbytes
         return self.f.write(b)
 
-    def __getattr__(self, name):   # tell, flush, close, fileno (fsync): the underlying file's
+    def __getattr__(self, name):  # tell, flush, close, fileno (fsync): the underlying file's
         return getattr(self.f, name)
 
 
@@ -76,11 +80,14 @@ class HashingFileSystem(FileSystem):
             hashing = _HashingStream(stream)
             yield hashing
         with self._lock:
-            self.records[os.path.basename(str(path))] = {"bytes": hashing.n, "sha256": hashing.sha.hexdigest()}
+            self.records[os.path.basename(str(path))] = {
+                "bytes": hashing.n,
+                "sha256": hashing.sha.hexdigest(),
+            }
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
-        with self._lock:   # DCP writes .metadata.tmp, then renames it
+        with self._lock:  # DCP writes .metadata.tmp, then renames it
             old = self.records.pop(os.path.basename(str(path)), None)
             if old is not None:
                 self.records[os.path.basename(str(new_path))] = old
@@ -89,24 +96,29 @@ class HashingFileSystem(FileSystem):
 # DCP's writer and reader with their file system swapped for HashingFileSystem (DCP's own
 # FsspecWriter/Reader would make a second, differently configured gcsfs client first).
 
+
 def _writer(folder: str) -> FileSystemWriter:
     # fsync locally; on gs:// an object exists only once it is complete (there is nothing to sync).
     writer = FileSystemWriter(folder, sync_files=not fsio.is_remote(folder))
-    writer.fs = HashingFileSystem()
-    writer.path = writer.fs.init_path(folder)
+    fs = HashingFileSystem()
+    # torch annotates .fs as its local FileSystem; the writer takes any FileSystemBase.
+    writer.fs = fs  # type: ignore[assignment]
+    writer.path = fs.init_path(folder)
     return writer
 
 
 def _reader(folder: str) -> FileSystemReader:
     reader = FileSystemReader(folder)
-    reader.fs = HashingFileSystem()
-    reader.path = reader.fs.init_path(folder)
+    fs = HashingFileSystem()
+    # torch annotates .fs as its local FileSystem; the reader takes any FileSystemBase.
+    reader.fs = fs  # type: ignore[assignment]
+    reader.path = fs.init_path(folder)
     return reader
 
 
 def tensors_only(tree: dict) -> dict:
     """The tensor leaves of `tree`, nested as in it (subtrees without tensors dropped)."""
-    out = {}
+    out: dict = {}
     for k, v in tree.items():
         if isinstance(v, torch.Tensor):
             out[k] = v
@@ -149,7 +161,8 @@ def targets_from_skeleton(tree):
 
 
 def merge(base, extra):
-    """`base` with the keys of `extra` added, recursively (rank 0's tree + other ranks' own keys)."""
+    """`base` with the keys of `extra` added, recursively (rank 0's tree + other ranks' own
+    keys)."""
     if not (isinstance(base, dict) and isinstance(extra, dict)):
         return base
     out = dict(base)
@@ -160,11 +173,17 @@ def merge(base, extra):
 
 def write_tree(folder: str, tree: dict, control) -> dict[str, dict]:
     """Write the tensors of `tree` as one DCP checkpoint in `folder`: every rank of `control` (its
-    group, rank, world) calls this with its own tree. Returns this rank's {file: {bytes, sha256}}."""
+    group, rank, world) calls this with its own tree. Returns this rank's {file: {bytes,
+    sha256}}."""
     fsio.makedirs(folder)
     writer = _writer(folder)
-    dcp.save(tensors_only(tree), storage_writer=writer, process_group=control.group, no_dist=control.world == 1)
-    return dict(writer.fs.records)
+    dcp.save(
+        tensors_only(tree),
+        storage_writer=writer,
+        process_group=control.group,
+        no_dist=control.world == 1,
+    )
+    return dict(cast(HashingFileSystem, writer.fs).records)
 
 
 def staged(tree: dict) -> dict:
@@ -174,7 +193,7 @@ def staged(tree: dict) -> dict:
     on_device: list[tuple[dict, str, torch.Tensor]] = []
 
     def copy(t: dict) -> dict:
-        out = {}
+        out: dict = {}
         for k, v in t.items():
             if isinstance(v, torch.Tensor) and v.device.type != "cpu":
                 on_device.append((out, k, v))
@@ -186,9 +205,9 @@ def staged(tree: dict) -> dict:
 
     out = copy(tree)
     if on_device:
-        copies = BlockingAsyncStager().stage({i: v for i, (_, _, v) in enumerate(on_device)})
+        copies = BlockingAsyncStager().stage({str(i): v for i, (_, _, v) in enumerate(on_device)})
         for i, (parent, k, _) in enumerate(on_device):
-            parent[k] = copies[i]
+            parent[k] = copies[str(i)]
     return out
 
 
@@ -196,8 +215,12 @@ def read_tensors(folder: str, targets: dict, control=None) -> None:
     """Load the DCP checkpoint in `folder` into the tensors of `targets`, in place (DTensor
     targets get their own slices). control None: this process alone (eval, sample, export)."""
     one = control is None or control.world == 1
-    dcp.load(tensors_only(targets), storage_reader=_reader(folder),
-             process_group=None if one else control.group, no_dist=one)
+    dcp.load(
+        tensors_only(targets),
+        storage_reader=_reader(folder),
+        process_group=None if one else control.group,
+        no_dist=one,
+    )
 
 
 def fill(tree, loaded):
@@ -205,5 +228,7 @@ def fill(tree, loaded):
     if is_tensor_leaf(tree):
         return loaded
     if isinstance(tree, dict):
-        return {k: fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in tree.items()}
+        return {
+            k: fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in tree.items()
+        }
     return tree

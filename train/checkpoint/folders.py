@@ -3,8 +3,9 @@ written by every rank in parallel, local or gs://:
 
     __R_N.distcp   the tensors rank R wrote: its shards (fsdp), or its share of the replicated ones
     .metadata      DCP's index of every tensor's chunks (rank 0)
-    state.json     everything else (step, tokens, loader position, config, optimizer hyperparameters,
-                   the unfinished loss window) and every tensor's shape and dtype (rank 0)
+    state.json     everything else (step, tokens, loader position, config, optimizer
+                   hyperparameters, the unfinished loss window) and every tensor's shape and dtype
+                   (rank 0)
     DONE           written last, by rank 0, once every rank has finished: the step and each file's
                    size and sha256 ({"step", "world_size", "files": {name: {"bytes", "sha256"}}})
 
@@ -19,7 +20,7 @@ file against DONE's size and sha256 (train/checkpoint/resume.py splits the files
 and then raised (never a silent fallback). `load(run, step)` returns a plain dict of full CPU
 tensors in one process (eval, sample, export). Retention: the last `keep_last`, plus every step
 that is a multiple of `keep_every` (when > 0); the rest is deleted after a save. The training
-state itself is built and put back in train/train_state.py.
+state itself is built and put back in train/checkpoint/state.py.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control
     step = int(state["step"])
     folder = step_dir(run, step)
     if control.rank == 0 and fsio.exists(folder):
-        fsio.rm(folder, recursive=True)   # a leftover of a killed save (or a damaged one): start clean
+        fsio.rm(
+            folder, recursive=True
+        )  # a leftover of a killed save (or a damaged one): start clean
     control.barrier()
     records = dcp_io.write_tree(folder, state, control)
     all_records = control.gather(records)
-    skeletons = control.gather(dcp_io.skeleton(state))   # other ranks may hold keys rank 0 has not (their RNG)
+    skeletons = control.gather(
+        dcp_io.skeleton(state)
+    )  # other ranks may hold keys rank 0 has not (their RNG)
     if control.rank == 0:
         tree = skeletons[0]
         for extra in skeletons[1:]:
@@ -97,10 +102,12 @@ def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control
         files = {STATE_FILE: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
         for r in all_records:
             files.update(r)
-        fsio.write_json(fsio.join(folder, "DONE"), {"step": step, "world_size": control.world, "files": files})
+        fsio.write_json(
+            fsio.join(folder, "DONE"), {"step": step, "world_size": control.world, "files": files}
+        )
         drop_newer(run, step)
         prune(run, keep_last, keep_every)
-    control.barrier()   # nobody goes on (or exits) before the marker exists
+    control.barrier()  # nobody goes on (or exits) before the marker exists
     return folder
 
 
@@ -126,7 +133,9 @@ class PendingSave:
         return self.folder
 
 
-def save_in_background(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control=None) -> PendingSave:
+def save_in_background(
+    run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control=None
+) -> PendingSave:
     """save() in a background thread: the tensors are copied to the CPU now (the only part that
     blocks), then written, marked and pruned while training goes on, with every collective on
     control.background()'s own gloo group. Wait on the result before the next save. A process
@@ -140,7 +149,7 @@ def save_in_background(run: str, state: dict, keep_last: int = 3, keep_every: in
     def write() -> None:
         try:
             save(run, snapshot, keep_last=keep_last, keep_every=keep_every, control=side)
-        except BaseException as e:   # re-raised by wait() in the training thread
+        except BaseException as e:  # re-raised by wait() in the training thread
             pending.errors.append(e)
 
     pending.thread = threading.Thread(target=write, name=f"checkpoint-{state['step']}", daemon=True)
@@ -154,8 +163,12 @@ def drop_newer(run: str, step: int) -> None:
     (or unreadable). Kept, it would count towards keep_last and push out the intact ones."""
     for s, d in _all_steps(run):
         if s > step:
-            log.warning("deleting %s: newer than the checkpoint just written (step %d), so it was not resumed "
-                        "from (damaged or unreadable)", d, step)
+            log.warning(
+                "deleting %s: newer than the checkpoint just written (step %d), so it was not "
+                "resumed from (damaged or unreadable)",
+                d,
+                step,
+            )
             fsio.rm(d, recursive=True)
 
 
@@ -165,7 +178,7 @@ def prune(run: str, keep_last: int, keep_every: int = 0) -> None:  # noqa: D401 
     complete = complete_steps(run)
     if not complete:
         return
-    keep = set(complete[-max(1, keep_last):])
+    keep = set(complete[-max(1, keep_last) :])
     if keep_every > 0:
         keep |= {s for s in complete if s % keep_every == 0}
     for s, d in _all_steps(run):
@@ -174,14 +187,17 @@ def prune(run: str, keep_last: int, keep_every: int = 0) -> None:  # noqa: D401 
             fsio.rm(d, recursive=True)
 
 
-FAULT_ENV = "CODEX_TEST_FAIL_CKPT_READ_RANK"   # tests: this RANK cannot read the newest checkpoint
+FAULT_ENV = "CODEX_TEST_FAIL_CKPT_READ_RANK"  # tests: this RANK cannot read the newest checkpoint
 
 
 def _injected_fault(folder: str) -> None:
     rank = os.environ.get(FAULT_ENV)
     if rank is not None and rank == os.environ.get("RANK", "0"):
         run_ckpts = os.path.dirname(folder.rstrip("/"))
-        newest = max((s for s, d in _all_steps_in(run_ckpts) if fsio.exists(fsio.join(d, "DONE"))), default=None)
+        newest = max(
+            (s for s, d in _all_steps_in(run_ckpts) if fsio.exists(fsio.join(d, "DONE"))),
+            default=None,
+        )
         if newest is not None and folder.rstrip("/").endswith(f"step_{newest:08d}"):
             raise OSError(f"{folder}: injected read fault on rank {rank} ({FAULT_ENV})")
 
@@ -197,14 +213,18 @@ def _damage(folder: str, rank: int, world: int) -> str | None:
         return f"{folder}/DONE: not JSON ({e})"
     files = done.get("files")
     if not isinstance(files, dict):
-        return (f"{folder}: a single-file checkpoint of an older codex (no file list in DONE); this version "
-                "reads only distributed (DCP) checkpoints: start a new --run")
+        return (
+            f"{folder}: a single-file checkpoint of an older codex (no file list in DONE); "
+            "this version reads only distributed (DCP) checkpoints: start a new --run"
+        )
     for name in sorted(files)[rank::world]:
         path, want = fsio.join(folder, name), files[name]
         try:
             actual = fsio.size(path)
             if actual != want["bytes"]:
-                return f"{path}: {actual} bytes, DONE says {want['bytes']} (truncated or overwritten)"
+                return (
+                    f"{path}: {actual} bytes, DONE says {want['bytes']} (truncated or overwritten)"
+                )
             if fsio.file_sha256(path) != want["sha256"]:
                 return f"{path}: its sha256 is not the one DONE recorded (overwritten or corrupt)"
         except FileNotFoundError:
@@ -212,7 +232,7 @@ def _damage(folder: str, rank: int, world: int) -> str | None:
     return None
 
 
-READ_RETRIES = (1.0, 4.0)   # seconds to wait before the 2nd and 3rd try of an I/O error
+READ_RETRIES = (1.0, 4.0)  # seconds to wait before the 2nd and 3rd try of an I/O error
 
 
 def damage(folder: str, rank: int = 0, world: int = 1) -> str | None:
@@ -224,8 +244,10 @@ def damage(folder: str, rank: int = 0, world: int = 1) -> str | None:
             return _damage(folder, rank, world)
         except OSError as e:
             if wait is None:
-                raise OSError(f"{folder}: could not read the newest checkpoint ({e}); not falling back to an "
-                              "older one (that would discard this one): fix the storage error and rerun") from e
+                raise OSError(
+                    f"{folder}: could not read the newest checkpoint ({e}); not falling back to an "
+                    "older one (that would discard this one): fix the storage error and rerun"
+                ) from e
             log.warning("reading %s failed (%s); retrying in %.0f s", folder, e, wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
@@ -234,21 +256,24 @@ def damage(folder: str, rank: int = 0, world: int = 1) -> str | None:
 def newest_intact(run: str) -> int:
     """The newest complete checkpoint step whose files are all intact (one process checks them
     all); a damaged newer one is skipped with a warning. FileNotFoundError when there is none."""
-    errors = []
+    errors: list[str] = []
     for s in reversed(complete_steps(run)):
         problem = damage(step_dir(run, s))
         if problem is None:
             if errors:
                 log.warning("using %s instead of the newest checkpoint", step_dir(run, s))
             return s
-        log.warning("checkpoint %s is damaged (%s); trying the previous one", step_dir(run, s), problem)
+        log.warning(
+            "checkpoint %s is damaged (%s); trying the previous one", step_dir(run, s), problem
+        )
         errors.append(problem)
     detail = ("; damaged: " + "; ".join(errors)) if errors else ""
     raise FileNotFoundError(f"no intact checkpoint under {rundir.checkpoints_dir(run)}{detail}")
 
 
 def read_skeleton(folder: str) -> dict:
-    """state.json: the checkpoint's tree, tensors as {"__tensor__": shape, "dtype"} (train/dcp_io.py)."""
+    """state.json: the checkpoint's tree, tensors as {"__tensor__": shape, "dtype"}
+    (train/checkpoint/dcp.py)."""
     return fsio.read_json(fsio.join(folder, STATE_FILE))
 
 
@@ -265,7 +290,9 @@ def load(run: str, step: int | str = "latest", keys: tuple[str, ...] | None = No
         step = int(step)
         folder = step_dir(run, step)
         if not fsio.exists(fsio.join(folder, "DONE")):
-            raise FileNotFoundError(f"{folder}: no complete checkpoint (have steps: {complete_steps(run) or 'none'})")
+            raise FileNotFoundError(
+                f"{folder}: no complete checkpoint (have steps: {complete_steps(run) or 'none'})"
+            )
         problem = damage(folder)
         if problem is not None:
             raise ValueError(f"{folder}: not a readable checkpoint ({problem})")
@@ -286,9 +313,11 @@ def _holds_tensors(tree) -> bool:
 
 def rng_state() -> dict:
     """RNG states as tensors (weights_only-loadable): torch CPU, and every CUDA device's."""
-    state = {"torch": torch.get_rng_state()}
+    state: dict = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = {str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())}   # tensors in dicts
+        state["cuda"] = {
+            str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())
+        }  # tensors in dicts
     return state
 
 

@@ -21,20 +21,24 @@ from train.checkpoint import folders as ckpt
 def read_checkpoint(cfg, checkpoint: str | int = "latest"):
     """(the model's state dict: full, plain CPU tensors; the checkpoint's Config; checkpoint info)
     for cfg.run: the one place eval, sample and export read a checkpoint."""
-    state = ckpt.load(cfg.run, checkpoint, keys=("model",))   # not the optimizer state
+    state = ckpt.load(cfg.run, checkpoint, keys=("model",))  # not the optimizer state
     run_cfg = from_dict(state["config"])
     if run_cfg.model.vocab_size <= 0:
-        raise ValueError(f"{ckpt.step_dir(cfg.run, int(state['step']))}: the checkpoint's config has no model.vocab_size")
+        raise ValueError(
+            f"{ckpt.step_dir(cfg.run, int(state['step']))}: "
+            "the checkpoint's config has no model.vocab_size"
+        )
     _check_tokenizer(cfg.run, state)
     info = {
         "step": int(state["step"]),
         "train_tokens": int(state.get("tokens", 0)),
         "path": ckpt.step_dir(cfg.run, int(state["step"])),
-        "run": cfg.run,   # the run directory read now (its tokenizer), not the one training saw
+        "run": cfg.run,  # the run directory read now (its tokenizer), not the one training saw
         "tokenizer_sha256": str(state.get("tokenizer_sha256", "")),
         # Which exact run configuration produced these weights (model + data + training settings).
-        "config_fingerprint": hashlib.sha256(json.dumps(state["config"], sort_keys=True, default=str)
-                                             .encode()).hexdigest()[:16],
+        "config_fingerprint": hashlib.sha256(
+            json.dumps(state["config"], sort_keys=True, default=str).encode()
+        ).hexdigest()[:16],
     }
     return state["model"], run_cfg, info
 
@@ -54,9 +58,12 @@ def _check_tokenizer(run: str, state: dict) -> None:
     trained_with = state.get("tokenizer_sha256")
     tok_dir = rundir.tokenizer_dir(run)
     if not trained_with or not fsio.exists(fsio.join(tok_dir, "tokenizer_meta.json")):
-        return   # checkpoints from before this record, or a run without its tokenizer (later steps say so)
+        # Checkpoints from before this record, or a run without its tokenizer (later steps say so).
+        return
     current = str(load_meta(tok_dir).get("sha256", ""))
     if current != trained_with:
-        raise ValueError(f"{fsio.join(tok_dir, 'tokenizer.json')} (sha256 {current[:12]}) is not the tokenizer "
-                         f"{ckpt.step_dir(run, int(state['step']))} was trained with ({trained_with[:12]}): it was "
-                         "retrained after training; restore the original tokenizer or retrain the model")
+        raise ValueError(
+            f"{fsio.join(tok_dir, 'tokenizer.json')} (sha256 {current[:12]}) is not the tokenizer "
+            f"{ckpt.step_dir(run, int(state['step']))} was trained with ({trained_with[:12]}): "
+            "it was retrained after training; restore the original tokenizer or retrain the model"
+        )

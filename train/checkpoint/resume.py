@@ -32,26 +32,36 @@ def resume(control: ControlPlane, run: str, allow: bool) -> tuple[int | None, in
     existing = candidates[0] if candidates else None
     if not allow or existing is None:
         return existing, None
-    damaged = []
+    damaged: list[str] = []
     for step in candidates:
         folder = checkpoint.step_dir(run, step)
         try:
             found = ("damaged", checkpoint.damage(folder, control.rank, control.world))
-        except Exception as e:   # a read error after retries: not damage, no fallback
+        except Exception as e:  # a read error after retries: not damage, no fallback
             found = ("error", f"rank {control.rank} could not load {folder} ({e})")
         results = control.gather(found)
         errors = [msg for kind, msg in results if kind == "error"]
         if errors:
-            raise ResumeMismatchError(f"rank 0 chose checkpoint step {step}, but " + "; ".join(errors) +
-                                      ". Every rank needs the same run directory (gs://, or a shared file system); "
-                                      "fix the read and run the same command again")
+            raise ResumeMismatchError(
+                f"rank 0 chose checkpoint step {step}, but "
+                + "; ".join(errors)
+                + ". Every rank needs the same run directory (gs://, or a shared file system); "
+                "fix the read and run the same command again"
+            )
         problems = [msg for kind, msg in results if msg]
         if not problems:
             if damaged and control.rank == 0:
                 log.warning("resuming from %s instead of the newest checkpoint", folder)
             return existing, step
         if control.rank == 0:
-            log.warning("checkpoint %s is damaged (%s); every rank tries the previous one", folder, "; ".join(problems))
+            log.warning(
+                "checkpoint %s is damaged (%s); every rank tries the previous one",
+                folder,
+                "; ".join(problems),
+            )
         damaged += problems
-    raise ResumeMismatchError(f"no intact checkpoint under {rundir.checkpoints_dir(run)} (damaged: " +
-                              "; ".join(damaged) + ")")
+    raise ResumeMismatchError(
+        f"no intact checkpoint under {rundir.checkpoints_dir(run)} (damaged: "
+        + "; ".join(damaged)
+        + ")"
+    )

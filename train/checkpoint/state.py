@@ -1,5 +1,5 @@
-"""The whole training state in a checkpoint (train/checkpoint.py): built by `save_training` on
-every rank, put back by `restore_training` on every rank, so the loop never touches its keys.
+"""The whole training state in a checkpoint (train/checkpoint/folders.py): built by `save_training`
+on every rank, put back by `restore_training` on every rank, so the loop never touches its keys.
 
     {"model":     {fqn: tensor},                          DTensor shards under fsdp
      "optimizer": {"adamw"|"muon": {"state": {fqn: {name: tensor}}, "param_groups": [...]}},
@@ -9,9 +9,10 @@ every rank, put back by `restore_training` on every rank, so the loop never touc
 
 The optimizer state is keyed by parameter name (fqn), not by torch's positional ids, so it loads
 into any layout: restore_training makes each state tensor's target like its parameter (a DTensor
-slice under fsdp, a full CPU tensor otherwise) and DCP fills it. (torch's get/set_optimizer_state_dict
-would do the same for fsdp, but set_ runs a dummy optimizer step to create the state first: one more
-XLA program, and a Muon step with collectives; naming the state by fqn here is a few lines.)
+slice under fsdp, a full CPU tensor otherwise) and DCP fills it. (torch's
+get/set_optimizer_state_dict would do the same for fsdp, but set_ runs a dummy optimizer step to
+create the state first: one more XLA program, and a Muon step with collectives; naming the state by
+fqn here is a few lines.)
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch.distributed.tensor import DTensor
 import codex
 from codex import rundir
 from codex.config import ConfigError, to_dict
-from train.checkpoint import folders as checkpoint
 from train.checkpoint import dcp as dcp_io
+from train.checkpoint import folders as checkpoint
 from train.optim.muon import Optimizers
 from train.optim.optimizer import load_optimizer_state
 
@@ -44,7 +45,8 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor where it is when DCP can write it from there (CPU, CUDA, DTensor shards: DCP copies
-    only what this rank writes to the host); XLA tensors copied to the CPU (sharded ones from their shards)."""
+    only what this rank writes to the host); XLA tensors copied to the CPU (sharded ones from their
+    shards)."""
     if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda"):
         return t.detach()
     from train.xla.sharding import to_cpu
@@ -53,14 +55,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
-    """{name: {"state": {fqn: {key: tensor}}, "param_groups": [{hyperparameters, "params": [fqn]}]}}."""
+    """{name: {"state": {fqn: {key: tensor}},
+    "param_groups": [{hyperparameters, "params": [fqn]}]}}."""
     names = _names(model)
     out = {}
     for key, opt in optimizer_parts(optimizer).items():
-        state = {names[id(p)]: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                 for p, st in opt.state.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-                  for g in opt.param_groups]
+        state = {
+            names[id(p)]: {
+                k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()
+            }
+            for p, st in opt.state.items()
+        }
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"]],
+            }
+            for g in opt.param_groups
+        ]
         out[key] = {"state": state, "param_groups": groups}
     return out
 
@@ -81,25 +93,32 @@ class StepRecord:
 
     step: int
     tokens: int
-    log_window: dict       # the unfinished loss window (metrics.LossWindow.state())
+    log_window: dict  # the unfinished loss window (metrics.LossWindow.state())
     world_size: int
     batch_tokens: int
-    tokenizer_sha: str     # eval and sample refuse a checkpoint of a retrained tokenizer
-    parallel: str          # the layout, as Layout.describe() says it
+    tokenizer_sha: str  # eval and sample refuse a checkpoint of a retrained tokenizer
+    parallel: str  # the layout, as Layout.describe() says it
 
 
-def save_training(cfg, control, parts: TrainingParts, record: StepRecord,
-                  background: bool = False) -> checkpoint.PendingSave:
+def save_training(
+    cfg, control, parts: TrainingParts, record: StepRecord, background: bool = False
+) -> checkpoint.PendingSave:
     """Every rank: write everything a resumed run needs to continue exactly. background: copy the
     state now and write it while training goes on (train.async_save); wait() on the result."""
     state = {
         "model": {k: _local(v) for k, v in parts.model.state_dict().items()},
         "optimizer": optimizer_tree(parts.model, parts.optimizer),
         "rng": {f"rank_{control.rank}": checkpoint.rng_state()},
-        "step": record.step, "tokens": record.tokens, "loader": parts.loader.state_dict(),
-        "config": to_dict(cfg), "codex_version": codex.__version__, "world_size": record.world_size,
-        "batch_tokens": record.batch_tokens, "tokenizer_sha256": record.tokenizer_sha,
-        "log_window": record.log_window, "parallel": record.parallel,
+        "step": record.step,
+        "tokens": record.tokens,
+        "loader": parts.loader.state_dict(),
+        "config": to_dict(cfg),
+        "codex_version": codex.__version__,
+        "world_size": record.world_size,
+        "batch_tokens": record.batch_tokens,
+        "tokenizer_sha256": record.tokenizer_sha,
+        "log_window": record.log_window,
+        "parallel": record.parallel,
     }
     keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every, control=control)
     if background:
@@ -117,34 +136,57 @@ def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor:
 
 def _optimizer_targets(model: torch.nn.Module, saved: dict) -> dict:
     params = dict(model.named_parameters())
-    return {key: {"state": {fqn: {k: _target(v, params.get(fqn)) if dcp_io.is_tensor_leaf(v) else v
-                                   for k, v in st.items()} for fqn, st in part["state"].items()}}
-            for key, part in saved.items()}
+    return {
+        key: {
+            "state": {
+                fqn: {
+                    k: _target(v, params.get(fqn)) if dcp_io.is_tensor_leaf(v) else v
+                    for k, v in st.items()
+                }
+                for fqn, st in part["state"].items()
+            }
+        }
+        for key, part in saved.items()
+    }
 
 
-def _torch_format(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict, loaded: dict) -> dict:
+def _torch_format(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict, loaded: dict
+) -> dict:
     """A saved (fqn-keyed) optimizer part as torch's state_dict for `opt` (positional ids)."""
     names = _names(model)
-    ids, groups = {}, []
-    for cur, old in zip(opt.param_groups, saved["param_groups"]):
+    ids: dict[str, int] = {}
+    groups: list[dict] = []
+    for cur, old in zip(opt.param_groups, saved["param_groups"], strict=False):
         fqns = [names[id(p)] for p in cur["params"]]
-        if sorted(fqns) != sorted(old["params"]) or len(opt.param_groups) != len(saved["param_groups"]):
-            raise ConfigError("the checkpoint's optimizer parameter groups differ from this run's: resume with the "
-                              "same model and train.optimizer, or use a new --run")
+        if sorted(fqns) != sorted(old["params"]) or len(opt.param_groups) != len(
+            saved["param_groups"]
+        ):
+            raise ConfigError(
+                "the checkpoint's optimizer parameter groups differ from this run's: resume with "
+                "the same model and train.optimizer, or use a new --run"
+            )
         for f in fqns:
             ids[f] = len(ids)
         groups.append({**old, "params": [ids[f] for f in fqns]})
-    state = {ids[fqn]: {k: loaded[fqn][k] if dcp_io.is_tensor_leaf(v) else v for k, v in st.items()}
-             for fqn, st in saved["state"].items()}
+    state = {
+        ids[fqn]: {k: loaded[fqn][k] if dcp_io.is_tensor_leaf(v) else v for k, v in st.items()}
+        for fqn, st in saved["state"].items()
+    }
     return {"state": state, "param_groups": groups}
 
 
 def _check_same_model(cfg, saved_config: dict) -> None:
     saved_model = saved_config.get("model", {})
     for k, v in to_dict(cfg.model).items():
-        if k != "preset" and k in saved_model and saved_model[k] != v:   # the preset is a name, not the model
-            raise ConfigError(f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
-                              f"({rundir.checkpoints_dir(cfg.run)}); resume with the same model or use a new --run")
+        if (
+            k != "preset" and k in saved_model and saved_model[k] != v
+        ):  # the preset is a name, not the model
+            raise ConfigError(
+                f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
+                f"({rundir.checkpoints_dir(cfg.run)}); "
+                "resume with the same model or use a new --run"
+            )
 
 
 def restore_training(cfg, control, step: int, parts: TrainingParts) -> tuple[int, int, dict]:
@@ -154,25 +196,38 @@ def restore_training(cfg, control, step: int, parts: TrainingParts) -> tuple[int
     folder = checkpoint.step_dir(cfg.run, step)
     tree = checkpoint.read_skeleton(folder)
     _check_same_model(cfg, tree["config"])
-    parts = optimizer_parts(optimizer)
-    if set(parts) != set(tree["optimizer"]):
+    opt_parts = optimizer_parts(optimizer)
+    if set(opt_parts) != set(tree["optimizer"]):
+
         def name(keys):
             return "muon" if "muon" in keys else "adamw"
-        raise ConfigError(f"the checkpoint's optimizer state is for train.optimizer={name(tree['optimizer'])}, this "
-                          f"run uses {name(parts)}: resume with the same optimizer or use a new --run")
+
+        raise ConfigError(
+            "the checkpoint's optimizer state is for "
+            f"train.optimizer={name(tree['optimizer'])}, this run uses {name(opt_parts)}: "
+            "resume with the same optimizer or use a new --run"
+        )
     sd = model.state_dict()
-    targets = {"model": {k: _target(v, sd.get(k)) for k, v in tree["model"].items()},
-               "optimizer": _optimizer_targets(model, tree["optimizer"])}
+    targets = {
+        "model": {k: _target(v, sd.get(k)) for k, v in tree["model"].items()},
+        "optimizer": _optimizer_targets(model, tree["optimizer"]),
+    }
     rng_key = f"rank_{control.rank}"
     if rng_key in tree["rng"]:
         targets["rng"] = {rng_key: dcp_io.targets_from_skeleton(tree["rng"][rng_key])}
     else:
-        log.warning("%s was written by %d ranks: rank %d keeps its fresh RNG state", folder, tree["world_size"],
-                    control.rank)
+        log.warning(
+            "%s was written by %d ranks: rank %d keeps its fresh RNG state",
+            folder,
+            tree["world_size"],
+            control.rank,
+        )
     dcp_io.read_tensors(folder, targets, control)
     model.load_state_dict(targets["model"])
-    saved = {key: _torch_format(model, opt, tree["optimizer"][key], targets["optimizer"][key]["state"])
-             for key, opt in parts.items()}
+    saved = {
+        key: _torch_format(model, opt, tree["optimizer"][key], targets["optimizer"][key]["state"])
+        for key, opt in opt_parts.items()
+    }
     load_optimizer_state(optimizer, saved if isinstance(optimizer, Optimizers) else saved["adamw"])
     loader.load_state_dict(tree["loader"])
     if "rng" in targets:

@@ -23,7 +23,7 @@ Speed: one batch is a handful of numpy fancy-index gathers (one per shard touche
 (windows, T+1) view of each memory-mapped shard straight into int64 buffers (pinned on CUDA); no
 Python loop over windows. bench/bench_loader.py measures it.
 
-gs:// shards are streamed into the host's local cache (train/shard_cache.py: one folder for all
+gs:// shards are streamed into the host's local cache (train/data/shard_cache.py: one folder for all
 local ranks, one download per shard per host, flock so that no process deletes a file another
 one holds). Each rank fetches only the shards its own windows touch, in the blocks of its current
 batch and the block after (double buffering), and lets go of a shard after its last window. With
@@ -51,6 +51,7 @@ from train.data.token_shards import ShardReader, Split, gather, load_split
 
 # ----------------------------------------------------------------------------- training order
 
+
 def epoch_order(split: Split, seed: int, epoch: int, shuffle_shards: int = 0):
     """(permutation of all window ids for this epoch, blocks), blocks = [(start, end, shard_ids)]:
     stream positions [start, end) of the epoch only use windows of those shards."""
@@ -61,8 +62,10 @@ def epoch_order(split: Split, seed: int, epoch: int, shuffle_shards: int = 0):
     shard_order = rng.permutation(n_shards)
     parts, blocks, pos = [], [], 0
     for b in range(0, n_shards, shuffle_shards):
-        ids = shard_order[b:b + shuffle_shards]
-        w = np.concatenate([np.arange(split.window_start[i], split.window_start[i + 1]) for i in ids])
+        ids = shard_order[b : b + shuffle_shards]
+        w = np.concatenate(
+            [np.arange(split.window_start[i], split.window_start[i + 1]) for i in ids]
+        )
         parts.append(w[rng.permutation(len(w))])
         blocks.append((pos, pos + len(w), ids))
         pos += len(w)
@@ -72,7 +75,8 @@ def epoch_order(split: Split, seed: int, epoch: int, shuffle_shards: int = 0):
 class TrainLoader:
     """Iterate forever over (x, y) int64 [B, T] batches of this rank; epochs roll over.
 
-        loader = TrainLoader(run + "/shards", seq_len=1024, batch_size=16, rank=r, world_size=W, seed=1337)
+        loader = TrainLoader(run + "/shards", seq_len=1024, batch_size=16, rank=r, world_size=W,
+                             seed=1337)
         loader.load_state_dict(ckpt["loader"])      # optional: resume exactly
         for step, (x, y) in zip(range(steps), loader): ...
         ckpt["loader"] = loader.state_dict()        # what this consumer has received so far
@@ -81,21 +85,48 @@ class TrainLoader:
     batches are built in pinned memory and copied with non_blocking=True.
     """
 
-    def __init__(self, shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, device=None, prefetch: int = 2, cache_dir: str | None = None,
-                 shuffle_shards: int = 0, split: str = "train", bos_aligned: bool = False):
+    def __init__(
+        self,
+        shards_dir: str,
+        seq_len: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        device=None,
+        prefetch: int = 2,
+        cache_dir: str | None = None,
+        shuffle_shards: int = 0,
+        split: str = "train",
+        bos_aligned: bool = False,
+    ):
+        """12 parameters: keyword options with defaults, as torch's DataLoader takes them; three are
+        required."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.split = load_split(shards_dir, split, seq_len)
-        self.seq_len, self.batch_size, self.rank, self.world_size = seq_len, batch_size, rank, world_size
-        self.seed, self.shuffle_shards, self.prefetch = int(seed), int(shuffle_shards), int(prefetch)
+        self.seq_len, self.batch_size, self.rank, self.world_size = (
+            seq_len,
+            batch_size,
+            rank,
+            world_size,
+        )
+        self.seed, self.shuffle_shards, self.prefetch = (
+            int(seed),
+            int(shuffle_shards),
+            int(prefetch),
+        )
         self.device = torch.device(device) if device is not None else None
         self.pin = self.device is not None and self.device.type == "cuda"
-        cache_shards = 2 * self.shuffle_shards if 0 < self.shuffle_shards < len(self.split.paths) else 0
+        cache_shards = (
+            2 * self.shuffle_shards if 0 < self.shuffle_shards < len(self.split.paths) else 0
+        )
         self.bos_aligned = bool(bos_aligned)
-        self.reader = ShardReader(self.split, cache_dir, cache_shards, bos=SPECIAL_IDS["bos"] if bos_aligned else None)
+        self.reader = ShardReader(
+            self.split, cache_dir, cache_shards, bos=SPECIAL_IDS["bos"] if bos_aligned else None
+        )
         self._orders: dict[int, tuple[np.ndarray, list]] = {}
         self._plans: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._state = (0, 0)  # (epoch, position) of the next batch the consumer will receive
@@ -114,8 +145,15 @@ class TrainLoader:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         epoch, position = self._state
-        return {"epoch": epoch, "position": position, "seed": self.seed, "seq_len": self.seq_len,
-                "windows": self.split.windows, "shuffle_shards": self.shuffle_shards, "bos_aligned": self.bos_aligned}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "windows": self.split.windows,
+            "shuffle_shards": self.shuffle_shards,
+            "bos_aligned": self.bos_aligned,
+        }
 
     def load_state_dict(self, d: dict) -> None:
         for key in ("epoch", "position"):
@@ -124,11 +162,15 @@ class TrainLoader:
         mine = self.state_dict()
         for key in ("seed", "seq_len", "windows", "shuffle_shards", "bos_aligned"):
             if key in d and int(d[key]) != mine[key]:
-                raise ValueError(f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
-                                 "the data order would differ, so resuming exactly is impossible")
+                raise ValueError(
+                    f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
+                    "the data order would differ, so resuming exactly is impossible"
+                )
         if not 0 <= int(d["position"]) < self.split.windows or int(d["epoch"]) < 0:
-            raise ValueError(f"loader state epoch={d['epoch']} position={d['position']} is out of range "
-                             f"(windows per epoch: {self.split.windows})")
+            raise ValueError(
+                f"loader state epoch={d['epoch']} position={d['position']} is out of range "
+                f"(windows per epoch: {self.split.windows})"
+            )
         self.close()
         self._state = (int(d["epoch"]), int(d["position"]))
 
@@ -143,7 +185,12 @@ class TrainLoader:
     def window_ids(self, epoch: int, position: int) -> np.ndarray:
         """The window ids of this rank's batch whose global step starts at (epoch, position)."""
         n = self.split.windows
-        stream = epoch * n + position + self.rank + self.world_size * np.arange(self.batch_size, dtype=np.int64)
+        stream = (
+            epoch * n
+            + position
+            + self.rank
+            + self.world_size * np.arange(self.batch_size, dtype=np.int64)
+        )
         ep, pos = np.divmod(stream, n)
         ids = np.empty(self.batch_size, dtype=np.int64)
         for e in np.unique(ep):  # one or two epochs, unless B*W > windows per epoch
@@ -204,7 +251,9 @@ class TrainLoader:
         x = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
         y = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin)
         gather(self.reader, ids, x.numpy(), y.numpy())
-        nxt_epoch, nxt_pos = divmod(epoch * self.split.windows + position + B * self.world_size, self.split.windows)
+        nxt_epoch, nxt_pos = divmod(
+            epoch * self.split.windows + position + B * self.world_size, self.split.windows
+        )
         return x, y, (nxt_epoch, nxt_pos)
 
     def _worker(self, q: queue.Queue, stop: threading.Event, state) -> None:
@@ -235,8 +284,12 @@ class TrainLoader:
         else:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
-                self._thread = threading.Thread(target=self._worker, args=(self._queue, self._stop, self._state),
-                                                name="codex-loader", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._worker,
+                    args=(self._queue, self._stop, self._state),
+                    name="codex-loader",
+                    daemon=True,
+                )
                 self._thread.start()
             item = self._queue.get()
             if isinstance(item, BaseException):
@@ -245,12 +298,16 @@ class TrainLoader:
             x, y, state = item
         self._state = state  # only now has the consumer received this batch
         if self.device is not None and self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=self.pin), y.to(self.device, non_blocking=self.pin)
+            x, y = (
+                x.to(self.device, non_blocking=self.pin),
+                y.to(self.device, non_blocking=self.pin),
+            )
         return x, y
 
     def close(self) -> None:
         """Stop the prefetch thread (it restarts from the consumer's state on the next batch)."""
         if self._thread is not None:
+            assert self._stop is not None  # set together with _thread
             self._stop.set()
             self._thread.join()
             self._thread = self._queue = self._stop = None
@@ -265,8 +322,18 @@ class TrainLoader:
 
 # ----------------------------------------------------------------------------- validation
 
-def val_batches(shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                max_tokens: int = 0, with_mask: bool = False, cache_dir: str | None = None, split: str = "val"):
+
+def val_batches(
+    shards_dir: str,
+    seq_len: int,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    max_tokens: int = 0,
+    with_mask: bool = False,
+    cache_dir: str | None = None,
+    split: str = "val",
+):
     """The val split in a fixed order (window 0, 1, 2, ...), every window exactly once across ranks.
 
     Step g covers windows [g*B*W, (g+1)*B*W); rank r takes g*B*W + r + k*W (k < B), like training.
@@ -277,7 +344,9 @@ def val_batches(shards_dir: str, seq_len: int, batch_size: int, rank: int = 0, w
     with_mask=True (XLA, or any collective per batch): every rank yields the same number of full
     (x, y, mask) batches; mask is a bool [B] that is False for filler rows (copies of window 0,
     real tokens) whose losses must be ignored.
-    """
+
+    9 parameters: keyword options with defaults, as torch's DataLoader takes them; three are
+    required."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     sp = load_split(shards_dir, split, seq_len)

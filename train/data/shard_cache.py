@@ -40,7 +40,9 @@ class HostShardCache:
     `fetched` lists the shards this process downloaded, in order (the others were on disk already).
     Thread-safe: the download pool acquires several shards at once."""
 
-    def __init__(self, folder: str, split: str, remote_paths: list[str], sha256: list[str | None], bound: int):
+    def __init__(
+        self, folder: str, split: str, remote_paths: list[str], sha256: list[str | None], bound: int
+    ):
         self.folder, self.split, self.bound = folder, split, max(1, int(bound))
         self.remote_paths, self.sha256 = list(remote_paths), list(sha256)
         self.lock_dir = os.path.join(folder, "locks")
@@ -96,14 +98,17 @@ class HostShardCache:
         return final
 
     def _download(self, i: int, final: str) -> None:
-        # Called under the exclusive NAME.dl lock, so the temp name is this shard's alone on the host.
+        # Called under the exclusive NAME.dl lock, so the temp name is this shard's alone on the
+        # host.
         tmp = os.path.join(self.folder, f".part-{self.name(i)}")
         fsio.download(self.remote_paths[i], tmp)
         want = self.sha256[i]
         if want and fsio.file_sha256(tmp) != want:
             os.unlink(tmp)
-            raise ValueError(f"{self.remote_paths[i]}: sha256 does not match the manifest ({want}); "
-                             "the shard changed after `codex data shard`")
+            raise ValueError(
+                f"{self.remote_paths[i]}: sha256 does not match the manifest ({want}); "
+                "the shard changed after `codex data shard`"
+            )
         os.replace(tmp, final)
         with self._mutex:
             self.fetched.append(i)
@@ -115,13 +120,16 @@ class HostShardCache:
             os.close(fd)  # drops the shared lock
 
     def evict(self) -> None:
-        """Delete this split's least recently used files that no process holds, down to the bound."""
+        """Delete this split's least recently used files that no process holds, down to the
+        bound."""
         prefix = self.split + "_"
         files = []
         with os.scandir(self.folder) as it:
             for e in it:
                 if e.name.startswith(prefix):
-                    with contextlib.suppress(FileNotFoundError):  # another process evicted it just now
+                    with contextlib.suppress(
+                        FileNotFoundError
+                    ):  # another process evicted it just now
                         files.append((e.stat().st_mtime, e.name))
         excess = len(files) - self.bound
         if excess <= 0:

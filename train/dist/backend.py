@@ -1,6 +1,6 @@
 """The backend interface: everything the training loop needs from a device, in one small place.
 
-    backend = make_backend(cfg)            # CPU or CUDA here; TPU in train/xla_backend.py
+    backend = make_backend(cfg)            # CPU or CUDA here; TPU in train/xla/backend.py
     model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
     for each optimizer step:
         for each micro-batch:
@@ -18,10 +18,10 @@ all-reduce per optimizer step is a plain call you can find, time and test. Gradi
 in fp32 buckets and divided by the world size, so the result is the gradient of the mean loss
 over every token of the global batch.
 
-Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for several
-machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL on CUDA.
-There is no silent fallback: a CUDA preset without CUDA, or a device count that does not match
-the launch, is an error that says what was found and how to fix it.
+Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for
+several machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL
+on CUDA. There is no silent fallback: a CUDA preset without CUDA, or a device count that does not
+match the launch, is an error that says what was found and how to fix it.
 """
 
 from __future__ import annotations
@@ -29,23 +29,25 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from types import ModuleType
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
-
-try:
-    import resource
-except ImportError:  # pragma: no cover - Windows has no resource module
-    resource = None
 
 from codex.config import ConfigError
 from model.gpt import build_model
 from train.dist.control import ControlPlane, control_timeout
 from train.dist.fsdp import build_sharded, set_grad_sync
 from train.plan.layout import Layout
-from train.plan.hardware import get_preset
+
+resource: ModuleType | None
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows has no resource module
+    resource = None
 
 
 class BackendError(ConfigError):
@@ -54,42 +56,58 @@ class BackendError(ConfigError):
 
 
 class Backend(Protocol):
-    """What train/loop.py and eval/ use. TorchBackend (CPU/CUDA) and train/xla_backend.py implement it."""
+    """What train/loop.py and eval/ use. TorchBackend (CPU/CUDA) and train/xla/backend.py implement
+    it."""
 
-    kind: str                 # the hardware preset's kind: "cpu", "cuda" or "tpu"
+    kind: str  # the hardware preset's kind: "cpu", "cuda" or "tpu"
     device: torch.device
-    rank: int                 # global rank of this process (0 .. world_size-1 on CPU/CUDA)
-    world_size: int           # data-parallel replicas = devices (batch arithmetic, MFU)
+    rank: int  # global rank of this process (0 .. world_size-1 on CPU/CUDA)
+    world_size: int  # data-parallel replicas = devices (batch arithmetic, MFU)
     local_rank: int
-    autocast_dtype: torch.dtype | None   # bf16 on CUDA/TPU by default, None = fp32
-    control: ControlPlane    # host-side gloo group: barrier, stop flag, resume decision (train/control.py)
+    autocast_dtype: torch.dtype | None  # bf16 on CUDA/TPU by default, None = fp32
+    control: ControlPlane  # host-side gloo group: barrier, stop flag, resume decision
+
+    #   (train/dist/control.py)
+    # loader_rank, loader_world and pinned_copy_device are read-only properties here: TorchBackend
+    # derives them, XLABackend stores them (dataclass fields); either satisfies the protocol.
     # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
     # devices_per_loader 1). Under XLA SPMD one process per host feeds all its chips.
-    loader_rank: int          # this process among the processes that load data
-    loader_world: int
-    devices_per_loader: int   # devices one process's batch is split over
-    global_values: bool       # a loss on this process is already the mean over every replica (SPMD)
-    fixed_shapes: bool        # validation needs full, masked batches of one shape (XLA compiles per shape)
-    pinned_copy_device: torch.device | None   # the loader copies from pinned memory to it (CUDA), or None
+    @property
+    def loader_rank(self) -> int: ...  # this process among the processes that load data
+    @property
+    def loader_world(self) -> int: ...
+
+    devices_per_loader: int  # devices one process's batch is split over
+    global_values: bool  # a loss on this process is already the mean over every replica
+    #   (SPMD)
+    fixed_shapes: bool  # validation needs full, masked batches of one shape (XLA compiles
+
+    #   per shape)
+    # the loader copies from pinned memory to it (CUDA), or None
+    @property
+    def pinned_copy_device(self) -> torch.device | None: ...
 
     @property
     def is_main(self) -> bool: ...
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
-    def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...   # training's model, in `layout`
-    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...   # before each micro-batch's backward
-    def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...  # XLA's While, or None
+    # training's model, in `layout`
+    def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...
+    # before each micro-batch's backward
+    def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...
+    # XLA's While, or None
+    def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...
     def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def any_flag(self, flag: bool) -> bool: ...   # True on every rank if any rank's flag is set
+    def any_flag(self, flag: bool) -> bool: ...  # True on every rank if any rank's flag is set
     def step_boundary(self) -> None: ...
     def synchronize(self) -> None: ...
     def barrier(self) -> None: ...
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
     def memory_stats(self) -> dict[str, float]: ...
     def compile_count(self) -> int | None: ...
-    def close(self, ok: bool = True) -> None: ...   # ok False: a rank failed, no clean-exit barrier
+    def close(self, ok: bool = True) -> None: ...  # ok False: a rank failed, no clean-exit barrier
 
 
 def loader_layout(backend: Backend, device_batch: int) -> tuple[int, int, int]:
@@ -105,7 +123,9 @@ def replica_mean(backend: Backend, tensor: torch.Tensor) -> torch.Tensor:
     return backend.all_reduce_sum(tensor.clone()) / backend.world_size
 
 
-def autocast_context(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+def autocast_context(
+    device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
     """bf16 matmuls under autocast (parameters stay fp32, the master weights); None = plain fp32."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
@@ -126,13 +146,14 @@ class TorchBackend:
     local_rank: int = 0
     autocast_dtype: torch.dtype | None = None
     compile: bool = False
-    bucket_bytes: int = 64 << 20     # gradient all-reduce bucket size (fewer, larger collectives)
+    bucket_bytes: int = 64 << 20  # gradient all-reduce bucket size (fewer, larger collectives)
     distributed: bool = False
-    control: ControlPlane = field(default_factory=ControlPlane)   # host-side gloo (train/control.py)
+    # host-side gloo (train/dist/control.py)
+    control: ControlPlane = field(default_factory=ControlPlane)
     devices_per_loader: int = 1
     global_values: bool = False
     fixed_shapes: bool = False
-    layout: Layout = field(default_factory=Layout)   # set by build_model (train/fsdp.py)
+    layout: Layout = field(default_factory=Layout)  # set by build_model (train/dist/fsdp.py)
     _compiled: list = field(default_factory=list)
 
     @property
@@ -158,17 +179,20 @@ class TorchBackend:
         # Parameters stay fp32 (the master weights); autocast runs the matmuls in bf16.
         model = model.to(self.device)
         if self.compile:
-            model = torch.compile(model)
+            model = cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule
             self._compiled.append(model)
         return model
 
     def build_model(self, model_cfg, seed: int, layout: Layout) -> torch.nn.Module:
         """build_model(model_cfg, seed)'s weights: replicated on this device, or sharded (fsdp:
-        built on the meta device and materialised already sharded, train/fsdp.py)."""
+        built on the meta device and materialised already sharded, train/dist/fsdp.py)."""
         self.layout = layout
         if not layout.sharded:
-            return self.prepare_model(build_model(model_cfg, seed=seed))  # same seed on every rank: identical weights
-        return build_sharded(model_cfg, seed, layout, self.device, self.autocast_dtype, self.compile)
+            # same seed on every rank: identical weights
+            return self.prepare_model(build_model(model_cfg, seed=seed))
+        return build_sharded(
+            model_cfg, seed, layout, self.device, self.autocast_dtype, self.compile
+        )
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
         """fsdp: reduce-scatter gradients in this backward only when `on` (the step's last
@@ -177,7 +201,8 @@ class TorchBackend:
             set_grad_sync(model, on)
 
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> None:
-        return None   # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
+        # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
+        return None
 
     def to_device(self, batch):
         non_blocking = self.device.type == "cuda"
@@ -197,7 +222,10 @@ class TorchBackend:
         bucket: list[torch.Tensor] = []
         size = 0
         for g in grads:
-            if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > self.bucket_bytes):
+            if bucket and (
+                g.dtype != bucket[0].dtype
+                or size + g.numel() * g.element_size() > self.bucket_bytes
+            ):
                 pending.append(self._reduce_bucket(bucket))
                 bucket, size = [], 0
             bucket.append(g)
@@ -210,7 +238,7 @@ class TorchBackend:
             offset = 0
             for g in members:
                 n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
+                g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
 
     def _reduce_bucket(self, bucket: list[torch.Tensor]):
@@ -227,7 +255,8 @@ class TorchBackend:
 
     def any_flag(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank (all ranks stop at the same step).
-        Runs on the host through the control plane's gloo group, so on CUDA it does not wait for the GPU."""
+        Runs on the host through the control plane's gloo group, so on CUDA it does not wait for
+        the GPU."""
         return self.control.any_flag(flag)
 
     def step_boundary(self) -> None:
@@ -239,7 +268,7 @@ class TorchBackend:
             torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        self.control.barrier()   # host-side (gloo), with the control plane's timeout
+        self.control.barrier()  # host-side (gloo), with the control plane's timeout
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights, keys without a torch.compile prefix, where they are (fsdp: this rank's
@@ -249,8 +278,10 @@ class TorchBackend:
 
     def memory_stats(self) -> dict[str, float]:
         if self.device.type == "cuda":
-            return {"mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
-                    "mem_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9}
+            return {
+                "mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
+                "mem_reserved_gb": torch.cuda.max_memory_reserved(self.device) / 1e9,
+            }
         if resource is None:  # pragma: no cover - Windows
             return {}
         return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
@@ -259,10 +290,11 @@ class TorchBackend:
         return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
 
     def close(self, ok: bool = True) -> None:
-        """ok: wait for every rank, then tear down (a rank that destroys its gloo group while a peer is
-        still connected can abort at exit). Not ok (this rank raised): no barrier, since the peers may sit
-        in a collective this rank will never join; leaving closes this rank's sockets, so their
-        collectives fail at once and the job ends non-zero instead of hanging until a timeout."""
+        """ok: wait for every rank, then tear down (a rank that destroys its gloo group while a peer
+        is still connected can abort at exit). Not ok (this rank raised): no barrier, since the
+        peers may sit in a collective this rank will never join; leaving closes this rank's
+        sockets, so their collectives fail at once and the job ends non-zero instead of hanging
+        until a timeout."""
         if not (self.distributed and dist.is_initialized()):
             return
         if ok:
@@ -270,11 +302,13 @@ class TorchBackend:
             dist.destroy_process_group()
         elif self.device.type == "cpu":
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()   # gloo: closes the sockets now; NCCL is left to process exit
+                # gloo: closes the sockets now; NCCL is left to process exit
+                dist.destroy_process_group()
 
 
 def _launch_env() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1 process."""
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1
+    process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -286,28 +320,36 @@ def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
     """train.dtype -> autocast dtype: auto = bf16 on accelerators, fp32 (None) on the CPU."""
     if setting == "auto":
         return None if device_kind == "cpu" else torch.bfloat16
-    return torch.bfloat16 if setting == "bf16" else None   # fp32: no autocast
+    return torch.bfloat16 if setting == "bf16" else None  # fp32: no autocast
 
 
 def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
     """This process's GPU, after checking the launch against the preset (exit 2 with the fix)."""
     if not torch.cuda.is_available():
         raise BackendError(
-            f"hardware preset '{preset.name}' needs CUDA GPUs, but torch {torch.__version__} found none "
+            f"hardware preset '{preset.name}' needs CUDA GPUs, "
+            f"but torch {torch.__version__} found none "
             f"(torch.cuda.is_available() is False; torch.version.cuda={torch.version.cuda}). "
-            "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu.")
+            "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu."
+        )
     found = torch.cuda.device_count()
     if local_world != preset.devices_per_host:
         raise BackendError(
-            f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host but this launch "
-            f"runs {local_world} process(es) per host. Fix: torchrun --nproc_per_node={preset.devices_per_host} "
-            f"-m codex.cli -- train ... (or pick the preset that matches, e.g. --hardware {preset.family}-{local_world}).")
+            f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host "
+            f"but this launch runs {local_world} process(es) per host. "
+            f"Fix: torchrun --nproc_per_node={preset.devices_per_host} "
+            "-m codex.cli -- train ... (or pick the preset that matches, "
+            f"e.g. --hardware {preset.family}-{local_world})."
+        )
     if found < local_world:
         raise BackendError(
-            f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, found {found} "
+            f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, "
+            f"found {found} "
             f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
-            f"Fix: use --hardware {preset.family}-{found}" + (" or" if found else "") +
-            " check CUDA_VISIBLE_DEVICES.")
+            f"Fix: use --hardware {preset.family}-{found}"
+            + (" or" if found else "")
+            + " check CUDA_VISIBLE_DEVICES."
+        )
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
@@ -330,20 +372,32 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
 
     if launched:
         if not dist.is_initialized():
-            kwargs: dict[str, Any] = {"backend": pg_backend, "timeout": datetime.timedelta(minutes=30)}
+            kwargs: dict[str, Any] = {
+                "backend": pg_backend,
+                "timeout": datetime.timedelta(minutes=30),
+            }
             if pg_backend == "nccl":
                 kwargs["device_id"] = device
             dist.init_process_group(**kwargs)
         if dist.get_world_size() != world:
-            raise BackendError(f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}")
+            raise BackendError(
+                f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {world}"
+            )
     control = ControlPlane()
     if launched:
-        # Its own gloo group with the control plane's timeout (the default group keeps 30 min: a first
-        # gradient all-reduce may wait for a peer's torch.compile).
-        control = ControlPlane(dist.new_group(backend="gloo", timeout=control_timeout()), rank, world)
+        # Its own gloo group with the control plane's timeout (the default group keeps 30 min: a
+        # first gradient all-reduce may wait for a peer's torch.compile).
+        control = ControlPlane(
+            dist.new_group(backend="gloo", timeout=control_timeout()), rank, world
+        )
     return TorchBackend(
-        kind=preset.kind, device=device, rank=rank, world_size=world, local_rank=local_rank,
+        kind=preset.kind,
+        device=device,
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
         autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
         compile=bool(cfg.train.compile) and preset.kind == "cuda",
-        distributed=launched, control=control,
+        distributed=launched,
+        control=control,
     )

@@ -82,7 +82,8 @@ class ControlPlane:
         if self.world == 1:
             return obj
         box = [obj]
-        # src is a global rank; the control group's rank 0 is global rank 0 (every group made here spans all ranks).
+        # src is a global rank; the control group's rank 0 is global rank 0 (every group made here
+        # spans all ranks).
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
@@ -110,9 +111,13 @@ class ControlPlane:
                 continue
             keys = sorted(k for k in ref.keys() | c.keys() if ref.get(k) != c.get(k))
             shown = ", ".join(f"{k}={c.get(k)!r} (rank 0: {ref.get(k)!r})" for k in keys[:5])
-            parts.append(f"rank {r}: {shown}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else ""))
-        raise ConfigError("the ranks of this job run different configs: " + "; ".join(parts) +
-                          ". Every host must get the same command, config files and --set flags")
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            parts.append(f"rank {r}: {shown}" + more)
+        raise ConfigError(
+            "the ranks of this job run different configs: "
+            + "; ".join(parts)
+            + ". Every host must get the same command, config files and --set flags"
+        )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -129,9 +134,9 @@ class StopFlag:
     """Set by SIGTERM/SIGINT (a spot VM gets ~30 s); the loop finishes the current step, saves and
     returns. Every rank stops at the same step: the loop checks `backend.any_flag(stop.is_set)`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._old = {}
+        self._old: dict = {}
 
     @property
     def is_set(self) -> bool:
@@ -157,14 +162,17 @@ class StopFlag:
 
 
 def rank_tag(control: ControlPlane) -> str:
-    """"rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
+    """ "rank r/n: " for per-rank log lines of a multi-process job ("" on one process)."""
     return f"rank {control.rank}/{control.world}: " if control.world > 1 else ""
 
 
-FAULT_ENV = "CODEX_TEST_RAISE_AT"   # "RANK:STEP": that control-plane rank raises before that step (tests)
+# "RANK:STEP": that control-plane rank raises before that step (tests)
+FAULT_ENV = "CODEX_TEST_RAISE_AT"
 
 
 def injected_step_fault(control: ControlPlane, step: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if spec and spec == f"{control.rank}:{step}":
-        raise RuntimeError(f"{FAULT_ENV}={spec}: injected failure on rank {control.rank} at step {step}")
+        raise RuntimeError(
+            f"{FAULT_ENV}={spec}: injected failure on rank {control.rank} at step {step}"
+        )

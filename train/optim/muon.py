@@ -31,17 +31,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)   # modded-nanogpt's quintic: fast growth of small singular values
+NS_COEFFS = (
+    3.4445,
+    -4.7750,
+    2.0315,
+)  # modded-nanogpt's quintic: fast growth of small singular values
 
 
-def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def orthogonalize(
+    g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The semi-orthogonal factor of `g` ([..., rows, cols]) by `steps` Newton-Schulz iterations."""
     a, b, c = NS_COEFFS
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:  # iterate on the wide orientation: X X^T is the smaller Gram matrix
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)   # spectral norm <= Frobenius norm <= 1
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
@@ -56,9 +62,17 @@ class Muon(torch.optim.Optimizer):
     shard_across=(rank, world): this process orthogonalises only its share of the matrices and
     gathers the rest from its peers over the default process group (replicated data parallelism)."""
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32,
-                 shard_across: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.float32,
+        shard_across: tuple[int, int] | None = None,
+    ):
+        """7 parameters: the hyperparameters, as every torch.optim constructor takes them."""
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
@@ -66,7 +80,9 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
-                    raise ValueError(f"Muon is for 2-D weights; got a parameter of shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"Muon is for 2-D weights; got a parameter of shape {tuple(p.shape)}"
+                    )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,33 +96,47 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])   # every rank keeps (and saves) the whole momentum
+                buf.lerp_(
+                    p.grad, 1 - group["momentum"]
+                )  # every rank keeps (and saves) the whole momentum
                 if i % self.world == self.rank:
-                    mine[i] = _like(orthogonalize(_full(p.grad.lerp(buf, group["momentum"])), group["ns_steps"],
-                                                  self.ns_dtype), p)
-            updates = mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
+                    mine[i] = _like(
+                        orthogonalize(
+                            _full(p.grad.lerp(buf, group["momentum"])),
+                            group["ns_steps"],
+                            self.ns_dtype,
+                        ),
+                        p,
+                    )
+            updates = (
+                mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
+            )
             lr, wd = group["lr"], group["weight_decay"]
             for i, p in enumerate(params):
                 if wd:
                     p.mul_(1 - lr * wd)
-                # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller entries.
+                # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller
+                # entries.
                 p.add_(updates[i], alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole matrix."""
+    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole
+    matrix."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no communication)."""
+    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no
+    communication)."""
     if not isinstance(p, DTensor):
         return update
     return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
 
 
-def _gather_updates(mine: dict[int, torch.Tensor], params: list[torch.Tensor], rank: int,
-                    world: int) -> dict[int, torch.Tensor]:
+def _gather_updates(
+    mine: dict[int, torch.Tensor], params: list[torch.Tensor], rank: int, world: int
+) -> dict[int, torch.Tensor]:
     """Every rank's orthogonalised matrices on every rank: rank r owns params[r::world]; each sends
     its updates flattened into one buffer padded to the largest share, one all_gather in all."""
     shares = [list(range(r, len(params), world)) for r in range(world)]
@@ -115,7 +145,7 @@ def _gather_updates(mine: dict[int, torch.Tensor], params: list[torch.Tensor], r
     send = torch.zeros(width, dtype=ref.dtype, device=ref.device)
     if mine:
         flat = torch.cat([mine[i].reshape(-1) for i in shares[rank]])
-        send[:flat.numel()] = flat
+        send[: flat.numel()] = flat
     received = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(received, send)
     updates = {}
@@ -123,7 +153,7 @@ def _gather_updates(mine: dict[int, torch.Tensor], params: list[torch.Tensor], r
         offset = 0
         for i in share:
             n = params[i].numel()
-            updates[i] = received[r][offset:offset + n].view_as(params[i])
+            updates[i] = received[r][offset : offset + n].view_as(params[i])
             offset += n
     return updates
 

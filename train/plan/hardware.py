@@ -2,7 +2,8 @@
 which device batch / sequence length fit each model preset.
 
     --hardware cpu | a100 | a100-8 | h100 | h100-8 | h200 | h200-8 | v4-8/16/32 |
-               v5litepod-1/4/8/16/32 | v5p-8/16/32/64 | v6e-1/4/8/16/32   (`codex hardware` prints the table)
+               v5litepod-1/4/8/16/32 | v5p-8/16/32/64 | v6e-1/4/8/16/32
+               (`codex hardware` prints the table)
 
 A GPU name with any device count works too (`h100-4`): it is the `h100` file with 4 GPUs per host.
 TPU names follow Cloud TPU: v4 and v5p names count TensorCores (v5p-8 = 4 chips, v5p-16 = 8 chips
@@ -16,6 +17,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -26,14 +28,16 @@ from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
 @dataclass
 class HardwarePreset:
     name: str
-    kind: str                   # "cpu", "cuda" or "tpu"
-    family: str                 # a100, h100, h200, v4, v5e, v5p, v6e, cpu
+    kind: str  # "cpu", "cuda" or "tpu"
+    family: str  # a100, h100, h200, v4, v5e, v5p, v6e, cpu
     device_name: str
-    devices_per_host: int       # GPUs or TPU chips per host (a replica each)
-    hosts: int                  # TPU VMs (workers) in the slice, one process each; 1 for GPU presets
-    memory_gb: float            # per device (HBM)
-    peak_tflops_bf16: float     # dense bf16 per device; MFU = achieved / (peak * devices)
-    defaults: dict = field(default_factory=dict)   # model preset -> {seq_len, max_device_batch (optional)}
+    devices_per_host: int  # GPUs or TPU chips per host (a replica each)
+    hosts: int  # TPU VMs (workers) in the slice, one process each; 1 for GPU presets
+    memory_gb: float  # per device (HBM)
+    peak_tflops_bf16: float  # dense bf16 per device; MFU = achieved / (peak * devices)
+    defaults: dict = field(
+        default_factory=dict
+    )  # model preset -> {seq_len, max_device_batch (optional)}
 
     @property
     def devices(self) -> int:
@@ -94,13 +98,15 @@ def require_shared_run_dir(cfg) -> None:
     if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
         return
     raise ConfigError(
-        f"--hardware {preset.name} runs on {preset.hosts} hosts, but --run {cfg.run} is a local path that each host "
-        "would see as its own folder. Fix: use a bucket every host reads (--run gs://BUCKET/RUN), or, when that path "
-        "is a disk all hosts share (NFS, Filestore), say so with --set train.shared_run_dir=true")
+        f"--hardware {preset.name} runs on {preset.hosts} hosts, but --run {cfg.run} is a local "
+        "path that each host would see as its own folder. Fix: use a bucket every host reads "
+        "(--run gs://BUCKET/RUN), or, when that path is a disk all hosts share (NFS, Filestore), "
+        "say so with --set train.shared_run_dir=true"
+    )
 
 
 def list_presets() -> list[HardwarePreset]:
-    def natural(name: str):   # v4-8 before v4-16
+    def natural(name: str):  # v4-8 before v4-16
         return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
     return [get_preset(n) for n in sorted(preset_names("hardware"), key=natural)]
@@ -113,30 +119,37 @@ def list_presets() -> list[HardwarePreset]:
 MAX_DEVICE_TOKENS = 65536
 
 
-def _entry(preset: HardwarePreset, model_cfg) -> tuple[str, dict]:
+def _entry(preset: HardwarePreset, model_cfg) -> tuple[str | None, dict]:
     name = model_cfg.preset or None
     entry_name = name if name in preset.defaults else "default"
     if entry_name not in preset.defaults:
-        raise ConfigError(f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' nor a 'default' "
-                          "entry; set train.device_batch and train.seq_len")
+        raise ConfigError(
+            f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' "
+            "nor a 'default' entry; set train.device_batch and train.seq_len"
+        )
     return entry_name, preset.defaults[entry_name]
 
 
 def default_seq_len(preset: HardwarePreset, model_cfg) -> int:
-    """The sequence length the preset suggests for this model (its model.preset entry, else 'default')."""
+    """The sequence length the preset suggests for this model (its model.preset entry, else
+    'default')."""
     return int(_entry(preset, model_cfg)[1]["seq_len"])
 
 
-def default_device_batch(preset: HardwarePreset, model_cfg, seq_len: int, **setting) -> tuple[int, str]:
-    """(device batch, layout) the memory plan suggests (train.plan.memory.default_batch) at this seq_len:
-    the largest power of two that fits with headroom, at most MAX_DEVICE_TOKENS / seq_len and the
-    entry's max_device_batch. The CPU preset's memory is the machine's, so there it is the entry's
-    max_device_batch (chosen for step time; train's check against free RAM still refuses). 0 =
-    nothing fits."""
+def default_device_batch(
+    preset: HardwarePreset, model_cfg, seq_len: int, **setting
+) -> tuple[int, str]:
+    """(device batch, layout) the memory plan suggests (train.plan.memory.default_batch) at this
+    seq_len: the largest power of two that fits with headroom, at most MAX_DEVICE_TOKENS / seq_len
+    and the entry's max_device_batch. The CPU preset's memory is the machine's, so there it is the
+    entry's max_device_batch (chosen for step time; train's check against free RAM still refuses).
+    0 = nothing fits."""
     from train.plan.memory import default_batch
 
     _, entry = _entry(preset, model_cfg)
-    cap = min(int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len))
+    cap = min(
+        int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len)
+    )
     if preset.memory_gb <= 0:
         return cap, "replicate"
     setting = {"dtype": "bf16", "layout": "replicate", **setting}
@@ -144,22 +157,25 @@ def default_device_batch(preset: HardwarePreset, model_cfg, seq_len: int, **sett
 
 
 def device_defaults(preset: HardwarePreset, model_cfg, **setting) -> tuple[int, int]:
-    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even one
-    sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer, layout ('auto'
-    too), fsdp_size, remat; by default bf16, AdamW, replicated."""
+    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even
+    one sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer,
+    layout ('auto' too), fsdp_size, remat; by default bf16, AdamW, replicated."""
     seq_len = default_seq_len(preset, model_cfg)
     batch, layout = default_device_batch(preset, model_cfg, seq_len, **setting)
     if batch <= 0:
-        raise ConfigError(f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} ({preset.memory_gb:g} GB "
-                          f"per device, {layout}) even at train.device_batch=1 x train.seq_len={seq_len} by the memory "
-                          "plan; pick hardware with more memory, a shorter train.seq_len, or shard the state "
-                          "(`codex hardware --model NAME` shows what fits where)")
+        raise ConfigError(
+            f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} "
+            f"({preset.memory_gb:g} GB per device, {layout}) even at train.device_batch=1 x "
+            f"train.seq_len={seq_len} by the memory plan; pick hardware with more memory, "
+            "a shorter train.seq_len, or shard the state "
+            "(`codex hardware --model NAME` shows what fits where)"
+        )
     return batch, seq_len
 
 
 def _render(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
 
@@ -182,11 +198,20 @@ def format_hardware_table() -> str:
             if k not in models:
                 models.append(k)
     configs = {m: preset_model(m) for m in models}
-    head = ["preset", "kind", "device", "hosts", "dev/host", "mem GB", "bf16 TFLOP/s"] + [f"{m} B×T" for m in models]
+    head = ["preset", "kind", "device", "hosts", "dev/host", "mem GB", "bf16 TFLOP/s"] + [
+        f"{m} B×T" for m in models
+    ]
     rows = [head]
     for p in presets:
-        cells = [p.name, p.kind, p.device_name, str(p.hosts), str(p.devices_per_host), f"{p.memory_gb:g}",
-                 f"{p.peak_tflops_bf16:g}" if p.peak_tflops_bf16 else "-"]
+        cells = [
+            p.name,
+            p.kind,
+            p.device_name,
+            str(p.hosts),
+            str(p.devices_per_host),
+            f"{p.memory_gb:g}",
+            f"{p.peak_tflops_bf16:g}" if p.peak_tflops_bf16 else "-",
+        ]
         for m in models:
             if m not in p.defaults:
                 cells.append("?")
@@ -197,12 +222,15 @@ def format_hardware_table() -> str:
         rows.append(cells)
     lines = _render(rows)
     lines.append("")
-    lines.append("GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
-                 "torchrun --nproc_per_node=N -m codex.cli -- train ...; B×T = default device batch × sequence length from the "
-                 "memory plan (bf16, AdamW, a 32K vocab; - = does not fit; fsdp = fits only with the weights, "
-                 "gradients and optimizer state sharded over every device). `codex hardware --model NAME` shows the "
-                 "plan. v4/v5p names count TensorCores, v5e/v6e names count chips. hosts > 1 = "
-                 "multi-host: run the same command on every worker (--worker=all) with a gs:// run directory.")
+    lines.append(
+        "GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
+        "torchrun --nproc_per_node=N -m codex.cli -- train ...; B×T = default device batch × "
+        "sequence length from the memory plan (bf16, AdamW, a 32K vocab; - = does not fit; "
+        "fsdp = fits only with the weights, gradients and optimizer state sharded over every "
+        "device). `codex hardware --model NAME` shows the plan. v4/v5p names count TensorCores, "
+        "v5e/v6e names count chips. hosts > 1 = multi-host: run the same command on every worker "
+        "(--worker=all) with a gs:// run directory."
+    )
     return "\n".join(lines)
 
 
@@ -213,8 +241,19 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
     from train.plan.memory import HEADROOM, choose_layout, largest_batch, plan
 
     m = preset_model(model)
-    setting = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
-    rows = [["preset", "mem GB", "devices", "B×T max: replicate", "fsdp", "fits", "layout", "plan at B (GB)"]]
+    setting: dict[str, Any] = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
+    rows = [
+        [
+            "preset",
+            "mem GB",
+            "devices",
+            "B×T max: replicate",
+            "fsdp",
+            "fits",
+            "layout",
+            "plan at B (GB)",
+        ]
+    ]
     for p in list_presets():
         T = default_seq_len(p, m)
         if p.memory_gb <= 0:
@@ -226,9 +265,25 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
         B = rep or fsdp
         layout = choose_layout(m, p, B, T, **setting) if B else "-"
         total = plan(m, p, B, T, layout=layout, **setting).total / 1e9 if B else 0
-        rows.append([p.name, f"{p.memory_gb:g}", str(p.devices), f"{rep}×{T}" if rep else "-",
-                     f"{fsdp}×{T}" if fsdp else "-", "yes" if B else "no", layout, f"{total:.1f}" if B else "-"])
+        rows.append(
+            [
+                p.name,
+                f"{p.memory_gb:g}",
+                str(p.devices),
+                f"{rep}×{T}" if rep else "-",
+                f"{fsdp}×{T}" if fsdp else "-",
+                "yes" if B else "no",
+                layout,
+                f"{total:.1f}" if B else "-",
+            ]
+        )
     n = plan(m, list_presets()[0], 1, 1).params
-    return "\n".join([f"model {model}: {n / 1e6:.0f}M parameters (32K vocab), bf16, {optimizer}, remat {remat}; "
-                      f"fits = at most {HEADROOM:.0%} of a device's memory by the plan (train/memory.py), "
-                      f"device batch at most {MAX_DEVICE_TOKENS} tokens"] + _render(rows))
+    return "\n".join(
+        [
+            f"model {model}: {n / 1e6:.0f}M parameters (32K vocab), bf16, {optimizer}, "
+            f"remat {remat}; fits = at most {HEADROOM:.0%} of a device's memory by the plan "
+            "(train/plan/memory.py), "
+            f"device batch at most {MAX_DEVICE_TOKENS} tokens"
+        ]
+        + _render(rows)
+    )

@@ -1,7 +1,7 @@
-"""How the training state is laid out over the data-parallel ranks (train.parallel, train.fsdp_size):
-replicate (every rank holds everything) or fsdp over `shard` ranks x `replicas` groups (HSDP when
-replicas > 1). The memory plan resolves train.parallel=auto first; train/dist/fsdp.py (CPU/CUDA)
-and train/xla/sharding.py (TPU) build the model in the layout.
+"""How the training state is laid out over the data-parallel ranks (train.parallel,
+train.fsdp_size): replicate (every rank holds everything) or fsdp over `shard` ranks x `replicas`
+groups (HSDP when replicas > 1). The memory plan resolves train.parallel=auto first;
+train/dist/fsdp.py (CPU/CUDA) and train/xla/sharding.py (TPU) build the model in the layout.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from codex.config import ConfigError
 class Layout:
     """How the training state is laid out over the world_size data-parallel ranks."""
 
-    parallel: str = "replicate"   # "replicate" (every rank holds everything) or "fsdp"
-    shard: int = 1                # ranks one copy of the state is sharded over (fsdp)
-    replicas: int = 1             # copies of the sharded state (HSDP when > 1 under fsdp)
+    parallel: str = "replicate"  # "replicate" (every rank holds everything) or "fsdp"
+    shard: int = 1  # ranks one copy of the state is sharded over (fsdp)
+    replicas: int = 1  # copies of the sharded state (HSDP when > 1 under fsdp)
 
     @property
     def sharded(self) -> bool:
@@ -26,7 +26,9 @@ class Layout:
     def describe(self) -> str:
         if not self.sharded:
             return "replicate"
-        return f"fsdp over {self.shard}" + (f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else "")
+        return f"fsdp over {self.shard}" + (
+            f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else ""
+        )
 
 
 def layout_for(parallel: str, fsdp_size: int, world_size: int) -> Layout:
@@ -37,6 +39,8 @@ def layout_for(parallel: str, fsdp_size: int, world_size: int) -> Layout:
         return Layout("replicate")
     size = fsdp_size or world_size
     if size > world_size or world_size % size:
-        raise ConfigError(f"train.fsdp_size={size} must divide the world size {world_size} "
-                          f"(0 = all {world_size} ranks)")
+        raise ConfigError(
+            f"train.fsdp_size={size} must divide the world size {world_size} "
+            f"(0 = all {world_size} ranks)"
+        )
     return Layout("fsdp", shard=size, replicas=world_size // size)

@@ -1,10 +1,10 @@
-"""The memory plan: bytes per device to train a model on a hardware preset, in a layout, at a device
-batch, so a setting that cannot fit is refused before training starts (exit 2 with the fix)
+"""The memory plan: bytes per device to train a model on a hardware preset, in a layout, at a
+device batch, so a setting that cannot fit is refused before training starts (exit 2 with the fix)
 instead of dying minutes later, and so the presets' default device batches and the layout
 (`choose_layout`) follow from memory instead of hand-written tables.
 
-Per device, P = parameters, F = devices sharing the state (1 replicated, train.fsdp_size under fsdp),
-c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len tokens:
+Per device, P = parameters, F = devices sharing the state (1 replicated, train.fsdp_size under
+fsdp), c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len tokens:
 
     weights          4 P / F     fp32 master weights
     gradients        4 P / F     fp32 (full for the whole step once accumulation has begun)
@@ -12,10 +12,10 @@ c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len toke
                                  blocks' matrices, AdamW's 8 for the rest
     compute weights  replicate:  c x matmul weights under bf16 autocast (its cast cache keeps one
                                  bf16 copy of every weight from the forward until backward used it)
-                     fsdp:       the gathered weights in c: two blocks (the one computing and the next,
-                                 prefetched) and the root's (embedding, head, final norm, which FSDP2
-                                 keeps gathered between forward and backward), plus one block's
-                                 unsharded gradient (c + 4 for the fp32 reduce-scatter)
+                     fsdp:       the gathered weights in c: two blocks (the one computing and the
+                                 next, prefetched) and the root's (embedding, head, final norm,
+                                 which FSDP2 keeps gathered between forward and backward), plus one
+                                 block's unsharded gradient (c + 4 for the fp32 reduce-scatter)
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
                      remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
                      one block's activations recomputed at a time
@@ -28,8 +28,9 @@ on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head
 decomposition keeps the fp32 probabilities [n_head, T] per token and K/V copied to every query head.
 
 Measured on the CPU (fp32, one process, forward + backward + AdamW step, peak RSS from
-resource.getrusage's ru_maxrss minus the resident size before the model was built, in a fresh process:
-tests/test_memory_plan.py): the estimate is within 25% of the peak; see the table in README.
+resource.getrusage's ru_maxrss minus the resident size before the model was built, in a fresh
+process: tests/test_memory_plan.py): the estimate is within 25% of the peak; see the table in
+README.
 A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
 the CUDA context and the XLA runtime take the rest).
 """
@@ -39,12 +40,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from codex.config import ConfigError
 from model.gpt import has_value_embed, matmul_params, mlp_hidden, padded_vocab
 
-HEADROOM = 0.9              # a plan fits when its total is at most this share of the device's memory
-DEFAULT_VOCAB = 32768       # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
+HEADROOM = 0.9  # a plan fits when its total is at most this share of the device's memory
+# `codex hardware` and the preset defaults, for a model whose vocab is not known yet
+DEFAULT_VOCAB = 32768
 LAYOUTS = ("replicate", "fsdp")
 
 
@@ -53,14 +56,14 @@ class MemoryPlan:
     """Bytes per device for one setting; `lines()` is the readable breakdown."""
 
     hardware: str
-    layout: str             # replicate | fsdp
-    shards: int             # devices the weights, gradients and optimizer state are divided over
+    layout: str  # replicate | fsdp
+    shards: int  # devices the weights, gradients and optimizer state are divided over
     device_batch: int
     seq_len: int
-    dtype: str              # compute dtype: bf16 | fp32
-    remat: str              # none | block
-    attention: str          # fused | math
-    optimizer: str          # adamw | muon
+    dtype: str  # compute dtype: bf16 | fp32
+    remat: str  # none | block
+    attention: str  # fused | math
+    optimizer: str  # adamw | muon
     params: int
     weights: int
     gradients: int
@@ -69,12 +72,19 @@ class MemoryPlan:
     activations: int
     logits: int
     workspace: int
-    device_memory: int      # bytes per device (0 = unknown)
+    device_memory: int  # bytes per device (0 = unknown)
 
     @property
     def total(self) -> int:
-        return (self.weights + self.gradients + self.optimizer_state + self.compute_weights + self.activations
-                + self.logits + self.workspace)
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer_state
+            + self.compute_weights
+            + self.activations
+            + self.logits
+            + self.workspace
+        )
 
     def fits(self, headroom: float = HEADROOM) -> bool:
         return self.device_memory <= 0 or self.total <= headroom * self.device_memory
@@ -84,18 +94,37 @@ class MemoryPlan:
         gb = lambda n: f"{n / scale:8.2f} {unit}"  # noqa: E731
         layout = "replicate" if self.layout == "replicate" else f"fsdp over {self.shards} devices"
         mem = f"{self.device_memory / 1e9:.1f} GB" if self.device_memory > 0 else "unknown"
-        parts = [("weights (fp32)", self.weights), ("gradients (fp32)", self.gradients),
-                 (f"optimizer ({self.optimizer})", self.optimizer_state),
-                 ("gathered weights" if self.layout == "fsdp" else f"weights in {self.dtype}", self.compute_weights),
-                 (f"activations (remat {self.remat})", self.activations), ("logits (fp32)", self.logits),
-                 ("workspace", self.workspace)]
-        head = (f"memory plan: {self.params / 1e6:.1f}M params on {self.hardware} ({mem} per device), {layout}, "
-                f"device batch {self.device_batch} x {self.seq_len}, {self.dtype}, {self.attention} attention")
-        share = f" ({self.total / self.device_memory:.0%} of the device)" if self.device_memory > 0 else ""
-        return [head] + [f"  {name:<24}{gb(n)}" for name, n in parts if n] + [f"  {'total':<24}{gb(self.total)}{share}"]
+        parts = [
+            ("weights (fp32)", self.weights),
+            ("gradients (fp32)", self.gradients),
+            (f"optimizer ({self.optimizer})", self.optimizer_state),
+            (
+                "gathered weights" if self.layout == "fsdp" else f"weights in {self.dtype}",
+                self.compute_weights,
+            ),
+            (f"activations (remat {self.remat})", self.activations),
+            ("logits (fp32)", self.logits),
+            ("workspace", self.workspace),
+        ]
+        head = (
+            f"memory plan: {self.params / 1e6:.1f}M params on {self.hardware} ({mem} per device), "
+            f"{layout}, device batch {self.device_batch} x {self.seq_len}, {self.dtype}, "
+            f"{self.attention} attention"
+        )
+        share = (
+            f" ({self.total / self.device_memory:.0%} of the device)"
+            if self.device_memory > 0
+            else ""
+        )
+        return (
+            [head]
+            + [f"  {name:<24}{gb(n)}" for name, n in parts if n]
+            + [f"  {'total':<24}{gb(self.total)}{share}"]
+        )
 
 
 # --- parameter counts ---------------------------------------------------------------------------
+
 
 def param_count(m) -> int:
     """Parameters of model.gpt.GPT for ModelConfig `m`: the matmul weights (output head over the
@@ -113,20 +142,22 @@ def block_params(m) -> int:
 
 
 def _muon_params(m) -> int:
-    """The blocks' 2-D weights (train.optim.muon.is_hidden_matrix): everything in a block but its norms."""
+    """The blocks' 2-D weights (train.optim.muon.is_hidden_matrix): everything in a block but its
+    norms."""
     hd = m.n_embd // m.n_head
     return m.n_layer * (block_params(m) - 2 * m.n_embd - (2 * hd if m.qk_norm else 0))
 
 
 def optimizer_bytes(m, optimizer: str) -> int:
-    """Optimizer state for the whole model: AdamW keeps two fp32 moments per parameter; Muon one fp32
-    momentum per hidden matrix entry, and AdamW's two for everything else."""
+    """Optimizer state for the whole model: AdamW keeps two fp32 moments per parameter; Muon one
+    fp32 momentum per hidden matrix entry, and AdamW's two for everything else."""
     if optimizer == "muon":
         return 4 * _muon_params(m) + 8 * (param_count(m) - _muon_params(m))
     return 8 * param_count(m)
 
 
 # --- activations ----------------------------------------------------------------------------------
+
 
 def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -> int:
     """Bytes one block keeps for backward per token, read off model/gpt.py's Block.forward.
@@ -137,19 +168,25 @@ def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -
     d, c = m.n_embd, compute_bytes
     hd = d // m.n_head
     dkv, h = m.n_kv_head * hd, mlp_hidden(m)
-    if c < 4:   # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
+    if (
+        c < 4
+    ):  # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
         norm_in, attn_norm, mid, mlp_norm = c * d, 2 * c * d, c * d, 2 * c * d
-        per_qk = 4 * c if m.qk_norm else 2 * c              # projection, (QK-norm's two), RoPE output
+        per_qk = 4 * c if m.qk_norm else 2 * c  # projection, (QK-norm's two), RoPE output
     else:
         norm_in, attn_norm, mid, mlp_norm = 4 * d, 8 * d, 4 * d, 8 * d
-        per_qk = 16 if m.qk_norm else 8                     # projection, normalised, norm output, RoPE output
+        per_qk = 16 if m.qk_norm else 8  # projection, normalised, norm output, RoPE output
     q, k, v = per_qk * d, per_qk * dkv, c * dkv
-    if attention == "math":   # fp32 probabilities per head over the T keys, K and V copied to every query head
+    if (
+        attention == "math"
+    ):  # fp32 probabilities per head over the T keys, K and V copied to every query head
         sdpa = c * d + 4 * m.n_head * seq_len + (2 * c * d if dkv != d else 0)
-    else:                     # fused: the output and a log-sum-exp per head
+    else:  # fused: the output and a log-sum-exp per head
         sdpa = c * d + 4 * m.n_head
-    attn_out = c * d                                       # the [B, T, H*hd] copy c_proj reads
-    mlp = (4 if m.mlp == "swiglu" else 2) * c * h          # swiglu: gate, silu(gate), up, product; relu2: relu, square
+    attn_out = c * d  # the [B, T, H*hd] copy c_proj reads
+    mlp = (
+        (4 if m.mlp == "swiglu" else 2) * c * h
+    )  # swiglu: gate, silu(gate), up, product; relu2: relu, square
     return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
 
 
@@ -160,6 +197,7 @@ def head_bytes_per_token(m, compute_bytes: int) -> int:
 
 
 # --- the plan -------------------------------------------------------------------------------------
+
 
 def shards_for(layout: str, fsdp_size: int, devices: int) -> int:
     """Devices the state is divided over: 1 replicated; fsdp_size (0 = all devices) under fsdp."""
@@ -173,12 +211,25 @@ def attention_for(kind: str) -> str:
     return "math" if kind == "tpu" else "fused"
 
 
-def plan(m, preset, device_batch: int, seq_len: int, *, layout: str = "replicate", fsdp_size: int = 0,
-         dtype: str = "bf16", remat: str = "none", optimizer: str = "adamw",
-         device_memory: int | None = None) -> MemoryPlan:
+def plan(
+    m,
+    preset,
+    device_batch: int,
+    seq_len: int,
+    *,
+    layout: str = "replicate",
+    fsdp_size: int = 0,
+    dtype: str = "bf16",
+    remat: str = "none",
+    optimizer: str = "adamw",
+    device_memory: int | None = None,
+) -> MemoryPlan:
     """The memory plan for ModelConfig `m` (vocab_size set; 0 counts DEFAULT_VOCAB) on `preset`
     (a train.plan.hardware.HardwarePreset: kind, devices, memory_gb). device_memory overrides the
-    preset's memory per device (the GPU's real size, the CPU's free RAM)."""
+    preset's memory per device (the GPU's real size, the CPU's free RAM).
+
+    10 parameters: the model, the preset and the batch, then keyword settings with defaults
+    (setting_for's dict, passed as **setting)."""
     if m.vocab_size <= 0:
         m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
     c = 2 if dtype == "bf16" else 4
@@ -196,13 +247,25 @@ def plan(m, preset, device_batch: int, seq_len: int, *, layout: str = "replicate
     if device_memory is None:
         device_memory = int(preset.memory_gb * 1e9)
     return MemoryPlan(
-        hardware=preset.name, layout=layout, shards=shards, device_batch=device_batch, seq_len=seq_len, dtype=dtype,
-        remat=remat, attention=attention, optimizer=optimizer, params=P,
-        weights=-(-4 * P // shards), gradients=-(-4 * P // shards),
-        optimizer_state=-(-optimizer_bytes(m, optimizer) // shards), compute_weights=compute_weights,
+        hardware=preset.name,
+        layout=layout,
+        shards=shards,
+        device_batch=device_batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        remat=remat,
+        attention=attention,
+        optimizer=optimizer,
+        params=P,
+        weights=-(-4 * P // shards),
+        gradients=-(-4 * P // shards),
+        optimizer_state=-(-optimizer_bytes(m, optimizer) // shards),
+        compute_weights=compute_weights,
         activations=tokens * (kept_layers + head_bytes_per_token(m, c)),
-        logits=3 * 4 * padded_vocab(m.vocab_size) * tokens, workspace=tokens * per_layer,
-        device_memory=device_memory)
+        logits=3 * 4 * padded_vocab(m.vocab_size) * tokens,
+        workspace=tokens * per_layer,
+        device_memory=device_memory,
+    )
 
 
 def largest_batch(m, preset, seq_len: int, cap: int, **setting) -> int:
@@ -217,10 +280,15 @@ def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
     """train.parallel=auto: replicate when the replicated plan fits with headroom (no gathers, the
     fastest layout), else fsdp (over train.fsdp_size devices; 0 = all)."""
     setting = {k: v for k, v in setting.items() if k != "layout"}
-    return "replicate" if plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits() else "fsdp"
+    return (
+        "replicate"
+        if plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits()
+        else "fsdp"
+    )
 
 
 # --- the refusal ----------------------------------------------------------------------------------
+
 
 def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
     """Memory one process may use: the GPU's own total memory when CUDA is up (an A100 may have 40
@@ -236,7 +304,9 @@ def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: line.split()[1] for line in f}
-        return int(info["MemAvailable"]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return (
+            int(info["MemAvailable"]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
     except (OSError, KeyError, ValueError):
         return None
 
@@ -251,12 +321,20 @@ def _train_key_exists(name: str) -> bool:
 def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0) -> list[str]:
     """The settings that would make `p` fit with headroom, each checked against the plan: a smaller
     device batch (same layout), the fsdp layout, block rematerialisation."""
-    same = dict(layout=p.layout, fsdp_size=fsdp_size, remat=p.remat, dtype=p.dtype, optimizer=p.optimizer,
-                device_memory=p.device_memory)
+    same: dict[str, Any] = dict(
+        layout=p.layout,
+        fsdp_size=fsdp_size,
+        remat=p.remat,
+        dtype=p.dtype,
+        optimizer=p.optimizer,
+        device_memory=p.device_memory,
+    )
     out = []
     b = largest_batch(m, preset, p.seq_len, p.device_batch - 1, **same) if p.device_batch > 1 else 0
     if b:
-        out.append(f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)")
+        out.append(
+            f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)"
+        )
     for key, field, value in (("parallel", "layout", "fsdp"), ("remat", "remat", "block")):
         if _train_key_exists(key) and same[field] != value:
             q = plan(m, preset, p.device_batch, p.seq_len, **(same | {field: value}))
@@ -274,28 +352,48 @@ def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryP
         return p
     where = "available on this machine" if preset.kind == "cpu" else "per device"
     found = fixes(m, preset, p, setting.get("fsdp_size", 0))
-    fix = "; ".join(found) if found else "a smaller model, hardware with more memory or a shorter train.seq_len"
+    fix = (
+        "; ".join(found)
+        if found
+        else "a smaller model, hardware with more memory or a shorter train.seq_len"
+    )
     raise ConfigError(
-        f"train.device_batch={device_batch} x train.seq_len={seq_len} needs {p.total / 1e9:.1f} GB per device "
-        f"(weights {p.weights / 1e9:.1f}, gradients {p.gradients / 1e9:.1f}, optimizer {p.optimizer_state / 1e9:.1f}, "
-        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, compute copies of the weights and "
-        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}) but {avail / 1e9:.1f} GB is {where}. Fix: {fix}")
+        f"train.device_batch={device_batch} x train.seq_len={seq_len} needs "
+        f"{p.total / 1e9:.1f} GB per device "
+        f"(weights {p.weights / 1e9:.1f}, gradients {p.gradients / 1e9:.1f}, "
+        f"optimizer {p.optimizer_state / 1e9:.1f}, "
+        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, "
+        "compute copies of the weights and "
+        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}) "
+        f"but {avail / 1e9:.1f} GB is {where}. Fix: {fix}"
+    )
 
 
-def default_batch(m, preset, seq_len: int, cap: int, layout: str = "auto", **setting) -> tuple[int, str]:
+def default_batch(
+    m, preset, seq_len: int, cap: int, layout: str = "auto", **setting
+) -> tuple[int, str]:
     """(device batch, layout) a preset suggests: the largest power of two <= cap that fits with
     headroom, replicated when any batch fits replicated (layout auto), else under fsdp. The batch
     is 0 when nothing fits."""
     if layout != "auto":
         return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
     b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
-    return (b, "replicate") if b else (largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp")
+    return (
+        (b, "replicate")
+        if b
+        else (largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp")
+    )
 
 
 def setting_for(tcfg, kind: str) -> dict:
-    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one place
-    that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
-    layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
+    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one
+    place that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map
+    onto layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
     dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
-    return {"dtype": dtype, "optimizer": tcfg.optimizer, "layout": tcfg.parallel, "fsdp_size": tcfg.fsdp_size,
-            "remat": tcfg.remat}
+    return {
+        "dtype": dtype,
+        "optimizer": tcfg.optimizer,
+        "layout": tcfg.parallel,
+        "fsdp_size": tcfg.fsdp_size,
+        "remat": tcfg.remat,
+    }

@@ -1,14 +1,14 @@
-"""TPU training on PyTorch/XLA: the Backend of train/backend.py for XLA devices.
+"""TPU training on PyTorch/XLA: the Backend of train/dist/backend.py for XLA devices.
 
 Two modes (train.xla_mode, `--xla-mode`):
 
 spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a mesh
                 ("replica", "fsdp") over the slice's chips, each batch sharded on dim 0 over all;
-                state replicated, or sharded on fsdp (train/xla_sharding.py). The program is written
+                state replicated, or sharded on fsdp (train/xla/sharding.py). The program is written
                 for the global batch, so the SPMD partitioner inserts the gradient all-reduce
                 itself and all_reduce_grads is a no-op. The host's loader loads
                 device_batch * local chips rows per micro-batch; hosts split the data by process
-                index (loader_rank / loader_world / devices_per_loader, see train/backend.py).
+                index (loader_rank / loader_world / devices_per_loader, see train/dist/backend.py).
 spawn           One process per chip through torch_xla's launcher (spawn_train). Each process has
                 its own batch; all_reduce_grads is an explicit xm.all_reduce(SUM, scale=1/W) once
                 per optimizer step.
@@ -18,18 +18,18 @@ once per optimizer step (step_boundary = torch_xla.sync()), nothing is read back
 inside a step (the loop reads the loss every log_every steps). A Python scalar such as the learning
 rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla is first
 imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so its step
-count and bias corrections stay on the device (train/optim.py). A run compiles a fixed number of
-programs (4 for 1,000 steps without validation, tests/test_xla.py); compile_count() is logged with
-every train metrics line, and train.max_compiles > 0 fails at the first step that ends above it.
-XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back on TPU
-(pytorch/xla #9094), so every process still compiles its programs once.
+count and bias corrections stay on the device (train/optim/optimizer.py). A run compiles a fixed
+number of programs (4 for 1,000 steps without validation, tests/test_xla.py); compile_count() is
+logged with every train metrics line, and train.max_compiles > 0 fails at the first step that ends
+above it. XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back on
+TPU (pytorch/xla #9094), so every process still compiles its programs once.
 
 No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
 what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla
-(train/xla_platform.py, checked before the runtime starts).
+(train/xla/platform.py, checked before the runtime starts).
 
-Everything torch_xla-specific lives in this file, train/xla_platform.py, train/xla_sharding.py
-(train.parallel=fsdp), train/xla_step.py (train.xla_step=cached), train/flash_attention.py
+Everything torch_xla-specific lives in this file, train/xla/platform.py, train/xla/sharding.py
+(train.parallel=fsdp), train/xla/step.py (train.xla_step=cached), train/xla/flash.py
 (model.attention=flash, installed by prepare_model) and train/remat.py's choice of torch_xla's
 checkpoint: torch_xla is being superseded (RFC pytorch/xla #9684), so the rest of codex only sees
 the Backend interface.
@@ -41,18 +41,19 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from codex.config import ConfigError, from_dict, to_dict
-from train.xla import sharding as xla_sharding
 from train.dist.backend import BackendError, autocast_context, resolve_dtype, unwrap
-from train.xla.flash import use_flash_attention
 from train.dist.control import ControlPlane, control_timeout
 from train.plan.hardware import get_preset, set_xla_import_env
+from train.xla import sharding as xla_sharding
+from train.xla.flash import use_flash_attention
 from train.xla.platform import cache_dir, check_attention, check_platform
 
 log = logging.getLogger("codex.xla")
@@ -64,28 +65,32 @@ class CompileLimitError(RuntimeError):
 
 # --- the backend --------------------------------------------------------------------------------
 
+
 @dataclass
 class XLABackend:
-    """The Backend protocol (train/backend.py) on XLA devices, SPMD or one process per chip."""
+    """The Backend protocol (train/dist/backend.py) on XLA devices, SPMD or one process per chip."""
 
     device: torch.device
-    mode: str                        # "spmd" or "spawn"
-    rank: int                        # spmd: process index (host); spawn: global ordinal (chip)
-    world_size: int                  # data-parallel replicas = chips in the slice (both modes)
+    mode: str  # "spmd" or "spawn"
+    rank: int  # spmd: process index (host); spawn: global ordinal (chip)
+    world_size: int  # data-parallel replicas = chips in the slice (both modes)
     local_rank: int
     autocast_dtype: torch.dtype | None
-    loader_rank: int                 # which of loader_world host loaders this process is
+    loader_rank: int  # which of loader_world host loaders this process is
     loader_world: int
-    devices_per_loader: int          # spmd: local chips (one loader feeds them all); spawn: 1
-    global_values: bool              # spmd: one program holds global values (no cross-rank sums)
-    fixed_shapes: bool = True        # XLA compiles one graph per shape: masked full val batches
+    devices_per_loader: int  # spmd: local chips (one loader feeds them all); spawn: 1
+    global_values: bool  # spmd: one program holds global values (no cross-rank sums)
+    fixed_shapes: bool = True  # XLA compiles one graph per shape: masked full val batches
     max_compiles: int = 0
     mesh: Any = None
-    flash_attention: bool = False    # model.attention=flash, on a TPU (train/flash_attention.py)
-    xla_step: str = "cached"         # train.xla_step: cached = micro-batches in one While (train/xla_step.py)
-    kind: str = "tpu"                # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
+    flash_attention: bool = False  # model.attention=flash, on a TPU (train/xla/flash.py)
+    # train.xla_step: cached = micro-batches in one While (train/xla/step.py)
+    xla_step: str = "cached"
+    kind: str = "tpu"  # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
     pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
-    control: ControlPlane = field(default_factory=ControlPlane)   # gloo over processes (train/control.py)
+    control: ControlPlane = field(
+        default_factory=ControlPlane
+    )  # gloo over processes (train/dist/control.py)
     _specs: dict = field(default_factory=dict)
 
     @property
@@ -103,25 +108,30 @@ class XLABackend:
         return model
 
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
-        """build_model's weights, replicated, or sharded on a (replica, fsdp) mesh (train/xla_sharding.py)."""
+        """build_model's weights, replicated, or sharded on a (replica, fsdp) mesh
+        (train/xla/sharding.py)."""
         from model.gpt import build_model
 
         model = build_model(model_cfg, seed=seed)
         if layout is None or not layout.sharded:
             return self.prepare_model(model)
         if self.mode != "spmd" or self.loader_world > 1:
-            raise ConfigError("train.parallel=fsdp on TPU runs under --xla-mode spmd on one host (several hosts need "
-                              "torch_xla's SPMD checkpoint planners, not built): use train.parallel=replicate")
+            raise ConfigError(
+                "train.parallel=fsdp on TPU runs under --xla-mode spmd on one host "
+                "(several hosts need torch_xla's SPMD checkpoint planners, not built): "
+                "use train.parallel=replicate"
+            )
         self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
         xla_sharding.shard_model(model, self.mesh, self.device)
         return self.prepare_model(model)
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
-        pass   # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
+        pass  # the gradient reduction is the partitioner's (spmd) or all_reduce_grads' (spawn)
 
     def device_accumulation(self, model: torch.nn.Module, accum: int):
-        """train.xla_step=cached: a callable running the step's `accum` micro-batches from the loader
-        as one While traced once (train/xla_step.py); traced: None, the loop re-traces each one."""
+        """train.xla_step=cached: a callable running the step's `accum` micro-batches from the
+        loader as one While traced once (train/xla/step.py); traced: None, the loop re-traces each
+        one."""
         if self.xla_step != "cached":
             return None
         from train.xla.step import DeviceAccumulation, stack_micro_batches
@@ -139,7 +149,9 @@ class XLABackend:
         if ndim not in self._specs:
             import torch_xla.distributed.spmd as xs
 
-            self._specs[ndim] = xs.ShardingSpec(self.mesh, xla_sharding.batch_spec(ndim), minibatch=True)
+            self._specs[ndim] = xs.ShardingSpec(
+                self.mesh, xla_sharding.batch_spec(ndim), minibatch=True
+            )
         return self._specs[ndim]
 
     def to_device(self, batch):
@@ -148,7 +160,9 @@ class XLABackend:
         import torch_xla.core.xla_model as xm
 
         # One host-to-device transfer per tensor, each host sending only its local shards.
-        return tuple(xm.send_cpu_data_to_device([t], self.device, self._spec(t.dim()))[0] for t in batch)
+        return tuple(
+            xm.send_cpu_data_to_device([t], self.device, self._spec(t.dim()))[0] for t in batch
+        )
 
     @torch.no_grad()
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
@@ -172,8 +186,9 @@ class XLABackend:
         return xm.all_reduce(xm.REDUCE_SUM, tensor)
 
     def any_flag(self, flag: bool) -> bool:
-        """True on every process when any process's flag is set: the control plane's host-side gloo
-        all-reduce, every step, with no device value read back (the pipeline keeps running ahead)."""
+        """True on every process when any process's flag is set: the control plane's host-side
+        gloo all-reduce, every step, with no device value read back (the pipeline keeps running
+        ahead)."""
         return self.control.any_flag(flag)
 
     def step_boundary(self) -> None:
@@ -184,9 +199,11 @@ class XLABackend:
             n = self.compile_count()
             if n > self.max_compiles:
                 raise CompileLimitError(
-                    f"XLA compiled {n} programs, more than train.max_compiles={self.max_compiles}: a shape or a "
-                    "constant changes between steps, or a tensor is read on the host inside the step. "
-                    "Run with PT_XLA_DEBUG_LEVEL=2 to see what triggers each compilation.")
+                    f"XLA compiled {n} programs, more than train.max_compiles={self.max_compiles}: "
+                    "a shape or a constant changes between steps, or a tensor is read on the host "
+                    "inside the step. "
+                    "Run with PT_XLA_DEBUG_LEVEL=2 to see what triggers each compilation."
+                )
 
     def synchronize(self) -> None:
         """Run what is still pending and wait for the device. The sync also materialises small
@@ -199,7 +216,8 @@ class XLABackend:
         xm.wait_device_ops()
 
     def barrier(self) -> None:
-        self.control.barrier()   # gloo across processes: under SPMD xm.rendezvous would span one process
+        # gloo across processes: under SPMD xm.rendezvous would span one process
+        self.control.barrier()
 
     def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
@@ -225,8 +243,9 @@ class XLABackend:
         return int(data[0]) if data else 0
 
     def close(self, ok: bool = True) -> None:
-        """ok: finish the device work, then the clean-exit barrier. Not ok (this process raised): neither,
-        the peers may sit in a collective this process will never join; its exit fails them at once."""
+        """ok: finish the device work, then the clean-exit barrier. Not ok (this process raised):
+        neither, the peers may sit in a collective this process will never join; its exit fails
+        them at once."""
         if not ok:
             return
         self.synchronize()
@@ -242,8 +261,11 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
     platform = check_platform(cfg, preset)
     check_attention(cfg, platform)
     if mode == "spawn" and not spawned:
-        raise BackendError("train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
-                           "`codex train --xla-mode spawn ...` (train.xla.backend.spawn_train), not train() directly")
+        raise BackendError(
+            "train.xla_mode=spawn starts one process per chip through torch_xla's launcher: run "
+            "`codex train --xla-mode spawn ...` (train.xla.backend.spawn_train), "
+            "not train() directly"
+        )
     set_xla_import_env()
     import torch_xla
     import torch_xla.runtime as xr
@@ -253,8 +275,11 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         readonly = mode == "spawn" and int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) != 0
         xr.initialize_cache(cache_dir(cfg), readonly=readonly)
     dtype = resolve_dtype(cfg.train.dtype, "tpu")
-    fix = ("Fix: use the preset that matches this machine (`codex hardware`)" +
-           (", or set CPU_NUM_DEVICES" if platform == "CPU" else "") + ".")
+    fix = (
+        "Fix: use the preset that matches this machine (`codex hardware`)"
+        + (", or set CPU_NUM_DEVICES" if platform == "CPU" else "")
+        + "."
+    )
 
     if mode == "spmd":
         xr.use_spmd()
@@ -262,28 +287,62 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         local = xr.addressable_runtime_device_count()
         hosts, host = xr.process_count(), xr.process_index()
         if n != preset.devices or (platform == "TPU" and hosts != preset.hosts):
-            raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips on {preset.hosts} host(s), "
-                               f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
-                               f"({xr.device_type()}). {fix}")
-        mesh = xla_sharding.make_mesh(n, 1)   # replicate; build_model reshapes it under fsdp
-        backend = XLABackend(device=torch_xla.device(), mode=mode, rank=host, world_size=n, local_rank=0,
-                             autocast_dtype=dtype, loader_rank=host, loader_world=hosts, devices_per_loader=local,
-                             global_values=True, max_compiles=cfg.train.max_compiles, mesh=mesh,
-                             flash_attention=cfg.model.attention == "flash", xla_step=cfg.train.xla_step)
+            raise BackendError(
+                f"hardware preset '{preset.name}' has {preset.devices} chips on "
+                f"{preset.hosts} host(s), "
+                f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
+                f"({xr.device_type()}). {fix}"
+            )
+        mesh = xla_sharding.make_mesh(n, 1)  # replicate; build_model reshapes it under fsdp
+        backend = XLABackend(
+            device=torch_xla.device(),
+            mode=mode,
+            rank=host,
+            world_size=n,
+            local_rank=0,
+            autocast_dtype=dtype,
+            loader_rank=host,
+            loader_world=hosts,
+            devices_per_loader=local,
+            global_values=True,
+            max_compiles=cfg.train.max_compiles,
+            mesh=mesh,
+            flash_attention=cfg.model.attention == "flash",
+            xla_step=cfg.train.xla_step,
+        )
     else:
         world, rank = xr.world_size(), xr.global_ordinal()
         if world != preset.devices:
-            raise BackendError(f"hardware preset '{preset.name}' has {preset.devices} chips, but torch_xla's launcher "
-                               f"started {world} process(es) on PJRT_DEVICE={platform}. {fix}")
-        backend = XLABackend(device=torch_xla.device(), mode=mode, rank=rank, world_size=world,
-                             local_rank=xr.local_ordinal(), autocast_dtype=dtype, loader_rank=rank,
-                             loader_world=world, devices_per_loader=1, global_values=False,
-                             max_compiles=cfg.train.max_compiles, flash_attention=cfg.model.attention == "flash",
-                             xla_step=cfg.train.xla_step)
+            raise BackendError(
+                f"hardware preset '{preset.name}' has {preset.devices} chips, "
+                "but torch_xla's launcher "
+                f"started {world} process(es) on PJRT_DEVICE={platform}. {fix}"
+            )
+        backend = XLABackend(
+            device=torch_xla.device(),
+            mode=mode,
+            rank=rank,
+            world_size=world,
+            local_rank=xr.local_ordinal(),
+            autocast_dtype=dtype,
+            loader_rank=rank,
+            loader_world=world,
+            devices_per_loader=1,
+            global_values=False,
+            max_compiles=cfg.train.max_compiles,
+            flash_attention=cfg.model.attention == "flash",
+            xla_step=cfg.train.xla_step,
+        )
     backend.control = _control_plane(backend.loader_world)
     if backend.is_main:
-        log.info("XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s", mode, platform,
-                 backend.world_size, backend.loader_world, os.environ.get("XLA_PERSISTENT_CACHE_PATH"))
+        log.info(
+            "XLA %s on PJRT_DEVICE=%s: %d chip(s), %d process(es), compilation cache %s",
+            mode,
+            platform,
+            backend.world_size,
+            backend.loader_world,
+            os.environ.get("XLA_PERSISTENT_CACHE_PATH"),
+        )
     return backend
 
 
@@ -297,13 +356,18 @@ def _control_plane(processes: int) -> ControlPlane:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="xla://", timeout=control_timeout())
     if dist.get_world_size() != processes:
-        raise BackendError(f"the gloo control group has {dist.get_world_size()} processes, XLA reports {processes}")
+        raise BackendError(
+            f"the gloo control group has {dist.get_world_size()} processes, XLA reports {processes}"
+        )
     return ControlPlane(dist.group.WORLD, dist.get_rank(), processes)
 
 
 # --- --xla-mode spawn: one process per chip -----------------------------------------------------
 
-def _spawn_main(index: int, train_fn: Callable[..., dict], cfg_dict: dict, result_path: str) -> None:
+
+def _spawn_main(
+    index: int, train_fn: Callable[..., dict], cfg_dict: dict, result_path: str
+) -> None:
     """Runs in every process torch_xla's launcher starts: the ordinary training loop."""
     result = train_fn(from_dict(cfg_dict), xla_spawned=True)
     if index == 0:
@@ -314,12 +378,17 @@ def _spawn_main(index: int, train_fn: Callable[..., dict], cfg_dict: dict, resul
 def spawn_train(cfg, train_fn: Callable[..., dict]) -> dict:
     """`codex train --xla-mode spawn`: run `train_fn` (train/loop.py's train with its evaluate
     bound; a module-level function, as the launcher pickles it) in one process per local chip
-    (torch_xla.launch); returns process 0's summary. Multi-host: the same command on every worker."""
+    (torch_xla.launch); returns process 0's summary. Multi-host: the same command on every
+    worker."""
     preset = get_preset(cfg.train.hardware)
     if preset.kind != "tpu":
-        raise ConfigError(f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
-                          "(use torchrun for several GPUs)")
-    check_attention(cfg, check_platform(cfg, preset))  # fail here, in the parent, before any process starts
+        raise ConfigError(
+            f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
+            "(use torchrun for several GPUs)"
+        )
+    check_attention(
+        cfg, check_platform(cfg, preset)
+    )  # fail here, in the parent, before any process starts
     set_xla_import_env()
     import torch_xla
 

@@ -1,4 +1,5 @@
-"""`model.attention=flash`: torch_xla's Pallas flash-attention kernel for the model's attention on TPU.
+"""`model.attention=flash`: torch_xla's Pallas flash-attention kernel for the model's attention on
+TPU.
 
 Why: under XLA, SDPA lowers to its math decomposition, which materialises the [B, H, T, T]
 scores (fp32 under autocast) and dominates memory from T ~ 2048. The Pallas kernel
@@ -24,21 +25,32 @@ Not yet run on a TPU: sdpa stays the default until it has been.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 
-REQUIREMENT = ("model.attention=flash runs torch_xla's Pallas flash-attention kernel, which needs a TPU preset "
-               "(e.g. --hardware v6e-4) on a TPU VM with PJRT_DEVICE=TPU")
+if TYPE_CHECKING:
+    from model.gpt import GPT
+
+REQUIREMENT = (
+    "model.attention=flash runs torch_xla's Pallas flash-attention kernel, "
+    "which needs a TPU preset "
+    "(e.g. --hardware v6e-4) on a TPU VM with PJRT_DEVICE=TPU"
+)
 
 
 def flash_unavailable(found: str) -> str:
     """The one-line refusal off a TPU; `found` says what this run has instead."""
-    return f"{REQUIREMENT}, but {found}. Fix: --set model.attention=sdpa (the default), or run on a TPU VM."
+    return (
+        f"{REQUIREMENT}, but {found}. "
+        "Fix: --set model.attention=sdpa (the default), or run on a TPU VM."
+    )
 
 
 def expand_kv_heads(kv: torch.Tensor, n_head: int) -> torch.Tensor:
-    """kv [B, n_kv_head, T, D] -> [B, n_head, T, D] where head h is kv head h // (n_head / n_kv_head)
-    (each K/V head repeated for its group of consecutive query heads); unchanged when equal."""
+    """kv [B, n_kv_head, T, D] -> [B, n_head, T, D] where head h is kv head
+    h // (n_head / n_kv_head) (each K/V head repeated for its group of consecutive query heads);
+    unchanged when equal."""
     B, n_kv, T, D = kv.shape
     if n_kv == n_head:
         return kv
@@ -65,12 +77,13 @@ def make_flash_attend(mesh):
         n_head, head_dim = q.shape[1], q.shape[-1]
         k, v = expand_kv_heads(k, n_head), expand_kv_heads(v, n_head)
         # The kernel's default scale is 1.0; SDPA's (and the model's) is 1/sqrt(head_dim).
-        return flash_attention(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(head_dim),
-                               partition_spec=spec, mesh=mesh)
+        return flash_attention(
+            q, k, v, causal=True, sm_scale=1.0 / math.sqrt(head_dim), partition_spec=spec, mesh=mesh
+        )
 
     return flash_attend
 
 
 def use_flash_attention(model: torch.nn.Module, mesh) -> None:
     """Every block's attention of `model` (a GPT, on its XLA device) through the flash kernel."""
-    model.set_attention(make_flash_attend(mesh))
+    cast("GPT", model).set_attention(make_flash_attend(mesh))

@@ -12,13 +12,14 @@ import os
 
 from codex import fsio
 from train.dist.backend import BackendError
-from train.xla.flash import flash_unavailable
 from train.plan.hardware import set_xla_import_env
+from train.xla.flash import flash_unavailable
 
 log = logging.getLogger("codex.xla")
 
 
 # --- the no-silent-fallback check -------------------------------------------------------------
+
 
 def _tpu_chips_on_host() -> int:
     """TPU chips on this host's PCI bus (does not start the XLA runtime)."""
@@ -27,44 +28,63 @@ def _tpu_chips_on_host() -> int:
 
         return int(tpu.num_available_chips())
     except Exception:  # no /sys (containers), or torch_xla internals moved: count /dev/accel*
-        return len([d for d in os.listdir("/dev") if d.startswith("accel")]) if os.path.isdir("/dev") else 0
+        return (
+            len([d for d in os.listdir("/dev") if d.startswith("accel")])
+            if os.path.isdir("/dev")
+            else 0
+        )
 
 
 def check_platform(cfg, preset) -> str:
-    """"TPU" or "CPU" (the XLA CPU backend, only with train.allow_cpu_xla); otherwise a
+    """ "TPU" or "CPU" (the XLA CPU backend, only with train.allow_cpu_xla); otherwise a
     BackendError naming PJRT_DEVICE, the devices found and the fix. Starts nothing."""
     # Read before importing torch_xla: the import sets PJRT_DEVICE=CPU when it is unset.
     pjrt = os.environ.get("PJRT_DEVICE", "")
-    set_xla_import_env()   # torch_xla reads them once, at import: this is the first import on the XLA path
+    # torch_xla reads them once, at import: this is the first import on the XLA path.
+    set_xla_import_env()
     try:
         import torch_xla  # noqa: F401
     except ImportError as e:
         raise BackendError(
-            f"hardware preset '{preset.name}' runs on PyTorch/XLA, but torch_xla cannot be imported ({e}). "
-            "Fix: on the TPU VM, pip install -e '.[tpu,gcs]' -f https://storage.googleapis.com/libtpu-releases/index.html "
-            "(torch==2.9.0 + torch_xla[tpu]==2.9.0); or pick --hardware cpu or a GPU preset.") from None
+            f"hardware preset '{preset.name}' runs on PyTorch/XLA, "
+            f"but torch_xla cannot be imported ({e}). "
+            "Fix: on the TPU VM, pip install -e '.[tpu,gcs]' "
+            "-f https://storage.googleapis.com/libtpu-releases/index.html "
+            "(torch==2.9.0 + torch_xla[tpu]==2.9.0); or pick --hardware cpu or a GPU preset."
+        ) from None
     chips = _tpu_chips_on_host()
     found = f"{chips} TPU chip(s) on this host's PCI bus"
     if pjrt == "TPU":
         if chips == 0:
             raise BackendError(
-                f"hardware preset '{preset.name}' needs TPUs and PJRT_DEVICE=TPU, but found {found} (no TPU here). "
-                "Fix: run on a TPU VM of that type (gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...), "
-                "or pick --hardware cpu or a GPU preset.")
+                f"hardware preset '{preset.name}' needs TPUs and PJRT_DEVICE=TPU, "
+                f"but found {found} (no TPU here). "
+                "Fix: run on a TPU VM of that type "
+                "(gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...), "
+                "or pick --hardware cpu or a GPU preset."
+            )
         return "TPU"
     if pjrt == "CPU":
         if cfg.train.allow_cpu_xla:
-            log.warning("PJRT_DEVICE=CPU with --allow-cpu-xla: the XLA path runs on the CPU (%s devices); "
-                        "this is for tests, not for training", os.environ.get("CPU_NUM_DEVICES", "1"))
+            log.warning(
+                "PJRT_DEVICE=CPU with --allow-cpu-xla: the XLA path runs on the CPU (%s devices); "
+                "this is for tests, not for training",
+                os.environ.get("CPU_NUM_DEVICES", "1"),
+            )
             return "CPU"
         raise BackendError(
-            f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE=CPU selects the XLA CPU backend ({found}). "
-            "Fix: export PJRT_DEVICE=TPU on a TPU VM; to run the XLA path on the CPU on purpose (tests), "
-            "also pass --allow-cpu-xla (train.allow_cpu_xla=true).")
+            f"hardware preset '{preset.name}' needs TPUs, "
+            f"but PJRT_DEVICE=CPU selects the XLA CPU backend ({found}). "
+            "Fix: export PJRT_DEVICE=TPU on a TPU VM; "
+            "to run the XLA path on the CPU on purpose (tests), "
+            "also pass --allow-cpu-xla (train.allow_cpu_xla=true)."
+        )
     raise BackendError(
-        f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE={pjrt or '(unset)'} (torch_xla would fall back "
-        f"to the CPU) and found {found}. Fix: export PJRT_DEVICE=TPU on the TPU VM; or pick --hardware cpu or a GPU "
-        "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests.")
+        f"hardware preset '{preset.name}' needs TPUs, but PJRT_DEVICE={pjrt or '(unset)'} "
+        f"(torch_xla would fall back to the CPU) and found {found}. "
+        "Fix: export PJRT_DEVICE=TPU on the TPU VM; or pick --hardware cpu or a GPU "
+        "preset; PJRT_DEVICE=CPU plus --allow-cpu-xla runs the XLA path on the CPU for tests."
+    )
 
 
 def check_attention(cfg, platform: str) -> None:
@@ -73,11 +93,17 @@ def check_attention(cfg, platform: str) -> None:
     if cfg.model.attention != "flash":
         return
     if platform != "TPU":
-        raise BackendError(flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}"))
+        raise BackendError(
+            flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}")
+        )
     if importlib.util.find_spec("jax") is None:
-        raise BackendError("model.attention=flash traces torch_xla's Pallas kernel with JAX, which is not installed. "
-                           "Fix: pip install 'torch_xla[pallas]==2.9.0' (see torch_xla's README for the JAX index), "
-                           "or --set model.attention=sdpa.")
+        raise BackendError(
+            "model.attention=flash traces torch_xla's Pallas kernel with JAX, "
+            "which is not installed. "
+            "Fix: pip install 'torch_xla[pallas]==2.9.0' "
+            "(see torch_xla's README for the JAX index), "
+            "or --set model.attention=sdpa."
+        )
 
 
 def cache_dir(cfg) -> str:
@@ -91,6 +117,8 @@ def cache_dir(cfg) -> str:
     else:
         path = fsio.join(cfg.run, "xla_cache")
     if fsio.is_remote(path):
-        raise BackendError(f"train.xla_cache={path}: the XLA compilation cache must be a local directory")
+        raise BackendError(
+            f"train.xla_cache={path}: the XLA compilation cache must be a local directory"
+        )
     os.makedirs(path, exist_ok=True)
     return path

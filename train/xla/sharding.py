@@ -32,7 +32,7 @@ weight's features and resharding it later (with only the blocks' outputs constra
 "involuntary full rematerialization" under fsdp=2 x replica=2). The partitioner inserts the
 all-gathers and the gradient reduce-scatters itself.
 
-Checkpoints: the backend's state_dict_for_save and train/train_state.py read full CPU tensors
+Checkpoints: the backend's state_dict_for_save and train/checkpoint/state.py read full CPU tensors
 (`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict
 copies into the sharded parameters, which keep their sharding (a load post-hook re-marks and
 asserts it). Several hosts would need torch_xla's SPMD save/load
@@ -47,11 +47,11 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 AXES = ("replica", "fsdp")
-BATCH_AXES = ("replica", "fsdp")       # dim 0 of a batch or an activation: over every device
+BATCH_AXES = ("replica", "fsdp")  # dim 0 of a batch or an activation: over every device
 
 # parameter -> (mesh, partition spec, the sharding string the runtime reports for it)
 _PLANNED = WeakIdKeyDictionary()
-_CHECKED = WeakIdKeyDictionary()       # optimizer state tensors already carrying their sharding
+_CHECKED = WeakIdKeyDictionary()  # optimizer state tensors already carrying their sharding
 _HOOKS: list = []
 
 
@@ -63,8 +63,9 @@ def make_mesh(replicas: int, shard: int):
 
 
 def param_spec(shape: tuple[int, ...], shard: int) -> tuple:
-    """The partition spec of a parameter of `shape` over `shard` fsdp devices (see the module doc)."""
-    spec = [None] * len(shape)
+    """The partition spec of a parameter of `shape` over `shard` fsdp devices (see the module
+    doc)."""
+    spec: list[str | None] = [None] * len(shape)
     if shard > 1:
         for dim, size in enumerate(shape):
             if size % shard == 0:
@@ -85,7 +86,8 @@ def sharding_of(t: torch.Tensor) -> str:
 
 
 def local_shard_shapes(t: torch.Tensor) -> list[tuple[int, ...]]:
-    """The shape of the piece of `t` each addressable device holds (the device work must be done)."""
+    """The shape of the piece of `t` each addressable device holds (the device work must be
+    done)."""
     import torch_xla
 
     return [tuple(data.shape) for data, _device in torch_xla._XLAC._get_local_shards([t])[0]]
@@ -100,13 +102,13 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
 
     if not sharding_of(t):
         return t.detach().cpu()
-    torch_xla._XLAC._xla_sync_multi([t], devices=[], wait=True)   # only t's pending work, if any
+    torch_xla._XLAC._xla_sync_multi([t], devices=[], wait=True)  # only t's pending work, if any
     xm.wait_device_ops()
     full = torch.empty(t.shape, dtype=t.dtype)
     shards = torch_xla._XLAC._get_local_shards([t])[0]
     places = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
-    for (data, _device), (_replica, index) in zip(shards, places):
-        if index is Ellipsis:   # replicated: any shard is the whole tensor
+    for (data, _device), (_replica, index) in zip(shards, places, strict=False):
+        if index is Ellipsis:  # replicated: any shard is the whole tensor
             return data.clone()
         # the last shard of an uneven split is padded: keep the part its index covers
         full[tuple(index)] = data[tuple(slice(0, i.stop - i.start) for i in index)]
@@ -124,15 +126,17 @@ def _mark(t: torch.Tensor, mesh, spec: tuple, expected: str | None = None) -> st
     xs.mark_sharding(t, mesh, spec)
     got = sharding_of(t)
     if expected is not None and got != expected:
-        raise RuntimeError(f"XLA sharding of a tensor of shape {tuple(t.shape)} is {got!r} after marking, "
-                           f"planned {expected!r}")
+        raise RuntimeError(
+            f"XLA sharding of a tensor of shape {tuple(t.shape)} is {got!r} after marking, "
+            f"planned {expected!r}"
+        )
     return got
 
 
 def shard_model(model: torch.nn.Module, mesh, device: torch.device) -> dict[str, tuple]:
     """Send `model`'s parameters (on the CPU) to `device` sharded on the fsdp axis, constrain every
-    Linear/Embedding output to the batch sharding, and register the plan for the optimizer hooks. Returns
-    {parameter name: partition spec}. Buffers are left for the caller's model.to(device)."""
+    Linear/Embedding output to the batch sharding, and register the plan for the optimizer hooks.
+    Returns {parameter name: partition spec}. Buffers are left for the caller's model.to(device)."""
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
@@ -142,11 +146,13 @@ def shard_model(model: torch.nn.Module, mesh, device: torch.device) -> dict[str,
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in sent:   # a tied weight is sent once and shared again
+            if id(p) not in sent:  # a tied weight is sent once and shared again
                 spec = param_spec(tuple(p.shape), shard)
                 if p.dim() >= 2:
-                    data = xm.send_cpu_data_to_device([p.detach()], device, xs.ShardingSpec(mesh, spec))[0]
-                else:   # torch_xla 2.9's ShardingSpec fails on 1-D tensors: sent whole, then marked
+                    data = xm.send_cpu_data_to_device(
+                        [p.detach()], device, xs.ShardingSpec(mesh, spec)
+                    )[0]
+                else:  # torch_xla 2.9's ShardingSpec fails on 1-D tensors: sent whole, then marked
                     data = p.detach().to(device)
                     xs.mark_sharding(data, mesh, spec)
                 sent[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
@@ -166,11 +172,13 @@ def _constrain_output(mesh):
 
     def hook(_module, _args, out):
         xs.mark_sharding(out, mesh, batch_spec(out.dim()))
+
     return hook
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Every planned parameter of `model` carries its planned sharding (re-marked if a load lost it)."""
+    """Every planned parameter of `model` carries its planned sharding (re-marked if a load lost
+    it)."""
     for p in model.parameters():
         if p in _PLANNED:
             mesh, spec, expected = _PLANNED[p]
@@ -201,9 +209,14 @@ def _install_optimizer_hooks() -> None:
     the step created). Optimizers over parameters this module did not plan are left alone."""
     if _HOOKS:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
-    def hook(optimizer, _args, _kwargs) -> None:   # a pre-hook's return value would replace the step's arguments
+    def hook(
+        optimizer, _args, _kwargs
+    ) -> None:  # a pre-hook's return value would replace the step's arguments
         shard_optimizer_state(optimizer)
 
     _HOOKS.append(register_optimizer_step_pre_hook(hook))

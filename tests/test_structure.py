@@ -1,0 +1,95 @@
+"""The layout holds: no import circle, no arrow running back up, ARCHITECTURE.md names every source
+file (and only files that exist), every part of train/ and pipeline/ says what it owns, and no
+function takes more than 6 parameters without saying why."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.import_graph import (
+    LAYERS,
+    ROOT,
+    TRAIN_LAYERS,
+    cycles,
+    import_graph,
+    module_files,
+    upward_arrows,
+)
+
+MAX_PARAMETERS = 6
+
+
+def test_no_import_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_no_arrow_runs_back_up():
+    assert upward_arrows(import_graph()) == []
+
+
+def test_the_graph_sees_lazy_imports_and_the_rules_can_fail(tmp_path):
+    """A circle made only of imports inside functions, and an arrow from the ground (codex/) up to
+    train/, are both caught: the checks above are not vacuous."""
+    for pkg in ("codex", "model", "pipeline", "train", "eval"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "train" / "loop.py").write_text("def f():\n    from train import data\n")
+    (tmp_path / "train" / "data.py").write_text("def g():\n    import train.loop\n")
+    (tmp_path / "codex" / "fsio.py").write_text("from train.loop import f\n")
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["train.data", "train.loop"]]
+    assert upward_arrows(graph) == [("codex.fsio", "train.loop"), ("train.data", "train.loop")]
+
+
+def test_layers_name_every_folder_and_train_part():
+    folders = {m.split(".")[0] for m in module_files()}
+    assert folders <= set(LAYERS)
+    parts = {p.name.removesuffix(".py") for p in (ROOT / "train").iterdir()}
+    parts -= {"__init__", "__pycache__"}
+    assert parts == set(TRAIN_LAYERS)
+
+
+def architecture_names(text: str) -> set[str]:
+    """Every project path ARCHITECTURE.md names: written out (`train/loop.py`), or as a file
+    name in a row of the map whose first cell is its folder (| `train/xla/` | `step.py` ...)."""
+    top = r"(?:codex|pipeline|model|train|eval|bench|tests)"
+    named = set(re.findall(rf"\b({top}/[\w/]*\w(?:\.py)?)", text))
+    for row in re.finditer(rf"^\| `({top}/(?:[\w]+/)*)` \|(.*)$", text, re.M):
+        named |= {row.group(1) + name for name in re.findall(r"`(\w+\.py)`", row.group(2))}
+    return named
+
+
+def test_architecture_names_every_source_file_and_only_files_that_exist():
+    named = architecture_names((ROOT / "ARCHITECTURE.md").read_text())
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"ARCHITECTURE.md names files that do not exist: {missing}"
+    sources = {str(f.relative_to(ROOT)) for f in module_files().values() if f.name != "__init__.py"}
+    unnamed = sorted(sources - named)
+    assert not unnamed, f"ARCHITECTURE.md does not name: {unnamed}"
+
+
+def test_every_part_says_what_it_owns():
+    for init in sorted(
+        list((ROOT / "train").glob("*/__init__.py"))
+        + list((ROOT / "pipeline").glob("*/__init__.py"))
+    ):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "Imports" in doc, f"{init.relative_to(ROOT)}: say what it owns and imports"
+
+
+def test_no_function_takes_more_than_six_parameters_without_a_reason():
+    """A function over the limit says why in its docstring, as 'N parameters: <reason>'."""
+    offenders = []
+    for name, f in module_files().items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [
+                p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")
+            ]
+            doc = ast.get_docstring(node) or ""
+            if len(params) > MAX_PARAMETERS and f"{len(params)} parameters:" not in doc:
+                offenders.append(f"{name}.{node.name} ({len(params)})")
+    assert not offenders, offenders
