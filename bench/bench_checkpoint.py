@@ -7,11 +7,12 @@ moments, ~4 GB): one writer vs DCP with every rank writing its own shards.
 Rows:
   torch.save, 1 process     the single-file format codex used before DCP (rank 0 wrote everything):
                             torch.save of the whole state + fsync
-  DCP, 1 process            train/checkpoint.save in one process (what replicate on one GPU does)
-  DCP, 2 ranks (fsdp)       train/checkpoint.save on 2 gloo ranks under torchrun, each holding and
+  DCP, 1 process            train/checkpoint/folders.py: save in one process (what replicate on
+                            one GPU does)
+  DCP, 2 ranks (fsdp)       the same save on 2 gloo ranks under torchrun, each holding and
                             writing half of every tensor (FSDP2 DTensors); the time of the slower
                             rank
-  async: loop blocked       the same with train.async_save (checkpoint.save_in_background): the time
+  async: loop blocked       the same with train.async_save (save_in_background): the time
                             the caller waits (the copy of its shards), and until DONE exists
 Every row includes writing DONE (and state.json, sha256 of every file) where it applies. Nothing
 here compresses, so constant values write the bytes a real checkpoint writes.

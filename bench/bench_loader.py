@@ -89,9 +89,8 @@ def main() -> None:
     ap.add_argument("-T", type=int, default=1024)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if hasattr(
-        os, "sched_setaffinity"
-    ):  # one core: the loader must keep up on the one core a host spares it
+    # one core: the loader must keep up on the one core a host spares it
+    if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     with tempfile.TemporaryDirectory() as root:
         build_shards(root, args.tokens, args.shard_tokens)

@@ -22,9 +22,8 @@ from codex.config import build_config
 from train.plan.hardware import format_hardware_table, format_model_fit, get_preset
 from train.plan.memory import plan
 
-MEASURE = str(
-    Path(__file__).resolve().parent / "measure_step_memory.py"
-)  # prints the peak in bytes
+# prints the peak in bytes
+MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")
 
 # (dtype, device batch, seq_len, model overrides on the default 4 x 128 model)
 SETTINGS = [

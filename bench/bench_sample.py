@@ -39,9 +39,10 @@ def bench_position(model, p: int, n: int, vocab: int) -> tuple[float, float]:
     ids = torch.randint(0, vocab, (1, p + n + 1), generator=torch.Generator().manual_seed(p))
     _, cache = prefill(model, ids[:, : p - 1])
 
+    # appends the token at position p + i (i = -1: the warm-up) and predicts the next
     def cached(
         i,
-    ):  # appends the token at position p + i (i = -1: the warm-up) and predicts the next
+    ):
         int(decode(model, ids[:, p + i : p + i + 1], cache).argmax())
 
     def uncached(i):

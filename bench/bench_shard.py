@@ -231,9 +231,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     if args.cores:
-        os.sched_setaffinity(
-            0, {int(c) for c in args.cores.split(",")}
-        )  # inherited by the children
+        # inherited by the children
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     run = Path(args.dir)
     t0 = time.perf_counter()
     build_run(run, args.mb, args.vocab)

@@ -361,9 +361,8 @@ class RunLock:
                     f"{self.path} was taken over by "
                     f"{describe(current) if current else 'another writer'}"
                 )
-            version = self._store.swap(
-                self._version, lease
-            )  # our retried write had landed: once more
+            # our retried write had landed: once more
+            version = self._store.swap(self._version, lease)
             if version is None:
                 raise LockLost(f"{self.path} keeps changing under its holder")
         self.lease, self._version = lease, version
@@ -381,9 +380,8 @@ class RunLock:
         try:
             if not self._store.delete(self._version) and self._is_mine():
                 self._store.delete(self._version)
-            if (
-                self._made_folder
-            ):  # a command that failed at once leaves no empty run directory behind
+            # a command that failed at once leaves no empty run directory behind
+            if self._made_folder:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.folder)
         except Exception as e:  # noqa: BLE001 - the next writer finds it stale

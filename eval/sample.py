@@ -93,9 +93,8 @@ def generate(
     for _ in range(max_new_tokens):
         if not use_cache:
             logits = model(torch.tensor([ids[-max_seq_len:]], device=device))[:, -1]
-        elif (
-            cache is None or len(ids) > max_seq_len
-        ):  # the prompt, or a sliding window (module doc)
+        # the prompt, or a sliding window (module doc)
+        elif cache is None or len(ids) > max_seq_len:
             logits, cache = prefill(model, torch.tensor([ids[-max_seq_len:]], device=device))
         else:  # ids[-1] is the one token not in the cache yet, at position len(ids) - 1
             logits = decode(model, torch.tensor([ids[-1:]], device=device), cache)
@@ -149,9 +148,8 @@ def run_sample(cfg, prompt: str) -> str | None:
     e = cfg.eval
     with open_backend(cfg) as backend:
         model, _, _ = load_model(cfg, e.checkpoint)
-        model = model.to(
-            backend.device
-        )  # not prepare_model: torch.compile would recompile per shape
+        # not prepare_model: torch.compile would recompile per shape
+        model = model.to(backend.device)
         tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
         with backend.autocast():
             text = sample(

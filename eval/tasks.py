@@ -101,14 +101,12 @@ def _check_dataset(name: str, task_manager) -> None:
     this machine is one line naming the task. simple_evaluate loads it again from the local
     cache."""
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # 0.4.13 deprecates it for load(), which 0.4.5 does not have
+        # 0.4.13 deprecates it for load(), which 0.4.5 does not have
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             task_manager.load_task_or_group([name])
-    except (
-        Exception
-    ) as e:  # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ...)
+    # datasets raises many kinds (ConnectionError, DatasetNotFoundError, ...)
+    except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"task {name}: its dataset could not be loaded ({reason}); "

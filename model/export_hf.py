@@ -64,6 +64,7 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
 # model.* options whose every value maps onto Qwen3 / Llama (mlp: only "swiglu", checked below).
 # init_std only matters at initialisation; preset only names where the values came from.
+# a kernel choice (sdpa or TPU flash): the same function
 MAPPED_OPTIONS = {
     "preset",
     "n_layer",
@@ -81,7 +82,7 @@ MAPPED_OPTIONS = {
     "init_std",
     "zero_init_proj",  # an initialisation only: the trained weights map as usual
     "attention",
-}  # a kernel choice (sdpa or TPU flash): the same function
+}
 
 
 def check_exportable(m: ModelConfig) -> str:
@@ -273,7 +274,9 @@ def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | i
 
 
 def check_export_target(out: str) -> None:
-    """Refuse an --out that is remote or exists (exit 2), before a checkpoint is read."""
+    """Refuse an --out that is remote or exists, or a machine without transformers (exit 2),
+    before a checkpoint is read."""
+    _require_transformers()
     if fsio.is_remote(out):
         raise ConfigError(
             f"--out {out}: export writes a local directory; copy it to remote storage afterwards"

@@ -63,9 +63,8 @@ def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[Inp
         fs, p = _filesystem(spec)
         if any(c in spec for c in "*?["):
             matches = fs.glob(p, detail=True)
-            if (
-                not matches
-            ):  # not an error by itself (a job may glob optional parts); no files at all is
+            # not an error by itself (a job may glob optional parts); no files at all is, below
+            if not matches:
                 log.warning("clean: %s matches no files", spec)
             entries = [(name, info) for name, info in matches.items()]
         elif fs.isdir(p):

@@ -151,9 +151,8 @@ def _read_text(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
         yield Record(f.path, _decode(raw, report), len(raw))
         return
     delim = cfg.txt_delimiter
-    if (
-        "\\" in delim
-    ):  # a delimiter typed on the command line: --set data.clean.txt_delimiter='\n\n'
+    # a delimiter typed on the command line: --set data.clean.txt_delimiter='\n\n'
+    if "\\" in delim:
         delim = delim.encode("ascii", "backslashreplace").decode("unicode_escape")
     delim = delim.encode("utf-8")
     i = 0
@@ -203,9 +202,8 @@ def _open_decompressed(path: str, fh):
         return gzip.GzipFile(fileobj=fh)
     if name.endswith(".zst"):
         return io.BufferedReader(_ZstdReader(path, fh), 1 << 20)
-    if fsio.is_remote(
-        path
-    ):  # fsspec's remote files have no readline(size), which bounds a huge line
+    # fsspec's remote files have no readline(size), which bounds a huge line
+    if fsio.is_remote(path):
         return io.BufferedReader(fh, 1 << 20)
     return fh
 

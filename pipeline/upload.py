@@ -27,9 +27,8 @@ from codex.progress import Progress
 log = logging.getLogger("codex.upload")
 
 MARKER_NAMES = {"manifest.json", "DONE", "stats.json", "tokenizer_meta.json"}
-TEMP_NAME = re.compile(
-    r"(^\.tmp-)|(\.tmp-[0-9a-f]{8}$)"
-)  # fsio.atomic_open's temp files, local and remote
+# fsio.atomic_open's temp files, local and remote
+TEMP_NAME = re.compile(r"(^\.tmp-)|(\.tmp-[0-9a-f]{8}$)")
 
 
 def _local_files(root: str) -> list[str]:

@@ -178,13 +178,13 @@ def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(
             "g.jsonl.zst",
             pattern,
         )
-    assert (
-        "clean: bad input (details in stats.json): 1 failed files" in caplog.text
-    )  # no stray ", "
+    # no stray ", "
+    assert "clean: bad input (details in stats.json): 1 failed files" in caplog.text
     stats = json.loads((tmp_path / "r" / "clean" / "stats.json").read_text())
     assert stats["docs_out"] == 4  # the good file was cleaned
     assert [f["path"] for f in stats["bad_input"]["failed_files"]] == [str(src / "g.jsonl.zst")]
     invoke(["data", "tokenize", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
+    # a tokenizer from the files given
     invoke(
         [
             "data",
@@ -197,7 +197,7 @@ def test_a_damaged_zst_fails_alone_and_later_stages_refuse_the_partial_corpus(
             "300",
         ],
         0,
-    )  # a tokenizer from the files given
+    )
     invoke(["data", "shard", "--run", run], 1, "clean did not finish", "g.jsonl.zst")
     assert not (tmp_path / "r" / "shards" / "manifest.json").exists()
 

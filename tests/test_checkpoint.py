@@ -46,9 +46,8 @@ def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     assert checkpoint.load(run)["step"] == 2
     (Path(checkpoint.step_dir(run, 2)) / ".metadata").unlink()  # a file DONE lists is gone
     assert checkpoint.load(run)["step"] == 1
-    (Path(checkpoint.step_dir(run, 1)) / "DONE").write_text(
-        '{"step": 1, "bytes": 100}'
-    )  # an old ckpt.pt checkpoint
+    # an old ckpt.pt checkpoint
+    (Path(checkpoint.step_dir(run, 1)) / "DONE").write_text('{"step": 1, "bytes": 100}')
     with pytest.raises(FileNotFoundError, match="single-file checkpoint of an older codex"):
         checkpoint.load(run)
 

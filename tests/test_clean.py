@@ -176,9 +176,8 @@ def test_code_preset_keeps_python_and_web_drops_it(tmp_path):
         (CODE + f"\nVALUE = {i}\n").strip() for i in range(5)
     )
     assert all(r["source"].endswith(".py") and r["id"] for r in rows)
-    with pytest.raises(
-        CleanError, match="kept no documents .*--preset code"
-    ):  # a clean that keeps nothing fails
+    # a clean that keeps nothing fails
+    with pytest.raises(CleanError, match="kept no documents .*--preset code"):
         run_clean(cfg_for(tmp_path, [src], "data.clean.preset=web", run="web"))
     web = json.loads((tmp_path / "web" / "clean" / "stats.json").read_text())
     assert web["docs_out"] == 0 and web["drops_total"] == 6
@@ -257,9 +256,8 @@ def test_bad_inputs_are_reported_and_the_rest_is_cleaned(tmp_path, caplog):
         json.dumps({"text": 3}),
     ]
     (d / "mixed.jsonl").write_text("\n".join(lines) + "\n")
-    (d / "corrupt.jsonl.gz").write_bytes(
-        gzip.compress(b'{"text": "abc"}\n' * 1000)[:60]
-    )  # cannot be read
+    # cannot be read
+    (d / "corrupt.jsonl.gz").write_bytes(gzip.compress(b'{"text": "abc"}\n' * 1000)[:60])
     pq.write_table(pa.table({"body": ["x"], "url": ["u"]}), d / "nocol.parquet")
     cfg = cfg_for(tmp_path, [d])
     with pytest.raises(
@@ -287,9 +285,8 @@ def test_bad_inputs_are_reported_and_the_rest_is_cleaned(tmp_path, caplog):
     # a rerun redoes only what failed (the chunk holding the failed files) and still reports it
     (d / "nocol.parquet").unlink()
     (d / "corrupt.jsonl.gz").unlink()
-    with pytest.raises(
-        Exception, match="other inputs"
-    ):  # the input set changed: refuse to mix outputs
+    # the input set changed: refuse to mix outputs
+    with pytest.raises(Exception, match="other inputs"):
         run_clean(cfg)
 
 
@@ -331,9 +328,8 @@ def make_corpus(d: Path, n_files: int, docs_per_file: int, dup_every: int = 7) -
     for i in range(n_files):
         with open(d / f"f{i:03d}.jsonl", "w") as f:
             for _ in range(docs_per_file):
-                f.write(
-                    json.dumps({"text": prose(k % dup_every if k % 5 == 0 else k)}) + "\n"
-                )  # cross-file dups
+                # cross-file dups
+                f.write(json.dumps({"text": prose(k % dup_every if k % 5 == 0 else k)}) + "\n")
                 k += 1
 
 

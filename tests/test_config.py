@@ -190,9 +190,8 @@ def test_yaml_boolean_for_string_key_says_quote_it(tmp_path):
 
 
 def test_model_depth_derives_the_shape():
-    m = build_config(
-        overrides=["model.depth=12", "model.n_layer=3"]
-    ).model  # depth wins over the shape keys
+    # depth wins over the shape keys
+    m = build_config(overrides=["model.depth=12", "model.n_layer=3"]).model
     assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head) == (12, 768, 6, 6)  # 64 x 12, heads of 128
     assert build_config(overrides=["model.depth=3"]).model.n_embd == 256  # 192 rounded up to 128s
     assert build_config(overrides=["model.depth=2"]).model.n_head == 1  # 128 wide: one head of 128

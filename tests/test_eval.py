@@ -81,9 +81,8 @@ def test_bits_per_byte_on_known_text_equals_hand_computation():
     tb = token_bytes_of(tok)
     V = tok.get_vocab_size()
     text = "Grüße aus Köln ✓ déjà vu, the lazy dog."
-    ids = [0] + tok.encode(
-        text
-    ).ids  # <|bos|> + the text: the targets are exactly the text's tokens
+    # <|bos|> + the text: the targets are exactly the text's tokens
+    ids = [0] + tok.encode(text).ids
     T = len(ids) - 1
     x, y = windows(ids, T)
 

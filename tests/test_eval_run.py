@@ -195,9 +195,8 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert rec["split"] is None and rec["data"] == [str(data)]
     written = [p.name for p in Path(run, "eval").iterdir()]
-    assert len(written) == 1 and written[0].startswith(
-        "step_7.data-"
-    )  # the val result is not overwritten
+    # the val result is not overwritten
+    assert len(written) == 1 and written[0].startswith("step_7.data-")
 
     with pytest.raises(FileNotFoundError, match="no such file"):
         run_eval(eval_cfg(run, data=[str(tmp_path / "missing.txt")]))
@@ -309,9 +308,8 @@ def test_world_size_1_and_2_give_the_same_numbers(tmp_path):
         assert r["bytes"] == single["bytes"]
         for k in ("loss", "perplexity", "bits_per_byte"):
             assert r[k] == pytest.approx(single[k], rel=1e-5, abs=1e-5)
-    assert (
-        json.loads(Path(run, "eval", "step_7.json").read_text())["world_size"] == 2
-    )  # rank 0 wrote it
+    # rank 0 wrote it
+    assert json.loads(Path(run, "eval", "step_7.json").read_text())["world_size"] == 2
 
 
 def _metrics(run: Path, lines: list[str]) -> None:

@@ -96,9 +96,8 @@ def test_exported_logits_equal_codex_for_every_exportable_combination(tmp_path):
         assert (
             config["vocab_size"] == V and config["tie_word_embeddings"] == combo["tie_embeddings"]
         )
-        assert (
-            out / "model.safetensors.index.json"
-        ).exists()  # sharded: the weights are over 30 KB
+        # sharded: the weights are over 30 KB
+        assert (out / "model.safetensors.index.json").exists()
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert hf.config.num_key_value_heads == combo["n_kv_head"]
         with torch.no_grad():
@@ -122,9 +121,8 @@ def test_generate_matches_codex_greedy_sample_and_tokenizer_matches(tmp_path):
     ours = sample(model.eval(), tok, prompt, max_new_tokens=20, temperature=0)
     enc = hf_tok(prompt, return_tensors="pt")
     assert enc.input_ids[0, 0].item() == 0  # <|bos|> first, as every training document
-    gen = hf.generate(
-        **enc, max_new_tokens=20, do_sample=False
-    )  # stops at <|eos|> / <|bos|>, as sample does
+    # stops at <|eos|> / <|bos|>, as sample does
+    gen = hf.generate(**enc, max_new_tokens=20, do_sample=False)
     new = gen[0, enc.input_ids.shape[1] :].tolist()
     assert len(new) >= 5, new  # a real continuation, not an immediate stop
     assert hf_tok.decode(gen[0], skip_special_tokens=True) == ours

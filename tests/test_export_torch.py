@@ -53,9 +53,8 @@ def test_exported_file_loads_with_weights_only_and_gives_the_checkpoints_logits(
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
-        assert not torch.equal(
-            model(x), load_model(cfg, 3)[0](x)
-        )  # the step asked for, not the latest
+        # the step asked for, not the latest
+        assert not torch.equal(model(x), load_model(cfg, 3)[0](x))
 
     again = CliRunner().invoke(
         cli, ["export", "--run", str(run), "--format", "torch", "--out", str(out)]

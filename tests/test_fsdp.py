@@ -56,9 +56,8 @@ def test_fsdp_replicate_and_one_process_agree_and_each_rank_holds_half(tmp_path)
     err = torchrun(runs["fsdp"], parallel="fsdp", **STEPS).stderr
     assert "fsdp over 2" in err
     assert "replicate" in torchrun(runs["replicate"], parallel="replicate", **STEPS).stderr
-    run_train(
-        runs["one"], **{**STEPS, "device_batch": 8}
-    )  # the same 8-row global batch in one process
+    # the same 8-row global batch in one process
+    run_train(runs["one"], **{**STEPS, "device_batch": 8})
     one = final_model(runs["one"])
     assert_close(final_model(runs["fsdp"]), one, 1e-5)
     assert_close(final_model(runs["replicate"]), one, 1e-5)
@@ -136,9 +135,10 @@ sys.exit(main(["train", *[a for a in sys.argv[1:] if a != "--"]]))
 
 @pytest.mark.slow
 def test_fsdp_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    # accum 2
     keys = dict(
         max_steps=8, save_every=2, parallel="fsdp", device_batch=2, batch_tokens=2 * 2 * 16 * 2
-    )  # accum 2
+    )
     ref, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     torchrun(ref, **keys)
     script = tmp_path / "kill.py"

@@ -46,9 +46,8 @@ def test_multi_host_preset_has_the_slice_shape(name):
     )
     assert (p.peak_flops, p.memory_gb) == (peak * 1e12, hbm)
     counted = int(name.rsplit("-", 1)[1])
-    assert counted == (
-        2 * chips if family in ("v4", "v5p") else chips
-    )  # the naming rule, both ways
+    # the naming rule, both ways
+    assert counted == (2 * chips if family in ("v4", "v5p") else chips)
     # a single-host preset of the same family fits the same model shapes per chip (data parallel)
     single = {"v4": "v4-8", "v5p": "v5p-8", "v5e": "v5litepod-4", "v6e": "v6e-4"}[family]
     assert p.defaults == get_preset(single).defaults

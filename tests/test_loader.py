@@ -55,10 +55,11 @@ def write_shards(root, sizes: dict[str, list[int]], start: int = 7, sha: bool = 
     return str(root)
 
 
+# 21 + 12 + 30 + 1 = 64 train, 6 + 5 val windows
 SIZES = {
     "train": [170, 97, 8 * 30 + 1, 9],
     "val": [50, 41],
-}  # 21 + 12 + 30 + 1 = 64 train, 6 + 5 val windows
+}
 
 
 def all_windows(d: str, split: str) -> dict[int, int]:
@@ -132,9 +133,8 @@ def test_resume_at_any_step_reproduces_the_next_100_batches(shards, prefetch):
     ref.close()
     for step in (0, 1, 6, 7, 13, 37, 59):
         ld = TrainLoader(shards, T, 5, rank=1, world_size=2, seed=3, prefetch=prefetch)
-        ld.load_state_dict(
-            json.loads(json.dumps(states[step]))
-        )  # survives a JSON / checkpoint round trip
+        # survives a JSON / checkpoint round trip
+        ld.load_state_dict(json.loads(json.dumps(states[step])))
         for i in range(100):
             x, y = next(ld)
             assert torch.equal(x, batches[step + i][0]) and torch.equal(y, batches[step + i][1]), (
@@ -237,9 +237,8 @@ def test_bad_inputs_name_the_problem(tmp_path, shards):
     json.dump(m, open(os.path.join(shards, "manifest.json"), "w"))
     with pytest.raises(ValueError, match="train_00000.npy"):
         next(TrainLoader(shards, T, 64, prefetch=0))
-    with pytest.raises(
-        ValueError, match="train_00000.npy"
-    ):  # errors in the thread reach the consumer
+    # errors in the thread reach the consumer
+    with pytest.raises(ValueError, match="train_00000.npy"):
         next(TrainLoader(shards, T, 64, prefetch=2))
 
 
@@ -322,9 +321,8 @@ def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
     a.acquire(0), a.acquire(1)
     b.acquire(1), b.acquire(2)
     b.evict()
-    assert a.fetched == [0, 1] and b.fetched == [
-        2
-    ]  # shard 1 was on disk already: one download per host
+    # shard 1 was on disk already: one download per host
+    assert a.fetched == [0, 1] and b.fetched == [2]
     assert len(on_disk()) == 3  # over the bound of 1, but every file is held
     a.release(0)
     a.release(1)

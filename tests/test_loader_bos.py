@@ -23,6 +23,7 @@ def test_each_window_starts_at_the_first_bos_of_its_cell_that_fits():
     # cells [0,8) [8,16) [16,24) [24,32) [32,40) [40,48): BOS at 3, 9, 20 (first of 20/21); none in
     # the 4th and 5th cells; the BOS at 44 leaves 6 tokens, fewer than T + 1, so the 6th stays put.
     assert bos_aligned_starts(arr, 6, T, bos=0).tolist() == [3, 9, 20, 24, 32, 40]
+    # no BOS at all
     assert bos_aligned_starts(arr + 1, 6, T, bos=0).tolist() == [
         0,
         8,
@@ -30,7 +31,7 @@ def test_each_window_starts_at_the_first_bos_of_its_cell_that_fits():
         24,
         32,
         40,
-    ]  # no BOS at all
+    ]
 
 
 def write_docs(

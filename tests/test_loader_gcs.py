@@ -97,9 +97,8 @@ def run_ranks(args: dict, world: int) -> list[dict]:
 
 
 @pytest.mark.gcs
-@pytest.mark.parametrize(
-    "K,steps", [(1, 200), (0, 30)]
-)  # block shuffle with a cache of 2K = 2; full shuffle
+# block shuffle with a cache of 2K = 2; full shuffle
+@pytest.mark.parametrize("K,steps", [(1, 200), (0, 30)])
 def test_three_ranks_share_one_bounded_cache_and_download_each_shard_once(
     tmp_path, gcs_bucket, K, steps
 ):

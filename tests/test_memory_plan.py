@@ -33,9 +33,8 @@ def model(name: str, vocab: int = 32768):
 
 def test_124m_on_h100_by_hand():
     d, L, h, H, V = 768, 12, 2048, 12, 32768  # 124m: 12 x 768, 12 heads (no GQA), SwiGLU 2048
-    block = (
-        4 * d * d + 3 * d * h + 2 * d + 2 * 64
-    )  # q, k, v, o; gate, up, down; two norms; QK-norm (head dim 64)
+    # q, k, v, o; gate, up, down; two norms; QK-norm (head dim 64)
+    block = 4 * d * d + 3 * d * h + 2 * d + 2 * 64
     matmul = L * block + d + d * V  # + final norm + head (32K vocab, already a multiple of 128)
     P = matmul + V * d  # untied embedding
     assert P == 135_287_040
@@ -53,22 +52,23 @@ def test_124m_on_h100_by_hand():
     assert p.weights == p.gradients == 4 * P
     assert p.optimizer_state == 8 * P  # AdamW: two fp32 moments
     assert p.compute_weights == 2 * matmul  # autocast's bf16 copy of every matmul weight
-    assert p.activations == N * (
-        L * per_layer + 6 * d
-    )  # + final norm: block output, scaled, output (bf16)
+    # + final norm: block output, scaled, output (bf16)
+    assert p.activations == N * (L * per_layer + 6 * d)
     assert p.logits == 3 * 4 * V * N
     assert p.workspace == N * per_layer
     total = 16 * P + 2 * matmul + N * (L * per_layer + 6 * d) + 12 * V * N + N * per_layer
     assert p.total == total and round(total / GB, 1) == 33.5 and p.fits()
     assert plan(model("124m"), get_preset("h100"), 64, 1024).fits()  # 64.7 GB <= 90% of 80
     assert not plan(model("124m"), get_preset("h100"), 128, 1024).fits()
+    # also the 64K-token cap
     assert device_defaults(get_preset("h100"), model("124m")) == (
         64,
         1024,
-    )  # also the 64K-token cap
+    )
 
 
 def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
+    # 1b: 8 K/V heads of 64 = 512, tied embedding
     d, L, h, H, kv, V = (
         2048,
         16,
@@ -76,7 +76,7 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
         32,
         512,
         32768,
-    )  # 1b: 8 K/V heads of 64 = 512, tied embedding
+    )
     block = 2 * d * d + 2 * d * kv + 3 * d * h + 2 * d + 2 * 64
     P = L * block + d + d * V
     assert P == 1_040_257_024
@@ -92,9 +92,8 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T,
     # c_proj input 2d, mid 2d, MLP norm 4d, SwiGLU 8h
     per_layer = 28 * d + 10 * kv + 8 * h + 4 * H * T
-    gathered = (
-        2 * (2 * block + (P - L * block)) + 6 * block
-    )  # two blocks + the root in bf16, one block's grads
+    # two blocks + the root in bf16, one block's grads
+    gathered = 2 * (2 * block + (P - L * block)) + 6 * block
     p = plan(model("1b"), pod, 1, T, layout="fsdp")
     assert (p.shards, p.attention, p.weights, p.optimizer_state) == (
         8,
@@ -129,9 +128,8 @@ def test_muon_state_and_block_remat_by_hand():
     m, h100 = model("124m"), get_preset("h100")
     d, L, matrices = 768, 12, 4 * 768 * 768 + 3 * 768 * 2048  # Muon: the blocks' 2-D weights
     adamw, muon = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, optimizer="muon")
-    assert (
-        adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices
-    )  # one moment instead of two
+    # one moment instead of two
+    assert adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices
     none, block = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, remat="block")
     per_layer = none.workspace // (8 * 1024)
     # remat=block keeps every block's (bf16) input and one block's activations, recomputed in
@@ -186,26 +184,27 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
 
-MEASURE = str(
-    Path(__file__).resolve().parent.parent / "bench" / "measure_step_memory.py"
-)  # prints the peak in bytes
+# prints the peak in bytes
+MEASURE = str(Path(__file__).resolve().parent.parent / "bench" / "measure_step_memory.py")
 
 
 @pytest.mark.parametrize(
     "dtype,B,T,overrides",
     [
+        # activations dominate
         (
             "fp32",
             8,
             1024,
             ["model.vocab_size=256", "model.max_seq_len=1024"],
-        ),  # activations dominate
+        ),
+        # bf16 stream, GQA
         (
             "bf16",
             16,
             1024,
             ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_kv_head=2"],
-        ),  # bf16 stream, GQA
+        ),
     ],
 )
 def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, overrides):

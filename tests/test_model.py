@@ -112,9 +112,8 @@ def test_loss_contract_padded_vocab_and_per_token_losses():
     manual = torch.nn.functional.cross_entropy(
         logits.reshape(-1, 300), tgt.reshape(-1), reduction="none"
     )
-    assert torch.allclose(
-        per_tok.reshape(-1), manual, atol=1e-6
-    )  # softmax over the real vocab only
+    # softmax over the real vocab only
+    assert torch.allclose(per_tok.reshape(-1), manual, atol=1e-6)
     assert torch.allclose(m(idx, tgt), per_tok.mean(), atol=1e-6)
     with pytest.raises(ValueError, match="max_seq_len"):
         m(torch.zeros(1, 33, dtype=torch.long))
@@ -179,9 +178,8 @@ def test_two_processes_with_different_ranks_build_identical_weights():
         assert p.returncode == 0, err
         outs.append(out.strip())
     assert len(outs[0]) == 64 and outs[0] == outs[1]
-    m = build_model(
-        tiny(n_kv_head=2, tie_embeddings=True), seed=1337
-    )  # and equal to this process's
+    # and equal to this process's
+    m = build_model(tiny(n_kv_head=2, tie_embeddings=True), seed=1337)
     h = hashlib.sha256()
     for k, v in sorted(m.state_dict().items()):
         h.update(k.encode())

@@ -113,9 +113,8 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_pa
     assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
     assert "SIGTERM received" in errs[1] and "SIGTERM received" not in errs[0]
     step = checkpoint.latest_step(run)
-    assert (
-        step is not None and step == train_steps(metrics)[-1]
-    )  # rank 0 saved the step both stopped at
+    # rank 0 saved the step both stopped at
+    assert step is not None and step == train_steps(metrics)[-1]
     assert f"stopped by a signal at step {step}/" in errs[0]  # rank 0 stopped for host 1's signal
     assert f"rank 1/2: stopped at step {step}" in errs[1]
 

@@ -146,13 +146,14 @@ def _sharded_muon_step(rank: int, world: int, port: int, out: str) -> None:
 
 def _muon_problem() -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
+    # 5 matrices over 2 ranks: shares of 3 and 2
     shapes = [
         (8, 8),
         (16, 8),
         (8, 24),
         (12, 12),
         (4, 4),
-    ]  # 5 matrices over 2 ranks: shares of 3 and 2
+    ]
     params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)

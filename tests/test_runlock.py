@@ -200,10 +200,11 @@ def test_which_commands_take_which_lease(tmp_path):
             assert refused in out, (args, out)
         for args in (["sample", "--run", run, "--prompt", "x"], ["eval", "--run", run]):
             out = invoke(*args)
+            # past the lock
             assert "in use" not in out and "no intact checkpoint" in out, (
                 args,
                 out,
-            )  # past the lock
+            )
         with RunLock(f"{run}/eval", "codex eval"):
             assert "is in use by `codex eval`" in invoke("eval", "--run", run)
     task = ["data", "clean", "--run", run, "--input", text, "--num-tasks", "2", "--task-index", "1"]
@@ -226,9 +227,8 @@ def test_lease_records_the_holder_beats_and_refuses_a_second_writer(tmp_path):
         )
         with pytest.raises(LockHeld, match=rf"in use by `codex test` \(pid {os.getpid()} on host "):
             RunLock(tmp_path, "codex other").acquire()
-        assert (
-            json.loads(Path(lock.path).read_text())["token"] == lock.lease["token"]
-        )  # the refusal changed nothing
+        # the refusal changed nothing
+        assert json.loads(Path(lock.path).read_text())["token"] == lock.lease["token"]
     assert os.listdir(tmp_path) == []  # lease and its flock guard file gone
     with RunLock(tmp_path, "codex again"):
         pass
@@ -379,9 +379,8 @@ def strict_gcs(monkeypatch):
                 current = req.storage.get_file_obj(m.group(1), name)["generation"]
             except NotFound:
                 current = "0"
-            if (
-                str(current) != query["ifGenerationMatch"][0]
-            ):  # one server thread: check + write are atomic
+            # one server thread: check + write are atomic
+            if str(current) != query["ifGenerationMatch"][0]:
                 body = b'{"error": {"code": 412, "message": "Precondition Failed"}}'
                 req.send_response(412)
                 req.send_header("Content-Type", "application/json")
@@ -413,9 +412,8 @@ def test_gcs_every_lease_change_is_conditional_on_the_generation(strict_gcs):
     heartbeat, release alike), so two takers of one stale lease can never both hold it."""
     store = runlock._GcsLease(f"{strict_gcs}/run/{runlock.LEASE_NAME}")
     g1 = store.create(_lease("a"))
-    assert (
-        g1 is not None and store.create(_lease("b")) is None
-    )  # ifGenerationMatch=0: already there
+    # ifGenerationMatch=0: already there
+    assert g1 is not None and store.create(_lease("b")) is None
     g2 = store.swap(g1, _lease("b"))  # takeover from the generation read
     assert g2 is not None and g2 != g1
     assert store.swap(g1, _lease("c")) is None  # the slower taker read g1 too: refused

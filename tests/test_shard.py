@@ -43,9 +43,8 @@ def make_docs(n: int = 160, seed: int = 0) -> list[str]:
             text += " naïve café 東京 🙂 — “quotes”"
         docs.append(text)
     docs[3] = "a literal <|bos|> and <|eos|> inside text must stay text"
-    docs[5] = (
-        ("line of a very long document\n" * 150) + ("x" * 2500) + (" word" * 700)
-    )  # > chunk_chars
+    # > chunk_chars
+    docs[5] = ("line of a very long document\n" * 150) + ("x" * 2500) + (" word" * 700)
     docs[8] = ""  # an empty document is still a document: just <|bos|>
     docs[9] = docs[10]  # an exact duplicate lands in the same split as its twin
     return docs
@@ -69,9 +68,8 @@ def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
             ),
             clean / names[-1],
         )
-    (clean / "stats.json").write_text(
-        json.dumps({"shards": names, "docs_out": len(docs)})
-    )  # clean's record
+    # clean's record
+    (clean / "stats.json").write_text(json.dumps({"shards": names, "docs_out": len(docs)}))
 
 
 def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
@@ -192,9 +190,10 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
         assert hashlib.sha256((out / e["path"]).read_bytes()).hexdigest() == e["sha256"]
     assert (out / "config.yaml").exists()
     assert verify_shards(str(out), str(run / "tokenizer")) == []
+    # the training loader accepts the manifest as written
     from train.data.token_shards import (
         load_manifest,
-    )  # the training loader accepts the manifest as written
+    )
 
     assert load_manifest(str(out))["totals"] == m["totals"]
 
@@ -244,9 +243,8 @@ def test_same_shards_across_reruns_and_worker_counts(tmp_path, corpus, tokenizer
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
     two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), workers=2))
     assert shas(one) == shas(two) and len(one["shards"]) >= 4
-    again = run_shard(
-        make_cfg(run, out=str(tmp_path / "w1"))
-    )  # complete: nothing redone, same manifest
+    # complete: nothing redone, same manifest
+    again = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
     assert again == one
 
 

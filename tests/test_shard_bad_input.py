@@ -34,9 +34,8 @@ def test_missing_or_changed_tokenizer(tmp_path, corpus, tokenizer_files):
     assert any(
         "were made with" in p for p in verify_shards(str(run / "shards"), str(run / "tokenizer"))
     )
-    (run / "tokenizer" / "tokenizer.json").write_text(
-        "{}"
-    )  # edited after training: sha256 mismatch
+    # edited after training: sha256 mismatch
+    (run / "tokenizer" / "tokenizer.json").write_text("{}")
     with pytest.raises(ShardError, match="does not match"):
         run_shard(make_cfg(run, out=str(tmp_path / "other")))
 

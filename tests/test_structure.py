@@ -69,6 +69,23 @@ def test_architecture_names_every_source_file_and_only_files_that_exist():
     assert not unnamed, f"ARCHITECTURE.md does not name: {unnamed}"
 
 
+def test_architecture_names_only_symbols_that_exist_where_it_says():
+    """`train/checkpoint/state.py: save_training` (or `file.py` (`name`)) names a function, class
+    or attribute defined in that file."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    top = r"(?:codex|pipeline|model|train|eval)"
+    pairs = re.findall(rf"({top}/[\w/]+\.py)`?(?:: |`? \(`)`?([A-Za-z_][\w.]*)", text)
+    assert len(pairs) > 20
+    wrong = []
+    for path, symbol in pairs:
+        name = symbol.split(".")[-1]
+        src = (ROOT / path).read_text()
+        pattern = rf"(def|class) {name}\b|^\s*{name}\s*[:=]|self\.{name}\s*[:=]"
+        if not re.search(pattern, src, re.M):
+            wrong.append(f"{path}: {symbol}")
+    assert not wrong, f"ARCHITECTURE.md names symbols that are not there: {wrong}"
+
+
 def test_every_part_says_what_it_owns():
     for init in sorted(
         list((ROOT / "train").glob("*/__init__.py"))

@@ -126,9 +126,8 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
         cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (
-        "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr
-    )  # really two ranks, no accumulation
+    # really two ranks, no accumulation
+    assert "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr
 
     big = run_train(runs["big"], device_batch=8, **steps)
     acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
@@ -184,9 +183,8 @@ sys.exit(main(["train", *{args!r}]))
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
-    steps = dict(
-        max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128
-    )  # accum 2
+    # accum 2
+    steps = dict(max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128)
     ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     ref = run_train(ref_run, **steps)
 
@@ -438,10 +436,11 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
 
     e, c = losses(eager_run), losses(compiled_run)
     assert len(e) == len(c) == 6
+    # bf16 kernels differ (~2e-3), the run does not
     assert max(abs(a - b) for a, b in zip(e, c, strict=True)) < 0.01, (
         e,
         c,
-    )  # bf16 kernels differ (~2e-3), the run does not
+    )
     assert abs(eager["val_loss"] - compiled["val_loss"]) < 0.01
     final = checkpoint.load(compiled_run, "latest")
     assert final["step"] == 6 and not [k for k in final["model"] if "_orig_mod" in k]
@@ -476,7 +475,6 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     a, b = losses(full), losses(resumed)
     assert sorted(a) == sorted(b) == [4, 8, 10]
     assert b[8] == a[8] and b[10] == a[10]  # step 8 averages steps 5-8, across the resume
-    again = run_train(
-        resumed, max_steps=6, log_every=4
-    )  # below the checkpoint: says so, trains nothing
+    # below the checkpoint: says so, trains nothing
+    again = run_train(resumed, max_steps=6, log_every=4)
     assert again["step"] == 10 and not again["stopped"]

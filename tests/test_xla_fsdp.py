@@ -95,8 +95,9 @@ def runs(tmp_path_factory):
     out: dict = {"dirs": d}
     out.update(
         run_eager(f"""
-emit("eager", train(cfg({d["eager"]!r}, {overrides("cpu", 8, 10, save_every=5)!r})))
-emit("eager_adamw", train(cfg({d["eager_adamw"]!r}, {overrides("cpu", 8, 5, optimizer="adamw")!r})))
+emit("eager", train(cfg({d["eager"]!r}, {overrides("cpu", 8, 10, save_every=5)!r}), evaluate))
+emit("eager_adamw", train(cfg({d["eager_adamw"]!r}, {overrides("cpu", 8, 5, optimizer="adamw")!r}),
+                          evaluate))
 """)
     )
     copy_checkpoint(d["eager"], d["resume_xla"], 5)
@@ -105,7 +106,7 @@ emit("eager_adamw", train(cfg({d["eager_adamw"]!r}, {overrides("cpu", 8, 5, opti
         + f"""
 import torch_xla
 import torch_xla.debug.metrics as met
-emit("fsdp4", train(cfg({d["fsdp4"]!r}, {fsdp(10, 0, save_every=5)!r})))
+emit("fsdp4", train(cfg({d["fsdp4"]!r}, {fsdp(10, 0, save_every=5)!r}), evaluate))
 emit("fsdp4_compiles", met.metric_data("CompileTime")[0])
 emit("fsdp4_layout", layout())
 tokens = torch.randint(0, captured["model"].vocab_size, (4, 16),
@@ -113,26 +114,26 @@ tokens = torch.randint(0, captured["model"].vocab_size, (4, 16),
 with torch.no_grad():   # the live sharded model (step 10) on fixed tokens, for the export test
     logits = captured["model"](tokens.to(torch_xla.device()))
 torch.save({{"tokens": tokens, "logits": logits.cpu()}}, {d["logits"]!r})
-emit("resume_xla", train(cfg({d["resume_xla"]!r}, {fsdp(10, 0, eval_every=0)!r})))
+emit("resume_xla", train(cfg({d["resume_xla"]!r}, {fsdp(10, 0, eval_every=0)!r}), evaluate))
 emit("resume_xla_layout", layout())
 """
     )
     fsdp2 = (
         CAPTURE
         + f"""
-emit("fsdp2", train(cfg({d["fsdp2"]!r}, {fsdp(5, 2, optimizer="adamw", eval_every=0)!r})))
+emit("fsdp2", train(cfg({d["fsdp2"]!r}, {fsdp(5, 2, optimizer="adamw", eval_every=0)!r}), evaluate))
 emit("fsdp2_layout", layout())
 """
     )
-    with ThreadPoolExecutor(
-        2
-    ) as pool:  # two XLA processes at once: compiles are mostly single-threaded
+    # two XLA processes at once: compiles are mostly single-threaded
+    with ThreadPoolExecutor(2) as pool:
         for job in [pool.submit(run_xla_script, script, DEVICES) for script in (fsdp4, fsdp2)]:
             out.update(job.result())
     copy_checkpoint(d["fsdp4"], d["resume_eager"], 5)
     out.update(
         run_eager(f"""
-emit("resume_eager", train(cfg({d["resume_eager"]!r}, {overrides("cpu", 8, 10, eval_every=0)!r})))
+emit("resume_eager", train(cfg({d["resume_eager"]!r}, {overrides("cpu", 8, 10, eval_every=0)!r}),
+                           evaluate))
 """)
     )
     return out
@@ -175,9 +176,8 @@ def test_fsdp4_and_fsdp2x2_match_eager_after_5_steps(runs):
     assert diff < 1e-4, f"XLA fsdp=4 vs eager after 5 steps: max abs diff {diff:.3g}"
     assert max_diff(model_at(d["fsdp4"], 5), model_at(d["fsdp4"], 10)) > 1e-3  # it trained
     assert max_diff(model_at(d["fsdp4"], 10), model_at(d["eager"], 10)) < 1e-4
-    assert (
-        abs(runs["fsdp4"]["val_loss"] - runs["eager"]["val_loss"]) < 1e-4
-    )  # validation under fsdp
+    # validation under fsdp
+    assert abs(runs["fsdp4"]["val_loss"] - runs["eager"]["val_loss"]) < 1e-4
     diff = max_diff(model_at(d["fsdp2"], 5), model_at(d["eager_adamw"], 5))
     assert diff < 1e-4, (
         f"XLA fsdp=2 x replica=2 (AdamW) vs eager after 5 steps: max abs diff {diff:.3g}"

@@ -86,9 +86,8 @@ def step_runs() -> dict:
 
 def test_cached_step_matches_the_python_loop_and_traces_once(step_runs):
     traced = step_runs["traced"]
-    assert (
-        traced["calls"] == 3 * 3
-    )  # the Python loop runs the forward for every micro-batch of every step
+    # the Python loop runs the forward for every micro-batch of every step
+    assert traced["calls"] == 3 * 3
     for mode in ("cached", "cached_remat"):
         run = step_runs[mode]
         assert run["calls"] == 1, mode  # traced on the first step, replayed after

@@ -148,37 +148,35 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     run = Run(cfg, backend, plan, preset, evaluate, token_bytes)
     tcfg = cfg.train
-    model = backend.build_model(
-        cfg.model, tcfg.seed, plan.layout
-    )  # build_model's weights, placed (sharded)
+    # build_model's weights, placed (sharded)
+    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
     model = apply_remat(model, tcfg.remat, backend.kind)  # train.remat: checkpoint every block
     raw = unwrap(model)  # without a torch.compile wrapper
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     parts = TrainingParts(raw, optimizer, _make_loader(run))
-    accumulate = backend.device_accumulation(
-        model, plan.accum
-    )  # None: the Python micro-batch loop below
+    # None: the Python micro-batch loop below
+    accumulate = backend.device_accumulation(model, plan.accum)
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
     existing, state, log_window = _resume(run, parts)
     if _nothing_to_do(run, state.step):
         return _summary(plan, state)
-    meters = _start_run(run, num_params(raw), state, existing, log_window)
+    metrics, progress = _start_run(run, num_params(raw), state, existing)
     stop = StopFlag().install()
+    window = LossWindow(backend, plan.accum, log_window)
+    meters = Meters(window, StepTimer(backend, state.step, state.tokens), metrics, progress)
     model.train()
     try:
         while state.step < plan.total_steps:
             # --- one optimizer step ---
             injected_step_fault(backend.control, state.step)
             lr = set_lr(optimizer, lr_for(state.step, tcfg, plan.total_steps))
-            if (
-                accumulate is not None
-            ):  # XLA: every micro-batch in one While, traced once (train/xla/step.py)
+            # XLA: every micro-batch in one While, traced once (train/xla/step.py)
+            if accumulate is not None:
                 meters.window.add(accumulate(parts.loader))
             for micro in range(plan.accum if accumulate is None else 0):
-                backend.set_grad_sync(
-                    model, micro == plan.accum - 1
-                )  # fsdp: reduce in the last backward only
+                # fsdp: reduce in the last backward only
+                backend.set_grad_sync(model, micro == plan.accum - 1)
                 x, y = backend.to_device(next(parts.loader))
                 with backend.autocast():
                     loss = model(x, y)
@@ -187,9 +185,8 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
                 (loss / plan.accum).backward()
                 meters.window.add(loss)
             backend.all_reduce_grads(raw)  # THE gradient all-reduce (once per step)
-            grad_norm = clip_grad_norm(
-                raw, tcfg.grad_clip
-            )  # the global gradient: after the all-reduce
+            # the global gradient: after the all-reduce
+            grad_norm = clip_grad_norm(raw, tcfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             backend.step_boundary()
@@ -283,9 +280,9 @@ def _nothing_to_do(run: Run, step: int) -> bool:
 
 
 def _start_run(
-    run: Run, n_params: int, state: StepState, existing: int | None, log_window: dict
-) -> Meters:
-    """Log what this run does and save its resolved config; returns the loop's meters."""
+    run: Run, n_params: int, state: StepState, existing: int | None
+) -> tuple[MetricsLogger, Progress]:
+    """Log what this run does and save its resolved config; returns (metrics log, progress bar)."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     step = state.step
     metrics = make_logger(
@@ -301,14 +298,8 @@ def _start_run(
         unit="steps",
         enabled=backend.is_main,
     )
-    meters = Meters(
-        LossWindow(backend, plan.accum, log_window),
-        StepTimer(backend, step, state.tokens),
-        metrics,
-        progress,
-    )
     if not backend.is_main:
-        return meters
+        return metrics, progress
     if cfg.train.warmup_steps >= plan.total_steps:
         log.warning(
             "train.warmup_steps=%d covers the whole run (%d steps): "
@@ -334,7 +325,7 @@ def _start_run(
         plan.layout.describe(),
     )
     log.info("\n".join(plan.memory.lines()))
-    return meters
+    return metrics, progress
 
 
 def _log_train(
@@ -399,9 +390,8 @@ def _save(
     cfg, backend, plan = run.cfg, run.backend, run.plan
     if state.saving is not None:
         state.saving.wait()
-    log_window = (
-        meters.window.state()
-    )  # every rank: the partial loss window is averaged over replicas
+    # every rank: the partial loss window is averaged over replicas
+    log_window = meters.window.state()
     if backend.is_main:
         # gs://: every line up to this checkpoint is in the file before it exists
         meters.metrics.flush()

@@ -118,9 +118,8 @@ def with_config(fn):
         values = {
             name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name
         }
-        values = {
-            k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()
-        }  # repeatable
+        # repeatable
+        values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
         cfg = build_config(config_file, overrides, model=model, run=run, values=values)
         return fn(cfg, **kwargs)
 

@@ -350,9 +350,8 @@ def train_cmd(cfg):
         --hardware h100-8 --model 124m
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
     """
-    require_shared_run_dir(
-        cfg
-    )  # a multi-host slice on a local path: refused before any host writes
+    # a multi-host slice on a local path: refused before any host writes
+    require_shared_run_dir(cfg)
     if get_preset(cfg.train.hardware).kind == "tpu":
         set_xla_import_env()  # before the run lock, whose TPU worker-id lookup imports torch_xla
     with run_lock(cfg, "codex train"):
@@ -425,9 +424,10 @@ def eval_cmd(cfg):
       codex eval --run runs/web --tasks hellaswag,arc_easy --limit 500
     """
     if cfg.eval.tasks:
+        # lm-eval and transformers: optional dependencies
         from eval.tasks import (
             run_tasks as run_eval,
-        )  # lm-eval and transformers: optional dependencies
+        )
     else:
         from eval.run import run_eval
 

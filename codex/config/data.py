@@ -41,12 +41,12 @@ class GopherRepetitionConfig:
     dup_para_frac: float = 0.3
     dup_line_char_frac: float = 0.2
     dup_para_char_frac: float = 0.2
-    top_ngram_fracs: list[float] = field(
-        default_factory=lambda: [0.20, 0.18, 0.16]
-    )  # for 2-, 3-, 4-grams
+    # for 2-, 3-, 4-grams
+    top_ngram_fracs: list[float] = field(default_factory=lambda: [0.20, 0.18, 0.16])
+    # 5..10-grams
     dup_ngram_fracs: list[float] = field(
         default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10]
-    )  # 5..10-grams
+    )
 
 
 @dataclass

@@ -136,9 +136,8 @@ class _ChunkCleaner:
     rejected: PartWriter | None
     report_progress: object = None
     seen: set = dataclasses.field(default_factory=set)
-    hashes: bytearray = dataclasses.field(
-        default_factory=bytearray
-    )  # 16-byte hash + 8-byte length each
+    # 16-byte hash + 8-byte length each
+    hashes: bytearray = dataclasses.field(default_factory=bytearray)
     stats: dict = dataclasses.field(
         default_factory=lambda: {
             "docs_in": 0,
@@ -164,12 +163,13 @@ class _ChunkCleaner:
                 self.pending_bytes += rec.nbytes
                 self._clean_record(rec, f.path, report)
                 self._maybe_report_progress()
+        # ValueError: pyarrow decode errors
         except (
             BadInputFile,
             OSError,
             EOFError,
             ValueError,
-        ) as e:  # ValueError: pyarrow decode errors
+        ) as e:
             report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
             if f.path not in report.error:
                 report.error = f"{f.path}: {report.error}"
@@ -240,9 +240,8 @@ def clean_chunk(
             report = state.clean_file(f)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
-                if (
-                    not report.error
-                ):  # empty files are common (__init__.py): summarised at the end instead
+                # empty files are common (__init__.py): summarised at the end instead
+                if not report.error:
                     (log.debug if report.empty else log.warning)(
                         "clean: bad input in %s: %s", f.path, report.describe()
                     )
@@ -267,9 +266,8 @@ def clean_chunk(
         "bad_files": reports,
         **state.stats,
     }
-    fsio.write_json(
-        fsio.join(out, "markers", f"{chunk.name}.json"), marker
-    )  # last: the chunk is done
+    # last: the chunk is done
+    fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)
     return marker
 
 

@@ -121,9 +121,8 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
     """
     text, words = doc.text, doc.words
     n_words = len(words)
-    real = [
-        w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)
-    ]  # not all punctuation
+    # not all punctuation
+    real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]
     n_real = len(real)
     if cfg.min_doc_words and n_real < cfg.min_doc_words:
         return "short_doc"

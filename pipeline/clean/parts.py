@@ -82,6 +82,5 @@ class PartWriter:
             try:
                 self._writer.close()
             finally:
-                self._ctx.__exit__(
-                    RuntimeError, RuntimeError("aborted"), None
-                )  # removes the temp file
+                # removes the temp file
+                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)

@@ -470,9 +470,8 @@ def _encode_corpus(
         if batch:
             yield batch, plan
 
-    todo = sum(
-        docs[sp] - resume[sp]["doc"] for sp in SPLITS
-    )  # a resumed run skips finished documents
+    # a resumed run skips finished documents
+    todo = sum(docs[sp] - resume[sp]["doc"] for sp in SPLITS)
     with Progress("shard", total=todo, unit="docs") as prog:
         for flat, per_doc, plan, n_bytes in encode_in_order(batches(), encoder, tok, workers):
             _route(flat, per_doc, plan, writers)

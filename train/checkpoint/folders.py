@@ -84,15 +84,13 @@ def save(run: str, state: dict, keep_last: int = 3, keep_every: int = 0, control
     step = int(state["step"])
     folder = step_dir(run, step)
     if control.rank == 0 and fsio.exists(folder):
-        fsio.rm(
-            folder, recursive=True
-        )  # a leftover of a killed save (or a damaged one): start clean
+        # a leftover of a killed save (or a damaged one): start clean
+        fsio.rm(folder, recursive=True)
     control.barrier()
     records = dcp_io.write_tree(folder, state, control)
     all_records = control.gather(records)
-    skeletons = control.gather(
-        dcp_io.skeleton(state)
-    )  # other ranks may hold keys rank 0 has not (their RNG)
+    # other ranks may hold keys rank 0 has not (their RNG)
+    skeletons = control.gather(dcp_io.skeleton(state))
     if control.rank == 0:
         tree = skeletons[0]
         for extra in skeletons[1:]:
@@ -315,9 +313,8 @@ def rng_state() -> dict:
     """RNG states as tensors (weights_only-loadable): torch CPU, and every CUDA device's."""
     state: dict = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = {
-            str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())
-        }  # tensors in dicts
+        # tensors in dicts
+        state["cuda"] = {str(i): t for i, t in enumerate(torch.cuda.get_rng_state_all())}
     return state
 
 

@@ -179,9 +179,8 @@ def _torch_format(
 def _check_same_model(cfg, saved_config: dict) -> None:
     saved_model = saved_config.get("model", {})
     for k, v in to_dict(cfg.model).items():
-        if (
-            k != "preset" and k in saved_model and saved_model[k] != v
-        ):  # the preset is a name, not the model
+        # the preset is a name, not the model
+        if k != "preset" and k in saved_model and saved_model[k] != v:
             raise ConfigError(
                 f"model.{k}={v!r} differs from the checkpoint's {saved_model[k]!r} "
                 f"({rundir.checkpoints_dir(cfg.run)}); "

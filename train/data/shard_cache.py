@@ -127,9 +127,8 @@ class HostShardCache:
         with os.scandir(self.folder) as it:
             for e in it:
                 if e.name.startswith(prefix):
-                    with contextlib.suppress(
-                        FileNotFoundError
-                    ):  # another process evicted it just now
+                    # another process evicted it just now
+                    with contextlib.suppress(FileNotFoundError):
                         files.append((e.stat().st_mtime, e.name))
         excess = len(files) - self.bound
         if excess <= 0:

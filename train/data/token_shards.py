@@ -192,9 +192,8 @@ class ShardReader:
             for i in [
                 i for i, f in self.pending.items() if f.done() or (i not in keep and f.cancel())
             ]:
-                del self.pending[
-                    i
-                ]  # a failed prefetch is retried (and raises) when the shard is used
+                # a failed prefetch is retried (and raises) when the shard is used
+                del self.pending[i]
             for i in [i for i in self.cache.held_ids() if i not in keep and i not in self.pending]:
                 self.maps.pop(i, None)
                 self.cache.release(i)

@@ -1,6 +1,6 @@
 """The backend interface: everything the training loop needs from a device, in one small place.
 
-    backend = make_backend(cfg)            # CPU or CUDA here; TPU in train/xla/backend.py
+    backend = make_backend(cfg)            # train/launch.py: CPU/CUDA here, TPU in train/xla/
     model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
     for each optimizer step:
         for each micro-batch:
@@ -65,37 +65,33 @@ class Backend(Protocol):
     world_size: int  # data-parallel replicas = devices (batch arithmetic, MFU)
     local_rank: int
     autocast_dtype: torch.dtype | None  # bf16 on CUDA/TPU by default, None = fp32
-    control: ControlPlane  # host-side gloo group: barrier, stop flag, resume decision
+    control: ControlPlane  # host-side gloo group: barrier, stop flag (train/dist/control.py)
 
-    #   (train/dist/control.py)
+    # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
+    # devices_per_loader 1); under XLA SPMD one process per host feeds all its chips.
     # loader_rank, loader_world and pinned_copy_device are read-only properties here: TorchBackend
     # derives them, XLABackend stores them (dataclass fields); either satisfies the protocol.
-    # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
-    # devices_per_loader 1). Under XLA SPMD one process per host feeds all its chips.
+    devices_per_loader: int  # devices one process's batch is split over
+    # A loss on this process is already the mean over every replica (SPMD).
+    global_values: bool
+    # Validation needs full, masked batches of one shape (XLA compiles per shape).
+    fixed_shapes: bool
+
     @property
     def loader_rank(self) -> int: ...  # this process among the processes that load data
     @property
     def loader_world(self) -> int: ...
-
-    devices_per_loader: int  # devices one process's batch is split over
-    global_values: bool  # a loss on this process is already the mean over every replica
-    #   (SPMD)
-    fixed_shapes: bool  # validation needs full, masked batches of one shape (XLA compiles
-
-    #   per shape)
-    # the loader copies from pinned memory to it (CUDA), or None
     @property
-    def pinned_copy_device(self) -> torch.device | None: ...
-
+    def pinned_copy_device(self) -> torch.device | None: ...  # the loader's pinned copies go here
     @property
     def is_main(self) -> bool: ...
     def autocast(self) -> contextlib.AbstractContextManager: ...
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
-    # training's model, in `layout`
+    # Training's model, in `layout`.
     def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...
-    # before each micro-batch's backward
+    # Before each micro-batch's backward: whether it reduces (fsdp: the last one only).
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...
-    # XLA's While, or None
+    # XLA: the step's micro-batches as one While; None: the loop's Python micro-batch loop.
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...
     def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
@@ -104,7 +100,6 @@ class Backend(Protocol):
     def step_boundary(self) -> None: ...
     def synchronize(self) -> None: ...
     def barrier(self) -> None: ...
-    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
     def memory_stats(self) -> dict[str, float]: ...
     def compile_count(self) -> int | None: ...
     def close(self, ok: bool = True) -> None: ...  # ok False: a rank failed, no clean-exit barrier
@@ -269,12 +264,6 @@ class TorchBackend:
 
     def barrier(self) -> None:
         self.control.barrier()  # host-side (gloo), with the control plane's timeout
-
-    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Model weights, keys without a torch.compile prefix, where they are (fsdp: this rank's
-        DTensor shards): the checkpoint writer copies to the host only the part this rank writes,
-        so no rank of a replicated CUDA job makes a host copy of the whole model."""
-        return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
 
     def memory_stats(self) -> dict[str, float]:
         if self.device.type == "cuda":

@@ -1,6 +1,6 @@
 """The host-side control plane: one gloo process group that every backend uses for decisions.
 
-    control = ControlPlane(group, rank, world)   # made by make_backend / make_xla_backend
+    control = ControlPlane(group, rank, world)   # made by make_torch_backend / make_xla_backend
     control.barrier()                            # host barrier (every backend, XLA SPMD included)
     control.any_flag(flag)                       # the stop flag: True everywhere if any rank's is
     control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config

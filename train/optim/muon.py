@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+# modded-nanogpt's quintic: fast growth of small singular values
 NS_COEFFS = (
     3.4445,
     -4.7750,
     2.0315,
-)  # modded-nanogpt's quintic: fast growth of small singular values
+)
 
 
 def orthogonalize(
@@ -96,9 +97,8 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
-                buf.lerp_(
-                    p.grad, 1 - group["momentum"]
-                )  # every rank keeps (and saves) the whole momentum
+                # every rank keeps (and saves) the whole momentum
+                buf.lerp_(p.grad, 1 - group["momentum"])
                 if i % self.world == self.rank:
                     mine[i] = _like(
                         orthogonalize(

@@ -67,9 +67,8 @@ def make_optimizer(
             else _replica_ranks(hardware),
         )
         for group in muon.param_groups:
-            group["lr_ratio"] = (
-                tcfg.muon_lr / tcfg.lr
-            )  # set_lr: the schedule scales both peaks alike
+            # set_lr: the schedule scales both peaks alike
+            group["lr_ratio"] = tcfg.muon_lr / tcfg.lr
         return Optimizers(muon=muon, adamw=_adamw(model, tcfg, hardware, exclude=hidden_ids))
     return _adamw(model, tcfg, hardware)
 

@@ -168,25 +168,22 @@ def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -
     d, c = m.n_embd, compute_bytes
     hd = d // m.n_head
     dkv, h = m.n_kv_head * hd, mlp_hidden(m)
-    if (
-        c < 4
-    ):  # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
+    # block input, attn-norm scaled x and output, the residual after attention, mlp-norm's two
+    if c < 4:
         norm_in, attn_norm, mid, mlp_norm = c * d, 2 * c * d, c * d, 2 * c * d
         per_qk = 4 * c if m.qk_norm else 2 * c  # projection, (QK-norm's two), RoPE output
     else:
         norm_in, attn_norm, mid, mlp_norm = 4 * d, 8 * d, 4 * d, 8 * d
         per_qk = 16 if m.qk_norm else 8  # projection, normalised, norm output, RoPE output
     q, k, v = per_qk * d, per_qk * dkv, c * dkv
-    if (
-        attention == "math"
-    ):  # fp32 probabilities per head over the T keys, K and V copied to every query head
+    # fp32 probabilities per head over the T keys, K and V copied to every query head
+    if attention == "math":
         sdpa = c * d + 4 * m.n_head * seq_len + (2 * c * d if dkv != d else 0)
     else:  # fused: the output and a log-sum-exp per head
         sdpa = c * d + 4 * m.n_head
     attn_out = c * d  # the [B, T, H*hd] copy c_proj reads
-    mlp = (
-        (4 if m.mlp == "swiglu" else 2) * c * h
-    )  # swiglu: gate, silu(gate), up, product; relu2: relu, square
+    # swiglu: gate, silu(gate), up, product; relu2: relu, square
+    mlp = (4 if m.mlp == "swiglu" else 2) * c * h
     return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
 
 

@@ -101,7 +101,7 @@ class Plan:
     world_size: int
     tokenizer_sha: str  # recorded in checkpoints: eval and sample refuse a retrained tokenizer
     memory: MemoryPlan  # bytes per device (train/plan/memory.py), logged at start
-    layout: Layout  # replicate or fsdp (train.parallel, resolved; train/dist/fsdp.py)
+    layout: Layout  # replicate or fsdp (train.parallel, resolved; train/plan/layout.py)
 
 
 def make_plan(cfg, preset, world_size: int):

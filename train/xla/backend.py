@@ -88,9 +88,8 @@ class XLABackend:
     xla_step: str = "cached"
     kind: str = "tpu"  # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
     pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
-    control: ControlPlane = field(
-        default_factory=ControlPlane
-    )  # gloo over processes (train/dist/control.py)
+    # gloo over processes (train/dist/control.py)
+    control: ControlPlane = field(default_factory=ControlPlane)
     _specs: dict = field(default_factory=dict)
 
     @property
@@ -219,10 +218,6 @@ class XLABackend:
         # gloo across processes: under SPMD xm.rendezvous would span one process
         self.control.barrier()
 
-    def state_dict_for_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Model weights as CPU tensors: an XLA checkpoint loads on CPU/CUDA and the reverse."""
-        return {k: xla_sharding.to_cpu(v).clone() for k, v in unwrap(model).state_dict().items()}
-
     def memory_stats(self) -> dict[str, float]:
         import torch_xla.core.xla_model as xm
 
@@ -255,7 +250,7 @@ class XLABackend:
 
 
 def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
-    """The XLA backend for a TPU preset (called by train.dist.backend.make_backend); `spawned`: this
+    """The XLA backend for a TPU preset (called by train.launch.make_backend); `spawned`: this
     process was started by spawn_train (train.xla_mode=spawn)."""
     mode = cfg.train.xla_mode
     platform = check_platform(cfg, preset)
@@ -386,9 +381,8 @@ def spawn_train(cfg, train_fn: Callable[..., dict]) -> dict:
             f"train.xla_mode=spawn is for TPU presets; '{preset.name}' is {preset.kind} "
             "(use torchrun for several GPUs)"
         )
-    check_attention(
-        cfg, check_platform(cfg, preset)
-    )  # fail here, in the parent, before any process starts
+    # fail here, in the parent, before any process starts
+    check_attention(cfg, check_platform(cfg, preset))
     set_xla_import_env()
     import torch_xla
 

@@ -32,7 +32,7 @@ weight's features and resharding it later (with only the blocks' outputs constra
 "involuntary full rematerialization" under fsdp=2 x replica=2). The partitioner inserts the
 all-gathers and the gradient reduce-scatters itself.
 
-Checkpoints: the backend's state_dict_for_save and train/checkpoint/state.py read full CPU tensors
+Checkpoints: train/checkpoint/state.py reads full CPU tensors
 (`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict
 copies into the sharded parameters, which keep their sharding (a load post-hook re-marks and
 asserts it). Several hosts would need torch_xla's SPMD save/load
@@ -214,9 +214,8 @@ def _install_optimizer_hooks() -> None:
         register_optimizer_step_pre_hook,
     )
 
-    def hook(
-        optimizer, _args, _kwargs
-    ) -> None:  # a pre-hook's return value would replace the step's arguments
+    # a pre-hook's return value would replace the step's arguments
+    def hook(optimizer, _args, _kwargs) -> None:
         shard_optimizer_state(optimizer)
 
     _HOOKS.append(register_optimizer_step_pre_hook(hook))
