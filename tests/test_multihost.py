@@ -30,7 +30,9 @@ def free_port() -> int:
 def start_hosts(
     run: str, env_extra: dict | None = None, per_rank: dict | None = None, **train_keys
 ) -> list[subprocess.Popen]:
-    """One torchrun agent per simulated host; per_rank[r] adds --set flags on host r only."""
+    """One torchrun agent per simulated host; per_rank[r] adds --set flags on host r only. The
+    simulated hosts share this machine's disk, which they say with train.shared_run_dir."""
+    train_keys = {"shared_run_dir": True, **train_keys}
     port = free_port()
     env = child_env() | (env_extra or {})
     procs = []
@@ -179,3 +181,59 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path):
         assert "rank 1: train.lr=0.02 (rank 0: 0.01)" in err, err[-2000:]
         assert "exitcode  : 2" in err  # the worker's exit code (torchrun itself exits 1)
     assert not (Path(run) / "checkpoints").exists() or not checkpoint.complete_steps(run)
+
+
+def test_two_nodes_on_a_local_run_directory_are_refused_unless_it_is_shared(tmp_path):
+    """torchrun over 2 nodes (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1) with a local --run: each node
+    would see its own folder, so both exit 2 naming the fix; with train.shared_run_dir=true they
+    pass the shared-folder check (every rank reads what rank 0 wrote) and train."""
+    run = make_run(tmp_path / "run")
+    procs = start_hosts(run, shared_run_dir=False, max_steps=2)
+    errs = finish(procs, timeout=120)
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    for err in errs:
+        assert "torchrun started 2 ranks, 1 on this node" in err, err[-2000:]
+        assert "train.shared_run_dir=true" in err and "exitcode  : 2" in err
+    assert not (Path(run) / "checkpoints").exists()
+
+    procs = start_hosts(run, shared_run_dir=True, max_steps=2)
+    errs = finish(procs, timeout=120)
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    assert checkpoint.latest_step(run) == 2
+    assert not list(Path(run).glob(".codex-shared-*"))  # the proof file is removed
+
+
+def _check_shared_dir(rank: int, world: int, port: int, folders: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from codex.config import ConfigError
+    from train.dist.control import ControlPlane
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        ControlPlane(dist.group.WORLD, rank, world).check_shared_dir(folders[rank])
+        result = "ok"
+    except ConfigError as e:
+        result = str(e)
+    Path(out, f"rank{rank}.txt").write_text(result)
+    dist.destroy_process_group()
+
+
+def test_ranks_that_see_different_folders_fail_the_shared_folder_check(tmp_path):
+    """Two gloo ranks whose run directory is a different folder each (a node-local disk): rank 1
+    cannot read rank 0's proof file, and both ranks raise naming rank 1; one folder passes."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import _free_port
+
+    split = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    mp.spawn(_check_shared_dir, args=(2, _free_port(), split, str(tmp_path)), nprocs=2)
+    for r in range(2):
+        msg = (tmp_path / f"rank{r}.txt").read_text()
+        assert msg.startswith("rank(s) 1 cannot see ") and "/.codex-shared-" in msg, msg
+    shared = [str(tmp_path / "one")] * 2
+    mp.spawn(_check_shared_dir, args=(2, _free_port(), shared, str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
+    assert not list((tmp_path / "one").iterdir())

@@ -145,6 +145,7 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
+    backend.control.check_shared_dir(cfg.run)  # and every rank reads and writes one run folder
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
     run = Run(cfg, backend, plan, preset, evaluate, token_bytes)
     tcfg = cfg.train

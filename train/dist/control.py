@@ -26,12 +26,14 @@ import json
 import logging
 import os
 import signal
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from codex import fsio
 from codex.config import ConfigError
 
 log = logging.getLogger("codex.train")
@@ -118,6 +120,33 @@ class ControlPlane:
             + "; ".join(parts)
             + ". Every host must get the same command, config files and --set flags"
         )
+
+    def check_shared_dir(self, folder: str) -> None:
+        """ConfigError on every rank unless every rank reads the file rank 0 just wrote in
+        `folder`: proof that the run directory is one folder for the whole job, not one per
+        node (each would resume its own checkpoints, or none, and DONE would exist on one)."""
+        if self.world == 1:
+            return
+        name = f".codex-shared-{self.broadcast(uuid.uuid4().hex if self.rank == 0 else None)}"
+        path = fsio.join(folder, name)
+        if self.rank == 0:
+            fsio.makedirs(folder)
+            fsio.write_text(path, name)
+        self.barrier()
+        try:
+            seen = fsio.read_text(path) == name
+        except OSError:
+            seen = False
+        missing = [r for r, ok in enumerate(self.gather(seen)) if not ok]
+        self.barrier()
+        if self.rank == 0:
+            fsio.rm(path)
+        if missing:
+            raise ConfigError(
+                f"rank(s) {', '.join(map(str, missing))} cannot see {path}, which rank 0 wrote: "
+                f"--run {folder} is not one folder for the whole job. Fix: use a bucket every node "
+                "reads (--run gs://BUCKET/RUN) or a file system every node mounts"
+            )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -90,14 +90,27 @@ def set_xla_import_env() -> None:
 
 
 def require_shared_run_dir(cfg) -> None:
-    """A multi-host preset runs the same command on every worker, and they must all read and write
-    one run directory: a local path is one folder per host (each resumes its own checkpoints, or
-    none), so it is refused unless the user says it is a shared disk (train.shared_run_dir)."""
+    """A job on several hosts (a multi-host TPU preset, or torchrun over several nodes) runs the
+    same command on every host, and they must all read and write one run directory: a local path
+    is one folder per host (each resumes its own checkpoints, or none), so it is refused unless
+    the user says it is a shared disk (train.shared_run_dir). The loop then proves it
+    (ControlPlane.check_shared_dir)."""
+    if fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
+        return
     preset = get_preset(cfg.train.hardware)
-    if preset.hosts <= 1 or fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if preset.hosts > 1:
+        where = f"--hardware {preset.name} runs on {preset.hosts} hosts"
+    elif world != local_world:
+        where = (
+            f"torchrun started {world} ranks, {local_world} on this node, so on several nodes "
+            "(WORLD_SIZE != LOCAL_WORLD_SIZE)"
+        )
+    else:
         return
     raise ConfigError(
-        f"--hardware {preset.name} runs on {preset.hosts} hosts, but --run {cfg.run} is a local "
+        f"{where}, but --run {cfg.run} is a local "
         "path that each host would see as its own folder. Fix: use a bucket every host reads "
         "(--run gs://BUCKET/RUN), or, when that path is a disk all hosts share (NFS, Filestore), "
         "say so with --set train.shared_run_dir=true"
