@@ -182,6 +182,25 @@ sys.exit(main(["train", *{args!r}]))
 """
 
 
+def _train_loss_at(run: str, step: int) -> float:
+    lines = [json.loads(s) for s in Path(run, "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in lines if r["kind"] == "train" and r["step"] == step)
+
+
+def test_a_resume_with_another_accumulation_logs_the_loss_an_uninterrupted_run_logs(tmp_path):
+    """The loss window at a checkpoint is a sum of micro-batch losses (2 a step here); resumed at
+    4 micro-batches a step (device_batch 4 -> 2, the same 8 rows a step), the line at step 6
+    (steps 4..6) must equal the uninterrupted run's, not count step 4's sum at the new accum."""
+    keys = dict(max_steps=6, log_every=3, batch_tokens=128, lr=1e-3)
+    full, split = make_run(tmp_path / "full"), make_run(tmp_path / "split")
+    run_train(full, device_batch=4, **keys)
+    run_train(split, device_batch=4, save_every=4, **keys)
+    checkpoint.drop_newer(split, 4)  # resume from step 4, mid-window (the last line was step 3)
+    out = run_train(split, device_batch=2, **keys)
+    assert out["accum"] == 4
+    assert abs(_train_loss_at(split, 6) - _train_loss_at(full, 6)) < 1e-4 * _train_loss_at(full, 6)
+
+
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     # accum 2
     steps = dict(max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128)

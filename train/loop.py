@@ -255,7 +255,8 @@ def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict
         )
     if chosen is None:
         return existing, StepState(0, 0), {"loss_sum": 0.0, "since": 0}
-    step, tokens, log_window = restore_training(cfg, backend.control, chosen, parts)
+    saved = restore_training(cfg, backend.control, chosen, parts)
+    step, tokens = saved.step, saved.tokens
     if backend.is_main or backend.control.world > 1:
         log.info(
             "%sresumed from step %d (%d tokens) in %s",
@@ -264,7 +265,22 @@ def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict
             tokens,
             rundir.checkpoints_dir(cfg.run),
         )
-    return existing, StepState(step, tokens, saved_at=step), log_window
+    plan = run.plan
+    changed = saved.batch_tokens not in (0, plan.batch_tokens) or saved.world_size not in (
+        0,
+        plan.world_size,
+    )
+    if changed and backend.is_main:
+        log.warning(
+            "resuming with %d tokens per step on %d ranks; the checkpoint trained with %d on %d: "
+            "the schedule goes on by step count (train.max_steps, warmup, decay), so the tokens "
+            "seen and the learning rate per token change from here",
+            plan.batch_tokens,
+            plan.world_size,
+            saved.batch_tokens,
+            saved.world_size,
+        )
+    return existing, StepState(step, tokens, saved_at=step), saved.log_window
 
 
 def _nothing_to_do(run: Run, step: int) -> bool:

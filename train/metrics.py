@@ -45,13 +45,17 @@ from train.dist.backend import Backend, replica_mean
 
 
 class LossWindow:
-    """The training loss summed on the device since the last log line (first step `since`)."""
+    """The training loss summed on the device since the last log line (first step `since`).
+    The sum is of micro-batch losses, `accum` a step; a window saved at another accum (a resume
+    with another batch_tokens or world size) is rescaled to this one, so the mean stays the mean
+    of the steps' losses."""
 
     def __init__(self, backend: Backend, accum: int, saved: dict):
         self.backend, self.accum = backend, accum
+        loss_sum = float(saved["loss_sum"]) * accum / int(saved.get("accum", accum))
         # A host-to-device copy, not a computation: on XLA it adds no program to compile, fresh or
         # resumed (a resumed run carries the fp32 sum of its unfinished window).
-        self.sum = torch.tensor(float(saved["loss_sum"]), dtype=torch.float32).to(backend.device)
+        self.sum = torch.tensor(loss_sum, dtype=torch.float32).to(backend.device)
         self.since = int(saved["since"])  # may precede the resume step
 
     def add(self, loss: torch.Tensor) -> None:
@@ -70,7 +74,8 @@ class LossWindow:
 
     def state(self) -> dict:
         """For a checkpoint; every rank must call it (the partial sum is averaged over replicas)."""
-        return {"loss_sum": float(replica_mean(self.backend, self.sum)), "since": self.since}
+        loss_sum = float(replica_mean(self.backend, self.sum))
+        return {"loss_sum": loss_sum, "since": self.since, "accum": self.accum}
 
 
 class StepTimer:

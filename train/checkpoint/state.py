@@ -188,9 +188,10 @@ def _check_same_model(cfg, saved_config: dict) -> None:
             )
 
 
-def restore_training(cfg, control, step: int, parts: TrainingParts) -> tuple[int, int, dict]:
+def restore_training(cfg, control, step: int, parts: TrainingParts) -> StepRecord:
     """Every rank: load checkpoint `step` into the model, optimizer, loader and this rank's RNGs,
-    whatever layout and world size wrote it; returns (step, tokens, the unfinished log window)."""
+    whatever layout and world size wrote it; returns what the checkpoint records (the step, the
+    tokens, the unfinished log window, and the batch and layout it was trained with)."""
     model, optimizer, loader = parts.model, parts.optimizer, parts.loader
     folder = checkpoint.step_dir(cfg.run, step)
     tree = checkpoint.read_skeleton(folder)
@@ -232,4 +233,12 @@ def restore_training(cfg, control, step: int, parts: TrainingParts) -> tuple[int
     if "rng" in targets:
         checkpoint.set_rng_state(targets["rng"][rng_key])
     step = int(tree["step"])
-    return step, int(tree["tokens"]), tree.get("log_window") or {"loss_sum": 0.0, "since": step}
+    return StepRecord(
+        step=step,
+        tokens=int(tree["tokens"]),
+        log_window=tree.get("log_window") or {"loss_sum": 0.0, "since": step},
+        world_size=int(tree.get("world_size", 0)),
+        batch_tokens=int(tree.get("batch_tokens", 0)),
+        tokenizer_sha=str(tree.get("tokenizer_sha256", "")),
+        parallel=str(tree.get("parallel", "")),
+    )
