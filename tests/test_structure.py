@@ -86,6 +86,18 @@ def test_architecture_names_only_symbols_that_exist_where_it_says():
     assert not wrong, f"ARCHITECTURE.md names symbols that are not there: {wrong}"
 
 
+def test_pyproject_ships_every_package():
+    """pyproject.toml names its packages one by one (it also maps configs/ into the wheel): a new
+    folder left off the list would be missing from the wheel."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    packages = {m for m, f in module_files().items() if f.name == "__init__.py"}
+    assert listed == packages | {"codex.configs"}
+
+
 def test_every_part_says_what_it_owns():
     for init in sorted(
         list((ROOT / "train").glob("*/__init__.py"))

@@ -30,7 +30,15 @@ from codex.config.eval import EvalConfig
 from codex.config.model import ModelConfig, with_depth
 from codex.config.train import TrainConfig
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+def _configs_dir() -> Path:
+    """The YAML presets: codex/configs inside an installed wheel (pyproject.toml ships configs/
+    there), else configs/ at the top of the checkout."""
+    codex_dir = Path(__file__).resolve().parents[1]
+    installed = codex_dir / "configs"
+    return installed if installed.is_dir() else codex_dir.parent / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,56 @@
+"""codex as a user installs it: the wheel, unpacked outside the checkout and run from another
+folder, finds its presets (configs/ ships inside it) and trains."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import base_overrides, child_env, make_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The project's wheel, built now and installed (without dependencies) into a folder."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*build, "-w", str(tmp / "dist"), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = (tmp / "dist").glob("codex-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target"]
+    subprocess.run([*install, str(tmp / "site"), str(wheel)], check=True, capture_output=True)
+    return tmp / "site"
+
+
+def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = child_env()
+    env["PYTHONPATH"] = str(site)  # the wheel's copy, ahead of the checkout's editable install
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
+    where = run_installed(
+        installed,
+        tmp_path,
+        "-c",
+        "import codex, train, pipeline, model, eval, codex.config as c; "
+        "print(codex.__file__, train.__file__, c.CONFIGS_DIR)",
+    )
+    assert where.returncode == 0, where.stderr
+    assert all(p.startswith(str(installed)) for p in where.stdout.split()), where.stdout
+
+    fit = run_installed(installed, tmp_path, "-m", "codex.cli", "hardware", "--model", "124m")
+    assert fit.returncode == 0, fit.stderr
+    assert "model 124m: 135M parameters" in fit.stdout and "v6e-4" in fit.stdout
+
+    run = make_run(tmp_path / "run")
+    flags = [f for o in base_overrides(max_steps=2) for f in ("--set", o)]
+    trained = run_installed(installed, tmp_path, "-m", "codex.cli", "train", "--run", run, *flags)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (Path(run) / "checkpoints" / "step_00000002" / "DONE").exists()
