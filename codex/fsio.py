@@ -196,6 +196,16 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+def open_up(folder: str) -> None:
+    """Give a local folder made with tempfile (0700, its files often 0600) the permissions this
+    process's umask gives anything else it creates, before it is renamed into place: a shared
+    model directory stays readable by the group."""
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~_UMASK)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~_UMASK)
+
+
 def write_bytes(path: str, data: bytes) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)

@@ -258,6 +258,7 @@ def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | i
         )
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(info["run"], run_cfg, info, arch))
+        fsio.open_up(tmp)  # mkdtemp made it 0700
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -149,6 +149,18 @@ def test_model_card_reports_validation_bits_per_byte(tmp_path):
     assert "1.2345" in card
 
 
+def test_the_export_has_the_permissions_of_anything_else_the_user_creates(tmp_path):
+    """A shared model directory must be readable by the group: the folder and every file get
+    the umask's permissions (tempfile made them 0700 / 0600)."""
+    run, _, _ = make_run(tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    out = export(run, tmp_path / "hf", 7)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~umask}
+
+
 def test_unexportable_option_refuses_with_exit_2(tmp_path):
     from click.testing import CliRunner
 

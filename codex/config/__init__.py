@@ -30,6 +30,7 @@ from codex.config.eval import EvalConfig
 from codex.config.model import ModelConfig, with_depth
 from codex.config.train import TrainConfig
 
+
 def _configs_dir() -> Path:
     """The YAML presets: codex/configs inside an installed wheel (pyproject.toml ships configs/
     there), else configs/ at the top of the checkout."""
