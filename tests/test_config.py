@@ -197,3 +197,19 @@ def test_model_depth_derives_the_shape():
     assert build_config(overrides=["model.depth=2"]).model.n_head == 1  # 128 wide: one head of 128
     with pytest.raises(ConfigError, match="model.depth=-1"):
         build_config(overrides=["model.depth=-1"])
+
+
+def test_help_shows_each_options_default_from_the_config():
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+    from codex.config import Config
+
+    d = Config()
+    out = CliRunner().invoke(cli, ["train", "--help"], terminal_width=200).output
+    assert f"Optimizer steps to train.  [default: {d.train.max_steps}]" in out
+    assert f"Checkpoint every N steps.  [default: {d.train.save_every}]" in out
+    assert f"{d.model.n_layer} layers {d.model.n_embd} wide" in out
+    out = CliRunner().invoke(cli, ["data", "tokenize", "--help"], terminal_width=200).output
+    assert f"[default: {d.data.tokenizer.vocab_size}]" in out
+    assert "[default: ]" not in out and "[default: []]" not in out  # no empty defaults shown

@@ -11,7 +11,7 @@ import os
 import click
 
 from codex import runlock
-from codex.config import ConfigError, build_config
+from codex.config import Config, ConfigError, build_config
 
 
 class UserError(click.UsageError):
@@ -104,8 +104,20 @@ def config_options(fn):
 
 def key_option(*decls, key: str, **kwargs):
     """An option that is a shortcut for config key `key` (`--workers 4` is data.clean.workers=4).
-    Its click parameter is named after the key (dots as '__'); with_config collects it."""
+    Its click parameter is named after the key (dots as '__'); with_config collects it. --help
+    shows the key's default from the config (click's own default stays None: "not given")."""
+    default, text = config_default(key), kwargs.get("help", "")
+    if not isinstance(default, bool) and default not in ("", []) and "default" not in text.lower():
+        kwargs["help"] = f"{text}  [default: {default}]"
     return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
+
+
+def config_default(key: str):
+    """The default value of dotted config key `key` (the dataclass field's)."""
+    value = Config()
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def with_config(fn):

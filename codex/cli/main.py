@@ -24,7 +24,7 @@ from codex.cli.command import (
     with_config,
 )
 from codex.cli.demo import run_demo
-from codex.config import build_config
+from codex.config import Config, build_config
 from codex.config.train import TrainConfig
 from codex.progress import setup_logging
 from pipeline.clean.clean import run_clean
@@ -43,6 +43,8 @@ from train.plan.hardware import (
 checkpoint_option = key_option(
     "--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'."
 )
+
+_DEFAULT_MODEL = Config().model
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -287,22 +289,26 @@ def data_upload(local_run, remote):
     help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).",
 )
 @click.option(
-    "--model", default=None, help="Model size preset: tiny, 124m, 350m, 1b (configs/model/)."
+    "--model",
+    default=None,
+    help="Model size preset: tiny, 124m, 350m, 1b (configs/model/). Without one: the model.* "
+    f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
+    f"{_DEFAULT_MODEL.n_head} heads (codex/config/model.py; --set model.KEY=VALUE).",
 )
 @key_option("--max-steps", key="train.max_steps", type=int, help="Optimizer steps to train.")
 @key_option(
     "--batch-tokens",
     key="train.batch_tokens",
     type=int,
-    help="Tokens per optimizer step (grad accumulation is derived).",
+    help="Tokens per optimizer step (grad accumulation is derived; 0 = one micro-batch a step).",
 )
 @key_option(
     "--device-batch",
     key="train.device_batch",
     type=int,
-    help="Sequences per device per micro-batch.",
+    help="Sequences per device per micro-batch (0 = the memory plan's, `codex hardware`).",
 )
-@key_option("--seq-len", key="train.seq_len", type=int, help="Sequence length.")
+@key_option("--seq-len", key="train.seq_len", type=int, help="Sequence length (0 = the preset's).")
 @key_option("--save-every", key="train.save_every", type=int, help="Checkpoint every N steps.")
 @key_option(
     "--wandb",
@@ -332,7 +338,7 @@ def data_upload(local_run, remote):
     "--max-compiles",
     key="train.max_compiles",
     type=int,
-    help="TPU: fail when XLA compiles more programs than this.",
+    help="TPU: fail when XLA compiles more programs than this (0 = no limit).",
 )
 @key_option(
     "--allow-cpu-xla",
