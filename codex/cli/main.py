@@ -100,12 +100,12 @@ def data():
 @key_option(
     "--text-field",
     key="data.clean.text_field",
-    help="JSONL field holding the text (default: text).",
+    help="JSONL field holding the text.",
 )
 @key_option(
     "--text-column",
     key="data.clean.text_column",
-    help="Parquet column holding the text (default: text).",
+    help="Parquet column holding the text.",
 )
 @key_option(
     "--txt-delimiter",
@@ -147,7 +147,7 @@ def data_clean(cfg):
     "--vocab-size",
     key="data.tokenizer.vocab_size",
     type=int,
-    help="Vocabulary size (default 32768).",
+    help="Vocabulary size.",
 )
 @key_option(
     "--max-chars",
@@ -394,7 +394,7 @@ def train_cmd(cfg):
 @key_option(
     "--hardware",
     key="train.hardware",
-    help="Where to evaluate (a preset, `codex hardware`; default cpu).",
+    help="Where to evaluate (a preset, `codex hardware`).",
 )
 @key_option(
     "--device-batch",
@@ -456,19 +456,19 @@ def eval_cmd(cfg):
     "--max-new-tokens",
     key="eval.max_new_tokens",
     type=int,
-    help="Tokens to generate (default 200).",
+    help="Tokens to generate.",
 )
 @key_option(
     "--temperature",
     key="eval.temperature",
     type=float,
-    help="Sampling temperature; 0 = greedy (default 0.8).",
+    help="Sampling temperature; 0 = greedy.",
 )
 @key_option(
     "--top-k",
     key="eval.top_k",
     type=int,
-    help="Sample among the k most likely tokens; 0 = all (default 50).",
+    help="Sample among the k most likely tokens; 0 = all.",
 )
 @key_option(
     "--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text."
@@ -476,7 +476,7 @@ def eval_cmd(cfg):
 @key_option(
     "--hardware",
     key="train.hardware",
-    help="Where to generate (a preset, `codex hardware`; default cpu).",
+    help="Where to generate (a preset, `codex hardware`).",
 )
 def sample_cmd(cfg, prompt):
     """Generate text from a checkpoint, with a KV cache, on the CPU, a GPU or a TPU.
