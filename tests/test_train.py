@@ -127,7 +127,7 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # really two ranks, no accumulation
-    assert "x2 (cpu)" in proc.stderr and "accum 1" in proc.stderr
+    assert "x2 (cpu, 1 thread)" in proc.stderr and "accum 1" in proc.stderr
 
     big = run_train(runs["big"], device_batch=8, **steps)
     acc = run_train(runs["accum"], device_batch=4, batch_tokens=8 * 16, **steps)
@@ -497,3 +497,20 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     # below the checkpoint: says so, trains nothing
     again = run_train(resumed, max_steps=6, log_every=4)
     assert again["step"] == 10 and not again["stopped"]
+
+
+def test_cpu_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
+    """train.cpu_threads=2 overrides torch's default (OMP_NUM_THREADS=1 in the child), and the
+    start-up line says how many threads the run uses."""
+    run = make_run(tmp_path / "run")
+    args = train_cli_args(run, max_steps=1, cpu_threads=2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "codex.cli", "train", *args],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cpu x1 (cpu, 2 threads)" in proc.stderr

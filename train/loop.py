@@ -332,7 +332,7 @@ def _start_run(
         n_params / 1e6,
         run.preset.name,
         plan.world_size,
-        backend.device,
+        _cpu_threads() if backend.kind == "cpu" else backend.device,
         plan.device_batch,
         plan.seq_len,
         plan.world_size,
@@ -343,6 +343,11 @@ def _start_run(
     )
     log.info("\n".join(plan.memory.lines()))
     return metrics, progress
+
+
+def _cpu_threads() -> str:
+    n = torch.get_num_threads()  # train.cpu_threads, or torch's default
+    return f"cpu, {n} thread{'s' if n != 1 else ''}"
 
 
 def _log_train(

@@ -284,6 +284,7 @@ _RANGES = {
     "train.max_compiles": (0, None, True),
     "train.shuffle_shards": (0, None, True),
     "train.fsdp_size": (0, None, True),
+    "train.cpu_threads": (0, None, True),
     "model.n_layer": (1, None, True),
     "model.depth": (0, None, True),
     "model.n_head": (1, None, True),
