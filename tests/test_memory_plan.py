@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import ConfigError, build_config
+from codex.config import ConfigError, build_config, preset_names
 from train.plan.hardware import (
     default_seq_len,
     device_defaults,
@@ -222,3 +222,32 @@ def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, o
     peak = int(out.stdout.strip())
     est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total
     assert 0.75 * peak <= est <= 1.25 * peak, (est, peak)
+
+
+@pytest.mark.parametrize("model", preset_names("model"))
+def test_codex_hardware_offers_exactly_what_codex_train_accepts(model):
+    """Every accelerator preset: where `codex hardware --model` says the model fits (and with
+    which layout), codex train's batch resolution with train.parallel=auto accepts it with that
+    layout; where it says no, training is refused (exit 2). Multi-host TPU presets never offer
+    fsdp (not built there), and asking for it is refused."""
+    from train.plan.hardware import model_fit
+    from train.plan.plan import resolve_batch
+
+    for p in list_presets():
+        if p.memory_gb <= 0:  # the CPU preset: the machine's free RAM decides
+            continue
+        cfg = build_config(model=model, overrides=[f"train.hardware={p.name}"])
+        fit = model_fit(preset_model(model), p, dtype="bf16", optimizer=cfg.train.optimizer)
+        if not fit.batch:
+            with pytest.raises(ConfigError):
+                resolve_batch(cfg, p, p.devices)
+            continue
+        B, T, *_, layout = resolve_batch(cfg, p, p.devices)
+        assert (layout.parallel, T) == (fit.layout, fit.seq_len), (model, p.name)
+        if p.kind == "tpu" and p.hosts > 1:
+            assert fit.fsdp == 0 and fit.layout == "replicate", (model, p.name)
+            fsdp = build_config(
+                model=model, overrides=[f"train.hardware={p.name}", "train.parallel=fsdp"]
+            )
+            with pytest.raises(ConfigError, match="fsdp on TPU runs on one host"):
+                resolve_batch(fsdp, p, p.devices)

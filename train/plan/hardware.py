@@ -246,11 +246,38 @@ def format_hardware_table() -> str:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFit:
+    """What `codex hardware --model` says of one preset."""
+
+    seq_len: int
+    replicate: int  # the largest device batch that fits replicated (0: none)
+    fsdp: int  # the same under fsdp over every device (0: none, or fsdp does not run there)
+    batch: int  # the device batch train.parallel=auto would use (0: the model does not fit)
+    layout: str  # the layout auto picks, "-" when nothing fits
+    total_gb: float  # the plan at that batch and layout
+
+
+def model_fit(m, p: HardwarePreset, **setting) -> ModelFit:
+    """The largest device batch (a power of two) that fits with headroom replicated and under
+    fsdp, and what train.parallel=auto picks (train.plan.memory.choose_layout)."""
+    from train.plan.memory import choose_layout, fsdp_offered, largest_batch, plan
+
+    T = default_seq_len(p, m)
+    cap = max(1, MAX_DEVICE_TOKENS // T)
+    rep = largest_batch(m, p, T, cap, layout="replicate", **setting)
+    fsdp = largest_batch(m, p, T, cap, layout="fsdp", **setting) if fsdp_offered(p) else 0
+    B = rep or fsdp
+    layout = choose_layout(m, p, B, T, **setting) if B else "-"
+    total = plan(m, p, B, T, layout=layout, **setting).total / 1e9 if B else 0.0
+    return ModelFit(T, rep, fsdp, B, layout, total)
+
+
 def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") -> str:
     """`codex hardware --model NAME`: for every preset, the largest device batch (a power of two)
     that fits with headroom replicated and under fsdp over every device, and the layout
     train.parallel=auto picks (train.plan.memory.choose_layout)."""
-    from train.plan.memory import HEADROOM, choose_layout, largest_batch, plan
+    from train.plan.memory import HEADROOM, plan
 
     m = preset_model(model)
     setting: dict[str, Any] = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
@@ -267,26 +294,21 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
         ]
     ]
     for p in list_presets():
-        T = default_seq_len(p, m)
         if p.memory_gb <= 0:
             rows.append([p.name, "-", str(p.devices), "-", "-", "?", "-", "the machine's free RAM"])
             continue
-        cap = max(1, MAX_DEVICE_TOKENS // T)
-        rep = largest_batch(m, p, T, cap, layout="replicate", **setting)
-        fsdp = largest_batch(m, p, T, cap, layout="fsdp", **setting) if p.devices > 1 else 0
-        B = rep or fsdp
-        layout = choose_layout(m, p, B, T, **setting) if B else "-"
-        total = plan(m, p, B, T, layout=layout, **setting).total / 1e9 if B else 0
+        f = model_fit(m, p, **setting)
+        T = f.seq_len
         rows.append(
             [
                 p.name,
                 f"{p.memory_gb:g}",
                 str(p.devices),
-                f"{rep}×{T}" if rep else "-",
-                f"{fsdp}×{T}" if fsdp else "-",
-                "yes" if B else "no",
-                layout,
-                f"{total:.1f}" if B else "-",
+                f"{f.replicate}×{T}" if f.replicate else "-",
+                f"{f.fsdp}×{T}" if f.fsdp else "-",
+                "yes" if f.batch else "no",
+                f.layout,
+                f"{f.total_gb:.1f}" if f.batch else "-",
             ]
         )
     n = plan(m, list_presets()[0], 1, 1).params

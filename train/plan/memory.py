@@ -273,15 +273,29 @@ def largest_batch(m, preset, seq_len: int, cap: int, **setting) -> int:
     return b if b >= 1 else 0
 
 
+def fsdp_refusal(preset) -> str | None:
+    """Why train.parallel=fsdp cannot run on this preset, or None: auto never picks it there,
+    `codex hardware` never offers it, and asking for it is refused before anything runs."""
+    if preset.kind == "tpu" and preset.hosts > 1:
+        return (
+            f"train.parallel=fsdp on TPU runs on one host, and {preset.name} spans {preset.hosts} "
+            "(several hosts need torch_xla's SPMD checkpoint planners, not built)"
+        )
+    return None
+
+
+def fsdp_offered(preset) -> bool:
+    """Whether auto and `codex hardware` consider fsdp on this preset: it has several devices
+    (fsdp over one is the replicated layout) and runs it."""
+    return preset.devices > 1 and fsdp_refusal(preset) is None
+
+
 def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
     """train.parallel=auto: replicate when the replicated plan fits with headroom (no gathers, the
-    fastest layout), else fsdp (over train.fsdp_size devices; 0 = all)."""
+    fastest layout), else fsdp (over train.fsdp_size devices; 0 = all) where the preset runs it."""
     setting = {k: v for k, v in setting.items() if k != "layout"}
-    return (
-        "replicate"
-        if plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits()
-        else "fsdp"
-    )
+    fits = plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits()
+    return "replicate" if fits or not fsdp_offered(preset) else "fsdp"
 
 
 # --- the refusal ----------------------------------------------------------------------------------
@@ -333,6 +347,8 @@ def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0) -> list[str]:
             f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)"
         )
     for key, field, value in (("parallel", "layout", "fsdp"), ("remat", "remat", "block")):
+        if value == "fsdp" and fsdp_refusal(preset):
+            continue
         if _train_key_exists(key) and same[field] != value:
             q = plan(m, preset, p.device_batch, p.seq_len, **(same | {field: value}))
             if q.fits():
@@ -375,11 +391,9 @@ def default_batch(
     if layout != "auto":
         return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
     b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
-    return (
-        (b, "replicate")
-        if b
-        else (largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp")
-    )
+    if b or not fsdp_offered(preset):
+        return b, "replicate"
+    return largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp"
 
 
 def setting_for(tcfg, kind: str) -> dict:

@@ -24,7 +24,7 @@ from pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token
 from train.data.token_shards import load_manifest
 from train.plan.hardware import device_defaults
 from train.plan.layout import Layout, layout_for
-from train.plan.memory import MemoryPlan, check_fits, choose_layout, setting_for
+from train.plan.memory import MemoryPlan, check_fits, choose_layout, fsdp_refusal, setting_for
 
 # --- batch arithmetic -------------------------------------------------------------------------
 
@@ -79,6 +79,9 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
             f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
             f"lower --seq-len or --set model.max_seq_len={T}"
         )
+    refusal = fsdp_refusal(preset)
+    if setting["layout"] == "fsdp" and refusal and world_size > 1:
+        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
     if setting["layout"] == "auto":  # train.parallel=auto: the memory plan picks
         setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
     memory = check_fits(cfg.model, preset, B, T, **setting)
