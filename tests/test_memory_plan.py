@@ -251,3 +251,15 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model):
             )
             with pytest.raises(ConfigError, match="fsdp on TPU runs on one host"):
                 resolve_batch(fsdp, p, p.devices)
+
+
+def test_the_plan_counts_flash_attention_on_tpu():
+    """model.attention=flash on a TPU preset holds no T x T attention probabilities: its
+    activations are the fused (CUDA) count, below XLA's math SDPA at the same shape."""
+    import dataclasses
+
+    m = preset_model("124m")
+    flash = dataclasses.replace(m, attention="flash")
+    tpu, gpu = get_preset("v6e-4"), get_preset("h100")
+    math_sdpa = plan(m, tpu, 4, 2048).activations
+    assert plan(flash, tpu, 4, 2048).activations == plan(m, gpu, 4, 2048).activations < math_sdpa

@@ -203,9 +203,11 @@ def shards_for(layout: str, fsdp_size: int, devices: int) -> int:
     return 1 if layout == "replicate" else (fsdp_size if fsdp_size > 0 else max(1, devices))
 
 
-def attention_for(kind: str) -> str:
-    """The attention implementation a backend of `kind` runs: XLA lowers SDPA to its math form."""
-    return "math" if kind == "tpu" else "fused"
+def attention_for(kind: str, model_attention: str = "sdpa") -> str:
+    """The attention implementation a backend of `kind` runs: XLA lowers SDPA to its math form
+    (the T x T probabilities in memory) unless model.attention=flash runs the Pallas kernel,
+    which, like CUDA's fused SDPA, never holds them."""
+    return "math" if kind == "tpu" and model_attention != "flash" else "fused"
 
 
 def plan(
@@ -230,7 +232,7 @@ def plan(
     if m.vocab_size <= 0:
         m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
     c = 2 if dtype == "bf16" else 4
-    attention = attention_for(preset.kind)
+    attention = attention_for(preset.kind, m.attention)
     shards = shards_for(layout, fsdp_size, preset.devices)
     P = param_count(m)
     tokens = device_batch * seq_len
