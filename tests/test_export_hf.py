@@ -149,13 +149,19 @@ def test_model_card_reports_validation_bits_per_byte(tmp_path):
     assert "1.2345" in card
 
 
-def test_the_export_has_the_permissions_of_anything_else_the_user_creates(tmp_path):
+def test_the_export_has_the_permissions_of_anything_else_the_user_creates(tmp_path, monkeypatch):
     """A shared model directory must be readable by the group: the folder and every file get
     the umask's permissions (tempfile made them 0700 / 0600)."""
+    from codex import fsio
+
     run, _, _ = make_run(tmp_path)
-    umask = os.umask(0)
-    os.umask(umask)
-    out = export(run, tmp_path / "hf", 7)
+    umask = 0o022  # not 0o077, under which the fix and tempfile's 0700 would look alike
+    old = os.umask(umask)
+    monkeypatch.setattr(fsio, "_UMASK", umask)
+    try:
+        out = export(run, tmp_path / "hf", 7)
+    finally:
+        os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files and {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~umask}

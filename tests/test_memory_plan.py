@@ -225,13 +225,17 @@ def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, o
 
 
 @pytest.mark.parametrize("model", preset_names("model"))
-def test_codex_hardware_offers_exactly_what_codex_train_accepts(model):
+def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypatch):
     """Every accelerator preset: where `codex hardware --model` says the model fits (and with
     which layout), codex train's batch resolution with train.parallel=auto accepts it with that
     layout; where it says no, training is refused (exit 2). Multi-host TPU presets never offer
     fsdp (not built there), and asking for it is refused."""
+    from train.plan import memory
     from train.plan.hardware import model_fit
     from train.plan.plan import resolve_batch
+
+    # Both sides plan with the preset's memory, also on a machine whose own GPU differs.
+    monkeypatch.setattr(memory, "available_bytes", lambda kind, gb: int(gb * 1e9) if gb else None)
 
     for p in list_presets():
         if p.memory_gb <= 0:  # the CPU preset: the machine's free RAM decides

@@ -3,6 +3,7 @@ folder, finds its presets (configs/ ships inside it) and trains."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The project's wheel, built now and installed (without dependencies) into a folder."""
+    """The project's wheel, built from a copy of the tracked files (a build in the checkout would
+    reuse its build/ folder) and installed without dependencies into a folder."""
     tmp = tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split("\0")
+    src = tmp / "src"
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*build, "-w", str(tmp / "dist"), str(ROOT)], check=True, capture_output=True)
+    subprocess.run([*build, "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True)
     (wheel,) = (tmp / "dist").glob("codex-*.whl")
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target"]
     subprocess.run([*install, str(tmp / "site"), str(wheel)], check=True, capture_output=True)

@@ -409,7 +409,10 @@ def train_cmd(cfg):
     help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy).",
 )
 @key_option(
-    "--limit", key="eval.tasks_limit", type=int, help="--tasks: at most N examples per task."
+    "--limit",
+    key="eval.tasks_limit",
+    type=int,
+    help="--tasks: at most N examples per task (0 = all).",
 )
 @key_option(
     "--tasks-path",

@@ -65,7 +65,8 @@ class TrainConfig:
     xla_cache: str = ""  # persistent compilation cache; default RUN/xla_cache
     max_compiles: int = 0  # > 0: fail when the XLA compile count exceeds it
     allow_cpu_xla: bool = False  # run the XLA path on PJRT_DEVICE=CPU (tests)
-    # a multi-host preset with a local --run path: true = every host sees it (NFS)
+    # a multi-host preset or torchrun over several nodes with a local --run: true = every host
+    # sees it (NFS); checked at start (ControlPlane.check_shared_dir)
     shared_run_dir: bool = False
     bos_aligned: bool = False  # training windows start at a document's <|bos|> where one fits
     # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle

@@ -20,6 +20,7 @@ gloo sees its sockets close and the collective raises at once; the timeout catch
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -129,18 +130,24 @@ class ControlPlane:
             return
         name = f".codex-shared-{self.broadcast(uuid.uuid4().hex if self.rank == 0 else None)}"
         path = fsio.join(folder, name)
+        written = ""
         if self.rank == 0:
-            fsio.makedirs(folder)
-            fsio.write_text(path, name)
-        self.barrier()
+            try:
+                fsio.makedirs(folder)
+                fsio.write_text(path, name)
+            except Exception as e:  # any failure: every rank must hear of it, not hang
+                written = f"rank 0 could not write {path} ({e})"
+        written = self.broadcast(written)
+        if written:
+            raise ConfigError(f"{written}: --run must be a folder every rank can write")
         try:
             seen = fsio.read_text(path) == name
-        except OSError:
+        except Exception:  # not there, or not readable: this rank does not share the folder
             seen = False
         missing = [r for r, ok in enumerate(self.gather(seen)) if not ok]
-        self.barrier()
         if self.rank == 0:
-            fsio.rm(path)
+            with contextlib.suppress(Exception):
+                fsio.rm(path)
         if missing:
             raise ConfigError(
                 f"rank(s) {', '.join(map(str, missing))} cannot see {path}, which rank 0 wrote: "

@@ -172,14 +172,17 @@ def device_defaults(preset: HardwarePreset, model_cfg, **setting) -> tuple[int, 
     """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even
     one sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer,
     layout ('auto' too), fsdp_size, remat; by default bf16, AdamW, replicated."""
+    from train.plan.memory import fsdp_offered
+
     seq_len = default_seq_len(preset, model_cfg)
     batch, layout = default_device_batch(preset, model_cfg, seq_len, **setting)
     if batch <= 0:
+        shard = ", or shard the state" if fsdp_offered(preset) and layout != "fsdp" else ""
         raise ConfigError(
             f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} "
             f"({preset.memory_gb:g} GB per device, {layout}) even at train.device_batch=1 x "
-            f"train.seq_len={seq_len} by the memory plan; pick hardware with more memory, "
-            "a shorter train.seq_len, or shard the state "
+            f"train.seq_len={seq_len} by the memory plan; pick hardware with more memory "
+            f"or a shorter train.seq_len{shard} "
             "(`codex hardware --model NAME` shows what fits where)"
         )
     return batch, seq_len

@@ -70,6 +70,9 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
     (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
     setting = setting_for(cfg.train, preset.kind)
+    refusal = fsdp_refusal(preset)
+    if setting["layout"] == "fsdp" and refusal and world_size > 1:
+        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
     if B <= 0 or T <= 0:
         dB, dT = device_defaults(preset, cfg.model, **setting)
         B = B if B > 0 else dB
@@ -79,9 +82,6 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
             f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
             f"lower --seq-len or --set model.max_seq_len={T}"
         )
-    refusal = fsdp_refusal(preset)
-    if setting["layout"] == "fsdp" and refusal and world_size > 1:
-        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
     if setting["layout"] == "auto":  # train.parallel=auto: the memory plan picks
         setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
     memory = check_fits(cfg.model, preset, B, T, **setting)
