@@ -11,7 +11,7 @@ import os
 import click
 
 from codex import runlock
-from codex.config import Config, ConfigError, build_config
+from codex.config import Config, ConfigError, build_config, get_value
 
 
 class UserError(click.UsageError):
@@ -112,12 +112,15 @@ def key_option(*decls, key: str, **kwargs):
     return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
 
 
+@functools.cache
+def _defaults() -> Config:
+    return Config()
+
+
 def config_default(key: str):
-    """The default value of dotted config key `key` (the dataclass field's)."""
-    value = Config()
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
+    """The default value of dotted config key `key` (the dataclass field's), read from one
+    default Config built once for every option."""
+    return get_value(_defaults(), key)
 
 
 def with_config(fn):

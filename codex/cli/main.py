@@ -16,6 +16,7 @@ import click
 from codex import fsio, rundir, runlock
 from codex.cli.command import (
     UserError,
+    config_default,
     config_options,
     key_option,
     preset_hosts,
@@ -24,7 +25,7 @@ from codex.cli.command import (
     with_config,
 )
 from codex.cli.demo import run_demo
-from codex.config import Config, build_config
+from codex.config import build_config
 from codex.config.train import TrainConfig
 from codex.progress import setup_logging
 from pipeline.clean.clean import run_clean
@@ -44,7 +45,7 @@ checkpoint_option = key_option(
     "--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'."
 )
 
-_DEFAULT_MODEL = Config().model
+_DEFAULT_MODEL = config_default("model")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -322,7 +322,8 @@ _RANGES = {
 }
 
 
-def _get(cfg, key: str):
+def get_value(cfg, key: str):
+    """The value of dotted key `key` ('train.max_steps') in a Config."""
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
@@ -346,7 +347,7 @@ def check_values(cfg: Config) -> None:
     deep inside a stage."""
     _check_choices(cfg)
     for key, (low, high, inclusive) in _RANGES.items():
-        v = _get(cfg, key)
+        v = get_value(cfg, key)
         too_low = low is not None and (v < low if inclusive else v <= low)
         too_high = high is not None and (v > high if inclusive else v >= high)
         if too_low or too_high:

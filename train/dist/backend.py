@@ -41,6 +41,7 @@ from codex.config import ConfigError
 from model.gpt import build_model
 from train.dist.control import ControlPlane, control_timeout
 from train.dist.fsdp import build_sharded, set_grad_sync
+from train.plan.hardware import launch_env
 from train.plan.layout import Layout
 
 resource: ModuleType | None
@@ -295,16 +296,6 @@ class TorchBackend:
                 dist.destroy_process_group()
 
 
-def _launch_env() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1
-    process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return rank, world, local_rank, local_world
-
-
 def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
     """train.dtype -> autocast dtype: auto = bf16 on accelerators, fp32 (None) on the CPU."""
     if setting == "auto":
@@ -349,7 +340,7 @@ def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
 
 def make_torch_backend(cfg, preset) -> TorchBackend:
     """The backend for a CPU or CUDA preset: one process, or one per device under torchrun."""
-    rank, world, local_rank, local_world = _launch_env()
+    rank, world, local_rank, local_world = launch_env()
     launched = "WORLD_SIZE" in os.environ and world > 1
     if preset.kind == "cuda":
         device, pg_backend = _cuda_device(preset, local_rank, local_world), "nccl"

@@ -89,6 +89,16 @@ def set_xla_import_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def launch_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun's environment, or 1
+    process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
+
+
 def require_shared_run_dir(cfg) -> None:
     """A job on several hosts (a multi-host TPU preset, or torchrun over several nodes) runs the
     same command on every host, and they must all read and write one run directory: a local path
@@ -98,8 +108,7 @@ def require_shared_run_dir(cfg) -> None:
     if fsio.is_remote(cfg.run) or cfg.train.shared_run_dir:
         return
     preset = get_preset(cfg.train.hardware)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    _, world, _, local_world = launch_env()
     if preset.hosts > 1:
         where = f"--hardware {preset.name} runs on {preset.hosts} hosts"
     elif world != local_world:
