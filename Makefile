@@ -13,7 +13,7 @@ venv-xla: $(XLA_VENV)/.codex-installed
 $(VENV)/.codex-installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,hf,tasks]'
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,hf,tasks,ray]'
 	touch $@
 
 # XLA venv: torch_xla 2.9.0 needs torch 2.9.0 exactly; runs the real XLA path with PJRT_DEVICE=CPU.

@@ -1,7 +1,9 @@
 """The one place codex opens input documents: streaming readers for every data stage.
 
-    read_records(file, clean_cfg, report)  `codex data clean`, `codex eval --data`: records with
+    read_records(piece, clean_cfg, report) `codex data clean`, `codex eval --data`: records with
                                            bad input counted per file, never fatal
+    piece_starts / splittable              where a file may be cut into pieces that separate
+                                           workers read
     read_part(path)                        a cleaned part as a table (clean's final dedup pass)
     iter_text_batches(path)                `codex data tokenize`, `codex data shard`: lists of
                                            texts; bad input raises BadInputFile naming the file
@@ -12,6 +14,15 @@ Formats (by file name):
         `data.clean.txt_delimiter`
   .jsonl / .jsonl.gz / .jsonl.zst: one JSON object a line, text in `data.clean.text_field`
   .parquet: text in `data.clean.text_column`
+
+Pieces: a big file is read by several workers, each taking the records that START inside its
+byte range [start, end) (.jsonl lines, delimited text) or its row groups (.parquet); a record that
+crosses `end` is finished by the piece it started in, so every record is read exactly once and the
+records do not depend on where the cuts are. A piece that starts mid-file finds its first record
+by the same leftmost, non-overlapping delimiter matching a reader from the file's start does
+(`_first_record_start`). Compressed .jsonl.gz/.zst and undelimited text are one piece. Record
+ids name the byte offset (`path@123`) or row (`path#7`) where the record starts: a worker that
+starts mid-file cannot know line numbers.
 
 Memory stays bounded: files are read in blocks / lines / row batches, and a record bigger than
 `max_record_bytes` on disk (e.g. a 200 MB line) is skipped without being held, and yielded as
@@ -54,6 +65,28 @@ class InputFile:
     path: str
     size: int
     kind: str  # "text", "jsonl" or "parquet"
+
+
+@dataclass
+class Piece:
+    """The records of `file` that start in [start, end): bytes of .jsonl / delimited text, row
+    groups of .parquet. end=-1 is the end of the file."""
+
+    file: InputFile
+    start: int = 0
+    end: int = -1
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+
+def splittable(f: InputFile, txt_delimiter: str) -> bool:
+    """Whether pieces of `f` can be read independently (compressed streams cannot)."""
+    name = f.path.lower()
+    if f.kind == "jsonl":
+        return not name.endswith((".gz", ".zst"))
+    return f.kind == "parquet" or (f.kind == "text" and bool(txt_delimiter))
 
 
 @dataclass
@@ -124,22 +157,36 @@ def _decode(raw: bytes, report: FileReport) -> str:
     return text[1:] if text.startswith("\ufeff") else text  # a UTF-8 byte-order mark is not text
 
 
-def read_records(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
-    """Yield the records of one input file (cfg: CleanConfig). Raises BadInputFile / OSError."""
+def read_records(piece: Piece | InputFile, cfg, report: FileReport) -> Iterator[Record]:
+    """Yield the records of one input file or piece of it (cfg: CleanConfig). Raises BadInputFile
+    / OSError."""
+    if isinstance(piece, InputFile):
+        piece = Piece(piece)
+    f = piece.file
     if f.size == 0 and f.kind != "parquet":
         report.empty = True
         if f.kind == "text" and not cfg.txt_delimiter:
             yield Record(f.path, "", 0)  # an empty document: the length filter drops it, counted
         return
     if f.kind == "text":
-        yield from _read_text(f, cfg, report)
+        yield from _read_text(piece, cfg, report)
     elif f.kind == "jsonl":
-        yield from _read_jsonl(f, cfg, report)
+        yield from _read_jsonl(piece, cfg, report)
     else:
-        yield from _read_parquet(f, cfg, report)
+        yield from _read_parquet(piece, cfg, report)
 
 
-def _read_text(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
+def text_delimiter(cfg) -> bytes:
+    """data.clean.txt_delimiter as bytes; escapes typed on the command line (--txt-delimiter
+    '\\n\\n') are understood."""
+    delim = cfg.txt_delimiter
+    if "\\" in delim:
+        delim = delim.encode("ascii", "backslashreplace").decode("unicode_escape")
+    return delim.encode("utf-8")
+
+
+def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
+    f = piece.file
     limit = cfg.max_record_bytes
     if not cfg.txt_delimiter:
         if limit and f.size > limit:
@@ -150,46 +197,103 @@ def _read_text(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
             raw = fh.read()
         yield Record(f.path, _decode(raw, report), len(raw))
         return
-    delim = cfg.txt_delimiter
-    # a delimiter typed on the command line: --set data.clean.txt_delimiter='\n\n'
-    if "\\" in delim:
-        delim = delim.encode("ascii", "backslashreplace").decode("unicode_escape")
-    delim = delim.encode("utf-8")
-    i = 0
-    for raw, n in _split_stream(f.path, delim, limit):
-        if raw is None:
-            report.oversized_records += 1
-            yield Record(f"{f.path}#{i}", None, n)
-        elif raw.strip():
-            yield Record(f"{f.path}#{i}", _decode(raw, report), n)
-        i += 1
+    delim = text_delimiter(cfg)
+    with fsio.open(f.path, "rb") as fh:
+        first = _first_record_start(fh, piece.start, delim)
+        if first is None:
+            return
+        end = piece.end if piece.end >= 0 else f.size
+        pos = first
+        for raw, n in _split_stream(fh, first, delim, limit):
+            if pos >= end:
+                break
+            if raw is None:
+                report.oversized_records += 1
+                yield Record(f"{f.path}@{pos}", None, n)
+            elif raw.strip():
+                yield Record(f"{f.path}@{pos}", _decode(raw, report), n)
+            pos += n
 
 
-def _split_stream(path: str, delim: bytes, limit: int) -> Iterator[tuple[bytes | None, int]]:
-    """(piece, bytes) for each delimiter-separated piece, streaming; (None, bytes) when over
-    limit."""
+def _occurrences(fh, start: int, delim: bytes) -> Iterator[int]:
+    """Positions of `delim` from byte `start` on, matched as a reader from `start` does: leftmost
+    first, never overlapping the previous match."""
+    fh.seek(start)
+    buf, base = b"", start  # buf holds the file from byte `base`
+    at = 0
+    while True:
+        block = fh.read(1 << 20)
+        buf = buf[at:] + block
+        base += at
+        at = 0
+        while (j := buf.find(delim, at)) >= 0:
+            yield base + j
+            at = j + len(delim)
+        if not block:
+            return
+        at = max(at, len(buf) - len(delim) + 1)  # a match may straddle two blocks
+
+
+def _first_record_start(fh, start: int, delim: bytes) -> int | None:
+    """The first record start at or after byte `start` (None: no record starts there).
+
+    Records start at 0 and right after each match of a reader from byte 0. Without reading from
+    0: take the first occurrence that could end at or after `start`, walk back over occurrences
+    overlapping it (only a self-overlapping delimiter such as '\\n\\n' has any) to the first
+    one no earlier occurrence overlaps, which a reader from 0 must match too, and match forward
+    from there."""
+    if start == 0:
+        return 0
+    n = len(delim)
+    first = next(_occurrences(fh, max(0, start - n), delim), None)
+    if first is None:
+        return None
+    cluster, back = first, 1 << 16
+    while True:  # walk back inside a window; widen it for a long run such as many newlines
+        lo = max(0, cluster - back)
+        fh.seek(lo)
+        window = fh.read(cluster + n - lo)
+        c = cluster
+        while True:
+            earlier = [i for i in range(max(lo, c - n + 1), c) if window.startswith(delim, i - lo)]
+            if not earlier:
+                break
+            c = earlier[0]
+        if c - lo >= n or lo == 0:
+            cluster = c
+            break
+        cluster, back = c, back * 4
+    for m in _occurrences(fh, cluster, delim):
+        if m + n >= start:
+            return m + n
+    return None
+
+
+def _split_stream(fh, start: int, delim: bytes, limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """(record, bytes) for each delimiter-separated record from byte `start` (a record start),
+    streaming; (None, bytes) when over limit. bytes counts the record and its delimiter."""
     buf = bytearray()
     skipping = 0  # > 0 while inside an oversized piece: bytes of it seen so far
-    with fsio.open(path, "rb") as fh:
-        while True:
-            block = fh.read(1 << 20)
-            if block:
-                buf += block
-            start = 0
-            while (j := buf.find(delim, start)) >= 0:
-                if skipping:
-                    yield None, skipping + j - start
-                    skipping = 0
-                else:
-                    yield bytes(buf[start:j]), j - start + len(delim)
-                start = j + len(delim)
-            del buf[:start]
-            if not block:
-                break
-            if limit and (skipping or len(buf) > limit):
-                keep = len(delim) - 1  # a delimiter may straddle two blocks
-                skipping += len(buf) - keep
-                del buf[: len(buf) - keep]
+    fh.seek(start)
+    while True:
+        block = fh.read(1 << 20)
+        if block:
+            buf += block
+        start = 0
+        while (j := buf.find(delim, start)) >= 0:
+            if skipping:
+                yield None, skipping + j - start + len(delim)
+                skipping = 0
+            else:
+                yield bytes(buf[start:j]), j - start + len(delim)
+            start = j + len(delim)
+        del buf[:start]
+        if not block:
+            break
+        if limit and (skipping or len(buf) > limit):
+            keep = len(delim) - 1  # a delimiter may straddle two blocks
+            skipping += len(buf) - keep
+            del buf[: len(buf) - keep]
     if skipping:
         yield None, skipping + len(buf)
     elif buf:
@@ -251,31 +355,42 @@ class _ZstdReader(io.RawIOBase):
                 self.dobj = self._zstd.ZstdDecompressor().decompressobj()
 
 
-def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
+def _read_jsonl(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
+    f = piece.file
     limit = cfg.max_record_bytes or (1 << 62)
     key = cfg.text_field
 
-    def malformed(lineno: int, why: str) -> None:
+    def malformed(lineno: int, offset: int, why: str) -> None:
         report.malformed_lines += 1
         if len(report.malformed_first) < FIRST_N:
-            report.malformed_first.append(f"line {lineno}: {why}")
+            # a piece from the file's start counts lines; one from mid-file cannot
+            where = f"line {lineno}" if piece.start == 0 else f"byte {offset}"
+            report.malformed_first.append(f"{where}: {why}")
 
     with fsio.open(f.path, "rb") as raw_fh:
         fh = _open_decompressed(f.path, raw_fh)
+        pos = _first_record_start(fh, piece.start, b"\n") if piece.start else 0
+        if pos is None:
+            return
+        if pos:
+            fh.seek(pos)
+        end = piece.end if piece.end >= 0 else 1 << 62
         lineno = 0
-        while True:
+        while pos < end:
             line = fh.readline(limit + 1)
             if not line:
                 break
             lineno += 1
+            at, pos = pos, pos + len(line)
             if len(line) > limit and not line.endswith(b"\n"):  # a huge line: skip the rest unread
                 n = len(line)
                 while rest := fh.readline(1 << 20):
                     n += len(rest)
                     if rest.endswith(b"\n"):
                         break
+                pos = at + n
                 report.oversized_records += 1
-                yield Record(f"{f.path}#{lineno}", None, n)
+                yield Record(f"{f.path}@{at}", None, n)
                 continue
             if not line.strip():
                 continue
@@ -283,7 +398,7 @@ def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                malformed(lineno, f"invalid JSON ({e.msg}, column {e.colno})")
+                malformed(lineno, at, f"invalid JSON ({e.msg}, column {e.colno})")
                 continue
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
                 got = (
@@ -295,12 +410,23 @@ def _read_jsonl(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
                         else f"field '{key}' is {type(obj[key]).__name__}, not a string"
                     )
                 )
-                malformed(lineno, got)
+                malformed(lineno, at, got)
                 continue
-            yield Record(f"{f.path}#{lineno}", obj[key], len(line))
+            yield Record(f"{f.path}@{at}", obj[key], len(line))
 
 
-def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
+def parquet_row_groups(path: str) -> list[tuple[int, int]]:
+    """(rows, compressed bytes) of each row group of a parquet file (its footer only)."""
+    with fsio.open(path, "rb") as fh:
+        md = pq.ParquetFile(fh).metadata
+        return [
+            (md.row_group(i).num_rows, md.row_group(i).total_byte_size)
+            for i in range(md.num_row_groups)
+        ]
+
+
+def _read_parquet(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
+    f = piece.file
     col = cfg.text_column
     with fsio.open(f.path, "rb") as fh:
         pf = pq.ParquetFile(fh)
@@ -315,8 +441,9 @@ def _read_parquet(f: InputFile, cfg, report: FileReport) -> Iterator[Record]:
             raise BadInputFile(f"{f.path}: column '{col}' has type {typ}, expected a string column")
         if pf.metadata.num_rows == 0:
             report.empty = True
-        row = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=[col]):
+        groups = range(piece.start, piece.end if piece.end >= 0 else pf.metadata.num_row_groups)
+        row = sum(pf.metadata.row_group(i).num_rows for i in range(piece.start))
+        for batch in pf.iter_batches(batch_size=1024, columns=[col], row_groups=groups):
             for text in batch.column(0).to_pylist():
                 if text is None:
                     report.null_values += 1

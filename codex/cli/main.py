@@ -85,12 +85,30 @@ def data():
     help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// "
     "(repeatable).",
 )
-@key_option("--workers", key="data.clean.workers", type=int, help="Processes on this machine.")
+@key_option(
+    "--executor",
+    key="data.executor",
+    type=click.Choice(["local", "ray"]),
+    help="Where the units of work run: local processes, or a Ray cluster (pip install "
+    "'codex[ray]').",
+)
+@key_option(
+    "--ray-address",
+    key="data.ray_address",
+    metavar="ADDR",
+    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
+)
+@key_option(
+    "--workers",
+    key="data.clean.workers",
+    type=int,
+    help="Processes on this machine (or CPUs of a Ray runtime started here).",
+)
 @key_option(
     "--num-tasks",
     key="data.clean.num_tasks",
     type=int,
-    help="Split input files across N tasks (a job array).",
+    help="Split the units of work across N tasks of a job array (Ray needs none).",
 )
 @key_option(
     "--task-index",
@@ -177,6 +195,25 @@ def data_clean(cfg):
     help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] "
     "'text' field, .txt = one document) instead of RUN/clean/ (repeatable).",
 )
+@key_option(
+    "--workers",
+    key="data.tokenizer.workers",
+    type=int,
+    help="Processes for the document-selection scan (or CPUs of a Ray runtime started here).",
+)
+@key_option(
+    "--executor",
+    key="data.executor",
+    type=click.Choice(["local", "ray"]),
+    help="Where the units of work run: local processes, or a Ray cluster (pip install "
+    "'codex[ray]').",
+)
+@key_option(
+    "--ray-address",
+    key="data.ray_address",
+    metavar="ADDR",
+    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
+)
 def data_tokenize(cfg):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
 
@@ -217,7 +254,25 @@ def data_tokenize(cfg):
     type=click.Choice(["npy", "parquet", "both"]),
     help="Shard format.",
 )
-@key_option("--workers", key="data.shard.workers", type=int, help="Worker processes.")
+@key_option(
+    "--executor",
+    key="data.executor",
+    type=click.Choice(["local", "ray"]),
+    help="Where the units of work run: local processes, or a Ray cluster (pip install "
+    "'codex[ray]').",
+)
+@key_option(
+    "--ray-address",
+    key="data.ray_address",
+    metavar="ADDR",
+    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
+)
+@key_option(
+    "--workers",
+    key="data.shard.workers",
+    type=int,
+    help="Worker processes (or CPUs of a Ray runtime started here).",
+)
 def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.
 

@@ -84,6 +84,9 @@ class CodeFilterConfig:
 @dataclass
 class DedupConfig:
     enabled: bool = True  # exact dedup on the normalised text, across the whole corpus
+    # hashes one reduce task of the corpus-wide dedup holds (24 bytes a kept document): the
+    # number of hash partitions is chosen so that none is bigger, whatever the corpus size
+    partition_bytes: int = 256 << 20
 
 
 @dataclass
@@ -94,8 +97,8 @@ class CleanConfig:
     txt_delimiter: str = ""  # .txt: split on this string; "" = one document per file
     # web: prose rules, code: source-code corpora, all
     preset: Literal["web", "code", "all"] = "web"
-    workers: int = 1  # processes on this machine
-    num_tasks: int = 1  # tasks across machines (a job array); task I takes files I, I+N, ...
+    workers: int = 1  # processes on this machine (local), or CPUs of a Ray runtime started here
+    num_tasks: int = 1  # tasks across machines (a job array); task I takes units I, I+N, ...
     task_index: int = 0
     keep_rejected: bool = False  # also write dropped documents with their reason
     docs_per_shard: int = 20_000  # rows per output parquet file
@@ -127,7 +130,9 @@ class CleanConfig:
             ".tex",
         ]
     )
-    # input bytes per unit of work (resume + parallelism); a file is never split
+    # input bytes per unit of work (resume + parallelism): bigger files are split into byte
+    # ranges (.jsonl, delimited text) or row groups (.parquet); compressed .jsonl.gz/.zst cannot be
+    # split (a reader must start at the stream's beginning)
     chunk_bytes: int = 8_000_000
     # records bigger than this on disk are dropped unread (bounded memory)
     max_record_bytes: int = 8_000_000
@@ -150,6 +155,7 @@ class TokenizerConfig:
     doc_max_chars: int = 100_000  # per-document cap
     heldout_docs: int = 500  # documents held out to report compression
     trainer: Literal["rustbpe", "hf"] = "rustbpe"  # rustbpe: fast; hf: HF tokenizers' BpeTrainer
+    workers: int = 1  # processes (or Ray CPUs) for the document-selection scan
 
 
 @dataclass
@@ -168,6 +174,10 @@ class ShardConfig:
 
 @dataclass
 class DataConfig:
+    # where the units of clean, the tokenizer's scan and shard run (pipeline/executor.py):
+    # local (this machine: --workers processes) or ray (a Ray cluster)
+    executor: Literal["local", "ray"] = "local"
+    ray_address: str = ""  # ray: the cluster to join; "" = $RAY_ADDRESS, else start one here
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)

@@ -1,31 +1,28 @@
-"""`codex data clean`: raw text -> normalised, filtered, exactly deduplicated parquet shards.
+"""`codex data clean`: raw text -> normalised, filtered, exactly deduplicated parquet parts.
 
-    files --(sorted, task I takes files I, I+N, ...)--> chunks of <= chunk_bytes
-                                                        (a file never split)
-    chunk --read--> normalize --> filters (preset) --> in-chunk dedup
-          --> part-TTTTT-CCCCC-SSS.parquet
-            + hashes/TTTTT-CCCCC.npy
-            + markers/TTTTT-CCCCC.json  (last)
-    all chunks done --> cross-chunk dedup over the hash files --> rewrite affected shards
+    files (sorted) --plan--> units of ~chunk_bytes of input: a big file is cut into pieces
+                             (byte ranges of .jsonl and delimited text, row groups of .parquet),
+                             small files are packed together
+    unit --read--> normalize --> filters (preset) --> in-unit dedup
+         --> part-UUUUUU-SSS.parquet
+           + hashes/UUUUUU.npy (kept documents' hashes, sorted)
+           + markers/UUUUUU.json  (last)
+    every unit done --> corpus-wide exact dedup, a shuffle (pipeline/clean/dedup.py):
+                        one task per hash partition keeps the first copy in corpus order,
+                        then each group of units rewrites its parts without the later copies
                     --> config.yaml, stats.json (last)
 
-Units of work: a chunk (consecutive files of one task, about chunk_bytes of input) is processed by
-one worker start to finish and writes its own shards, so 1 or N workers give byte-identical output
-and a killed run redoes only the chunks without a marker. The plan depends only on the inputs and
-settings (not on --workers), and every machine of a job array computes the same plan.
-
-Exact dedup across the whole corpus: each chunk drops duplicates inside itself and writes the
-128-bit BLAKE2b hash (+ byte length) of every document it kept. When every chunk has its marker,
-the final pass groups all hashes (in hash-prefix buckets to bound memory) and keeps the first
-occurrence in (task, chunk) order; shards holding later copies are rewritten without them. The
-rewrite is idempotent (rows are matched by hash, not position), so a rerun after a kill during
-the final pass gives the same result. The last task of a job array to finish runs it; any rerun
-does too.
+Units of work: a unit is processed by one worker start to finish (pipeline/executor.py: this
+process, --workers processes, or Ray tasks) and writes its own parts, so any executor gives
+byte-identical output, and a killed run redoes only the units without a marker. The plan depends
+only on the inputs and settings (not on --workers or the executor). A job array (num_tasks) is
+still possible without Ray: task I takes units I, I+N, ..., and the last task to finish runs the
+dedup.
 
 Bad input is counted per file and reported in stats.json and the log; it never stops the run. A
 file that cannot be used at all (unreadable, parquet without the text column) is reported as
-failed, the other files are cleaned; its chunk gets no completion credit (its marker lists the
-failure), so a rerun after fixing the file redoes that chunk, and run_clean raises at the end so
+failed, the other files are cleaned; its unit gets no completion credit (its marker lists the
+failure), so a rerun after fixing the file redoes that unit, and run_clean raises at the end so
 the job does not look successful.
 """
 
@@ -35,9 +32,8 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
-import queue as queue_mod
+import socket
 import time
 from dataclasses import dataclass
 
@@ -45,13 +41,23 @@ import numpy as np
 
 from codex import fsio, rundir
 from codex.config import ConfigError
-from codex.progress import Progress, setup_logging
-from pipeline.clean.dedup import cross_chunk_duplicates, rewrite_without
+from codex.progress import Progress
+from pipeline.clean.dedup import dedup_corpus, hash_buckets
 from pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from pipeline.clean.parts import PartWriter
 from pipeline.clean.stats import drop_fix, nothing_kept, summarize, top_drop
+from pipeline.executor import Where, run_units, where_for
 from pipeline.inputs import list_inputs, ls_matching
-from pipeline.readers import BadInputFile, FileReport, InputFile, Record, read_records
+from pipeline.readers import (
+    BadInputFile,
+    FileReport,
+    InputFile,
+    Piece,
+    Record,
+    parquet_row_groups,
+    read_records,
+    splittable,
+)
 from pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
@@ -66,31 +72,72 @@ class CleanError(RuntimeError):
 
 
 @dataclass
-class Chunk:
-    task: int
+class Unit:
     index: int
-    files: list[InputFile]
+    pieces: list[Piece]
 
     @property
     def name(self) -> str:
-        return f"{self.task:05d}-{self.index:05d}"
+        return f"{self.index:06d}"
+
+    @property
+    def nbytes(self) -> int:
+        """Input bytes this unit reads (about: a piece's records may run past its end)."""
+        total = 0
+        for p in self.pieces:
+            if p.file.kind == "parquet" or p.end < 0:
+                total += p.file.size if p.start == 0 and p.end < 0 else p.file.size // 2
+            else:
+                total += p.end - p.start
+        return total
 
 
-def plan_chunks(files: list[InputFile], num_tasks: int, chunk_bytes: int) -> list[Chunk]:
-    """Task I takes files I, I+N, ...; its files are cut into consecutive chunks of ~chunk_bytes."""
-    chunks: list[Chunk] = []
-    for task in range(num_tasks):
-        current: list[InputFile] = []
-        size = 0
-        for f in files[task::num_tasks]:
-            if current and size + f.size > chunk_bytes:
-                chunks.append(Chunk(task, len([c for c in chunks if c.task == task]), current))
-                current, size = [], 0
-            current.append(f)
-            size += f.size
-        if current:
-            chunks.append(Chunk(task, len([c for c in chunks if c.task == task]), current))
-    return chunks
+def _split_file(f: InputFile, chunk_bytes: int) -> list[Piece]:
+    """A big splittable file in about size / chunk_bytes pieces."""
+    n = -(-f.size // chunk_bytes)
+    if f.kind != "parquet":
+        return [Piece(f, k * f.size // n, (k + 1) * f.size // n) for k in range(n)]
+    groups = parquet_row_groups(f.path)
+    sizes = np.cumsum([b for _, b in groups]) if groups else np.zeros(0)
+    if len(groups) < 2:
+        return [Piece(f)]
+    # cut before the row group where each n-th of the bytes begins
+    cuts = sorted({int(np.searchsorted(sizes, k * sizes[-1] / n, side="right")) for k in range(n)})
+    cuts = [c for c in cuts if 0 < c < len(groups)]
+    bounds = [0, *cuts, len(groups)]
+    return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def plan_units(files: list[InputFile], c) -> list[Unit]:
+    """Units of about chunk_bytes of input, in corpus order (files sorted, pieces in order)."""
+    units: list[Unit] = []
+    pack: list[Piece] = []
+    size = 0
+    for f in files:
+        if f.size > c.chunk_bytes and splittable(f, c.txt_delimiter):
+            if pack:
+                units.append(Unit(len(units), pack))
+                pack, size = [], 0
+            for piece in _split_file(f, c.chunk_bytes):
+                units.append(Unit(len(units), [piece]))
+            continue
+        if f.size > 4 * c.chunk_bytes:
+            log.info(
+                "clean: %s (%.0f MB) is one unit: %s",
+                f.path,
+                f.size / 1e6,
+                "a compressed stream cannot be split (split big files before compressing them)"
+                if f.kind == "jsonl"
+                else "an undelimited text file is one document",
+            )
+        if pack and size + f.size > c.chunk_bytes:
+            units.append(Unit(len(units), pack))
+            pack, size = [], 0
+        pack.append(Piece(f))
+        size += f.size
+    if pack:
+        units.append(Unit(len(units), pack))
+    return units
 
 
 def _fingerprint(c, files: list[InputFile]) -> str:
@@ -102,39 +149,43 @@ def _fingerprint(c, files: list[InputFile]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# one chunk (runs in a worker process)
-
-_progress_queue = None
-_parent_pid = None
-
-
-def _init_worker(q, parent_pid: int) -> None:
-    global _progress_queue, _parent_pid
-    _progress_queue, _parent_pid = q, parent_pid
-    setup_logging()
-
-
-def _remove_chunk_outputs(out: str, name: str) -> None:
-    """Delete what an interrupted earlier attempt at this chunk may have left (stale shard
-    counts)."""
-    for sub, pattern in (
-        ("", f"part-{name}-*.parquet"),
-        ("rejected", f"part-{name}-*.parquet"),
-        ("hashes", f"{name}.npy"),
-    ):
-        for path in ls_matching(fsio.join(out, sub) if sub else out, pattern):
-            fsio.rm(path)
+# one unit (runs in a worker: this process, a pool process or a Ray task)
 
 
 @dataclass
-class _ChunkCleaner:
-    """One chunk's running state: its part writers, the hashes of kept documents, counters."""
+class UnitJob:
+    """What a worker needs to clean one unit (picklable)."""
+
+    unit: Unit
+    c: object  # CleanConfig
+    out: str
+    filters: list[str]
+    fingerprint: str
+
+
+def _remove_unit_outputs(out: str, name: str) -> None:
+    """Delete what an earlier attempt at this unit may have left: parts (a stale count), its hash
+    file and the temp files of a write that was killed (a Ray retry after the worker died)."""
+    for sub in ("", "rejected", "hashes"):
+        folder = fsio.join(out, sub) if sub else out
+        for pattern in (
+            f"part-{name}-*.parquet",
+            f"{name}.npy",
+            f".tmp-part-{name}-*",
+            f".tmp-{name}.npy.*",
+        ):
+            for path in ls_matching(folder, pattern):
+                fsio.rm(path)
+
+
+@dataclass
+class _UnitCleaner:
+    """One unit's running state: its part writers, the hashes of kept documents, counters."""
 
     c: object  # CleanConfig
     filters: list[str]
     writer: PartWriter
     rejected: PartWriter | None
-    report_progress: object = None
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
@@ -147,22 +198,17 @@ class _ChunkCleaner:
             "drops": {},
         }
     )
-    pending_docs: int = 0
-    pending_bytes: int = 0
-    last_report: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def clean_file(self, f: InputFile) -> FileReport:
-        """Clean every record of one file; a file that cannot be read is reported, not raised."""
+    def clean_piece(self, piece: Piece) -> FileReport:
+        """Clean every record of one piece; a file that cannot be read is reported, not raised."""
+        f = piece.file
         report = FileReport(f.path)
         try:
-            for rec in read_records(f, self.c, report):
+            for rec in read_records(piece, self.c, report):
                 report.records += 1
                 self.stats["docs_in"] += 1
                 self.stats["bytes_in"] += rec.nbytes
-                self.pending_docs += 1
-                self.pending_bytes += rec.nbytes
                 self._clean_record(rec, f.path, report)
-                self._maybe_report_progress()
         # ValueError: pyarrow decode errors
         except (
             BadInputFile,
@@ -204,28 +250,17 @@ class _ChunkCleaner:
         if self.rejected is not None:
             self.rejected.add(text, rec.id, source, reason)
 
-    def _maybe_report_progress(self) -> None:
-        if self.pending_docs >= 256:
-            now = time.perf_counter()
-            if now - self.last_report > 0.5:
-                self.flush_progress()
-                self.last_report = now
 
-    def flush_progress(self) -> None:
-        _send_progress(self.report_progress, self.pending_docs, self.pending_bytes)
-        self.pending_docs = self.pending_bytes = 0
-
-
-def clean_chunk(
-    chunk: Chunk, c, out: str, filters: list[str], fingerprint: str, report_progress=None
-) -> dict:
-    """Clean one chunk; write its parts, its hash file, then its marker. Returns the marker."""
-    _remove_chunk_outputs(out, chunk.name)
-    writer = PartWriter(out, f"part-{chunk.name}", c.docs_per_shard, c.row_group_size)
+def clean_unit(job: UnitJob) -> dict:
+    """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
+    unit, c, out = job.unit, job.c, job.out
+    started = time.time()
+    _remove_unit_outputs(out, unit.name)
+    writer = PartWriter(out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size)
     rejected = (
         PartWriter(
             fsio.join(out, "rejected"),
-            f"part-{chunk.name}",
+            f"part-{unit.name}",
             c.docs_per_shard,
             c.row_group_size,
             with_reason=True,
@@ -233,17 +268,17 @@ def clean_chunk(
         if c.keep_rejected
         else None
     )
-    state = _ChunkCleaner(c, filters, writer, rejected, report_progress)
+    state = _UnitCleaner(c, job.filters, writer, rejected)
     reports: list[dict] = []
     try:
-        for f in chunk.files:
-            report = state.clean_file(f)
+        for piece in unit.pieces:
+            report = state.clean_piece(piece)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
                 # empty files are common (__init__.py): summarised at the end instead
                 if not report.error:
                     (log.debug if report.empty else log.warning)(
-                        "clean: bad input in %s: %s", f.path, report.describe()
+                        "clean: bad input in %s: %s", piece.path, report.describe()
                     )
         parts = writer.close()
         if rejected is not None:
@@ -253,37 +288,30 @@ def clean_chunk(
         if rejected is not None:
             rejected.abort()
         raise
-    state.flush_progress()
-    if "dedup" in filters:
-        with fsio.atomic_open(fsio.join(out, "hashes", f"{chunk.name}.npy"), "wb") as fh:
-            np.save(fh, np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3))
+    buckets: list[int] = []
+    if "dedup" in job.filters:
+        hashes = np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3)
+        hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]  # partitions are row ranges
+        with fsio.atomic_open(fsio.join(out, "hashes", f"{unit.name}.npy"), "wb") as fh:
+            np.save(fh, hashes)
+        buckets = hash_buckets(hashes)
     marker = {
-        "chunk": chunk.name,
-        "fingerprint": fingerprint,
-        "files": len(chunk.files),
+        "unit": unit.name,
+        "fingerprint": job.fingerprint,
+        "pieces": [[p.path, p.start, p.end] for p in unit.pieces],
         "shards": parts,
         "failed": [r["path"] for r in reports if r["error"]],
         "bad_files": reports,
+        "hash_buckets": buckets,  # kept hashes per top-byte bucket (dedup.HASH_BUCKETS)
+        # who ran it and when: for the log and tests, never part of the output
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "started": started,
+        "finished": time.time(),
         **state.stats,
     }
-    # last: the chunk is done
-    fsio.write_json(fsio.join(out, "markers", f"{chunk.name}.json"), marker)
+    # last: the unit is done
+    fsio.write_json(fsio.join(out, "markers", f"{unit.name}.json"), marker)
     return marker
-
-
-def _send_progress(report_progress, docs: int, nbytes: int) -> None:
-    if not docs:
-        return
-    if report_progress is not None:
-        report_progress(docs, nbytes)
-    elif _progress_queue is not None:
-        _progress_queue.put((docs, nbytes))
-        if os.getppid() != _parent_pid:  # the parent was killed: do not keep writing as an orphan
-            os._exit(3)
-
-
-def _chunk_job(args) -> dict:
-    return clean_chunk(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,8 +327,7 @@ def run_clean(cfg) -> dict:
             f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 "
             f"(num_tasks={c.num_tasks})"
         )
-    if c.workers < 1:
-        raise ConfigError(f"data.clean.workers must be >= 1, got {c.workers}")
+    where = where_for(cfg.data, c.workers)
     if not c.inputs:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH")
     filters = active_filters(c)
@@ -321,40 +348,43 @@ def run_clean(cfg) -> dict:
             f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})"
         )
     fingerprint = _fingerprint(c, files)
-    chunks = plan_chunks(files, c.num_tasks, c.chunk_bytes)
+    units = plan_units(files, c)
     markers = _read_markers(stage, fingerprint)
-    mine = [ch for ch in chunks if ch.task == c.task_index]
-    todo = [ch for ch in mine if ch.name not in markers or markers[ch.name]["failed"]]
+    mine = units[c.task_index :: c.num_tasks]
+    todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
     log.info(
-        "clean: %d files (%.1f MB), %d skipped (unsupported type); "
-        "task %d/%d: %d chunks, %d to do; filters: %s",
+        "clean: %d files (%.1f MB), %d skipped (unsupported type); %d units%s, %d to do on %s; "
+        "filters: %s",
         len(files),
         sum(f.size for f in files) / 1e6,
         len(skipped),
-        c.task_index,
-        c.num_tasks,
         len(mine),
+        f" of task {c.task_index}/{c.num_tasks}" if c.num_tasks > 1 else "",
         len(todo),
+        where.executor if where.executor == "ray" else f"{where.workers} local worker(s)",
         ", ".join(filters),
     )
     if todo:  # the corpus changes: not under a tokenizer made from it, and not "finished" meanwhile
         stage.refuse_if_built_on(
-            f"would be re-cleaned ({len(todo)} chunks without a finished marker)"
+            f"would be re-cleaned ({len(todo)} units without a finished marker)"
         )
         stage.start()
     fsio.makedirs(out)
-    for m in _process(todo, c, out, filters, fingerprint):
-        markers[m["chunk"]] = m
-    if all(ch.name in markers for ch in chunks):
-        stats = _finalize(stage, chunks, markers, filters, files, skipped)
+    jobs = [UnitJob(u, c, out, filters, fingerprint) for u in todo]
+    for m in _process(jobs, where):
+        markers[m["unit"]] = m
+    if all(u.name in markers for u in units):
+        stats = _finalize(stage, units, markers, filters, (files, skipped), where)
+        stats["units_run"] = len(todo)
     else:
-        waiting = sorted({ch.task for ch in chunks if ch.name not in markers})
+        waiting = sorted({u.index % c.num_tasks for u in units if u.name not in markers})
         log.info(
             "clean: task %d done; waiting for tasks %s (the last one to finish writes stats.json)",
             c.task_index,
             waiting,
         )
-        stats = summarize([markers[ch.name] for ch in mine], filters, files, skipped)
+        stats = summarize([markers[u.name] for u in mine], filters, files, skipped)
+        stats["units_run"] = len(todo)
     failed = stats["bad_input"]["failed_files"]
     if failed:
         raise CleanError(
@@ -378,73 +408,39 @@ def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
                 f"holds output cleaned from other inputs or settings ({path})",
                 f"use another --run or delete {stage.out}",
             )
-        markers[m["chunk"]] = m
+        markers[m["unit"]] = m
     return markers
 
 
-def _process(todo: list[Chunk], c, out: str, filters: list[str], fingerprint: str) -> list[dict]:
-    if not todo:
+def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
+    if not jobs:
         return []
-    total_bytes = sum(f.size for ch in todo for f in ch.files)
+    total = sum(j.unit.nbytes for j in jobs)
     done: list[dict] = []
-    with Progress("clean", total=len(todo), unit="chunks") as progress:
-
-        def on_progress(docs, nbytes):
-            progress.update(0, docs=docs, bytes=nbytes)
-
-        progress.update(0, bytes=0)
-        if c.workers == 1 or len(todo) == 1:
-            for ch in todo:
-                done.append(clean_chunk(ch, c, out, filters, fingerprint, on_progress))
-                progress.update(1)
-        else:
-            ctx = mp.get_context("spawn")  # fork is unsafe with gcsfs' event-loop threads
-            q = ctx.Queue()
-            with ctx.Pool(
-                min(c.workers, len(todo)), initializer=_init_worker, initargs=(q, os.getpid())
-            ) as pool:
-                pending = [
-                    pool.apply_async(_chunk_job, ((ch, c, out, filters, fingerprint),))
-                    for ch in todo
-                ]
-                while pending:
-                    try:
-                        while True:
-                            on_progress(*q.get(timeout=0.2))
-                    except queue_mod.Empty:
-                        pass
-                    for r in [r for r in pending if r.ready()]:
-                        done.append(r.get())  # re-raises a worker's exception
-                        pending.remove(r)
-                        progress.update(1)
-                while True:
-                    try:
-                        on_progress(*q.get_nowait())
-                    except queue_mod.Empty:
-                        break
-    log.info("clean: processed %.1f MB in %d chunks", total_bytes / 1e6, len(todo))
+    with Progress("clean", total=len(jobs), unit="units") as progress:
+        for _, marker in run_units(
+            clean_unit, jobs, where, progress, weight=lambda j: j.unit.nbytes
+        ):
+            done.append(marker)
+    log.info("clean: processed %.1f MB in %d units", total / 1e6, len(jobs))
     return done
 
 
 # ----------------------------------------------------------------------------------------------
-# final pass: exact dedup across chunks, then stats.json
+# final pass: exact dedup across units, then stats.json
 
 
 def _finalize(
-    stage: Stage, chunks: list[Chunk], markers: dict, filters: list[str], files, skipped
+    stage: Stage, units: list[Unit], markers: dict, filters: list[str], inputs, where: Where
 ) -> dict:
-    c, out = stage.cfg.data.clean, stage.out
-    ordered = [markers[ch.name] for ch in chunks]
+    """The corpus-wide dedup over every unit's hashes, then stats.json (the commit marker).
+
+    6 parameters: the stage, its plan and the markers it reads, and the run's settings."""
+    files, skipped = inputs
+    ordered = [markers[u.name] for u in units]
     cross_docs = cross_bytes = 0
     if "dedup" in filters:
-        drops = cross_chunk_duplicates(
-            out, [ch.name for ch in chunks], sum(m["docs_kept"] for m in ordered)
-        )
-        for ch in chunks:
-            if ch.name in drops:
-                cross_docs += len(drops[ch.name])
-                cross_bytes += sum(drops[ch.name].values())
-                rewrite_without(out, markers[ch.name]["shards"], drops[ch.name], c)
+        cross_docs, cross_bytes = dedup_corpus(stage.out, ordered, stage.cfg.data.clean, where)
     stats = summarize(ordered, filters, files, skipped)
     if cross_docs:
         stats["drops"].setdefault("dedup", {}).setdefault("duplicate", 0)
@@ -452,7 +448,7 @@ def _finalize(
         stats["drops_total"] += cross_docs
         stats["docs_out"] -= cross_docs
         stats["bytes_out"] -= cross_bytes
-    stats["dedup_across_chunks"] = cross_docs
+    stats["dedup_across_units"] = cross_docs
     stats["shards"] = [s for m in ordered for s in m["shards"]]
     stage.commit(stats)
     log.info(

@@ -1,4 +1,4 @@
-"""What `codex data clean` reports: the stats.json summary of its chunk markers, and in words
+"""What `codex data clean` reports: the stats.json summary of its unit markers, and in words
 why a clean kept little or nothing (the rule that dropped the most, and how to switch it off)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def summarize(
     def files_with(key):
         hit = [r for r in bad if r[key]]
         return {
-            "files": len(hit),
+            "files": len({r["path"] for r in hit}),
             "count": sum(int(r[key]) for r in hit),
             "first_files": [r["path"] for r in hit[:20]],
         }
@@ -46,7 +46,7 @@ def summarize(
             "oversized_records": files_with("oversized_records"),
             "null_values": files_with("null_values"),
             "malformed_lines": {
-                "files": sum(1 for r in bad if r["malformed_lines"]),
+                "files": len({r["path"] for r in bad if r["malformed_lines"]}),
                 "count": sum(r["malformed_lines"] for r in bad),
                 "first": [
                     {"path": r["path"], "lines": r["malformed_first"]}
@@ -55,7 +55,7 @@ def summarize(
                 ][:20],
             },
         },
-        "chunks": len(ms),
+        "units": len(ms),
     }
 
 

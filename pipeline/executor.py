@@ -1,0 +1,194 @@
+"""Where a data stage's units of work run: this process, a local process pool, or a Ray cluster.
+
+    run_units(fn, units, where, progress)   yields (unit, fn(unit)) as units finish, any order
+
+The stages own what a unit is (a byte range of an input file, a cleaned part, a partition of
+hashes) and make every unit idempotent: it writes through temp + rename and its marker last, and
+removes what an earlier attempt left. So the same units give the same bytes whoever runs them, a
+unit Ray retries after its worker died leaves no partial file, and a rerun after the driver was
+killed does only the units without a marker. Scheduling, retries and placement are Ray's (or the
+process pool's); nothing here is a scheduler.
+
+    local, workers=1   in this process, in order (easiest to debug)
+    local, workers=N   N spawned processes on this machine (fork is unsafe with gcsfs' threads)
+    ray                one Ray task per unit (1 CPU each, retried up to RAY_MAX_RETRIES times when
+                       its worker dies) on the cluster at data.ray_address, else $RAY_ADDRESS,
+                       else a Ray runtime started here with `workers` CPUs
+
+Progress is the driver's only: it advances as units finish, by the weight each unit carries
+(its input bytes or documents), across every node. Ray's own logs stay out of the terminal
+unless CODEX_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from codex.config import ConfigError
+from codex.progress import Progress, setup_logging
+
+log = logging.getLogger("codex.executor")
+
+RAY_MAX_RETRIES = 3  # Ray's default for tasks; a unit is idempotent, so a retry is safe
+RAY_INSTALL = "pip install 'codex[ray]'  (from a checkout: pip install -e '.[ray]')"
+
+U = TypeVar("U")
+
+
+@dataclass(frozen=True)
+class Where:
+    """How a stage runs its units: `data.executor`, `data.ray_address` and the stage's workers."""
+
+    executor: str = "local"  # local | ray
+    workers: int = 1
+    ray_address: str = ""
+
+    @property
+    def parallel(self) -> bool:
+        return self.executor == "ray" or self.workers > 1
+
+
+def where_for(data_cfg, workers: int) -> Where:
+    """The Where of a stage from the data config (data.executor, data.ray_address)."""
+    if data_cfg.executor not in ("local", "ray"):
+        raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    return Where(data_cfg.executor, workers, data_cfg.ray_address)
+
+
+def run_units(
+    fn: Callable[[U], Any],
+    units: Sequence[U],
+    where: Where,
+    progress: Progress | None = None,
+    weight: Callable[[U], float] | None = None,
+) -> Iterator[tuple[U, Any]]:
+    """Run fn on every unit; yield (unit, result) as each finishes. A unit's exception is raised
+    here (after Ray's retries for a dead worker; an exception raised by fn itself is not retried:
+    bad input fails the same way twice). `progress.update(1, **{progress.unit: weight})` per
+    finished unit."""
+    if not units:
+        return
+    if where.executor == "ray":
+        runner = _run_ray(fn, units, where)
+    elif where.workers == 1 or len(units) == 1:
+        runner = ((u, fn(u)) for u in units)
+    else:
+        runner = _run_pool(fn, units, where.workers)
+    for unit, result in runner:
+        if progress is not None:
+            progress.update(1, **({"weight": weight(unit)} if weight else {}))
+        yield unit, result
+
+
+# --- local: a process pool --------------------------------------------------------------------
+
+
+def _watch_parent(parent: int) -> None:
+    """A pool worker whose driver was killed exits instead of writing on as an orphan."""
+    setup_logging()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _run_pool(fn, units, workers: int) -> Iterator[tuple[Any, Any]]:
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(
+        min(workers, len(units)), ctx, initializer=_watch_parent, initargs=(os.getpid(),)
+    ) as pool:
+        futures = {pool.submit(fn, u): u for u in units}
+        try:
+            for fut in cf.as_completed(futures):
+                yield futures[fut], fut.result()  # re-raises the unit's exception
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+
+
+# --- ray --------------------------------------------------------------------------------------
+
+
+def import_ray():
+    """The ray module, or exit 2 saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"--executor ray needs Ray, not installed: {RAY_INSTALL}") from None
+    return ray
+
+
+def connect_ray(where: Where):
+    """Attach to the cluster (data.ray_address, else $RAY_ADDRESS) or start a runtime here."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    address = where.ray_address or os.environ.get("RAY_ADDRESS") or None
+    debug = bool(os.environ.get("CODEX_DEBUG"))
+    # One Ray task is one CPU: the encoder and numpy must not start a thread per core in each.
+    threads = {k: "1" for k in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    threads["TOKENIZERS_PARALLELISM"] = "false"
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": debug,
+        "logging_level": logging.INFO if debug else logging.ERROR,
+        "runtime_env": {"env_vars": threads},
+    }
+    if address is None:
+        kwargs["num_cpus"] = where.workers
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as e:
+        raise ConfigError(f"cannot reach the Ray cluster at {address}: {e}") from None
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    log.info(
+        "ray: %s, %d node(s), %d CPUs",
+        f"cluster at {address}" if address else "local runtime",
+        len(nodes),
+        cpus,
+    )
+    return ray
+
+
+def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
+    ray = connect_ray(where)
+    task = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES, retry_exceptions=False)(fn)
+    # A bounded number in flight: the driver holds refs, not results, and a huge plan does not
+    # flood the scheduler; twice the CPUs keeps every worker fed.
+    limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    queue = list(units)
+    queue.reverse()
+    running: dict[Any, Any] = {}
+    try:
+        while queue or running:
+            while queue and len(running) < limit:
+                u = queue.pop()
+                running[task.remote(u)] = u
+            done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            for ref in done:
+                u = running.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    raise (cause if isinstance(cause, BaseException) else e) from None
+                yield u, result
+    except BaseException:
+        for ref in running:
+            ray.cancel(ref, force=True)
+        raise
