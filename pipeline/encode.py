@@ -5,20 +5,15 @@
              --frame--> <|bos|> + ids (+ <|eos|>)
 
 Token ids are stored in the smallest unsigned dtype that holds the vocabulary (`token_dtype`).
-`encode_in_order` runs an Encoder on a stream of batches in one encode thread or N worker
-processes and gives the results back in input order, so the output never depends on --workers.
+An Encoder is picklable (the tokenizer as JSON), so a worker process or Ray task can rebuild it;
+where documents are encoded and in what order is the caller's (pipeline/shard/shard.py).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
 import itertools
-import multiprocessing as mp
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -98,61 +93,3 @@ class Encoder:
         flat = np.fromiter(itertools.chain.from_iterable(seqs), self.dtype, int(lengths.sum()))
         per_doc = np.add.reduceat(lengths, doc_starts) if doc_starts else np.zeros(0, np.int64)
         return flat, per_doc
-
-
-# --- worker processes -----------------------------------------------------------------------------
-
-_worker_state: dict = {}
-
-
-def _worker_init(encoder: Encoder, threads: int) -> None:
-    # Read by rayon when tokenizers first builds its thread pool: N processes x `threads` threads
-    # should not oversubscribe the cores.
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    _worker_state["encoder"] = encoder
-    _worker_state["tok"] = encoder.load()
-
-
-def _worker_encode(texts: list[str]):
-    return _worker_state["encoder"].encode(_worker_state["tok"], texts)
-
-
-_Tag = TypeVar("_Tag")  # what encode_in_order passes through with each batch
-
-
-def encode_in_order(
-    batches: Iterable[tuple[list[str], _Tag]], encoder: Encoder, tok: Tokenizer, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray, _Tag, int]]:
-    """(flat ids, tokens per document, tag, UTF-8 bytes) for each (texts, tag) batch, in input
-    order.
-
-    workers == 1: one encode thread (tokenizers releases the GIL and uses its own thread pool), so
-    reading, hashing and writing overlap with encoding. workers > 1: spawned processes, each with a
-    share of the cores. At most 2 x workers batches are in flight, which bounds memory.
-    """
-    pool: cf.Executor
-    if workers > 1:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
-        pool = cf.ProcessPoolExecutor(
-            workers,
-            mp_context=mp.get_context("spawn"),
-            initializer=_worker_init,
-            initargs=(encoder, threads),
-        )
-        submit = lambda texts: pool.submit(_worker_encode, texts)  # noqa: E731
-    else:
-        pool = cf.ThreadPoolExecutor(1)
-        submit = lambda texts: pool.submit(encoder.encode, tok, texts)  # noqa: E731
-    max_in_flight = 2 * workers
-    in_flight: collections.deque = collections.deque()
-    try:
-        for texts, tag in batches:
-            in_flight.append((submit(texts), tag, sum(len(t.encode("utf-8")) for t in texts)))
-            while len(in_flight) > max_in_flight:
-                fut, tag_, n_bytes = in_flight.popleft()
-                yield (*fut.result(), tag_, n_bytes)
-        while in_flight:
-            fut, tag_, n_bytes = in_flight.popleft()
-            yield (*fut.result(), tag_, n_bytes)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

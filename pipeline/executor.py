@@ -15,8 +15,8 @@ process pool's); nothing here is a scheduler.
                        its worker dies) on the cluster at data.ray_address, else $RAY_ADDRESS,
                        else a Ray runtime started here with `workers` CPUs
 
-Progress is the driver's only: it advances as units finish, by the weight each unit carries
-(its input bytes or documents), across every node. Ray's own logs stay out of the terminal
+Progress is the driver's only: it advances as units finish, by what each unit reports (its input
+bytes and documents), across every node. Ray's own logs stay out of the terminal
 unless CODEX_DEBUG=1.
 """
 
@@ -26,6 +26,8 @@ import concurrent.futures as cf
 import logging
 import multiprocessing as mp
 import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -70,12 +72,12 @@ def run_units(
     units: Sequence[U],
     where: Where,
     progress: Progress | None = None,
-    weight: Callable[[U], float] | None = None,
+    count: Callable[[U, Any], dict[str, float]] | None = None,
 ) -> Iterator[tuple[U, Any]]:
     """Run fn on every unit; yield (unit, result) as each finishes. A unit's exception is raised
     here (after Ray's retries for a dead worker; an exception raised by fn itself is not retried:
-    bad input fails the same way twice). `progress.update(1, **{progress.unit: weight})` per
-    finished unit."""
+    bad input fails the same way twice). Per finished unit: progress.update(1, **count(unit,
+    result)), e.g. the bytes and documents it read."""
     if not units:
         return
     if where.executor == "ray":
@@ -86,8 +88,18 @@ def run_units(
         runner = _run_pool(fn, units, where.workers)
     for unit, result in runner:
         if progress is not None:
-            progress.update(1, **({"weight": weight(unit)} if weight else {}))
+            progress.update(1, **(count(unit, result) if count else {}))
         yield unit, result
+
+
+def worker_id() -> str:
+    """Who runs this unit: the Ray node and process inside a Ray task, else host and process
+    (recorded in a unit's marker; never part of the output)."""
+    if "ray" in sys.modules:
+        ray = sys.modules["ray"]
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            return f"ray-node-{ray.get_runtime_context().get_node_id()[:8]}:{os.getpid()}"
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 # --- local: a process pool --------------------------------------------------------------------
@@ -113,7 +125,8 @@ def _run_pool(fn, units, workers: int) -> Iterator[tuple[Any, Any]]:
         futures = {pool.submit(fn, u): u for u in units}
         try:
             for fut in cf.as_completed(futures):
-                yield futures[fut], fut.result()  # re-raises the unit's exception
+                # popped: the driver holds no result it has already handed on
+                yield futures.pop(fut), fut.result()  # re-raises the unit's exception
         except BaseException:
             for fut in futures:
                 fut.cancel()
@@ -132,12 +145,18 @@ def import_ray():
     return ray
 
 
+_connected: str | None = None  # the address this process's Ray driver is attached to
+
+
 def connect_ray(where: Where):
     """Attach to the cluster (data.ray_address, else $RAY_ADDRESS) or start a runtime here."""
+    global _connected
     ray = import_ray()
-    if ray.is_initialized():
-        return ray
     address = where.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if ray.is_initialized():
+        if _connected == (address or "local"):
+            return ray
+        ray.shutdown()  # attached elsewhere (another stage of this process asked for another)
     debug = bool(os.environ.get("CODEX_DEBUG"))
     # One Ray task is one CPU: the encoder and numpy must not start a thread per core in each.
     threads = {k: "1" for k in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
@@ -154,6 +173,7 @@ def connect_ray(where: Where):
         ray.init(address=address, **kwargs)
     except ConnectionError as e:
         raise ConfigError(f"cannot reach the Ray cluster at {address}: {e}") from None
+    _connected = address or "local"
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     cpus = int(ray.cluster_resources().get("CPU", 0))
     log.info(

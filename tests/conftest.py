@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -112,3 +113,46 @@ def run_xla(
             f"{proc.stderr[-8000:]}"
         )
     return proc
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(gcs_emulator):
+    """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start`,
+    two raylets of 1 CPU each (NOTES.md section 7); yields the address. Its workers see the GCS
+    emulator (they inherit STORAGE_EMULATOR_HOST from here). Skips, saying why, only where Ray is
+    not installed or cannot start."""
+    ray_exe = Path(sys.executable).parent / "ray"
+    if not ray_exe.exists():
+        pytest.skip("Ray is not installed in this venv: pip install -e '.[ray]'")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's Unix socket paths are limited
+    port = _free_port()
+    # A head started by `ray start` turns on token authentication (Ray >= 2.5x) unless told not
+    # to; a throwaway cluster on 127.0.0.1 needs none, and its nodes and driver must agree.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    common = ["--num-cpus", "1", "--object-store-memory", str(200 << 20), "--disable-usage-stats"]
+    starts = [
+        ["--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard=false"],
+        ["--address", f"127.0.0.1:{port}"],
+    ]
+    for args in starts:
+        res = subprocess.run(
+            [str(ray_exe), "start", *args, *common],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if res.returncode:
+            subprocess.run([str(ray_exe), "stop", "--force"], capture_output=True, timeout=120)
+            last = (res.stderr or res.stdout).strip().splitlines()[-1:]
+            pytest.skip(f"Ray cannot start a cluster here: {' '.join(last)}")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run([str(ray_exe), "stop", "--force"], capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -4,6 +4,7 @@ input."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -103,9 +104,9 @@ def tokenizer_files(tmp_path_factory, corpus):
     return d / "tokenizer"
 
 
-def make_run(tmp_path: Path, corpus, tokenizer_files, name: str = "run") -> Path:
+def make_run(tmp_path: Path, corpus, tokenizer_files, name: str = "run", files: int = 3) -> Path:
     run = tmp_path / name
-    write_clean(run, corpus)
+    write_clean(run, corpus, files)
     (run / "tokenizer").mkdir(parents=True)
     for f in tokenizer_files.iterdir():
         (run / "tokenizer" / f.name).write_bytes(f.read_bytes())
@@ -238,14 +239,124 @@ def test_split_long_text_pieces():
 # --- determinism and resume -----------------------------------------------------------------------
 
 
-def test_same_shards_across_reruns_and_worker_counts(tmp_path, corpus, tokenizer_files):
-    run = make_run(tmp_path, corpus, tokenizer_files)
-    one = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
-    two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), workers=2))
-    assert shas(one) == shas(two) and len(one["shards"]) >= 4
+def reference_shards(
+    run: Path, corpus: list[str], cfg: Config, files: int
+) -> tuple[dict[str, list[np.ndarray]], list[int]]:
+    """The layout computed without the stage: each split's documents encoded one at a time,
+    concatenated in corpus order and cut every shard_tokens; and where the train stream passes
+    from one part to the next (write_clean's parts are consecutive slices of `corpus`)."""
+    from pipeline.encode import Encoder
+
+    s = cfg.data.shard
+    text = (run / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
+    encoder = Encoder(text, 0, 1, s.append_eos, "uint16", s.chunk_chars)
+    tok = encoder.load()
+    streams: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    per, bounds, pos = -(-len(corpus) // files), [], 0
+    for i, doc in enumerate(corpus):
+        h = int.from_bytes(hashlib.blake2b(doc.encode(), digest_size=8).digest(), "big") / 2**64
+        tokens = encoder.encode(tok, [doc])[0]
+        streams["val" if h < s.val_fraction else "train"].append(tokens)
+        pos += len(tokens) if h >= s.val_fraction else 0
+        if (i + 1) % per == 0:
+            bounds.append(pos)
+    S = s.shard_tokens
+    out = {}
+    for split, docs in streams.items():
+        flat = np.concatenate(docs)
+        out[split] = [flat[k : k + S] for k in range(0, len(flat), S)]
+    return out, bounds
+
+
+def npy_sha(tokens: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, tokens, version=(1, 0), allow_pickle=False)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def test_same_shards_for_any_workers_and_the_reference_layout(
+    tmp_path, corpus, tokenizer_files, monkeypatch
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=5)
+    S = 700
+    one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
+    monkeypatch.setattr(shard_mod, "WRITE_TASK_TOKENS", 3 * S)  # several write tasks
+    two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
+    assert two == one and len(one["shards"]) >= 10
+    for e in one["shards"]:
+        w1, w2 = tmp_path / "w1" / e["path"], tmp_path / "w2" / e["path"]
+        assert w1.read_bytes() == w2.read_bytes()
+    # the layout is each split's token stream in corpus order, cut every S tokens
+    ref, bounds = reference_shards(run, corpus, make_cfg(run, shard_tokens=S), files=5)
+    for split in ("train", "val"):
+        entries = [e for e in one["shards"] if e["split"] == split]
+        assert [e["path"] for e in entries] == [
+            f"{split}_{k:05d}.npy" for k in range(len(ref[split]))
+        ]
+        for e, tokens in zip(entries, ref[split], strict=True):
+            assert e["sha256"] == npy_sha(tokens) and e["tokens"] == len(tokens)
+            assert e["documents"] == int(np.count_nonzero(tokens == 0))
+    # ... and shards span the parts: a part ends inside a shard
+    assert len(bounds) == 5 and any(b % S for b in bounds[:-1])
+    for out in ("w1", "w2"):
+        assert not (tmp_path / out / ".units").exists()
+        assert verify_shards(str(tmp_path / out)) == []
     # complete: nothing redone, same manifest
-    again = run_shard(make_cfg(run, out=str(tmp_path / "w1")))
+    again = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
     assert again == one
+
+
+class Stopped(BaseException):
+    """The driver stopped mid-run (as by Ctrl-C)."""
+
+
+def counting(monkeypatch) -> dict[str, list[str]]:
+    """Record the parts the stage encodes and the shard files it writes (workers=1: in this
+    process)."""
+    seen: dict[str, list[str]] = {"parts": [], "shards": []}
+    encode, write = shard_mod.shard_encode_unit, shard_mod.write_npy
+
+    def encode_unit(u):
+        seen["parts"].append(os.path.basename(u.path))
+        return encode(u)
+
+    def write_npy(path, tokens):
+        seen["shards"].append(os.path.basename(path))
+        return write(path, tokens)
+
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", encode_unit)
+    monkeypatch.setattr(shard_mod, "write_npy", write_npy)
+    return seen
+
+
+def test_interrupted_encode_redoes_only_the_missing_parts(
+    tmp_path, corpus, tokenizer_files, monkeypatch
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=5)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
+    parts = sorted(p.name for p in (run / "clean").glob("part-*.parquet"))
+    encode = shard_mod.shard_encode_unit
+
+    def dies_at_the_third(u):
+        if u.path.endswith(parts[2]):
+            raise Stopped  # the driver is stopped
+        return encode(u)
+
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", dies_at_the_third)
+    cfg = make_cfg(run, shard_tokens=700)
+    with pytest.raises(Stopped):
+        run_shard(cfg)
+    out = run / "shards"
+    assert not (out / "manifest.json").exists()
+    assert len(list((out / ".units").glob("*/done.json"))) == 2
+    assert not list(out.glob("*.npy"))
+
+    monkeypatch.undo()
+    seen = counting(monkeypatch)
+    assert run_shard(cfg) == ref
+    assert seen["parts"] == parts[2:]  # the first two were kept
+    assert sorted(seen["shards"]) == sorted(e["path"] for e in ref["shards"])
+    assert not (out / ".units").exists() and verify_shards(str(out)) == []
 
 
 KILL_SCRIPT = """
@@ -255,31 +366,28 @@ from pipeline.shard import shard
 from tests.test_shard import make_cfg
 after, where = int(sys.argv[2]), sys.argv[3]
 count = [0]
-orig_npy = shard.write_npy
-def write_npy(path, tokens):
-    res = orig_npy(path, tokens)
-    count[0] += 1
-    if where == "before_progress" and count[0] == after:
-        os.kill(os.getpid(), signal.SIGKILL)   # shard file written, progress not yet updated
-    return res
-shard.write_npy = write_npy
-orig_commit = shard._SplitWriter._write
-def _write(self, nxt):
-    orig_commit(self, nxt)
-    if where == "after_commit" and count[0] == after:
-        os.kill(os.getpid(), signal.SIGKILL)
-shard._SplitWriter._write = _write
-shard.run_shard(make_cfg(sys.argv[1]))
+def killer(orig):
+    def wrapped(*args):
+        res = orig(*args)
+        count[0] += 1
+        if count[0] == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return res
+    return wrapped
+if where == "encode":  # after a part's marker
+    shard.shard_encode_unit = killer(shard.shard_encode_unit)
+else:  # a shard's file written, not yet its marker
+    shard.write_npy = killer(shard.write_npy)
+shard.run_shard(make_cfg(sys.argv[1], shard_tokens=700))
 """
 
 
-@pytest.mark.parametrize("where", ["after_commit", "before_progress"])
+@pytest.mark.parametrize("where", ["encode", "write"])
 def test_sigkill_mid_run_then_rerun_gives_same_manifest(
     tmp_path, corpus, tokenizer_files, where, monkeypatch
 ):
-    ref_run = make_run(tmp_path, corpus, tokenizer_files, "ref")
-    ref = run_shard(make_cfg(ref_run))
-    run = make_run(tmp_path, corpus, tokenizer_files, "killed")
+    run = make_run(tmp_path, corpus, tokenizer_files, files=5)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
     proc = subprocess.run(
         [sys.executable, "-c", KILL_SCRIPT.format(root=str(ROOT)), str(run), "3", where],
         cwd=str(ROOT),
@@ -290,19 +398,57 @@ def test_sigkill_mid_run_then_rerun_gives_same_manifest(
     assert proc.returncode == -9, proc.stderr[-2000:]
     out = run / "shards"
     assert not (out / "manifest.json").exists()
-    progress = json.loads((out / "shard_progress.json").read_text())
-    done = sum(len(v) for v in progress["splits"].values())
-    assert done == (3 if where == "after_commit" else 2)
+    assert len(list((out / ".units").glob("*/done.json"))) == (3 if where == "encode" else 5)
+    marked = len(list((out / ".units" / "shards").glob("*.json")))
+    assert marked == (0 if where == "encode" else 2)
 
-    rewritten = []
-    orig = shard_mod.write_npy
-    monkeypatch.setattr(
-        shard_mod, "write_npy", lambda p, t: (rewritten.append(os.path.basename(p)), orig(p, t))[1]
-    )
-    again = run_shard(make_cfg(run))
+    seen = counting(monkeypatch)
+    again = run_shard(make_cfg(run, shard_tokens=700))
     assert again == ref
-    assert len(rewritten) == len(ref["shards"]) - done  # finished shards were skipped, not redone
-    assert not [p for p in os.listdir(out) if ".tmp" in p]
+    assert len(seen["parts"]) == (2 if where == "encode" else 0)
+    # finished shards were skipped, the one written without its marker is redone
+    assert len(seen["shards"]) == len(ref["shards"]) - marked
+    assert not [p for p in os.listdir(out) if ".tmp" in p] and not (out / ".units").exists()
+    assert verify_shards(str(out)) == []
+
+
+def test_a_dead_attempts_leftovers_are_removed(tmp_path, corpus, tokenizer_files, monkeypatch):
+    run = make_run(tmp_path, corpus, tokenizer_files)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref")))
+    units = []
+    encode = shard_mod.shard_encode_unit
+
+    def first_only(u):
+        units.append(u)
+        if len(units) > 1:
+            raise Stopped
+        return encode(u)
+
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", first_only)
+    with pytest.raises(Stopped):
+        run_shard(make_cfg(run))
+    monkeypatch.undo()
+    # what a worker killed while writing the second part leaves: a partial file under a final name
+    # (an object store's finished upload), a temp file, a marker of another attempt
+    u = units[1]
+    folder = Path(u.folder)
+    folder.mkdir(parents=True)
+    (folder / "train.tokens").write_bytes(b"\x01\x02partial")
+    (folder / ".tmp-val.tokens.0123abcd").write_bytes(b"partial")
+    (folder / "done.json").write_text(json.dumps({"fingerprint": "another run"}))
+    out = run / "shards"
+    (out / ".tmp-train_00000.npy.deadbeef").write_bytes(b"partial")
+    # the unit retried (as Ray retries a task whose worker died)
+    marker = shard_mod.shard_encode_unit(u)
+    names = ["done.json", "train.lens", "train.tokens", "val.lens", "val.tokens"]
+    assert sorted(os.listdir(folder)) == names
+    assert (folder / "train.tokens").stat().st_size == 2 * marker["tokens"]["train"]
+    assert (folder / "val.lens").stat().st_size == 8 * marker["documents"]["val"]
+
+    seen = counting(monkeypatch)
+    assert run_shard(make_cfg(run)) == ref
+    assert len(seen["parts"]) == 1  # the third; the first two have their markers
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name] and not (out / ".units").exists()
     assert verify_shards(str(out)) == []
 
 

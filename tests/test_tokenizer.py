@@ -287,6 +287,126 @@ def test_same_tokenizer_from_different_shard_layouts(tmp_path, trainer):
     assert mc["corpus"]["fingerprint"] != ma["corpus"]["fingerprint"]
 
 
+def reference_selection(
+    files: list[list], max_chars: int, doc_max_chars: int, heldout_docs: int
+) -> doc_select.Selection:
+    """Pass 1 by its definition, on the whole corpus at once: documents in (hash, file, row)
+    order, training = the longest prefix that fits in max_chars, held out = the largest keys."""
+    sel = doc_select.Selection()
+    docs = []
+    for fi, texts in enumerate(files):
+        for r, text in enumerate(texts):
+            if not text:
+                sel.docs_empty += 1
+                continue
+            cut = text[:doc_max_chars]
+            docs.append((doc_select.doc_hash(text), fi, r, len(cut), len(cut.encode())))
+            sel.docs_seen += 1
+            sel.chars_seen += len(cut)
+            sel.docs_capped += len(text) > doc_max_chars
+    docs.sort()
+    held = sorted(docs, reverse=True)[: min(heldout_docs, len(docs) // 10)]
+    for _, fi, r, _, _ in held:
+        sel.heldout.setdefault(fi, []).append(r)
+    held_hashes = {d[0] for d in held}
+    total, prefix = 0, []
+    for d in docs:
+        if total + d[3] > max_chars:
+            break
+        total += d[3]
+        prefix.append(d)
+    fp = hashlib.sha256()
+    for h, fi, r, chars, nbytes in prefix:
+        if h not in held_hashes:
+            sel.train.setdefault(fi, []).append(r)
+            sel.train_docs += 1
+            sel.train_chars += chars
+            sel.train_bytes += nbytes
+            fp.update(h.to_bytes(16, "big"))
+    for rows in (*sel.train.values(), *sel.heldout.values()):
+        rows.sort()
+    sel.heldout_docs = len(held)
+    sel.fingerprint = fp.hexdigest()
+    return sel
+
+
+def test_unit_scans_merge_to_the_whole_corpus_selection():
+    """One unit per file, merged in any order, selects what the whole corpus' definition does,
+    for budgets that stop inside files, with duplicates (in one file and across files), empty
+    rows, capped documents and held-out ones."""
+    rng = random.Random(4)
+    docs = make_docs(150, seed=4)
+    files: list[list] = [[] for _ in range(5)]
+    for d in docs:
+        files[rng.choice([0, 0, 1, 2, 2, 2, 3, 4])].append(d)
+    for _ in range(30):  # copies of documents, within a file and across files
+        files[rng.randrange(5)].insert(rng.randrange(10), rng.choice(docs))
+    files[1][3:3] = [None, "", "z" * 3000]  # empty rows; one document over the cap
+    files[4].append(max(docs, key=doc_select.doc_hash))  # held out with heldout=1, one copy kept
+    by_path = {f"f{i}": texts for i, texts in enumerate(files)}
+
+    def read(path):
+        texts = by_path[path]
+        for i in range(0, len(texts), 7):
+            yield texts[i : i + 7]
+
+    ordered = sorted(
+        (doc_select.doc_hash(t), min(len(t), 1000)) for texts in files for t in texts if t
+    )
+    total = sum(c for _, c in ordered)
+    budgets = [1, 300] + [total * k // 23 for k in range(1, 23)] + [total, 10 * total]
+    # budgets that fit some copies of a duplicated document and not the next one
+    budgets += [
+        sum(c for _, c in ordered[:i])
+        for i in range(1, len(ordered))
+        if ordered[i - 1][0] == ordered[i][0]
+    ][::3]
+    cut_inside = 0
+    for budget in budgets:
+        for heldout in (0, 1, 8):
+            want = reference_selection(files, budget, 1000, heldout)
+            scans = [
+                doc_select.scan_file(doc_select.ScanUnit(i, f"f{i}", budget, 1000, heldout, read))
+                for i in range(len(files))
+            ]
+            for order in (scans, scans[::-1], scans[2:] + scans[:2]):
+                assert doc_select.merge_scans(order, budget, heldout) == want, (budget, heldout)
+            assert doc_select.select_documents(list(by_path), budget, 1000, heldout, read) == want
+            cut_inside += any(
+                0 < len(want.train.get(i, ())) < len(f) - 2 for i, f in enumerate(files)
+            )
+    assert cut_inside > 20 and want.heldout_docs == 8 and want.docs_capped == 1
+
+
+def test_same_tokenizer_whatever_runs_the_scan(tmp_path, monkeypatch):
+    docs = make_docs(160, seed=6)
+    for i in range(4):
+        write_parquet(tmp_path / f"p{i}.parquet", docs[i::4])
+    wheres = []
+    run_units = doc_select.run_units
+
+    def spy(fn, units, where, *a, **k):
+        wheres.append(where)
+        return run_units(fn, units, where, *a, **k)
+
+    monkeypatch.setattr(doc_select, "run_units", spy)
+    budget = sum(map(len, docs)) // 3
+    out = {}
+    for workers in (1, 2):
+        run = tmp_path / f"r{workers}"
+        meta = T.run_tokenizer(
+            config(run, [tmp_path], vocab=300, max_chars=budget, workers=workers)
+        )
+        out[workers] = (
+            fsio.read_bytes(fsio.join(rundir.tokenizer_dir(str(run)), "tokenizer.json")),
+            meta["corpus"],
+            meta["compression"],
+        )
+    assert [w.workers for w in wheres] == [1, 2] and wheres[1].parallel
+    assert out[1] == out[2]
+    assert out[1][1]["heldout_docs"] == 16 and out[1][1]["chars_used"] <= budget
+
+
 def test_tiny_corpus_records_the_real_vocab_size(tmp_path, caplog):
     write_parquet(tmp_path / "t.parquet", ["hello world", "hello there world", "abc"])
     with caplog.at_level("WARNING"):

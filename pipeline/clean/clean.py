@@ -32,8 +32,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -41,12 +39,13 @@ import numpy as np
 
 from codex import fsio, rundir
 from codex.config import ConfigError
+from codex.config.data import CleanConfig
 from codex.progress import Progress
 from pipeline.clean.dedup import dedup_corpus, hash_buckets
 from pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from pipeline.clean.parts import PartWriter
 from pipeline.clean.stats import drop_fix, nothing_kept, summarize, top_drop
-from pipeline.executor import Where, run_units, where_for
+from pipeline.executor import Where, run_units, where_for, worker_id
 from pipeline.inputs import list_inputs, ls_matching
 from pipeline.readers import (
     BadInputFile,
@@ -157,7 +156,7 @@ class UnitJob:
     """What a worker needs to clean one unit (picklable)."""
 
     unit: Unit
-    c: object  # CleanConfig
+    c: CleanConfig
     out: str
     filters: list[str]
     fingerprint: str
@@ -304,7 +303,7 @@ def clean_unit(job: UnitJob) -> dict:
         "bad_files": reports,
         "hash_buckets": buckets,  # kept hashes per top-byte bucket (dedup.HASH_BUCKETS)
         # who ran it and when: for the log and tests, never part of the output
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "worker": worker_id(),
         "started": started,
         "finished": time.time(),
         **state.stats,
@@ -419,7 +418,11 @@ def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
     done: list[dict] = []
     with Progress("clean", total=len(jobs), unit="units") as progress:
         for _, marker in run_units(
-            clean_unit, jobs, where, progress, weight=lambda j: j.unit.nbytes
+            clean_unit,
+            jobs,
+            where,
+            progress,
+            count=lambda _, m: {"docs": m["docs_in"], "bytes": m["bytes_in"]},
         ):
             done.append(marker)
     log.info("clean: processed %.1f MB in %d units", total / 1e6, len(jobs))

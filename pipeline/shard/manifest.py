@@ -1,10 +1,20 @@
-"""The shard folder's files: names, manifest.json (the commit marker) and shard_progress.json
-(resume).
+"""The shard folder's files: names, manifest.json (the commit marker), the settings of a started run
+and the intermediate files of an unfinished one.
 
     RUN/shards/train_00000.npy ...   shards, each written atomically
-    RUN/shards/shard_progress.json   after each shard: its entry + where the next shard of its split
-                                     starts in the corpus; kept after the manifest so a damaged
-                                     shard can be redone
+    RUN/shards/shard_progress.json   the settings of the run that started writing here, written
+                                     before anything else; kept after the manifest so that a rerun
+                                     with other settings is refused even while the manifest is
+                                     absent (a killed run, a rerun that is repairing a shard)
+    RUN/shards/.units/               what an unfinished run has done; removed once the manifest
+                                     is written
+        NNNNN-PART/                     one cleaned part (NNNNN: its place in corpus order):
+            SPLIT.tokens                its token ids of that split, in corpus order (a raw array
+                                        of the shard dtype)
+            SPLIT.lens                  tokens per document of that split (raw int64)
+            done.json                   last: documents, tokens and bytes per split, and the
+                                        fingerprint of the settings
+        shards/SPLIT_NNNNN.json         a shard's manifest entries, after its files
     RUN/shards/manifest.json         last: every shard's entry (split, path, format, tokens,
                                      documents, sha256), totals, and the settings they were
                                      made with
@@ -14,17 +24,16 @@ A manifest entry is what train/data/loader.py reads and pipeline/shard/verify.py
 
 from __future__ import annotations
 
-import logging
 import re
 
 from codex import fsio
 
-log = logging.getLogger("codex.shard")
-
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# resume state; kept after the manifest so a damaged shard can be redone
-PROGRESS = "shard_progress.json"
+PROGRESS = "shard_progress.json"  # {"settings": ...} of a started run (see above)
+UNITS = ".units"  # intermediate files of an unfinished run (see above)
+UNIT_DONE = "done.json"  # a part's marker inside its folder of .units/
+SHARD_MARKERS = "shards"  # the folder of .units/ holding the shards' markers
 SPLITS = ("train", "val")
 
 SHARD_NAME = re.compile(r"(train|val)_\d{5,}\.(npy|parquet)")
@@ -50,23 +59,9 @@ def mismatch(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in new if old.get(k) != new.get(k)]
 
 
-def good_prefix(out: str, entries: list[dict]) -> int:
-    """How many recorded shards (groups of entries with one index) still match their sha256."""
-    good = 0
-    for group in entries:
-        for e in group["files"]:
-            try:  # the progress file is read back like a manifest: its paths stay inside `out`
-                p = fsio.join_inside(out, e["path"], f"{fsio.join(out, PROGRESS)}: a shard path")
-            except ValueError as err:
-                log.warning("shard: %s; redoing it and the rest of its split", err)
-                return good
-            if not fsio.exists(p) or fsio.file_sha256(p) != e["sha256"]:
-                log.warning(
-                    "shard: %s is missing or changed; redoing it and the rest of its split", p
-                )
-                return good
-        good += 1
-    return good
+def file_matches(path: str, sha256: str) -> bool:
+    """The file exists and has this sha256."""
+    return fsio.exists(path) and fsio.file_sha256(path) == sha256
 
 
 def remove_temp_files(out: str) -> None:
@@ -78,8 +73,8 @@ def remove_temp_files(out: str) -> None:
 
 
 def existing_state(out: str) -> dict | None:
-    """What an output folder already holds: the progress file (resume state), else {"settings"} of
-    the manifest, else None."""
+    """What an output folder was made with: {"settings": ...} of the progress file, else of the
+    manifest, else None."""
     progress_path, manifest_path = fsio.join(out, PROGRESS), fsio.join(out, MANIFEST)
     if fsio.exists(progress_path):
         return fsio.read_json(progress_path)
@@ -88,13 +83,17 @@ def existing_state(out: str) -> dict | None:
     return None
 
 
-def build_manifest(state: dict, meta: dict, dtype: str, s, docs: dict) -> dict:
-    shards, totals = [], {}
+def build_manifest(
+    shards: dict[str, list[list[dict]]], settings: dict, meta: dict, dtype: str, s, docs: dict
+) -> dict:
+    """The manifest of every split's shards (shards[split][k] = shard k's entries, one per
+    format), checked against the corpus's document counts."""
+    entries, totals = [], {}
     for sp in SPLITS:
-        groups = state["splits"][sp]
+        groups = shards[sp]
         for g in groups:
-            shards += g["files"]
-        first = [g["files"][0] for g in groups]
+            entries += g
+        first = [g[0] for g in groups]
         totals[sp] = {
             "tokens": sum(e["tokens"] for e in first),
             "documents": sum(e["documents"] for e in first),
@@ -113,7 +112,7 @@ def build_manifest(state: dict, meta: dict, dtype: str, s, docs: dict) -> dict:
         "append_eos": s.append_eos,
         "val_fraction": s.val_fraction,
         "shard_tokens": s.shard_tokens,
-        "shards": shards,
+        "shards": entries,
         "totals": totals,
-        "settings": state["settings"],
+        "settings": settings,
     }

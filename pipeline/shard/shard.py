@@ -1,61 +1,88 @@
 """`codex data shard`: the cleaned corpus -> fixed-size token shards + manifest.json (the commit
 marker).
 
-    RUN/clean/part-*.parquet (sorted, rows in order)
+    RUN/clean/part-*.parquet (sorted, rows in order: the corpus order)
       --> split per document: blake2b(text) < val_fraction -> val, else train (pinned, never leaks)
-      --> encode batches of ~4M chars (tokenizers' encode_batch threads, or --workers processes);
-          documents longer than chunk_chars are cut at line/space boundaries first (BPE on one huge
-          string is quadratic); each document = <|bos|> + tokens (+ <|eos|>)
-      --> per split, a stream of tokens cut into shards of exactly shard_tokens (the last may be
-          short)
-          train_00000.npy, ..., val_00000.npy (+ .parquet with --format parquet|both)
+      --> each document = <|bos|> + tokens (+ <|eos|>); documents longer than chunk_chars are cut
+          at line/space boundaries first (BPE on one huge string is quadratic)
+      --> per split, the corpus's token stream cut into shards of exactly shard_tokens (the last
+          may be short): train_00000.npy, ..., val_00000.npy (+ .parquet with --format
+          parquet|both)
       --> manifest.json last
 
-Determinism: the output depends only on the clean files, the tokenizer and the shard settings, never
-on --workers (documents are encoded in batches and put back in corpus order), so 1 or N workers and
-any rerun give byte-identical shards.
+Units: one cleaned part is one unit. Each phase runs its units through pipeline/executor.py (this
+process, --workers processes, or one Ray task each); this process plans, adds up and writes the
+manifest:
 
-Resume: after each shard is written (atomically) its entry and the corpus position where the next
-shard of its split starts (document index within the split, token offset inside that document) go
-into shard_progress.json. A rerun re-checks the sha256 of every recorded shard, keeps the good
-prefix of each split, and encodes only documents from there on; documents before it are just read
-and hashed (cheap). The manifest is written only when every split is complete.
+    scan     a unit reads its part and counts its documents per split, so an empty corpus or an
+             empty val split fails in seconds, before any encoding (reading + hashing is ~100x
+             cheaper than encoding)
+    encode   a unit encodes its part, in batches of ~BATCH_CHARS, into its folder of .units/
+             (manifest.py): per split its token stream and tokens per document, then its marker
+    write    the markers say where each part's tokens start in each split's stream, so shard k of
+             a split is that stream's tokens [k * shard_tokens, (k + 1) * shard_tokens) whoever
+             writes it; a write task takes consecutive shards (~WRITE_TASK_TOKENS), reads only the
+             slices of the parts' token files they cover, and writes each shard's files
+             (atomically), then its marker
 
-Memory: one shard buffer per split (shard_tokens x 2 or 4 bytes) plus a few batches in flight,
-whatever the corpus size.
+Determinism: the shards depend only on the clean files, the tokenizer and the shard settings,
+never on --workers, the executor or the order in which units finish. Threads: with --workers 1
+the parts are encoded here with tokenizers' own threads; N local processes share the cores, a Ray
+task has one.
 
-Elsewhere: the encoding (pipeline/encode.py), the folder's file names, manifest and progress file
-(pipeline/shard/manifest.py), the checks of `codex data verify` (pipeline/shard/verify.py), when the
-stage may skip or overwrite (pipeline/stage.py).
+Resume: an encode unit first removes what an earlier attempt of it left (its folder of .units/),
+so a task Ray retries after its worker died leaves no partial file; temp files of shard writes are
+swept before the manifest is written. A rerun skips the parts whose marker matches the settings and
+the shards whose marker's sha256 still matches the file. Once the manifest is written, .units/ is
+removed; a rerun then re-checks every shard's sha256 and does nothing when all match, else encodes
+the corpus again and rewrites only the shards that do not match. An output folder made with other
+settings is refused.
+
+Memory: an encode task holds one batch (~BATCH_CHARS of text and its tokens) and its part's
+document lengths, a write task one shard (shard_tokens x 2 or 4 bytes). Disk: until the manifest is
+written, .units/ holds a second copy of the corpus's tokens.
+
+Elsewhere: the encoding (pipeline/encode.py), the folder's file names, manifest and settings file
+(pipeline/shard/manifest.py), the checks of `codex data verify` (pipeline/shard/verify.py), when
+the stage may skip or overwrite (pipeline/stage.py), where units run (pipeline/executor.py).
 """
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures as cf
+import contextlib
 import hashlib
+import json
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import cast
+import os
+from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tokenizers import Tokenizer
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from codex.progress import Progress
-from pipeline.encode import Encoder, encode_in_order, token_dtype
+from pipeline.encode import Encoder, token_dtype
+from pipeline.executor import Where, run_units, where_for, worker_id
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches
 from pipeline.shard.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     PROGRESS,
+    SHARD_MARKERS,
     SPLITS,
+    UNIT_DONE,
+    UNITS,
     build_manifest,
     existing_state,
-    good_prefix,
+    file_matches,
     mismatch,
     remove_temp_files,
     shard_entry,
@@ -66,9 +93,12 @@ from pipeline.tokenizer.tokenizer import load_meta, load_tokenizer
 
 log = logging.getLogger("codex.shard")
 
-BATCH_CHARS = 4_000_000  # text per encode task: big enough for the thread pool, small for memory
+BATCH_CHARS = 4_000_000  # text per encode call: big enough for the thread pool, small for memory
 READ_ROWS = 2048  # parquet rows decoded at a time
 PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
+# tokens per write task (whole shards, at least one): small shards are grouped so that a task is
+# worth scheduling
+WRITE_TASK_TOKENS = 64 << 20
 
 
 class ShardError(ConfigError):
@@ -86,7 +116,11 @@ def split_value(text: str) -> float:
     A function of the text alone, so the split is the same on every rerun and machine, and exact
     duplicates always land in the same split (no train/val leak through copies).
     """
-    h = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return _split_value(text.encode("utf-8"))
+
+
+def _split_value(data: bytes) -> float:
+    h = hashlib.blake2b(data, digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64
 
 
@@ -161,72 +195,7 @@ def write_parquet(path: str, tokens: np.ndarray) -> tuple[str, int]:
     return fsio.with_retries(attempt, path)
 
 
-# --- the per-split shard writer -------------------------------------------------------------------
-
-
-@dataclass
-class _SplitWriter:
-    """Cuts one split's token stream into shards of exactly shard_tokens and commits each one."""
-
-    split: str
-    out: str
-    shard_tokens: int
-    dtype: str
-    formats: list[str]
-    commit: Callable[[str, list[dict], dict], None]  # after a shard's files exist
-    index: int = 0  # next shard number
-    cursor: dict = field(default_factory=lambda: {"doc": 0, "offset": 0})
-    fill: int = 0
-    docs: int = 0
-    buf: np.ndarray | None = None
-
-    def add(self, flat: np.ndarray, per_doc: np.ndarray, first_doc: int, first_offset: int) -> None:
-        """Append documents first_doc, first_doc+1, ... (the first one starting at token
-        first_offset)."""
-        if self.buf is None:
-            self.buf = np.empty(self.shard_tokens, self.dtype)
-        starts = np.concatenate([[0], np.cumsum(per_doc)[:-1]]).astype(np.int64)
-        pos = 0
-        while pos < len(flat):
-            take = min(self.shard_tokens - self.fill, len(flat) - pos)
-            self.buf[self.fill : self.fill + take] = flat[pos : pos + take]
-            # documents whose <|bos|> lies in [pos, pos + take); a resumed first document has none
-            lo, hi = np.searchsorted(starts, [pos, pos + take], side="left")
-            self.docs += int(hi - lo) - (1 if lo == 0 < hi and first_offset > 0 else 0)
-            self.fill += take
-            pos += take
-            if self.fill == self.shard_tokens:
-                if pos == len(flat):
-                    nxt = {"doc": first_doc + len(per_doc), "offset": 0}
-                else:
-                    j = int(np.searchsorted(starts, pos, side="right")) - 1
-                    nxt = {
-                        "doc": first_doc + j,
-                        "offset": int(pos - starts[j]) + (first_offset if j == 0 else 0),
-                    }
-                self._write(nxt)
-
-    def finish(self, end_doc: int) -> None:
-        if self.fill:
-            self._write({"doc": end_doc, "offset": 0})
-
-    def _write(self, nxt: dict) -> None:
-        assert self.buf is not None  # allocated by add(), which fills it
-        tokens = self.buf[: self.fill]
-        entries = []
-        for fmt in self.formats:
-            name = shard_name(self.split, self.index, fmt)
-            writer = write_npy if fmt == "npy" else write_parquet
-            sha, _ = writer(fsio.join(self.out, name), tokens)
-            entries.append(shard_entry(self.split, name, fmt, self.fill, self.docs, sha))
-        self.cursor = nxt
-        self.commit(self.split, entries, nxt)
-        self.index += 1
-        self.fill = 0
-        self.docs = 0
-
-
-# --- settings, tokenizer, resume state ------------------------------------------------------------
+# --- settings, tokenizer --------------------------------------------------------------------------
 
 
 def _dtype_for(vocab_size: int, requested: str, where: str) -> str:
@@ -295,24 +264,109 @@ def _settings(cfg: Config, meta: dict, dtype: str, inputs_sha: str) -> dict:
     }
 
 
-def scan_corpus(files: list[str], val_fraction: float) -> dict:
-    """Count documents per split before any encoding, so an impossible split fails in seconds, not
-    after hours of tokenization. Reading + hashing is ~100x cheaper than encoding."""
-    docs = {sp: 0 for sp in SPLITS}
+def _refuse_other_settings(stage: Stage, settings: dict) -> None:
+    """An existing output (manifest or started run) must come from the same settings: never mix two
+    runs in one folder."""
+    state = existing_state(stage.out)
+    if state is None:
+        return
+    diff = mismatch(state.get("settings") or {}, settings)
+    if diff:
+        what = (
+            "another tokenizer"
+            if any(d.startswith("tokenizer_sha256") for d in diff)
+            else "other settings"
+        )
+        stage.refuse(
+            f"holds shards made with {what} ({'; '.join(diff)})",
+            f"remove {stage.out} or pass another --out",
+        )
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
+
+def _encoder_threads(where: Where, n_units: int) -> int:
+    """Encoder threads per process for n_units encode units; 0 leaves them alone. In this process
+    (run_units runs one unit, or workers=1, here) tokenizers uses every core; Ray's runtime sets 1
+    thread a task; N local processes share the cores."""
+    if where.executor != "local" or where.workers == 1 or n_units <= 1:
+        return 0
+    return max(1, _cores() // min(where.workers, n_units))
+
+
+def _listing(folder: str) -> dict[str, int]:
+    """Size of every file under `folder` by its path relative to it ({} when there is none): one
+    listing, not a request a file."""
+    fs, p = fsio.filesystem(folder)
+    fs.invalidate_cache()
+    if not fs.exists(p):
+        return {}
+    root = p.rstrip("/") + "/"
+    return {
+        name[len(root) :]: int(info.get("size") or 0)
+        for name, info in fs.find(p, detail=True).items()
+        if name.startswith(root)
+    }
+
+
+def _read_markers(paths: list[str]) -> list[dict | None]:
+    """The JSON of each path (None for one that is unreadable), read concurrently on an object
+    store, where each is a request."""
+
+    def read(path: str) -> dict | None:
+        try:
+            m = fsio.read_json(path)
+        except (ValueError, FileNotFoundError):
+            return None
+        return m if isinstance(m, dict) else None
+
+    if not paths or not fsio.is_remote(paths[0]):
+        return [read(p) for p in paths]
+    with cf.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(read, paths))
+
+
+# --- scan: documents per split, before any encoding -----------------------------------------------
+
+
+@dataclass
+class _ScanUnit:
+    path: str
+    val_fraction: float
+
+
+def shard_scan_unit(u: _ScanUnit) -> dict:
+    """Documents per split of one part, and its smallest split value (to suggest a val_fraction)."""
+    docs = dict.fromkeys(SPLITS, 0)
     min_value = 1.0
-    with Progress("shard scan", unit="docs") as prog:
-        for texts in read_text_batches(files):
-            for text in texts:
-                v = split_value(text)
-                min_value = min(min_value, v)
-                docs["val" if v < val_fraction else "train"] += 1
-            prog.update(len(texts))
+    for texts in read_text_batches([u.path]):
+        for text in texts:
+            v = split_value(text)
+            min_value = min(min_value, v)
+            docs["val" if v < u.val_fraction else "train"] += 1
+    return {"documents": docs, "min_value": min_value}
+
+
+def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str, dict]:
+    """{part: its documents per split}; an impossible split is a ShardError now, not after hours of
+    tokenization."""
+    found: dict[str, dict] = {}
+    with Progress("shard scan", total=len(files), unit="parts") as prog:
+        units = [_ScanUnit(f, val_fraction) for f in files]
+        for u, r in run_units(shard_scan_unit, units, where):
+            found[u.path] = r
+            prog.update(1, docs=sum(r["documents"].values()))
+    docs = {sp: sum(r["documents"][sp] for r in found.values()) for sp in SPLITS}
     n = sum(docs.values())
     if n == 0:
         raise ShardError(
             f"empty corpus: the {len(files)} cleaned parquet file(s) hold no documents"
         )
     if docs["val"] == 0:
+        min_value = min(r["min_value"] for r in found.values())
         raise ShardError(
             f"val_fraction={val_fraction} puts none of the {n} documents into validation: "
             f"use --val-fraction {_suggest_fraction(min_value)} or larger"
@@ -321,10 +375,444 @@ def scan_corpus(files: list[str], val_fraction: float) -> dict:
         raise ShardError(
             f"val_fraction={val_fraction} puts all {n} documents into validation: lower it"
         )
-    return docs
+    return found
+
+
+# --- encode: one part -> its token streams in .units/ ---------------------------------------------
+
+
+@dataclass
+class _EncodeUnit:
+    """One part to encode, with everything a worker process or Ray task needs (picklable)."""
+
+    index: int  # the part's place in corpus order
+    path: str
+    units_dir: str
+    tokenizer_path: str
+    tokenizer_sha256: str
+    bos: int
+    eos: int
+    append_eos: bool
+    dtype: str
+    chunk_chars: int
+    val_fraction: float
+    fingerprint: str  # of the settings: a marker of other settings is not this unit's
+    threads: int = 0  # encoder threads of the process that runs it; 0: leave them alone
+
+    @property
+    def folder(self) -> str:
+        name = fsio.basename(self.path).removesuffix(".parquet")
+        return fsio.join(self.units_dir, f"{self.index:05d}-{name}")
+
+    def file(self, name: str) -> str:
+        return fsio.join(self.folder, name)
+
+
+# one tokenizer per process, loaded by its first unit
+_encoders: dict[tuple, tuple[Encoder, Tokenizer]] = {}
+
+
+def _encoder_for(u: _EncodeUnit) -> tuple[Encoder, Tokenizer]:
+    key = (u.tokenizer_sha256, u.bos, u.eos, u.append_eos, u.dtype, u.chunk_chars)
+    if key not in _encoders:
+        data = fsio.read_bytes(u.tokenizer_path)
+        if hashlib.sha256(data).hexdigest() != u.tokenizer_sha256:
+            raise ShardError(
+                f"{u.tokenizer_path} changed while shards were being made from it: rerun "
+                "`codex data shard` once `codex data tokenize` has finished"
+            )
+        encoder = Encoder(data.decode("utf-8"), u.bos, u.eos, u.append_eos, u.dtype, u.chunk_chars)
+        _encoders.clear()
+        _encoders[key] = (encoder, encoder.load())
+    return _encoders[key]
+
+
+def shard_encode_unit(u: _EncodeUnit) -> dict:
+    """Encode one part into its folder of .units/; returns its marker (documents, tokens per split,
+    UTF-8 bytes). Removes what an earlier attempt left there first and writes the marker last, so
+    a marker always vouches for complete files."""
+    fsio.rm(u.folder, recursive=True)
+    if u.threads:
+        # read by rayon when tokenizers first builds its thread pool in this process: N processes
+        # x `threads` threads should not oversubscribe the cores
+        os.environ["RAYON_NUM_THREADS"] = str(u.threads)
+    encoder, tok = _encoder_for(u)
+    counts = fsio.with_retries(lambda: _encode_to_files(u, encoder, tok), u.folder)
+    marker = {
+        "part": fsio.basename(u.path),
+        "fingerprint": u.fingerprint,
+        "worker": worker_id(),  # for the curious; never part of the output
+        **counts,
+    }
+    path = u.file(UNIT_DONE)
+    fsio.with_retries(lambda: fsio.write_json(path, marker), path)
+    return marker
+
+
+def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: Tokenizer) -> dict:
+    """Stream the part's documents through the encoder into SPLIT.tokens (ids, in order) and
+    SPLIT.lens (tokens per document, int64)."""
+    documents = dict.fromkeys(SPLITS, 0)
+    tokens = dict.fromkeys(SPLITS, 0)
+    lens: dict[str, list[np.ndarray]] = {sp: [] for sp in SPLITS}
+    n_bytes = 0
+    with contextlib.ExitStack() as stack:
+        files = {sp: stack.enter_context(fsio.atomic_open(u.file(f"{sp}.tokens"))) for sp in SPLITS}
+
+        def encode(texts: list[str], is_val: list[bool]) -> None:
+            flat, per_doc = encoder.encode(tok, texts)
+            val = np.array(is_val, bool)
+            for sp, sel in (("train", ~val), ("val", val)):
+                if sel.all():
+                    ids, n = flat, per_doc
+                elif sel.any():
+                    ids, n = flat[np.repeat(sel, per_doc)], per_doc[sel]
+                else:
+                    continue
+                files[sp].write(ids.tobytes())
+                lens[sp].append(n)
+                tokens[sp] += len(ids)
+                documents[sp] += len(n)
+
+        batch: list[str] = []
+        is_val: list[bool] = []
+        chars = 0
+        for texts in read_text_batches([u.path]):
+            for text in texts:
+                data = text.encode("utf-8")
+                n_bytes += len(data)
+                batch.append(text)
+                is_val.append(_split_value(data) < u.val_fraction)
+                chars += len(text)
+                if chars >= BATCH_CHARS:
+                    encode(batch, is_val)
+                    batch, is_val, chars = [], [], 0
+        if batch:
+            encode(batch, is_val)
+    for sp in SPLITS:
+        per_doc = np.concatenate(lens[sp]) if lens[sp] else np.zeros(0, np.int64)
+        fsio.write_bytes(u.file(f"{sp}.lens"), per_doc.astype("<i8").tobytes())
+    return {"documents": documents, "tokens": tokens, "bytes": n_bytes}
+
+
+def _encoded(units: list[_EncodeUnit], scanned: dict[str, dict], itemsize: int) -> dict[int, dict]:
+    """{unit index: marker} of the parts an earlier run encoded with these settings, whose files
+    are all there (sizes as the marker says) and whose document counts match the scan."""
+    if not units:
+        return {}
+    sizes = _listing(units[0].units_dir)
+
+    def rel(u: _EncodeUnit, name: str) -> str:
+        return f"{fsio.basename(u.folder)}/{name}"
+
+    found = [u for u in units if rel(u, UNIT_DONE) in sizes]
+    done = {}
+    for u, m in zip(found, _read_markers([u.file(UNIT_DONE) for u in found]), strict=True):
+        if (
+            m is None
+            or m.get("fingerprint") != u.fingerprint
+            or m.get("part") != fsio.basename(u.path)
+            or m.get("documents") != scanned[u.path]["documents"]
+        ):
+            continue
+        if all(
+            sizes.get(rel(u, f"{sp}.tokens")) == m["tokens"][sp] * itemsize
+            and sizes.get(rel(u, f"{sp}.lens")) == m["documents"][sp] * 8
+            for sp in SPLITS
+        ):
+            done[u.index] = m
+    return done
+
+
+def _encode_phase(units: list[_EncodeUnit], scanned: dict, where: Where) -> list[dict]:
+    """Every part's marker, in corpus order; encodes the parts that have none."""
+    itemsize = np.dtype(units[0].dtype).itemsize
+    markers = _encoded(units, scanned, itemsize)
+    todo = [u for u in units if u.index not in markers]
+    threads = _encoder_threads(where, len(todo))
+    for u in todo:
+        u.threads = threads
+    total = sum(sum(scanned[u.path]["documents"].values()) for u in todo)
+    with Progress("shard", total=total, unit="docs", enabled=bool(todo)) as prog:
+        for u, m in run_units(shard_encode_unit, todo, where):
+            if m["documents"] != scanned[u.path]["documents"]:
+                raise RuntimeError(
+                    f"shard: {u.path} changed while it was read ({scanned[u.path]['documents']} "
+                    f"documents, then {m['documents']})"
+                )
+            markers[u.index] = m
+            prog.update(
+                sum(m["documents"].values()), tokens=sum(m["tokens"].values()), bytes=m["bytes"]
+            )
+    log.info(
+        "shard: encoded %d of %d parts (%d done by an earlier run)",
+        len(todo),
+        len(units),
+        len(units) - len(todo),
+    )
+    return [markers[u.index] for u in units]
+
+
+# --- write: consecutive shards of one split from the parts' token files ---------------------------
+
+
+@dataclass
+class _Source:
+    """One part's tokens of a split, and where they start in the split's token stream."""
+
+    tokens_path: str
+    lens_path: str
+    start: int
+    tokens: int
+
+
+@dataclass
+class _WriteSettings:
+    """What every write task shares."""
+
+    shard_tokens: int
+    dtype: str
+    formats: list[str]
+    out: str
+    markers_dir: str
+    fingerprint: str  # of the settings: a marker of other settings is not this shard's
+
+
+@dataclass
+class _WriteTask:
+    """Shards first..stop-1 of a split, with the parts that hold their tokens (picklable)."""
+
+    split: str
+    first: int
+    stop: int
+    total: int  # tokens in the split
+    sources: list[_Source]
+    # shard index -> {"entries": what an earlier run wrote, "checked": its files were found to
+    # match just now, "marked": it has its marker}; a shard not here, or whose files no longer
+    # match, is written
+    earlier: dict[int, dict]
+    w: _WriteSettings
+
+
+class _SplitReader:
+    """Token ranges of one split's stream, read from the parts' files: only the slices asked for."""
+
+    def __init__(self, sources: list[_Source], dtype: str):
+        self.sources = sources
+        self.starts = [s.start for s in sources]
+        self.dtype = np.dtype(dtype)
+        self.files: dict[int, IO] = {}
+        self.doc_starts: dict[int, np.ndarray] = {}
+
+    def __enter__(self) -> _SplitReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def _overlapping(self, a: int, b: int) -> list[int]:
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        found = []
+        while i < len(self.sources) and self.sources[i].start < b:
+            s = self.sources[i]
+            if s.start + s.tokens > a:
+                found.append(i)
+            i += 1
+        return found
+
+    def tokens(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the split."""
+        for i in [i for i in self.files if self.sources[i].start + self.sources[i].tokens <= a]:
+            self.files.pop(i).close()  # shards go forward: a part behind them is done with
+            self.doc_starts.pop(i, None)
+        buf = np.empty(b - a, self.dtype)
+        size, filled = self.dtype.itemsize, 0
+        for i in self._overlapping(a, b):
+            s = self.sources[i]
+            lo, hi = max(a, s.start), min(b, s.start + s.tokens)
+            if i not in self.files:
+                self.files[i] = fsio.open(s.tokens_path, "rb")
+            f = self.files[i]
+            f.seek((lo - s.start) * size)
+            data = f.read((hi - lo) * size)
+            if len(data) != (hi - lo) * size:
+                raise RuntimeError(f"shard: {s.tokens_path} is shorter than its marker says")
+            buf[lo - a : hi - a] = np.frombuffer(data, self.dtype)
+            filled += hi - lo
+        if filled != b - a:
+            raise RuntimeError(f"shard: tokens [{a}, {b}) are not all in the parts: internal error")
+        return buf
+
+    def documents(self, a: int, b: int) -> int:
+        """Documents whose <|bos|> (first token) lies in [a, b)."""
+        n = 0
+        for i in self._overlapping(a, b):
+            if i not in self.doc_starts:
+                s = self.sources[i]
+                lens = np.frombuffer(fsio.read_bytes(s.lens_path), "<i8")
+                self.doc_starts[i] = s.start + np.concatenate([[0], np.cumsum(lens)[:-1]])
+            starts = self.doc_starts[i]
+            n += int(np.searchsorted(starts, b) - np.searchsorted(starts, a))
+        return n
+
+
+def _shard_marker(markers_dir: str, split: str, index: int) -> str:
+    return fsio.join(markers_dir, f"{split}_{index:05d}.json")
+
+
+def shard_write_unit(t: _WriteTask) -> dict:
+    """Write the task's shards (each: its files, then its marker), keeping those an earlier run
+    wrote whose files still match. {"shards": {index: entries}, "written": how many were
+    written}."""
+    w = t.w
+    done: dict[int, list[dict]] = {}
+    written = 0
+    with _SplitReader(t.sources, w.dtype) as reader:
+        for k in range(t.first, t.stop):
+            earlier = t.earlier.get(k)
+            if earlier is not None and (
+                earlier["checked"]
+                or all(
+                    file_matches(fsio.join(w.out, e["path"]), e["sha256"])
+                    for e in earlier["entries"]
+                )
+            ):
+                done[k] = earlier["entries"]
+                if earlier["marked"]:
+                    continue
+            else:
+                a, b = k * w.shard_tokens, min((k + 1) * w.shard_tokens, t.total)
+                tokens = reader.tokens(a, b)
+                documents = reader.documents(a, b)
+                done[k] = []
+                for fmt in w.formats:
+                    name = shard_name(t.split, k, fmt)
+                    writer = write_npy if fmt == "npy" else write_parquet
+                    sha, _ = writer(fsio.join(w.out, name), tokens)
+                    done[k].append(shard_entry(t.split, name, fmt, b - a, documents, sha))
+                written += 1
+            _write_marker(
+                _shard_marker(w.markers_dir, t.split, k),
+                {"fingerprint": w.fingerprint, "entries": done[k]},
+            )
+    return {"shards": done, "written": written}
+
+
+def _write_marker(path: str, marker: dict) -> None:
+    fsio.with_retries(lambda: fsio.write_json(path, marker), path)
+
+
+def _earlier_shards(
+    markers_dir: str, fingerprint: str, formats: list[str], previous: list[dict]
+) -> dict[tuple[str, int], dict]:
+    """{(split, index): earlier} (see _WriteTask.earlier) from the shards' markers and from the
+    entries of a previous manifest whose files were checked just now."""
+    earlier: dict[tuple[str, int], dict] = {}
+    by_path = {e["path"]: e for e in previous}
+    for (sp, k), names in _shard_names(by_path, formats).items():
+        earlier[(sp, k)] = {
+            "entries": [by_path[n] for n in names],
+            "checked": True,
+            "marked": False,
+        }
+    paths = [p for p in fsio.listdir(markers_dir) if p.endswith(".json")]
+    for path, m in zip(paths, _read_markers(paths), strict=True):
+        sp, _, index = fsio.basename(path).removesuffix(".json").partition("_")
+        if m is None or m.get("fingerprint") != fingerprint or not index.isdigit():
+            continue
+        k = int(index)
+        names = [shard_name(sp, k, fmt) for fmt in formats]
+        entries = m.get("entries")
+        if isinstance(entries, list) and [e.get("path") for e in entries] == names:
+            if (sp, k) not in earlier:
+                earlier[(sp, k)] = {"entries": entries, "checked": False, "marked": True}
+            else:
+                earlier[(sp, k)]["marked"] = True
+    return earlier
+
+
+def _shard_names(by_path: dict[str, dict], formats: list[str]) -> dict[tuple[str, int], list]:
+    """The shards all of whose files (one per format) are in by_path: {(split, index): names}."""
+    found = {}
+    for e in by_path.values():
+        sp, index = e["split"], e["path"].split("_")[-1].split(".")[0]
+        if sp in SPLITS and index.isdigit():
+            names = [shard_name(sp, int(index), fmt) for fmt in formats]
+            if all(n in by_path for n in names):
+                found[(sp, int(index))] = names
+    return found
+
+
+def _write_phase(
+    units: list[_EncodeUnit],
+    parts: list[dict],
+    w: _WriteSettings,
+    previous: list[dict],
+    where: Where,
+) -> dict[str, list[list[dict]]]:
+    """Every split's shards, each a list of entries (one per format), from the parts' markers (in
+    corpus order) and the entries of the previous manifest whose files still match."""
+    earlier = _earlier_shards(w.markers_dir, w.fingerprint, w.formats, previous)
+    tasks: list[_WriteTask] = []
+    per_task = max(1, WRITE_TASK_TOKENS // w.shard_tokens)
+    counts = {}
+    for sp in SPLITS:
+        sources, pos = [], 0
+        for u, m in zip(units, parts, strict=True):
+            n = m["tokens"][sp]
+            if n:
+                sources.append(_Source(u.file(f"{sp}.tokens"), u.file(f"{sp}.lens"), pos, n))
+                pos += n
+        counts[sp] = -(-pos // w.shard_tokens)
+        starts = [src.start for src in sources]
+        for first in range(0, counts[sp], per_task):
+            stop = min(counts[sp], first + per_task)
+            lo, hi = first * w.shard_tokens, min(stop * w.shard_tokens, pos)
+            # the parts holding tokens [lo, hi): from the one lo falls in to the last starting
+            # before hi
+            a, b = max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)
+            mine = {k: earlier[(sp, k)] for k in range(first, stop) if (sp, k) in earlier}
+            tasks.append(_WriteTask(sp, first, stop, pos, sources[a:b], mine, w))
+    shards: dict[str, dict[int, list[dict]]] = {sp: {} for sp in SPLITS}
+    written = 0
+    total = sum(counts.values())
+    with Progress("shard write", total=total, unit="shards") as prog:
+        for task, r in run_units(shard_write_unit, tasks, where):
+            shards[task.split].update(r["shards"])
+            written += r["written"]
+            prog.update(task.stop - task.first)
+    kept = total - written
+    log.info("shard: wrote %d of %d shards (%d kept from an earlier run)", written, total, kept)
+    return {sp: [shards[sp][k] for k in range(counts[sp])] for sp in SPLITS}
 
 
 # --- the stage -----------------------------------------------------------------------------------
+
+
+def shard_check_unit(unit: tuple[str, str]) -> bool:
+    return file_matches(*unit)
+
+
+def _check_shards(out: str, manifest: dict, where: Where) -> tuple[list[dict], list[str]]:
+    """(the manifest's entries whose files still match their sha256, what is wrong with the
+    others)."""
+    entries: dict[tuple[str, str], dict] = {}
+    bad = []
+    for e in manifest.get("shards", []):
+        try:
+            path = fsio.join_inside(out, e["path"], f"{fsio.join(out, MANIFEST)}: a shard path")
+        except ValueError as err:
+            bad.append(str(err))
+            continue
+        entries[(path, e["sha256"])] = e
+    good = []
+    for unit, ok in run_units(shard_check_unit, list(entries), where):
+        if ok:
+            good.append(entries[unit])
+        else:
+            bad.append(f"{unit[0]} is missing or changed")
+    return good, bad
 
 
 def run_shard(cfg: Config) -> dict:
@@ -332,65 +820,64 @@ def run_shard(cfg: Config) -> dict:
     manifest."""
     s = cfg.data.shard
     _validate(cfg)
+    where = where_for(cfg.data, s.workers)
     stage = Stage(
         "codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError
     )
     out = stage.out
+    units_dir = fsio.join(out, UNITS)
     tok_dir = rundir.tokenizer_dir(cfg.run)
-    tok, meta = _load_tokenizer(tok_dir)
+    _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
-    state, resume = _resume_state(stage, settings)
-    progress_path = fsio.join(out, PROGRESS)
-    complete = state.get("complete", {})
-    if fsio.exists(stage.marker_path) and all(
-        complete.get(sp) == len(state["splits"][sp]) for sp in SPLITS
-    ):
-        log.info("shard: %s is complete and every shard matches its sha256; nothing to do", out)
-        return cast(dict, stage.finished())  # the marker exists: checked just above
-    docs = scan_corpus(files, s.val_fraction)  # fails fast on an empty corpus or an empty val split
+    _refuse_other_settings(stage, settings)
+
+    previous: list[dict] = []
+    manifest = stage.finished()
+    if manifest is not None:
+        previous, bad = _check_shards(out, manifest, where)
+        if not bad:
+            log.info("shard: %s is complete and every shard matches its sha256; nothing to do", out)
+            fsio.rm(units_dir, recursive=True)  # left when a run was killed right after its commit
+            return manifest
+        for problem in bad:
+            log.warning("shard: %s; redoing it", problem)
+
+    scanned = scan_corpus(files, s.val_fraction, where)  # fails fast on an impossible split
     stage.start()  # a damaged or unfinished output has no manifest
-    state["complete"] = {}
+    fsio.write_json(fsio.join(out, PROGRESS), {"settings": settings})
     remove_temp_files(out)
 
-    def commit(split: str, entries: list[dict], nxt: dict) -> None:
-        state["splits"][split].append(
-            {"index": len(state["splits"][split]), "files": entries, "next": nxt}
-        )
-        fsio.with_retries(lambda: fsio.write_json(progress_path, state), progress_path)
-
-    fsio.write_json(progress_path, state)
-    writers = {
-        sp: _SplitWriter(
-            sp,
-            out,
-            s.shard_tokens,
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    units = [
+        _EncodeUnit(
+            i,
+            f,
+            units_dir,
+            fsio.join(tok_dir, "tokenizer.json"),
+            meta["sha256"],
+            meta["special_ids"]["bos"],
+            meta["special_ids"]["eos"],
+            s.append_eos,
             dtype,
-            formats,
-            commit,
-            index=len(state["splits"][sp]),
-            cursor=resume[sp],
+            s.chunk_chars,
+            s.val_fraction,
+            fingerprint,
         )
-        for sp in SPLITS
-    }
-    encoder = Encoder(
-        tok.to_str(),
-        meta["special_ids"]["bos"],
-        meta["special_ids"]["eos"],
-        s.append_eos,
-        dtype,
-        s.chunk_chars,
+        for i, f in enumerate(files)
+    ]
+    parts = _encode_phase(units, scanned, where)
+    w = _WriteSettings(
+        s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint
     )
-    _encode_corpus(files, encoder, tok, writers, resume, s.val_fraction, s.workers, docs)
-    for sp in SPLITS:
-        writers[sp].finish(docs[sp])
-
-    manifest = build_manifest(state, meta, dtype, s, docs)
-    state["complete"] = {sp: len(state["splits"][sp]) for sp in SPLITS}
-    fsio.write_json(progress_path, state)
+    shards = _write_phase(units, parts, w, previous, where)
+    docs = {sp: sum(m["documents"][sp] for m in parts) for sp in SPLITS}
+    manifest = build_manifest(shards, settings, meta, dtype, s, docs)
+    remove_temp_files(out)  # a write task retried after its worker died may have left one
     stage.commit(manifest)
+    fsio.rm(units_dir, recursive=True)
     t = manifest["totals"]
     log.info(
         "shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
@@ -403,101 +890,3 @@ def run_shard(cfg: Config) -> dict:
         out,
     )
     return manifest
-
-
-def _resume_state(stage: Stage, settings: dict) -> tuple[dict, dict]:
-    """(progress state, where each split resumes). An existing manifest or progress file must come
-    from the same settings (never mix two runs); the good prefix of each split is kept, and a
-    damaged shard and everything after it are redone."""
-    out = stage.out
-    state = existing_state(out)
-    if state is not None:
-        diff = mismatch(state["settings"], settings)
-        if diff:
-            what = (
-                "another tokenizer"
-                if any(d.startswith("tokenizer_sha256") for d in diff)
-                else "other settings"
-            )
-            stage.refuse(
-                f"holds shards made with {what} ({'; '.join(diff)})",
-                f"remove {out} or pass another --out",
-            )
-    if not state or "splits" not in state:
-        state = {"settings": settings, "splits": {sp: [] for sp in SPLITS}}
-    resume = {}
-    for sp in SPLITS:
-        groups = state["splits"][sp]
-        good = good_prefix(out, groups)
-        state["splits"][sp] = groups[:good]
-        resume[sp] = dict(groups[good - 1]["next"]) if good else {"doc": 0, "offset": 0}
-    return state, resume
-
-
-def _encode_corpus(
-    files,
-    encoder: Encoder,
-    tok,
-    writers: dict,
-    resume: dict,
-    val_fraction: float,
-    workers: int,
-    docs: dict,
-) -> None:
-    """Stream the corpus through the encoder into the split writers, in corpus order.
-
-    8 parameters: what run_shard has set up for it (files, encoder, tokenizer, writers, resume
-    state, the document counts it fills) and two settings; its one caller."""
-    doc_count = {sp: 0 for sp in SPLITS}
-
-    def batches():
-        """(texts, plan) of ~BATCH_CHARS each; plan[k] = (split, index in split, tokens to skip)."""
-        batch, plan, chars = [], [], 0
-        for texts in read_text_batches(files):
-            for text in texts:
-                sp = "val" if split_value(text) < val_fraction else "train"
-                i = doc_count[sp]
-                doc_count[sp] += 1
-                r = resume[sp]
-                if i < r["doc"]:
-                    continue  # already in a finished shard
-                batch.append(text)
-                plan.append((sp, i, r["offset"] if i == r["doc"] else 0))
-                chars += len(text)
-                if chars >= BATCH_CHARS:
-                    yield batch, plan
-                    batch, plan, chars = [], [], 0
-        if batch:
-            yield batch, plan
-
-    # a resumed run skips finished documents
-    todo = sum(docs[sp] - resume[sp]["doc"] for sp in SPLITS)
-    with Progress("shard", total=todo, unit="docs") as prog:
-        for flat, per_doc, plan, n_bytes in encode_in_order(batches(), encoder, tok, workers):
-            _route(flat, per_doc, plan, writers)
-            prog.update(len(plan), tokens=len(flat), bytes=n_bytes)
-    if doc_count != docs:
-        raise RuntimeError(
-            f"shard: the corpus changed while it was read ({docs} documents, then {doc_count})"
-        )
-
-
-def _route(flat: np.ndarray, per_doc: np.ndarray, plan: list, writers: dict) -> None:
-    """Hand each split its documents from one encoded batch (in order), dropping resumed
-    prefixes."""
-    splits = np.array([p[0] == "val" for p in plan])
-    for sp, is_val in (("train", False), ("val", True)):
-        sel = np.flatnonzero(splits == is_val)
-        if len(sel) == 0:
-            continue
-        if len(sel) == len(plan):
-            f, lens = flat, per_doc
-        else:
-            mask = np.repeat(splits == is_val, per_doc)
-            f, lens = flat[mask], per_doc[sel]
-        first_doc, skip = plan[sel[0]][1], plan[sel[0]][2]
-        if skip:  # resumed inside this document: its first `skip` tokens are in a finished shard
-            f = f[skip:]
-            lens = lens.copy()
-            lens[0] -= skip
-        writers[sp].add(f, lens, first_doc, skip)

@@ -2,10 +2,15 @@
 
     RUN/clean/part-*.parquet (or data.tokenizer.inputs)
       -> pass 1: hash every document, keep the smallest hashes up to max_chars (and the largest
-                 `heldout_docs` hashes aside to measure compression)
-      -> pass 2: re-read, stream the selected documents into the BPE trainer
-                 (data.tokenizer.trainer)
+                 `heldout_docs` hashes aside to measure compression); one unit per input file,
+                 run by data.executor with data.tokenizer.workers, merged in the driver
+      -> pass 2: the driver re-reads the selected documents and streams them into the BPE trainer
+                 (data.tokenizer.trainer), which runs in the driver too
       -> RUN/tokenizer/ tokenizer.json, token_bytes.npy, config.yaml, tokenizer_meta.json (last)
+
+Where pass 1 runs (this process, local processes, Ray) changes nothing in the result: the same
+input files give the same tokenizer.json byte for byte, so workers and executor are not among the
+settings a rerun compares.
 
 Compression (bytes/token) is measured on held-out documents: the `heldout_docs` largest hashes
 (at most a tenth of the corpus), never trained on, encoded up to 2M characters.
@@ -31,6 +36,7 @@ from tokenizers import Tokenizer
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from pipeline.encode import token_dtype
+from pipeline.executor import Where, where_for
 from pipeline.inputs import input_files
 from pipeline.readers import iter_text_batches
 from pipeline.stage import Stage
@@ -159,6 +165,7 @@ def run_tokenizer(cfg: Config) -> dict:
     """
     _validate(cfg)
     t = cfg.data.tokenizer
+    where = where_for(cfg.data, t.workers)
     t0 = time.perf_counter()
     stage = Stage(
         "codex data tokenize",
@@ -187,7 +194,7 @@ def run_tokenizer(cfg: Config) -> dict:
     )
 
     read = _text_reader(cfg)
-    sel = _select(files, t, read)
+    sel = _select(files, t, read, where)
     t_scan = time.perf_counter() - t0
     heldout: list[str] = []
     # rustbpe's buffer: ~64M characters of documents at a time (memory), at least 64 (parallelism).
@@ -239,12 +246,16 @@ def run_tokenizer(cfg: Config) -> dict:
     return meta
 
 
-def _select(files: list[str], t, read: TextReader) -> Selection:
+def _select(files: list[str], t, read: TextReader, where: Where) -> Selection:
     """Pass 1 (which documents train), refusing a selection that cannot train."""
     log.info(
-        "tokenize: %d input files, vocab %d, budget %d chars", len(files), t.vocab_size, t.max_chars
+        "tokenize: %d input files, vocab %d, budget %d chars, scan on %s",
+        len(files),
+        t.vocab_size,
+        t.max_chars,
+        "ray" if where.executor == "ray" else f"{where.workers} local process(es)",
     )
-    sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs, read)
+    sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs, read, where)
     if sel.train_docs == 0:
         raise ValueError(
             f"no training text: {sel.docs_seen} non-empty documents in {len(files)} files "

@@ -1,0 +1,115 @@
+"""Pieces of one input file read by separate workers give exactly the records of one reader.
+
+A piece takes the records that start inside its byte range (or its row groups); the cut points
+must never change a record, including for a self-overlapping delimiter ('\\n\\n' in a run of
+newlines) where a reader starting mid-file could align its matches differently."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from codex.config import build_config
+from pipeline.clean.clean import plan_units
+from pipeline.readers import FileReport, InputFile, Piece, read_records
+
+
+def records(piece_or_file, cfg) -> list[tuple[str, str | None, int]]:
+    return [(r.id, r.text, r.nbytes) for r in read_records(piece_or_file, cfg, FileReport("x"))]
+
+
+def cut(f: InputFile, points: list[int]) -> list[Piece]:
+    bounds = [0, *sorted(set(points)), f.size]
+    return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+@pytest.mark.parametrize("delim", ["\\n\\n", "\n", "abab", "<|endoftext|>", "aa"])
+def test_delimited_text_pieces_equal_one_reader(tmp_path, delim):
+    cfg = build_config(overrides=[f"data.clean.txt_delimiter={delim}"]).data.clean
+    raw = delim.encode().decode("unicode_escape") if "\\" in delim else delim
+    rng = random.Random(7)
+    alphabet = ["a", "b", "x ", "\n", raw, raw + raw[:1], raw * 3, "é"]
+    for case in range(40):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 120)))
+        path = tmp_path / f"c{case}.txt"
+        path.write_bytes(text.encode())
+        f = InputFile(str(path), path.stat().st_size, "text")
+        whole = records(f, cfg)
+        for _ in range(6):
+            points = (
+                [rng.randrange(1, f.size) for _ in range(rng.randrange(1, 5))] if f.size > 1 else []
+            )
+            got = [r for p in cut(f, points) for r in records(p, cfg)]
+            assert got == whole, (text, points)
+        # every single cut point
+        for point in range(1, f.size):
+            assert [r for p in cut(f, [point]) for r in records(p, cfg)] == whole, (text, point)
+
+
+def test_jsonl_pieces_equal_one_reader_with_bad_and_oversized_lines(tmp_path):
+    cfg = build_config(overrides=["data.clean.max_record_bytes=300"]).data.clean
+    rng = random.Random(3)
+    lines = []
+    for i in range(300):
+        kind = rng.random()
+        if kind < 0.05:
+            lines.append("{not json")
+        elif kind < 0.1:
+            lines.append(json.dumps({"text": "y" * 400}))  # over max_record_bytes
+        elif kind < 0.15:
+            lines.append("")
+        else:
+            lines.append(json.dumps({"text": f"doc {i} " + "z" * rng.randrange(0, 50)}))
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    f = InputFile(str(path), path.stat().st_size, "jsonl")
+    whole_report = FileReport("x")
+    whole = [(r.id, r.text, r.nbytes) for r in read_records(f, cfg, whole_report)]
+    assert len(whole) > 200 and any(t is None for _, t, _ in whole)
+    for k in range(30):
+        points = [rng.randrange(1, f.size) for _ in range(k % 7 + 1)]
+        reports = []
+        got = []
+        for p in cut(f, points):
+            reports.append(FileReport("x"))
+            got += [(r.id, r.text, r.nbytes) for r in read_records(p, cfg, reports[-1])]
+        assert got == whole
+        assert sum(r.malformed_lines for r in reports) == whole_report.malformed_lines > 0
+        assert sum(r.oversized_records for r in reports) == whole_report.oversized_records > 0
+
+
+def test_parquet_row_group_pieces_and_the_plan(tmp_path):
+    texts = [f"document number {i} " * (1 + i % 5) for i in range(1000)]
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=50)
+    f = InputFile(str(path), path.stat().st_size, "parquet")
+    cfg = build_config(overrides=[f"data.clean.chunk_bytes={f.size // 5}"]).data.clean
+    units = plan_units([f], cfg)
+    assert len(units) >= 4 and all(len(u.pieces) == 1 for u in units)
+    got = [r for u in units for r in records(u.pieces[0], cfg)]
+    assert got == records(f, cfg)
+    assert [t for _, t, _ in got] == texts and got[57][0] == f"{path}#57"
+
+
+def test_plan_cuts_big_files_and_packs_small_ones(tmp_path):
+    small = []
+    for i in range(3):
+        p = tmp_path / f"s{i}.jsonl"
+        p.write_text(json.dumps({"text": "x" * 100}) + "\n")
+        small.append(InputFile(str(p), p.stat().st_size, "jsonl"))
+    big = tmp_path / "z.jsonl"
+    big.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5000)))
+    gz = InputFile(str(tmp_path / "y.jsonl.gz"), 10**6, "jsonl")
+    files = [*small, gz, InputFile(str(big), big.stat().st_size, "jsonl")]
+    cfg = build_config(overrides=["data.clean.chunk_bytes=20000"]).data.clean
+    units = plan_units(files, cfg)
+    # small files packed into one unit, the gzip file whole (cannot be split), the big one cut
+    assert [len(u.pieces) for u in units[:2]] == [3, 1] and units[1].pieces[0] == Piece(gz)
+    big_units = units[2:]
+    assert len(big_units) == -(-big.stat().st_size // 20000)
+    assert big_units[0].pieces[0].start == 0 and big_units[-1].pieces[0].end == big.stat().st_size
+    assert [u.index for u in units] == list(range(len(units)))
