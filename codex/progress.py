@@ -92,6 +92,8 @@ class Progress:
             else:
                 parts.append(f"{_human(v)} {k} ({_human(v / dt)} {k}/s)")
         parts.append(f"{dt:.0f}s")
+        if self.total and 0 < self.n < self.total:
+            parts.append(f"ETA {dt * (self.total - self.n) / self.n:.0f}s")
         return " | ".join(parts)
 
     def _emit(self, final: bool) -> None:

@@ -64,6 +64,8 @@ def where_for(data_cfg, workers: int) -> Where:
         raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
+    if data_cfg.executor == "ray":
+        import_ray()  # before the stage touches its folder
     return Where(data_cfg.executor, workers, data_cfg.ray_address)
 
 

@@ -45,3 +45,12 @@ def test_fsspec_file_open_chatter_is_silenced():
 
     setup_logging()
     assert not logging.getLogger("fsspec.caching").isEnabledFor(logging.INFO)
+
+
+def test_eta_from_the_rate_so_far():
+    p = Progress("clean", total=40, unit="units", stream=io.StringIO())
+    p.t0 -= 10.0
+    p.update(10)  # 10 units in 10 s: 30 left take 30 s
+    assert p.line().endswith("| ETA 30s")
+    p.update(30)
+    assert "ETA" not in p.line()

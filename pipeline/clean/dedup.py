@@ -176,11 +176,10 @@ def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> in
 # --- the whole shuffle ------------------------------------------------------------------------
 
 
-def dedup_corpus(out: str, markers: list[dict], c, where: Where) -> tuple[int, int]:
-    """Drop every later copy across the corpus (markers: the units' markers in corpus order).
-    Returns (documents, bytes) dropped."""
+def partition_jobs(out: str, markers: list[dict], partition_bytes: int) -> list[PartitionJob]:
+    """The reduce tasks: which rows of which unit's hash file each partition reads."""
     total = sum(m["docs_kept"] for m in markers)
-    partitions = partitions_for(total, c.dedup.partition_bytes)
+    partitions = partitions_for(total, partition_bytes)
     step = HASH_BUCKETS // partitions
     bounds = list(range(0, len(markers), REWRITE_GROUP)) + [len(markers)]
     jobs = []
@@ -192,6 +191,14 @@ def dedup_corpus(out: str, markers: list[dict], c, where: Where) -> tuple[int, i
             if hi > lo:
                 sources.append((position, fsio.join(out, "hashes", f"{m['unit']}.npy"), lo, hi))
         jobs.append(PartitionJob(out, p, sources, bounds))
+    return jobs
+
+
+def dedup_corpus(out: str, markers: list[dict], c, where: Where) -> tuple[int, int]:
+    """Drop every later copy across the corpus (markers: the units' markers in corpus order).
+    Returns (documents, bytes) dropped."""
+    jobs = partition_jobs(out, markers, c.dedup.partition_bytes)
+    bounds = jobs[0].group_bounds
     reduced = sorted(run_units(dedup_partition, jobs, where), key=lambda jr: jr[0].index)
     docs = sum(r["docs"] for _, r in reduced)
     nbytes = sum(r["bytes"] for _, r in reduced)
