@@ -10,7 +10,7 @@ Every stage writes one folder of RUN (codex/rundir.py) and follows the same rule
     start()               remove the old marker first (un-commit), so a killed run is never "done"
     commit(marker)        config.yaml (the resolved config it ran with), then the marker, last
 
-What is "done" below the marker (clean's chunk markers, shard's shard_progress.json) and how a
+What is "done" below the marker (clean's unit markers, shard's markers under .units/) and how a
 killed run resumes stay with each stage; the decisions above are made here.
 """
 

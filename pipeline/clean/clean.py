@@ -120,7 +120,7 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
             for piece in _split_file(f, c.chunk_bytes):
                 units.append(Unit(len(units), [piece]))
             continue
-        if f.size > 4 * c.chunk_bytes:
+        if f.size > c.chunk_bytes:
             log.info(
                 "clean: %s (%.0f MB) is one unit: %s",
                 f.path,
