@@ -226,3 +226,40 @@ def test_gcs_in_and_out_from_every_ray_worker(tmp_path, ray_cluster, gcs_bucket)
             for d in (local[n], remote[n])
         ]
         assert texts[0] == texts[1], n
+
+
+def test_a_killed_ray_worker_during_shard_is_retried_and_the_shards_are_unchanged(
+    tmp_path, ray_cluster
+):
+    make_corpus(tmp_path / "in", big_docs=1500, small_files=0)
+    run = str(tmp_path / "run")
+    invoke(
+        ["data", "clean", "--run", run, "--input", str(tmp_path / "in")]
+        + ["--set", "data.clean.docs_per_shard=60"]
+    )
+    invoke(["data", "tokenize", "--run", run, "--vocab-size", "300"])
+    shard = ["data", "shard", "--run", run, "--shard-tokens", "20000", "--val-fraction", "0.1"]
+    invoke([*shard, "--out", str(tmp_path / "ref")])
+    killed: list[int] = []
+
+    def kill_one_worker() -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed:
+            pids = _ray_pids("ray::shard_encode_unit")
+            if pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_one_worker)
+    killer.start()
+    invoke(
+        [*shard, "--out", str(tmp_path / "ray"), "--executor", "ray", "--ray-address", ray_cluster]
+    )
+    killer.join()
+    assert killed, "no Ray worker was seen encoding a part"
+    ref = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == ref
+    for name in ref:
+        if name.endswith((".npy", "manifest.json")):
+            assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
