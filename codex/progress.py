@@ -27,6 +27,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     # fsspec logs every remote file it opens at INFO ("... AdaptiveReadaheadCache enabled"): about
     # 60 lines a stage on gs://, none of them news to the user.
     logging.getLogger("fsspec").setLevel(max(level, logging.WARNING))
+    # rustbpe logs each tenth of its merge loop at INFO; the tokenize stage reports the result.
+    logging.getLogger("rustbpe").setLevel(max(level, logging.WARNING))
 
 
 def _human(x: float) -> str:
