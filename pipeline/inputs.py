@@ -16,7 +16,7 @@ import os
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
-from pipeline.clean.stats import nothing_kept
+from pipeline.clean.stats import nothing_kept, yield_problem
 from pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
 
 log = logging.getLogger("codex.clean")
@@ -164,6 +164,11 @@ def clean_parts(run: str) -> list[str]:
             f"missing from the corpus ({'; '.join(f['error'] for f in failed[:3])}); "
             "fix or remove them and rerun "
             "`codex data clean` (only their chunks are redone)"
+        )
+    if stats.get("low_yield"):
+        raise ValueError(
+            f"{stats_path}: {yield_problem(stats)}; rerun `codex data clean` with "
+            "--allow-low-yield to use this corpus anyway"
         )
     shards = stats.get("shards")
     if not isinstance(shards, list):

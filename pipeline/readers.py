@@ -110,6 +110,7 @@ class FileReport:
     malformed_first: list[str] = field(default_factory=list)  # "line 7: <why>"
     null_values: int = 0
     empty: bool = False
+    dropped_whole: str = ""  # the file was one document, dropped by this rule (set by the stage)
     error: str = ""
 
     def bad(self) -> bool:
@@ -120,6 +121,7 @@ class FileReport:
             or self.malformed_lines
             or self.null_values
             or self.empty
+            or self.dropped_whole
             or self.error
         )
 
@@ -176,6 +178,9 @@ def read_records(piece: Piece | InputFile, cfg, report: FileReport) -> Iterator[
         yield from _read_parquet(piece, cfg, report)
 
 
+BLANK_LINES = "blank-lines"  # --txt-delimiter blank-lines: lines holding only white space
+
+
 def text_delimiter(cfg) -> bytes:
     """data.clean.txt_delimiter as bytes; escapes typed on the command line (--txt-delimiter
     '\\n\\n') are understood."""
@@ -197,6 +202,15 @@ def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
             raw = fh.read()
         yield Record(f.path, _decode(raw, report), len(raw))
         return
+    if cfg.txt_delimiter == BLANK_LINES:
+        with fsio.open(f.path, "rb") as fh:
+            for at, raw, n in _blank_line_records(fh, piece, limit):
+                if raw is None:
+                    report.oversized_records += 1
+                    yield Record(f"{f.path}@{at}", None, n)
+                else:
+                    yield Record(f"{f.path}@{at}", _decode(raw, report), n)
+        return
     delim = text_delimiter(cfg)
     with fsio.open(f.path, "rb") as fh:
         first = _first_record_start(fh, piece.start, delim)
@@ -213,6 +227,80 @@ def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
             elif raw.strip():
                 yield Record(f"{f.path}@{pos}", _decode(raw, report), n)
             pos += n
+
+
+def _lines(fh, start: int) -> Iterator[tuple[int, list[bytes], bool]]:
+    """(bytes, the line in blocks, whether it is blank: only spaces, tabs, CR) for each line from
+    byte `start` (a line start); a huge line comes in 1 MB blocks, never whole."""
+    fh.seek(start)
+    while True:
+        blocks, n, blank = [], 0, True
+        while True:
+            block = fh.readline(1 << 20)
+            if not block:
+                break
+            blocks.append(block)
+            n += len(block)
+            blank = blank and not block.strip()
+            if block.endswith(b"\n"):
+                break
+        if not n:
+            return
+        yield n, blocks, blank
+
+
+def _line_before_is_blank(fh, pos: int) -> bool:
+    """Whether the line that ends just before byte `pos` (a line start > 0) is blank: read back to
+    its start, stopping at the first byte that is not white space."""
+    at = pos - 1  # its newline
+    while at > 0:
+        lo = max(0, at - (1 << 16))
+        fh.seek(lo)
+        block = fh.read(at - lo)
+        cut = block.rfind(b"\n")
+        if block[cut + 1 :].strip():
+            return False
+        if cut >= 0:
+            return True
+        at = lo
+    return True
+
+
+def _blank_line_records(fh, piece: Piece, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """--txt-delimiter blank-lines: a document is a run of non-blank lines, and any number of
+    lines holding only white space separate documents. Yields (start byte, text or None when over
+    `limit`, bytes) for the documents that start in the piece: a document starts at a non-blank
+    line whose previous line is blank (or at the file's start), which a reader decides from that
+    one line back, wherever it starts."""
+    start, end = piece.start, piece.end if piece.end >= 0 else 1 << 62
+    if start:
+        first = next(_occurrences(fh, start - 1, b"\n"), None)
+        if first is None:
+            return
+        pos, prev_blank = first + 1, _line_before_is_blank(fh, first + 1)
+    else:
+        pos, prev_blank = 0, True
+    at, size = -1, 0  # the open document: its start (-1: none), bytes
+    parts: list[bytes] | None = []  # its text; None once it is over `limit`
+    for n, blocks, blank in _lines(fh, pos):
+        if blank or (at < 0 and not prev_blank):  # a separator, or the rest of an earlier piece's
+            if at >= 0:
+                yield at, (b"".join(parts).removesuffix(b"\n") if parts is not None else None), size
+                at = -1
+        else:
+            if at < 0:
+                if pos >= end:
+                    return
+                at, parts, size = pos, [], 0
+            size += n
+            if parts is not None:
+                parts += blocks
+                if limit and size > limit:
+                    parts = None  # over max_record_bytes: count it, keep none of it
+        prev_blank = blank
+        pos += n
+    if at >= 0:
+        yield at, (b"".join(parts).removesuffix(b"\n") if parts is not None else None), size
 
 
 def _occurrences(fh, start: int, delim: bytes) -> Iterator[int]:

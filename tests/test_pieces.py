@@ -113,3 +113,40 @@ def test_plan_cuts_big_files_and_packs_small_ones(tmp_path):
     assert len(big_units) == -(-big.stat().st_size // 20000)
     assert big_units[0].pieces[0].start == 0 and big_units[-1].pieces[0].end == big.stat().st_size
     assert [u.index for u in units] == list(range(len(units)))
+
+
+def test_blank_lines_pieces_equal_one_reader(tmp_path):
+    """--txt-delimiter blank-lines: lines holding only spaces or tabs separate documents too
+    (WikiText's blank lines hold a space), at every cut point."""
+    cfg = build_config(overrides=["data.clean.txt_delimiter=blank-lines"]).data.clean
+    rng = random.Random(11)
+    lines = ["word one\n", "two words here\n", " \n", "\t \n", "\n", "\r\n", "x", "  lead\n", "é\n"]
+    for case in range(40):
+        text = "".join(rng.choice(lines) for _ in range(rng.randrange(1, 40)))
+        path = tmp_path / f"b{case}.txt"
+        path.write_bytes(text.encode())
+        f = InputFile(str(path), path.stat().st_size, "text")
+        whole = records(f, cfg)
+        # the reference: split on lines that are blank after stripping, drop empty documents
+        docs, current = [], []
+        for line in text.splitlines(keepends=True):
+            if line.strip():
+                current.append(line)
+            elif current:
+                docs.append("".join(current).removesuffix("\n"))
+                current = []
+        if current:
+            docs.append("".join(current).removesuffix("\n"))
+        assert [t for _, t, _ in whole] == docs, text
+        for point in range(1, f.size):
+            assert [r for p in cut(f, [point]) for r in records(p, cfg)] == whole, (text, point)
+
+
+def test_blank_lines_split_wikitext_style_paragraphs(tmp_path):
+    path = tmp_path / "wiki.txt"
+    path.write_text(
+        " = Title = \n \n First paragraph , one line . \n \n Second one . \nstill two\n"
+    )
+    cfg = build_config(overrides=["data.clean.txt_delimiter=blank-lines"]).data.clean
+    got = [t for _, t, _ in records(InputFile(str(path), path.stat().st_size, "text"), cfg)]
+    assert got == [" = Title = ", " First paragraph , one line . ", " Second one . \nstill two"]

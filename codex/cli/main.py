@@ -130,9 +130,10 @@ def data():
     "--txt-delimiter",
     key="data.clean.txt_delimiter",
     metavar="TEXT",
-    help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. '\\n\\n' for blank lines "
-    "(escapes such as \\n are understood). Default: a whole text file is one document, and one "
-    "over 1 MB (data.clean.length.max_chars) is dropped.",
+    help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. 'blank-lines' (lines "
+    "holding only white space) or '\\n\\n' (escapes such as \\n are understood). Default: "
+    "a whole text file is one document, and one over 1 MB (data.clean.length.max_chars) is "
+    "dropped, named in a warning.",
 )
 @key_option(
     "--preset", key="data.clean.preset", type=click.Choice(["web", "code"]), help="Filter preset."
@@ -141,6 +142,11 @@ def data():
     "--keep-rejected/--no-keep-rejected",
     key="data.clean.keep_rejected",
     help="Also write dropped documents with their reason.",
+)
+@key_option(
+    "--allow-low-yield/--no-allow-low-yield",
+    key="data.clean.allow_low_yield",
+    help="Keep a corpus even when clean kept under data.clean.min_yield (1%) of the input bytes.",
 )
 def data_clean(cfg):
     """Clean raw text into parquet shards under RUN/clean/.

@@ -101,6 +101,10 @@ class CleanConfig:
     num_tasks: int = 1  # tasks across machines (a job array); task I takes units I, I+N, ...
     task_index: int = 0
     keep_rejected: bool = False  # also write dropped documents with their reason
+    # a clean that keeps under this fraction of its input bytes exits 1 naming the rules (a
+    # delimiter that never matched, a preset for another kind of text), unless allow_low_yield
+    min_yield: float = 0.01
+    allow_low_yield: bool = False
     docs_per_shard: int = 20_000  # rows per output parquet file
     row_group_size: int = 2_000
     text_extensions: list[str] = field(

@@ -44,7 +44,15 @@ from codex.progress import Progress
 from pipeline.clean.dedup import dedup_corpus, hash_buckets
 from pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from pipeline.clean.parts import PartWriter
-from pipeline.clean.stats import drop_fix, nothing_kept, summarize, top_drop
+from pipeline.clean.stats import (
+    drop_fix,
+    low_yield,
+    nothing_kept,
+    summarize,
+    top_drop,
+    whole_files_dropped,
+    yield_problem,
+)
 from pipeline.executor import Where, run_units, where_for, worker_id
 from pipeline.inputs import list_inputs, ls_matching
 from pipeline.readers import (
@@ -63,7 +71,7 @@ log = logging.getLogger("codex.clean")
 
 # Settings that change what is written (part of the plan fingerprint); others (workers,
 # task_index) only change how it is computed.
-_RUNTIME_KEYS = ("workers", "task_index")
+_RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield")
 
 
 class CleanError(RuntimeError):
@@ -224,6 +232,8 @@ class _UnitCleaner:
     def _clean_record(self, rec: Record, source: str, report: FileReport) -> None:
         if rec.text is None:
             self._drop("length:too_long", rec, "", source)
+            if rec.id == source:
+                report.dropped_whole = "length:too_long"
             return
         text, nuls = normalize(rec.text)
         report.nul_chars += nuls
@@ -231,6 +241,8 @@ class _UnitCleaner:
         reason = apply_filters(doc, self.c, self.filters)
         if reason is not None:
             self._drop(reason, rec, doc.text, source)
+            if rec.id == source and reason == "length:too_long":
+                report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
         data = doc.text.encode("utf-8")
         if "dedup" in self.filters:
@@ -395,6 +407,11 @@ def run_clean(cfg) -> dict:
             f"clean kept no documents ({nothing_kept(stats)}); outputs left in {out} for "
             "inspection: rerun with the fix and a new --run, or delete that folder first"
         )
+    if stats.get("low_yield"):
+        raise CleanError(
+            f"{out}: {yield_problem(stats)}; if that is right, rerun with --allow-low-yield "
+            "(only the dedup pass runs again)"
+        )
     return stats
 
 
@@ -453,6 +470,9 @@ def _finalize(
         stats["bytes_out"] -= cross_bytes
     stats["dedup_across_units"] = cross_docs
     stats["shards"] = [s for m in ordered for s in m["shards"]]
+    c = stage.cfg.data.clean
+    if low_yield(stats, c.min_yield) and not c.allow_low_yield:
+        stats["low_yield"] = c.min_yield  # clean_parts refuses it until a rerun allows it
     stage.commit(stats)
     log.info(
         "clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s",
@@ -480,6 +500,9 @@ def _finalize(
         summary.append(f"{len(bad['failed_files'])} failed files")
     if summary:
         log.warning("clean: bad input (details in stats.json): %s", ", ".join(summary))
+    whole = whole_files_dropped(stats)
+    if whole:
+        log.warning("clean: %s", whole)
     top = top_drop(stats)
     if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
         log.warning(

@@ -34,7 +34,7 @@ from pipeline.readers import read_part
 
 HASH_BUCKETS = 256  # a unit's marker counts its kept hashes per top byte: the finest partition
 HASH_ROW_BYTES = 24  # per kept document: 16-byte hash + 8-byte length, as three uint64
-REWRITE_GROUP = 32  # units per rewrite task
+REWRITE_GROUP = 4  # units per rewrite task: small, so rewrites spread over the cluster
 
 
 def hash_buckets(hashes: np.ndarray) -> list[int]:

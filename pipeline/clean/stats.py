@@ -45,6 +45,12 @@ def summarize(
             "nul_chars": files_with("nul_chars"),
             "oversized_records": files_with("oversized_records"),
             "null_values": files_with("null_values"),
+            # files that were one document each and were dropped whole (by length:too_long)
+            "whole_files_dropped": [
+                {"path": r["path"], "reason": r["dropped_whole"]}
+                for r in bad
+                if r.get("dropped_whole")
+            ][:100],
             "malformed_lines": {
                 "files": len({r["path"] for r in bad if r["malformed_lines"]}),
                 "count": sum(r["malformed_lines"] for r in bad),
@@ -79,6 +85,41 @@ def drop_fix(flt: str, reason: str) -> str:
     return (
         f"switch that filter off with --set data.clean.{flt}.enabled=false, or use --preset code "
         "for source code"
+    )
+
+
+def whole_files_dropped(stats: dict) -> str:
+    """A warning naming the input files dropped whole (one document each, too long), with the
+    switch that keeps them; "" when there is none."""
+    whole = stats["bad_input"].get("whole_files_dropped") or []
+    if not whole:
+        return ""
+    names = ", ".join(w["path"] for w in whole[:3]) + (" ..." if len(whole) > 3 else "")
+    return (
+        f"{len(whole)} input file(s) were one document each and were dropped whole by "
+        f"length:too_long ({names}); split them into documents with --txt-delimiter blank-lines "
+        "(or another delimiter), or raise data.clean.length.max_chars / "
+        "data.clean.max_record_bytes"
+    )
+
+
+def low_yield(stats: dict, min_yield: float) -> bool:
+    """Whether clean kept under `min_yield` of its input bytes (and kept something)."""
+    return bool(stats["docs_out"]) and stats["bytes_out"] < min_yield * stats["bytes_in"]
+
+
+def yield_problem(stats: dict) -> str:
+    """In words: how little clean kept and which rules dropped the most."""
+    rules = sorted(
+        ((n, f"{flt}:{reason}") for flt, v in stats["drops"].items() for reason, n in v.items()),
+        reverse=True,
+    )[:3]
+    top = top_drop(stats)
+    fix = f"; fix for {top[0]}:{top[1]}: {drop_fix(top[0], top[1])}" if top else ""
+    return (
+        f"clean kept {100 * stats['bytes_out'] / max(stats['bytes_in'], 1):.2f}% of the input "
+        f"bytes ({stats['bytes_out']} of {stats['bytes_in']}), under data.clean.min_yield="
+        f"{stats['low_yield']}; dropped most: {', '.join(f'{r} {n}' for n, r in rules)}{fix}"
     )
 
 
