@@ -21,6 +21,7 @@ from codex.config import build_config
 from codex.config.data import CleanConfig
 from pipeline.clean import filters as F
 from pipeline.clean.clean import CleanError, run_clean
+from pipeline.inputs import clean_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -433,3 +434,33 @@ def test_gcs_round_trip(tmp_path, gcs_bucket):
     )
     assert all(r["source"].startswith("gs://") for r in read_out(f"{gcs_bucket}/run"))
     assert fsio.read_json(f"{gcs_bucket}/run/clean/stats.json")["docs_out"] == local["docs_out"]
+
+
+def test_a_low_yield_clean_exits_1_and_downstream_refuses_it_until_allowed(tmp_path, caplog):
+    """The user's report: WikiText's blank lines hold a space, so '\\n\\n' never matched, the
+    whole file was one document dropped as too long, and clean kept 0.02% with exit 0."""
+    src = tmp_path / "in"
+    src.mkdir()
+    paragraphs = [prose(k).replace("\n", " ") for k in range(2500)]  # 1.4 MB: over max_chars
+    (src / "wiki.txt").write_text(" \n".join(f" {p} \n" for p in paragraphs))  # ' \n \n'
+    (src / "small.txt").write_text(prose(999))
+    cfg = cfg_for(tmp_path, [src], "data.clean.txt_delimiter=\\n\\n", run="r")
+    with caplog.at_level("WARNING", logger="codex.clean"), pytest.raises(CleanError) as e:
+        run_clean(cfg)
+    msg = str(e.value)
+    assert "kept 0." in msg and "length:too_long" in msg and "--allow-low-yield" in msg
+    # the dropped file is named, with the switch that keeps it
+    warned = [r.getMessage() for r in caplog.records if "dropped whole" in r.getMessage()]
+    assert len(warned) == 1 and "wiki.txt" in warned[0] and "blank-lines" in warned[0]
+    stats = json.loads((tmp_path / "r" / "clean" / "stats.json").read_text())
+    assert stats["bad_input"]["whole_files_dropped"][0]["path"].endswith("wiki.txt")
+    with pytest.raises(ValueError, match="allow-low-yield"):
+        clean_parts(str(tmp_path / "r"))
+    # allowed: the same units, no re-cleaning, and the corpus is usable
+    cfg.data.clean.allow_low_yield = True
+    again = run_clean(cfg)
+    assert again["units_run"] == 0 and "low_yield" not in again
+    assert len(clean_parts(str(tmp_path / "r"))) == 1
+    # the fix the message names: blank-lines splits it into its paragraphs
+    fixed = run_clean(cfg_for(tmp_path, [src], "data.clean.txt_delimiter=blank-lines", run="f"))
+    assert fixed["docs_out"] == 2501 and fixed["bytes_out"] > 0.9 * fixed["bytes_in"]

@@ -203,6 +203,7 @@ class _UnitCleaner:
             "docs_kept": 0,
             "bytes_kept": 0,
             "drops": {},
+            "drop_bytes": {},  # input bytes per drop reason (what a low yield is made of)
         }
     )
 
@@ -215,7 +216,7 @@ class _UnitCleaner:
                 report.records += 1
                 self.stats["docs_in"] += 1
                 self.stats["bytes_in"] += rec.nbytes
-                self._clean_record(rec, f.path, report)
+                self._clean_record(rec, f, report)
         # ValueError: pyarrow decode errors
         except (
             BadInputFile,
@@ -229,10 +230,13 @@ class _UnitCleaner:
             log.error("clean: file failed, continuing with the others: %s", report.error)
         return report
 
-    def _clean_record(self, rec: Record, source: str, report: FileReport) -> None:
+    def _clean_record(self, rec: Record, f: InputFile, report: FileReport) -> None:
+        source = f.path
+        # the file is this one record (no delimiter, or none matched)
+        whole = f.kind != "parquet" and rec.nbytes >= f.size
         if rec.text is None:
             self._drop("length:too_long", rec, "", source)
-            if rec.id == source:
+            if whole:
                 report.dropped_whole = "length:too_long"
             return
         text, nuls = normalize(rec.text)
@@ -241,7 +245,7 @@ class _UnitCleaner:
         reason = apply_filters(doc, self.c, self.filters)
         if reason is not None:
             self._drop(reason, rec, doc.text, source)
-            if rec.id == source and reason == "length:too_long":
+            if whole and reason == "length:too_long":
                 report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
         data = doc.text.encode("utf-8")
@@ -258,6 +262,7 @@ class _UnitCleaner:
 
     def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
+        self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
         if self.rejected is not None:
             self.rejected.add(text, rec.id, source, reason)
 
@@ -465,6 +470,8 @@ def _finalize(
     if cross_docs:
         stats["drops"].setdefault("dedup", {}).setdefault("duplicate", 0)
         stats["drops"]["dedup"]["duplicate"] += cross_docs
+        stats["drop_bytes"].setdefault("dedup", {}).setdefault("duplicate", 0)
+        stats["drop_bytes"]["dedup"]["duplicate"] += cross_bytes
         stats["drops_total"] += cross_docs
         stats["docs_out"] -= cross_docs
         stats["bytes_out"] -= cross_bytes

@@ -10,11 +10,13 @@ def summarize(
     ms: list[dict], filters: list[str], files: list[InputFile], skipped: list[str]
 ) -> dict:
     drops: dict[str, dict[str, int]] = {}
+    drop_bytes: dict[str, dict[str, int]] = {}
     for m in ms:
-        for key, n in m["drops"].items():
-            flt, reason = key.split(":", 1)
-            drops.setdefault(flt, {})
-            drops[flt][reason] = drops[flt].get(reason, 0) + n
+        for counts, into in ((m["drops"], drops), (m.get("drop_bytes", {}), drop_bytes)):
+            for key, n in counts.items():
+                flt, reason = key.split(":", 1)
+                into.setdefault(flt, {})
+                into[flt][reason] = into[flt].get(reason, 0) + n
     bad = [r for m in ms for r in m["bad_files"]]
 
     def files_with(key):
@@ -32,6 +34,7 @@ def summarize(
         "bytes_out": sum(m["bytes_kept"] for m in ms),
         "drops_total": sum(sum(v.values()) for v in drops.values()),
         "drops": drops,  # filter -> reason -> documents
+        "drop_bytes": drop_bytes,  # filter -> reason -> input bytes
         "filters": filters,
         "files": {
             "inputs": len(files),
@@ -111,15 +114,16 @@ def low_yield(stats: dict, min_yield: float) -> bool:
 def yield_problem(stats: dict) -> str:
     """In words: how little clean kept and which rules dropped the most."""
     rules = sorted(
-        ((n, f"{flt}:{reason}") for flt, v in stats["drops"].items() for reason, n in v.items()),
+        ((n, flt, reason) for flt, v in stats["drop_bytes"].items() for reason, n in v.items()),
         reverse=True,
     )[:3]
-    top = top_drop(stats)
-    fix = f"; fix for {top[0]}:{top[1]}: {drop_fix(top[0], top[1])}" if top else ""
+    most = ", ".join(f"{flt}:{reason} {n / 1e6:.1f} MB" for n, flt, reason in rules)
+    fix = f"; fix for {rules[0][1]}:{rules[0][2]}: {drop_fix(rules[0][1], rules[0][2])}"
+    whole = whole_files_dropped(stats)
     return (
         f"clean kept {100 * stats['bytes_out'] / max(stats['bytes_in'], 1):.2f}% of the input "
         f"bytes ({stats['bytes_out']} of {stats['bytes_in']}), under data.clean.min_yield="
-        f"{stats['low_yield']}; dropped most: {', '.join(f'{r} {n}' for n, r in rules)}{fix}"
+        f"{stats['low_yield']}; the bytes went to {most}{fix}" + (f"; {whole}" if whole else "")
     )
 
 
