@@ -434,3 +434,47 @@ def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="train.lr"):
         CliRunner().invoke(cli, ["train", "--set", "train.lr=-1"], catch_exceptions=False)
     assert os.environ["CODEX_DEBUG"] == "1"
+
+
+# --- train against its data ----------------------------------------------------------------------
+
+
+def test_train_refuses_a_damaged_shard_the_first_time_it_opens_it(run):
+    shard = run / "shards" / "train_00000.npy"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: still a valid .npy of the right shape
+    shard.write_bytes(bytes(data))
+    invoke(["train", "--run", str(run), *TRAIN, "--max-steps", "5"], 1, "train_00000.npy", "sha256")
+
+
+def _retokenized(run: Path, sha: str) -> None:
+    """As if `codex data tokenize` had made another tokenizer (its meta's sha256)."""
+    meta_path = run / "tokenizer" / "tokenizer_meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"] = sha
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_train_refuses_shards_made_with_another_tokenizer(run):
+    _retokenized(run, "e" * 64)
+    invoke(
+        ["train", "--run", str(run), *TRAIN, "--max-steps", "5"],
+        1,
+        "manifest.json",
+        "another tokenizer",
+    )
+
+
+def test_train_refuses_to_resume_under_another_tokenizer(run):
+    _retokenized(run, "e" * 64)
+    manifest_path = run / "shards" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["tokenizer"]["sha256"] = (
+        "e" * 64
+    )  # shards remade with it too: only the resume is wrong
+    manifest_path.write_text(json.dumps(manifest))
+    invoke(
+        ["train", "--run", str(run), *TRAIN, "--max-steps", "5"],
+        1,
+        "step 3 was trained with another tokenizer",
+    )

@@ -164,6 +164,14 @@ class ShardReader:
         return list(self.cache.fetched) if self.remote else []
 
     def _open(self, i: int, path: str) -> np.ndarray:
+        expected = self.split.sha256[i]
+        # A local shard is checked against the manifest the first time this process opens it (one
+        # sequential read); a gs:// one was checked when the host cache downloaded it.
+        if not self.remote and expected and fsio.file_sha256(path) != expected:
+            raise ValueError(
+                f"{path}: shard does not match its sha256 in the manifest (damaged or replaced); "
+                "`codex data verify` lists every bad shard, `codex data shard` rewrites them"
+            )
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:

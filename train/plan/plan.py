@@ -150,6 +150,13 @@ def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
             f"vocab_size {m_vocab}, but the tokenizer in {tok_dir} has {vocab}; "
             "re-run `codex data shard`"
         )
+    m_sha = manifest.get("tokenizer", {}).get("sha256")
+    if m_sha and meta.get("sha256") and m_sha != meta["sha256"]:
+        raise ValueError(
+            f"{fsio.join(rundir.shards_dir(cfg.run), 'manifest.json')}: shards were made with "
+            f"another tokenizer ({m_sha[:12]}) than {tok_dir} ({meta['sha256'][:12]}); "
+            "re-run `codex data shard`"
+        )
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} but the run's tokenizer has {vocab} tokens; "
