@@ -83,9 +83,40 @@ def _remove_stale_temps(remote: str) -> int:
     return len(stale)
 
 
-def upload_run(local_run: str, remote: str) -> dict:
+# The files that say which run a folder holds: a target whose copy of one differs holds another run
+IDENTITY = ("clean/stats.json", "tokenizer/tokenizer_meta.json", "shards/manifest.json")
+
+
+def _another_run(local_run: str, remote: str) -> str:
+    """Why `remote` holds another run than `local_run` ("" when it holds none, or this one): one of
+    its identity files differs from ours, or it has one we do not (a later stage of another run)."""
+    for rel in IDENTITY:
+        dst = fsio.join(remote, rel)
+        if not fsio.exists(dst):
+            continue
+        src = os.path.join(local_run, rel)
+        if not os.path.exists(src):
+            return f"it has {rel} and {local_run} has none"
+        with open(src, "rb") as fh:
+            if fsio.read_bytes(dst) != fh.read():
+                return f"its {rel} differs from {src}"
+    return ""
+
+
+def _clear(remote: str) -> None:
+    """Delete every file under `remote` but the run lock this upload holds there."""
+    fs, p = fsio.filesystem(remote)
+    for name in fs.find(p):
+        if not fsio.basename(name).startswith(".codex-lock"):
+            fs.rm(name)
+    fs.invalidate_cache()
+
+
+def upload_run(local_run: str, remote: str, overwrite: bool = False) -> dict:
     """Copy every file under local_run to remote (any fsspec URL), verifying size + checksum of each
-    object after upload. Returns counts; raises naming the objects that still differ."""
+    object after upload. Returns counts; raises naming the objects that still differ. A target that
+    holds another run is refused (a mix of two runs resumes wrongly) unless `overwrite`, which
+    removes what it holds first."""
     if fsio.is_remote(local_run):
         raise ConfigError(f"upload: {local_run} must be a local directory (the source of the copy)")
     if not os.path.isdir(local_run):
@@ -93,6 +124,17 @@ def upload_run(local_run: str, remote: str) -> dict:
     files = _local_files(local_run)
     if not files:
         raise ConfigError(f"upload: {local_run} holds no files")
+    other = _another_run(local_run, remote)
+    if other and not overwrite:
+        raise ConfigError(
+            f"upload: {remote} holds another run ({other}); upload to another target, or pass "
+            "--overwrite to delete what it holds first"
+        )
+    if other:
+        log.warning(
+            "upload: %s holds another run (%s); deleting it first (--overwrite)", remote, other
+        )
+        _clear(remote)
     stale = _remove_stale_temps(remote)
     if stale:
         log.info("upload: removed %d temp object(s) left by an interrupted upload", stale)

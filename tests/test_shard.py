@@ -600,3 +600,33 @@ def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
     assert (tmp_path / "copy" / "clean" / "stats.json").read_bytes() == (
         run / "clean" / "stats.json"
     ).read_bytes()
+
+
+@pytest.mark.gcs
+def test_upload_refuses_a_target_that_holds_another_run(
+    tmp_path, corpus, tokenizer_files, gcs_bucket
+):
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+
+    run_a = make_run(tmp_path / "a", corpus, tokenizer_files)
+    run_shard(make_cfg(run_a))
+    run_b = make_run(tmp_path / "b", corpus[: len(corpus) // 2], tokenizer_files)
+    run_shard(make_cfg(run_b))
+    target = f"{gcs_bucket}/run"
+    upload_run(str(run_a), target)
+    fsio.write_bytes(f"{target}/checkpoints/step_00000010/DONE", b"{}")  # A trained there
+    res = CliRunner().invoke(cli, ["data", "upload", str(run_b), target])
+    assert res.exit_code == 2 and "holds another run" in res.output and "--overwrite" in res.output
+    assert "its clean/stats.json differs" in res.output
+    assert fsio.exists(f"{target}/checkpoints/step_00000010/DONE")  # nothing touched
+    # the same run again is a resume, not another run
+    assert upload_run(str(run_a), target)["uploaded"] == 0
+    res = CliRunner().invoke(cli, ["data", "upload", str(run_b), target, "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert not fsio.exists(f"{target}/checkpoints/step_00000010/DONE")  # A's files are gone
+    assert (
+        fsio.read_bytes(f"{target}/shards/manifest.json")
+        == (Path(run_b) / "shards" / "manifest.json").read_bytes()
+    )

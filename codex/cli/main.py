@@ -319,8 +319,14 @@ def data_verify(run_dir, run, config_file, overrides, out):
 @data.command("upload")
 @click.argument("local_run", metavar="LOCAL_RUN")
 @click.argument("remote", metavar="REMOTE")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="When REMOTE holds another run (its stats, tokenizer or manifest differ), delete it first "
+    "instead of refusing.",
+)
 @stage
-def data_upload(local_run, remote):
+def data_upload(local_run, remote, overwrite):
     """Copy a local run directory to gs:// (any fsspec URL), verifying each object's size and
     checksum.
 
@@ -331,7 +337,7 @@ def data_upload(local_run, remote):
       codex data upload runs/web gs://bucket/web
     """
     with runlock.hold(remote, "codex data upload"):
-        r = upload_run(local_run, remote)
+        r = upload_run(local_run, remote, overwrite)
     click.echo(
         f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
         f"all verified ({', '.join(r['checksum'])}) -> {remote}"
