@@ -237,3 +237,36 @@ def test_ranks_that_see_different_folders_fail_the_shared_folder_check(tmp_path)
     mp.spawn(_check_shared_dir, args=(2, _free_port(), shared, str(tmp_path)), nprocs=2)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
     assert not list((tmp_path / "one").iterdir())
+
+
+def test_a_killed_torchrun_agent_takes_its_rank_down_and_the_job_stops(tmp_path):
+    """SIGKILL of host 1's torchrun agent alone (not its worker): the worker gets the parent-death
+    signal (SIGTERM), both ranks stop at one step, rank 0 saves it and the run lock is let go."""
+    run = make_run(tmp_path / "run")
+    metrics = Path(run) / "metrics.jsonl"
+    procs = start_hosts(run, max_steps=100_000)
+    workers = [worker_pid(p) for p in procs]
+    deadline = time.time() + 90
+    while time.time() < deadline and (not metrics.exists() or len(train_steps(metrics)) < 3):
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGKILL)  # the agent only
+
+    def running(pid: int) -> bool:  # not gone, not a zombie
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 90
+    while time.time() < deadline and any(running(w) for w in workers):
+        time.sleep(0.2)
+    alive = [w for w in workers if running(w)]
+    # host 0's agent waits in torchrun's exit barrier for the dead agent (up to 5 minutes)
+    for pid in alive + [procs[0].pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    errs = finish(procs, timeout=60)
+    assert alive == [], errs[0][-2000:]
+    step = checkpoint.latest_step(run)
+    assert step == train_steps(metrics)[-1] and f"stopped by a signal at step {step}/" in errs[0]
+    assert not (Path(run) / ".codex-lock.json").exists()

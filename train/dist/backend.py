@@ -27,8 +27,11 @@ match the launch, is an error that says what was found and how to fix it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -338,6 +341,19 @@ def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
     return device
 
 
+def die_with_launcher() -> None:
+    """A rank torchrun started gets SIGTERM when its agent dies (Linux's parent-death signal): a
+    SIGKILL of the agent alone would otherwise leave it training and holding the run lock. SIGTERM
+    stops it as a preemption does (the step ends, every rank stops there, a checkpoint is saved)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def make_torch_backend(cfg, preset) -> TorchBackend:
     """The backend for a CPU or CUDA preset: one process, or one per device under torchrun."""
     rank, world, local_rank, local_world = launch_env()
@@ -353,6 +369,7 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
         raise BackendError(f"hardware preset '{preset.name}': unknown kind {preset.kind!r}")
 
     if launched:
+        die_with_launcher()
         if not dist.is_initialized():
             kwargs: dict[str, Any] = {
                 "backend": pg_backend,
