@@ -478,3 +478,16 @@ def test_train_refuses_to_resume_under_another_tokenizer(run):
         1,
         "step 3 was trained with another tokenizer",
     )
+
+
+def test_a_damaged_only_checkpoint_is_bad_data_for_eval_sample_and_export(run, tmp_path):
+    """Exit 1 (bad data), as README promises, not 2 (a usage mistake)."""
+    (step,) = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
+    for f in step.rglob("*.distcp"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated
+    for cmd in (
+        ["eval"],
+        ["sample", "--prompt", "def"],
+        ["export", "--format", "torch", "--out", str(tmp_path / "m.pt")],
+    ):
+        invoke([*cmd, "--run", str(run)], 1, "no intact checkpoint", "damaged")

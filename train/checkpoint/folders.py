@@ -253,7 +253,8 @@ def damage(folder: str, rank: int = 0, world: int = 1) -> str | None:
 
 def newest_intact(run: str) -> int:
     """The newest complete checkpoint step whose files are all intact (one process checks them
-    all); a damaged newer one is skipped with a warning. FileNotFoundError when there is none."""
+    all); a damaged newer one is skipped with a warning. FileNotFoundError when there is none,
+    ValueError when every one is damaged."""
     errors: list[str] = []
     for s in reversed(complete_steps(run)):
         problem = damage(step_dir(run, s))
@@ -265,8 +266,12 @@ def newest_intact(run: str) -> int:
             "checkpoint %s is damaged (%s); trying the previous one", step_dir(run, s), problem
         )
         errors.append(problem)
-    detail = ("; damaged: " + "; ".join(errors)) if errors else ""
-    raise FileNotFoundError(f"no intact checkpoint under {rundir.checkpoints_dir(run)}{detail}")
+    if errors:  # bad data (exit 1), not a missing input
+        raise ValueError(
+            f"no intact checkpoint under {rundir.checkpoints_dir(run)}: every complete one is "
+            f"damaged ({'; '.join(errors)})"
+        )
+    raise FileNotFoundError(f"no intact checkpoint under {rundir.checkpoints_dir(run)} (none yet)")
 
 
 def read_skeleton(folder: str) -> dict:
