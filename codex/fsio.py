@@ -39,6 +39,25 @@ def is_remote(path: str) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
 
 
+def require_bucket(url: str) -> None:
+    """A gs:// path's bucket must exist: FileNotFoundError naming it (an object store reports a
+    missing bucket as a raw URL deep inside the first write otherwise). Skipped when this
+    identity may not list buckets: the first real operation then says why."""
+    if not str(url).startswith("gs://"):
+        return
+    bucket = str(url)[5:].split("/", 1)[0]
+    fs, _ = filesystem(url)
+    try:
+        found = fs.exists(bucket)
+    except Exception:  # e.g. 403 on the bucket itself: not ours to judge here
+        return
+    if not found:
+        raise FileNotFoundError(
+            f"gs://{bucket}: no such bucket (check the name in {url}, or create it: "
+            f"gcloud storage buckets create gs://{bucket})"
+        )
+
+
 def _strip_file(path: str) -> str:
     path = str(path)
     return path[len("file://") :] if path.startswith("file://") else path

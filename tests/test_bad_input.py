@@ -491,3 +491,17 @@ def test_a_damaged_only_checkpoint_is_bad_data_for_eval_sample_and_export(run, t
         ["export", "--format", "torch", "--out", str(tmp_path / "m.pt")],
     ):
         invoke([*cmd, "--run", str(run)], 1, "no intact checkpoint", "damaged")
+
+
+@pytest.mark.gcs
+def test_a_run_in_a_missing_bucket_names_the_bucket(tmp_path, gcs_emulator):
+    text = tmp_path / "a.txt"
+    text.write_text(prose(1))
+    run = "gs://no-such-bucket-codex/run"
+    for args in (
+        ["data", "clean", "--input", str(text)],
+        ["data", "tokenize"],
+        ["eval"],
+        ["train", *TRAIN],
+    ):
+        invoke([*args, "--run", run], 2, "gs://no-such-bucket-codex: no such bucket")

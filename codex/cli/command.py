@@ -10,7 +10,7 @@ import os
 
 import click
 
-from codex import runlock
+from codex import fsio, runlock
 from codex.config import Config, ConfigError, build_config, get_value
 
 
@@ -136,6 +136,7 @@ def with_config(fn):
         # repeatable
         values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
         cfg = build_config(config_file, overrides, model=model, run=run, values=values)
+        fsio.require_bucket(cfg.run)
         return fn(cfg, **kwargs)
 
     return config_options(stage(wrapper))
