@@ -19,8 +19,11 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import warnings
 
 import torch
@@ -76,10 +79,41 @@ def run_tasks(cfg) -> dict:
     return record
 
 
+HUB_PROBE_S = 3.0  # how long to wait for the Hugging Face hub before going offline
+
+
+def _offline_unless_hub_answers() -> None:
+    """Go offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) when the hub does not answer within
+    HUB_PROBE_S: offline, datasets and the hub client otherwise retry for about a minute before a
+    missing dataset fails; offline, a cached dataset loads and a missing one fails at once."""
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_S)
+        return
+    except urllib.error.HTTPError:
+        return  # it answered (any status): online
+    except (urllib.error.URLError, OSError):
+        pass  # no name, no route, no TLS, no answer in time
+    host = endpoint
+    log.info("eval: %s does not answer; using only what is cached here (offline)", host)
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # the libraries read these at import: set what an earlier import of them already read
+    for module, name in (
+        ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_DATASETS_OFFLINE"),
+    ):
+        if module in sys.modules:
+            setattr(sys.modules[module], name, True)
+
+
 def _lm_eval(tasks_path: str, tasks: list[str]):
     """lm_eval and a TaskManager that knows `tasks`: only tasks_path's YAMLs when they are all
     there (indexing lm-eval's ~15k built-in tasks takes ~15 s), else those plus the built-in
     ones."""
+    _offline_unless_hub_answers()
     try:
         import lm_eval  # optional dependency: only codex eval --tasks needs it
         from lm_eval.tasks import TaskManager

@@ -4,6 +4,7 @@ whose accuracy is computed by hand with codex's own model; missing datasets and 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,29 @@ def test_eval_tasks_missing_dataset_and_unknown_task(tmp_path):
     )
     assert r.exit_code == 2, r.output
     assert "no_such_task_xyz" in r.output
+
+
+def test_an_unreachable_hub_means_offline_at_once(tmp_path, monkeypatch, caplog):
+    """Without the offline switches and with the hub unreachable (a blackholed address), codex
+    stops waiting after one short probe and goes offline, so a dataset that is not cached fails
+    with its one line instead of after a minute of retries."""
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+    from eval import tasks as eval_tasks
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "https://10.255.255.1")  # never answers
+    monkeypatch.setattr(eval_tasks, "HUB_PROBE_S", 0.5)
+    run, _, _ = make_run(tmp_path)
+    tasks = write_task(
+        tmp_path / "tasks", "codex_missing", None, dataset_path="codex-test-org/not-downloaded"
+    )
+    with caplog.at_level("INFO", logger="codex.eval"):
+        r = CliRunner().invoke(
+            cli, ["eval", "--run", run, "--tasks", "codex_missing", "--tasks-path", str(tasks)]
+        )
+    assert r.exit_code == 1 and "task codex_missing: its dataset could not be loaded" in r.output
+    assert any("does not answer" in rec.getMessage() for rec in caplog.records)
+    assert os.environ["HF_HUB_OFFLINE"] == "1" == os.environ["HF_DATASETS_OFFLINE"]
