@@ -7,7 +7,8 @@
 The exported tokenizer puts <|bos|> first and lm-eval is told add_bos_token=True, so every scored
 context starts with <|bos|>, as every training document did. A task whose dataset is not on this
 machine (no network, never downloaded) fails with one line naming it and how to get it. Extra task
-YAMLs (a local JSON dataset, say) come from eval.tasks_path, lm-eval's include_path.
+YAMLs (a local JSON dataset, say) come from eval.tasks_path, lm-eval's include_path; configs/tasks
+ships one that runs offline (codex_example).
 
 lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported
 here only.
@@ -29,7 +30,7 @@ import warnings
 import torch
 
 from codex import fsio, rundir
-from codex.config import ConfigError
+from codex.config import CONFIGS_DIR, ConfigError
 from model.export_hf import export_hf
 from train.checkpoint.read import load_model
 from train.dist.backend import BackendError
@@ -121,13 +122,36 @@ def _lm_eval(tasks_path: str, tasks: list[str]):
         raise ConfigError(
             "codex eval --tasks needs lm-eval-harness: pip install 'codex[hf,tasks]'"
         ) from None
-    if tasks_path:
-        if not os.path.isdir(tasks_path):
-            raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
-        local = TaskManager(include_path=tasks_path, include_defaults=False)
-        if all(t in local.all_tasks for t in tasks):
-            return lm_eval, local
-    return lm_eval, TaskManager(include_path=tasks_path or None)
+    if tasks_path and not os.path.isdir(tasks_path):
+        raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
+    paths = [p for p in (tasks_path, _shipped_tasks()) if p]
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+        return lm_eval, local
+    return lm_eval, TaskManager(include_path=paths)
+
+
+_SHIPPED: list[str] = []  # the materialised copy of configs/tasks, made once per process
+
+
+def _shipped_tasks() -> str:
+    """configs/tasks (the example tasks codex ships) as lm-eval can load them: a temporary copy
+    whose YAMLs name their data files by absolute path (datasets resolves a relative one against
+    the working directory, not the YAML's folder)."""
+    src = CONFIGS_DIR / "tasks"
+    if not src.is_dir():
+        return ""
+    if not _SHIPPED:
+        dst = tempfile.mkdtemp(prefix="codex-tasks-")
+        for f in sorted(src.iterdir()):
+            text = f.read_text()
+            if f.suffix == ".yaml":
+                for data in sorted(src.glob("*.jsonl")):
+                    text = text.replace(f": {data.name}", f": {data}")
+            with open(os.path.join(dst, f.name), "w") as out:
+                out.write(text)
+        _SHIPPED.append(dst)
+    return _SHIPPED[0]
 
 
 def _check_dataset(name: str, task_manager) -> None:

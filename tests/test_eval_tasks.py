@@ -167,3 +167,23 @@ def test_an_unreachable_hub_means_offline_at_once(tmp_path, monkeypatch, caplog)
     assert r.exit_code == 1 and "task codex_missing: its dataset could not be loaded" in r.output
     assert any("does not answer" in rec.getMessage() for rec in caplog.records)
     assert os.environ["HF_HUB_OFFLINE"] == "1" == os.environ["HF_DATASETS_OFFLINE"]
+
+
+def test_the_shipped_example_task_runs_offline(tmp_path):
+    """configs/tasks/codex_example: `codex eval --tasks codex_example`, no --tasks-path, no
+    network (the autouse fixture), from another working directory."""
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+
+    run, _, _ = make_run(tmp_path)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        r = CliRunner().invoke(cli, ["eval", "--run", run, "--tasks", "codex_example"])
+    finally:
+        os.chdir(cwd)
+    assert r.exit_code == 0, r.output
+    (record,) = Path(run, "eval").glob("*.tasks-*.json")
+    result = json.loads(record.read_text())["tasks"]["codex_example"]
+    assert result["samples"] == 8 and 0 <= result["acc"] <= 1
