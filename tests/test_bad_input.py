@@ -505,3 +505,31 @@ def test_a_run_in_a_missing_bucket_names_the_bucket(tmp_path, gcs_emulator):
         ["train", *TRAIN],
     ):
         invoke([*args, "--run", run], 2, "gs://no-such-bucket-codex: no such bucket")
+
+
+class _Payload:
+    """What a forged pickle carries: a call to run on load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_forged_checkpoint_index_runs_nothing(run, tmp_path):
+    """A .metadata whose pickle calls os.system (DONE's checksums forged to match): eval, sample
+    and a resumed train refuse it with one line, exit 1, and the call never happens."""
+    import hashlib
+    import pickle
+
+    marker = tmp_path / "pwned"
+    (step,) = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
+    data = pickle.dumps(_Payload(marker))
+    (step / ".metadata").write_bytes(data)
+    done = json.loads((step / "DONE").read_text())
+    done["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "DONE").write_text(json.dumps(done))
+    for cmd in (["eval"], ["sample", "--prompt", "def"], ["train", *TRAIN, "--max-steps", "5"]):
+        invoke([*cmd, "--run", str(run)], 1, ".metadata", "posix.system", "refusing to load")
+    assert not marker.exists()

@@ -48,7 +48,7 @@ def test_truncated_or_corrupt_latest_checkpoint_falls_back(tmp_path, caplog):
     assert checkpoint.load(run)["step"] == 1
     # an old ckpt.pt checkpoint
     (Path(checkpoint.step_dir(run, 1)) / "DONE").write_text('{"step": 1, "bytes": 100}')
-    with pytest.raises(FileNotFoundError, match="single-file checkpoint of an older codex"):
+    with pytest.raises(ValueError, match="single-file checkpoint of an older codex"):
         checkpoint.load(run)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import pickle
 import threading
 import warnings
 from typing import cast
@@ -31,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from codex import fsio
@@ -107,8 +109,57 @@ def _writer(folder: str) -> FileSystemWriter:
     return writer
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata index and nothing else: a pickle may name any function to call,
+    so a forged .metadata could run code on load. Only DCP's metadata classes, torch.Size, dtypes
+    and the layout lookup DCP's own pickles name are allowed."""
+
+    _CLASSES_FROM = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+    )
+    _NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module in self._CLASSES_FROM or module == "torch":  # importing these runs nothing new
+            found = super().find_class(module, name)
+            if isinstance(found, torch.dtype if module == "torch" else type):
+                return found
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which DCP's index never does")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's reader with .metadata read by _MetadataUnpickler: loading a checkpoint runs no code
+    that came with it."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            try:
+                metadata = _MetadataUnpickler(fh).load()
+            except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as e:
+                raise ValueError(
+                    f"{path}: not a DCP index codex can trust ({e}); refusing to load this "
+                    "checkpoint (damaged, or not written by codex)"
+                ) from None
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path}: not a DCP index ({type(metadata).__name__})")
+        storage = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
+        return metadata
+
+
 def _reader(folder: str) -> FileSystemReader:
-    reader = FileSystemReader(folder)
+    reader = _SafeReader(folder)
     fs = HashingFileSystem()
     # torch annotates .fs as its local FileSystem; the reader takes any FileSystemBase.
     reader.fs = fs  # type: ignore[assignment]
@@ -215,9 +266,13 @@ def read_tensors(folder: str, targets: dict, control=None) -> None:
     """Load the DCP checkpoint in `folder` into the tensors of `targets`, in place (DTensor
     targets get their own slices). control None: this process alone (eval, sample, export)."""
     one = control is None or control.world == 1
+    reader = _reader(folder)
+    # Every rank checks the index itself first: inside dcp.load a refusal would come back wrapped
+    # in a CheckpointException (a traceback, not the one line naming the file).
+    reader.read_metadata()
     dcp.load(
         tensors_only(targets),
-        storage_reader=_reader(folder),
+        storage_reader=reader,
         process_group=None if one else control.group,
         no_dist=one,
     )

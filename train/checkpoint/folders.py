@@ -11,7 +11,9 @@ written by every rank in parallel, local or gs://:
 
 One format for every layout: a checkpoint written by 2 fsdp ranks loads on 1 process or under
 replicate, and the reverse (DCP reads each tensor into whatever layout the target has). Nothing in
-a checkpoint is unpickled: tensors come from DCP, the rest from JSON. Single-file checkpoints of
+a checkpoint is unpickled but DCP's index (.metadata), and that through an unpickler that allows
+only DCP's metadata classes (dcp.py: _MetadataUnpickler): tensors come from DCP (weights only), the
+rest from JSON. Single-file checkpoints of
 older codex versions (ckpt.pt) are not readable: they count as damaged, with a message saying so.
 
 A checkpoint counts only once DONE exists. `damage(folder, rank, world)` checks every world-th
