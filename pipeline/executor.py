@@ -189,7 +189,14 @@ def connect_ray(where: Where):
 
 def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
     ray = connect_ray(where)
-    task = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES, retry_exceptions=False)(fn)
+    # SPREAD: units go to every node from the start, rather than packing onto the first node until
+    # it is saturated (short units could all finish there before another node starts a worker)
+    task = ray.remote(
+        num_cpus=1,
+        max_retries=RAY_MAX_RETRIES,
+        retry_exceptions=False,
+        scheduling_strategy="SPREAD",
+    )(fn)
     # A bounded number in flight: the driver holds refs, not results, and a huge plan does not
     # flood the scheduler; twice the CPUs keeps every worker fed.
     limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))

@@ -106,26 +106,30 @@ def test_every_executor_gives_the_same_bytes(tmp_path, ray_cluster):
 
 
 def test_a_200mb_file_is_cut_into_units_that_run_in_parallel(tmp_path, ray_cluster):
-    """A single 200 MB .jsonl: records over max_record_bytes are skipped unread (cheap), one line
-    in 20 is a real document; 40 MB units cut it into 5+, which the two nodes share, running two
-    at a time (one per CPU of the cluster)."""
+    """A single 200 MB .jsonl: lines over max_record_bytes are skipped unread (cheap), with 20 real
+    documents between two of them (about 30 MB of work for the filters); 40 MB units cut it into
+    5+, which the two nodes share, running two at a time (one per CPU)."""
     path = tmp_path / "in" / "huge.jsonl"
     path.parent.mkdir()
-    oversized = json.dumps({"text": "x" * 100_000}) + "\n"
+    oversized = json.dumps({"text": "x" * 70_000}) + "\n"
+    real = oversized_lines = 0
     with open(path, "w") as f:
-        k = 0
         while f.tell() < 200 << 20:
-            f.write(oversized if k % 20 else json.dumps({"text": prose(k)}) + "\n")
-            k += 1
+            f.write(oversized)
+            oversized_lines += 1
+            for _ in range(20):
+                f.write(json.dumps({"text": prose(real)}) + "\n")
+                real += 1
     args = ["data.clean.chunk_bytes=40000000", "data.clean.max_record_bytes=65536"]
-    args += ["data.clean.allow_low_yield=true"]  # 95% of the bytes are the skipped lines
+    args += ["data.clean.allow_low_yield=true"]  # most of the bytes are the skipped lines
     cfg = cfg_for(tmp_path, [path], *args, run="run")
     cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
     stats = run_clean(cfg)
     path.unlink()
     units = [m for m in markers(tmp_path / "run") if m["pieces"][0][0] == str(path)]
     assert len(units) >= 5 and stats["units"] == len(units)
-    assert stats["drops"]["length"]["too_long"] > 1900 and stats["docs_out"] > 90
+    assert stats["drops"]["length"]["too_long"] == oversized_lines
+    assert stats["docs_in"] == oversized_lines + real and stats["docs_out"] > real // 2
     assert len({m["worker"].split(":")[0] for m in units}) == 2
     # the two nodes ran units of this one file at the same time
     events = sorted([(m["started"], 1) for m in units] + [(m["finished"], -1) for m in units])
