@@ -55,12 +55,32 @@ def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
     assert where.returncode == 0, where.stderr
     assert all(p.startswith(str(installed)) for p in where.stdout.split()), where.stdout
 
-    fit = run_installed(installed, tmp_path, "-m", "codex.cli", "hardware", "--model", "124m")
+    # a user's folder with its own train.py, model.py and eval.py (a nanoGPT checkout): codex must
+    # never import them in place of its packages
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("train.py", "model.py", "eval.py"):
+        (user / name).write_text(f"raise SystemExit('the user\\'s {name} was imported')\n")
+
+    table = run_installed(installed, user, "-m", "codex.cli", "hardware")
+    assert table.returncode == 0 and "v6e-4" in table.stdout, table.stderr
+    fit = run_installed(installed, user, "-m", "codex.cli", "hardware", "--model", "124m")
     assert fit.returncode == 0, fit.stderr
     assert "model 124m: 135M parameters" in fit.stdout and "v6e-4" in fit.stdout
 
     run = make_run(tmp_path / "run")
     flags = [f for o in base_overrides(max_steps=2) for f in ("--set", o)]
-    trained = run_installed(installed, tmp_path, "-m", "codex.cli", "train", "--run", run, *flags)
+    trained = run_installed(installed, user, "-m", "codex.cli", "train", "--run", run, *flags)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (Path(run) / "checkpoints" / "step_00000002" / "DONE").exists()
+
+    # several processes through codex: torchrun started by `codex train --nproc-per-node 2`
+    run2 = make_run(tmp_path / "run2")
+    two = run_installed(
+        installed, user, "-m", "codex.cli", "train", "--run", run2, *flags, "--nproc-per-node", "2"
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 processes" in two.stderr or "world 2" in two.stderr or "x2" in two.stderr, two.stderr[
+        -3000:
+    ]
+    assert (Path(run2) / "checkpoints" / "step_00000002" / "DONE").exists()

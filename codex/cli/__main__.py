@@ -4,6 +4,9 @@
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --nproc_per_node=8 \\
         -m codex.cli -- train ...
 
+`codex train --nproc-per-node N` runs the first line for you. A train.py (model.py, eval.py) in the
+working directory is never imported in place of codex's packages (`_drop_working_dir`).
+
 The `--` matters: without it torchrun's own parser reads `--run` as an abbreviation of its
 `--run-path` option and stops. Every rank builds the same Config from the same flags. Exit 2 on a
 configuration mistake, 0 on success and after a SIGTERM/SIGINT checkpoint.
@@ -12,8 +15,22 @@ configuration mistake, 0 on success and after a SIGTERM/SIGINT checkpoint.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from codex.cli.main import cli
+
+def _drop_working_dir() -> None:
+    """`python -m` puts the working directory first on sys.path, so a user's own train.py, model.py
+    or eval.py there (any nanoGPT checkout) would be imported instead of codex's packages. codex is
+    installed: the working directory has no business on the path, unless it is codex's own
+    checkout run uninstalled."""
+    here = Path(__file__).resolve().parents[2]  # the folder holding codex/
+    if sys.path and Path(sys.path[0] or ".").resolve() == Path.cwd() != here:
+        sys.path.pop(0)
+
+
+_drop_working_dir()
+
+from codex.cli.main import cli  # noqa: E402  (after the path is fixed)
 
 
 def main(argv: list[str] | None = None) -> int:

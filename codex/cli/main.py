@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 
 import click
@@ -349,6 +350,27 @@ def data_upload(local_run, remote, overwrite):
 # checked and the run lock is held: a usage mistake or a second writer is refused at once.
 
 
+def _exec_torchrun(n: int) -> None:
+    """Replace this process by torchrun starting n copies of this command (without
+    --nproc-per-node) on this machine: `python -m codex.cli`, which never imports a train.py from
+    the working directory in place of codex's packages."""
+    args = list(sys.argv[1:])
+    if args[:1] == ["--"]:
+        args = args[1:]
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    cmd += ["-m", "codex.cli", "--", *out]
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+
+
 @cli.command("train")
 @with_config
 @key_option(
@@ -414,16 +436,24 @@ def data_upload(local_run, remote, overwrite):
     is_flag=True,
     help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).",
 )
-def train_cmd(cfg):
+@click.option(
+    "--nproc-per-node",
+    type=int,
+    default=None,
+    help="Start N training processes on this machine through torchrun (one per GPU; gloo "
+    "processes on a CPU preset). Across machines, run torchrun yourself (see README).",
+)
+def train_cmd(cfg, nproc_per_node):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
 
     \b
     Example:
       codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
-      torchrun --nproc_per_node=8 -m codex.cli -- train --run runs/web \\
-        --hardware h100-8 --model 124m
+      codex train --run runs/web --hardware h100-8 --model 124m --nproc-per-node 8
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
     """
+    if nproc_per_node is not None and nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        _exec_torchrun(nproc_per_node)
     # a multi-host slice on a local path: refused before any host writes
     require_shared_run_dir(cfg)
     if get_preset(cfg.train.hardware).kind == "tpu":

@@ -248,7 +248,7 @@ def format_hardware_table() -> str:
     lines.append("")
     lines.append(
         "GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
-        "torchrun --nproc_per_node=N -m codex.cli -- train ...; B×T = default device batch × "
+        "codex train ... --nproc-per-node N; B×T = default device batch × "
         "sequence length from the memory plan (bf16, AdamW, a 32K vocab; - = does not fit; "
         "fsdp = fits only with the weights, gradients and optimizer state sharded over every "
         "device). `codex hardware --model NAME` shows the plan. v4/v5p names count TensorCores, "
