@@ -10,6 +10,7 @@ a TPU VM under nohup) one plain line is logged every `log_every` seconds and one
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -29,6 +30,11 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.getLogger("fsspec").setLevel(max(level, logging.WARNING))
     # rustbpe logs each tenth of its merge loop at INFO; the tokenize stage reports the result.
     logging.getLogger("rustbpe").setLevel(max(level, logging.WARNING))
+    # gcsfs logs the errors it handles itself (a 501 it retries, a copy fallback) with their
+    # tracebacks, on runs that then succeed; an error it does not handle reaches codex as an
+    # exception and is reported as one line. CODEX_DEBUG=1 shows them.
+    if not os.environ.get("CODEX_DEBUG"):
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 def _human(x: float) -> str:

@@ -464,3 +464,16 @@ def test_a_low_yield_clean_exits_1_and_downstream_refuses_it_until_allowed(tmp_p
     # the fix the message names: blank-lines splits it into its paragraphs
     fixed = run_clean(cfg_for(tmp_path, [src], "data.clean.txt_delimiter=blank-lines", run="f"))
     assert fixed["docs_out"] == 2501 and fixed["bytes_out"] > 0.9 * fixed["bytes_in"]
+
+
+def test_a_rerun_removes_the_temp_files_of_a_killed_run(tmp_path):
+    make_corpus(tmp_path / "in", 2, 10)
+    cfg = cfg_for(tmp_path, [tmp_path / "in"], run="r")
+    run_clean(cfg)
+    clean = tmp_path / "r" / "clean"
+    left = [clean / ".tmp-stats.json.k1x2", clean / "hashes" / ".tmp-000000.npy.a8f3"]
+    left += [clean / "dedup" / ".tmp-drops-0000.npy.zz", clean / ".tmp-part-000000-000.parquet.q"]
+    for p in left:
+        p.write_bytes(b"partial")
+    run_clean(cfg)
+    assert not [p for p in left if p.exists()]

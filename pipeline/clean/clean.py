@@ -170,6 +170,18 @@ class UnitJob:
     fingerprint: str
 
 
+def _sweep_temp_files(out: str) -> int:
+    """Remove the temp files of writes a killed run left anywhere in the clean folder (its parts,
+    hash files, markers, dedup files, stats). Only for a run that is the folder's one writer: the
+    tasks of a job array write it together."""
+    gone = 0
+    for sub in ("", "rejected", "hashes", "markers", "dedup"):
+        for path in ls_matching(fsio.join(out, sub) if sub else out, ".tmp-*"):
+            fsio.rm(path)
+            gone += 1
+    return gone
+
+
 def _remove_unit_outputs(out: str, name: str) -> None:
     """Delete what an earlier attempt at this unit may have left: parts (a stale count), its hash
     file and the temp files of a write that was killed (a Ray retry after the worker died)."""
@@ -386,6 +398,8 @@ def run_clean(cfg) -> dict:
         )
         stage.start()
     fsio.makedirs(out)
+    if c.num_tasks == 1 and _sweep_temp_files(out):
+        log.info("clean: removed the temp files of an interrupted earlier run")
     jobs = [UnitJob(u, c, out, filters, fingerprint) for u in todo]
     for m in _process(jobs, where):
         markers[m["unit"]] = m
