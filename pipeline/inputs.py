@@ -2,6 +2,8 @@
 cleaned corpus's file list. Nothing here opens a document; pipeline/readers.py does.
 
     list_inputs(inputs, text_extensions)  `codex data clean` and `codex eval --data`
+    clean_inputs(clean_cfg)               `codex data clean`: inputs and sources (each file with
+                                          its source's preset and delimiter)
     input_files(cfg)                      `codex data tokenize` (data.tokenizer.inputs, else
                                           clean_parts)
     clean_parts(run)                      the parquet parts a finished clean lists in
@@ -83,6 +85,36 @@ def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[Inp
             else:
                 add(fsio._url(fs, name, spec), int(info.get("size") or 0), explicit=False)
     return [found[k] for k in sorted(found)], sorted(skipped)
+
+
+SOURCE_KEYS = ("input", "preset", "txt_delimiter")
+
+
+def clean_inputs(c) -> tuple[list[InputFile], list[str]]:
+    """data.clean.inputs and data.clean.sources as (files sorted by path, skipped paths); a file
+    from a source carries that source's preset and delimiter (they win over a plain --input of the
+    same file)."""
+    from pipeline.clean.filters import PRESETS  # the presets are clean's
+
+    files, skipped = list_inputs(c.inputs, c.text_extensions) if c.inputs else ([], [])
+    found = {f.path: f for f in files}
+    for i, src in enumerate(c.sources):
+        where = f"data.clean.sources[{i}]"
+        if not isinstance(src, dict) or not src.get("input"):
+            raise ConfigError(f"{where}: needs 'input: PATH' (a file, glob or directory)")
+        unknown = sorted(set(src) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (a source has {SOURCE_KEYS})")
+        preset = str(src.get("preset") or "")
+        if preset and preset not in PRESETS:
+            raise ConfigError(f"{where}.preset: {preset!r} is not one of {sorted(PRESETS)}")
+        delim = src.get("txt_delimiter")
+        got, skip = list_inputs([str(src["input"])], c.text_extensions)
+        for f in got:
+            f.preset, f.txt_delimiter = preset, None if delim is None else str(delim)
+            found[f.path] = f
+        skipped += skip
+    return [found[k] for k in sorted(found)], sorted(set(skipped))
 
 
 def _filesystem(spec: str):

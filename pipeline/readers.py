@@ -65,6 +65,13 @@ class InputFile:
     path: str
     size: int
     kind: str  # "text", "jsonl" or "parquet"
+    # a source's own settings (data.clean.sources); "" / None: data.clean.preset / txt_delimiter
+    preset: str = ""
+    txt_delimiter: str | None = None
+
+    def delimiter(self, cfg) -> str:
+        """The text delimiter this file is read with (its source's, else data.clean's)."""
+        return cfg.txt_delimiter if self.txt_delimiter is None else self.txt_delimiter
 
 
 @dataclass
@@ -82,7 +89,8 @@ class Piece:
 
 
 def splittable(f: InputFile, txt_delimiter: str) -> bool:
-    """Whether pieces of `f` can be read independently (compressed streams cannot)."""
+    """Whether pieces of `f` can be read independently (compressed streams cannot);
+    txt_delimiter is the one it is read with (InputFile.delimiter)."""
     name = f.path.lower()
     if f.kind == "jsonl":
         return not name.endswith((".gz", ".zst"))
@@ -167,7 +175,7 @@ def read_records(piece: Piece | InputFile, cfg, report: FileReport) -> Iterator[
     f = piece.file
     if f.size == 0 and f.kind != "parquet":
         report.empty = True
-        if f.kind == "text" and not cfg.txt_delimiter:
+        if f.kind == "text" and not f.delimiter(cfg):
             yield Record(f.path, "", 0)  # an empty document: the length filter drops it, counted
         return
     if f.kind == "text":
@@ -181,10 +189,9 @@ def read_records(piece: Piece | InputFile, cfg, report: FileReport) -> Iterator[
 BLANK_LINES = "blank-lines"  # --txt-delimiter blank-lines: lines holding only white space
 
 
-def text_delimiter(cfg) -> bytes:
+def text_delimiter(delim: str) -> bytes:
     """data.clean.txt_delimiter as bytes; escapes typed on the command line (--txt-delimiter
     '\\n\\n') are understood."""
-    delim = cfg.txt_delimiter
     if "\\" in delim:
         delim = delim.encode("ascii", "backslashreplace").decode("unicode_escape")
     return delim.encode("utf-8")
@@ -193,7 +200,8 @@ def text_delimiter(cfg) -> bytes:
 def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
     f = piece.file
     limit = cfg.max_record_bytes
-    if not cfg.txt_delimiter:
+    setting = f.delimiter(cfg)
+    if not setting:
         if limit and f.size > limit:
             report.oversized_records += 1
             yield Record(f.path, None, f.size)
@@ -202,7 +210,7 @@ def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
             raw = fh.read()
         yield Record(f.path, _decode(raw, report), len(raw))
         return
-    if cfg.txt_delimiter == BLANK_LINES:
+    if setting == BLANK_LINES:
         with fsio.open(f.path, "rb") as fh:
             for at, raw, n in _blank_line_records(fh, piece, limit):
                 if raw is None:
@@ -211,7 +219,7 @@ def _read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
                 else:
                     yield Record(f"{f.path}@{at}", _decode(raw, report), n)
         return
-    delim = text_delimiter(cfg)
+    delim = text_delimiter(setting)
     with fsio.open(f.path, "rb") as fh:
         first = _first_record_start(fh, piece.start, delim)
         if first is None:

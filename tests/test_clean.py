@@ -477,3 +477,45 @@ def test_a_rerun_removes_the_temp_files_of_a_killed_run(tmp_path):
         p.write_bytes(b"partial")
     run_clean(cfg)
     assert not [p for p in left if p.exists()]
+
+
+def test_sources_carry_their_own_preset_and_delimiter(tmp_path):
+    """Code and prose in one run: the .py files under the code rules, a blank-line-delimited text
+    file under the web rules, by `codex data clean --sources FILE`."""
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        body = [f"    value_{j} = x * {j} + {i}  # step {j}" for j in range(12)]
+        (src / f"mod{i}.py").write_text("\n".join([f"def f{i}(x):", *body, "    return value_0\n"]))
+    paragraphs = [prose(k).replace("\n", " ") for k in range(30)]
+    (tmp_path / "wiki.txt").write_text(" \n".join(f" {p} \n" for p in paragraphs))
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(
+        f"- {{input: '{src}/*.py', preset: code}}\n"
+        f"- {{input: '{tmp_path / 'wiki.txt'}', txt_delimiter: blank-lines}}\n"
+    )
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["data", "clean", "--run", str(run), "--sources", str(sources)])
+    assert res.exit_code == 0, res.output
+    kept = read_out(str(run))
+    assert sum(r["source"].endswith(".py") for r in kept) == 6
+    assert sum(r["source"].endswith("wiki.txt") for r in kept) == 30
+    # the same inputs under one preset and no delimiter keep neither kind whole
+    res = CliRunner().invoke(
+        cli,
+        ["data", "clean", "--run", str(tmp_path / "one"), "--input", str(src)]
+        + ["--input", str(tmp_path / "wiki.txt")],
+    )
+    one = read_out(str(tmp_path / "one"))
+    assert sum(r["source"].endswith(".py") for r in one) < 6
+    assert sum(r["source"].endswith("wiki.txt") for r in one) < 30
+    # a source with a key it does not know is a usage error naming it
+    sources.write_text(f"- {{input: '{src}', presets: code}}\n")
+    res = CliRunner().invoke(
+        cli, ["data", "clean", "--run", str(tmp_path / "x"), "--sources", str(sources)]
+    )
+    assert res.exit_code == 2 and "data.clean.sources[0]: unknown key 'presets'" in res.output

@@ -76,6 +76,24 @@ def data():
 # --- codex data clean -------------------------------------------------------------------------
 
 
+def _read_sources(_ctx, _param, path):
+    """--sources FILE: a YAML list of {input, preset, txt_delimiter} (data.clean.sources)."""
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        with open(path) as fh:
+            sources = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError) as e:
+        raise click.BadParameter(f"{path}: {e}") from None
+    if isinstance(sources, dict) and "sources" in sources:
+        sources = sources["sources"]
+    if not isinstance(sources, list):
+        raise click.BadParameter(f"{path}: want a YAML list of sources ({{input: PATH, ...}})")
+    return sources
+
+
 @data.command("clean")
 @with_config
 @key_option(
@@ -118,6 +136,14 @@ def data():
     help="Which task this process runs (0..N-1).",
 )
 @key_option(
+    "--sources",
+    key="data.clean.sources",
+    metavar="FILE",
+    callback=_read_sources,
+    help="A YAML list of inputs with their own settings, e.g. '- {input: src/, preset: code}' and "
+    "'- {input: wiki.txt, txt_delimiter: blank-lines}' (data.clean.sources).",
+)
+@key_option(
     "--text-field",
     key="data.clean.text_field",
     help="JSONL field holding the text.",
@@ -156,10 +182,18 @@ def data_clean(cfg):
     Example:
       codex data clean --run runs/web --input 'raw/*.jsonl.zst' --workers 2
       codex data clean --run gs://bucket/run --input gs://bucket/raw --num-tasks 8 --task-index 3
-      codex data clean --run runs/book --input book.txt --txt-delimiter '\\n\\n'
+      codex data clean --run runs/book --input book.txt --txt-delimiter blank-lines
+      codex data clean --run runs/mix --sources sources.yaml   # inputs with their own settings
+
+    \b
+    sources.yaml, one input per line, each with the settings it needs (the others: the flags):
+      - {input: 'src/**/*.py', preset: code}
+      - {input: wikitext-103/, txt_delimiter: blank-lines}
     """
-    if not cfg.data.clean.inputs:
-        raise UserError("no input: pass --input PATH (or set data.clean.inputs in --config)")
+    if not cfg.data.clean.inputs and not cfg.data.clean.sources:
+        raise UserError(
+            "no input: pass --input PATH or --sources FILE (or set data.clean.inputs in --config)"
+        )
     with run_lock(cfg, "codex data clean"):
         run_clean(cfg)
 

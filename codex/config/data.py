@@ -92,6 +92,9 @@ class DedupConfig:
 @dataclass
 class CleanConfig:
     inputs: list[str] = field(default_factory=list)  # paths, globs or directories, local or gs://
+    # inputs with their own settings, in a YAML list (--sources FILE): {input: PATH[, preset:
+    # web|code|all][, txt_delimiter: TEXT]}; what a source leaves out comes from the keys below
+    sources: list[dict] = field(default_factory=list)
     text_field: str = "text"  # .jsonl(.gz/.zst): the field holding the document text
     text_column: str = "text"  # .parquet: the column holding the document text
     txt_delimiter: str = ""  # .txt: split on this string; "" = one document per file

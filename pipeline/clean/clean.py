@@ -54,7 +54,7 @@ from pipeline.clean.stats import (
     yield_problem,
 )
 from pipeline.executor import Where, run_units, where_for, worker_id
-from pipeline.inputs import list_inputs, ls_matching
+from pipeline.inputs import clean_inputs, ls_matching
 from pipeline.readers import (
     BadInputFile,
     FileReport,
@@ -121,7 +121,7 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
     pack: list[Piece] = []
     size = 0
     for f in files:
-        if f.size > c.chunk_bytes and splittable(f, c.txt_delimiter):
+        if f.size > c.chunk_bytes and splittable(f, f.delimiter(c)):
             if pack:
                 units.append(Unit(len(units), pack))
                 pack, size = [], 0
@@ -149,9 +149,8 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
 
 def _fingerprint(c, files: list[InputFile]) -> str:
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
-    blob = json.dumps(
-        {"settings": settings, "files": [(f.path, f.size) for f in files]}, sort_keys=True
-    )
+    listed = [(f.path, f.size, f.preset, f.txt_delimiter) for f in files]
+    blob = json.dumps({"settings": settings, "files": listed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -222,6 +221,7 @@ class _UnitCleaner:
     def clean_piece(self, piece: Piece) -> FileReport:
         """Clean every record of one piece; a file that cannot be read is reported, not raised."""
         f = piece.file
+        self.filters = active_filters(self.c, f.preset)  # its source's preset, else the run's
         report = FileReport(f.path)
         try:
             for rec in read_records(piece, self.c, report):
@@ -356,9 +356,8 @@ def run_clean(cfg) -> dict:
             f"(num_tasks={c.num_tasks})"
         )
     where = where_for(cfg.data, c.workers)
-    if not c.inputs:
-        raise ConfigError("data.clean.inputs is empty: pass --input PATH")
-    filters = active_filters(c)
+    if not c.inputs and not c.sources:
+        raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     stage = Stage(
         "codex data clean",
         cfg,
@@ -368,9 +367,12 @@ def run_clean(cfg) -> dict:
     )
     out = stage.out
     try:
-        files, skipped = list_inputs(c.inputs, c.text_extensions)
+        files, skipped = clean_inputs(c)
     except BadInputFile as e:
         raise ConfigError(str(e)) from None
+    filters: list[str] = []  # every filter any input runs, in order
+    for preset in sorted({f.preset for f in files}):
+        filters += [n for n in active_filters(c, preset) if n not in filters]
     if not files:
         raise ConfigError(
             f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})"

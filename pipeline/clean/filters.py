@@ -391,9 +391,12 @@ PRESETS = {
 }
 
 
-def active_filters(clean_cfg) -> list[str]:
-    """Names of the filters that run, in order (incl. "dedup"): named by the preset and enabled."""
-    return [name for name in PRESETS[clean_cfg.preset] if getattr(clean_cfg, name).enabled]
+def active_filters(clean_cfg, preset: str = "") -> list[str]:
+    """Names of the filters that run, in order (incl. "dedup"): named by the preset (a source's
+    own, else data.clean.preset) and enabled."""
+    return [
+        name for name in PRESETS[preset or clean_cfg.preset] if getattr(clean_cfg, name).enabled
+    ]
 
 
 def apply_filters(doc: Doc, clean_cfg, names: list[str]) -> str | None:
