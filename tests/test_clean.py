@@ -452,6 +452,10 @@ def test_a_low_yield_clean_exits_1_and_downstream_refuses_it_until_allowed(tmp_p
     # the dropped file is named, with the switch that keeps it
     warned = [r.getMessage() for r in caplog.records if "dropped whole" in r.getMessage()]
     assert len(warned) == 1 and "wiki.txt" in warned[0] and "blank-lines" in warned[0]
+    starved = [
+        r.getMessage() for r in caplog.records if "under 1% of their bytes" in r.getMessage()
+    ]
+    assert len(starved) == 1 and "wiki.txt (0.0%)" in starved[0]
     stats = json.loads((tmp_path / "r" / "clean" / "stats.json").read_text())
     assert stats["bad_input"]["whole_files_dropped"][0]["path"].endswith("wiki.txt")
     with pytest.raises(ValueError, match="allow-low-yield"):
@@ -504,6 +508,16 @@ def test_sources_carry_their_own_preset_and_delimiter(tmp_path):
     kept = read_out(str(run))
     assert sum(r["source"].endswith(".py") for r in kept) == 6
     assert sum(r["source"].endswith("wiki.txt") for r in kept) == 30
+    # stats.json reports each input file
+    per_file = {
+        Path(e["path"]).name: e
+        for e in json.loads((run / "clean" / "stats.json").read_text())["per_file"]
+    }
+    assert (
+        len(per_file) == 7
+        and per_file["wiki.txt"]["docs_in"] == per_file["wiki.txt"]["docs_kept"] == 30
+    )
+    assert per_file["mod0.py"]["docs_kept"] == 1 and per_file["mod0.py"]["bytes_kept"] > 400
     # the same inputs under one preset and no delimiter keep neither kind whole
     res = CliRunner().invoke(
         cli,

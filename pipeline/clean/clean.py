@@ -207,6 +207,9 @@ class _UnitCleaner:
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
+    # per input file: [documents in, bytes in, documents kept, bytes kept] (before the corpus-wide
+    # dedup)
+    per_file: dict = dataclasses.field(default_factory=dict)
     stats: dict = dataclasses.field(
         default_factory=lambda: {
             "docs_in": 0,
@@ -223,11 +226,14 @@ class _UnitCleaner:
         f = piece.file
         self.filters = active_filters(self.c, f.preset)  # its source's preset, else the run's
         report = FileReport(f.path)
+        counts = self.per_file.setdefault(f.path, [0, 0, 0, 0])
         try:
             for rec in read_records(piece, self.c, report):
                 report.records += 1
                 self.stats["docs_in"] += 1
                 self.stats["bytes_in"] += rec.nbytes
+                counts[0] += 1
+                counts[1] += rec.nbytes
                 self._clean_record(rec, f, report)
         # ValueError: pyarrow decode errors
         except (
@@ -271,6 +277,9 @@ class _UnitCleaner:
         self.writer.add(doc.text, rec.id, source)
         self.stats["docs_kept"] += 1
         self.stats["bytes_kept"] += len(data)
+        counts = self.per_file[source]
+        counts[2] += 1
+        counts[3] += len(data)
 
     def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
@@ -331,6 +340,7 @@ def clean_unit(job: UnitJob) -> dict:
         "failed": [r["path"] for r in reports if r["error"]],
         "bad_files": reports,
         "hash_buckets": buckets,  # kept hashes per top-byte bucket (dedup.HASH_BUCKETS)
+        "per_file": state.per_file,
         # who ran it and when: for the log and tests, never part of the output
         "worker": worker_id(),
         "started": started,
@@ -526,6 +536,18 @@ def _finalize(
     whole = whole_files_dropped(stats)
     if whole:
         log.warning("clean: %s", whole)
+    starved = stats["files"]["low_yield_files"]
+    if starved:
+        worst = ", ".join(
+            f"{e['path']} ({100 * e['bytes_kept'] / max(e['bytes_in'], 1):.1f}%)"
+            for e in stats["per_file"][:3]
+        )
+        log.warning(
+            "clean: %d input file(s) kept under 1%% of their bytes (%s); per_file in %s/stats.json",
+            starved,
+            worst,
+            stage.out,
+        )
     top = top_drop(stats)
     if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
         log.warning(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pipeline.readers import InputFile
 
+PER_FILE_ROWS = 1000  # stats.json stays small on a corpus of a million files
+
 
 def summarize(
     ms: list[dict], filters: list[str], files: list[InputFile], skipped: list[str]
@@ -18,6 +20,18 @@ def summarize(
                 into.setdefault(flt, {})
                 into[flt][reason] = into[flt].get(reason, 0) + n
     bad = [r for m in ms for r in m["bad_files"]]
+    per_file: dict[str, list[int]] = {}
+    for m in ms:  # a file cut into pieces is counted by several units
+        for path, counts in m.get("per_file", {}).items():
+            total = per_file.setdefault(path, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                total[i] += n
+    rows: list[dict] = [
+        {"path": p, "docs_in": c[0], "bytes_in": c[1], "docs_kept": c[2], "bytes_kept": c[3]}
+        for p, c in per_file.items()
+    ]
+    # the files that kept the smallest share of their bytes first (ties by path)
+    rows.sort(key=lambda r: (r["bytes_kept"] / max(r["bytes_in"], 1), r["path"]))
 
     def files_with(key):
         hit = [r for r in bad if r[key]]
@@ -36,7 +50,13 @@ def summarize(
         "drops": drops,  # filter -> reason -> documents
         "drop_bytes": drop_bytes,  # filter -> reason -> input bytes
         "filters": filters,
+        # per input file, kept before the corpus-wide dedup: the PER_FILE_ROWS files that kept
+        # the smallest share of their bytes
+        "per_file": rows[:PER_FILE_ROWS],
         "files": {
+            "low_yield_files": sum(
+                1 for r in rows if r["bytes_in"] and r["bytes_kept"] < 0.01 * r["bytes_in"]
+            ),
             "inputs": len(files),
             "skipped_unsupported": len(skipped),
             "first_skipped": skipped[:20],
