@@ -533,3 +533,27 @@ def test_a_forged_checkpoint_index_runs_nothing(run, tmp_path):
     for cmd in (["eval"], ["sample", "--prompt", "def"], ["train", *TRAIN, "--max-steps", "5"]):
         invoke([*cmd, "--run", str(run)], 1, ".metadata", "posix.system", "refusing to load")
     assert not marker.exists()
+
+
+def test_a_full_disk_is_one_line_and_a_rerun_keeps_the_finished_work(tmp_path, monkeypatch):
+    import errno
+
+    from codex import fsio
+
+    src = tmp_path / "in.txt"
+    src.write_text(prose(3))
+    real = fsio.write_json
+
+    def full(path, obj, *a, **k):  # the disk fills up as the stage commits
+        if str(path).endswith("stats.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj, *a, **k)
+
+    monkeypatch.setattr(fsio, "write_json", full)
+    run = tmp_path / "run"
+    out = invoke(["data", "clean", "--run", str(run), "--input", str(src)], 1, "stats.json")
+    assert "no space left on the device" in out and "MB free on its disk" in out
+    assert list((run / "clean" / "markers").glob("*.json"))  # the finished unit is kept
+    monkeypatch.setattr(fsio, "write_json", real)
+    invoke(["data", "clean", "--run", str(run), "--input", str(src)], 0)
+    assert (run / "clean" / "stats.json").exists()

@@ -5,8 +5,10 @@ holds while it writes. The commands themselves are in codex/cli/main.py.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import shutil
 
 import click
 
@@ -38,12 +40,36 @@ def stage(fn):
             raise
         except (ConfigError, FileNotFoundError) as e:
             raise UserError(_one_line(e)) from None
-        except (ValueError, OSError, RuntimeError) as e:
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise click.ClickException(_disk_full(e)) from None
+            raise click.ClickException(
+                f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)"
+            ) from None
+        except (ValueError, RuntimeError) as e:
             raise click.ClickException(
                 f"{_one_line(e)}  (CODEX_DEBUG=1 shows the traceback)"
             ) from None
 
     return wrapper
+
+
+def _disk_full(e: OSError) -> str:
+    """A full disk, in one line: the file being written, the space left there, what to do. The
+    write was atomic (temp + rename) or behind a marker, so nothing written before is lost and a
+    rerun resumes."""
+    path = e.filename or "a file"
+    where = os.path.dirname(os.path.abspath(path)) if e.filename else "."
+    while where and not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        free = f"{shutil.disk_usage(where).free / 1e6:.1f} MB free on its disk"
+    except OSError:
+        free = "its disk is full"
+    return (
+        f"{path}: no space left on the device ({free}); free some space or write the run "
+        "elsewhere (--run), then rerun: finished work is kept"
+    )
 
 
 def _one_line(e: BaseException) -> str:
