@@ -17,14 +17,32 @@ import time
 log = logging.getLogger("codex")
 
 
+_bar: Progress | None = None  # the bar drawn on the terminal now, if any
+
+
+class BarAwareHandler(logging.StreamHandler):
+    """Log lines on a terminal that holds a progress bar: the bar's line is cleared first and
+    drawn again under the log line, so the two never run into each other."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = _bar if _bar is not None and _bar.stream is self.stream else None
+        if bar is not None:
+            self.stream.write("\r\x1b[2K")
+        super().emit(record)
+        if bar is not None:
+            self.stream.write(bar.line())
+            self.stream.flush()
+
+
 def setup_logging(level: int = logging.INFO) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=level,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            datefmt="%H:%M:%S",
-            stream=sys.stderr,
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = BarAwareHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
         )
+        root.addHandler(handler)
+        root.setLevel(level)
     # fsspec logs every remote file it opens at INFO ("... AdaptiveReadaheadCache enabled"): about
     # 60 lines a stage on gs://, none of them news to the user.
     logging.getLogger("fsspec").setLevel(max(level, logging.WARNING))
@@ -74,6 +92,9 @@ class Progress:
         self._logged: tuple | None = None
 
     def __enter__(self):
+        global _bar
+        if self.tty and self.enabled:
+            _bar = self
         return self
 
     def __exit__(self, *exc):
@@ -118,5 +139,8 @@ class Progress:
         log.info(self.line())
 
     def close(self) -> None:
+        global _bar
         self._emit(final=True)
         self.enabled = False
+        if _bar is self:
+            _bar = None

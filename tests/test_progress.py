@@ -54,3 +54,32 @@ def test_eta_from_the_rate_so_far():
     assert p.line().endswith("| ETA 30s")
     p.update(30)
     assert "ETA" not in p.line()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_log_lines_never_run_into_the_bar():
+    from codex.progress import BarAwareHandler
+
+    term = _Terminal()
+    handler = BarAwareHandler(term)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("codex.test_bar")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with Progress("shard", total=10, unit="docs", stream=term) as p:
+            p.update(3)
+            logger.warning("a warning mid-stage")
+            p.update(7)
+    finally:
+        logger.removeHandler(handler)
+    out = term.getvalue()
+    # the bar's line is cleared before the log line, which starts a line of its own
+    assert "\r\x1b[2Ka warning mid-stage\n" in out
+    # and the bar comes back right under it
+    after = out.split("a warning mid-stage\n", 1)[1]
+    assert after.startswith("shard:  30.0% 3/10 docs")
