@@ -102,6 +102,9 @@ def test_stages_chain_through_the_run_directory(tmp_path):
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    # the loss plot is redrawn at each validation, before any `codex eval`
+    plot = tmp_path / "run" / "eval" / "loss.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     res = _invoke(["eval", *common])
     out = json.loads((tmp_path / "run" / "eval" / "step_4.json").read_text())

@@ -73,6 +73,7 @@ class Run:
     preset: HardwarePreset
     evaluate: Evaluate
     token_bytes: torch.Tensor | None  # UTF-8 bytes per token id, for bits per byte
+    plot: Callable[[str], object] | None = None  # eval's loss plot, redrawn after each validation
 
 
 @dataclass
@@ -132,22 +133,30 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
 # --- the loop ---------------------------------------------------------------------------------
 
 
-def train(cfg: Config, evaluate: Evaluate, xla_spawned: bool = False) -> dict:
+def train(
+    cfg: Config,
+    evaluate: Evaluate,
+    xla_spawned: bool = False,
+    plot: Callable[[str], object] | None = None,
+) -> dict:
     """Train cfg.model on cfg.run's shards. Returns a summary dict (step, tokens, losses, stopped).
     evaluate: eval/evaluate.py's evaluate, for validation. xla_spawned: this process is one of
-    train.xla_mode=spawn's (train/xla/backend.py: spawn_train)."""
+    train.xla_mode=spawn's (train/xla/backend.py: spawn_train). plot: eval/plot.py's plot_loss,
+    redrawn by the main process after each validation (None: no plot)."""
     setup_logging()
     with open_backend(cfg, xla_spawned=xla_spawned) as backend:
-        return _train(cfg, backend, evaluate)
+        return _train(cfg, backend, evaluate, plot)
 
 
-def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
+def _train(
+    cfg: Config, backend: Backend, evaluate: Evaluate, plot: Callable[[str], object] | None
+) -> dict:
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
     backend.control.check_shared_dir(cfg.run)  # and every rank reads and writes one run folder
     cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
-    run = Run(cfg, backend, plan, preset, evaluate, token_bytes)
+    run = Run(cfg, backend, plan, preset, evaluate, token_bytes, plot)
     tcfg = cfg.train
     # build_model's weights, placed (sharded)
     model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
@@ -193,7 +202,8 @@ def _train(cfg: Config, backend: Backend, evaluate: Evaluate) -> dict:
             backend.step_boundary()
             state.step += 1
             state.tokens += plan.batch_tokens
-            meters.progress.update(1, tokens=plan.batch_tokens)
+            # steps and ETA only: the one tokens/s figure is the metrics line's, after a sync
+            meters.progress.update(1)
 
             # --- log, validate, save ---
             if due(state.step, tcfg.log_every, plan.total_steps):
@@ -410,6 +420,12 @@ def _log_validation(run: Run, meters: Meters, model: torch.nn.Module, state: Ste
             result["loss"],
             result["bits_per_byte"],
         )
+        if run.plot is not None:
+            meters.metrics.flush()
+            try:
+                run.plot(run.cfg.run)
+            except Exception as e:  # a plot never stops training
+                log.warning("loss plot not drawn (%s: %s)", type(e).__name__, e)
     return result
 
 

@@ -65,6 +65,7 @@ def drop_stale_outputs(run: str) -> None:
 def run_demo(run: str, overrides=()) -> dict:
     # torch (seconds to import) only when the demo runs: `codex` itself imports this module
     from eval.evaluate import evaluate
+    from eval.plot import plot_loss
     from eval.run import run_eval
     from train.loop import train
 
@@ -76,7 +77,7 @@ def run_demo(run: str, overrides=()) -> dict:
         ("clean", run_clean),
         ("tokenize", run_tokenizer),
         ("shard", run_shard),
-        ("train", functools.partial(train, evaluate=evaluate)),
+        ("train", functools.partial(train, evaluate=evaluate, plot=plot_loss)),
     ]
     for i, (name, fn) in enumerate(steps, 1):
         log.info("demo %d/5: %s (%.0fs elapsed)", i, name, time.time() - t0)

@@ -494,14 +494,15 @@ def train_cmd(cfg, nproc_per_node):
         set_xla_import_env()  # before the run lock, whose TPU worker-id lookup imports torch_xla
     with run_lock(cfg, "codex train"):
         from eval.evaluate import evaluate  # torch (seconds to import): only when a command runs
+        from eval.plot import plot_loss
         from train.loop import train
 
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
             from train.xla.backend import spawn_train
 
-            spawn_train(cfg, functools.partial(train, evaluate=evaluate))
+            spawn_train(cfg, functools.partial(train, evaluate=evaluate, plot=plot_loss))
         else:
-            train(cfg, evaluate)
+            train(cfg, evaluate, plot=plot_loss)
 
 
 # --- codex eval / sample ------------------------------------------------------------------------
