@@ -354,12 +354,14 @@ def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str
     """{part: its documents per split}; an impossible split is a ShardError now, not after hours of
     tokenization."""
     found: dict[str, dict] = {}
-    with Progress("shard scan", total=len(files), unit="parts") as prog:
-        units = [_ScanUnit(f, val_fraction) for f in files]
-        for u, r in run_units(shard_scan_unit, units, where):
-            found[u.path] = r
-            prog.update(1, docs=sum(r["documents"].values()))
+    # one bar for the stage (the encoding's): the scan and the write report one line each
+    units = [_ScanUnit(f, val_fraction) for f in files]
+    for u, r in run_units(shard_scan_unit, units, where):
+        found[u.path] = r
     docs = {sp: sum(r["documents"][sp] for r in found.values()) for sp in SPLITS}
+    log.info(
+        "shard: %d parts hold %d train and %d val documents", len(files), docs["train"], docs["val"]
+    )
     n = sum(docs.values())
     if n == 0:
         raise ShardError(
@@ -777,11 +779,9 @@ def _write_phase(
     shards: dict[str, dict[int, list[dict]]] = {sp: {} for sp in SPLITS}
     written = 0
     total = sum(counts.values())
-    with Progress("shard write", total=total, unit="shards") as prog:
-        for task, r in run_units(shard_write_unit, tasks, where):
-            shards[task.split].update(r["shards"])
-            written += r["written"]
-            prog.update(task.stop - task.first)
+    for task, r in run_units(shard_write_unit, tasks, where):
+        shards[task.split].update(r["shards"])
+        written += r["written"]
     kept = total - written
     log.info("shard: wrote %d of %d shards (%d kept from an earlier run)", written, total, kept)
     return {sp: [shards[sp][k] for k in range(counts[sp])] for sp in SPLITS}
