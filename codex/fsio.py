@@ -48,14 +48,16 @@ def require_bucket(url: str) -> None:
     bucket = str(url)[5:].split("/", 1)[0]
     fs, _ = filesystem(url)
     try:
-        found = fs.exists(bucket)
-    except Exception:  # e.g. 403 on the bucket itself: not ours to judge here
+        fs.info(bucket)  # not fs.exists: it answers False for any error, a network one included
         return
-    if not found:
-        raise FileNotFoundError(
-            f"gs://{bucket}: no such bucket (check the name in {url}, or create it: "
-            f"gcloud storage buckets create gs://{bucket})"
-        )
+    except FileNotFoundError:
+        pass
+    except Exception:  # no network, 403 on the bucket itself: not ours to judge here
+        return
+    raise FileNotFoundError(
+        f"gs://{bucket}: no such bucket (check the name in {url}, or create it: "
+        f"gcloud storage buckets create gs://{bucket})"
+    )
 
 
 def _strip_file(path: str) -> str:

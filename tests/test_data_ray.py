@@ -216,16 +216,21 @@ def test_gcs_in_and_out_from_every_ray_worker(tmp_path, ray_cluster, gcs_bucket)
     )
     local, remote = outputs(str(tmp_path / "local")), outputs(f"{gcs_bucket}/run")
     assert sorted(local) == sorted(remote) and len(local) > 6
-    # the parts name their source file (a local path here, gs:// there): compare their texts
-    # and the manifest's fingerprint of those parts (their sizes) differs with them
-    differ = [n for n in local if local[n] != remote[n]]
-    assert all(n.startswith("clean/part-") for n in differ[:-1]), differ
-    assert differ[-1] == "shards/manifest.json"
+    # The parts and stats.json name the source files (a local path here, gs:// there), and the
+    # manifest fingerprints the parts' sizes: compare those with the paths taken out.
+    differ = sorted(n for n in local if local[n] != remote[n])
+    parts = [n for n in differ if n.startswith("clean/part-")]
+    assert sorted(set(differ) - set(parts)) == ["clean/stats.json", "shards/manifest.json"]
     manifests = [json.loads(m["shards/manifest.json"]) for m in (local, remote)]
     for m in manifests:
         del m["settings"]["inputs_sha256"]
     assert manifests[0] == manifests[1]
-    for n in differ[:-1]:
+    stats = [json.loads(m["clean/stats.json"]) for m in (local, remote)]
+    for st in stats:
+        for row in st["per_file"]:
+            row["path"] = row["path"].rsplit("/", 1)[-1]
+    assert stats[0] == stats[1]
+    for n in parts:
         texts = [
             pq.read_table(pa.BufferReader(d)).column("text").to_pylist()
             for d in (local[n], remote[n])

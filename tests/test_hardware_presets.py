@@ -110,7 +110,9 @@ def test_shared_or_remote_run_directories_and_single_host_presets_pass(tmp_path)
     )
 
 
-def test_the_xla_environment_is_set_before_anything_imports_torch_xla(tmp_path, monkeypatch):
+def test_the_xla_environment_is_set_before_anything_imports_torch_xla(
+    tmp_path, monkeypatch, gcs_bucket
+):
     """torch_xla reads XLA_NO_SPECIAL_SCALARS once, at its first import; on a multi-host TPU the
     run lock's worker-id lookup is that first import, before the backend's own."""
     if "torch_xla" in sys.modules:
@@ -130,6 +132,6 @@ def test_the_xla_environment_is_set_before_anything_imports_torch_xla(tmp_path, 
     monkeypatch.setattr(sys, "meta_path", [Spy(), *sys.meta_path])
     monkeypatch.delitem(sys.modules, "torch_xla", raising=False)
     CliRunner().invoke(
-        cli, ["train", "--run", "gs://bucket/run", "--hardware", "v5p-16"], catch_exceptions=False
+        cli, ["train", "--run", f"{gcs_bucket}/run", "--hardware", "v5p-16"], catch_exceptions=False
     )
     assert seen and set(seen) == {"1"}  # every import attempt, the first included, saw the setting
