@@ -142,24 +142,32 @@ def _ray_pids(title: str) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines()[1:] if line.split()[1:2] == [title]]
 
 
+def _kill_first_worker(title: str, after: float) -> tuple[threading.Thread, list[int]]:
+    """A started thread that SIGKILLs the first Ray worker seen running `title`, `after` seconds
+    into it; the list gets its pid."""
+    killed: list[int] = []
+
+    def kill() -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed:
+            pids = _ray_pids(title)
+            if pids:
+                time.sleep(after)
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    return killer, killed
+
+
 def test_a_killed_ray_worker_is_retried_and_the_output_is_unchanged(tmp_path, ray_cluster):
     make_corpus(tmp_path / "in", big_docs=3000, small_files=0)
     args = ["data.clean.chunk_bytes=200000"]
     ref = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
-    killed: list[int] = []
-
-    def kill_one_worker() -> None:
-        deadline = time.time() + 60
-        while time.time() < deadline and not killed:
-            pids = _ray_pids("ray::clean_unit")
-            if pids:
-                time.sleep(0.05)  # inside the unit: reading, writing its parts
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
-            time.sleep(0.01)
-
-    killer = threading.Thread(target=kill_one_worker)
-    killer.start()
+    # inside the unit: reading, writing its parts
+    killer, killed = _kill_first_worker("ray::clean_unit", after=0.05)
     cfg = cfg_for(tmp_path, [tmp_path / "in"], *args, run="ray")
     cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
     got = run_clean(cfg)
@@ -250,19 +258,7 @@ def test_a_killed_ray_worker_during_shard_is_retried_and_the_shards_are_unchange
     invoke(["data", "tokenize", "--run", run, "--vocab-size", "300"])
     shard = ["data", "shard", "--run", run, "--shard-tokens", "20000", "--val-fraction", "0.1"]
     invoke([*shard, "--out", str(tmp_path / "ref")])
-    killed: list[int] = []
-
-    def kill_one_worker() -> None:
-        deadline = time.time() + 60
-        while time.time() < deadline and not killed:
-            pids = _ray_pids("ray::shard_encode_unit")
-            if pids:
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_one_worker)
-    killer.start()
+    killer, killed = _kill_first_worker("ray::shard_encode_unit", after=0.0)
     invoke(
         [*shard, "--out", str(tmp_path / "ray"), "--executor", "ray", "--ray-address", ray_cluster]
     )

@@ -76,6 +76,23 @@ def data():
 # --- codex data clean -------------------------------------------------------------------------
 
 
+def executor_options(fn):
+    """--executor and --ray-address: where a data stage's units run (pipeline/executor.py)."""
+    fn = key_option(
+        "--ray-address",
+        key="data.ray_address",
+        metavar="ADDR",
+        help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
+    )(fn)
+    return key_option(
+        "--executor",
+        key="data.executor",
+        type=click.Choice(["local", "ray"]),
+        help="Where the units of work run: local processes, or a Ray cluster (pip install "
+        "'codex[ray]').",
+    )(fn)
+
+
 def _read_sources(_ctx, _param, path):
     """--sources FILE: a YAML list of {input, preset, txt_delimiter} (data.clean.sources)."""
     if path is None:
@@ -104,19 +121,7 @@ def _read_sources(_ctx, _param, path):
     help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// "
     "(repeatable).",
 )
-@key_option(
-    "--executor",
-    key="data.executor",
-    type=click.Choice(["local", "ray"]),
-    help="Where the units of work run: local processes, or a Ray cluster (pip install "
-    "'codex[ray]').",
-)
-@key_option(
-    "--ray-address",
-    key="data.ray_address",
-    metavar="ADDR",
-    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
-)
+@executor_options
 @key_option(
     "--workers",
     key="data.clean.workers",
@@ -242,19 +247,7 @@ def data_clean(cfg):
     type=int,
     help="Processes for the document-selection scan (or CPUs of a Ray runtime started here).",
 )
-@key_option(
-    "--executor",
-    key="data.executor",
-    type=click.Choice(["local", "ray"]),
-    help="Where the units of work run: local processes, or a Ray cluster (pip install "
-    "'codex[ray]').",
-)
-@key_option(
-    "--ray-address",
-    key="data.ray_address",
-    metavar="ADDR",
-    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
-)
+@executor_options
 def data_tokenize(cfg):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
 
@@ -295,19 +288,7 @@ def data_tokenize(cfg):
     type=click.Choice(["npy", "parquet", "both"]),
     help="Shard format.",
 )
-@key_option(
-    "--executor",
-    key="data.executor",
-    type=click.Choice(["local", "ray"]),
-    help="Where the units of work run: local processes, or a Ray cluster (pip install "
-    "'codex[ray]').",
-)
-@key_option(
-    "--ray-address",
-    key="data.ray_address",
-    metavar="ADDR",
-    help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
-)
+@executor_options
 @key_option(
     "--workers",
     key="data.shard.workers",

@@ -87,17 +87,6 @@ class Unit:
     def name(self) -> str:
         return f"{self.index:06d}"
 
-    @property
-    def nbytes(self) -> int:
-        """Input bytes this unit reads (about: a piece's records may run past its end)."""
-        total = 0
-        for p in self.pieces:
-            if p.file.kind == "parquet" or p.end < 0:
-                total += p.file.size if p.start == 0 and p.end < 0 else p.file.size // 2
-            else:
-                total += p.end - p.start
-        return total
-
 
 def _split_file(f: InputFile, chunk_bytes: int) -> list[Piece]:
     """A big splittable file in about size / chunk_bytes pieces."""
@@ -462,7 +451,6 @@ def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
 def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
     if not jobs:
         return []
-    total = sum(j.unit.nbytes for j in jobs)
     done: list[dict] = []
     with Progress("clean", total=len(jobs), unit="units") as progress:
         for _, marker in run_units(
@@ -473,6 +461,7 @@ def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
             count=lambda _, m: {"docs": m["docs_in"], "bytes": m["bytes_in"]},
         ):
             done.append(marker)
+    total = sum(m["bytes_in"] for m in done)
     log.info("clean: processed %.1f MB in %d units", total / 1e6, len(jobs))
     return done
 
