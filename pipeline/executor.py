@@ -53,6 +53,11 @@ class Where:
     workers: int = 1
     ray_address: str = ""
 
+    @property
+    def parallel(self) -> bool:
+        """Whether units run side by side (Ray, or more than one local process)."""
+        return self.executor == "ray" or self.workers > 1
+
 
 def where_for(data_cfg, workers: int) -> Where:
     """The Where of a stage from the data config (data.executor, data.ray_address)."""
