@@ -287,7 +287,10 @@ class RunLock:
         }
 
     def acquire(self) -> RunLock:
-        self._made_folder = not fsio.is_remote(self.folder) and not os.path.isdir(self.folder)
+        local = not fsio.is_remote(self.folder)
+        if local and os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise ConfigError(f"{self.folder}: not a directory (a file is there): name a folder")
+        self._made_folder = local and not os.path.isdir(self.folder)
         if self._made_folder:
             os.makedirs(self.folder, exist_ok=True)
         self.lease = self._new_lease()

@@ -16,10 +16,13 @@ here only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ import torch
 
 from codex import fsio, rundir
 from codex.config import CONFIGS_DIR, ConfigError
+from codex.progress import adopt_library_loggers
 from model.export_hf import export_hf
 from train.checkpoint.read import load_model
 from train.dist.backend import BackendError
@@ -54,21 +58,23 @@ def run_tasks(cfg) -> dict:
     for name in tasks:
         _check_dataset(name, task_manager)
     limit = cfg.eval.tasks_limit or None
-    with tempfile.TemporaryDirectory(prefix="codex-eval-hf-") as tmp:
+    with _no_transformers_bars(), tempfile.TemporaryDirectory(prefix="codex-eval-hf-") as tmp:
         model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
         exported = export_hf(model, run_cfg, info, os.path.join(tmp, "hf"))
         del model, run_cfg, info  # lm-eval loads the export: no second copy in memory meanwhile
         batch = cfg.eval.device_batch or 8
-        results = lm_eval.simple_evaluate(
-            model="hf",
-            model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
-            tasks=tasks,
-            limit=limit,
-            batch_size=batch,
-            device=device,
-            task_manager=task_manager,
-            log_samples=False,
-        )
+        adopt_library_loggers()  # transformers (imported by the export): to the log file
+        with _quiet_git_hash(lm_eval):
+            results = lm_eval.simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={exported['path']},dtype=float32,add_bos_token=True",
+                tasks=tasks,
+                limit=limit,
+                batch_size=batch,
+                device=device,
+                task_manager=task_manager,
+                log_samples=False,
+            )
     record = _record(cfg, exported, results, lm_eval.__version__)
     key = hashlib.sha256(
         json.dumps([sorted(tasks), limit, cfg.eval.tasks_path]).encode()
@@ -122,6 +128,7 @@ def _lm_eval(tasks_path: str, tasks: list[str]):
         raise ConfigError(
             "codex eval --tasks needs lm-eval-harness: pip install 'codex[hf,tasks]'"
         ) from None
+    adopt_library_loggers()  # datasets, huggingface_hub (imported by lm_eval): to the log file
     if tasks_path and not os.path.isdir(tasks_path):
         raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
     paths = [p for p in (tasks_path, _shipped_tasks()) if p]
@@ -152,6 +159,59 @@ def _shipped_tasks() -> str:
                 out.write(text)
         _SHIPPED.append(dst)
     return _SHIPPED[0]
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """transformers' bars for writing the export and loading it back (instant, and not the
+    stage's progress) are off while the tasks run; lm-eval's own (requests scored) stay."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # export_hf says how to install it
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_git_hash(lm_eval):
+    """lm-eval records the git commit of the working directory by running `git describe` with the
+    terminal as its stderr: outside a git checkout the user sees `fatal: not a git repository`.
+    git has no switch or environment variable that silences that, and lm-eval no option that skips
+    the lookup, so for the length of simple_evaluate its lookup is replaced by the same one with
+    git's stderr discarded (the recorded hash is unchanged). A lm-eval without that function is
+    left as it is."""
+    evaluator = sys.modules.get("lm_eval.evaluator") or importlib.import_module("lm_eval.evaluator")
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+
+    def get_git_commit_hash():
+        try:
+            out = subprocess.run(
+                ["git", "describe", "--always"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                check=True,
+            )
+            return out.stdout.strip().decode()
+        except (subprocess.CalledProcessError, OSError):
+            from lm_eval.loggers.utils import get_commit_from_path
+
+            return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
+
+    evaluator.get_git_commit_hash = get_git_commit_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
 
 
 def _check_dataset(name: str, task_manager) -> None:

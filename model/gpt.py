@@ -41,22 +41,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from codex.config.model import ModelConfig
-
-
-def padded_vocab(vocab_size: int) -> int:
-    return ((vocab_size + 127) // 128) * 128
-
-
-def mlp_hidden(cfg: ModelConfig) -> int:
-    """model.mlp_hidden, or derived: SwiGLU 8/3 * d (the parameter count of a 4*d ReLU MLP), ReLU^2
-    4 * d, rounded up to a multiple of 256 from 1024 up (whole 256-wide MXU tiles on TPU v6e, and
-    tensor-core friendly on GPUs), of 128 below (small models do not grow by a third)."""
-    if cfg.mlp_hidden:
-        return cfg.mlp_hidden
-    hidden = 8 * cfg.n_embd // 3 if cfg.mlp == "swiglu" else 4 * cfg.n_embd
-    multiple = 256 if hidden >= 1024 else 128
-    return -(-hidden // multiple) * multiple
+# the shape arithmetic lives beside ModelConfig, so the memory plan (train/plan/memory.py) and
+# `codex train --help` compute it without importing torch; imported here for the model's use
+from codex.config.model import (
+    ModelConfig,
+    has_value_embed,
+    matmul_params,
+    mlp_hidden,
+    padded_vocab,
+)
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -225,11 +218,6 @@ class Block(nn.Module):
         cache, position, mask, value embedding), as plain tensors of fixed shapes."""
         x = x + self.attn.decode(self.attn_norm(x), cos, sin, kv, pos, mask, ve)
         return x + self.mlp(self.mlp_norm(x))
-
-
-def has_value_embed(cfg: ModelConfig, layer: int) -> bool:
-    """model.value_embed: every other layer, counted back from the last (which always has one)."""
-    return cfg.value_embed and layer % 2 == (cfg.n_layer - 1) % 2
 
 
 class GPT(nn.Module):
@@ -431,17 +419,6 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
 def num_params(model: nn.Module) -> int:
     """Unique parameters (a tied embedding/head matrix counts once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every weight except the embedding lookup.
-    The output head counts (over the padded vocab: those are the FLOPs the hardware does), also
-    when tied to the embedding. Norm weights are included (negligible)."""
-    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
-    attn = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * mlp_hidden(cfg)
-    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
-    return cfg.n_layer * (attn + mlp + norms) + d + d * padded_vocab(cfg.vocab_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Tests never depend on the network or a wandb account.
 os.environ.setdefault("WANDB_MODE", "offline")
+# Training in the test process runs on one thread, as its child processes do (child_env), so the
+# two compare bitwise; and no backend samples the machine's load for train.threads' default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 # gcsfs reads this at import: without it every bucket access waits 60 s on a gRPC probe the
 # emulator cannot answer (NOTES.md section 4).
@@ -156,3 +159,13 @@ def ray_cluster(gcs_emulator):
             ray.shutdown()
         subprocess.run([str(ray_exe), "stop", "--force"], capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_log_file_left_open():
+    """A command run in-process (CliRunner) logs to its RUN/logs/<command>.log until the process
+    ends: closed after each test, so no later test's lines go there."""
+    yield
+    from codex import progress
+
+    progress.close_log_file()

@@ -4,7 +4,10 @@ whose accuracy is computed by hand with codex's own model; missing datasets and 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,21 +172,38 @@ def test_an_unreachable_hub_means_offline_at_once(tmp_path, monkeypatch, caplog)
     assert os.environ["HF_HUB_OFFLINE"] == "1" == os.environ["HF_DATASETS_OFFLINE"]
 
 
-def test_the_shipped_example_task_runs_offline(tmp_path):
+def test_the_shipped_example_task_runs_offline(tmp_path, capfd, caplog, monkeypatch):
     """configs/tasks/codex_example: `codex eval --tasks codex_example`, no --tasks-path, no
-    network (the autouse fixture), from another working directory."""
+    network (the autouse fixture), from another working directory: one that is no git checkout,
+    where lm-eval's git lookup used to print `fatal: not a git repository`. The terminal shows
+    neither that nor lm-eval's INFO lines; RUN/logs/eval.log has the latter."""
     from click.testing import CliRunner
 
+    from codex import progress
     from codex.cli.main import cli
 
+    monkeypatch.delenv("CODEX_DEBUG", raising=False)
     run, _, _ = make_run(tmp_path)
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above it either
+    caplog.set_level("INFO")  # as the CLI runs: the root logger at INFO
+    terminal = progress.terminal_handler(sys.stderr)  # capfd's stderr, as setup_logging's would be
+    logging.getLogger().addHandler(terminal)
     cwd = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(workdir)
     try:
+        progress.log_to_file(run, "codex eval")  # codex/cli/main.py does this for `codex eval`
         r = CliRunner().invoke(cli, ["eval", "--run", run, "--tasks", "codex_example"])
     finally:
         os.chdir(cwd)
+        logging.getLogger().removeHandler(terminal)
+        progress.close_log_file()
     assert r.exit_code == 0, r.output
     (record,) = Path(run, "eval").glob("*.tasks-*.json")
     result = json.loads(record.read_text())["tasks"]["codex_example"]
     assert result["samples"] == 8 and 0 <= result["acc"] <= 1
+    err = capfd.readouterr().err
+    assert "fatal:" not in err, err
+    assert not re.search(r"INFO (lm_eval|transformers|datasets|huggingface_hub)", err), err
+    assert re.search(r"INFO lm_eval\.", Path(run, "logs", "eval.log").read_text())

@@ -64,6 +64,30 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     assert [r["tokens"] for r in rows] == [64, 128, 192]
 
 
+def test_wandb_prints_nothing_on_the_terminal(tmp_path, monkeypatch, capfd, caplog):
+    """wandb's own `wandb: ...` lines (~25 of them) stay off the terminal, without WANDB_SILENT:
+    one codex line says where the offline run is."""
+    import wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("CODEX_DEBUG", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # tests/conftest.py sets it
+    wandb.teardown()  # a wandb set up by an earlier test read WANDB_SILENT
+    try:
+        run = make_run(tmp_path / "run")
+        with caplog.at_level("INFO", logger="codex.metrics"):
+            run_train(run, max_steps=2, wandb="auto")
+        wandb.teardown()  # its service process says goodbye, if at all, before we read stderr
+    finally:
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        wandb.teardown()
+    err = capfd.readouterr().err
+    assert not [line for line in err.splitlines() if "wandb:" in line], err
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "codex.metrics"]
+    assert line.startswith(f"wandb offline run: {Path(run) / 'wandb'}")
+
+
 def test_wandb_failure_never_stops_training(tmp_path, monkeypatch):
     import wandb
 

@@ -1,7 +1,13 @@
-"""Progress lines: rates for every counter, a plain log line when not a TTY."""
+"""Progress lines: rates for every counter, a plain log line when not a TTY; the terminal and
+RUN/logs/<command>.log (third-party INFO lines in the file only)."""
 
 import io
 import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
 
 from codex.progress import Progress
 
@@ -40,11 +46,106 @@ def test_the_final_line_is_not_repeated(caplog):
     assert sum("100.0%" in line for line in lines) == 1, lines
 
 
-def test_fsspec_file_open_chatter_is_silenced():
-    from codex.progress import setup_logging
+@pytest.fixture
+def terminal(monkeypatch):
+    """The terminal handler setup_logging installs, on a StringIO, with the root logger at INFO
+    (as the codex CLI runs); removed afterwards with the log file."""
+    from codex import progress
 
-    setup_logging()
-    assert not logging.getLogger("fsspec.caching").isEnabledFor(logging.INFO)
+    monkeypatch.delenv("CODEX_DEBUG", raising=False)
+    root = logging.getLogger()
+    stream = _Terminal()
+    handler = progress.terminal_handler(stream)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        progress.close_log_file()
+
+
+def test_library_info_lines_go_to_the_log_file_not_the_terminal(terminal, tmp_path):
+    """rustbpe, fsspec, gcsfs, lm-eval, ...: INFO in RUN/logs/<command>.log only; their warnings
+    on the terminal too (gcsfs's handled errors never); codex's INFO lines in both."""
+    from codex import progress
+
+    path = progress.log_to_file(str(tmp_path / "run"), "codex data tokenize")
+    assert path == str(tmp_path / "run" / "logs" / "tokenize.log")
+    logging.getLogger("rustbpe").info("merges 10 percent done")
+    # lines wait until the command makes RUN: one refused before that leaves no folder behind
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    logging.getLogger("fsspec.caching").info("readahead cache enabled")
+    logging.getLogger("lm_eval.evaluator").info("building contexts")
+    logging.getLogger("rustbpe").warning("a rustbpe warning")
+    logging.getLogger("gcsfs").error("retrying a 501")
+    logging.getLogger("codex.tokenizer").info("tokenizer: 512 tokens")
+    shown = terminal.getvalue()
+    written = Path(path).read_text()
+    for line in ("merges 10 percent done", "readahead cache enabled", "building contexts"):
+        assert line in written and line not in shown
+    assert "a rustbpe warning" in shown and "a rustbpe warning" in written
+    assert "retrying a 501" in written and "retrying a 501" not in shown
+    assert "INFO codex.tokenizer: tokenizer: 512 tokens" in shown
+    assert "INFO codex.tokenizer: tokenizer: 512 tokens" in written
+    # one header line per invocation: appended, never overwritten
+    progress.log_to_file(str(tmp_path / "run"), "codex data tokenize")
+    headers = [x for x in Path(path).read_text().splitlines() if x.startswith("=== ")]
+    assert len(headers) == 2 and f"pid={os.getpid()}" in headers[0]
+    assert "codex data tokenize" in headers[0] and socket.gethostname() in headers[0]
+
+
+def test_codex_debug_shows_library_lines_on_the_terminal(terminal, monkeypatch):
+    monkeypatch.setenv("CODEX_DEBUG", "1")
+    logging.getLogger("rustbpe").info("merges 10 percent done")
+    assert "merges 10 percent done" in terminal.getvalue()
+
+
+def test_libraries_with_their_own_stderr_handler_are_routed_through_codex(terminal, tmp_path):
+    """transformers, datasets, huggingface_hub print on a stderr handler of their own (and
+    transformers does not propagate): after adoption their INFO goes to the file only."""
+    from codex import progress
+
+    own = logging.getLogger("transformers")
+    saved = own.handlers[:], own.propagate, own.level
+    stray = io.StringIO()
+    own.handlers[:] = [logging.StreamHandler(stray)]
+    own.propagate, own.level = False, logging.WARNING
+    try:
+        (tmp_path / "run").mkdir()
+        path = progress.log_to_file(str(tmp_path / "run"), "codex eval")
+        logging.getLogger("transformers.modeling_utils").info("loading weights")
+        logging.getLogger("transformers.modeling_utils").warning("a transformers warning")
+    finally:
+        own.handlers[:], own.propagate, own.level = saved
+    assert stray.getvalue() == ""
+    assert "loading weights" in Path(path).read_text()
+    assert "loading weights" not in terminal.getvalue()
+    assert terminal.getvalue().count("a transformers warning") == 1
+
+
+def test_the_bar_goes_to_the_log_file_as_lines(terminal, tmp_path):
+    """On a terminal the bar is drawn, not logged; the log file still gets its line."""
+    from codex import progress
+
+    (tmp_path / "run").mkdir()
+    path = progress.log_to_file(str(tmp_path / "run"), "codex data shard")
+    with Progress("shard", total=4, unit="files", stream=terminal, log_every=3600) as p:
+        p.update(1)
+        p.update(3)
+    written = Path(path).read_text()
+    assert "shard:  25.0% 1/4 files" in written and "shard: 100.0% 4/4 files" in written
+    assert "INFO codex: shard" not in terminal.getvalue()  # the bar only, no log line
+
+
+def test_a_remote_run_has_no_log_file(terminal):
+    from codex import progress
+
+    assert progress.log_to_file("gs://bucket/run", "codex train") is None
+    assert progress.log_file() is None
 
 
 def test_eta_from_the_rate_so_far():

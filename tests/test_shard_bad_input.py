@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.shard import shard as shard_mod
-from pipeline.shard.shard import ShardError, run_shard
+from pipeline.shard.shard import ShardDataError, ShardError, run_shard
 from pipeline.shard.verify import verify_shards
 from tests import test_shard as shard_tests
 from tests.test_shard import make_cfg, make_run, write_tokenizer
@@ -36,7 +36,7 @@ def test_missing_or_changed_tokenizer(tmp_path, corpus, tokenizer_files):
     )
     # edited after training: sha256 mismatch
     (run / "tokenizer" / "tokenizer.json").write_text("{}")
-    with pytest.raises(ShardError, match="does not match"):
+    with pytest.raises(ShardDataError, match="does not match"):
         run_shard(make_cfg(run, out=str(tmp_path / "other")))
 
 
@@ -71,8 +71,8 @@ def test_empty_corpus_and_bad_parquet(tmp_path, corpus, tokenizer_files):
         json.dumps({"shards": ["part-00000-00000-000.parquet"]})
     )
     pq.write_table(pa.table({"text": ["ok", None]}), run / "clean" / "part-00000-00000-000.parquet")
-    with pytest.raises(ShardError, match="part-00000-00000-000.parquet: row 1: text is null"):
+    with pytest.raises(ShardDataError, match="part-00000-00000-000.parquet: row 1: text is null"):
         run_shard(make_cfg(run))
     pq.write_table(pa.table({"body": ["ok"]}), run / "clean" / "part-00000-00000-000.parquet")
-    with pytest.raises(ShardError, match="no 'text' column"):
+    with pytest.raises(ShardDataError, match="no 'text' column"):
         run_shard(make_cfg(run))

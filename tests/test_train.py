@@ -499,11 +499,11 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     assert again["step"] == 10 and not again["stopped"]
 
 
-def test_cpu_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
-    """train.cpu_threads=2 overrides torch's default (OMP_NUM_THREADS=1 in the child), and the
-    start-up line says how many threads the run uses."""
+def test_train_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
+    """train.threads=2 overrides OMP_NUM_THREADS=1 (set in the child), and the start-up lines say
+    how many threads the run uses and why."""
     run = make_run(tmp_path / "run")
-    args = train_cli_args(run, max_steps=1, cpu_threads=2)
+    args = train_cli_args(run, max_steps=1, threads=2)
     proc = subprocess.run(
         [sys.executable, "-m", "codex.cli", "train", *args],
         env=child_env(),
@@ -514,3 +514,4 @@ def test_cpu_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cpu x1 (cpu, 2 threads)" in proc.stderr
+    assert "threads: 2 CPU threads per process (train.threads)" in proc.stderr

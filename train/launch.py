@@ -10,9 +10,11 @@ Only this module knows both backends, so neither imports the other.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from train.dist.backend import Backend, BackendError, make_torch_backend
-from train.plan.hardware import get_preset
+from train.plan.hardware import get_preset, launch_env
+from train.plan.threads import apply_threads
 from train.xla.flash import flash_unavailable
 
 
@@ -20,6 +22,9 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
     """The backend for cfg.train.hardware (`xla_spawned`: this process is one of
     train.xla_mode=spawn's, started by spawn_train)."""
     preset = get_preset(cfg.train.hardware)
+    threads = apply_threads(cfg.train.threads)  # the host side of every preset
+    if launch_env()[0] == 0:
+        logging.getLogger("codex.train").info("threads: %s", threads.describe())
     if preset.kind == "tpu":
         from train.xla import backend as xla_backend  # imports torch_xla: only for TPU presets
 

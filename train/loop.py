@@ -366,7 +366,7 @@ def _start_run(
 
 
 def _cpu_threads() -> str:
-    n = torch.get_num_threads()  # train.cpu_threads, or torch's default
+    n = torch.get_num_threads()  # train/plan/threads.py set it
     return f"cpu, {n} thread{'s' if n != 1 else ''}"
 
 

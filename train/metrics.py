@@ -24,7 +24,9 @@ lines older than its checkpoint.
 
 wandb: train.wandb = auto (online when WANDB_API_KEY is set or WANDB_MODE=online, else offline),
 online, offline, or off. Any wandb exception is logged once and wandb is switched off; training
-goes on. Only rank 0 logs anything.
+goes on. Only rank 0 logs anything. wandb prints nothing itself (Settings(silent=True): its lines
+go to its debug.log and RUN/logs/train.log); one codex line says where the run is (CODEX_DEBUG=1:
+wandb's own lines).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Literal, cast
 import torch
 
 from codex import fsio, rundir
+from codex.progress import adopt_library_loggers
 from train.dist.backend import Backend, replica_mean
 
 
@@ -257,11 +260,12 @@ def start_wandb(cfg, config_dict: dict):
     try:
         import wandb
 
+        adopt_library_loggers()  # wandb's own log lines: to RUN/logs/train.log as well
         directory = wandb_dir(cfg.run)
         os.makedirs(directory, exist_ok=True)
         # One wandb id per run directory, so a resumed run continues the same wandb run.
         run_id = "codex-" + hashlib.sha1(str(cfg.run).encode()).hexdigest()[:12]
-        return wandb.init(
+        wandb_run = wandb.init(
             project=cfg.train.wandb_project,
             dir=directory,
             mode=cast(Literal["online", "offline"], mode),  # wandb_mode: never "disabled"
@@ -269,6 +273,7 @@ def start_wandb(cfg, config_dict: dict):
             resume="allow",
             config=config_dict,
             name=os.path.basename(str(cfg.run).rstrip("/")),
+            settings=wandb_settings(wandb),
         )
     except Exception as e:
         log.warning(
@@ -278,6 +283,21 @@ def start_wandb(cfg, config_dict: dict):
             e,
         )
         return None
+    if mode == "online" and wandb_run.url:
+        log.info("wandb run: %s", wandb_run.url)
+    else:
+        folder = os.path.dirname(wandb_run.dir)
+        log.info("wandb offline run: %s (`wandb sync %s` uploads it)", folder, folder)
+    return wandb_run
+
+
+def wandb_settings(wandb):
+    """Quiet wandb: its ~25 `wandb: ...` lines (printed, not logged) go to its python logger
+    instead (the run's debug.log and RUN/logs/train.log); start_wandb logs where the run is, in one
+    line. CODEX_DEBUG=1 keeps wandb's own output."""
+    if os.environ.get("CODEX_DEBUG"):
+        return wandb.Settings()
+    return wandb.Settings(silent=True)
 
 
 def make_logger(cfg, is_main: bool, resume_step: int | None, config_dict: dict) -> MetricsLogger:

@@ -9,10 +9,11 @@ import errno
 import functools
 import os
 import shutil
+from collections.abc import Callable
 
 import click
 
-from codex import fsio, runlock
+from codex import fsio, progress, runlock
 from codex.config import Config, ConfigError, build_config, get_value
 
 
@@ -81,6 +82,7 @@ def run_lock(cfg, command: str):
     """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
     The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its
     own."""
+    progress.log_to_file(cfg.run, command)  # RUN/logs/<command>.log: every line, libraries' too
     c = cfg.data.clean
     if command == "codex data clean" and c.num_tasks > 1:
         return runlock.hold(
@@ -108,7 +110,7 @@ def config_options(fn):
         "overrides",
         multiple=True,
         metavar="KEY=VALUE",
-        help="Override one config key, e.g. --set model.n_layer=6 (repeatable).",
+        help="Override one config key, e.g. --set model.n_layer=6 (repeatable; applied last).",
     )(fn)
     fn = click.option(
         "--config",
@@ -116,7 +118,8 @@ def config_options(fn):
         type=str,
         default=None,
         metavar="FILE",
-        help="YAML config (see configs/runs/).",
+        help="YAML config (see configs/runs/); its keys come after --model's and before the "
+        "options'.  [default: none]",
     )(fn)
     fn = click.option(
         "--run",
@@ -133,8 +136,12 @@ def key_option(*decls, key: str, **kwargs):
     Its click parameter is named after the key (dots as '__'); with_config collects it. --help
     shows the key's default from the config (click's own default stays None: "not given")."""
     default, text = config_default(key), kwargs.get("help", "")
-    if not isinstance(default, bool) and default not in ("", []) and "default" not in text.lower():
-        kwargs["help"] = f"{text}  [default: {default}]"
+    if "default" not in text.lower():
+        if isinstance(default, bool) and "/" in decls[0]:  # --x/--no-x: the one in force, as Click
+            on, off = decls[0].split("/", 1)
+            kwargs["help"] = f"{text}  [default: {(on if default else off).lstrip('-')}]"
+        elif not isinstance(default, bool) and default not in ("", []):
+            kwargs["help"] = f"{text}  [default: {default}]"
     return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
 
 
@@ -155,14 +162,94 @@ def with_config(fn):
     to build_config; the body gets `cfg` and its other options. Runs under `stage`."""
 
     @functools.wraps(fn)
-    def wrapper(run, config_file, overrides, model=None, **kwargs):
-        values = {
-            name.replace("__", "."): kwargs.pop(name) for name in list(kwargs) if "__" in name
-        }
-        # repeatable
-        values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
-        cfg = build_config(config_file, overrides, model=model, run=run, values=values)
+    def wrapper(**params):
+        cfg, rest = config_from_params(params)
         fsio.require_bucket(cfg.run)
-        return fn(cfg, **kwargs)
+        return fn(cfg, **rest)
 
     return config_options(stage(wrapper))
+
+
+def config_from_params(params: dict) -> tuple[Config, dict]:
+    """(the Config, the command's other parameters) from a with_config command's parsed click
+    parameters: --run/--config/--set, --model where the command has it, and the key_options (None
+    or an empty repeat = not given). The one path from a command line to its Config: the command
+    body and its --help's resolved section (ResolvedHelp) both take it."""
+    rest = dict(params)
+    run, config_file, overrides = rest.pop("run"), rest.pop("config_file"), rest.pop("overrides")
+    model = rest.pop("model", None)
+    values = {name.replace("__", "."): rest.pop(name) for name in list(rest) if "__" in name}
+    # repeatable
+    values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
+    cfg = build_config(config_file, overrides or (), model=model, run=run, values=values)
+    return cfg, rest
+
+
+def _shown(value) -> str:
+    """A config value as --set would take it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "[]"
+    return '""' if value == "" else str(value)
+
+
+class ResolvedHelp(click.Command):
+    """A with_config command whose --help also says what the rest of its command line resolves to:
+    `codex train --model 124m --set train.lr=1e-3 --help` prints the help, then "Resolved for this
+    command line:" with every key option's effective value (defaults -> --model -> --config -> the
+    options -> --set, through config_from_params, as the command itself would build it) and what
+    `describe(cfg, other_params)` derives from them (lines; it may raise ConfigError). A command
+    line that does not resolve (an unknown preset, a bad value) prints the help, then one
+    "Error: ..." line, and exits 2. Click handles --help before the other options (it is eager),
+    hence parse_args here. Nothing heavy may be imported on this path: --help stays instant."""
+
+    def __init__(
+        self, *args, describe: Callable[[Config, dict], list[str]] | None = None, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.describe = describe
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        asks = [i for i, a in enumerate(args[:end]) if a in ctx.help_option_names]
+        if ctx.resilient_parsing or not asks:
+            return super().parse_args(ctx, args)
+        rest = [a for i, a in enumerate(args) if i not in asks]
+        click.echo(ctx.get_help(), color=ctx.color)
+        try:
+            lines = self.resolved(ctx, rest)
+        except click.UsageError as e:
+            problem = e.format_message()
+        except (ConfigError, OSError, ValueError) as e:
+            problem = _one_line(e)
+        else:
+            click.echo("\n".join(["", "Resolved for this command line:", *lines]), color=ctx.color)
+            ctx.exit(0)
+        click.echo(f"Error: this command line does not resolve: {problem}", err=True)
+        ctx.exit(2)
+
+    def resolved(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """The section's lines: the options' effective values, then describe's."""
+        with self.make_context(ctx.info_name, args, parent=ctx.parent) as sub:
+            params = dict(sub.params)
+        cfg, rest = config_from_params(params)
+        rows = [("--run", f"run={cfg.run}"), ("--config", params["config_file"] or "(none)")]
+        rows += [("--set", o) for o in params["overrides"] or ()]
+        for p in self.params:
+            if not isinstance(p, click.Option) or p.name in ("run", "config_file", "overrides"):
+                continue
+            flag = max(p.opts, key=len)
+            if p.name and "__" in p.name:
+                key = p.name.replace("__", ".")
+                rows.append((flag, f"{key}={_shown(get_value(cfg, key))}"))
+            elif p.name == "model":
+                rows.append(
+                    (flag, f"model.preset={cfg.model.preset or '(none: model.* defaults)'}")
+                )
+            elif p.name:
+                v = params.get(p.name)
+                rows.append((flag, "(not given)" if v is None else _shown(v)))
+        width = max(len(flag) for flag, _ in rows) + 2
+        lines = [f"  {flag:<{width}}{text}" for flag, text in rows]
+        return lines + (self.describe(cfg, rest) if self.describe else [])

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from codex import fsio, rundir
 from codex.config import CONFIGS_DIR, Config, build_config
+from codex.progress import log_to_file
 from pipeline.clean.clean import run_clean
 from pipeline.shard.shard import existing_state, run_shard
 from pipeline.tokenizer.tokenizer import load_meta, run_tokenizer
@@ -72,6 +73,7 @@ def run_demo(run: str, overrides=()) -> dict:
     cfg = build_config(str(CONFIGS_DIR / "runs" / "demo.yaml"), tuple(overrides), run=run)
     if not cfg.data.clean.inputs:
         cfg.data.clean.inputs = stdlib_inputs()
+    log_to_file(cfg.run, "codex demo")
     t0 = time.time()
     steps: list[tuple[str, Callable[[Config], object]]] = [
         ("clean", run_clean),

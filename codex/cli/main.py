@@ -16,6 +16,7 @@ import click
 
 from codex import fsio, rundir, runlock
 from codex.cli.command import (
+    ResolvedHelp,
     UserError,
     config_default,
     config_options,
@@ -26,9 +27,9 @@ from codex.cli.command import (
     with_config,
 )
 from codex.cli.demo import run_demo
-from codex.config import build_config
+from codex.config import build_config, yaml_error
 from codex.config.train import TrainConfig
-from codex.progress import setup_logging
+from codex.progress import log_to_file, setup_logging
 from pipeline.clean.clean import run_clean
 from pipeline.shard.shard import run_shard
 from pipeline.shard.verify import verify_shards
@@ -37,6 +38,7 @@ from pipeline.upload import upload_run
 from train.plan.hardware import (
     format_hardware_table,
     format_model_fit,
+    format_train_plan,
     get_preset,
     require_shared_run_dir,
     set_xla_import_env,
@@ -49,7 +51,15 @@ checkpoint_option = key_option(
 _DEFAULT_MODEL = config_default("model")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# show_default: every option with a default says it in --help (key_option adds the config's own
+# default, as its click default stays None: "not given"); tests/test_cli_help.py checks each one.
+@click.group(
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+        "show_default": True,
+    }
+)
 @click.version_option(package_name="codex")
 def cli():
     """codex: raw text to a trained, evaluated language model, on TPUs, GPUs or a laptop.
@@ -102,8 +112,10 @@ def _read_sources(_ctx, _param, path):
     try:
         with open(path) as fh:
             sources = yaml.safe_load(fh)
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise click.BadParameter(f"{path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise click.BadParameter(yaml_error(path, e)) from None
     if isinstance(sources, dict) and "sources" in sources:
         sources = sources["sources"]
     if not isinstance(sources, list):
@@ -146,7 +158,8 @@ def _read_sources(_ctx, _param, path):
     metavar="FILE",
     callback=_read_sources,
     help="A YAML list of inputs with their own settings, e.g. '- {input: src/, preset: code}' and "
-    "'- {input: wiki.txt, txt_delimiter: blank-lines}' (data.clean.sources).",
+    "'- {input: wiki.txt, txt_delimiter: blank-lines}' (data.clean.sources). Default: none, "
+    "every --input takes the flags' settings.",
 )
 @key_option(
     "--text-field",
@@ -382,11 +395,20 @@ def _exec_torchrun(n: int) -> None:
             out.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     cmd += ["-m", "codex.cli", "--", *out]
+    # torchrun would set OMP_NUM_THREADS=1 in each process; the default divides the cores instead
+    from train.plan.threads import default_threads
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(n).n))
     sys.stderr.flush()
     os.execv(sys.executable, cmd)
 
 
-@cli.command("train")
+def _describe_train(cfg, params) -> list[str]:
+    """`codex train --help`'s resolved section, after the options (ResolvedHelp)."""
+    return format_train_plan(cfg, params.get("nproc_per_node"))
+
+
+@cli.command("train", cls=ResolvedHelp, describe=_describe_train)
 @with_config
 @key_option(
     "--hardware",
@@ -396,7 +418,7 @@ def _exec_torchrun(n: int) -> None:
 @click.option(
     "--model",
     default=None,
-    help="Model size preset: tiny, 124m, 350m, 1b (configs/model/). Without one: the model.* "
+    help="Model size preset: tiny, 124m, 350m, 1b (configs/model/). Default: none, the model.* "
     f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
     f"{_DEFAULT_MODEL.n_head} heads (codex/config/model.py; --set model.KEY=VALUE).",
 )
@@ -453,13 +475,20 @@ def _exec_torchrun(n: int) -> None:
 )
 @click.option(
     "--nproc-per-node",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Start N training processes on this machine through torchrun (one per GPU; gloo "
-    "processes on a CPU preset). Across machines, run torchrun yourself (see README).",
+    "processes on a CPU preset). Across machines, run torchrun yourself (see README). "
+    "Default: this one process.",
 )
 def train_cmd(cfg, nproc_per_node):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
+
+    --help after other options also prints what they resolve to ("Resolved for this command
+    line:" the options' values, the model shape, hardware, batch, steps, optimizer, schedule,
+    cadence, layout), e.g. `codex train --hardware v6e-4 --model 124m --help`. A value that does
+    not resolve (an unknown preset, a setting train would refuse) prints the help, then the error,
+    and exits 2.
 
     \b
     Example:
@@ -520,7 +549,8 @@ def train_cmd(cfg, nproc_per_node):
     "--tasks",
     key="eval.tasks",
     metavar="T1,T2",
-    help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy).",
+    help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy). "
+    "Default: none, the validation loss.",
 )
 @key_option(
     "--limit",
@@ -532,7 +562,8 @@ def train_cmd(cfg, nproc_per_node):
     "--tasks-path",
     key="eval.tasks_path",
     metavar="DIR",
-    help="--tasks: a folder of extra task YAMLs.",
+    help="--tasks: a folder of extra task YAMLs. Default: none, lm-eval's tasks and the ones in "
+    "configs/tasks/.",
 )
 def eval_cmd(cfg):
     """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
@@ -562,6 +593,8 @@ def eval_cmd(cfg):
         else contextlib.nullcontext()
     )
     with lock:
+        if fsio.isdir(cfg.run):
+            log_to_file(cfg.run, "codex eval")  # RUN/logs/eval.log: every line, libraries' too
         run_eval(cfg)
 
 
@@ -701,7 +734,7 @@ def demo_cmd(run, overrides):
     "--model",
     default=None,
     help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
-    "layout and device batch, by the memory plan.",
+    "layout and device batch, by the memory plan. Default: none, the table of presets.",
 )
 @click.option(
     "--optimizer",

@@ -217,10 +217,15 @@ def load_yaml(path: str) -> dict:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        raise ConfigError(yaml_error(path, e)) from None
     return data
+
+
+def yaml_error(path: str, e: Exception) -> str:
+    """One line for a YAML parse error: 'FILE line N: invalid YAML (problem)'."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}" if mark else ""
+    return f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})"
 
 
 def build_config(
@@ -284,7 +289,7 @@ _RANGES = {
     "train.max_compiles": (0, None, True),
     "train.shuffle_shards": (0, None, True),
     "train.fsdp_size": (0, None, True),
-    "train.cpu_threads": (0, None, True),
+    "train.threads": (0, None, True),
     "model.n_layer": (1, None, True),
     "model.depth": (0, None, True),
     "model.n_head": (1, None, True),
@@ -348,7 +353,8 @@ def check_values(cfg: Config) -> None:
     _check_choices(cfg)
     for key, (low, high, inclusive) in _RANGES.items():
         v = get_value(cfg, key)
-        too_low = low is not None and (v < low if inclusive else v <= low)
+        nan = v != v  # NaN compares false with every bound
+        too_low = nan or (low is not None and (v < low if inclusive else v <= low))
         too_high = high is not None and (v > high if inclusive else v >= high)
         if too_low or too_high:
             want = (

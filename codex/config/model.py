@@ -1,5 +1,7 @@
 """Model settings (`model.*`). Size presets live in configs/model/*.yaml
-(`codex train --model NAME`)."""
+(`codex train --model NAME`). The shape arithmetic (MLP width, padded vocab, matmul parameters) is
+here too, without torch: model/gpt.py builds the network from it, train/plan/memory.py plans
+memory with it, and `codex train --help` shows it before anything heavy is imported."""
 
 from __future__ import annotations
 
@@ -48,3 +50,37 @@ def with_depth(m: ModelConfig) -> ModelConfig:
     return dataclasses.replace(
         m, n_layer=m.depth, n_embd=width, n_head=width // 128, n_kv_head=width // 128
     )
+
+
+# --- shape arithmetic: model/gpt.py, the memory plan and `codex train --help` share it (no torch)
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return ((vocab_size + 127) // 128) * 128
+
+
+def mlp_hidden(cfg: ModelConfig) -> int:
+    """model.mlp_hidden, or derived: SwiGLU 8/3 * d (the parameter count of a 4*d ReLU MLP), ReLU^2
+    4 * d, rounded up to a multiple of 256 from 1024 up (whole 256-wide MXU tiles on TPU v6e, and
+    tensor-core friendly on GPUs), of 128 below (small models do not grow by a third)."""
+    if cfg.mlp_hidden:
+        return cfg.mlp_hidden
+    hidden = 8 * cfg.n_embd // 3 if cfg.mlp == "swiglu" else 4 * cfg.n_embd
+    multiple = 256 if hidden >= 1024 else 128
+    return -(-hidden // multiple) * multiple
+
+
+def has_value_embed(cfg: ModelConfig, layer: int) -> bool:
+    """model.value_embed: every other layer, counted back from the last (which always has one)."""
+    return cfg.value_embed and layer % 2 == (cfg.n_layer - 1) % 2
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every weight except the embedding lookup.
+    The output head counts (over the padded vocab: those are the FLOPs the hardware does), also
+    when tied to the embedding. Norm weights are included (negligible)."""
+    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    attn = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * mlp_hidden(cfg)
+    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
+    return cfg.n_layer * (attn + mlp + norms) + d + d * padded_vocab(cfg.vocab_size)

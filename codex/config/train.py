@@ -38,9 +38,10 @@ class TrainConfig:
     seed: int = 1337
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA/TPU, fp32 on CPU
     compile: bool = True  # torch.compile on CUDA
-    # CPU threads per process; 0 = torch's default (the cores, or OMP_NUM_THREADS; torchrun sets
-    # 1 per process). On a CPU shared with other jobs, fewer threads can be several times faster.
-    cpu_threads: int = 0
+    # CPU threads per process (torch, OpenMP, tokenizers); 0 = OMP_NUM_THREADS when set, else the
+    # physical cores / the training processes on this machine (train/plan/threads.py). On a CPU
+    # shared with other jobs, fewer threads can be several times faster.
+    threads: int = 0
     # auto: replicate when the replicated state fits (train/plan/memory.py)
     parallel: Literal["auto", "replicate", "fsdp"] = "auto"
     # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)

@@ -149,17 +149,24 @@ def yield_problem(stats: dict) -> str:
 
 def nothing_kept(stats: dict) -> str:
     top = top_drop(stats)
+    empty = stats["bad_input"].get("empty_files") or {}
+    named = (
+        f"; {empty['files']} input file(s) empty ({', '.join(empty['first_files'][:3])})"
+        if empty.get("count")
+        else ""
+    )
     if stats["docs_in"] == 0 or top is None:
         malformed = stats["bad_input"]["malformed_lines"]
+        first = malformed["first"][0] if malformed["first"] else {"path": "", "lines": [""]}
         hint = (
-            f"{malformed['count']} malformed lines, first: {malformed['first'][0]['lines'][0]}; "
+            f"{malformed['count']} malformed lines, first: {first['path']} {first['lines'][0]}; "
             "choose the field with --text-field"
             if malformed["count"]
             else "the input files hold no text"
         )
-        return f"no document was read ({hint})"
+        return f"no document was read ({hint}{named})"
     flt, reason, n = top
     return (
         f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; "
-        f"fix: {drop_fix(flt, reason)}"
+        f"fix: {drop_fix(flt, reason)}{named}"
     )

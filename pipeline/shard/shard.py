@@ -102,8 +102,13 @@ WRITE_TASK_TOKENS = 64 << 20
 
 
 class ShardError(ConfigError):
-    """Bad input for `codex data shard` (missing tokenizer or corpus, impossible settings).
-    Exit 2."""
+    """A command line `codex data shard` cannot run (missing tokenizer or corpus, impossible
+    settings, an output of other settings). Exit 2."""
+
+
+class ShardDataError(ValueError):
+    """Damaged input for `codex data shard` (a cleaned part that cannot be read, a tokenizer.json
+    that does not match its meta). Exit 1, like every stage's bad data."""
 
 
 # --- the train/val split --------------------------------------------------------------------------
@@ -147,17 +152,17 @@ def _inputs_fingerprint(files: list[str]) -> str:
 
 def read_text_batches(files: list[str]):
     """Yield lists of document texts in corpus order (files sorted, rows in order); a null text or
-    an unreadable file is a ShardError naming it."""
+    an unreadable file is a ShardDataError naming it."""
     for path in files:
         row = 0
         try:
             for texts in iter_text_batches(path, batch_rows=READ_ROWS):
                 if None in texts:
-                    raise ShardError(f"{path}: row {row + texts.index(None)}: text is null")
+                    raise ShardDataError(f"{path}: row {row + texts.index(None)}: text is null")
                 yield texts
                 row += len(texts)
         except BadInputFile as e:
-            raise ShardError(str(e)) from None
+            raise ShardDataError(str(e)) from None
 
 
 # --- shard files ---------------------------------------------------------------------------------
@@ -235,7 +240,7 @@ def _load_tokenizer(tok_dir: str):
     except FileNotFoundError as e:
         raise ShardError(str(e)) from None
     except ValueError as e:  # sha256 / vocab mismatch between tokenizer.json and its meta
-        raise ShardError(str(e)) from None
+        raise ShardDataError(str(e)) from None
     ids = meta["special_ids"]
     for name in ("bos", "eos"):
         token = f"<|{name}|>"

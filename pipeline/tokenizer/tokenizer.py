@@ -372,7 +372,10 @@ def load_meta(tokenizer_dir: str) -> dict:
             f"{path} not found: {tokenizer_dir} is not a finished tokenizer "
             f"(run `codex data tokenize`)"
         )
-    return fsio.read_json(path)
+    meta = fsio.read_json(path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
@@ -391,7 +394,10 @@ def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
             f"{path}: sha256 {digest[:12]} does not match {META_FILE} ({meta['sha256'][:12]}); "
             f"the tokenizer was modified or half-rewritten: rerun `codex data tokenize`"
         )
-    tok = Tokenizer.from_str(data.decode("utf-8"))
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{path}: not a readable tokenizer ({_first_line(e)})") from None
     tok.encode_special_tokens = True
     if tok.get_vocab_size(with_added_tokens=True) != meta["vocab_size"]:
         raise ValueError(
@@ -399,6 +405,11 @@ def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
             f"vocab_size {meta['vocab_size']}"
         )
     return tok
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_token_bytes(tokenizer_dir: str) -> np.ndarray:

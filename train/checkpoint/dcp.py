@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -46,15 +47,22 @@ warnings.filterwarnings(
 
 
 class _HashingStream:
-    """A write stream that hashes and counts what passes through (DCP writes sequentially)."""
+    """A write stream that hashes and counts what passes through (DCP writes sequentially). A
+    failed write is kept in `errors` with the file's path: torch.save under DCP turns it into a
+    RuntimeError without errno or path, and DCP wraps that in turn."""
 
-    def __init__(self, f):
+    def __init__(self, f, path: str = "", errors: list[OSError] | None = None):
         self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.path, self.errors = path, errors if errors is not None else []
 
     def write(self, b) -> int:
         self.sha.update(b)
         self.n += memoryview(b).nbytes
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.errors.append(OSError(e.errno, e.strerror or str(e), e.filename or self.path))
+            raise
 
     def __getattr__(self, name):  # tell, flush, close, fileno (fsync): the underlying file's
         return getattr(self.f, name)
@@ -67,6 +75,7 @@ class HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.records: dict[str, dict] = {}
+        self.errors: list[OSError] = []  # failed writes, with their paths (_HashingStream)
         self._lock = threading.Lock()
 
     def init_path(self, path, **kwargs):
@@ -79,7 +88,7 @@ class HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashing = _HashingStream(stream)
+            hashing = _HashingStream(stream, str(path), self.errors)
             yield hashing
         with self._lock:
             self.records[os.path.basename(str(path))] = {
@@ -129,6 +138,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in self._NAMES:
             return super().find_class(module, name)
+        if "." in name:  # protocol 4 walks a dotted name through attributes: io.FileIO, ...Popen
+            raise pickle.UnpicklingError(f"refers to {module}.{name}, which DCP's index never does")
         if module in self._CLASSES_FROM or module == "torch":  # importing these runs nothing new
             found = super().find_class(module, name)
             if isinstance(found, torch.dtype if module == "torch" else type):
@@ -228,13 +239,29 @@ def write_tree(folder: str, tree: dict, control) -> dict[str, dict]:
     sha256}}."""
     fsio.makedirs(folder)
     writer = _writer(folder)
-    dcp.save(
-        tensors_only(tree),
-        storage_writer=writer,
-        process_group=control.group,
-        no_dist=control.world == 1,
-    )
-    return dict(cast(HashingFileSystem, writer.fs).records)
+    fs = cast(HashingFileSystem, writer.fs)
+    try:
+        dcp.save(
+            tensors_only(tree),
+            storage_writer=writer,
+            process_group=control.group,
+            no_dist=control.world == 1,
+        )
+    except CheckpointException as e:  # a BaseException: one line (a full disk named), not a trace
+        raise _save_error(e, fs.errors, folder) from None
+    return dict(fs.records)
+
+
+def _save_error(e: CheckpointException, errors: list[OSError], folder: str) -> Exception:
+    """The error a failed DCP save stands for: this rank's failed write (with its path), else
+    the first rank's exception (an OSError given the folder as its path)."""
+    if errors:
+        return errors[0]
+    rank = min(e.failures)
+    exc = e.failures[rank][0]
+    if isinstance(exc, OSError):
+        return OSError(exc.errno, exc.strerror or str(exc), exc.filename or folder)
+    return RuntimeError(f"{folder}: rank {rank} could not write the checkpoint ({exc!r})")
 
 
 def staged(tree: dict) -> dict:

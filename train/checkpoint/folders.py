@@ -211,6 +211,8 @@ def _damage(folder: str, rank: int, world: int) -> str | None:
         done = fsio.read_json(fsio.join(folder, "DONE"))
     except ValueError as e:
         return f"{folder}/DONE: not JSON ({e})"
+    if not isinstance(done, dict):
+        return f"{folder}/DONE: not a JSON object ({type(done).__name__})"
     files = done.get("files")
     if not isinstance(files, dict):
         return (
@@ -219,6 +221,8 @@ def _damage(folder: str, rank: int, world: int) -> str | None:
         )
     for name in sorted(files)[rank::world]:
         path, want = fsio.join(folder, name), files[name]
+        if not (isinstance(want, dict) and {"bytes", "sha256"} <= set(want)):
+            return f"{folder}/DONE: its entry for {name} has no 'bytes' and 'sha256'"
         try:
             actual = fsio.size(path)
             if actual != want["bytes"]:

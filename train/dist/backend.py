@@ -363,8 +363,6 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
     elif preset.kind == "cpu":
         device = torch.device("cpu")
         pg_backend = "gloo"
-        if cfg.train.cpu_threads > 0:
-            torch.set_num_threads(cfg.train.cpu_threads)
     else:
         raise BackendError(f"hardware preset '{preset.name}': unknown kind {preset.kind!r}")
 

@@ -333,3 +333,145 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
         ]
         + _render(rows)
     )
+
+
+def _rows(rows: list[tuple[str, str]]) -> list[str]:
+    """`label  text` lines, the text wrapped under itself at 100 columns."""
+    import textwrap
+
+    width = max(len(label) for label, _ in rows) + 3
+    out = []
+    for label, text in rows:
+        out += textwrap.wrap(
+            text,
+            100,
+            initial_indent=f"  {label + ':':<{width}}",
+            subsequent_indent=" " * (width + 2),
+            break_on_hyphens=False,
+        )
+    return out
+
+
+def format_train_plan(cfg, processes: int | None = None) -> list[str]:
+    """What `codex train` would run with Config `cfg`, derived without the run's files or torch:
+    the model shape, the hardware preset, the batch (device batch and sequence length from the
+    memory plan where left at 0, as train.plan.plan.resolve_batch decides them), steps, optimizer,
+    schedule, cadence and layout; `codex train --help` prints it. `processes`: --nproc-per-node
+    (the world size on a CPU preset; GPU and TPU presets run one replica per device). A setting
+    train would refuse at start (it does not fit, seq_len above model.max_seq_len, batch_tokens
+    not a multiple) raises the same ConfigError. The plan counts a 32K vocab until the run's
+    tokenizer gives the real one, so the device batch train picks may differ for a large vocab."""
+    from codex.config.model import mlp_hidden
+    from codex.config.train import DEFAULT_LR
+    from train.plan.memory import DEFAULT_VOCAB, choose_layout, fsdp_refusal, plan, setting_for
+
+    m, t = cfg.model, cfg.train
+    preset = get_preset(t.hardware)
+    world = (processes or 1) if preset.kind == "cpu" else preset.devices
+    setting = setting_for(t, preset.kind)
+    refusal = fsdp_refusal(preset)
+    if setting["layout"] == "fsdp" and refusal and world > 1:
+        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
+    B, T = t.device_batch, t.seq_len
+    b_from, t_from = "given", "given"
+    if B <= 0 or T <= 0:
+        dB, dT = device_defaults(preset, m, **setting)
+        if B <= 0:
+            B, b_from = dB, f"the memory plan's at {DEFAULT_VOCAB // 1024}K vocab"
+            if preset.memory_gb <= 0:
+                b_from = f"{preset.name}'s max_device_batch"
+        if T <= 0:
+            T, t_from = dT, f"{preset.name}'s for {m.preset or 'a custom model'}"
+    if T > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={T} is longer than model.max_seq_len={m.max_seq_len}; "
+            f"lower --seq-len or --set model.max_seq_len={T}"
+        )
+    layout = setting["layout"]
+    if layout == "auto":
+        layout = choose_layout(m, preset, B, T, **setting)
+    memory = plan(m, preset, B, T, **(setting | {"layout": layout}))
+    per_micro = B * T * world
+    if t.batch_tokens > 0 and t.batch_tokens % per_micro:
+        raise ConfigError(
+            f"train.batch_tokens={t.batch_tokens} is not a multiple of device_batch * seq_len * "
+            f"world_size = {B} * {T} * {world} = {per_micro} (train refuses it and names the "
+            "nearest valid values)"
+        )
+    accum = t.batch_tokens // per_micro if t.batch_tokens > 0 else 1
+    batch = per_micro * accum
+    steps = -(-t.max_tokens // batch) if t.max_tokens > 0 else t.max_steps
+    vocab = (
+        f"vocab_size={m.vocab_size}"
+        if m.vocab_size
+        else f"vocab_size=0 (the run's tokenizer's; the plan counts {DEFAULT_VOCAB})"
+    )
+    lr = t.lr or DEFAULT_LR[t.optimizer]
+    memory_of = f" of {preset.memory_gb:g} GB" if preset.memory_gb > 0 else " (the machine's RAM)"
+    rows = [
+        (
+            "model",
+            f"{m.preset or 'no preset (the model.* defaults)'}: "
+            + (f"depth={m.depth} -> " if m.depth else "")
+            + f"n_layer={m.n_layer} n_embd={m.n_embd} n_head={m.n_head} n_kv_head={m.n_kv_head} "
+            f"mlp={m.mlp} mlp_hidden={mlp_hidden(m)} max_seq_len={m.max_seq_len} {vocab}; "
+            f"{memory.params / 1e6:.1f}M parameters",
+        ),
+        (
+            "hardware",
+            f"{preset.name}: kind={preset.kind} ({preset.device_name}) devices={preset.devices} "
+            f"({preset.devices_per_host} per host) hosts={preset.hosts}"
+            + (f", {preset.memory_gb:g} GB each" if preset.memory_gb > 0 else ""),
+        ),
+        (
+            "batch",
+            f"device_batch={B} ({b_from}) x seq_len={T} ({t_from}) x world={world} = "
+            f"{per_micro:,} tokens a micro-batch; batch_tokens={batch:,} a step (accum {accum}"
+            + ("; train.batch_tokens=0: one micro-batch)" if t.batch_tokens <= 0 else ")"),
+        ),
+        (
+            "steps",
+            f"max_steps={steps}"
+            + (f" (from train.max_tokens={t.max_tokens:,})" if t.max_tokens > 0 else "")
+            + f", {steps * batch:,} tokens",
+        ),
+        (
+            "optimizer",
+            f"{t.optimizer}: lr={lr:g}"
+            + (f" (train.lr=0: the {t.optimizer} default)" if not t.lr else "")
+            + (
+                f" muon_lr={t.muon_lr:g} muon_momentum={t.muon_momentum:g}"
+                if t.optimizer == "muon"
+                else ""
+            )
+            + f" weight_decay={t.weight_decay:g} beta1={t.beta1:g} beta2={t.beta2:g} "
+            f"grad_clip={t.grad_clip:g}",
+        ),
+        (
+            "schedule",
+            f"{t.schedule}: warmup_steps={t.warmup_steps}, then down to min_lr_ratio="
+            f"{t.min_lr_ratio:g}"
+            + (
+                f" over the last decay_fraction={t.decay_fraction:g}" if t.schedule == "wsd" else ""
+            ),
+        ),
+        (
+            "cadence",
+            f"log_every={t.log_every} eval_every={t.eval_every}"
+            + (" (off)" if t.eval_every <= 0 else "")
+            + f" eval_tokens={t.eval_tokens}"
+            + (" (the whole validation split)" if t.eval_tokens <= 0 else "")
+            + f" save_every={t.save_every}"
+            + (" (only at the end)" if t.save_every <= 0 else "")
+            + f" keep_last={t.keep_last}",
+        ),
+        (
+            "parallel",
+            f"parallel={t.parallel}"
+            + (f" -> {layout} (the memory plan's choice)" if t.parallel == "auto" else "")
+            + f" fsdp_size={t.fsdp_size} remat={t.remat} dtype={t.dtype}"
+            + (f" -> {setting['dtype']}" if t.dtype == "auto" else "")
+            + f"; memory plan {memory.total / 1e9:.2f} GB per device{memory_of}",
+        ),
+    ]
+    return _rows(rows)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from codex.config import ConfigError
-from model.gpt import has_value_embed, matmul_params, mlp_hidden, padded_vocab
+from codex.config.model import has_value_embed, matmul_params, mlp_hidden, padded_vocab
 
 HEADROOM = 0.9  # a plan fits when its total is at most this share of the device's memory
 # `codex hardware` and the preset defaults, for a model whose vocab is not known yet

@@ -144,8 +144,8 @@ def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
     vocab = int(meta["vocab_size"])
     manifest = load_manifest(rundir.shards_dir(cfg.run))
     m_vocab = int(manifest.get("tokenizer", {}).get("vocab_size", vocab))
-    if m_vocab != vocab:
-        raise ConfigError(
+    if m_vocab != vocab:  # the run's data do not match: bad data (exit 1), as a sha256 mismatch
+        raise ValueError(
             f"{fsio.join(rundir.shards_dir(cfg.run), 'manifest.json')}: shards were made with "
             f"vocab_size {m_vocab}, but the tokenizer in {tok_dir} has {vocab}; "
             "re-run `codex data shard`"
