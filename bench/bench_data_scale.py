@@ -25,6 +25,8 @@ so clean splits it into byte ranges of --chunk-mb) and the rest in 8 smaller fil
 Every configuration's outputs (clean: part-*.parquet + stats.json; shard: *.npy + manifest.json)
 must be byte-identical to the local run's. Seconds include process start and, for Ray, the
 driver joining the cluster.
+Rounds (--repeats) run the three configurations in turn; the table shows each one's median
+seconds, so a slow spell of a shared machine does not land on one configuration only.
 
 Measured here: see README.md's data stage table.
 """
@@ -38,6 +40,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -151,91 +154,67 @@ def digests(folder: Path, patterns: list[str]) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=float, default=200, help="input size in MB")
-    ap.add_argument("--chunk-mb", type=float, default=8, help="clean's unit size (chunk_bytes)")
-    ap.add_argument("--shard-tokens", type=int, default=10_000_000)
-    ap.add_argument("--tok-chars", type=int, default=20_000_000, help="tokenizer --max-chars")
-    ap.add_argument("--workdir", default="", help="default: a new temp dir")
-    ap.add_argument("--keep", action="store_true", help="keep the work dir")
-    ap.add_argument("--no-pin-ray", action="store_true", help="do not pin Ray node i to core i")
-    ap.add_argument("--json", default="", help="also write the results to this file")
-    args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_scale_"))
-    if work.exists() and any(work.iterdir()):  # the stages would resume from what is there
-        raise SystemExit(f"--workdir {work} is not empty")
-    work.mkdir(parents=True, exist_ok=True)
+def prepare(work: Path, args) -> tuple[int, int]:
+    """The input JSONL and, untimed, the cleaned corpus + tokenizer that shard reads (work/prep).
+    Returns (input bytes, cleaned bytes)."""
+    sizes = build_input(work / "in", args.mb)
+    print(
+        f"input: {sum(sizes) / 1e6:.1f} MB in {len(sizes)} JSONL files (largest "
+        f"{max(sizes) / 1e6:.1f} MB, clean units of {args.chunk_mb:g} MB) under {work / 'in'}"
+    )
+    prep = work / "prep"
+    run(
+        [CODEX, "data", "clean", "--run", str(prep), "--input", str(work / "in")]
+        + ["--preset", "code", "--workers", "2"],
+        "prep clean (code preset)",
+    )
+    tok = ["--vocab-size", "8192", "--max-chars", str(args.tok_chars)]
+    run([CODEX, "data", "tokenize", "--run", str(prep), *tok], "tokenize")
+    shard_bytes = json.loads((prep / "clean" / "stats.json").read_text())["bytes_out"]
+    print(f"shard input: {shard_bytes / 1e6:.1f} MB cleaned (local --preset code, untimed)")
+    return sum(sizes), shard_bytes
+
+
+def run_config(work: Path, name: str, nodes: int, args) -> dict:
+    """One configuration: clean, then shard, each from scratch. {clean_s, shard_s, digests}."""
+    tag = name.replace(" ", "_")
+    crun, srun = work / f"clean_{tag}", work / f"shard_{tag}"
+    for folder in (crun, srun):
+        shutil.rmtree(folder, ignore_errors=True)
     clean_args = [*CLEAN_ARGS, "--set", f"data.clean.chunk_bytes={int(args.chunk_mb * 1e6)}"]
+    if nodes:
+        addr, ray_tmp = start_ray(nodes, not args.no_pin_ray)
+        flags = ["--executor", "ray", "--ray-address", addr]
+        pre: list[str] = []
+    else:
+        flags, pre = ["--workers", "1"], ["taskset", "-c", str(first_core())]
     try:
-        sizes = build_input(work / "in", args.mb)
-        in_bytes = sum(sizes)
-        print(
-            f"input: {in_bytes / 1e6:.1f} MB in {len(sizes)} JSONL files (largest "
-            f"{max(sizes) / 1e6:.1f} MB, clean units of {args.chunk_mb:g} MB) under {work / 'in'}"
-        )
-        prep = work / "prep"
-        run(
-            [CODEX, "data", "clean", "--run", str(prep), "--input", str(work / "in")]
-            + ["--preset", "code", "--workers", "2"],
-            "prep clean (code preset)",
-        )
-        tok = ["--vocab-size", "8192", "--max-chars", str(args.tok_chars)]
-        run([CODEX, "data", "tokenize", "--run", str(prep), *tok], "tokenize")
-        shard_bytes = json.loads((prep / "clean" / "stats.json").read_text())["bytes_out"]
-        print(f"shard input: {shard_bytes / 1e6:.1f} MB cleaned (local --preset code, untimed)")
-
-        rows = []
-        for name, nodes in CONFIGS:
-            tag = name.replace(" ", "_")
-            if nodes:
-                addr, ray_tmp = start_ray(nodes, not args.no_pin_ray)
-                flags = ["--executor", "ray", "--ray-address", addr]
-                pre: list[str] = []
-            else:
-                flags, pre = ["--workers", "1"], ["taskset", "-c", str(first_core())]
-            try:
-                crun, srun = work / f"clean_{tag}", work / f"shard_{tag}"
-                cmd = [CODEX, "data", "clean", "--run", str(crun), "--input", str(work / "in")]
-                clean_s = run(pre + cmd + clean_args + flags, f"{name}: clean")
-                for sub in ("clean", "tokenizer"):
-                    shutil.copytree(prep / sub, srun / sub)
-                cmd = [CODEX, "data", "shard", "--run", str(srun)]
-                cmd += ["--shard-tokens", str(args.shard_tokens)]
-                shard_s = run(pre + cmd + flags, f"{name}: shard")
-            except SystemExit:
-                if nodes:  # what Ray's own processes said before they are stopped
-                    for log in sorted(Path(ray_tmp).glob("session_latest/logs/*.out")):
-                        tail = log.read_text(errors="replace")[-1500:].strip()
-                        print(f"--- {log.name}:\n{tail}" if tail else "", file=sys.stderr)
-                raise
-            finally:
-                if nodes:
-                    stop_ray(ray_tmp)
-            out = digests(crun / "clean", ["part-*.parquet", "stats.json"])
-            out |= digests(srun / "shards", ["*.npy", "manifest.json"])
-            rows.append(
-                {
-                    "config": name,
-                    "cpus": max(nodes, 1),
-                    "clean_s": clean_s,
-                    "clean_mb_s": in_bytes / 1e6 / clean_s,
-                    "shard_s": shard_s,
-                    "shard_mb_s": shard_bytes / 1e6 / shard_s,
-                    "digests": out,
-                }
-            )
-        ref = rows[0]["digests"]
-        for r in rows:
-            r["identical"] = r.pop("digests") == ref
+        cmd = [CODEX, "data", "clean", "--run", str(crun), "--input", str(work / "in")]
+        clean_s = run(pre + cmd + clean_args + flags, f"{name}: clean")
+        for sub in ("clean", "tokenizer"):
+            shutil.copytree(work / "prep" / sub, srun / sub)
+        cmd = [CODEX, "data", "shard", "--run", str(srun), "--shard-tokens", str(args.shard_tokens)]
+        shard_s = run(pre + cmd + flags, f"{name}: shard")
+    except SystemExit:
+        if nodes:  # what Ray's own processes said before they are stopped
+            for log in sorted(Path(ray_tmp).glob("session_latest/logs/*.out")):
+                tail = log.read_text(errors="replace")[-1500:].strip()
+                print(f"--- {log.name}:\n{tail}" if tail else "", file=sys.stderr)
+        raise
     finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        if nodes:
+            stop_ray(ray_tmp)
+    out = digests(crun / "clean", ["part-*.parquet", "stats.json"])
+    out |= digests(srun / "shards", ["*.npy", "manifest.json"])
+    return {"clean_s": clean_s, "shard_s": shard_s, "digests": out}
 
+
+def report(rows: list[dict], in_bytes: int, shard_bytes: int) -> dict:
+    """Print the table (median seconds over the rounds), the targets and the CPU-hours per TB."""
     print(f"\n{'config':16} {'clean s':>8} {'MB/s':>7} {'shard s':>8} {'MB/s':>7}  identical")
     for r in rows:
+        r["clean_mb_s"] = in_bytes / 1e6 / r["clean_s"]
+        r["shard_mb_s"] = shard_bytes / 1e6 / r["shard_s"]
         print(
             f"{r['config']:16} {r['clean_s']:8.1f} {r['clean_mb_s']:7.2f} {r['shard_s']:8.1f} "
             f"{r['shard_mb_s']:7.2f}  {'yes' if r['identical'] else 'no'}"
@@ -264,13 +243,64 @@ def main() -> None:
         "\ncaveat: the codex driver runs outside the Ray nodes' CPUs (unpinned) and also uses CPU;"
         f" this machine has {os.cpu_count()} cores."
     )
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=200, help="input size in MB")
+    ap.add_argument("--chunk-mb", type=float, default=8, help="clean's unit size (chunk_bytes)")
+    ap.add_argument("--shard-tokens", type=int, default=10_000_000)
+    ap.add_argument("--tok-chars", type=int, default=20_000_000, help="tokenizer --max-chars")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of all configs; medians")
+    ap.add_argument("--workdir", default="", help="default: a new temp dir")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--no-pin-ray", action="store_true", help="do not pin Ray node i to core i")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_scale_"))
+    if work.exists() and any(work.iterdir()):  # the stages would resume from what is there
+        raise SystemExit(f"--workdir {work} is not empty")
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        in_bytes, shard_bytes = prepare(work, args)
+        # rounds interleave the configurations, so a slow spell of a shared machine hits all
+        runs: dict[str, list[dict]] = {name: [] for name, _ in CONFIGS}
+        for i in range(args.repeats):
+            for name, nodes in CONFIGS:
+                r = run_config(work, name, nodes, args)
+                runs[name].append(r)
+                print(
+                    f"round {i + 1}: {name:16} clean {r['clean_s']:6.1f} s  shard "
+                    f"{r['shard_s']:6.1f} s",
+                    flush=True,
+                )
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    ref = runs[CONFIGS[0][0]][0]["digests"]
+    rows = [
+        {
+            "config": name,
+            "cpus": max(nodes, 1),
+            "clean_s": statistics.median(r["clean_s"] for r in runs[name]),
+            "shard_s": statistics.median(r["shard_s"] for r in runs[name]),
+            "clean_s_all": [r["clean_s"] for r in runs[name]],
+            "shard_s_all": [r["shard_s"] for r in runs[name]],
+            "identical": all(r["digests"] == ref for r in runs[name]),
+        }
+        for name, nodes in CONFIGS
+    ]
+    ratios = report(rows, in_bytes, shard_bytes)
     if args.json:
         result = {
             "input_bytes": in_bytes,
-            "input_files": sizes,
             "shard_input_bytes": shard_bytes,
             "chunk_mb": args.chunk_mb,
             "shard_tokens": args.shard_tokens,
+            "repeats": args.repeats,
             "cores": os.cpu_count(),
             "pin_ray": not args.no_pin_ray,
             "rows": rows,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from codex.config import ConfigError
-from codex.progress import Progress, setup_logging
+from codex.progress import Progress, adopt_library_loggers, log_file, setup_logging
 
 log = logging.getLogger("codex.executor")
 
@@ -161,14 +161,15 @@ def connect_ray(where: Where):
             return ray
         ray.shutdown()  # attached elsewhere (another stage of this process asked for another)
     debug = bool(os.environ.get("CODEX_DEBUG"))
-    # One Ray task is one CPU: the encoder and numpy must not start a thread per core in each.
-    threads = {k: "1" for k in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    threads["TOKENIZERS_PARALLELISM"] = "false"
+    # Ray's driver lines go through codex's handlers: INFO to the log file (RUN/logs/), ERROR and
+    # above to the terminal (codex/progress.py: TERMINAL_LEVELS)
+    adopt_library_loggers()
+    # No runtime_env: tasks then run on the workers each raylet keeps warm for the default
+    # environment instead of new ones; _one_cpu sets a task's threads.
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
         "log_to_driver": debug,
-        "logging_level": logging.INFO if debug else logging.ERROR,
-        "runtime_env": {"env_vars": threads},
+        "logging_level": logging.INFO if debug or log_file() else logging.ERROR,
     }
     if address is None:
         kwargs["num_cpus"] = where.workers
@@ -188,6 +189,14 @@ def connect_ray(where: Where):
     return ray
 
 
+def _one_cpu(fn, unit):
+    """A Ray task: fn(unit) on its one CPU. Ray sets OMP_NUM_THREADS to the task's CPUs; the
+    encoder's thread pool (rayon, built on first use in the worker) is held to one thread too."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return fn(unit)
+
+
 def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
     ray = connect_ray(where)
     # SPREAD: units go to every node from the start, rather than packing onto the first node until
@@ -197,7 +206,8 @@ def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
         max_retries=RAY_MAX_RETRIES,
         retry_exceptions=False,
         scheduling_strategy="SPREAD",
-    )(fn)
+    )(_one_cpu)
+    named = task.options(name=fn.__name__)  # `ray::clean_unit` in ps and Ray's state API
     # A bounded number in flight: the driver holds refs, not results, and a huge plan does not
     # flood the scheduler; twice the CPUs keeps every worker fed.
     limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
@@ -208,7 +218,7 @@ def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
         while queue or running:
             while queue and len(running) < limit:
                 u = queue.pop()
-                running[task.remote(u)] = u
+                running[named.remote(fn, u)] = u
             done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
             for ref in done:
                 u = running.pop(ref)
