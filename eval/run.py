@@ -57,8 +57,8 @@ def _run_eval(cfg, backend) -> dict:
         )
     T, B = trained_seq_len(run_cfg), eval_batch_size(cfg, run_cfg)
     # The same layout as training's validation (train/loop.py): one loader per data-loading
-    # process (under XLA SPMD one per host, feeding all its chips), and on XLA full batches with a
-    # row mask, since XLA compiles one graph per shape.
+    # process (under XLA SPMD one per host, feeding all its chips); with several of them, and on
+    # XLA, the same number of full batches on every rank with a row mask (val_batches).
     rank, world, rows = loader_layout(backend, B)
     with_mask = backend.fixed_shapes
     model = unwrap(backend.prepare_model(model))

@@ -113,10 +113,10 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
             "needed for bits per byte; re-run `codex data tokenize`"
         )
     rank, world, rows = loader_layout(backend, plan.device_batch)
-    # A sharded model all-gathers its weights in every forward, so every rank must run the same
-    # number of batches: masked, equal-count batches (as fixed-shape XLA needs anyway). Without
-    # them a rank with no rows left skips to the loss all-reduce while another waits in an
-    # all-gather, until the collective timeout.
+    # With several loaders every rank gets the same number of masked batches (val_batches), in
+    # every layout: a sharded model all-gathers its weights in every forward, so a rank with no
+    # rows left that skipped a batch would wait in the loss all-reduce while another waits in an
+    # all-gather, until the collective timeout. XLA wants masked full batches in one process too.
     batches = val_batches(
         rundir.shards_dir(cfg.run),
         seq_len=plan.seq_len,
@@ -124,7 +124,7 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
         rank=rank,
         world_size=world,
         max_tokens=cfg.train.eval_tokens,
-        with_mask=backend.fixed_shapes or plan.layout.sharded,
+        with_mask=backend.fixed_shapes,
     )
     # The uncompiled module: validation batches may have another shape than training's.
     return run.evaluate(unwrap(model), batches, run.token_bytes, backend=backend)

@@ -365,17 +365,7 @@ def run_clean(cfg) -> dict:
         later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)),
     )
     out = stage.out
-    try:
-        files, skipped = clean_inputs(c)
-    except BadInputFile as e:
-        raise ConfigError(str(e)) from None
-    filters: list[str] = []  # every filter any input runs, in order
-    for preset in sorted({f.preset for f in files}):
-        filters += [n for n in active_filters(c, preset) if n not in filters]
-    if not files:
-        raise ConfigError(
-            f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})"
-        )
+    files, skipped, filters = _inputs_and_filters(c)
     fingerprint = _fingerprint(c, files)
     units = plan_units(files, c)
     markers = _read_markers(stage, fingerprint)
@@ -416,6 +406,29 @@ def run_clean(cfg) -> dict:
         )
         stats = summarize([markers[u.name] for u in mine], filters, files, skipped)
         stats["units_run"] = len(todo)
+    _refuse_bad_outcome(stats, out)
+    return stats
+
+
+def _inputs_and_filters(c) -> tuple[list, list, list[str]]:
+    """(the input files, the skipped ones, every filter any input runs, in order)."""
+    try:
+        files, skipped = clean_inputs(c)
+    except BadInputFile as e:
+        raise ConfigError(str(e)) from None
+    if not files:
+        raise ConfigError(
+            f"no input files of a supported type in {c.inputs} (skipped {len(skipped)})"
+        )
+    filters: list[str] = []
+    for preset in sorted({f.preset for f in files}):
+        filters += [n for n in active_filters(c, preset) if n not in filters]
+    return files, skipped, filters
+
+
+def _refuse_bad_outcome(stats: dict, out: str) -> None:
+    """Exit 1 for a run whose outputs are written but must not pass silently: failed input files,
+    nothing kept, or under 1% kept (without --allow-low-yield)."""
     failed = stats["bad_input"]["failed_files"]
     if failed:
         raise CleanError(
@@ -432,7 +445,6 @@ def run_clean(cfg) -> dict:
             f"{out}: {yield_problem(stats)}; if that is right, rerun with --allow-low-yield "
             "(only the dedup pass runs again)"
         )
-    return stats
 
 
 def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:

@@ -820,6 +820,31 @@ def _check_shards(out: str, manifest: dict, where: Where) -> tuple[list[dict], l
     return good, bad
 
 
+def _encode_units(
+    files: list[str], units_dir: str, cfg: Config, meta: dict, dtype: str, fingerprint: str
+) -> list[_EncodeUnit]:
+    """One encode unit per cleaned part, in corpus order."""
+    s = cfg.data.shard
+    tok_dir = rundir.tokenizer_dir(cfg.run)
+    return [
+        _EncodeUnit(
+            i,
+            f,
+            units_dir,
+            fsio.join(tok_dir, "tokenizer.json"),
+            meta["sha256"],
+            meta["special_ids"]["bos"],
+            meta["special_ids"]["eos"],
+            s.append_eos,
+            dtype,
+            s.chunk_chars,
+            s.val_fraction,
+            fingerprint,
+        )
+        for i, f in enumerate(files)
+    ]
+
+
 def run_shard(cfg: Config) -> dict:
     """Tokenize RUN/clean into shards under cfg.data.shard.out (default RUN/shards); returns the
     manifest."""
@@ -856,23 +881,7 @@ def run_shard(cfg: Config) -> dict:
     remove_temp_files(out)
 
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    units = [
-        _EncodeUnit(
-            i,
-            f,
-            units_dir,
-            fsio.join(tok_dir, "tokenizer.json"),
-            meta["sha256"],
-            meta["special_ids"]["bos"],
-            meta["special_ids"]["eos"],
-            s.append_eos,
-            dtype,
-            s.chunk_chars,
-            s.val_fraction,
-            fingerprint,
-        )
-        for i, f in enumerate(files)
-    ]
+    units = _encode_units(files, units_dir, cfg, meta, dtype, fingerprint)
     parts = _encode_phase(units, scanned, where)
     w = _WriteSettings(
         s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint

@@ -323,6 +323,23 @@ class TrainLoader:
 # ----------------------------------------------------------------------------- validation
 
 
+def val_window_ids(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
+    """This rank's validation batches as window ids, the same number on every rank.
+
+    There are ceil(n / (B*W)) steps whatever the rank; step g covers windows [g*B*W, (g+1)*B*W)
+    and rank r takes g*B*W + r + k*W (k < B), like training. An id >= n is past the end: it is -1
+    here, a filler row that must count nothing. So a rank that has run out of windows still has a
+    batch at every step (all filler), and the ids >= 0 over all ranks are 0 .. n-1, each once."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    per_step = batch_size * world_size
+    k = world_size * np.arange(batch_size, dtype=np.int64)
+    steps = (n + per_step - 1) // per_step
+    return [np.where(ids < n, ids, -1) for ids in (g * per_step + rank + k for g in range(steps))]
+
+
 def val_batches(
     shards_dir: str,
     seq_len: int,
@@ -336,14 +353,18 @@ def val_batches(
 ):
     """The val split in a fixed order (window 0, 1, 2, ...), every window exactly once across ranks.
 
-    Step g covers windows [g*B*W, (g+1)*B*W); rank r takes g*B*W + r + k*W (k < B), like training.
-    `max_tokens` > 0 keeps only the first max_tokens // seq_len windows (at least one).
+    Step g covers windows [g*B*W, (g+1)*B*W); rank r takes g*B*W + r + k*W (k < B), like training
+    (val_window_ids). `max_tokens` > 0 keeps only the first max_tokens // seq_len windows (at
+    least one).
 
-    with_mask=False: yields (x, y); the last batch of a rank may be smaller (rows past the end are
-    dropped), and a rank with nothing left yields nothing, so ranks may yield different counts.
-    with_mask=True (XLA, or any collective per batch): every rank yields the same number of full
+    Several ranks (world_size > 1), or with_mask=True: every rank yields the same number of full
     (x, y, mask) batches; mask is a bool [B] that is False for filler rows (copies of window 0,
-    real tokens) whose losses must be ignored.
+    real tokens) whose losses must be ignored. Equal counts always, not only where a layout needs
+    them: a sharded model (fsdp, HSDP) all-gathers its weights in every forward, so a rank that
+    skipped a batch would sit in the final loss all-reduce while the others wait for it in an
+    all-gather, until the collective timeout. XLA (with_mask=True) needs full batches of one shape
+    even in one process, since it compiles one graph per shape.
+    One process without with_mask: yields (x, y); the last batch may be smaller.
 
     9 parameters: keyword options with defaults, as torch's DataLoader takes them; three are
     required."""
@@ -351,22 +372,16 @@ def val_batches(
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     sp = load_split(shards_dir, split, seq_len)
     n = sp.windows if max_tokens <= 0 else min(sp.windows, max(1, max_tokens // seq_len))
+    masked = with_mask or world_size > 1
     reader = ShardReader(sp, cache_dir)
-    per_step = batch_size * world_size
     try:
-        for g in range((n + per_step - 1) // per_step):
-            ids = g * per_step + rank + world_size * np.arange(batch_size, dtype=np.int64)
-            valid = ids < n
-            if with_mask:
-                ids = np.where(valid, ids, 0)
-            else:
-                ids = ids[valid]
-                if len(ids) == 0:
-                    continue
+        for ids in val_window_ids(n, batch_size, rank, world_size):
+            valid = ids >= 0
+            ids = np.where(valid, ids, 0) if masked else ids[valid]
             x = np.empty((len(ids), seq_len), dtype=np.int64)
             y = np.empty((len(ids), seq_len), dtype=np.int64)
             gather(reader, ids, x, y)
-            if with_mask:
+            if masked:
                 yield torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(valid)
             else:
                 yield torch.from_numpy(x), torch.from_numpy(y)
