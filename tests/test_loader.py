@@ -212,8 +212,10 @@ def test_val_covers_every_window_once_in_fixed_order(shards, W):
     n, B = len(first), 4
     seen, masked_seen, counts = [], [], []
     for r in range(W):
+        # several ranks: masked, equal-count batches whatever with_mask says (one process: (x, y))
         batches = list(val_batches(shards, T, B, rank=r, world_size=W))
-        seen += [w for x, _ in batches for w in ids_of(x, first)]
+        assert all(len(b) == (2 if W == 1 else 3) for b in batches)
+        seen += [w for b in batches for w in ids_of(b[0] if W == 1 else b[0][b[2]], first)]
         mb = list(val_batches(shards, T, B, rank=r, world_size=W, with_mask=True))
         counts.append(len(mb))
         for x, _y, mask in mb:
