@@ -67,7 +67,7 @@ def tokenize_to_shard(
         )
     budget = max_tokens + 1 if max_tokens > 0 else None
     parts, documents = _encode_data_files(
-        files, cfg.data.clean, encoder, tok, budget, backend.is_main
+        files, cfg.data.clean, encoder, encoder.load(), budget, backend.is_main
     )
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     if budget is not None:

@@ -63,12 +63,11 @@ from typing import IO
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tokenizers import Tokenizer
 
 from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from codex.progress import Progress
-from pipeline.encode import Encoder, token_dtype
+from pipeline.encode import Encoder, EncodeWith, token_dtype
 from pipeline.executor import Where, run_units, where_for, worker_id
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches
@@ -416,10 +415,10 @@ class _EncodeUnit:
 
 
 # one tokenizer per process, loaded by its first unit
-_encoders: dict[tuple, tuple[Encoder, Tokenizer]] = {}
+_encoders: dict[tuple, tuple[Encoder, EncodeWith]] = {}
 
 
-def _encoder_for(u: _EncodeUnit) -> tuple[Encoder, Tokenizer]:
+def _encoder_for(u: _EncodeUnit) -> tuple[Encoder, EncodeWith]:
     key = (u.tokenizer_sha256, u.bos, u.eos, u.append_eos, u.dtype, u.chunk_chars)
     if key not in _encoders:
         data = fsio.read_bytes(u.tokenizer_path)
@@ -456,7 +455,7 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
     return marker
 
 
-def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: Tokenizer) -> dict:
+def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: EncodeWith) -> dict:
     """Stream the part's documents through the encoder into SPLIT.tokens (ids, in order) and
     SPLIT.lens (tokens per document, int64)."""
     documents = dict.fromkeys(SPLITS, 0)
