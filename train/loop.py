@@ -176,6 +176,7 @@ def _train(
     window = LossWindow(backend, plan.accum, log_window)
     meters = Meters(window, StepTimer(backend, state.step, state.tokens), metrics, progress)
     model.train()
+    first_step = state.step  # this process's first step (0, or the step resumed from)
     try:
         while state.step < plan.total_steps:
             # --- one optimizer step ---
@@ -218,6 +219,10 @@ def _train(
                     reason = "preempted" if stopping else "final" if last else "periodic"
                     state.saving = _save(run, meters, parts, state, reason)
                 state.saved_at = state.step
+            if state.step == first_step + 1:
+                # Start-up is over (checkpoint load, torch.compile, the first step, validation or
+                # save): collectives get train.dist_timeout_s instead of dist_init_timeout_s.
+                backend.first_step_done()
             if stopping:
                 break
         if state.saving is not None:

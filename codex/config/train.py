@@ -69,6 +69,11 @@ class TrainConfig:
     # a multi-host preset or torchrun over several nodes with a local --run: true = every host
     # sees it (NFS); checked at start (ControlPlane.check_shared_dir)
     shared_run_dir: bool = False
+    # CPU/CUDA process groups (as torchtitan): collectives may wait this long until this process's
+    # first step is done (start-up, checkpoint load, torch.compile), then train.dist_timeout_s. A
+    # hung peer then ends the job after that (NCCL dumps its flight recorder); a dead one at once.
+    dist_init_timeout_s: float = 600.0
+    dist_timeout_s: float = 300.0
     bos_aligned: bool = False  # training windows start at a document's <|bos|> where one fits
     # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle
     shuffle_shards: int = 0

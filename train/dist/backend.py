@@ -21,7 +21,15 @@ over every token of the global batch.
 Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for
 several machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL
 on CUDA. There is no silent fallback: a CUDA preset without CUDA, or a device count that does not
-match the launch, is an error that says what was found and how to fix it.
+match the launch, is an error that says what was found and how to fix it. One GPU per process
+(Slurm's --gpus-per-task=1: CUDA_VISIBLE_DEVICES names one device) runs on that process's cuda:0.
+
+Failure handling, as torchtitan does it (`process_group_env`, `TorchBackend.first_step_done`,
+`TorchBackend.close`): before the process group exists, the NCCL flight recorder is switched on
+(dumped on a watchdog timeout, under RUN/logs/ for a local run) and GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME name the interface that reaches MASTER_ADDR, each only where the user left it
+unset; collectives wait train.dist_init_timeout_s until this process's first step is done, then
+train.dist_timeout_s; a rank that raises aborts its process groups instead of waiting for peers.
 """
 
 from __future__ import annotations
@@ -29,10 +37,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import ipaddress
+import logging
 import os
 import signal
+import socket
+import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -40,6 +52,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from codex import fsio
 from codex.config import ConfigError
 from model.gpt import build_model
 from train.dist.control import ControlPlane, control_timeout
@@ -52,6 +65,8 @@ try:
     import resource
 except ImportError:  # pragma: no cover - Windows has no resource module
     resource = None
+
+log = logging.getLogger("codex.train")
 
 
 class BackendError(ConfigError):
@@ -102,6 +117,8 @@ class Backend(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def any_flag(self, flag: bool) -> bool: ...  # True on every rank if any rank's flag is set
     def step_boundary(self) -> None: ...
+    # Every rank, once, after its first optimizer step: collectives get the shorter timeout.
+    def first_step_done(self) -> None: ...
     def synchronize(self) -> None: ...
     def barrier(self) -> None: ...
     def memory_stats(self) -> dict[str, float]: ...
@@ -147,6 +164,7 @@ class TorchBackend:
     compile: bool = False
     bucket_bytes: int = 64 << 20  # gradient all-reduce bucket size (fewer, larger collectives)
     distributed: bool = False
+    step_timeout_s: float = 300.0  # train.dist_timeout_s: collectives after the first step
     # host-side gloo (train/dist/control.py)
     control: ControlPlane = field(default_factory=ControlPlane)
     devices_per_loader: int = 1
@@ -261,6 +279,29 @@ class TorchBackend:
     def step_boundary(self) -> None:
         pass  # eager CPU/CUDA: nothing to cut; XLA cuts the graph here
 
+    def first_step_done(self) -> None:
+        """torchtitan's set_pg_timeouts: start-up (checkpoint load, torch.compile, the first
+        step) ran under train.dist_init_timeout_s; from here every process group but the control
+        plane's (which waits for checkpoint writes) times out after train.dist_timeout_s, so a hung
+        peer ends the job in minutes, not half an hour. Every rank calls it at the same step; the
+        barrier first, so no rank waits under the short timeout for a peer still in its first
+        step."""
+        if not (self.distributed and dist.is_initialized()):
+            return
+        self.control.barrier()
+        self.synchronize()
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
+        keep = self.control.groups()
+        for group in list(c10d._world.pg_map):
+            if all(group is not g for g in keep) and not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timeout, group)
+        if self.is_main:
+            log.info(
+                "collectives now time out after %g s (train.dist_timeout_s)", self.step_timeout_s
+            )
+
     def synchronize(self) -> None:
         """Block until the device has finished all queued work (timing must come after this)."""
         if self.device.type == "cuda":
@@ -293,10 +334,16 @@ class TorchBackend:
         if ok:
             self.control.barrier()
             dist.destroy_process_group()
-        elif self.device.type == "cpu":
-            with contextlib.suppress(Exception):
-                # gloo: closes the sockets now; NCCL is left to process exit
-                dist.destroy_process_group()
+            return
+        with contextlib.suppress(Exception):
+            if self.device.type == "cuda":
+                # NCCL: abort every communicator (ncclCommAbort) so that this process exits now
+                # instead of waiting for its unfinished collectives, and its peers' fail
+                from torch.distributed import distributed_c10d as c10d
+
+                c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()  # gloo: closes the sockets now
 
 
 def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
@@ -316,6 +363,10 @@ def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
             "Fix: run on a GPU machine with a CUDA build of torch, or pass --hardware cpu."
         )
     found = torch.cuda.device_count()
+    # One GPU per process (Slurm --gpus-per-task=1, or a launcher that sets CUDA_VISIBLE_DEVICES
+    # per rank): each process sees only its own GPU, as cuda:0. Ranks given the same one fail
+    # loudly in NCCL's init ("Duplicate GPU detected").
+    own_gpu = found == 1 and len(visible_devices()) == 1
     if local_world != preset.devices_per_host:
         raise BackendError(
             f"hardware preset '{preset.name}' has {preset.devices_per_host} GPU(s) per host "
@@ -324,21 +375,119 @@ def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:
             "-m codex.cli -- train ... (or pick the preset that matches, "
             f"e.g. --hardware {preset.family}-{local_world})."
         )
-    if found < local_world:
+    if found < local_world and not own_gpu:
         raise BackendError(
             f"hardware preset '{preset.name}' wants {local_world} GPU(s) on this host, "
             f"found {found} "
             f"({', '.join(torch.cuda.get_device_name(i) for i in range(found)) or 'none'}). "
             f"Fix: use --hardware {preset.family}-{found}"
             + (" or" if found else "")
-            + " check CUDA_VISIBLE_DEVICES."
+            + " check CUDA_VISIBLE_DEVICES (one GPU per process is fine: it must name exactly one)."
         )
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", 0 if own_gpu else local_rank)
     torch.cuda.set_device(device)
     # TF32 for any fp32 matmul that autocast leaves alone (e.g. under dtype=fp32).
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     return device
+
+
+def visible_devices() -> list[str]:
+    """The devices CUDA_VISIBLE_DEVICES names (indices or UUIDs); [] when it is unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [] if value is None else [d for d in value.split(",") if d.strip()]
+
+
+# NCCL's flight recorder (torchtitan's settings): the last collectives of each rank in a ring,
+# written to DUMP_FILE + rank when the watchdog sees a timeout, so a hang names the rank and the
+# collective that never arrived (`python -m torch.distributed.flight_recorder.fr_trace`).
+# The TORCH_NCCL_* names are the ones every torch >= 2.5 reads; newer torch prefers TORCH_FR_*.
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+FLIGHT_RECORDER_ALIASES = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE",
+}
+DUMP_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def process_group_env(kind: str, run: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables make_torch_backend sets before the process group exists, each only where
+    `environ` (and its newer alias) leaves it unset: on CUDA the flight recorder (its dump under
+    RUN/logs/ for a local run, else torch's /tmp default); on several hosts (MASTER_ADDR not a
+    loopback address) GLOO_SOCKET_IFNAME, and on CUDA NCCL_SOCKET_IFNAME, set to the interface that
+    reaches MASTER_ADDR (gloo otherwise picks the one its hostname resolves to, which on many
+    clusters is not the one the nodes reach each other by)."""
+
+    def unset(name: str) -> bool:
+        alias = FLIGHT_RECORDER_ALIASES.get(name)
+        return name not in environ and (alias is None or alias not in environ)
+
+    wanted = dict(FLIGHT_RECORDER) if kind == "cuda" else {}
+    if kind == "cuda" and not fsio.is_remote(run):
+        wanted[DUMP_FILE] = os.path.join(os.path.abspath(run), "logs", "nccl_trace_rank_")
+    names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if kind == "cuda" else [])
+    master = environ.get("MASTER_ADDR", "")
+    if master and any(unset(n) for n in names) and not is_loopback(master):
+        interface = route_interface(master)
+        if interface:
+            wanted |= dict.fromkeys(names, interface)
+    return {k: v for k, v in wanted.items() if unset(k)}
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` (a name or an address) resolves to a loopback address (one host)."""
+    try:
+        return all(
+            ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
+            for info in socket.getaddrinfo(host, None)
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def route_interface(host: str) -> str | None:
+    """The network interface (e.g. "eth0", "lo") whose address this machine sends from to reach
+    `host`: a UDP socket connected to it (no packet is sent) gives the source address the kernel's
+    routing picks, then the interface that holds that address. None when unknown."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            local = str(s.getsockname()[0]).split("%")[0]
+    except OSError:
+        return None
+    return interface_with_address(local)
+
+
+def interface_with_address(address: str) -> str | None:
+    """The interface that holds `address` (Linux: SIOCGIFADDR for IPv4, /proc/net/if_inet6 for
+    IPv6; the standard library has no getifaddrs)."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:  # address (32 hex digits), index, prefix, scope, flags, name
+                    fields = line.split()
+                    if len(fields) == 6 and ipaddress.ip_address(int(fields[0], 16)) == ip:
+                        return fields[5]
+        except OSError:
+            return None
+        return None
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if got == address:
+                return name
+    return None
 
 
 def die_with_launcher() -> None:
@@ -368,10 +517,12 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
 
     if launched:
         die_with_launcher()
+        set_process_group_env(preset.kind, cfg.run, rank)
         if not dist.is_initialized():
             kwargs: dict[str, Any] = {
                 "backend": pg_backend,
-                "timeout": datetime.timedelta(minutes=30),
+                # start-up, until first_step_done shortens it to train.dist_timeout_s
+                "timeout": datetime.timedelta(seconds=cfg.train.dist_init_timeout_s),
             }
             if pg_backend == "nccl":
                 kwargs["device_id"] = device
@@ -382,8 +533,9 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
             )
     control = ControlPlane()
     if launched:
-        # Its own gloo group with the control plane's timeout (the default group keeps 30 min: a
-        # first gradient all-reduce may wait for a peer's torch.compile).
+        # Its own gloo group with the control plane's timeout (the default group's is
+        # train.dist_init_timeout_s until the first step is done: a first gradient all-reduce may
+        # wait for a peer's torch.compile; then train.dist_timeout_s).
         control = ControlPlane(
             dist.new_group(backend="gloo", timeout=control_timeout()), rank, world
         )
@@ -396,5 +548,18 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
         autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
         compile=bool(cfg.train.compile) and preset.kind == "cuda",
         distributed=launched,
+        step_timeout_s=cfg.train.dist_timeout_s,
         control=control,
     )
+
+
+def set_process_group_env(kind: str, run: str, rank: int) -> None:
+    """process_group_env(...) into os.environ (NCCL and gloo read it when the process group is
+    made), the flight recorder's folder made, and the choice logged once."""
+    env = process_group_env(kind, run, os.environ)
+    os.environ.update(env)
+    if DUMP_FILE in env:
+        with contextlib.suppress(OSError):  # no folder: NCCL's dump fails, training does not
+            os.makedirs(os.path.dirname(env[DUMP_FILE]), exist_ok=True)
+    if env and rank == 0:
+        log.info("process group environment: %s", " ".join(f"{k}={v}" for k, v in env.items()))

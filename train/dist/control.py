@@ -14,8 +14,10 @@ no device value is read back, so a per-step stop check does not drain an acceler
 
 Timeouts: the control group waits CONTROL_TIMEOUT_S (env CODEX_CONTROL_TIMEOUT_S, default 600 s)
 in any collective: long enough for rank 0 to write a large checkpoint to gs:// while the others
-wait in the barrier after it, short against the default 30 min. A dead peer is not waited for:
-gloo sees its sockets close and the collective raises at once; the timeout catches a hung peer.
+wait in the barrier after it. It keeps it when the CPU/CUDA backend shortens every other group's
+to train.dist_timeout_s after the first step (`groups()`, TorchBackend.first_step_done). A dead
+peer is not waited for: gloo sees its sockets close and the collective raises at once; the timeout
+catches a hung peer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +69,13 @@ class ControlPlane:
             group = dist.new_group(backend="gloo", timeout=control_timeout())
             self._background = ControlPlane(group, self.rank, self.world)
         return self._background
+
+    def groups(self) -> list:
+        """The gloo groups this control plane owns (its own, the background one once made): their
+        timeout stays CONTROL_TIMEOUT_S when the backend shortens the others' after the first
+        step."""
+        own = [self.group] + ([self._background.group] if self._background is not None else [])
+        return [g for g in own if g is not None]
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -204,6 +214,8 @@ def rank_tag(control: ControlPlane) -> str:
 
 # "RANK:STEP": that control-plane rank raises before that step (tests)
 FAULT_ENV = "CODEX_TEST_RAISE_AT"
+# "RANK:STEP:SECONDS[,...]": that rank sleeps that long before that step, a hung peer (tests)
+STALL_ENV = "CODEX_TEST_STALL_AT"
 
 
 def injected_step_fault(control: ControlPlane, step: int) -> None:
@@ -212,3 +224,8 @@ def injected_step_fault(control: ControlPlane, step: int) -> None:
         raise RuntimeError(
             f"{FAULT_ENV}={spec}: injected failure on rank {control.rank} at step {step}"
         )
+    for stall in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+        rank, at, seconds = stall.split(":")
+        if (int(rank), int(at)) == (control.rank, step):
+            log.warning("%s: rank %s stalls %s s before step %d", STALL_ENV, rank, seconds, step)
+            time.sleep(float(seconds))

@@ -190,6 +190,9 @@ class XLABackend:
         ahead)."""
         return self.control.any_flag(flag)
 
+    def first_step_done(self) -> None:
+        pass  # the control plane's gloo group keeps its timeout; XLA's own collectives have none
+
     def step_boundary(self) -> None:
         import torch_xla
 
