@@ -1,11 +1,17 @@
-"""Training throughput: `codex train` (train/loop.py) against a bare PyTorch loop on the same model.
+"""Training throughput: `codex train` (train/loop.py) against a bare PyTorch loop on the same model
+and the same optimizer.
 
     python bench/bench_train.py                      # CPU: tiny preset, codex vs bare loop
     python bench/bench_train.py --models 124m 350m   # on a CUDA machine: tokens/s and MFU
+    python bench/bench_train.py --optimizer adamw    # both sides on AdamW
 
 The bare loop is what codex's overhead is measured against: the same model (model/gpt.py), the
-same batch, forward, backward, AdamW step, nothing else (no loader thread, no grad clipping, no
-logging, no all-reduce call, no checkpoint). codex runs its full loop (loader, LR schedule,
+same batch, forward, backward, the same optimizer step, nothing else (no loader thread, no grad
+clipping, no logging, no all-reduce call, no checkpoint). The optimizer is train.optimizer on both
+sides (--optimizer; default codex's default, muon): the bare loop builds it with codex's own
+make_optimizer (train/optim/optimizer.py: Muon for the blocks' matrices, its Newton-Schulz in bf16
+on CUDA as codex runs it, + AdamW for the rest; or AdamW alone, fused on CUDA), and codex is run
+with train.optimizer set to the same name. codex runs its full loop (loader, LR schedule,
 clipping, metrics.jsonl, progress) with checkpoints and validation off. Both are timed over the
 same steps after a warm-up, after a blocking device sync; the two are interleaved `--repeats`
 times and the median is reported (this machine is shared, single runs are noisy).
@@ -34,9 +40,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from codex.config import build_config  # noqa: E402
+from codex.config.train import DEFAULT_LR  # noqa: E402
 from eval.evaluate import evaluate  # noqa: E402
 from model.gpt import build_model, flops_per_token  # noqa: E402
 from train.loop import train  # noqa: E402
+from train.optim.optimizer import make_optimizer  # noqa: E402
 from train.plan.hardware import device_defaults, get_preset  # noqa: E402
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
@@ -75,12 +83,24 @@ def make_run(root: Path, vocab: int, tokens: int) -> str:
 
 
 def codex_tokens_per_s(
-    run: str, model: str, hardware: str, B: int, T: int, warmup: int, steps: int, compile_: bool
+    run: str,
+    model: str,
+    hardware: str,
+    optimizer: str,
+    B: int,
+    T: int,
+    warmup: int,
+    steps: int,
+    compile_: bool,
 ) -> dict:
-    """Full codex loop; the metrics line at step warmup+steps covers exactly the timed steps."""
+    """Full codex loop; the metrics line at step warmup+steps covers exactly the timed steps.
+
+    9 parameters: the run, what to train (model, hardware, optimizer) and how long, as the bare
+    loop takes them."""
     shutil.rmtree(Path(run) / "checkpoints", ignore_errors=True)
     overrides = [
         f"train.hardware={hardware}",
+        f"train.optimizer={optimizer}",
         f"train.device_batch={B}",
         f"train.seq_len={T}",
         f"train.max_steps={warmup + steps}",
@@ -111,10 +131,22 @@ def codex_tokens_per_s(
 
 
 def bare_tokens_per_s(
-    run: str, model: str, B: int, T: int, warmup: int, steps: int, device: str, compile_: bool
+    run: str,
+    model: str,
+    optimizer: str,
+    B: int,
+    T: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    compile_: bool,
 ) -> float:
-    """forward, backward, AdamW: nothing else."""
-    cfg = build_config(model=model)
+    """forward, backward, the optimizer step (codex's make_optimizer for train.optimizer=
+    `optimizer`): nothing else.
+
+    9 parameters: the run, what to train (model, optimizer) and how long, on which device."""
+    cfg = build_config(model=model, overrides=[f"train.optimizer={optimizer}"])
+    cfg.train.lr = cfg.train.lr or DEFAULT_LR[optimizer]  # as make_plan resolves train.lr=0
     cfg.model.vocab_size = json.loads(
         (Path(run) / "tokenizer" / "tokenizer_meta.json").read_text()
     )["vocab_size"]
@@ -123,9 +155,8 @@ def bare_tokens_per_s(
     data = np.load(Path(run) / "shards" / "train_00000.npy", mmap_mode="r")
     net = build_model(cfg.model, seed=0).to(device)
     fwd = torch.compile(net) if compile_ else net
-    opt = torch.optim.AdamW(
-        net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda"
-    )
+    # what the codex loop builds: Muon's Newton-Schulz in the autocast dtype (bf16 on CUDA)
+    opt = make_optimizer(net, cfg.train, device, torch.bfloat16 if device == "cuda" else None)
     rng = np.random.default_rng(0)
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -174,6 +205,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (both loops)")
+    ap.add_argument(
+        "--optimizer",
+        choices=["muon", "adamw"],
+        default=build_config().train.optimizer,
+        help="train.optimizer on both sides (default: codex's default)",
+    )
     args = ap.parse_args()
 
     import logging
@@ -194,7 +231,10 @@ def main() -> None:
         steps, warmup, repeats = args.steps or 30, args.warmup or 5, args.repeats or 3
         vocab, device, name = 259, "cpu", f"CPU ({args.threads} thread)"
     preset = get_preset(hardware)
-    print(f"device: {name}  preset: {hardware}  torch {torch.__version__}")
+    print(
+        f"device: {name}  preset: {hardware}  torch {torch.__version__}  "
+        f"optimizer: {args.optimizer} (both loops)"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -206,9 +246,13 @@ def main() -> None:
             codex_runs, bare_runs, mfus, mem = [], [], [], None
             for _ in range(repeats):
                 bare_runs.append(
-                    bare_tokens_per_s(run, model, B, T, warmup, steps, device, compile_=cuda)
+                    bare_tokens_per_s(
+                        run, model, args.optimizer, B, T, warmup, steps, device, compile_=cuda
+                    )
                 )
-                c = codex_tokens_per_s(run, model, hardware, B, T, warmup, steps, compile_=cuda)
+                c = codex_tokens_per_s(
+                    run, model, hardware, args.optimizer, B, T, warmup, steps, compile_=cuda
+                )
                 codex_runs.append(c["tokens_per_s"])
                 mfus.append(c["mfu"])
                 mem = c["mem_gb"]

@@ -1,8 +1,10 @@
-"""The memory plan (train/plan/memory.py) against hand computations, against a measured CPU step,
-and what it decides: the presets' default device batches, the layout, `codex hardware --model`."""
+"""The memory plan (train/plan/memory.py) against hand computations, against a measured CPU step
+(one process, and fsdp / replicate over 2 gloo ranks), and what it decides: the presets' default
+device batches, the layout, `codex hardware --model`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.config import ConfigError, build_config, preset_names
+from tests.train_helpers import child_env
 from train.plan.hardware import (
     default_seq_len,
     device_defaults,
@@ -20,7 +23,15 @@ from train.plan.hardware import (
     list_presets,
     preset_model,
 )
-from train.plan.memory import HEADROOM, check_fits, choose_layout, plan
+from train.plan.memory import (
+    HEADROOM,
+    check_fits,
+    choose_layout,
+    hidden_matrices,
+    param_count,
+    plan,
+)
+from train.plan.plan import resolve_batch
 
 GB = 1e9
 
@@ -267,3 +278,127 @@ def test_the_plan_counts_flash_attention_on_tpu():
     tpu, gpu = get_preset("v6e-4"), get_preset("h100")
     math_sdpa = plan(m, tpu, 4, 2048).activations
     assert plan(flash, tpu, 4, 2048).activations == plan(m, gpu, 4, 2048).activations < math_sdpa
+
+
+# --- what runs: the world size, FSDP2's gradients under accumulation, Muon's buffers ------------
+
+
+def test_the_plan_shards_over_the_run_s_world_size_not_the_preset_s_devices():
+    """torchrun over 4 nodes of 8 GPUs with the h100-8 preset: WORLD_SIZE 32. The plan divides the
+    state by 32 and says so in the line train logs; fsdp_size=8 is HSDP with 4 replicas."""
+    h100_8 = get_preset("h100-8")
+    fsdp = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
+    *_, memory, layout = resolve_batch(build_config(model="1b", overrides=fsdp), h100_8, 32)
+    assert (memory.shards, memory.world, layout.shard) == (32, 32, 32)
+    assert "fsdp over 32 devices," in memory.lines()[0]
+    assert memory.weights == -(-4 * memory.params // 32)
+    hsdp = build_config(model="1b", overrides=[*fsdp, "train.fsdp_size=8"])
+    *_, memory, layout = resolve_batch(hsdp, h100_8, 32)
+    assert (memory.shards, layout.replicas) == (8, 4)
+    assert "fsdp over 8 devices x 4 replicas (HSDP)" in memory.lines()[0]
+    # on the CPU the world is the processes: fsdp over 2 gloo ranks halves the state
+    m, cpu = model("tiny"), get_preset("cpu")
+    assert plan(m, cpu, 1, 64, layout="fsdp", world=2).shards == 2
+    assert plan(m, cpu, 1, 64, layout="fsdp").layout == "replicate"  # one process
+
+
+def test_fsdp_accumulation_and_muon_buffers_by_hand():
+    """1b, fsdp over 32 H100s: with accumulation every rank holds the whole fp32 gradient between
+    micro-batches (FSDP2 reduce-scatters in the last backward only), 32 times the sharded one.
+    Muon's step: this rank's slice of every update plus one matrix gathered and orthogonalised
+    (20 bytes x the largest); replicated over 32 ranks, the all_gather of everyone's updates."""
+    m, h100_8 = model("1b"), get_preset("h100-8")
+    P = param_count(m)
+    sizes = [r * c for r, c in hidden_matrices(m)]
+    M, n = sum(sizes), max(sizes)
+    assert (M, n) == (16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192), 2048 * 8192)
+    N = 4 * 2048 * 32  # device batch 4 x 2048 x 32 ranks
+    one = plan(m, h100_8, 4, 2048, layout="fsdp", world=32, batch_tokens=N, optimizer="muon")
+    four = plan(m, h100_8, 4, 2048, layout="fsdp", world=32, batch_tokens=4 * N, optimizer="muon")
+    assert (one.accum, four.accum) == (1, 4)
+    assert one.gradients == four.step_gradients == -(-4 * P // 32)
+    assert four.gradients == 4 * P and round(four.gradients / GB, 2) == 4.16
+    assert "gradients (fp32, whole)" in "\n".join(four.lines())
+    assert four.total - one.total == 4 * P - -(-4 * P // 32)
+    assert (
+        four.step_buffers == -(-4 * M // 32) + 20 * n and round(four.step_buffers / GB, 2) == 0.46
+    )
+    # replicated over 32: the largest share w received from every rank, the collective's flat
+    # output (W w each), the rank's own updates, their flat copy and the send buffer (3 w)
+    rep = plan(m, h100_8, 4, 2048, world=32, optimizer="muon")
+    w = max(sum(sizes[r::32]) for r in range(32))
+    assert rep.step_buffers == 4 * (2 * 32 + 3) * w and round(4 * 32 * w / GB, 1) == 5.4
+    # AdamW allocates nothing of note; the replicated all-reduce copies every gradient (4 P)
+    assert plan(m, h100_8, 4, 2048, world=32).step_buffers == 4 * P
+    assert plan(m, h100_8, 4, 2048, world=1).step_buffers == 0
+
+
+# bytes counted while steps run (glibc's malloc statistics after every torch operation and every
+# 0.1 ms)
+COUNT = str(Path(__file__).resolve().parent.parent / "bench" / "count_step_memory.py")
+# most of the peak is the weights, gradients and optimizer state (4 blocks of 128, vocab 512)
+COUNTED = [
+    "model.n_layer=4",
+    "model.n_embd=128",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.vocab_size=512",
+    "model.max_seq_len=64",
+]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts with glibc's mallinfo2")
+@pytest.mark.parametrize("layout,accum", [("fsdp", 4), ("replicate", 2)])
+def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layout, accum):
+    """codex's model, optimizer (Muon + AdamW), gradient sync and step on 2 gloo ranks
+    (bench/count_step_memory.py; the second step is counted). Each of the plan's terms is within
+    15% of what the step holds: the weights and optimizer state; the gradients between
+    micro-batches (fsdp: whole, since FSDP2 reduce-scatters only in the last backward) and at the
+    optimizer step (fsdp: sharded); what the optimizer step allocates (Muon's updates; replicated,
+    the all_gather of everyone's); the peak. What the plan counted before would fail: fsdp's
+    gradients as sharded (half of what is held), no optimizer step buffers (replicated, the step
+    is the peak), the preset's 1 device instead of the 2 ranks."""
+    B, T = 1, 16
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [COUNT, layout, "muon", str(accum), str(B), str(T), *COUNTED],
+        env=child_env(),
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["world"] == 2
+    m = build_config(overrides=COUNTED).model
+    setting = dict(layout=layout, dtype="fp32", optimizer="muon")
+    p = plan(m, get_preset("cpu"), B, T, **setting, world=2, batch_tokens=B * T * 2 * accum)
+    assert (p.shards, p.accum) == (2 if layout == "fsdp" else 1, accum)
+
+    def within(planned: int, measured: int) -> bool:
+        return abs(planned - measured) <= 0.15 * measured
+
+    state = p.weights + p.gradients + p.optimizer_state
+    checks = {
+        "weights + gradients + optimizer": (state, got["state"] + got["held"]),
+        "weights + optimizer": (p.weights + p.optimizer_state, got["state"]),
+        "gradients between micro-batches": (p.gradients, got["held"]),
+        "gradients at the step": (p.step_gradients, got["sharded"]),
+        "optimizer step buffers": (p.step_buffers, got["step"]),
+        "total": (p.total, got["peak"]),
+    }
+    off = {
+        k: f"{a / 1e6:.2f} vs {b / 1e6:.2f} MB" for k, (a, b) in checks.items() if not within(a, b)
+    }
+    assert not off, (off, got)
+    # the plan before issue 29: sharded gradients, no step buffers, the preset's device count
+    before_state = p.weights + p.step_gradients + p.optimizer_state
+    before_total = before_state + p.compute_weights + p.activations + p.logits + p.workspace
+    if layout == "fsdp":
+        assert not within(before_state, got["state"] + got["held"])
+        assert got["held"] > 1.8 * p.step_gradients  # the whole gradients: twice the sharded
+        one_device = plan(m, get_preset("cpu"), B, T, **setting)  # the cpu preset's 1 device
+        assert not within(one_device.weights + one_device.optimizer_state, got["state"])
+    else:
+        assert not within(before_total, got["peak"])

@@ -368,7 +368,7 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
     m, t = cfg.model, cfg.train
     preset = get_preset(t.hardware)
     world = (processes or 1) if preset.kind == "cpu" else preset.devices
-    setting = setting_for(t, preset.kind)
+    setting = setting_for(t, preset.kind, world)
     refusal = fsdp_refusal(preset)
     if setting["layout"] == "fsdp" and refusal and world > 1:
         raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")

@@ -3,11 +3,18 @@ device batch, so a setting that cannot fit is refused before training starts (ex
 instead of dying minutes later, and so the presets' default device batches and the layout
 (`choose_layout`) follow from memory instead of hand-written tables.
 
-Per device, P = parameters, F = devices sharing the state (1 replicated, train.fsdp_size under
-fsdp), c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_len tokens:
+Per device, P = parameters, M = the blocks' matrices (Muon's), W = the world size (torchrun's
+WORLD_SIZE; a preset's device count where no run is launched yet), F = devices sharing the state
+(1 replicated; train.fsdp_size, 0 = all W, under fsdp), c = bytes of the compute dtype (2 bf16,
+4 fp32), N = device_batch x seq_len tokens, accum = micro-batches per optimizer step
+(train.batch_tokens / (N x W)):
 
     weights          4 P / F     fp32 master weights
-    gradients        4 P / F     fp32 (full for the whole step once accumulation has begun)
+    gradients        4 P / F     fp32 (replicated: 4 P, whole for the whole step once accumulation
+                                 has begun). fsdp on CPU/CUDA with accum > 1: 4 P, whole: FSDP2
+                                 reduce-scatters only in the step's last backward
+                                 (set_requires_gradient_sync, train/dist/fsdp.py), and until then
+                                 every block keeps its unsharded gradient, accumulated in fp32
     optimizer        8 P / F     AdamW's two fp32 moments; Muon: 4 bytes (one momentum) for the
                                  blocks' matrices, AdamW's 8 for the rest
     compute weights  replicate:  c x matmul weights under bf16 autocast (its cast cache keeps one
@@ -22,15 +29,29 @@ fsdp), c = bytes of the compute dtype (2 bf16, 4 fp32), N = device_batch x seq_l
     logits           3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient
     workspace        N x per_layer: the gradients of the block in backward (as large as its saved
                      activations), the transient that sits on top of the forward's peak
+    step buffers     what the optimizer step allocates (`step_buffer_bytes`), after the
+                     activations are freed and with the gradients reduced (4 P / F under fsdp):
+                     Muon's updates (one process: 4 M; fsdp: this rank's slices, 4 M / F, plus
+                     one matrix gathered whole and orthogonalised at a time; replicate over W:
+                     the all_gather of everyone's updates, ~4 M x (2 + 3 / W)); the replicated
+                     all-reduce's flat copy of the gradients, 4 P, when W > 1
+
+The peak is the larger of the two phases: weights + optimizer state + max(gradients + compute
+weights + activations + logits + workspace, the reduced gradients + step buffers).
 
 The attention matters: SDPA's fused kernels (flash on CUDA, its CPU kernel, GQA included; checked
 on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head; XLA's math
 decomposition keeps the fp32 probabilities [n_head, T] per token and K/V copied to every query head.
 
-Measured on the CPU (fp32, one process, forward + backward + AdamW step, peak RSS from
-resource.getrusage's ru_maxrss minus the resident size before the model was built, in a fresh
-process: tests/test_memory_plan.py): the estimate is within 25% of the peak; see the table in
-README.
+Measured on the CPU (tests/test_memory_plan.py): fp32, one process, forward + backward + AdamW step,
+peak RSS from resource.getrusage's ru_maxrss minus the resident size before the model was built, in
+a fresh process: the estimate is within 25% of the peak (see the table in README). On 2 gloo
+ranks with Muon (fsdp, accumulation 4; replicate, accumulation 2), bytes counted as the step runs
+(bench/count_step_memory.py, a model whose state is most of the peak): the weights + optimizer
+state, the gradients between micro-batches and at the step, the step buffers and the total are each
+within 15% (within 8% when measured). With more tokens the counted peak falls below the plan (by
+up to ~40% at 512 tokens under fsdp): the activation terms are sized by peak RSS (what runs out),
+which is above the bytes the tensors hold.
 A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
 the CUDA context and the XLA runtime take the rest).
 """
@@ -66,25 +87,33 @@ class MemoryPlan:
     optimizer: str  # adamw | muon
     params: int
     weights: int
-    gradients: int
+    gradients: int  # during the micro-batches (whole under fsdp with accumulation on CPU/CUDA)
     optimizer_state: int
     compute_weights: int
     activations: int
     logits: int
     workspace: int
     device_memory: int  # bytes per device (0 = unknown)
+    world: int = 1  # data-parallel ranks (torchrun's WORLD_SIZE, or the preset's devices)
+    accum: int = 1  # micro-batches per optimizer step
+    step_gradients: int = 0  # at the optimizer step: reduced (4 P / F under fsdp)
+    step_buffers: int = 0  # what the optimizer step allocates (Muon's updates, the all-reduce)
+
+    @property
+    def backward(self) -> int:
+        """Bytes on top of the weights and optimizer state during forward and backward."""
+        return (
+            self.gradients + self.compute_weights + self.activations + self.logits + self.workspace
+        )
+
+    @property
+    def step(self) -> int:
+        """Bytes on top of the weights and optimizer state during the optimizer step."""
+        return self.step_gradients + self.step_buffers
 
     @property
     def total(self) -> int:
-        return (
-            self.weights
-            + self.gradients
-            + self.optimizer_state
-            + self.compute_weights
-            + self.activations
-            + self.logits
-            + self.workspace
-        )
+        return self.weights + self.optimizer_state + max(self.backward, self.step)
 
     def fits(self, headroom: float = HEADROOM) -> bool:
         return self.device_memory <= 0 or self.total <= headroom * self.device_memory
@@ -93,10 +122,15 @@ class MemoryPlan:
         unit, scale = ("GB", 1e9) if self.total >= 1e9 else ("MB", 1e6)
         gb = lambda n: f"{n / scale:8.2f} {unit}"  # noqa: E731
         layout = "replicate" if self.layout == "replicate" else f"fsdp over {self.shards} devices"
+        if self.layout == "fsdp" and self.world > self.shards:
+            layout += f" x {self.world // self.shards} replicas (HSDP)"
+        elif self.layout == "replicate" and self.world > 1:
+            layout += f" over {self.world} devices"
         mem = f"{self.device_memory / 1e9:.1f} GB" if self.device_memory > 0 else "unknown"
+        whole = self.layout == "fsdp" and self.gradients > self.step_gradients
         parts = [
             ("weights (fp32)", self.weights),
-            ("gradients (fp32)", self.gradients),
+            ("gradients (fp32, whole)" if whole else "gradients (fp32)", self.gradients),
             (f"optimizer ({self.optimizer})", self.optimizer_state),
             (
                 "gathered weights" if self.layout == "fsdp" else f"weights in {self.dtype}",
@@ -105,12 +139,15 @@ class MemoryPlan:
             (f"activations (remat {self.remat})", self.activations),
             ("logits (fp32)", self.logits),
             ("workspace", self.workspace),
+            ("optimizer step buffers", self.step_buffers),
         ]
+        accum = f", accum {self.accum}" if self.accum > 1 else ""
         head = (
             f"memory plan: {self.params / 1e6:.1f}M params on {self.hardware} ({mem} per device), "
-            f"{layout}, device batch {self.device_batch} x {self.seq_len}, {self.dtype}, "
+            f"{layout}, device batch {self.device_batch} x {self.seq_len}{accum}, {self.dtype}, "
             f"{self.attention} attention"
         )
+        peak = " (at the optimizer step)" if self.step > self.backward else ""
         share = (
             f" ({self.total / self.device_memory:.0%} of the device)"
             if self.device_memory > 0
@@ -119,7 +156,7 @@ class MemoryPlan:
         return (
             [head]
             + [f"  {name:<24}{gb(n)}" for name, n in parts if n]
-            + [f"  {'total':<24}{gb(self.total)}{share}"]
+            + [f"  {'total':<24}{gb(self.total)}{share}{peak}"]
         )
 
 
@@ -141,11 +178,20 @@ def block_params(m) -> int:
     return (matmul_params(m) - m.n_embd - m.n_embd * padded_vocab(m.vocab_size)) // m.n_layer
 
 
+def hidden_matrices(m) -> list[tuple[int, int]]:
+    """(rows, cols) of every matrix Muon updates (train.optim.muon.is_hidden_matrix: the blocks'
+    2-D weights, everything in a block but its norms), in the optimizer's order: model/gpt.py's
+    c_q, c_k, c_v, c_proj, w_gate (swiglu), w_up, w_down, block after block."""
+    d, hd, h = m.n_embd, m.n_embd // m.n_head, mlp_hidden(m)
+    q, kv = m.n_head * hd, m.n_kv_head * hd
+    block = [(q, d), (kv, d), (kv, d), (d, q)]
+    block += [(h, d)] * (2 if m.mlp == "swiglu" else 1) + [(d, h)]
+    return block * m.n_layer
+
+
 def _muon_params(m) -> int:
-    """The blocks' 2-D weights (train.optim.muon.is_hidden_matrix): everything in a block but its
-    norms."""
-    hd = m.n_embd // m.n_head
-    return m.n_layer * (block_params(m) - 2 * m.n_embd - (2 * hd if m.qk_norm else 0))
+    """M: the entries of Muon's matrices."""
+    return sum(r * c for r, c in hidden_matrices(m))
 
 
 def optimizer_bytes(m, optimizer: str) -> int:
@@ -154,6 +200,40 @@ def optimizer_bytes(m, optimizer: str) -> int:
     if optimizer == "muon":
         return 4 * _muon_params(m) + 8 * (param_count(m) - _muon_params(m))
     return 8 * param_count(m)
+
+
+def step_buffer_bytes(m, optimizer: str, kind: str, layout: str, shards: int, world: int) -> int:
+    """What the optimizer step allocates on top of the state, per device (counted on the CPU by
+    bench/count_step_memory.py): the larger of the replicated gradient all-reduce's copy
+    (train/dist/backend.py flattens and sends every bucket before it waits on the first: a copy of
+    every gradient, 4 P, when W > 1 on CPU/CUDA) and Muon's (train/optim/muon.py), which runs
+    after it. Muon, M = the matrices' entries, n = the largest matrix's:
+
+        one process, TPU  every matrix's update, whole (fp32), until they are applied: 4 M, plus
+                          the matrix being orthogonalised (below; TPU: XLA's one graph, assumed)
+        replicate, W > 1  the all_gather of the updates, w = the largest rank's share: its own
+                          updates, their flat copy and the send buffer (3 x 4 w), the W received
+                          (4 W w) and the collective's flat output they are copied out of (4 W w)
+        fsdp (CPU/CUDA)   this rank's slice of every update, 4 M / F, plus the matrix being
+                          orthogonalised (gathered whole by full_tensor on every rank)
+
+    The matrix being orthogonalised: its gradient blended with the momentum (gathered whole under
+    fsdp), its normalised copy and the Newton-Schulz iteration's temporaries, about 20 bytes x n.
+    AdamW: not counted (fused on CUDA; on the CPU a few copies of one parameter at a time)."""
+    replicated_reduce = layout == "replicate" and world > 1 and kind != "tpu"
+    reduce_copy = 4 * param_count(m) if replicated_reduce else 0
+    sizes = [r * c for r, c in hidden_matrices(m)]
+    if optimizer != "muon" or not sizes:
+        return reduce_copy
+    work = 20 * max(sizes)
+    if kind == "tpu" or world == 1:
+        muon = 4 * sum(sizes) + work
+    elif layout == "fsdp":
+        muon = -(-4 * sum(sizes) // shards) + work
+    else:
+        width = max(sum(sizes[r::world]) for r in range(world))
+        muon = 4 * (2 * world + 3) * width
+    return max(reduce_copy, muon)
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -197,10 +277,17 @@ def head_bytes_per_token(m, compute_bytes: int) -> int:
 
 
 def shards_for(layout: str, fsdp_size: int, devices: int) -> int:
-    """Devices the state is divided over: 1 replicated; fsdp_size (0 = all devices) under fsdp."""
+    """Devices the state is divided over: 1 replicated; fsdp_size (0 = all `devices`: the world
+    size) under fsdp."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return 1 if layout == "replicate" else (fsdp_size if fsdp_size > 0 else max(1, devices))
+
+
+def accum_for(batch_tokens: int, device_batch: int, seq_len: int, world: int) -> int:
+    """Micro-batches per optimizer step: train.batch_tokens / (device_batch x seq_len x world);
+    1 when batch_tokens is 0 (train/plan/plan.py: grad_accum_steps refuses a remainder)."""
+    return max(1, batch_tokens // max(1, device_batch * seq_len * world))
 
 
 def attention_for(kind: str, model_attention: str = "sdpa") -> str:
@@ -221,19 +308,27 @@ def plan(
     dtype: str = "bf16",
     remat: str = "none",
     optimizer: str = "adamw",
+    world: int = 0,
+    batch_tokens: int = 0,
     device_memory: int | None = None,
 ) -> MemoryPlan:
     """The memory plan for ModelConfig `m` (vocab_size set; 0 counts DEFAULT_VOCAB) on `preset`
-    (a train.plan.hardware.HardwarePreset: kind, devices, memory_gb). device_memory overrides the
-    preset's memory per device (the GPU's real size, the CPU's free RAM).
+    (a train.plan.hardware.HardwarePreset: kind, devices, memory_gb). world: the data-parallel
+    ranks (torchrun's WORLD_SIZE; 0 = the preset's devices); batch_tokens: train.batch_tokens (the
+    accumulation it implies at this batch). device_memory overrides the preset's memory per device
+    (the GPU's real size, the CPU's free RAM).
 
-    10 parameters: the model, the preset and the batch, then keyword settings with defaults
+    12 parameters: the model, the preset and the batch, then keyword settings with defaults
     (setting_for's dict, passed as **setting)."""
     if m.vocab_size <= 0:
         m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
     c = 2 if dtype == "bf16" else 4
     attention = attention_for(preset.kind, m.attention)
-    shards = shards_for(layout, fsdp_size, preset.devices)
+    world = world if world > 0 else max(1, preset.devices)
+    if world == 1:
+        layout = "replicate"  # one process is always replicated (train/plan/layout.py)
+    shards = shards_for(layout, fsdp_size, world)
+    accum = accum_for(batch_tokens, device_batch, seq_len, world)
     P = param_count(m)
     tokens = device_batch * seq_len
     per_layer = layer_bytes_per_token(m, c, attention, seq_len)
@@ -245,6 +340,9 @@ def plan(
         compute_weights = c * matmul_params(m) if c < 4 else 0
     if device_memory is None:
         device_memory = int(preset.memory_gb * 1e9)
+    reduced = -(-4 * P // shards)
+    # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward
+    held = 4 * P if layout == "fsdp" and accum > 1 and preset.kind != "tpu" else reduced
     return MemoryPlan(
         hardware=preset.name,
         layout=layout,
@@ -257,13 +355,17 @@ def plan(
         optimizer=optimizer,
         params=P,
         weights=-(-4 * P // shards),
-        gradients=-(-4 * P // shards),
+        gradients=held,
         optimizer_state=-(-optimizer_bytes(m, optimizer) // shards),
         compute_weights=compute_weights,
         activations=tokens * (kept_layers + head_bytes_per_token(m, c)),
         logits=3 * 4 * padded_vocab(m.vocab_size) * tokens,
         workspace=tokens * per_layer,
         device_memory=device_memory,
+        world=world,
+        accum=accum,
+        step_gradients=reduced,
+        step_buffers=step_buffer_bytes(m, optimizer, preset.kind, layout, shards, world),
     )
 
 
@@ -286,10 +388,10 @@ def fsdp_refusal(preset) -> str | None:
     return None
 
 
-def fsdp_offered(preset) -> bool:
-    """Whether auto and `codex hardware` consider fsdp on this preset: it has several devices
-    (fsdp over one is the replicated layout) and runs it."""
-    return preset.devices > 1 and fsdp_refusal(preset) is None
+def fsdp_offered(preset, world: int = 0) -> bool:
+    """Whether auto and `codex hardware` consider fsdp on this preset: it runs it, over several
+    devices (`world` ranks; 0 = the preset's devices): fsdp over one is the replicated layout."""
+    return (world if world > 0 else preset.devices) > 1 and fsdp_refusal(preset) is None
 
 
 def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
@@ -297,7 +399,7 @@ def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
     fastest layout), else fsdp (over train.fsdp_size devices; 0 = all) where the preset runs it."""
     setting = {k: v for k, v in setting.items() if k != "layout"}
     fits = plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits()
-    return "replicate" if fits or not fsdp_offered(preset) else "fsdp"
+    return "replicate" if fits or not fsdp_offered(preset, setting.get("world", 0)) else "fsdp"
 
 
 # --- the refusal ----------------------------------------------------------------------------------
@@ -331,7 +433,7 @@ def _train_key_exists(name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
-def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0) -> list[str]:
+def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0, batch_tokens: int = 0) -> list[str]:
     """The settings that would make `p` fit with headroom, each checked against the plan: a smaller
     device batch (same layout), the fsdp layout, block rematerialisation."""
     same: dict[str, Any] = dict(
@@ -340,6 +442,8 @@ def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0) -> list[str]:
         remat=p.remat,
         dtype=p.dtype,
         optimizer=p.optimizer,
+        world=p.world,
+        batch_tokens=batch_tokens,
         device_memory=p.device_memory,
     )
     out = []
@@ -366,7 +470,7 @@ def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryP
     if avail is None or p.fits(1.0):
         return p
     where = "available on this machine" if preset.kind == "cpu" else "per device"
-    found = fixes(m, preset, p, setting.get("fsdp_size", 0))
+    found = fixes(m, preset, p, setting.get("fsdp_size", 0), setting.get("batch_tokens", 0))
     fix = (
         "; ".join(found)
         if found
@@ -379,7 +483,13 @@ def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryP
         f"optimizer {p.optimizer_state / 1e9:.1f}, "
         f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, "
         "compute copies of the weights and "
-        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}) "
+        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}"
+        + (
+            f"; at the optimizer step, its buffers {p.step_buffers / 1e9:.1f}"
+            if p.step_buffers
+            else ""
+        )
+        + ") "
         f"but {avail / 1e9:.1f} GB is {where}. Fix: {fix}"
     )
 
@@ -393,15 +503,17 @@ def default_batch(
     if layout != "auto":
         return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
     b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
-    if b or not fsdp_offered(preset):
+    if b or not fsdp_offered(preset, setting.get("world", 0)):
         return b, "replicate"
     return largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp"
 
 
-def setting_for(tcfg, kind: str) -> dict:
-    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind`: the one
-    place that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map
-    onto layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat."""
+def setting_for(tcfg, kind: str, world: int = 0) -> dict:
+    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind` with
+    `world` data-parallel ranks (the run's world size; 0 = the preset's devices): the one place
+    that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
+    layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat,
+    train.batch_tokens onto batch_tokens (the accumulation)."""
     dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
     return {
         "dtype": dtype,
@@ -409,4 +521,6 @@ def setting_for(tcfg, kind: str) -> dict:
         "layout": tcfg.parallel,
         "fsdp_size": tcfg.fsdp_size,
         "remat": tcfg.remat,
+        "world": world,
+        "batch_tokens": tcfg.batch_tokens,
     }

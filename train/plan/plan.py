@@ -69,7 +69,7 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
     hardware preset defaults (the memory plan's); a setting whose memory plan cannot fit is refused
     (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len
-    setting = setting_for(cfg.train, preset.kind)
+    setting = setting_for(cfg.train, preset.kind, world_size)
     refusal = fsdp_refusal(preset)
     if setting["layout"] == "fsdp" and refusal and world_size > 1:
         raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
@@ -84,6 +84,7 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
         )
     if setting["layout"] == "auto":  # train.parallel=auto: the memory plan picks
         setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
+    # over this run's world size, with its accumulation (fsdp holds whole gradients then)
     memory = check_fits(cfg.model, preset, B, T, **setting)
     layout = layout_for(setting["layout"], setting["fsdp_size"], world_size)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
