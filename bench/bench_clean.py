@@ -127,6 +127,8 @@ def main() -> None:
             "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
             "cfg = build_config(overrides=['data.clean.preset=web', "
             "'data.clean.fineweb.enabled=false', "
+            # the corpus is mostly source code, which the prose rules drop: well under min_yield
+            "'data.clean.allow_low_yield=true', "
             f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
             f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)"
         )

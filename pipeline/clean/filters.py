@@ -11,10 +11,12 @@ Which filters run: `FILTERS` in order, each only if `enabled` and named by the p
 (`PRESETS`): "web" = prose rules, "code" = source-code rules, "all" = every enabled filter.
 Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean/clean.py.
 
-Words: datatrove splits words with nltk/spacy tokenizers (slow); we use one regex
-(`\\w+|[^\\w\\s]+`: runs of word characters, runs of punctuation), which splits punctuation off
-words the same way for English text. Sentences (C4) are counted as runs of . ! ? followed by
-whitespace or the end, instead of nltk's punkt. Both are documented approximations.
+Words: datatrove splits English words with spaCy's tokenizer (slow); we use one regex (`_WORD`)
+that copies its main rules: symbols split off words one character at a time ("===" is three
+tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like e.g. and
+contraction suffixes ('s) kept whole. Sentences (C4) are counted as runs of . ! ? followed by
+whitespace or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are
+approximations; bench/bench_datatrove_parity.py measures how often the decisions still agree.
 """
 
 from __future__ import annotations
@@ -50,7 +52,40 @@ def normalize(text: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------------------------
 # the document and its lazily computed views (shared by filters so words are split once)
 
-_WORD = re.compile(r"\w+|[^\w\s]+")
+# Words, approximating datatrove's English splitter (spaCy's blank "en" tokenizer: split at
+# whitespace, then split spaCy's prefix/suffix symbols off the ends of each piece, and inside it
+# only at a few "infixes") with one regex. bench/bench_datatrove_parity.py measures the agreement.
+_CONTRACTION = r"['’](?:[sSmM]|ll|LL|re|RE|ve|VE)(?![^\W_])"  # 's 'm 'll 're 've
+_AFFIX = r""""'`(\[{<«“‘$£€=+%§—–*&#,;:!?)\]}>»”’…"""  # symbols spaCy splits off a piece's ends
+_SUFFIX = _AFFIX.replace("+", "") + "."  # C++ keeps its +; a final period is split off
+_WORD = re.compile(
+    r"""
+    \w+://[^\s<>"'()\[\]]*[^\s<>"'()\[\].,;:!?]        # URL: one token
+    | (?<![\w.])(?:[^\W\d_]\.)+(?![^\W_])              # a. e.g. U.S.A.
+    | \b(?:Inc|Ltd|Co|Corp|vs|Dr|Mr|Mrs|Ms|St|Jr|Sr
+         |Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.(?!\w)   # abbreviations
+    | (?:(?<![^\s{affix}])                            # a word, with the other symbols that
+         (?:\+(?=\d) | (?!\.\.)[^\w\s{affix}]+))?         # start its piece (-f /usr .git)
+      [^\W_]+
+      (?: (?: _+                                       # joined by _ (foo_bar)
+            | \b/(?=or\b)                              # and/or
+            | (?! [-–—~:<>=/,][^\W\d_]                 # or by any symbols except spaCy's
+                | -{2,3}[^\W\d_]                       #   infixes: a-b a/b a:b a,b a--b
+                | (?<=\d)[-+*^][\d-]                   #   1-2
+                | \.{2} | …                            #   a...b
+                | {contraction} )                    #   and contractions ('s is a token)
+              [^\w\s]+                                 # (3.5 1,000 a@b.org CHSH(1 don't)
+          ) [^\W_]+ )*
+      (?: [^\w\s]*[^\w\s{suffix}]                     # and the symbols that end its piece
+          (?=[{suffix}]*(?!\S)) )?                    # (thus-- woman,-- ex- C++ contrib/.)
+    | \.{2,} | -{2,} | ''                              # ... -- '' stay one token
+    | (?<=\w){contraction}
+    | [^\w\s] | _                                      # any other symbol: one per character
+    """.replace("{affix}", _AFFIX)
+    .replace("{suffix}", _SUFFIX)
+    .replace("{contraction}", _CONTRACTION),
+    re.X,
+)
 
 
 @dataclass
@@ -103,6 +138,27 @@ def length_filter(doc: Doc, cfg) -> str | None:
 PUNCTUATION = set(
     "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»"
 )
+# sentence-ending punctuation of all scripts (datatrove.utils.text.TERMINAL_PUNCTUATION, 159
+# characters): FineWeb's line-end characters, and also symbols for Gopher's word count
+TERMINAL_PUNCTUATION = frozenset(
+    "!.?\u0589\u061d\u061e\u061f\u06d4\u0700\u0701\u0702\u07f9\u0837\u0839\u083d\u083e"
+    "\u0964\u0965\u104a\u104b\u1362\u1367\u1368\u166e\u1735\u1736\u17d4\u17d5\u17d6\u17d9"
+    "\u17da\u1803\u1809\u1944\u1945\u1aa8\u1aa9\u1aaa\u1aab\u1b5a\u1b5b\u1b5e\u1b5f\u1b7d"
+    "\u1b7e\u1c3b\u1c3c\u1c7e\u1c7f\u203c\u203d\u2047\u2048\u2049\u2e2e\u2e3c\u2e53\u2e54"
+    "\u3002\ua4ff\ua60e\ua60f\ua6f3\ua6f7\ua876\ua877\ua8ce\ua8cf\ua92f\ua9c8\ua9c9\uaa5d"
+    "\uaa5e\uaa5f\uaaf0\uaaf1\uabeb\ufe52\ufe56\ufe57\uff01\uff0e\uff1f\uff61\U00010a56"
+    "\U00010a57\U00010f55\U00010f56\U00010f57\U00010f58\U00010f59\U00010f86\U00010f87"
+    "\U00010f88\U00010f89\U00011047\U00011048\U000110be\U000110bf\U000110c0\U000110c1"
+    "\U00011141\U00011142\U00011143\U000111c5\U000111c6\U000111cd\U000111de\U000111df"
+    "\U00011238\U00011239\U0001123b\U0001123c\U000112a9\U0001144b\U0001144c\U000115c2"
+    "\U000115c3\U000115c9\U000115ca\U000115cb\U000115cc\U000115cd\U000115ce\U000115cf"
+    "\U000115d0\U000115d1\U000115d2\U000115d3\U000115d4\U000115d5\U000115d6\U000115d7"
+    "\U00011641\U00011642\U0001173c\U0001173d\U0001173e\U00011944\U00011946\U00011a42"
+    "\U00011a43\U00011a9b\U00011a9c\U00011c41\U00011c42\U00011ef7\U00011ef8\U00011f43"
+    "\U00011f44\U00016a6e\U00016a6f\U00016af5\U00016b37\U00016b38\U00016b44\U00016e98"
+    "\U0001bc9f\U0001da88"
+)
+PUNCTUATION |= TERMINAL_PUNCTUATION
 STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
 
 
@@ -208,7 +264,9 @@ def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
         return "dup_para_frac"
     if cfg.dup_para_char_frac and chars / n_chars > cfg.dup_para_char_frac:
         return "dup_para_char_frac"
-    lines = doc.lines
+    # lines split at runs of newlines (datatrove: re.split("\n+")): blank lines are not lines,
+    # else the blank lines between paragraphs count as duplicates of each other
+    lines = [line for line in text.split("\n") if line]
     n, chars = _duplicates(lines)
     if cfg.dup_line_frac and n / len(lines) > cfg.dup_line_frac:
         return "dup_line_frac"
@@ -229,14 +287,15 @@ def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
 
 def _dup_ngram_chars(words: list[str], n: int) -> int:
     """Characters in n-grams that repeat an earlier n-gram, skipping past each repeat
-    (datatrove)."""
+    (datatrove's find_all_duplicate: an n-gram's characters are its words' characters, without
+    separators, as datatrove measures "".join(words))."""
     seen: set[tuple[str, ...]] = set()
     chars = i = 0
     last = len(words) - n + 1
     while i < last:
         gram = tuple(words[i : i + n])
         if gram in seen:
-            chars += sum(map(len, gram)) + n - 1
+            chars += sum(map(len, gram))
             i += n
         else:
             seen.add(gram)
@@ -257,7 +316,14 @@ _POLICY = (
     "use of cookies",
     "use cookies",
 )
-_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s|$)")
+# sentence ends; a period that ends an abbreviation (e.g. i.e. Inc. H.) ends no sentence, as in
+# datatrove's spaCy sentencizer, so abbreviations are matched first and not counted (group 1 empty)
+_SENTENCE_END = re.compile(
+    r"(?<![\w.])(?:[^\W\d_]\.)+(?![^\W_])"
+    r"|\b(?:Inc|Ltd|Co|Corp|vs|Dr|Mr|Mrs|Ms|St|Jr|Sr|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov"
+    r"|Dec)\.(?!\w)"
+    r"|([.!?]+[\"')\]]*(?=\s|$))"
+)
 
 
 def c4_filter(doc: Doc, cfg) -> str | None:
@@ -292,7 +358,7 @@ def c4_filter(doc: Doc, cfg) -> str | None:
             return "curly_bracket"
         if cfg.filter_policy and any(p in low for p in _POLICY):
             continue
-        sentences += max(1, len(_SENTENCE_END.findall(line)))
+        sentences += max(1, sum(1 for end in _SENTENCE_END.findall(line) if end))
         kept.append(line)
     if sentences < cfg.min_num_sentences:
         return "too_few_sentences"
@@ -305,34 +371,38 @@ def c4_filter(doc: Doc, cfg) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # FineWeb (Penedo et al. 2024, https://arxiv.org/abs/2406.17557; datatrove FineWebQualityFilter)
 
-_STOP_CHARS = (".", "'", '"', "!", "?")
+_STOP_CHARS = tuple(TERMINAL_PUNCTUATION)  # datatrove's default stop_chars: no quotes
 
 
 def fineweb_filter(doc: Doc, cfg) -> str | None:
     """FineWeb's extra rules. Defaults (datatrove):
 
-    - fraction of lines ending in . ' " ! ? must be > line_punct_thr=0.12
-    - fraction of lines with <= short_line_length=30 characters must be < short_line_thr=0.67
-    - characters in duplicated non-empty lines / all non-newline characters
-      < char_duplicates_ratio=0.01
+    (lines: the lines that are not blank)
+    - fraction of lines ending in terminal punctuation (. ! ? and the other scripts' sentence
+      ends; not quotes, as datatrove's default) must be >= line_punct_thr=0.12
+    - fraction of lines with <= short_line_length=30 characters must be <= short_line_thr=0.67
+    - characters in duplicated lines / all non-newline characters <= char_duplicates_ratio=0.01
     - newlines per word <= new_line_ratio=0.3
     """
     text = doc.text
-    lines = text.split("\n")
+    # datatrove counts only lines that are not blank, and drops on ratio < / > / > threshold
+    lines = [line for line in text.split("\n") if line.strip()]
+    if not lines:
+        return "empty"
     if (
         cfg.line_punct_thr
-        and sum(line.endswith(_STOP_CHARS) for line in lines) / len(lines) <= cfg.line_punct_thr
+        and sum(line.endswith(_STOP_CHARS) for line in lines) / len(lines) < cfg.line_punct_thr
     ):
         return "line_punct_ratio"
     if (
         cfg.short_line_thr
         and sum(len(line) <= cfg.short_line_length for line in lines) / len(lines)
-        >= cfg.short_line_thr
+        > cfg.short_line_thr
     ):
         return "short_line_ratio"
     if cfg.char_duplicates_ratio:
-        chars = _duplicates([line for line in lines if line.strip()])[1]
-        if chars / max(1, len(text) - text.count("\n")) >= cfg.char_duplicates_ratio:
+        chars = _duplicates(lines)[1]
+        if chars / max(1, len(text) - text.count("\n")) > cfg.char_duplicates_ratio:
             return "char_dup_ratio"
     if cfg.new_line_ratio and text.count("\n") / max(1, len(doc.words)) > cfg.new_line_ratio:
         return "list_ratio"
