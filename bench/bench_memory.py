@@ -6,9 +6,9 @@ the preset tables it produces.
                                                         # `codex hardware --model 1b`
 
 Each setting runs in a fresh process: forward (under bf16 autocast for the bf16 rows), backward and
-one AdamW step of model/gpt.py with 1 thread; peak = resource.getrusage(RUSAGE_SELF).ru_maxrss after
-the step minus the resident size (/proc/self/statm) before the model is built (torch imported,
-nothing allocated).
+one AdamW step of model/gpt.py with 1 thread; peak = the process's resident high-water mark (VmHWM,
+bench/measure_step_memory.py) after the step minus the resident size (/proc/self/statm) before the
+model is built (torch imported, nothing allocated).
 """
 
 from __future__ import annotations

@@ -46,13 +46,17 @@ def test_many_partitions_keep_what_one_pass_keeps(tmp_path):
         assert rid == f"{path}@{offset}"
 
 
+# VmHWM, this process's own peak (kB): ru_maxrss carries the parent's peak across fork + exec,
+# so under a big pytest process the growth it shows would be 0 whatever the reduce holds
 REDUCE = """
-import json, resource, sys
+import json, sys
 from pipeline.clean.dedup import PartitionJob, dedup_partition
+def hwm():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 job = PartitionJob(**json.load(open(sys.argv[1])))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = hwm()
 result = dedup_partition(job)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = hwm()
 print(json.dumps({"grew_kb": after - before, "docs": result["docs"]}))
 """
 
