@@ -219,9 +219,9 @@ MEASURE = str(Path(__file__).resolve().parent.parent / "bench" / "measure_step_m
     ],
 )
 def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, overrides):
-    """Peak RSS of one training step (forward, backward, AdamW step) in a fresh process: ru_maxrss
+    """Peak RSS of one training step (forward, backward, AdamW step) in a fresh process: VmHWM
     after the step minus the resident size (/proc/self/statm) before the model is built (torch
-    imported, nothing allocated). Not ru_maxrss there: import's transient peak varies with the
+    imported, nothing allocated). Not VmHWM there: import's transient peak varies with the
     environment, and subtracting it undercounted the step by up to 90 MB."""
     out = subprocess.run(
         [sys.executable, MEASURE, dtype, str(B), str(T), *overrides],
