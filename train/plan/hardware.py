@@ -352,17 +352,9 @@ def _rows(rows: list[tuple[str, str]]) -> list[str]:
     return out
 
 
-def format_train_plan(cfg, processes: int | None = None) -> list[str]:
-    """What `codex train` would run with Config `cfg`, derived without the run's files or torch:
-    the model shape, the hardware preset, the batch (device batch and sequence length from the
-    memory plan where left at 0, as train.plan.plan.resolve_batch decides them), steps, optimizer,
-    schedule, cadence and layout; `codex train --help` prints it. `processes`: --nproc-per-node
-    (the world size on a CPU preset; GPU and TPU presets run one replica per device). A setting
-    train would refuse at start (it does not fit, seq_len above model.max_seq_len, batch_tokens
-    not a multiple) raises the same ConfigError. The plan counts a 32K vocab until the run's
-    tokenizer gives the real one, so the device batch train picks may differ for a large vocab."""
-    from codex.config.model import mlp_hidden
-    from codex.config.train import DEFAULT_LR
+def _planned_batch(cfg, processes: int | None) -> dict:
+    """format_train_plan's batch, layout and memory plan, derived as resolve_batch does (same
+    refusals, same ConfigError messages) but without the run's files or torch."""
     from train.plan.memory import DEFAULT_VOCAB, choose_layout, fsdp_refusal, plan, setting_for
 
     m, t = cfg.model, cfg.train
@@ -401,6 +393,54 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
     accum = t.batch_tokens // per_micro if t.batch_tokens > 0 else 1
     batch = per_micro * accum
     steps = -(-t.max_tokens // batch) if t.max_tokens > 0 else t.max_steps
+    return {
+        "B": B,
+        "T": T,
+        "world": world,
+        "per_micro": per_micro,
+        "accum": accum,
+        "batch": batch,
+        "steps": steps,
+        "b_from": b_from,
+        "t_from": t_from,
+        "layout": layout,
+        "setting": setting,
+        "memory": memory,
+    }
+
+
+def format_train_plan(cfg, processes: int | None = None) -> list[str]:
+    """What `codex train` would run with Config `cfg`, derived without the run's files or torch:
+    the model shape, the hardware preset, the batch (device batch and sequence length from the
+    memory plan where left at 0, as train.plan.plan.resolve_batch decides them), steps, optimizer,
+    schedule, cadence and layout; `codex train --help` prints it. `processes`: --nproc-per-node
+    (the world size on a CPU preset; GPU and TPU presets run one replica per device). A setting
+    train would refuse at start (it does not fit, seq_len above model.max_seq_len, batch_tokens
+    not a multiple) raises the same ConfigError. The plan counts a 32K vocab until the run's
+    tokenizer gives the real one, so the device batch train picks may differ for a large vocab."""
+    from codex.config.model import mlp_hidden
+    from codex.config.train import DEFAULT_LR
+    from train.plan.memory import DEFAULT_VOCAB
+
+    m, t = cfg.model, cfg.train
+    preset = get_preset(t.hardware)
+    b = _planned_batch(cfg, processes)
+    B, T, world, per_micro, accum, batch, steps = (
+        b["B"],
+        b["T"],
+        b["world"],
+        b["per_micro"],
+        b["accum"],
+        b["batch"],
+        b["steps"],
+    )
+    b_from, t_from, layout, setting, memory = (
+        b["b_from"],
+        b["t_from"],
+        b["layout"],
+        b["setting"],
+        b["memory"],
+    )
     vocab = (
         f"vocab_size={m.vocab_size}"
         if m.vocab_size
