@@ -23,6 +23,10 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                                  next, prefetched) and the root's (embedding, head, final norm,
                                  which FSDP2 keeps gathered between forward and backward), plus one
                                  block's unsharded gradient (c + 4 for the fp32 reduce-scatter)
+                     fsdp (TPU): c P, every weight gathered whole in c once per step before
+                                 the step's While (ZeRO-2, train/xla/step.py); the gradients are
+                                 4 P, whole: the While carries each device's unreduced fp32 sum,
+                                 reduced once after it
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
                      remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
                      one block's activations recomputed at a time
@@ -333,7 +337,11 @@ def plan(
     tokens = device_batch * seq_len
     per_layer = layer_bytes_per_token(m, c, attention, seq_len)
     kept_layers = m.n_layer * per_layer if remat == "none" else m.n_layer * c * m.n_embd + per_layer
-    if layout == "fsdp":
+    if layout == "fsdp" and preset.kind == "tpu":
+        # the cached step's While runs per device on the weights gathered once before it, in
+        # the compute dtype (train/xla/step.py: ZeRO-2, one reduction after the While)
+        compute_weights = c * P
+    elif layout == "fsdp":
         root = P - m.n_layer * block_params(m)
         compute_weights = c * (2 * block_params(m) + root) + (c + 4) * block_params(m)
     else:
@@ -341,8 +349,10 @@ def plan(
     if device_memory is None:
         device_memory = int(preset.memory_gb * 1e9)
     reduced = -(-4 * P // shards)
-    # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward
-    held = 4 * P if layout == "fsdp" and accum > 1 and preset.kind != "tpu" else reduced
+    # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward;
+    # the XLA While carries every device's unreduced fp32 sum, whole, for the whole step
+    tpu = preset.kind == "tpu"
+    held = 4 * P if layout == "fsdp" and (tpu or accum > 1) else reduced
     return MemoryPlan(
         hardware=preset.name,
         layout=layout,

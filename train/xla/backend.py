@@ -139,7 +139,10 @@ class XLABackend:
             with self.autocast():
                 return model(x, y)
 
-        accumulation = DeviceAccumulation(unwrap(model), loss, accum)
+        # SPMD: the While runs per device, one gradient reduction after it (train/xla/step.py);
+        # spawn: each process's While is already its own device's.
+        mesh = self.mesh if self.mode == "spmd" else None
+        accumulation = DeviceAccumulation(unwrap(model), loss, accum, mesh, self.autocast_dtype)
         return lambda loader: accumulation(*self.to_device(stack_micro_batches(loader, accum)))
 
     def _spec(self, ndim: int):

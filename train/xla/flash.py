@@ -10,7 +10,9 @@ scores (fp32 under autocast) and dominates memory from T ~ 2048. The Pallas kern
 
 SPMD: the kernel runs per chip through shard_map, so it needs the partition spec of q, k, v
 [B, H, T, D] (flash_partition_spec: the batch sharded over the mesh, the rest whole) and the mesh.
-spawn (one process per chip): no mesh, no spec.
+spawn (one process per chip), and the cached step's per-device While under replicate
+(train/xla/step.py traces its body inside `per_device_trace()`): no mesh, no spec, q, k, v are
+already one chip's.
 
 GQA: the kernel indexes K/V with the query's head index, so it needs as many K/V heads as query
 heads; grouped K/V heads are repeated to n_head on this path only (expand_kv_heads: a [B, H, T, D]
@@ -28,6 +30,8 @@ import math
 from typing import TYPE_CHECKING, cast
 
 import torch
+
+from train.xla.sharding import tracing_per_device
 
 if TYPE_CHECKING:
     from model.gpt import GPT
@@ -76,9 +80,16 @@ def make_flash_attend(mesh):
     def flash_attend(q, k, v):
         n_head, head_dim = q.shape[1], q.shape[-1]
         k, v = expand_kv_heads(k, n_head), expand_kv_heads(v, n_head)
+        local = tracing_per_device()
         # The kernel's default scale is 1.0; SDPA's (and the model's) is 1/sqrt(head_dim).
         return flash_attention(
-            q, k, v, causal=True, sm_scale=1.0 / math.sqrt(head_dim), partition_spec=spec, mesh=mesh
+            q,
+            k,
+            v,
+            causal=True,
+            sm_scale=1.0 / math.sqrt(head_dim),
+            partition_spec=None if local else spec,
+            mesh=None if local else mesh,
         )
 
     return flash_attend

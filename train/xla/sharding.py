@@ -42,6 +42,9 @@ one host.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -53,6 +56,25 @@ BATCH_AXES = ("replica", "fsdp")  # dim 0 of a batch or an activation: over ever
 _PLANNED = WeakIdKeyDictionary()
 _CHECKED = WeakIdKeyDictionary()  # optimizer state tensors already carrying their sharding
 _HOOKS: list = []
+
+
+_PER_DEVICE = contextvars.ContextVar("codex_xla_per_device", default=False)
+
+
+@contextlib.contextmanager
+def per_device_trace():
+    """Inside: the model is traced on one device's tensors under manual sharding (the cached
+    step's While, train/xla/step.py), so nothing may annotate a global sharding: the output
+    constraints below and the flash kernel's mesh stand aside."""
+    token = _PER_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _PER_DEVICE.reset(token)
+
+
+def tracing_per_device() -> bool:
+    return _PER_DEVICE.get()
 
 
 def make_mesh(replicas: int, shard: int):
@@ -171,7 +193,8 @@ def _constrain_output(mesh):
     import torch_xla.distributed.spmd as xs
 
     def hook(_module, _args, out):
-        xs.mark_sharding(out, mesh, batch_spec(out.dim()))
+        if not tracing_per_device():
+            xs.mark_sharding(out, mesh, batch_spec(out.dim()))
 
     return hook
 

@@ -27,14 +27,34 @@ computation is what removes the per-step host cost (measured in bench/bench_xla.
 Batches: the loader's `accum` micro-batches are stacked on dim 1, [rows, accum, T], so dim 0
 stays the batch dim the mesh shards (and the per-host minibatch transfer works unchanged); the
 loop slices [:, i] inside the While.
+
+Where the gradient is reduced (SPMD, a mesh of several devices). Written for the global batch,
+the SPMD partitioner puts each gradient's all-reduce where the gradient is produced: inside the
+While, once per micro-batch (a TPU pipeline may hoist it, the CPU one does not; codex does not
+count on either). So under replicate the While runs per device, as MaxText's scan does: the
+batch and the parameters enter it through manual sharding (`enable_manual_sharding`: each device
+sees its own rows and the whole, replicated, parameters), the body is traced at the local shapes
+and holds no collective, the carry holds each device's unreduced fp32 gradient sum, and after
+the While one sum over the devices (`disable_manual_sharding` to [devices, ...], then sum(0))
+is the one all-reduce per gradient of the step. tests/test_xla_program.py reads it in the
+compiled HLO. Under fsdp the same While runs on weights all-gathered once before it (in the
+compute dtype, cast on each shard) and each gradient sum is reduced back to its weight's sharding
+after it: ZeRO-2. ZeRO-3 (a gather per layer inside the While) is not built: nothing would stop
+a loop-invariant pass from hoisting those gathers out of the While again, and torch_xla 2.9's
+builder has no optimization barrier to pin them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
+
+from train.xla.sharding import per_device_trace
 
 
 @dataclass
@@ -42,6 +62,7 @@ class _Traced:
     computation: object  # the While computation (torch_xla's xla_builder)
     sources: list  # per graph input: ("batch", i) | ("param", i) | ("fixed", tensor)
     n_grads: int
+    gather: list  # per parameter: the dtype it is gathered in before the While, or None
 
 
 @dataclass
@@ -50,15 +71,26 @@ class DeviceAccumulation:
     call.
 
     loss_fn(x, y) -> the mean loss of one micro-batch; the gradients summed into the parameters'
-    .grad are those of sum_i loss_i / accum (the step's mean), as the Python loop's."""
+    .grad are those of sum_i loss_i / accum (the step's mean), as the Python loop's.
+
+    mesh: the SPMD mesh of several devices: the While then runs per device on its rows, with the
+    weights whole (a sharded fsdp weight gathered once before it, in gather_dtype when given) and
+    the gradients reduced once after it (module doc). None (one device, or one process per chip):
+    the While is the program as written."""
 
     model: torch.nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     accum: int
+    mesh: Any = None
+    gather_dtype: torch.dtype | None = None  # fsdp: gather the sharded weights in it (bf16)
     _traced: _Traced | None = field(default=None, repr=False)
 
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def per_device(self) -> bool:
+        return self.mesh is not None and self.mesh.size() > 1
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: [rows, accum, T] on the device. Adds the step's gradient to every .grad and
@@ -74,18 +106,26 @@ class DeviceAccumulation:
         if self._traced is None:
             self._traced = self._trace(x, y, params)
         t = self._traced
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        inputs = [torch.zeros((), dtype=torch.int32, device=x.device), zero]
-        inputs += [_zeros_like_sharded(p) for p in params]
         batch = (x, y)
-        for kind, ref in t.sources:
-            inputs.append(
-                batch[ref] if kind == "batch" else params[ref] if kind == "param" else ref
-            )
+        inputs = [
+            batch[ref] if kind == "batch" else params[ref] if kind == "param" else ref
+            for kind, ref in t.sources
+        ]
+        if self.per_device:
+            inputs = [
+                _to_local(v, self.mesh, kind == "batch", t.gather[ref] if kind == "param" else None)
+                for v, (kind, ref) in zip(inputs, t.sources, strict=True)
+            ]
         _, loss, *outputs = torch_xla._XLAC._xla_user_computation(
             "xla::codex_accumulation", inputs, t.computation
         )
-        for p, g in zip(params, outputs[: t.n_grads], strict=False):
+        grads = outputs[: t.n_grads]
+        if self.per_device:
+            loss = _mean_over_devices(loss, self.mesh)
+            grads = [
+                _mean_over_devices(g, self.mesh, like=p) for g, p in zip(grads, params, strict=True)
+            ]
+        for p, g in zip(params, grads, strict=True):
             if p.grad is None:
                 p.grad = g
             else:
@@ -98,20 +138,43 @@ class DeviceAccumulation:
         import torch_xla.core.xla_builder as xb
 
         # Micro-batch stand-ins copied from the host (slicing x[:, 0] would compile a program;
-        # data-less placeholders crash torch_xla 2.9 under train.remat=block). The parameters must
-        # be device data, not pending IR, so that the lowering sees them as inputs (a no-op
-        # normally: the loop synchronises before its first step).
-        x0, y0 = (torch.zeros((t.size(0), t.size(2)), dtype=t.dtype).to(t.device) for t in (x, y))
-        body_inputs = [x0, y0, *params]
+        # data-less placeholders crash torch_xla 2.9 under train.remat=block), of one device's
+        # rows when the While runs per device. The parameters must be device data, not pending
+        # IR, so that the lowering sees them as inputs (a no-op normally: the loop synchronises
+        # before its first step).
+        rows = x.size(0) // (self.mesh.size() if self.per_device else 1)
+        x0, y0 = (torch.zeros((rows, t.size(2)), dtype=t.dtype).to(t.device) for t in (x, y))
+        # A weight gathered in bf16 enters the body as a bf16 stand-in, upcast inside it: the
+        # model computes with that upcast copy, and its gradient (fp32) is the weight's.
+        gather = [self._gather_dtype(p) for p in params]
+        stand_ins = [
+            p if d is None else torch.zeros(p.shape, dtype=d).to(p.device)
+            for p, d in zip(params, gather, strict=True)
+        ]
+        upcast = {
+            name: s.float().requires_grad_()
+            for name, s, d in zip(self._names(), stand_ins, gather, strict=True)
+            if d is not None
+        }
+        body_inputs = [x0, y0, *stand_ins]
         torch_xla._XLAC._xla_sync_multi(params, devices=[], wait=True, sync_xla_data=False)
         where = {torch_xla._XLAC._xla_get_tensor_id(t): i for i, t in enumerate(body_inputs)}
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            loss = self.loss_fn(x0, y0)
-            (loss / self.accum).backward()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            with (
+                per_device_trace() if self.per_device else contextlib.nullcontext(),
+                _special_scalars(self.per_device),
+                _reparametrize_module(self.model, upcast, tie_weights=True),
+            ):
+                loss = self.loss_fn(x0, y0)
+                (loss / self.accum).backward()
+            leaves = [upcast.get(n, p) for n, p in zip(self._names(), params, strict=True)]
+            grads = [
+                w.grad if w.grad is not None else torch.zeros_like(p)
+                for w, p in zip(leaves, params, strict=True)
+            ]
         finally:
             for p, g in zip(params, saved, strict=True):
                 p.grad = g
@@ -132,7 +195,20 @@ class DeviceAccumulation:
             sources.append(
                 ("fixed", value) if i is None else ("batch", i) if i < 2 else ("param", i - 2)
             )
-        return _Traced(_build_while(body, x, y, params, sources, self.accum), sources, len(params))
+        loop = _build_while(body, (x, y), stand_ins, sources, self.accum, x.size(0) // rows)
+        return _Traced(loop, sources, len(params), gather)
+
+    def _names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _gather_dtype(self, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype a sharded weight is gathered in before the per-device While (the compute
+        dtype, bf16), or None: replicated, or gathered as it is."""
+        if not (self.per_device and self.gather_dtype and p.is_floating_point()):
+            return None
+        if not _is_sharded(p) or p.dtype == self.gather_dtype:
+            return None
+        return self.gather_dtype
 
 
 def stack_micro_batches(loader, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,28 +218,24 @@ def stack_micro_batches(loader, accum: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def _zeros_like_sharded(p: torch.Tensor) -> torch.Tensor:
-    """A zero gradient with its parameter's sharding (SPMD fsdp: the sum stays sharded)."""
-    import torch_xla
-
-    g = torch.zeros_like(p)
-    sharding = torch_xla._XLAC._get_xla_op_sharding(p)
-    if sharding:
-        torch_xla._XLAC._xla_mark_sharding(g, sharding)
-    return g
-
-
-def _build_while(body, x, y, params, sources, accum: int):
-    """While(i < accum): loss += body(x[:, i], y[:, i], ...)[0]; grads += body(...)[1:]."""
+def _build_while(body, xy, params, sources, accum: int, devices: int):
+    """While(i < accum): loss += body(x[:, i], y[:, i], ...)[0]; grads += body(...)[1:], from
+    zero. devices: how many devices split the stacked batch's rows (> 1: the While runs per
+    device)."""
     import torch_xla.core.xla_builder as xb
 
     builder = xb.create_builder("codex_accumulation")
-    shapes = [torch.zeros((), dtype=torch.int32), torch.zeros((), dtype=torch.float32), *params]
-    shapes += [
-        (x, y)[ref] if kind == "batch" else params[ref] if kind == "param" else ref
+    batch = [torch.empty((t.size(0) // devices, *t.shape[1:]), dtype=t.dtype) for t in xy]
+    shapes = [
+        batch[ref] if kind == "batch" else params[ref] if kind == "param" else ref
         for kind, ref in sources
     ]
-    ops = [xb.mkparam(builder, i, xb.tensor_shape(t)) for i, t in enumerate(shapes)]
+    inputs = [xb.mkparam(builder, i, xb.tensor_shape(t)) for i, t in enumerate(shapes)]
+    zeros = [xb.Op.scalar(builder, 0, dtype=xb.Type.F32).broadcast(list(p.shape)) for p in params]
+    start = [
+        xb.Op.scalar(builder, 0, dtype=xb.Type.S32),
+        xb.Op.scalar(builder, 0, dtype=xb.Type.F32),
+    ]
     n_grads = len(params)
 
     def cond(i, *rest):
@@ -181,7 +253,7 @@ def _build_while(body, x, y, params, sources, accum: int):
         one = xb.Op.scalar(i.builder(), 1, dtype=xb.Type.S32)
         return (i + one, loss, *grads, *graph_inputs)
 
-    return xb.Op.mkwhile(ops, cond, step).build("codex_accumulation")
+    return xb.Op.mkwhile([*start, *zeros, *inputs], cond, step).build("codex_accumulation")
 
 
 def _micro_batch(stacked, i):
@@ -189,3 +261,68 @@ def _micro_batch(stacked, i):
     rows, _, seq = stacked.shape().sizes
     zero = i.zeros_like()
     return stacked.dynamic_slice([zero, i, zero], [rows, 1, seq]).reshape([rows, seq])
+
+
+@contextlib.contextmanager
+def _special_scalars(on: bool):
+    """Trace with 0 and 1 as constants (torch_xla's special scalars) when `on`. Why: under
+    XLA_NO_SPECIAL_SCALARS=1 (set for the optimizer step's changing scalars) a 0 or 1 that the
+    forward creates (SDPA's causal mask fill) is device data, which SPMD annotates replicated
+    inside the body, and a replicated annotation inside the per-device (manual) While crashes the
+    partitioner. The body is traced once, so its constants never change."""
+    import torch_xla
+
+    before = torch_xla._XLAC._get_xla_handle_special_scalars()
+    torch_xla._XLAC._set_xla_handle_special_scalars(before or on)
+    try:
+        yield
+    finally:
+        torch_xla._XLAC._set_xla_handle_special_scalars(before)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t) not in ("", "{replicated}")
+
+
+def _to_local(
+    t: torch.Tensor, mesh, batched: bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The piece of `t` each device holds, under manual sharding: its rows of a batch, or the
+    whole tensor. A sharded (fsdp) parameter is all-gathered into a new value first (cast to
+    `dtype` before the gather when given), once per step, before the While; its own sharding
+    stays."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from train.xla.sharding import batch_spec
+
+    spec = batch_spec(t.dim()) if batched else (None,) * t.dim()
+    if batched or not _is_sharded(t):
+        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+    whole = t.detach().to(dtype) if dtype is not None else t.detach().clone()
+    xs.annotate_custom_sharding(whole, mesh, spec)  # replicated: the partitioner's all-gather
+    return torch_xla._XLAC._spmd_full_to_shard_shape(whole)
+
+
+def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over the devices of each device's own (manual) `t`: the devices' values stacked
+    on a dim 0 sharded over the mesh, summed (the partitioner's one all-reduce), / devices. `like`:
+    give the result that tensor's sharding (an fsdp parameter's gradient stays sharded, so the
+    reduction becomes a reduce-scatter)."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from train.xla.sharding import batch_spec
+
+    n = mesh.size()
+    stacked = t.unsqueeze(0)
+    full = xs.disable_manual_sharding(
+        stacked, batch_spec(stacked.dim()), (n, *t.shape), mesh=mesh
+    ).global_tensor
+    mean = full.sum(0) / n
+    sharding = torch_xla._XLAC._get_xla_op_sharding(like) if like is not None else None
+    if sharding:
+        torch_xla._XLAC._xla_mark_sharding(mean, sharding)
+    return mean

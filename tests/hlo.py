@@ -1,0 +1,130 @@
+"""Reading XLA's optimized HLO dumps (`XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text`): which
+collectives a compiled program runs, and whether inside a While's body or after it.
+
+A While's body is the computation named by `body=` on the `while(` line; everything it calls
+(fusions, calls, nested Whiles) runs once per iteration, so it counts as inside.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+@dataclass
+class Collective:
+    op: str  # one of COLLECTIVES
+    shape: str  # the result's shape text, e.g. "f32[64,64]{1,0}" or a tuple of them
+    in_loop: bool  # inside a While's body (or something it calls)
+
+    @property
+    def elements(self) -> int:
+        return sum(n for _, n in arrays(self.shape))
+
+
+@dataclass
+class Program:
+    path: Path
+    computations: dict[str, list[str]]
+    whiles: list[str]  # the `while(` instruction lines of every computation
+
+    def loop_computations(self) -> set[str]:
+        """Every computation a While body runs, transitively."""
+        todo = [m for line in self.whiles for m in re.findall(r"body=%?([\w.\-]+)", line)]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.computations:
+                continue
+            seen.add(name)
+            for line in self.computations[name]:
+                todo += _CALLED.findall(line)
+                for group in _BRANCHES.findall(line):
+                    todo += [b.strip().lstrip("%") for b in group.split(",")]
+        return seen
+
+    def collectives(self) -> list[Collective]:
+        inside = self.loop_computations()
+        out = []
+        for name, lines in self.computations.items():
+            for line in lines:
+                for op in COLLECTIVES:
+                    m = re.search(rf"=\s*(.+?)\s{op}(?:-start)?\(", line)
+                    if m:
+                        out.append(Collective(op, m.group(1), name in inside))
+        return out
+
+    def while_carry(self) -> list[tuple[str, int]]:
+        """(dtype, elements) of every array in the Whiles' loop-carried tuples."""
+        return [a for line in self.whiles for a in arrays(line.split(" while(")[0])]
+
+
+def arrays(shape: str) -> list[tuple[str, int]]:
+    """(dtype, elements) of every array in an HLO shape text."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append((dtype, n))
+    return out
+
+
+def nbytes(dtype: str, elements: int) -> int:
+    return elements * _BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
+
+
+def parse(path: Path) -> Program:
+    computations: dict[str, list[str]] = {}
+    whiles = []
+    current = None
+    for line in path.read_text().splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s", line)
+            current = m.group(1) if m else None
+            if current:
+                computations[current] = []
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            computations[current].append(line)
+            if " while(" in line:
+                whiles.append(line)
+    return Program(path, computations, whiles)
+
+
+def step_programs(dump: Path) -> list[Program]:
+    """The optimized programs in `dump` that hold a While (the training steps)."""
+    programs = [parse(p) for p in sorted(dump.glob("*after_optimizations.txt"))]
+    return [p for p in programs if p.whiles]
+
+
+def manual_inputs(program: Program) -> list[tuple[str, int]]:
+    """(dtype, elements) of every value entering a manual-sharding region
+    (SPMDFullToShardShape), read from the program as codex emitted it, before XLA's passes
+    (which on the CPU widen bf16 to f32)."""
+    before = Path(
+        re.sub(r"\.\w+_after_optimizations\.txt$", ".before_optimizations.txt", str(program.path))
+    )
+    out = []
+    for line in before.read_text().splitlines():
+        if 'custom_call_target="SPMDFullToShardShape"' in line:
+            out += arrays(line.split(" custom-call(")[0])
+    return out
+
+
+def bytes_used(program: Program) -> int:
+    """The compiled program's buffer total from its memory-usage report ("Total bytes used")."""
+    report = Path(str(program.path).replace(".txt", "-memory-usage-report.txt"))
+    m = re.search(r"Total bytes used: (\d+)", report.read_text())
+    assert m, f"no total in {report}"
+    return int(m.group(1))
