@@ -104,3 +104,31 @@ def test_cached_step_refuses_a_forward_that_draws_random_numbers(step_runs):
         "deterministic forward" in step_runs["refused"]
         and "xla_step=traced" in step_runs["refused"]
     )
+
+
+def test_flash_kernel_gets_no_mesh_inside_the_per_device_trace(monkeypatch):
+    """The cached step traces its per-device body inside sharding.per_device_trace(): there the
+    flash kernel gets one chip's q, k, v with no mesh and no partition spec; elsewhere (validation,
+    the traced step) the mesh and the batch spec over both axes."""
+    import torch_xla.experimental.custom_kernel as ck
+
+    from train.xla.flash import make_flash_attend
+    from train.xla.sharding import per_device_trace
+
+    calls = []
+    monkeypatch.setattr(
+        ck, "flash_attention", lambda *a, **kw: calls.append((kw["partition_spec"], kw["mesh"]))
+    )
+
+    class Mesh:
+        axis_names = ("replica", "fsdp")
+
+    mesh = Mesh()
+    attend = make_flash_attend(mesh)
+    q = torch.zeros(2, 4, 8, 16)
+    attend(q, q, q)
+    with per_device_trace():
+        attend(q, q, q)
+    attend(q, q, q)
+    spec = (("replica", "fsdp"), None, None, None)
+    assert calls == [(spec, mesh), (None, None), (spec, mesh)]

@@ -10,7 +10,8 @@
         backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step (fsdp: done
                                            #   in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
-        every log_every: sync, tokens/s, MFU, memory  every eval_every: val loss + bits per byte
+        every log_every: loss, tokens/s, MFU, memory (XLA: the previous log step's line, so the
+                         host never waits for the device)  every eval_every: val loss + bpb
         every save_every (and on SIGTERM/SIGINT and at the end): checkpoint, every rank its own part
 
 Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum
@@ -89,6 +90,17 @@ class StepState:
 
 
 @dataclass
+class TrainLine:
+    """A log step's values, still on the device until the line is written."""
+
+    step: int
+    tokens: int
+    lr: float
+    loss: torch.Tensor  # the mean loss since the last line
+    grad_norm: torch.Tensor
+
+
+@dataclass
 class Meters:
     """Where the loop's measurements go: the loss window, the timer, the log, the progress bar."""
 
@@ -96,6 +108,7 @@ class Meters:
     timer: StepTimer
     metrics: MetricsLogger
     progress: Progress
+    pending: TrainLine | None = None  # lagged_logs: the line the next log step writes
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -200,6 +213,10 @@ def _train(
             grad_norm = clip_grad_norm(raw, tcfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # A log step's mean loss goes into this step's program (XLA: no program of its own,
+            # and with lagged_logs read at the next log step, long done)
+            logged = due(state.step + 1, tcfg.log_every, plan.total_steps)
+            mean_loss = meters.window.take(state.step + 1) if logged else None
             backend.step_boundary()
             state.step += 1
             state.tokens += plan.batch_tokens
@@ -207,14 +224,17 @@ def _train(
             meters.progress.update(1)
 
             # --- log, validate, save ---
-            if due(state.step, tcfg.log_every, plan.total_steps):
-                state.loss = _log_train(run, meters, state, lr, grad_norm)
+            if mean_loss is not None:
+                line = TrainLine(state.step, state.tokens, lr, mean_loss, grad_norm)
+                _log_train(run, meters, state, line)
             if due(state.step, tcfg.eval_every, plan.total_steps):
+                _flush_train_line(run, meters, state)
                 with meters.timer.pause():
                     state.val = _log_validation(run, meters, model, state)
             stopping = backend.any_flag(stop.is_set)  # every rank stops at the same step
             last = state.step == plan.total_steps
             if stopping or last or due(state.step, tcfg.save_every, plan.total_steps):
+                _flush_train_line(run, meters, state)
                 with meters.timer.pause():
                     reason = "preempted" if stopping else "final" if last else "periodic"
                     state.saving = _save(run, meters, parts, state, reason)
@@ -375,38 +395,70 @@ def _cpu_threads() -> str:
     return f"cpu, {n} thread{'s' if n != 1 else ''}"
 
 
-def _log_train(
-    run: Run, meters: Meters, state: StepState, lr: float, grad_norm: torch.Tensor
+def _log_train(run: Run, meters: Meters, state: StepState, line: TrainLine) -> None:
+    """A log step. lagged_logs (XLA): write the previous log step's line, whose values are long
+    computed, and keep this one for the next log step (or the next sync: validation, a save, the
+    end), so the host never waits for the device here. Otherwise: this step's line, now."""
+    if not run.backend.lagged_logs:
+        state.loss = _write_train_line(run, meters, line, state, sync=True)
+        return
+    previous, meters.pending = meters.pending, line
+    if previous is not None:
+        state.loss = _write_train_line(run, meters, previous, state, sync=False)
+
+
+def _flush_train_line(run: Run, meters: Meters, state: StepState) -> None:
+    """Write the pending (lagged) line before a sync point: the device is drained there anyway."""
+    if meters.pending is not None:
+        line, meters.pending = meters.pending, None
+        state.loss = _write_train_line(run, meters, line, state, sync=True)
+
+
+def _write_train_line(
+    run: Run, meters: Meters, line: TrainLine, state: StepState, sync: bool
 ) -> float:
     """One train metrics line: loss, lr, grad norm, tokens/s, MFU, memory, compiles. Returns the
-    loss."""
+    loss. The rates run up to the loop's step (StepTimer.lap): after a sync, or, with sync False
+    (lagged), after reading the line's values, which waits for its step only."""
     backend, plan = run.backend, run.plan
-    loss_avg = meters.window.mean(state.step)  # computed by the timer's sync below
-    rec = meters.timer.lap(state.step, state.tokens)
-    loss = float(loss_avg)
-    meters.window.reset(state.step)
-    rec = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm)} | rec
+    if sync:
+        rec = meters.timer.lap(state.step, state.tokens)
+    loss, grad_norm = float(line.loss), float(line.grad_norm)
+    if not sync:
+        rec = meters.timer.lap(state.step, state.tokens, sync=False)
+    rec = {"loss": loss, "lr": line.lr, "grad_norm": grad_norm} | rec
     peak = run.preset.peak_flops * plan.world_size
     if peak > 0:
         rec["mfu"] = flops_per_token(run.cfg.model, plan.seq_len) * rec["tokens_per_s"] / peak
     rec.update(backend.memory_stats())
+    if "mem_gb" in rec:  # measured against what the memory plan said before the run
+        rec["mem_plan_gb"] = plan.memory.total / 1e9
     compiles = backend.compile_count()
     if compiles is not None:
         rec["compiles"] = compiles
-    meters.metrics.log("train", state.step, state.tokens, **rec)
+    meters.metrics.log("train", line.step, line.tokens, **rec)
     if backend.is_main:
         log.info(
-            "step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s",
-            state.step,
+            "step %d/%d | loss %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | %.0f ms/step%s%s",
+            line.step,
             plan.total_steps,
             loss,
-            lr,
+            line.lr,
             rec["grad_norm"],
             rec["tokens_per_s"],
             1000 * rec["step_time_s"],
             f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "",
+            _memory_text(rec),
         )
     return loss
+
+
+def _memory_text(rec: dict) -> str:
+    """' | mem 12.1 GB peak / 14.0 planned' where the device reports its memory."""
+    if "mem_gb" not in rec:
+        return ""
+    used = rec.get("mem_peak_gb", rec["mem_gb"])
+    return f" | mem {used:.1f} GB peak / {rec['mem_plan_gb']:.1f} planned"
 
 
 def _log_validation(run: Run, meters: Meters, model: torch.nn.Module, state: StepState) -> dict:

@@ -69,11 +69,14 @@ class LossWindow:
         The sum is the only cross-rank transfer on logging steps."""
         return replica_mean(self.backend, self.sum) / (self.accum * (step - self.since))
 
-    def reset(self, step: int) -> None:
-        self.sum.zero_()
+    def take(self, step: int) -> torch.Tensor:
+        """The window's mean (lazy), and a new window from `step`, with no device work now: the
+        sum is replaced by a zero copied from the host, not zeroed in place (on XLA an in-place
+        zero is a program of its own, and a read of it a wait for the device)."""
+        mean = self.mean(step)
+        self.sum = torch.zeros((), dtype=torch.float32).to(self.backend.device)
         self.since = step
-        # XLA: the zeroing runs now (its own program), so the next step stays the usual one.
-        self.backend.synchronize()
+        return mean
 
     def state(self) -> dict:
         """For a checkpoint; every rank must call it (the partial sum is averaged over replicas)."""
@@ -87,6 +90,7 @@ class StepTimer:
 
     def __init__(self, backend: Backend, step: int, tokens: int):
         self.backend = backend
+        self.last: dict = {}
         backend.synchronize()
         self._start(time.perf_counter(), step, tokens)
 
@@ -103,10 +107,16 @@ class StepTimer:
             self.backend.synchronize()
             self.paused += time.perf_counter() - t
 
-    def lap(self, step: int, tokens: int) -> dict:
-        """Rates since the last lap. The next window starts at this clock, so the time spent writing
-        the log line itself is counted in it."""
-        self.backend.synchronize()
+    def lap(self, step: int, tokens: int, sync: bool = True) -> dict:
+        """Rates since the last lap, up to the loop's `step`. sync False (lagged logs): no drain;
+        the caller has just read values an earlier step computed, so in steady state the host
+        and the device run at one rate and the window between two such reads measures it. A lap
+        with no step since the last one repeats the last rates. The next window starts at this
+        clock, so the time spent writing the log line itself is counted in it."""
+        if sync:
+            self.backend.synchronize()
+        if step == self.step0 and self.last:
+            return self.last
         now = time.perf_counter()
         wall = now - self.t0
         dt = wall - self.paused
@@ -117,6 +127,7 @@ class StepTimer:
             "step_time_s": dt / (step - self.step0),
         }
         self._start(now, step, tokens)
+        self.last = out
         return out
 
 

@@ -95,6 +95,9 @@ class Backend(Protocol):
     global_values: bool
     # Validation needs full, masked batches of one shape (XLA compiles per shape).
     fixed_shapes: bool
+    # A log step reads the previous log step's values instead of its own, so it never waits for
+    # the device (XLA: the host keeps running ahead; train/loop.py: _log_train).
+    lagged_logs: bool
 
     @property
     def loader_rank(self) -> int: ...  # this process among the processes that load data
@@ -170,6 +173,7 @@ class TorchBackend:
     devices_per_loader: int = 1
     global_values: bool = False
     fixed_shapes: bool = False
+    lagged_logs: bool = False
     layout: Layout = field(default_factory=Layout)  # set by build_model (train/dist/fsdp.py)
     _compiled: list = field(default_factory=list)
 

@@ -13,16 +13,16 @@ spawn           One process per chip through torch_xla's launcher (spawn_train).
                 its own batch; all_reduce_grads is an explicit xm.all_reduce(SUM, scale=1/W) once
                 per optimizer step.
 
-No recompilation: shapes are fixed (full batches, masked validation batches), the graph is cut
-once per optimizer step (step_boundary = torch_xla.sync()), nothing is read back to the host
-inside a step (the loop reads the loss every log_every steps). A Python scalar such as the learning
-rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla is first
-imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so its step
-count and bias corrections stay on the device (train/optim/optimizer.py). A run compiles a fixed
-number of programs (4 for 1,000 steps without validation, tests/test_xla.py); compile_count() is
-logged with every train metrics line, and train.max_compiles > 0 fails at the first step that ends
-above it. XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back on
-TPU (pytorch/xla #9094), so every process still compiles its programs once.
+No recompilation: shapes are fixed (full batches, masked validation batches), the graph is cut once
+per optimizer step (step_boundary = torch_xla.sync()), nothing is read back to the host inside a
+step (a log step reads the previous log step's values, lagged_logs). A Python scalar such as the
+learning rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla
+is first imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so
+its step count and bias corrections stay on the device (train/optim/optimizer.py). A run compiles a
+fixed number of programs (4 for 1,000 steps without validation, tests/test_xla.py); compile_count()
+is logged with every train metrics line, and train.max_compiles > 0 fails at the first step that
+ends above it. XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back
+on TPU (pytorch/xla #9094), so every process still compiles its programs once.
 
 No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
 what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla
@@ -81,6 +81,8 @@ class XLABackend:
     devices_per_loader: int  # spmd: local chips (one loader feeds them all); spawn: 1
     global_values: bool  # spmd: one program holds global values (no cross-rank sums)
     fixed_shapes: bool = True  # XLA compiles one graph per shape: masked full val batches
+    lagged_logs: bool = True  # a log step never drains the device (train/loop.py: _log_train)
+    syncs: int = 0  # synchronize() calls: device drains (tests assert a log step adds none)
     max_compiles: int = 0
     mesh: Any = None
     flash_attention: bool = False  # model.attention=flash, on a TPU (train/xla/flash.py)
@@ -217,6 +219,7 @@ class XLABackend:
         import torch_xla
         import torch_xla.core.xla_model as xm
 
+        self.syncs += 1
         torch_xla.sync()
         xm.wait_device_ops()
 
@@ -225,15 +228,24 @@ class XLABackend:
         self.control.barrier()
 
     def memory_stats(self) -> dict[str, float]:
-        import torch_xla.core.xla_model as xm
+        """HBM of the busiest local chip: the largest bytes in use and peak over this host's
+        physical devices. Per physical device because under SPMD the one device torch sees is
+        virtual and the runtime refuses its memory info (pytorch/xla #9022). {} where the runtime
+        has none (the XLA CPU backend). Not run on a TPU yet."""
+        import torch_xla
 
-        try:
-            info = xm.get_memory_info(self.device)
-        except Exception:  # the XLA CPU backend has no memory info
-            return {}
-        out = {"mem_gb": info.get("bytes_used", 0) / 1e9}
-        if "peak_bytes_used" in info:
-            out["mem_peak_gb"] = info["peak_bytes_used"] / 1e9
+        devices = torch_xla._XLAC._xla_get_runtime_devices() if self.mode == "spmd" else []
+        used, peak = [], []
+        for device in devices or [str(self.device)]:
+            try:
+                info = torch_xla._XLAC._xla_memory_info(device)
+            except Exception:  # the XLA CPU backend has no memory info
+                return {}
+            used.append(info.get("bytes_used", 0))
+            peak.append(info.get("peak_bytes_used", 0))
+        out = {"mem_gb": max(used) / 1e9}
+        if any(peak):
+            out["mem_peak_gb"] = max(peak) / 1e9
         return out
 
     def compile_count(self) -> int:
