@@ -533,3 +533,30 @@ def test_sources_carry_their_own_preset_and_delimiter(tmp_path):
         cli, ["data", "clean", "--run", str(tmp_path / "x"), "--sources", str(sources)]
     )
     assert res.exit_code == 2 and "data.clean.sources[0]: unknown key 'presets'" in res.output
+
+
+def test_word_split_and_gopher_counters_equal_their_per_word_definitions():
+    """split_words (white-space pieces, the regex only on pieces that are not letters and digits)
+    and the regexes that count Gopher's real and alphabetic words over the joined words give what
+    the plain definitions give, on random Unicode (white space of several kinds, punctuation,
+    numerals such as '²' and '五', combining marks) and on source code."""
+    import random
+    import sysconfig
+
+    from pipeline.clean.filters import _WORD, PUNCTUATION, _word_counters, split_words
+
+    real_re, no_alpha_re = _word_counters()
+    rng = random.Random(0)
+    pool = [chr(c) for c in range(0x20, 0x3000)] + list(PUNCTUATION)
+    pool += list(" \n\t\u00a0\u2003\x1c") * 20 + list("abc def.,'-_:/") * 30
+    pool += ["²", "½", "五", "Ⅻ", "１", "％", "\u0301", "\U0001f600"]
+    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 200))) for _ in range(1500)]
+    texts.append(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text())
+    for text in texts:
+        words = _WORD.findall(text)
+        assert split_words(text) == words, repr(text)
+        joined = "\n".join(words)
+        real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]
+        assert real_re.findall(joined) == real, repr(text)
+        alpha = sum(any(c.isalpha() for c in w) for w in words)
+        assert (len(words) - len(no_alpha_re.findall(joined)) if words else 0) == alpha

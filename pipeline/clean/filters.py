@@ -21,7 +21,9 @@ approximations; bench/bench_datatrove_parity.py measures how often the decisions
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
@@ -88,6 +90,49 @@ _WORD = re.compile(
 )
 
 
+def split_words(text: str) -> list[str]:
+    """_WORD.findall(text), three times faster: no token spans white space (no branch of _WORD
+    matches it, and its look-arounds see white space and a piece's ends alike), so the text is
+    cut at white space first (str.split and the regex's \\s agree: both are Py_UNICODE_ISSPACE),
+    and a piece of letters and digits only (str.isalnum, which is exactly [^\\W_]) is one token
+    as it stands; only the other pieces go through the regex."""
+    out: list[str] = []
+    for piece in text.split():
+        if piece.isalnum():
+            out.append(piece)
+        else:
+            out.extend(_WORD.findall(piece))
+    return out
+
+
+@functools.cache
+def _word_counters() -> tuple[re.Pattern, re.Pattern]:
+    """Regexes over the words joined by newlines (one word a line; no word holds white space),
+    so Gopher's per-word tests run in the regex engine, not a Python loop per word:
+    real: the words that start with a letter or digit or hold a character outside PUNCTUATION;
+    no_alpha: the words without a character for which str.isalpha holds (a class built from the
+    code points once per process: [^\\W\\d_] would also take numerals such as '²'); counting
+    these is three times faster than matching the ones with one."""
+    punct = "".join(re.escape(c) for c in sorted(PUNCTUATION))
+    real = re.compile(rf"^(?:[^\W_][^\n]*|[^\n]*[^{punct}\n][^\n]*)$", re.M)
+    no_alpha = re.compile(rf"^[^{_code_point_class(str.isalpha)}\n]*+$", re.M)
+    return real, no_alpha
+
+
+def _code_point_class(test) -> str:
+    """A regex character class body (ranges) of every code point for which test(chr) holds."""
+    ranges, start = [], None
+    for cp in range(sys.maxunicode + 2):
+        inside = cp <= sys.maxunicode and test(chr(cp))
+        if inside and start is None:
+            start = cp
+        elif not inside and start is not None:
+            a, b = re.escape(chr(start)), re.escape(chr(cp - 1))
+            ranges.append(a if start == cp - 1 else f"{a}-{b}")
+            start = None
+    return "".join(ranges)
+
+
 @dataclass
 class Doc:
     text: str
@@ -100,7 +145,7 @@ class Doc:
     @property
     def words(self) -> list[str]:
         if self._words is None:
-            self._words = _WORD.findall(self.text)
+            self._words = split_words(self.text)
         return self._words
 
     @property
@@ -177,8 +222,10 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
     """
     text, words = doc.text, doc.words
     n_words = len(words)
-    # not all punctuation
-    real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]
+    real_words, no_alpha_words = _word_counters()
+    joined = "\n".join(words)
+    # not all punctuation: w[0].isalnum() or any(c not in PUNCTUATION for c in w), per word
+    real = real_words.findall(joined)
     n_real = len(real)
     if cfg.min_doc_words and n_real < cfg.min_doc_words:
         return "short_doc"
@@ -213,17 +260,14 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
         return "too_many_end_ellipsis"
     if (
         cfg.max_non_alpha_words_ratio
-        and sum(w[0].isalpha() or _has_alpha(w) for w in words) / n_words
+        # the words with any(c.isalpha() for c in w)
+        and (n_words - len(no_alpha_words.findall(joined))) / n_words  # n_words > 0 here
         < cfg.max_non_alpha_words_ratio
     ):
         return "below_alpha_threshold"
     if cfg.min_stop_words and len(STOP_WORDS.intersection(words)) < cfg.min_stop_words:
         return "not_enough_stop_words"
     return None
-
-
-def _has_alpha(w: str) -> bool:
-    return any(c.isalpha() for c in w)
 
 
 # ----------------------------------------------------------------------------------------------
