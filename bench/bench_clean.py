@@ -11,16 +11,17 @@ C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench
 its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
 every 50 ms.
 
-Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files):
+Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files),
+2026-11-26, after the word split and Gopher's counts moved into the regex engine:
 
                         seconds    MB/s  peak RSS MB  docs kept
-codex workers=1            23.9    4.26          104        124
-datatrove workers=1       213.2    0.48          294
-codex workers=2            13.9    7.35          243        124
-datatrove workers=2       122.1    0.84          598
+codex workers=1            16.8    6.07          150        146
+codex workers=2            10.0   10.21          375        146
 
-codex is 8.8x datatrove (target 1.5x). Both are slow on this input: it is mostly source code,
-which the prose rules reject only after the word-level work (the Gopher repetition n-gram loop).
+The commit before gave 3.92 / 6.92 MB/s (the same 146 kept); an earlier run with datatrove 0.10
+(before the parity fixes: codex 4.26 / 7.35 MB/s, 124 kept) measured datatrove at 0.48 / 0.84
+MB/s. The input is mostly source code, which the prose rules reject only after the word-level
+work.
 """
 
 from __future__ import annotations
