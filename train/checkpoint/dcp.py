@@ -267,7 +267,8 @@ def _save_error(e: CheckpointException, errors: list[OSError], folder: str) -> E
 def staged(tree: dict) -> dict:
     """`tree` with every tensor replaced by a copy taken now: what a background save writes while
     training changes the originals. CPU tensors (DTensors too) are cloned in one pass; device
-    tensors go to pinned host memory through DCP's stager (DTensors stay DTensors)."""
+    tensors are copied to host memory through DCP's stager, uncached: fresh, unpinned memory
+    every save (DTensors stay DTensors)."""
     on_device: list[tuple[dict, str, torch.Tensor]] = []
 
     def copy(t: dict) -> dict:
