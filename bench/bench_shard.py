@@ -13,18 +13,19 @@ in one session, alternating so machine load hits both alike:
 Peak RSS of the shard process includes its worker processes. --cores pins everything with
 taskset-like affinity (default: the first 2 cores).
 
-Measured (2 cores pinned, shared machine at load ~2, 100 MB = stdlib .py + tinyshakespeare,
-vocab 8192, shard_tokens 10M, 30.5M tokens):
+Measured (quiet machine, 2026-11-26, 100 MB = stdlib .py + tinyshakespeare, shard_tokens 10M;
+the stage encodes with the exact tiktoken encoder, pipeline/encode.py):
 
-    what                            MB/s  Mtok/s  x bare  cpu s  peak RSS
-    bare encode_batch               2.35   0.717    1.00   78.0
-    codex data shard --workers 1    3.20   0.975    1.36   56.6    548 MB
-    bare encode_batch_fast          3.10   0.944    1.32   61.5
-    codex data shard --workers 2    2.69   0.820    1.14   57.3    873 MB (3 processes)
+    --cores 0, vocab 8192 (30.5M tokens)  MB/s  x bare  peak RSS
+    bare encode_batch                     2.12   1.00
+    codex data shard --workers 1         10.06   4.75    347 MB
+    bare encode_batch_fast                2.82   1.33
+    codex data shard --workers 2          9.45   4.47    520 MB
+    --cores 0, vocab 32768: shard 10.03 MB/s against encode_batch_fast 3.10 (3.24x)
+    --cores 0,1, vocab 8192: shard --workers 1 13.36 MB/s, --workers 2 10.20 MB/s
 
-The stage beats bare encode_batch because it encodes with encode_batch_fast (no offsets); against
-that it runs at 1.03x (--workers 1) / 0.87x (--workers 2). Under heavier load from other jobs the
-wall-clock numbers move by +-40%; the cpu-s column is steadier.
+Two workers on two cores are no faster than one on one core at this size (~10 s a run): the
+processes' start and the stage's serial scan and write take the gain.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
             clean / f"part-00000-{k // per:05d}-000.parquet",
             compression="zstd",
         )
-    (clean / "stats.json").write_text("{}")
+    # the list tokenize and shard read (pipeline/inputs.py: clean_parts), as clean writes it
+    parts = sorted(f.name for f in clean.glob("part-*.parquet"))
+    (clean / "stats.json").write_text(json.dumps({"shards": parts, "docs_out": len(docs)}))
     sample, n = [], 0
     for d in docs[::7]:
         sample.append(d[:100_000])
