@@ -15,7 +15,6 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 
 
 @dataclass
@@ -75,10 +74,6 @@ def arrays(shape: str) -> list[tuple[str, int]]:
             n *= int(d)
         out.append((dtype, n))
     return out
-
-
-def nbytes(dtype: str, elements: int) -> int:
-    return elements * _BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
 
 
 def parse(path: Path) -> Program:

@@ -32,6 +32,7 @@ that train/ never imports eval/, which sits above it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,8 @@ def train(
 def _train(
     cfg: Config, backend: Backend, evaluate: Evaluate, plot: Callable[[str], object] | None
 ) -> dict:
+    """The loop, top to bottom in one function on purpose (as nanoGPT's train.py): each section
+    is a few calls to the helpers below, and reading it in order is reading a step."""
     # --- plan, model, optimizer, data ---
     preset = get_preset(cfg.train.hardware)
     backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
@@ -215,8 +218,8 @@ def _train(
             optimizer.zero_grad(set_to_none=True)
             # A log step's mean loss goes into this step's program (XLA: no program of its own,
             # and with lagged_logs read at the next log step, long done)
-            logged = due(state.step + 1, tcfg.log_every, plan.total_steps)
-            mean_loss = meters.window.take(state.step + 1) if logged else None
+            logs = due(state.step + 1, tcfg.log_every, plan.total_steps)
+            mean_loss = meters.window.take(state.step + 1) if logs else None
             backend.step_boundary()
             state.step += 1
             state.tokens += plan.batch_tokens
@@ -228,14 +231,12 @@ def _train(
                 line = TrainLine(state.step, state.tokens, lr, mean_loss, grad_norm)
                 _log_train(run, meters, state, line)
             if due(state.step, tcfg.eval_every, plan.total_steps):
-                _flush_train_line(run, meters, state)
-                with meters.timer.pause():
+                with _paused(run, meters, state):
                     state.val = _log_validation(run, meters, model, state)
             stopping = backend.any_flag(stop.is_set)  # every rank stops at the same step
             last = state.step == plan.total_steps
             if stopping or last or due(state.step, tcfg.save_every, plan.total_steps):
-                _flush_train_line(run, meters, state)
-                with meters.timer.pause():
+                with _paused(run, meters, state):
                     reason = "preempted" if stopping else "final" if last else "periodic"
                     state.saving = _save(run, meters, parts, state, reason)
                 state.saved_at = state.step
@@ -398,7 +399,7 @@ def _cpu_threads() -> str:
 def _log_train(run: Run, meters: Meters, state: StepState, line: TrainLine) -> None:
     """A log step. lagged_logs (XLA): write the previous log step's line, whose values are long
     computed, and keep this one for the next log step (or the next sync: validation, a save, the
-    end), so the host never waits for the device here. Otherwise: this step's line, now."""
+    end: _paused), so the host never waits for the device here. Otherwise: this step's line, now."""
     if not run.backend.lagged_logs:
         state.loss = _write_train_line(run, meters, line, state, sync=True)
         return
@@ -407,11 +408,15 @@ def _log_train(run: Run, meters: Meters, state: StepState, line: TrainLine) -> N
         state.loss = _write_train_line(run, meters, previous, state, sync=False)
 
 
-def _flush_train_line(run: Run, meters: Meters, state: StepState) -> None:
-    """Write the pending (lagged) line before a sync point: the device is drained there anyway."""
+@contextlib.contextmanager
+def _paused(run: Run, meters: Meters, state: StepState):
+    """A pause of the training clock (validation, a checkpoint), which drains the device: the
+    pending lagged line is written first, at no extra cost."""
     if meters.pending is not None:
         line, meters.pending = meters.pending, None
         state.loss = _write_train_line(run, meters, line, state, sync=True)
+    with meters.timer.pause():
+        yield
 
 
 def _write_train_line(

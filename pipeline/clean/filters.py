@@ -223,9 +223,8 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
     text, words = doc.text, doc.words
     n_words = len(words)
     real_words, no_alpha_words = _word_counters()
-    joined = "\n".join(words)
-    # not all punctuation: w[0].isalnum() or any(c not in PUNCTUATION for c in w), per word
-    real = real_words.findall(joined)
+    joined = "\n".join(words)  # one word a line: the counters run in the regex engine
+    real = real_words.findall(joined)  # w[0].isalnum() or any(c not in PUNCTUATION for c in w)
     n_real = len(real)
     if cfg.min_doc_words and n_real < cfg.min_doc_words:
         return "short_doc"

@@ -323,7 +323,8 @@ def plan(
     (the GPU's real size, the CPU's free RAM).
 
     12 parameters: the model, the preset and the batch, then keyword settings with defaults
-    (setting_for's dict, passed as **setting)."""
+    (setting_for's dict, passed as **setting). Long because every term is a line of the module
+    docstring's arithmetic, kept side by side in one place."""
     if m.vocab_size <= 0:
         m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
     c = 2 if dtype == "bf16" else 4

@@ -82,7 +82,6 @@ class XLABackend:
     global_values: bool  # spmd: one program holds global values (no cross-rank sums)
     fixed_shapes: bool = True  # XLA compiles one graph per shape: masked full val batches
     lagged_logs: bool = True  # a log step never drains the device (train/loop.py: _log_train)
-    syncs: int = 0  # synchronize() calls: device drains (tests assert a log step adds none)
     max_compiles: int = 0
     mesh: Any = None
     flash_attention: bool = False  # model.attention=flash, on a TPU (train/xla/flash.py)
@@ -219,7 +218,6 @@ class XLABackend:
         import torch_xla
         import torch_xla.core.xla_model as xm
 
-        self.syncs += 1
         torch_xla.sync()
         xm.wait_device_ops()
 

@@ -54,14 +54,13 @@ from typing import Any
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from train.xla.sharding import per_device_trace
+from train.xla.sharding import batch_spec, per_device_trace, sharding_of
 
 
 @dataclass
 class _Traced:
     computation: object  # the While computation (torch_xla's xla_builder)
     sources: list  # per graph input: ("batch", i) | ("param", i) | ("fixed", tensor)
-    n_grads: int
     gather: list  # per parameter: the dtype it is gathered in before the While, or None
 
 
@@ -119,7 +118,7 @@ class DeviceAccumulation:
         _, loss, *outputs = torch_xla._XLAC._xla_user_computation(
             "xla::codex_accumulation", inputs, t.computation
         )
-        grads = outputs[: t.n_grads]
+        grads = outputs[: len(params)]
         if self.per_device:
             loss = _mean_over_devices(loss, self.mesh)
             grads = [
@@ -144,18 +143,7 @@ class DeviceAccumulation:
         # before its first step).
         rows = x.size(0) // (self.mesh.size() if self.per_device else 1)
         x0, y0 = (torch.zeros((rows, t.size(2)), dtype=t.dtype).to(t.device) for t in (x, y))
-        # A weight gathered in bf16 enters the body as a bf16 stand-in, upcast inside it: the
-        # model computes with that upcast copy, and its gradient (fp32) is the weight's.
-        gather = [self._gather_dtype(p) for p in params]
-        stand_ins = [
-            p if d is None else torch.zeros(p.shape, dtype=d).to(p.device)
-            for p, d in zip(params, gather, strict=True)
-        ]
-        upcast = {
-            name: s.float().requires_grad_()
-            for name, s, d in zip(self._names(), stand_ins, gather, strict=True)
-            if d is not None
-        }
+        names, gather, stand_ins, upcast = self._stand_ins(params)
         body_inputs = [x0, y0, *stand_ins]
         torch_xla._XLAC._xla_sync_multi(params, devices=[], wait=True, sync_xla_data=False)
         where = {torch_xla._XLAC._xla_get_tensor_id(t): i for i, t in enumerate(body_inputs)}
@@ -170,7 +158,7 @@ class DeviceAccumulation:
             ):
                 loss = self.loss_fn(x0, y0)
                 (loss / self.accum).backward()
-            leaves = [upcast.get(n, p) for n, p in zip(self._names(), params, strict=True)]
+            leaves = [upcast.get(n, p) for n, p in zip(names, params, strict=True)]
             grads = [
                 w.grad if w.grad is not None else torch.zeros_like(p)
                 for w, p in zip(leaves, params, strict=True)
@@ -196,10 +184,25 @@ class DeviceAccumulation:
                 ("fixed", value) if i is None else ("batch", i) if i < 2 else ("param", i - 2)
             )
         loop = _build_while(body, (x, y), stand_ins, sources, self.accum, x.size(0) // rows)
-        return _Traced(loop, sources, len(params), gather)
+        return _Traced(loop, sources, gather)
 
-    def _names(self) -> list[str]:
-        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+    def _stand_ins(self, params: list) -> tuple[list[str], list, list, dict]:
+        """(the parameters' names, gather dtype per parameter, the body's input per parameter,
+        {name: upcast copy} of those gathered in another dtype). A
+        weight gathered in bf16 enters the body as a bf16 stand-in, upcast inside it: the model
+        computes with that upcast copy, and its gradient (fp32) is the weight's."""
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        gather = [self._gather_dtype(p) for p in params]
+        stand_ins = [
+            p if d is None else torch.zeros(p.shape, dtype=d).to(p.device)
+            for p, d in zip(params, gather, strict=True)
+        ]
+        upcast = {
+            name: s.float().requires_grad_()
+            for name, s, d in zip(names, stand_ins, gather, strict=True)
+            if d is not None
+        }
+        return names, gather, stand_ins, upcast
 
     def _gather_dtype(self, p: torch.Tensor) -> torch.dtype | None:
         """The dtype a sharded weight is gathered in before the per-device While (the compute
@@ -281,9 +284,7 @@ def _special_scalars(on: bool):
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_sharding_spec(t) not in ("", "{replicated}")
+    return sharding_of(t) not in ("", "{replicated}")
 
 
 def _to_local(
@@ -296,8 +297,6 @@ def _to_local(
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
-    from train.xla.sharding import batch_spec
-
     spec = batch_spec(t.dim()) if batched else (None,) * t.dim()
     if batched or not _is_sharded(t):
         return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
@@ -309,12 +308,10 @@ def _to_local(
 def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) -> torch.Tensor:
     """The mean over the devices of each device's own (manual) `t`: the devices' values stacked
     on a dim 0 sharded over the mesh, summed (the partitioner's one all-reduce), / devices. `like`:
-    give the result that tensor's sharding (an fsdp parameter's gradient stays sharded, so the
-    reduction becomes a reduce-scatter)."""
+    give the result that tensor's sharding (an fsdp parameter's gradient stays sharded: the CPU
+    pipeline emits all-reduce + dynamic-slice, a TPU one may make it a reduce-scatter)."""
     import torch_xla
     import torch_xla.distributed.spmd as xs
-
-    from train.xla.sharding import batch_spec
 
     n = mesh.size()
     stacked = t.unsqueeze(0)
