@@ -1,6 +1,13 @@
-"""The XLA step's host cost: host ms per optimizer step and compile seconds, train.xla_step=traced
-(the Python micro-batch loop, re-traced every step) against cached (one While traced once,
-train/xla/step.py), side by side in one run.
+"""The XLA step's host cost: host ms per optimizer step and compile seconds, side by side in one
+run, for three ways to build the step:
+
+    traced      train.xla_step=traced: the Python micro-batch loop and the optimizer, re-traced
+                every step
+    fb-cached   forward + backward as one While traced once (train/xla/step.py), the optimizer
+                (clip + step) still traced every step: the cached step before the optimizer was
+                cached too
+    cached      train.xla_step=cached, the default: the While and the optimizer update
+                (train/xla/update.py) both traced once
 
     PJRT_DEVICE=CPU .venv-xla/bin/python bench/bench_xla.py [--models tiny,124m,1b] [--accums 1,8]
 
@@ -14,6 +21,9 @@ any batch shape, and the CPU has to execute every step. 1b is also narrowed (16 
 full width would take the CPU ~25 minutes a step. Its trace sees the same operations; its
 compile time is not 1b's, and the narrowed model fits replicated, so it runs replicated where
 the real 1b on v6e-4 would be sharded (fsdp over 4: `codex hardware --model 1b`).
+
+Optimizer ms: the host time of clip + optimizer.step (traced, fb-cached) or of the cached
+update's call (cached), the median over the timed steps.
 
 Host ms per step: Python time from the learning-rate update to the return of the step's
 torch_xla.sync() (trace, batch transfer, graph hashing, dispatch), the median over the timed
@@ -51,7 +61,7 @@ import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 
 name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}
 cfg = build_config(model=name, run="/tmp/codex-bench-xla", overrides=[
-    "train.hardware=v6e-4", "train.allow_cpu_xla=true", f"train.xla_step={{step_mode}}",
+    "train.hardware=v6e-4", "train.allow_cpu_xla=true", "train.xla_step=cached",
     "train.lr=0.003"])
 m = replace(cfg.model, vocab_size=32768)
 if name == "1b":   # see the module docstring
@@ -64,7 +74,8 @@ B, T = 1, 64
 model = backend.build_model(cfg.model, 0, layout)
 raw = unwrap(model)
 optimizer = make_optimizer(raw, cfg.train, "tpu", backend.autocast_dtype)
-accumulate = backend.device_accumulation(model, accum)
+accumulate = backend.device_accumulation(model, accum) if step_mode != "traced" else None
+update = backend.cached_update(raw, optimizer, 1.0) if step_mode == "cached" else None
 rows = B * backend.devices_per_loader
 gen = torch.Generator().manual_seed(0)
 def batches():
@@ -76,12 +87,12 @@ def metric(key):
     d = met.metric_data(key)
     return d[1] / 1e6 if d else 0.0   # ms
 backend.synchronize()
-host = []
+host, opt_ms = [], []
 for step in range(2 + steps):
     xm.wait_device_ops()
     e0 = metric("ExecuteReplicatedTime")
     t0 = time.perf_counter()
-    set_lr(optimizer, 1e-3)
+    lr = set_lr(optimizer, 1e-3 * (1 + step / 10))
     if accumulate is not None:
         loss_sum = accumulate(loader)
     else:
@@ -91,9 +102,14 @@ for step in range(2 + steps):
                 loss = model(x, y)
             (loss / accum).backward()
     backend.all_reduce_grads(raw)
-    clip_grad_norm(raw, 1.0)
-    optimizer.step()
+    t_opt = time.perf_counter()
+    if update is not None:
+        update(lr)
+    else:
+        clip_grad_norm(raw, 1.0)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    t_opt = 1000 * (time.perf_counter() - t_opt)
     t_sync = time.perf_counter()
     backend.step_boundary()
     t1 = time.perf_counter()
@@ -103,8 +119,10 @@ for step in range(2 + steps):
     sync_ms = 1000 * (t1 - t_sync)
     inline = 1000 * (t2 - t1) < 0.1 * executed   # the CPU ran the program inside the sync
     if step >= 2:
+        opt_ms.append(t_opt)
         host.append(1000 * (t_sync - t0) + (max(0.0, sync_ms - executed) if inline else sync_ms))
 print("BENCH " + json.dumps({{"host_ms": statistics.median(host), "host_all": host,
+    "opt_ms": statistics.median(opt_ms),
     "compile_s": met.metric_data("CompileTime")[1] / 1e9,
     "compiles": met.metric_data("CompileTime")[0],
     "layout": layout.describe(), "default_batch": [default_B, default_T]}}))
@@ -131,27 +149,29 @@ def main() -> None:
         "v6e-4 mesh on 4 XLA CPU devices; 1 x 64 tokens per device per micro-batch; "
         "default optimizer (Muon)"
     )
+    modes = ("traced", "fb-cached", "cached")
     print(
-        f"{'model':>5} {'accum':>5}  {'layout':>12}  {'traced host ms':>14} "
-        f"{'cached host ms':>14} {'cut':>5}  "
-        f"{'traced compile s':>16} {'cached compile s':>16}",
+        f"{'model':>5} {'accum':>5}  {'layout':>12}  "
+        + "  ".join(f"{m + ' host ms':>17}" for m in modes)
+        + "  "
+        + "  ".join(f"{m + ' opt ms':>16}" for m in modes)
+        + f"  {'cached / fb-cached':>18}  "
+        + "  ".join(f"{m + ' compile s':>19}" for m in modes),
         flush=True,
     )
     for name in args.models.split(","):
         for accum in (int(a) for a in args.accums.split(",")):
-            old, new = (run(name, accum, mode, args.steps) for mode in ("traced", "cached"))
+            r = {mode: run(name, accum, mode, args.steps) for mode in modes}
             print(
-                f"{name:>5} {accum:>5}  {new['layout']:>12}  {old['host_ms']:>14.0f} "
-                f"{new['host_ms']:>14.0f} "
-                f"{old['host_ms'] / new['host_ms']:>4.1f}x  {old['compile_s']:>16.1f} "
-                f"{new['compile_s']:>16.1f}",
+                f"{name:>5} {accum:>5}  {r['cached']['layout']:>12}  "
+                + "  ".join(f"{r[m]['host_ms']:>17.0f}" for m in modes)
+                + "  "
+                + "  ".join(f"{r[m]['opt_ms']:>16.1f}" for m in modes)
+                + f"  {r['cached']['host_ms'] / r['fb-cached']['host_ms']:>17.2f}x  "
+                + "  ".join(f"{r[m]['compile_s']:>19.1f}" for m in modes),
                 flush=True,
             )
-            print(
-                "BENCH_JSON "
-                + json.dumps({"model": name, "accum": accum, "traced": old, "cached": new}),
-                flush=True,
-            )
+            print("BENCH_JSON " + json.dumps({"model": name, "accum": accum, **r}), flush=True)
 
 
 if __name__ == "__main__":

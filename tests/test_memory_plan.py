@@ -281,6 +281,14 @@ def test_the_plan_counts_flash_attention_on_tpu():
     tpu, gpu = get_preset("v6e-4"), get_preset("h100")
     math_sdpa = plan(m, tpu, 4, 2048).activations
     assert plan(flash, tpu, 4, 2048).activations == plan(m, gpu, 4, 2048).activations < math_sdpa
+    # GQA (1b: 32 query, 8 K/V heads): the kernel's K and V repeated to 32 heads, kept for the
+    # backward in bf16, 2 x 2 x n_embd bytes per token per layer more than CUDA's fused SDPA
+    b = preset_model("1b")
+    extra = (
+        plan(dataclasses.replace(b, attention="flash"), tpu, 4, 2048).activations
+        - plan(b, gpu, 4, 2048).activations
+    )
+    assert extra == 2 * 2 * b.n_embd * b.n_layer * 4 * 2048
 
 
 # --- what runs: the world size, FSDP2's gradients under accumulation, Muon's buffers ------------

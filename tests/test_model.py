@@ -211,7 +211,13 @@ def test_flops_per_token_is_6n_plus_attention(tie):
 
 @pytest.mark.parametrize(
     "name,lo,hi",
-    [("tiny", 1e6, 20e6), ("124m", 100e6, 150e6), ("350m", 300e6, 400e6), ("1b", 0.9e9, 1.3e9)],
+    [
+        ("tiny", 1e6, 20e6),
+        ("124m", 100e6, 150e6),
+        ("350m", 300e6, 400e6),
+        ("1b", 0.9e9, 1.3e9),
+        ("7b", 7.0e9, 7.5e9),
+    ],
 )
 def test_presets_build_with_the_advertised_size(name, lo, hi):
     assert name in preset_names("model")
@@ -219,7 +225,7 @@ def test_presets_build_with_the_advertised_size(name, lo, hi):
     with torch.device("meta"):  # shapes only, no memory
         m = GPT(cfg)
     assert lo <= num_params(m) <= hi
-    if name in ("350m", "1b"):
+    if name in ("350m", "1b", "7b"):
         assert cfg.n_kv_head < cfg.n_head  # GQA on by default for the larger ones
 
 

@@ -182,6 +182,8 @@ def _train(
     parts = TrainingParts(raw, optimizer, _make_loader(run))
     # None: the Python micro-batch loop below
     accumulate = backend.device_accumulation(model, plan.accum)
+    # None: clip + optimizer.step below; XLA: both traced once (train/xla/update.py)
+    update = backend.cached_update(raw, optimizer, tcfg.grad_clip)
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
     existing, state, log_window = _resume(run, parts)
@@ -213,8 +215,11 @@ def _train(
                 meters.window.add(loss)
             backend.all_reduce_grads(raw)  # THE gradient all-reduce (once per step)
             # the global gradient: after the all-reduce
-            grad_norm = clip_grad_norm(raw, tcfg.grad_clip)
-            optimizer.step()
+            if update is not None:
+                grad_norm = update(lr)
+            else:
+                grad_norm = clip_grad_norm(raw, tcfg.grad_clip)
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # A log step's mean loss goes into this step's program (XLA: no program of its own,
             # and with lagged_logs read at the next log step, long done)

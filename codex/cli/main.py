@@ -418,7 +418,7 @@ def _describe_train(cfg, params) -> list[str]:
 @click.option(
     "--model",
     default=None,
-    help="Model size preset: tiny, 124m, 350m, 1b (configs/model/). Default: none, the model.* "
+    help="Model size preset: tiny, 124m, 350m, 1b, 7b (configs/model/). Default: none, the model.* "
     f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
     f"{_DEFAULT_MODEL.n_head} heads (codex/config/model.py; --set model.KEY=VALUE).",
 )

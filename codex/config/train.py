@@ -61,7 +61,8 @@ class TrainConfig:
     wandb: Literal["auto", "online", "offline", "off"] = "auto"
     wandb_project: str = "codex"
     xla_mode: Literal["spmd", "spawn"] = "spmd"  # spawn: one process per chip
-    # cached: micro-batches in one While traced once (train/xla/step.py)
+    # cached: micro-batches in one While, and the optimizer update, each traced once
+    # (train/xla/step.py, train/xla/update.py)
     xla_step: Literal["cached", "traced"] = "cached"
     xla_cache: str = ""  # persistent compilation cache; default RUN/xla_cache
     max_compiles: int = 0  # > 0: fail when the XLA compile count exceeds it

@@ -115,6 +115,10 @@ class Backend(Protocol):
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...
     # XLA: the step's micro-batches as one While; None: the loop's Python micro-batch loop.
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...
+    # XLA: clip + optimizer.step traced once, called with the lr; None: the loop calls the two.
+    def cached_update(
+        self, model: torch.nn.Module, optimizer, max_norm: float
+    ) -> Callable | None: ...
     def to_device(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
     def all_reduce_grads(self, model: torch.nn.Module) -> None: ...
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -224,6 +228,9 @@ class TorchBackend:
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> None:
         # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
         return None
+
+    def cached_update(self, model: torch.nn.Module, optimizer, max_norm: float) -> None:
+        return None  # likewise: the optimizer's Python is not traced
 
     def to_device(self, batch):
         non_blocking = self.device.type == "cuda"

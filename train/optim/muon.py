@@ -117,7 +117,11 @@ class Muon(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd)
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller
                 # entries.
-                p.add_(updates[i], alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
+                scale = -lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                if isinstance(scale, torch.Tensor):  # a device lr (train/xla/update.py)
+                    p.add_(updates[i] * scale)
+                else:
+                    p.add_(updates[i], alpha=scale)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -263,6 +263,8 @@ def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -
     # fp32 probabilities per head over the T keys, K and V copied to every query head
     if attention == "math":
         sdpa = c * d + 4 * m.n_head * seq_len + (2 * c * d if dkv != d else 0)
+    elif attention == "flash":  # the Pallas kernel: fused, on K/V repeated to every query head
+        sdpa = c * d + 4 * m.n_head + (2 * c * d if dkv != d else 0)
     else:  # fused: the output and a log-sum-exp per head
         sdpa = c * d + 4 * m.n_head
     attn_out = c * d  # the [B, T, H*hd] copy c_proj reads
@@ -297,8 +299,11 @@ def accum_for(batch_tokens: int, device_batch: int, seq_len: int, world: int) ->
 def attention_for(kind: str, model_attention: str = "sdpa") -> str:
     """The attention implementation a backend of `kind` runs: XLA lowers SDPA to its math form
     (the T x T probabilities in memory) unless model.attention=flash runs the Pallas kernel,
-    which, like CUDA's fused SDPA, never holds them."""
-    return "math" if kind == "tpu" and model_attention != "flash" else "fused"
+    which, like CUDA's fused SDPA, never holds them, but needs K/V repeated to every query head
+    under GQA (train/xla/flash.py: expand_kv_heads), a copy the plan counts."""
+    if kind == "tpu":
+        return "flash" if model_attention == "flash" else "math"
+    return "fused"
 
 
 def plan(

@@ -29,7 +29,8 @@ what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train
 (train/xla/platform.py, checked before the runtime starts).
 
 Everything torch_xla-specific lives in this file, train/xla/platform.py, train/xla/sharding.py
-(train.parallel=fsdp), train/xla/step.py (train.xla_step=cached), train/xla/flash.py
+(train.parallel=fsdp), train/xla/step.py and train/xla/update.py (train.xla_step=cached: the step's
+forward + backward and its optimizer update, each traced once), train/xla/flash.py
 (model.attention=flash, installed by prepare_model) and train/remat.py's choice of torch_xla's
 checkpoint: torch_xla is being superseded (RFC pytorch/xla #9684), so the rest of codex only sees
 the Backend interface.
@@ -145,6 +146,15 @@ class XLABackend:
         mesh = self.mesh if self.mode == "spmd" else None
         accumulation = DeviceAccumulation(unwrap(model), loss, accum, mesh, self.autocast_dtype)
         return lambda loader: accumulation(*self.to_device(stack_micro_batches(loader, accum)))
+
+    def cached_update(self, model: torch.nn.Module, optimizer, max_norm: float):
+        """train.xla_step=cached: gradient clipping + optimizer.step as one computation traced
+        once (train/xla/update.py), called with the step's lr; traced: None."""
+        if self.xla_step != "cached":
+            return None
+        from train.xla.update import CachedUpdate
+
+        return CachedUpdate(unwrap(model), optimizer, max_norm)
 
     def _spec(self, ndim: int):
         """Shard dim 0 over the mesh; minibatch=True: the tensor is this host's part of the global

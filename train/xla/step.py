@@ -14,7 +14,8 @@ and so does the compile time. Here:
                  zero gradients) -> (loss sum, gradient sums). No Python runs the model again.
 
 So the host cost of forward + backward no longer depends on accum or on depth, and XLA compiles
-one loop body instead of accum copies of it. The optimizer step after it is traced as before.
+one loop body instead of accum copies of it. The optimizer step after it is cached the same way
+(train/xla/update.py).
 
 The body is assumed pure: the model reads only its parameters, its buffers and the batch (no
 dropout or other randomness, no state updated in the forward). Tensors the body reads that are
