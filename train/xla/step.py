@@ -48,6 +48,7 @@ builder has no optimization barrier to pin them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,6 +285,15 @@ def _special_scalars(on: bool):
         torch_xla._XLAC._set_xla_handle_special_scalars(before)
 
 
+@functools.cache
+def _manual_sharding():
+    """torch_xla's OpSharding of type MANUAL (made on first use: torch_xla is imported late)."""
+    import torch_xla
+    from torch_xla.distributed.spmd import ShardingType
+
+    return torch_xla._XLAC.OpSharding([], [], [], ShardingType.MANUAL)
+
+
 def _is_sharded(t: torch.Tensor) -> bool:
     return sharding_of(t) not in ("", "{replicated}")
 
@@ -294,15 +304,18 @@ def _to_local(
     """The piece of `t` each device holds, under manual sharding: its rows of a batch, or the
     whole tensor. A sharded (fsdp) parameter is all-gathered into a new value first (cast to
     `dtype` before the gather when given), once per step, before the While; its own sharding
-    stays."""
+    stays. What xs.enable_manual_sharding does, through torch_xla's C++ calls: its Python wrapper
+    tries to import jax and torchax on every call (about 1 ms each, every parameter, every step)."""
     import torch_xla
-    import torch_xla.distributed.spmd as xs
 
     spec = batch_spec(t.dim()) if batched else (None,) * t.dim()
+    sharding = mesh.get_op_sharding(spec)  # cached by the mesh
     if batched or not _is_sharded(t):
-        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+        torch_xla._XLAC._xla_mark_sharding(t, sharding)
+        return torch_xla._XLAC._spmd_full_to_shard_shape(t)
     whole = t.detach().to(dtype) if dtype is not None else t.detach().clone()
-    xs.annotate_custom_sharding(whole, mesh, spec)  # replicated: the partitioner's all-gather
+    # replicated: the partitioner's all-gather
+    torch_xla._XLAC._xla_annotate_custom_sharding(whole, sharding)
     return torch_xla._XLAC._spmd_full_to_shard_shape(whole)
 
 
@@ -310,15 +323,16 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
     """The mean over the devices of each device's own (manual) `t`: the devices' values stacked
     on a dim 0 sharded over the mesh, summed (the partitioner's one all-reduce), / devices. `like`:
     give the result that tensor's sharding (an fsdp parameter's gradient stays sharded: the CPU
-    pipeline emits all-reduce + dynamic-slice, a TPU one may make it a reduce-scatter)."""
+    pipeline emits all-reduce + dynamic-slice, a TPU one may make it a reduce-scatter). What
+    xs.disable_manual_sharding does, through the C++ calls (see _to_local)."""
     import torch_xla
-    import torch_xla.distributed.spmd as xs
 
     n = mesh.size()
     stacked = t.unsqueeze(0)
-    full = xs.disable_manual_sharding(
-        stacked, batch_spec(stacked.dim()), (n, *t.shape), mesh=mesh
-    ).global_tensor
+    torch_xla._XLAC._mark_manual_sharding(stacked, _manual_sharding())
+    full = torch_xla._XLAC._spmd_shard_to_full_shape(
+        stacked, mesh.get_op_sharding(batch_spec(stacked.dim())), (n, *t.shape), stacked.dtype
+    )
     mean = full.sum(0) / n
     sharding = torch_xla._XLAC._get_xla_op_sharding(like) if like is not None else None
     if sharding:
