@@ -12,12 +12,10 @@ Run in the XLA venv:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_multihost import finish, free_port
 from tests.train_helpers import base_overrides, child_env, make_run
 from tests.xla_hosts import RECORD_ENV
 from train.checkpoint import folders as checkpoint
@@ -33,12 +32,6 @@ from train.checkpoint import folders as checkpoint
 pytestmark = pytest.mark.xla
 
 STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(run: str, hosts: int, record: str | None = None, **train) -> list[subprocess.Popen]:
@@ -64,7 +57,7 @@ def start(run: str, hosts: int, record: str | None = None, **train) -> list[subp
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(8 // hosts),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "CODEX_CONTROL_TIMEOUT_S": "120",
     }
     if record:
@@ -73,8 +66,8 @@ def start(run: str, hosts: int, record: str | None = None, **train) -> list[subp
         subprocess.Popen(
             [sys.executable, "-m", "tests.xla_hosts", str(hosts), str(i), "--", *args],
             env=env | {"TPU_WORKER_ID": str(i)},  # as a TPU VM's metadata says (the run lock)
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
@@ -82,16 +75,9 @@ def start(run: str, hosts: int, record: str | None = None, **train) -> list[subp
     ]
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
-    errs = []
-    for p in procs:
-        try:
-            errs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
-            raise
+def finish_ok(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
+    """Every host's log (stderr) once all exited 0."""
+    errs = finish(procs, timeout)
     assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(e[-3000:] for e in errs)
     return errs
 
@@ -116,11 +102,11 @@ def runs(tmp_path_factory) -> dict:
     procs = start(one, 1, record=str(tmp / "batch_one")) + start(
         two, 2, record=str(tmp / "batch_two")
     )
-    errs = finish(procs)
+    errs = finish_ok(procs)
     # resume across layouts: two hosts' step 3 on one host, one host's step 3 on two hosts
     on_one = resume_from(two, str(tmp / "two_then_one"), 3)
     on_two = resume_from(one, str(tmp / "one_then_two"), 3)
-    resumed = finish(start(on_one, 1) + start(on_two, 2))
+    resumed = finish_ok(start(on_one, 1) + start(on_two, 2))
     return {
         "one": one,
         "two": two,
@@ -186,7 +172,7 @@ def test_sigterm_on_one_host_stops_both_hosts_at_one_step(tmp_path):
             break
         time.sleep(0.2)
     os.kill(procs[1].pid, signal.SIGTERM)  # host 1 only
-    errs = finish(procs)
+    errs = finish_ok(procs)
     assert "SIGTERM received" in errs[1] and "SIGTERM received" not in errs[0]
     step = checkpoint.latest_step(run)
     assert step is not None and step >= 3

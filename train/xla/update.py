@@ -13,7 +13,7 @@ backward are cached (train/xla/step.py), and the chips would wait for the host.
     every step   (the first included) one user-computation node on the lazy graph: (parameters,
                  gradients, optimizer state, lr) -> (parameters, optimizer state, gradient norm),
                  its results copied into the same tensors. No optimizer Python runs again, and
-                 the first step's program is every step's (no extra compilation).
+                 a run compiles no more programs than with the traced update.
 
 The update must read nothing that changes between steps other than those inputs: the parameters,
 their gradients, the optimizer state tensors and the learning rate (the one Python number the
@@ -216,7 +216,7 @@ def _zeros_like(t: torch.Tensor) -> torch.Tensor:
 def _init_state(optimizer) -> None:
     """Create missing optimizer state as torch would on the first step (zeros, AdamW's step
     count 0), as device data sharded like its parameter, so the first step's trace already has
-    the state as inputs and the first step runs the same program as every later one."""
+    the state as inputs: one trace per run, not one for the first step and one for the rest."""
     from train.optim.muon import Muon
 
     for opt in _optimizers(optimizer):
