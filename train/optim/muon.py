@@ -29,6 +29,8 @@ shards (`_owner_updates`; under HSDP each replica group does the same).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
@@ -103,7 +105,12 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 blended.append(p.grad.lerp(buf, group["momentum"]))
             if isinstance(params[0], DTensor):
-                updates = _owner_updates(params, blended, group["ns_steps"], self.ns_dtype)
+                updates = _owner_updates(
+                    cast(list[DTensor], params),
+                    cast(list[DTensor], blended),
+                    group["ns_steps"],
+                    self.ns_dtype,
+                )
             else:
                 mine = {
                     i: orthogonalize(b, group["ns_steps"], self.ns_dtype)
@@ -129,7 +136,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def _owner_updates(
-    params: list[torch.Tensor], blended: list[torch.Tensor], steps: int, dtype: torch.dtype
+    params: list[DTensor], blended: list[DTensor], steps: int, dtype: torch.dtype
 ) -> dict[int, torch.Tensor]:
     """Sharded (fsdp) matrices, each orthogonalised once, on its owner rank (matrix i on rank
     i mod W of the shard group), its update sliced back to every rank: one all_to_all sends every
@@ -175,7 +182,7 @@ def _owner_updates(
     ]
     flat = torch.cat(send_back) if send_back else send.new_empty(0)
     back = _all_to_all(flat, theirs_sizes, mine_sizes, group).split(mine_sizes)
-    updates = {}
+    updates: dict[int, torch.Tensor] = {}
     for q in range(world):
         offset = 0
         for i in owned[q]:
