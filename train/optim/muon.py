@@ -20,20 +20,16 @@ and the whole momentum, but each matrix is orthogonalised once: rank r takes mat
 r + 2W, ... and one all_gather per step hands every rank every update (modded-nanogpt's scheme), so
 the Newton-Schulz cost per rank falls as 1/W. Ranks apply the same gathered updates, so weights stay
 identical. Under XLA SPMD the step is one graph over replicated tensors and the partitioner places
-the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) each
-matrix is orthogonalised once too, on its owner rank of the shard group (matrix i on rank i mod W):
-one all_to_all sends every rank's row shards of the momentum-blended gradients to the owners (in
-the iteration's dtype, bf16 where training is bf16), and one sends each owner's update back as row
-shards (`_owner_updates`; under HSDP each replica group does the same).
+the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) every
+rank all-gathers a matrix's momentum-blended gradient, orthogonalises the whole matrix and keeps its
+own slice of the update (`shard_across` is None there too: the matrices are not replicated).
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # modded-nanogpt's quintic: fast growth of small singular values
 NS_COEFFS = (
@@ -95,33 +91,26 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            blended = []
-            for p in params:
+            mine = {}
+            for i, p in enumerate(params):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
-                # every rank keeps (and saves) the whole momentum (its shard, under fsdp)
+                # every rank keeps (and saves) the whole momentum
                 buf.lerp_(p.grad, 1 - group["momentum"])
-                blended.append(p.grad.lerp(buf, group["momentum"]))
-            if isinstance(params[0], DTensor):
-                updates = _owner_updates(
-                    cast(list[DTensor], params),
-                    cast(list[DTensor], blended),
-                    group["ns_steps"],
-                    self.ns_dtype,
-                )
-            else:
-                mine = {
-                    i: orthogonalize(b, group["ns_steps"], self.ns_dtype)
-                    for i, b in enumerate(blended)
-                    if i % self.world == self.rank
-                }
-                updates = (
-                    mine
-                    if self.world == 1
-                    else _gather_updates(mine, params, self.rank, self.world)
-                )
+                if i % self.world == self.rank:
+                    mine[i] = _like(
+                        orthogonalize(
+                            _full(p.grad.lerp(buf, group["momentum"])),
+                            group["ns_steps"],
+                            self.ns_dtype,
+                        ),
+                        p,
+                    )
+            updates = (
+                mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
+            )
             lr, wd = group["lr"], group["weight_decay"]
             for i, p in enumerate(params):
                 if wd:
@@ -135,78 +124,18 @@ class Muon(torch.optim.Optimizer):
                     p.add_(updates[i], alpha=scale)
 
 
-def _owner_updates(
-    params: list[DTensor], blended: list[DTensor], steps: int, dtype: torch.dtype
-) -> dict[int, torch.Tensor]:
-    """Sharded (fsdp) matrices, each orthogonalised once, on its owner rank (matrix i on rank
-    i mod W of the shard group), its update sliced back to every rank: one all_to_all sends every
-    rank's row shards of the momentum-blended gradients to their owners, in `dtype` (the
-    iteration's own), and one sends the owners' updates back as row shards. Returns {i: update
-    as a DTensor laid out as params[i]}. Under HSDP every replica group does this alike."""
-    ref = params[0]
-    mesh, placements = ref.device_mesh, ref.placements
-    shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
-    if len(shard_dims) != 1 or any(
-        p.placements != placements or p.placements[shard_dims[0]] != Shard(0) for p in params
-    ):
-        raise ValueError("Muon under fsdp expects every matrix sharded on dim 0 over one mesh dim")
-    group = mesh.get_group(shard_dims[0])
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = [_row_split(p.shape[0], world) for p in params]
-    owned = [[i for i in range(len(params)) if i % world == q] for q in range(world)]
-
-    def numel(q: int, holder: int) -> int:
-        """Elements of rank `holder`'s row shards of the matrices rank q owns."""
-        return sum(rows[i][holder] * params[i].shape[1] for i in owned[q])
-
-    mine_sizes = [numel(q, rank) for q in range(world)]  # my shards, per owner q
-    theirs_sizes = [numel(rank, q) for q in range(world)]  # rank q's shards of my matrices
-    # to the owners: every rank's row shards of the momentum-blended gradients
-    send = torch.cat([blended[i].to_local().to(dtype).reshape(-1) for q in owned for i in q])
-    pieces = _all_to_all(send, mine_sizes, theirs_sizes, group).split(theirs_sizes)
-    full: dict[int, list[torch.Tensor]] = {i: [] for i in owned[rank]}
-    for q in range(world):
-        offset = 0
-        for i in owned[rank]:
-            n = rows[i][q] * params[i].shape[1]
-            full[i].append(pieces[q][offset : offset + n].view(rows[i][q], params[i].shape[1]))
-            offset += n
-    mine = {i: orthogonalize(torch.cat(parts), steps, dtype) for i, parts in full.items()}
-
-    # back: every rank's row shards of the owners' updates
-    starts = [[sum(r[:q]) for q in range(world + 1)] for r in rows]
-    send_back = [
-        mine[i][starts[i][q] : starts[i][q + 1]].reshape(-1)
-        for q in range(world)
-        for i in owned[rank]
-    ]
-    flat = torch.cat(send_back) if send_back else send.new_empty(0)
-    back = _all_to_all(flat, theirs_sizes, mine_sizes, group).split(mine_sizes)
-    updates: dict[int, torch.Tensor] = {}
-    for q in range(world):
-        offset = 0
-        for i in owned[q]:
-            p = params[i]
-            n = rows[i][rank] * p.shape[1]
-            piece = back[q][offset : offset + n].view(rows[i][rank], p.shape[1]).to(p.dtype)
-            offset += n
-            updates[i] = DTensor.from_local(
-                piece, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-    return updates
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole
+    matrix."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _row_split(n: int, world: int) -> list[int]:
-    """The rows each of `world` ranks holds of a dim of n under Shard(0) (torch.chunk's split:
-    ceil(n / world) each, the last ones short or empty)."""
-    chunk = -(-n // world)
-    return [max(0, min(chunk, n - q * chunk)) for q in range(world)]
-
-
-def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group):
-    recv = send.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
-    return recv
+def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no
+    communication)."""
+    if not isinstance(p, DTensor):
+        return update
+    return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _gather_updates(
