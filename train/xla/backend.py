@@ -277,7 +277,9 @@ class XLABackend:
 
 def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
     """The XLA backend for a TPU preset (called by train.launch.make_backend); `spawned`: this
-    process was started by spawn_train (train.xla_mode=spawn)."""
+    process was started by spawn_train (train.xla_mode=spawn). One function, top to bottom: the
+    checks, the runtime start and the two modes' fields read in order, as the runtime must see
+    them (split, the order would hide in the calls)."""
     mode = cfg.train.xla_mode
     platform = check_platform(cfg, preset)
     check_attention(cfg, platform)

@@ -62,9 +62,9 @@ class CachedUpdate:
         import torch_xla
 
         params = [p for p in self.model.parameters() if p.grad is not None]
-        _init_state(self.optimizer)
         tensors = _tensors(params, self.optimizer)
         if self._traced is None or self._traced.signature != _signature(tensors):
+            _init_state(self.optimizer)  # before a trace only: not every step's work
             self._traced = self._trace(params)
             tensors = _tensors(params, self.optimizer)  # the state's new tensors (_reown)
         lr_t = _lr_on_device(lr, params[0].device)
@@ -283,21 +283,16 @@ def _swapped(params: list[torch.nn.Parameter], optimizer, stand_ins: list[torch.
             state[key] = value
 
 
-class _lr_as_tensor:
+@contextlib.contextmanager
+def _lr_as_tensor(optimizer, lr_t: torch.Tensor):
     """Every group's lr as the device scalar `lr_t` (times the group's lr_ratio: Muon's) while the
     update is traced, so the learning rate is an input of the computation, not a constant."""
-
-    def __init__(self, optimizer, lr_t: torch.Tensor):
-        self.optimizer, self.lr_t = optimizer, lr_t
-        self.saved: list = []
-
-    def __enter__(self):
-        for group in self.optimizer.param_groups:
-            self.saved.append(group["lr"])
-            ratio = group.get("lr_ratio")
-            group["lr"] = self.lr_t * ratio if ratio is not None else self.lr_t
-        return self
-
-    def __exit__(self, *exc):
-        for group, lr in zip(self.optimizer.param_groups, self.saved, strict=True):
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        ratio = group.get("lr_ratio")
+        group["lr"] = lr_t * ratio if ratio is not None else lr_t
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
