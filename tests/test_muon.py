@@ -183,3 +183,70 @@ def test_resuming_with_another_optimizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="train.optimizer=muon"):
         run_train(run, max_steps=4, save_every=2, optimizer="adamw")
     assert Path(checkpoint.step_dir(run, 2)).exists() and checkpoint.latest_step(run) == 2
+
+
+def _fsdp_muon_step(rank: int, world: int, port: int, out: str) -> None:
+    """Two Muon steps over matrices sharded on dim 0 (DTensors on a 1-D gloo mesh, as FSDP2
+    holds them); records which matrices this rank orthogonalised."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import train.optim.muon as muon_module
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+    plain = muon_module.orthogonalize
+    muon_module.orthogonalize = lambda g, *a: done.append(tuple(g.shape)) or plain(g, *a)
+    full = _uneven_problem()
+    params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in full]
+    opt = Muon(params, lr=0.1)
+    for step in range(2):
+        for p, f in zip(params, full, strict=True):
+            p.grad = distribute_tensor(f.grad * (step + 1), mesh, [Shard(0)])
+        opt.step()
+    torch.save(
+        {"orthogonalized": done, "params": [p.full_tensor().detach() for p in params]},
+        f"{out}/rank{rank}.pt",
+    )
+    dist.destroy_process_group()
+
+
+def _uneven_problem() -> list[torch.nn.Parameter]:
+    """Matrices whose rows split unevenly over 2 ranks, one leaving rank 1 no rows at all."""
+    gen = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(*s, generator=gen))
+        for s in [(8, 8), (16, 8), (5, 24), (12, 12), (1, 6)]
+    ]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return params
+
+
+def test_fsdp_ranks_orthogonalise_each_matrix_once_on_its_owner_and_match_one_process(tmp_path):
+    """train.parallel=fsdp: each sharded matrix is orthogonalised once in the job, on rank
+    i mod W (before: every rank gathered and orthogonalised every matrix), and the weights equal
+    one process's after 2 steps."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import _free_port
+
+    mp.spawn(_fsdp_muon_step, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # whole matrices, each on its owner: 3 on rank 0, 2 on rank 1, twice (2 steps)
+    assert ranks[0]["orthogonalized"] == [(8, 8), (5, 24), (1, 6)] * 2
+    assert ranks[1]["orthogonalized"] == [(16, 8), (12, 12)] * 2
+    reference = _uneven_problem()
+    opt = Muon(reference, lr=0.1)
+    grads = [p.grad.clone() for p in reference]
+    for step in range(2):
+        for p, g in zip(reference, grads, strict=True):
+            p.grad = g * (step + 1)
+        opt.step()
+    for r in ranks:
+        for got, want in zip(r["params"], reference, strict=True):
+            assert (got - want.detach()).abs().max().item() <= 1e-6

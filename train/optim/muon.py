@@ -20,16 +20,22 @@ and the whole momentum, but each matrix is orthogonalised once: rank r takes mat
 r + 2W, ... and one all_gather per step hands every rank every update (modded-nanogpt's scheme), so
 the Newton-Schulz cost per rank falls as 1/W. Ranks apply the same gathered updates, so weights stay
 identical. Under XLA SPMD the step is one graph over replicated tensors and the partitioner places
-the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) every
-rank all-gathers a matrix's momentum-blended gradient, orthogonalises the whole matrix and keeps its
-own slice of the update (`shard_across` is None there too: the matrices are not replicated).
+the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) each
+matrix is orthogonalised once too, on its owner rank of the shard group (matrix i on rank i mod W):
+one all_to_all sends every rank's row shards of the momentum-blended gradients to the owners (in
+the iteration's dtype, bf16 where training is bf16), and one sends each owner's update back as row
+shards (`_owner_updates`; under HSDP each replica group does the same).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 # modded-nanogpt's quintic: fast growth of small singular values
 NS_COEFFS = (
@@ -85,32 +91,39 @@ class Muon(torch.optim.Optimizer):
                         f"Muon is for 2-D weights; got a parameter of shape {tuple(p.shape)}"
                     )
 
+    def _blended(self, params: list[torch.Tensor], momentum: float, i: int) -> torch.Tensor:
+        """Nesterov: params[i]'s momentum updated in place (every rank keeps and saves the whole
+        momentum, or its shard under fsdp), and the gradient blended with it."""
+        p = params[i]
+        grad = cast(torch.Tensor, p.grad)  # step() passes only parameters with a gradient
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        state["momentum_buffer"].lerp_(grad, 1 - momentum)
+        return grad.lerp(state["momentum_buffer"], momentum)
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            mine = {}
-            for i, p in enumerate(params):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                # every rank keeps (and saves) the whole momentum
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                if i % self.world == self.rank:
-                    mine[i] = _like(
-                        orthogonalize(
-                            _full(p.grad.lerp(buf, group["momentum"])),
-                            group["ns_steps"],
-                            self.ns_dtype,
-                        ),
-                        p,
-                    )
-            updates = (
-                mine if self.world == 1 else _gather_updates(mine, params, self.rank, self.world)
-            )
+            steps = group["ns_steps"]
+            blended = functools.partial(self._blended, params, group["momentum"])
+            if isinstance(params[0], DTensor):
+                updates = _owner_updates(cast(list[DTensor], params), blended, steps, self.ns_dtype)
+            else:
+                # one matrix blended at a time; a matrix another rank owns needs only its momentum
+                mine = {}
+                for i in range(len(params)):
+                    b = blended(i)
+                    if i % self.world == self.rank:
+                        mine[i] = orthogonalize(b, steps, self.ns_dtype)
+                updates = (
+                    mine
+                    if self.world == 1
+                    else _gather_updates(mine, params, self.rank, self.world)
+                )
             lr, wd = group["lr"], group["weight_decay"]
             for i, p in enumerate(params):
                 if wd:
@@ -124,18 +137,87 @@ class Muon(torch.optim.Optimizer):
                     p.add_(updates[i], alpha=scale)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (fsdp DTensor) matrix all-gathered: the orthogonalisation needs the whole
-    matrix."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _owner_updates(
+    params: list[DTensor], blended: Callable[[int], torch.Tensor], steps: int, dtype: torch.dtype
+) -> dict[int, torch.Tensor]:
+    """Sharded (fsdp) matrices, each orthogonalised once, on its owner rank (matrix i on rank
+    i mod W of the shard group), its update sliced back to every rank. One all_to_all sends every
+    rank's row shards of the momentum-blended gradients (`blended(i)`, called once per matrix)
+    to their owners, in `dtype` (the iteration's own); each owner orthogonalises one matrix at a
+    time and writes the update's row shards over what it received, and a second all_to_all sends
+    that buffer back. Returns {i: update as a DTensor laid out as params[i]}. Under HSDP every
+    replica group does this alike.
+
+    What it holds (train/plan/memory.py's step buffers): the send and receive buffers during the
+    first exchange, the receive buffer and one whole matrix with its iteration's temporaries
+    while orthogonalising, the receive buffer and the returned shards during the second."""
+    ref = params[0]
+    mesh, placements = ref.device_mesh, ref.placements
+    shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
+    if len(shard_dims) != 1 or any(
+        p.placements != placements or p.placements[shard_dims[0]] != Shard(0) for p in params
+    ):
+        raise ValueError("Muon under fsdp expects every matrix sharded on dim 0 over one mesh dim")
+    group = mesh.get_group(shard_dims[0])
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = [_row_split(p.shape[0], world) for p in params]
+    cols = [p.shape[1] for p in params]
+    owned = [[i for i in range(len(params)) if i % world == q] for q in range(world)]
+
+    def numel(q: int, holder: int) -> int:
+        """Elements of rank `holder`'s row shards of the matrices rank q owns."""
+        return sum(rows[i][holder] * cols[i] for i in owned[q])
+
+    mine_sizes = [numel(q, rank) for q in range(world)]  # my shards, per owner q
+    theirs_sizes = [numel(rank, q) for q in range(world)]  # rank q's shards of my matrices
+    # to the owners: this rank's row shards of the blended gradients, grouped by owner
+    send = torch.empty(sum(mine_sizes), dtype=dtype, device=ref.to_local().device)
+    offset = 0
+    for i in (i for q in owned for i in q):
+        n = rows[i][rank] * cols[i]
+        send[offset : offset + n].copy_(cast(DTensor, blended(i)).to_local().reshape(-1))
+        offset += n
+    received = _all_to_all(send, mine_sizes, theirs_sizes, group)
+    del send
+    # received holds, per sender q, its rows of each of my matrices: gather a matrix whole,
+    # orthogonalise it, and put each sender's rows of the update where its rows came from
+    bases = [sum(theirs_sizes[:q]) for q in range(world)]
+    for i in owned[rank]:
+        where = [(bases[q], rows[i][q] * cols[i]) for q in range(world)]
+        whole = torch.cat([received[a : a + n] for a, n in where]).view(-1, cols[i])
+        update = orthogonalize(whole, steps, dtype).reshape(-1)
+        del whole
+        done = 0
+        for q, (a, n) in enumerate(where):
+            received[a : a + n].copy_(update[done : done + n])
+            done += n
+            bases[q] += n
+    back = _all_to_all(received, theirs_sizes, mine_sizes, group)
+    del received
+    updates: dict[int, torch.Tensor] = {}
+    offset = 0
+    for i in (i for q in owned for i in q):
+        p = params[i]
+        n = rows[i][rank] * cols[i]
+        piece = back[offset : offset + n].view(rows[i][rank], cols[i]).to(p.dtype)
+        offset += n
+        updates[i] = DTensor.from_local(
+            piece, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return updates
 
 
-def _like(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The full `update` laid out as `p`: this rank's slice of it when p is sharded (no
-    communication)."""
-    if not isinstance(p, DTensor):
-        return update
-    return distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+def _row_split(n: int, world: int) -> list[int]:
+    """The rows each of `world` ranks holds of a dim of n under Shard(0) (torch.chunk's split:
+    ceil(n / world) each, the last ones short or empty)."""
+    chunk = -(-n // world)
+    return [max(0, min(chunk, n - q * chunk)) for q in range(world)]
+
+
+def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group):
+    recv = send.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    return recv
 
 
 def _gather_updates(

@@ -35,8 +35,9 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                      activations), the transient that sits on top of the forward's peak
     step buffers     what the optimizer step allocates (`step_buffer_bytes`), after the
                      activations are freed and with the gradients reduced (4 P / F under fsdp):
-                     Muon's updates (one process: 4 M; fsdp: this rank's slices, 4 M / F, plus
-                     one matrix gathered whole and orthogonalised at a time; replicate over W:
+                     Muon's updates (one process: 4 M; fsdp: the owner-rank exchange's
+                     buffers, about c x 2 M / F, each owner orthogonalising one whole matrix at
+                     a time; replicate over W:
                      the all_gather of everyone's updates, ~4 M x (2 + 3 / W)); the replicated
                      all-reduce's flat copy of the gradients, 4 P, when W > 1
 
@@ -206,37 +207,44 @@ def optimizer_bytes(m, optimizer: str) -> int:
     return 8 * param_count(m)
 
 
-def step_buffer_bytes(m, optimizer: str, kind: str, layout: str, shards: int, world: int) -> int:
+def step_buffer_bytes(m, optimizer: str, kind: str, layout: str, F: int, W: int, c: int) -> int:
     """What the optimizer step allocates on top of the state, per device (counted on the CPU by
     bench/count_step_memory.py): the larger of the replicated gradient all-reduce's copy
     (train/dist/backend.py flattens and sends every bucket before it waits on the first: a copy of
     every gradient, 4 P, when W > 1 on CPU/CUDA) and Muon's (train/optim/muon.py), which runs
-    after it. Muon, M = the matrices' entries, n = the largest matrix's:
+    after it. Muon iterates in the compute dtype (c bytes); M = the matrices' entries, n = the
+    largest matrix's, F the ranks sharing the state, W the world:
 
         one process, TPU  every matrix's update, whole (fp32), until they are applied: 4 M, plus
                           the matrix being orthogonalised (below; TPU: XLA's one graph, assumed)
         replicate, W > 1  the all_gather of the updates, w = the largest rank's share: its own
                           updates, their flat copy and the send buffer (3 x 4 w), the W received
                           (4 W w) and the collective's flat output they are copied out of (4 W w)
-        fsdp (CPU/CUDA)   this rank's slice of every update, 4 M / F, plus the matrix being
-                          orthogonalised (gathered whole by full_tensor on every rank)
+        fsdp (CPU/CUDA)   the owner-rank exchange (muon.py: _owner_updates), s = this rank's
+                          row shards of every matrix (M / F), o = the entries of the matrices the
+                          busiest owner orthogonalises: the largest of its three phases, the
+                          first all_to_all (send + receive, c (s + o)), orthogonalising (the
+                          receive buffer and one matrix, c o + work), the second all_to_all's
+                          output and, in bf16, its fp32 copy (c s, + 4 s)
 
-    The matrix being orthogonalised: its gradient blended with the momentum (gathered whole under
-    fsdp), its normalised copy and the Newton-Schulz iteration's temporaries, about 20 bytes x n.
+    The matrix being orthogonalised: its blended gradient, its normalised copy and the
+    Newton-Schulz iteration's temporaries, about 5 c bytes x n (20 n in fp32).
     AdamW: not counted (fused on CUDA; on the CPU a few copies of one parameter at a time)."""
-    replicated_reduce = layout == "replicate" and world > 1 and kind != "tpu"
+    replicated_reduce = layout == "replicate" and W > 1 and kind != "tpu"
     reduce_copy = 4 * param_count(m) if replicated_reduce else 0
-    sizes = [r * c for r, c in hidden_matrices(m)]
+    sizes = [r * c_ for r, c_ in hidden_matrices(m)]
     if optimizer != "muon" or not sizes:
         return reduce_copy
-    work = 20 * max(sizes)
-    if kind == "tpu" or world == 1:
+    work = 5 * c * max(sizes)
+    if kind == "tpu" or W == 1:
         muon = 4 * sum(sizes) + work
     elif layout == "fsdp":
-        muon = -(-4 * sum(sizes) // shards) + work
+        s = -(-sum(sizes) // F)
+        o = max(sum(sizes[q::F]) for q in range(F))
+        muon = max(c * (s + o), c * o + work, (c + (4 if c != 4 else 0)) * s)
     else:
-        width = max(sum(sizes[r::world]) for r in range(world))
-        muon = 4 * (2 * world + 3) * width
+        width = max(sum(sizes[r::W]) for r in range(W))
+        muon = 4 * (2 * W + 3) * width
     return max(reduce_copy, muon)
 
 
@@ -381,7 +389,7 @@ def plan(
         world=world,
         accum=accum,
         step_gradients=reduced,
-        step_buffers=step_buffer_bytes(m, optimizer, preset.kind, layout, shards, world),
+        step_buffers=step_buffer_bytes(m, optimizer, preset.kind, layout, shards, world, c),
     )
 
 
