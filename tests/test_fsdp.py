@@ -87,13 +87,23 @@ def test_fsdp_with_accumulation_and_muon_matches_one_process(tmp_path):
     assert_close(final_model(fsdp), final_model(one), 1e-5)
 
 
-def test_hsdp_two_replicas_of_one_shard_match_one_process(tmp_path):
-    """train.fsdp_size=1 on 2 ranks: a 2-D mesh (2 replicas x 1 shard), FSDP2's HSDP path."""
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
+    """train.fsdp_size=2 on 4 ranks: a 2-D mesh (2 replicas x 2 shards), FSDP2's HSDP path, with
+    Muon's owner-rank exchange inside each replica's shard group. Each rank holds half of every
+    weight (the checkpoint has two chunks per tensor, the replicas' copies written once), and the
+    weights equal one process's on the same 8-row global batch."""
     hsdp, one = make_run(tmp_path / "hsdp"), make_run(tmp_path / "one")
-    err = torchrun(hsdp, parallel="fsdp", fsdp_size=1, **dict(STEPS, max_steps=3)).stderr
-    assert "fsdp over 1 x 2 replicas (HSDP)" in err
-    run_train(one, **dict(STEPS, max_steps=3, device_batch=8))
-    assert_close(final_model(hsdp), final_model(one), 1e-5)
+    steps = dict(STEPS, max_steps=3, device_batch=2)
+    err = torchrun(hsdp, nproc=4, parallel="fsdp", fsdp_size=2, **steps).stderr
+    assert "fsdp over 2 x 2 replicas (HSDP)" in err
+    run_train(one, **dict(steps, device_batch=8))
+    want = final_model(one)
+    assert_close(final_model(hsdp), want, 1e-5)
+    folder = checkpoint.step_dir(hsdp, 3)
+    for key, t in want.items():
+        half, rest = t.shape[0] // 2, [0] * (t.dim() - 1)
+        assert [c[0] for c in chunks(folder, f"model.{key}")] == [[0, *rest], [half, *rest]], key
 
 
 KILL_IN_SAVE = """
