@@ -30,11 +30,13 @@ inside the second step, on top of what is alive when it begins:
     held       the most alive at the end of a micro-batch that does not reduce (ACCUM > 1), above
                the step's start: the gradients FSDP2 accumulates between micro-batches
     sharded    alive after the last micro-batch's backward (its reduce-scatter done), above the
-               step's start: the sharded gradients the optimizer steps with
+               step's start: the gradients, and under replicate the reduction's buckets the
+               backward filled (train/dist/reduce.py)
+    reduced    alive after all_reduce_grads, above the step's start: the reduced gradients the
+               optimizer steps with (sharded - reduced: the reduction's buffers)
     backward   the most alive during the micro-batches' forwards and backwards, above the start
-    step       the most alive from the gradient all-reduce to the end of optimizer.step(), above
-               what was alive before it: the replicated all-reduce's copy of the gradients, then
-               the optimizer's own buffers (Muon's updates)
+    step       the most alive during clip and optimizer.step(), above what was alive before
+               them: the optimizer's own buffers (Muon's updates)
     peak       state + the most alive at any point of the step above its start
 """
 
@@ -47,6 +49,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,7 +63,9 @@ from model.gpt import build_model  # noqa: E402
 from train.dist.backend import TorchBackend  # noqa: E402
 from train.dist.fsdp import build_sharded  # noqa: E402
 from train.optim.optimizer import clip_grad_norm, make_optimizer  # noqa: E402
+from train.plan.hardware import get_preset  # noqa: E402
 from train.plan.layout import layout_for  # noqa: E402
+from train.plan.memory import plan  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -158,10 +163,26 @@ def main() -> None:
     if launched:
         dist.init_process_group("gloo")
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
-    layout = layout_for(layout_name, 0, world)
-    backend = TorchBackend("cpu", torch.device("cpu"), rank, world, layout=layout)
     cfg = build_config(overrides=[*overrides, f"train.optimizer={optimizer_name}", "train.lr=1e-3"])
     m = cfg.model
+    # fsdp: the gathered weights kept to the backward (ZeRO-2) or not, as the memory plan decides
+    # for train (train/plan/plan.py: resolve_batch)
+    tokens = B * T * world * accum
+    planned = plan(
+        m,
+        get_preset("cpu"),
+        B,
+        T,
+        layout=layout_name,
+        dtype="fp32",
+        optimizer=optimizer_name,
+        world=world,
+        batch_tokens=tokens,
+    )
+    layout = replace(
+        layout_for(layout_name, 0, world), reshard_after_forward=planned.reshard_after_forward
+    )
+    backend = TorchBackend("cpu", torch.device("cpu"), rank, world, layout=layout)
     generator = torch.Generator().manual_seed(rank)
     batches = [
         (w[:, :-1].contiguous(), w[:, 1:].contiguous())
@@ -189,12 +210,19 @@ def main() -> None:
                 (model(x, y) / accum).backward()
                 if micro < accum - 1:
                     held = max(held, in_use())
-            # gloo's threads release a collective's buffers when its work is done: let them
+            # gloo's threads release a collective's buffers when its work is done: wait for the
+            # buckets the backward issued (replicate), then let gloo's threads finish
+            reducer = getattr(backend, "_reducer", None)
+            for bucket in reducer.buckets if reducer is not None else []:
+                if bucket.work is not None:
+                    bucket.work.wait()
             time.sleep(0.05)
             sharded = in_use()
             backward = meter.most
-            before = meter.reset()
             backend.all_reduce_grads(model)
+            time.sleep(0.05)
+            reduced = in_use()
+            before = meter.reset()
             clip_grad_norm(model, 1.0)
             optimizer.step()
             step_most = meter.most
@@ -204,6 +232,7 @@ def main() -> None:
                 state=state,
                 held=held - start,
                 sharded=sharded - start,
+                reduced=reduced - start,
                 backward=backward - start,
                 step=step_most - before,
                 peak=state + max(backward, step_most) - start,

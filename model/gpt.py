@@ -303,24 +303,29 @@ class GPT(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} > model.max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if targets is not None and reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, self.value_embedding(i, idx))
-        logits = self.logits(x)
         if targets is None:
-            return logits
+            return self.logits(x)
+        return self.head_loss(x, targets, reduction)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+        """The final norm, the head and the cross-entropy of the last block's output x [B, T, d]
+        against targets [B, T] (-1 = ignored): the mean loss, or per-token losses [B, T] (fp32)
+        with reduction="none". One method so that train/dist/fsdp.py can torch.compile it as one
+        function (the blocks are compiled one by one there; the whole model under replicate)."""
+        B, T = targets.shape
         # fp32 cross-entropy: bf16 log-softmax over a 32K+ vocab loses ~2 digits of the loss.
         loss = F.cross_entropy(
-            logits.float().reshape(-1, self.vocab_size),
+            self.logits(x).float().reshape(-1, self.vocab_size),
             targets.reshape(-1),
             ignore_index=-1,
-            reduction="none" if reduction == "none" else "mean",
+            reduction=reduction,
         )
-        if reduction == "none":
-            return loss.view(B, T)
-        if reduction != "mean":
-            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        return loss
+        return loss.view(B, T) if reduction == "none" else loss
 
 
 # --- generation with a KV cache -------------------------------------------------------------------

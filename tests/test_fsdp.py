@@ -216,9 +216,9 @@ def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
 
 
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
-    """train.async_save on 2 fsdp ranks: the periodic checkpoints are written in a background thread
-    (its own gloo group) while training goes on, from a copy taken at the step: every checkpoint
-    equals the blocking run's bitwise."""
+    """train.async_save on 2 fsdp ranks: the periodic checkpoints are written by each rank's
+    writer process (its own gloo group) while training goes on, from a copy taken at the step:
+    every checkpoint equals the blocking run's bitwise."""
     keys = dict(parallel="fsdp", max_steps=6, save_every=2, keep_last=5, device_batch=4)
     sync, background = make_run(tmp_path / "sync"), make_run(tmp_path / "async")
     torchrun(sync, **keys)
@@ -236,3 +236,124 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
                     fqn,
                     name,
                 )
+
+
+# --- FSDP2's precision, ZeRO-2 / ZeRO-3 and the compiled head, on 2 gloo ranks in-process -------
+
+
+def test_the_fsdp_backend_computes_without_autocast_when_the_policy_casts():
+    """Under fsdp the MixedPrecisionPolicy casts (bf16 weights and block inputs): autocast on top
+    would cast again, so the backend's context is a null one; replicate keeps bf16 autocast."""
+    from train.dist.backend import TorchBackend
+    from train.plan.layout import Layout
+
+    cpu = torch.device("cpu")
+    for layout, on in ((Layout("fsdp", shard=2), False), (Layout("replicate"), True)):
+        backend = TorchBackend("cpu", cpu, 0, 2, autocast_dtype=torch.bfloat16, layout=layout)
+        with backend.autocast():
+            assert torch.is_autocast_enabled("cpu") is on, layout
+
+
+def _tiny_batch():
+    from codex.config import build_config
+    from tests.train_helpers import TINY_MODEL, VOCAB
+
+    m = build_config(overrides=TINY_MODEL).model
+    m.vocab_size = VOCAB
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, VOCAB, (4, 16), generator=gen) for _ in range(2))
+    return m, x, y
+
+
+def _sharded_bf16_step(rank: int, world: int, port: int, out: str) -> None:
+    """One forward + backward of the tiny model under fsdp over `world` gloo ranks in bf16 (the
+    backend's model and autocast context), every rank on the same batch: ZeRO-3, ZeRO-2, and
+    ZeRO-2 with GPT.head_loss compiled (inductor on the CPU). Rank 0 saves what it saw."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from train.dist.backend import TorchBackend
+    from train.dist.fsdp import compile_head
+    from train.plan.layout import Layout
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    m, x, y = _tiny_batch()
+    seen = {}
+    for name, reshard, compiled in (
+        ("zero3", True, False),
+        ("zero2", False, False),
+        ("compiled", False, True),
+    ):
+        layout = Layout("fsdp", shard=world, reshard_after_forward=reshard)
+        cpu = torch.device("cpu")
+        backend = TorchBackend("cpu", cpu, rank, world, autocast_dtype=torch.bfloat16)
+        model = backend.build_model(m, 0, layout)
+        if compiled:
+            compile_head(model)
+        with backend.autocast():
+            autocast = torch.is_autocast_enabled("cpu")
+            loss = model(x, y)
+        # after the forward: is each block's registered weight its shard (resharded) or the
+        # gathered bf16 copy, kept for the backward?
+        kept = [not isinstance(b.attn.c_q.weight, DTensor) for b in model.blocks]
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        with torch.no_grad(), backend.autocast():  # validation's reduction
+            per_token = model(x, y, reduction="none")
+        seen[name] = {
+            "autocast": autocast,
+            "kept": kept,
+            "loss": loss.detach(),
+            "per_token": per_token,
+            "grads": grads,
+            "keys": list(model.state_dict()),
+        }
+    if rank == 0:
+        torch.save(seen, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_zero2_zero3_and_the_compiled_head_match_replicated_autocast(tmp_path):
+    """train.dtype=bf16 under fsdp on 2 gloo ranks: no autocast (the policy casts), yet the loss is
+    the replicated model's under bf16 autocast and the gradients agree within bf16 rounding.
+    reshard_after_forward=True (ZeRO-3) frees a block's gathered weights after its forward (the
+    last block's kept, as the backward needs it first); False (ZeRO-2) keeps every block's, with
+    the same numbers. The compiled head + loss gives eager's loss and keeps the state_dict keys."""
+    import torch.multiprocessing as mp
+
+    from model.gpt import build_model
+    from tests.conftest import _free_port
+
+    out = str(tmp_path / "seen.pt")
+    mp.spawn(_sharded_bf16_step, args=(2, _free_port(), out), nprocs=2)
+    seen = torch.load(out)
+    m, x, y = _tiny_batch()
+    ref = build_model(m, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ref(x, y)
+    loss.backward()
+    fp32_loss = build_model(m, 0)(x, y).detach()
+    assert {k: s["kept"] for k, s in seen.items()} == {
+        "zero3": [False, True],
+        "zero2": [True, True],
+        "compiled": [True, True],
+    }
+    for name, s in seen.items():
+        assert s["autocast"] is False, name
+        assert s["keys"] == list(ref.state_dict()), name  # no '_orig_mod.'
+        # the same bf16 numbers as autocast: measured equal (fp32 differs by ~2e-5)
+        assert abs(s["loss"] - loss.detach()) < 1e-3, (name, s["loss"], loss)
+        assert s["loss"] != fp32_loss, name  # it did compute in bf16
+        for n, p in ref.named_parameters():  # gradients up to ~0.1; bf16 rounding ~1e-3
+            assert (s["grads"][n] - p.grad).abs().max() < 5e-3, (name, n)
+    assert torch.equal(seen["zero2"]["loss"], seen["zero3"]["loss"])
+    for n in seen["zero2"]["grads"]:
+        assert torch.equal(seen["zero2"]["grads"][n], seen["zero3"]["grads"][n]), n
+    # compiled head + cross-entropy (inductor's kernels): eager's losses, mean and per token
+    assert abs(seen["compiled"]["loss"] - seen["zero2"]["loss"]) < 1e-3
+    assert (seen["compiled"]["per_token"] - seen["zero2"]["per_token"]).abs().max() < 1e-2
+    assert torch.allclose(seen["zero2"]["per_token"].mean(), seen["zero2"]["loss"], atol=1e-5)

@@ -25,6 +25,7 @@ from train.plan.hardware import (
 )
 from train.plan.memory import (
     HEADROOM,
+    block_params,
     check_fits,
     choose_layout,
     hidden_matrices,
@@ -313,6 +314,46 @@ def test_the_plan_shards_over_the_run_s_world_size_not_the_preset_s_devices():
     assert plan(m, cpu, 1, 64, layout="fsdp").layout == "replicate"  # one process
 
 
+def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fits_them():
+    """1b, fsdp over 8 H100s, bf16: ZeRO-2 (FSDP2's reshard_after_forward=False, no all-gather in
+    the backward) where its plan fits with headroom, counting every gathered weight (2 P) and one
+    block's unsharded gradient; on a device too small for that, ZeRO-3 (two blocks and the root
+    gathered), which fits. resolve_batch hands the choice to the Layout build_sharded reads."""
+    m, h100_8 = model("1b"), get_preset("h100-8")
+    P, blk = param_count(m), block_params(m)
+    root = P - m.n_layer * blk
+    zero2 = plan(m, h100_8, 4, 2048, layout="fsdp", world=8)
+    assert zero2.fits() and not zero2.reshard_after_forward
+    assert zero2.compute_weights == 2 * P + (2 + 4) * blk
+    assert "gathered weights, ZeRO-2" in "\n".join(zero2.lines())
+    zero3_weights = 2 * (2 * blk + root) + (2 + 4) * blk
+    assert zero2.backward > zero2.step  # the forward's peak holds the gathered weights
+    zero3_total = zero2.total - zero2.compute_weights + zero3_weights
+    between = int((zero3_total + zero2.total) / 2 / HEADROOM)
+    zero3 = plan(m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=between)
+    assert zero3.reshard_after_forward and zero3.fits()
+    assert (zero3.compute_weights, zero3.total) == (zero3_weights, zero3_total)
+    assert "gathered weights, ZeRO-3" in "\n".join(zero3.lines())
+    # at the edge: ZeRO-2's total is HEADROOM of the device, give or take a byte
+    edge = int(zero2.total / HEADROOM)
+    for memory, reshard in ((edge + 1, False), (edge - 1, True)):
+        p = plan(m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=memory)
+        assert p.reshard_after_forward is reshard
+    # the TPU's cached step always holds every weight gathered (train/xla/step.py)
+    v6e = plan(m, get_preset("v6e-8"), 1, 1024, layout="fsdp", device_memory=1)
+    assert not v6e.reshard_after_forward and v6e.compute_weights == 2 * P
+    assert plan(m, h100_8, 4, 2048, world=8).reshard_after_forward  # replicate: nothing to keep
+
+    fsdp = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
+    *_, memory, layout = resolve_batch(build_config(model="1b", overrides=fsdp), h100_8, 8)
+    assert not memory.reshard_after_forward and not layout.reshard_after_forward
+    assert layout.describe() == (
+        "fsdp over 8, gathered weights kept from forward to backward (ZeRO-2)"
+    )
+    *_, layout = resolve_batch(build_config(model="1b", overrides=fsdp[:1]), h100_8, 8)
+    assert not layout.sharded and layout.reshard_after_forward
+
+
 def test_fsdp_accumulation_and_muon_buffers_by_hand():
     """1b, fsdp over 32 H100s: with accumulation every rank holds the whole fp32 gradient between
     micro-batches (FSDP2 reduce-scatters in the last backward only), 32 times the sharded one.
@@ -343,9 +384,14 @@ def test_fsdp_accumulation_and_muon_buffers_by_hand():
     rep = plan(m, h100_8, 4, 2048, world=32, optimizer="muon")
     w = max(sum(sizes[r::32]) for r in range(32))
     assert rep.step_buffers == 4 * (2 * 32 + 3) * w and round(4 * 32 * w / GB, 1) == 5.4
-    # AdamW allocates nothing of note; the replicated all-reduce copies every gradient (4 P)
-    assert plan(m, h100_8, 4, 2048, world=32).step_buffers == 4 * P
-    assert plan(m, h100_8, 4, 2048, world=1).step_buffers == 0
+    # AdamW allocates nothing of note; the replicated reduction's buckets copy every gradient
+    # (4 P, 2 P in bf16) and are freed before the optimizer step runs
+    adamw = plan(m, h100_8, 4, 2048, world=32)
+    assert (adamw.step_buffers, adamw.reduce_buffers) == (0, 4 * P)
+    assert adamw.step == adamw.step_gradients + 4 * P
+    assert plan(m, h100_8, 4, 2048, world=32, reduce_dtype="bf16").reduce_buffers == 2 * P
+    assert rep.step == rep.step_gradients + max(4 * P, rep.step_buffers)
+    assert plan(m, h100_8, 4, 2048, world=1).reduce_buffers == 0
 
 
 # bytes counted while steps run (glibc's malloc statistics after every torch operation and every
@@ -369,7 +415,8 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
     (bench/count_step_memory.py; the second step is counted). Each of the plan's terms is within
     15% of what the step holds: the weights and optimizer state; the gradients between
     micro-batches (fsdp: whole, since FSDP2 reduce-scatters only in the last backward) and at the
-    optimizer step (fsdp: sharded); what the optimizer step allocates (Muon's updates; replicated,
+    optimizer step (fsdp: sharded); the replicated reduction's buckets, alive from the last
+    backward to all_reduce_grads; what the optimizer step allocates (Muon's updates; replicated,
     the all_gather of everyone's); the peak. What the plan counted before would fail: fsdp's
     gradients as sharded (half of what is held), no optimizer step buffers (replicated, the step
     is the peak), the preset's 1 device instead of the 2 ranks."""
@@ -390,6 +437,8 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
     setting = dict(layout=layout, dtype="fp32", optimizer="muon")
     p = plan(m, get_preset("cpu"), B, T, **setting, world=2, batch_tokens=B * T * 2 * accum)
     assert (p.shards, p.accum) == (2 if layout == "fsdp" else 1, accum)
+    if layout == "fsdp":  # the bench ran what the plan counts: gathered weights kept (ZeRO-2)
+        assert not p.reshard_after_forward and "(ZeRO-2)" in str(got["layout"])
 
     def within(planned: int, measured: int) -> bool:
         return abs(planned - measured) <= 0.15 * measured
@@ -399,10 +448,15 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
         "weights + gradients + optimizer": (state, got["state"] + got["held"]),
         "weights + optimizer": (p.weights + p.optimizer_state, got["state"]),
         "gradients between micro-batches": (p.gradients, got["held"]),
-        "gradients at the step": (p.step_gradients, got["sharded"]),
+        "gradients at the step": (p.step_gradients, got["reduced"]),
         "optimizer step buffers": (p.step_buffers, got["step"]),
         "total": (p.total, got["peak"]),
     }
+    if layout == "replicate":
+        buckets = got["sharded"] - got["reduced"]
+        checks["reduction buckets"] = (p.reduce_buffers, buckets)
+    else:
+        assert p.reduce_buffers == 0 and got["sharded"] == got["reduced"]
     off = {
         k: f"{a / 1e6:.2f} vs {b / 1e6:.2f} MB" for k, (a, b) in checks.items() if not within(a, b)
     }

@@ -501,7 +501,7 @@ def _first_step_timeouts(rank: int, world: int, port: int, out: str) -> None:
     )
     backend.first_step_done()
     cpu = torch.device("cpu")
-    groups = [dist.group.WORLD, mesh, control.group, control.background().group]
+    groups = [dist.group.WORLD, mesh, control.group]
     seconds = [g._get_backend(cpu).options._timeout.total_seconds() for g in groups if g]
     Path(out, f"rank{rank}.json").write_text(json.dumps(seconds))
     backend.close(ok=True)
@@ -509,14 +509,13 @@ def _first_step_timeouts(rank: int, world: int, port: int, out: str) -> None:
 
 def test_after_the_first_step_every_group_but_the_control_planes_gets_dist_timeout_s(tmp_path):
     """first_step_done: the default group and any other (an FSDP mesh dimension) get
-    train.dist_timeout_s; the control plane's groups keep theirs (they wait for checkpoint
-    writes), and the background group made later gets the control plane's too."""
+    train.dist_timeout_s; the control plane's group keeps its own (it waits for checkpoint
+    writes)."""
     import torch.multiprocessing as mp
 
     from tests.conftest import _free_port
-    from train.dist.control import CONTROL_TIMEOUT_S
 
     mp.spawn(_first_step_timeouts, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert got == [7, 7, 500, CONTROL_TIMEOUT_S], got
+        assert got == [7, 7, 500], got

@@ -515,3 +515,28 @@ def test_train_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cpu x1 (cpu, 2 threads)" in proc.stderr
     assert "threads: 2 CPU threads per process (train.threads)" in proc.stderr
+
+
+def test_the_loop_turns_gc_off_and_collects_the_young_generations_every_gc_every_steps(
+    tmp_path, monkeypatch
+):
+    """train.gc_every=2 over 5 steps (torchtitan's GarbageCollection): one full collection as
+    training starts, with the collector off from then on; gc.collect(1) after steps 2 and 4, never
+    an automatic one; the collector back on at the end. gc_every=0 leaves it alone."""
+    import gc
+
+    calls = []
+    collect = gc.collect
+
+    def counted(generation: int = 2) -> int:
+        calls.append((generation, gc.isenabled()))
+        return collect(generation)
+
+    monkeypatch.setattr(gc, "collect", counted)
+    assert gc.isenabled()
+    run_train(make_run(tmp_path / "managed"), max_steps=5, gc_every=2)
+    assert calls == [(2, False), (1, False), (1, False)]
+    assert gc.isenabled()
+    calls.clear()
+    run_train(make_run(tmp_path / "automatic"), max_steps=5, gc_every=0)
+    assert calls == [] and gc.isenabled()

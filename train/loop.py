@@ -3,12 +3,13 @@
     backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
     for step in range(start, total):
         lr = lr_for(step)
-        for micro-batch in range(accum):   # no communication here (fsdp: the last one
-                                           #   reduce-scatters; XLA: one While traced once,
+        for micro-batch in range(accum):   # no communication but in the last backward (fsdp:
+                                           #   reduce-scatters; replicate: starts the buckets'
+                                           #   all-reduces; XLA: one While traced once,
                                            #   train/xla/step.py)
             loss = model(x, y) / accum; loss.backward()
-        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step (fsdp: done
-                                           #   in backward)
+        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step (replicate:
+                                           #   waits for the buckets; fsdp: done in backward)
         clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
         every log_every: loss, tokens/s, MFU, memory (XLA: the previous log step's line, so the
                          host never waits for the device)  every eval_every: val loss + bpb
@@ -33,6 +34,7 @@ that train/ never imports eval/, which sits above it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from codex.config import Config, ConfigError, save_config, to_dict
 from codex.progress import Progress, setup_logging
 from model.gpt import flops_per_token, num_params
 from train.checkpoint import folders as checkpoint
-from train.checkpoint.folders import PendingSave
+from train.checkpoint.folders import BackgroundWriter, PendingSave
 from train.checkpoint.resume import resume
 from train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
 from train.data.loader import TrainLoader, val_batches
@@ -88,6 +90,7 @@ class StepState:
     val: dict = field(default_factory=dict)  # the last validation result
     saved_at: int = -1  # the step of the newest checkpoint (-1: none yet)
     saving: PendingSave | None = None  # the checkpoint being written (train.async_save)
+    writer: BackgroundWriter | None = None  # train.async_save: this rank's writer process
 
 
 @dataclass
@@ -110,6 +113,28 @@ class Meters:
     metrics: MetricsLogger
     progress: Progress
     pending: TrainLine | None = None  # lagged_logs: the line the next log step writes
+
+
+class ManagedGC:
+    """train.gc_every > 0: Python's garbage collector off while training (after one full
+    collection), generations 0 and 1 collected every `every` steps, so every rank collects at the
+    same step; at the end, the collector as it was. torchtitan's GarbageCollection: an automatic
+    collection starts at whatever allocation crosses its threshold, at another moment on each
+    rank, and the other ranks wait for it at the next collective."""
+
+    def __init__(self, every: int):
+        self.every, self.was_enabled = every, gc.isenabled()
+        if every > 0:
+            gc.disable()
+            gc.collect()
+
+    def step(self, step: int) -> None:
+        if self.every > 0 and step % self.every == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self.every > 0 and self.was_enabled:
+            gc.enable()
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -195,6 +220,7 @@ def _train(
     meters = Meters(window, StepTimer(backend, state.step, state.tokens), metrics, progress)
     model.train()
     first_step = state.step  # this process's first step (0, or the step resumed from)
+    collector = ManagedGC(tcfg.gc_every)
     try:
         while state.step < plan.total_steps:
             # --- one optimizer step ---
@@ -204,7 +230,7 @@ def _train(
             if accumulate is not None:
                 meters.window.add(accumulate(parts.loader))
             for micro in range(plan.accum if accumulate is None else 0):
-                # fsdp: reduce in the last backward only
+                # reduce in the last backward only (fsdp: reduce-scatter; replicate: buckets)
                 backend.set_grad_sync(model, micro == plan.accum - 1)
                 x, y = backend.to_device(next(parts.loader))
                 with backend.autocast():
@@ -228,6 +254,7 @@ def _train(
             backend.step_boundary()
             state.step += 1
             state.tokens += plan.batch_tokens
+            collector.step(state.step)
             # steps and ETA only: the one tokens/s figure is the metrics line's, after a sync
             meters.progress.update(1)
 
@@ -254,6 +281,9 @@ def _train(
         if state.saving is not None:
             state.saving.wait()  # the final and SIGTERM saves are synchronous; this is a no-op then
     finally:
+        collector.close()
+        if state.writer is not None:
+            state.writer.close()  # after an error: abandons a save still in flight
         stop.restore()
         parts.loader.close()
         meters.progress.close()
@@ -511,6 +541,8 @@ def _save(
         # gs://: every line up to this checkpoint is in the file before it exists
         meters.metrics.flush()
     background = cfg.train.async_save and reason == "periodic"
+    if background and state.writer is None:
+        state.writer = BackgroundWriter(backend.control)
     record = StepRecord(
         step=state.step,
         tokens=state.tokens,
@@ -520,7 +552,8 @@ def _save(
         tokenizer_sha=plan.tokenizer_sha,
         parallel=plan.layout.describe(),
     )
-    saving = save_training(cfg, backend.control, parts, record, background=background)
+    writer = state.writer if background else None
+    saving = save_training(cfg, backend.control, parts, record, writer=writer)
     if backend.is_main:
         log.info(
             "checkpoint (%s): %s%s",

@@ -290,6 +290,7 @@ _RANGES = {
     "train.shuffle_shards": (0, None, True),
     "train.fsdp_size": (0, None, True),
     "train.threads": (0, None, True),
+    "train.gc_every": (0, None, True),
     "train.dist_init_timeout_s": (0, None, False),
     "train.dist_timeout_s": (0, None, False),
     "model.n_layer": (1, None, True),

@@ -46,6 +46,11 @@ class TrainConfig:
     parallel: Literal["auto", "replicate", "fsdp"] = "auto"
     # fsdp: devices one copy of the state is sharded over; 0 = all (smaller: HSDP)
     fsdp_size: int = 0
+    # The dtype gradients are summed over the ranks in (CPU/CUDA). bf16: half the bytes on the
+    # wire, each rank's gradient rounded to bf16 before the sum, the result cast back into the fp32
+    # gradients (replicate: train/dist/reduce.py's buckets; fsdp: FSDP2's reduce_dtype, which also
+    # accumulates the micro-batches' unsharded gradients in bf16). XLA reduces in fp32.
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # block: recompute every transformer block in the backward (train/remat.py)
     remat: Literal["none", "block"] = "none"
     log_every: int = 10
@@ -75,6 +80,11 @@ class TrainConfig:
     # hung peer then ends the job after that (NCCL dumps its flight recorder); a dead one at once.
     dist_init_timeout_s: float = 600.0
     dist_timeout_s: float = 300.0
+    # Python's garbage collector off during training, generations 0-1 collected every gc_every
+    # steps (torchtitan's GarbageCollection): an automatic collection can start on any rank at
+    # any allocation and stall it for long, making every rank wait at the next collective;
+    # 0 = leave the collector automatic
+    gc_every: int = 50
     bos_aligned: bool = False  # training windows start at a document's <|bos|> where one fits
     # > 0: block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle
     shuffle_shards: int = 0

@@ -3,6 +3,8 @@
     records = write_tree(folder, tree, control)   # every rank, collective: its own tensors
     read_tensors(folder, targets, control)        # every rank, collective: into `targets`,
                                                   #   resharded
+    new = staged(tree, cache, control)            # every rank, collective: copy its share now
+    records = write_staged(folder, plan, views, control)   # the writer process: write that copy
 
 A state tree is a nested dict. Its tensor leaves go to DCP: every rank writes the tensors it
 holds (its shards of a DTensor; a replicated tensor is written once, by one of the ranks that
@@ -13,6 +15,13 @@ What is not a tensor stays out of DCP (whose non-tensor values are pickles): `sk
 is the tree with every tensor replaced by {"__tensor__": shape, "dtype": name}, plain JSON, from
 which `targets_from_skeleton` makes the empty tensors a one-process reader loads into.
 
+A background save (folders.py: save_in_background) writes a copy: `staged` copies, now, only the
+tensors this rank will write (its DTensor shards; of the replicated tensors, those DCP's
+deduplication gives this rank: one copy of each, spread over the ranks by size) into one
+shared-memory buffer kept in `StagingCache` across saves (pinned when a tensor is on a GPU), and
+the writer process maps the same buffer and writes it with `write_staged`: the same plan and
+files dcp.save would make.
+
 Every file is hashed while it is written (`HashingFileSystem`): write_tree returns this rank's
 {file: {"bytes", "sha256"}}, so damage found later (a truncated or overwritten file) is told
 apart from a read error without trusting DCP to notice.
@@ -22,19 +31,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import pickle
+import tempfile
 import threading
 import warnings
-from typing import cast
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.tensor import DTensor
 
 from codex import fsio
 
@@ -237,13 +255,18 @@ def write_tree(folder: str, tree: dict, control) -> dict[str, dict]:
     """Write the tensors of `tree` as one DCP checkpoint in `folder`: every rank of `control` (its
     group, rank, world) calls this with its own tree. Returns this rank's {file: {bytes,
     sha256}}."""
+    return _dcp_save(folder, tensors_only(tree), None, control)
+
+
+def _dcp_save(folder: str, state_dict: dict, planner, control) -> dict[str, dict]:
     fsio.makedirs(folder)
     writer = _writer(folder)
     fs = cast(HashingFileSystem, writer.fs)
     try:
         dcp.save(
-            tensors_only(tree),
+            state_dict,
             storage_writer=writer,
+            planner=planner,
             process_group=control.group,
             no_dist=control.world == 1,
         )
@@ -264,30 +287,185 @@ def _save_error(e: CheckpointException, errors: list[OSError], folder: str) -> E
     return RuntimeError(f"{folder}: rank {rank} could not write the checkpoint ({exc!r})")
 
 
-def staged(tree: dict) -> dict:
-    """`tree` with every tensor replaced by a copy taken now: what a background save writes while
-    training changes the originals. CPU tensors (DTensors too) are cloned in one pass; device
-    tensors are copied to host memory through DCP's stager, uncached: fresh, unpinned memory
-    every save (DTensors stay DTensors)."""
-    on_device: list[tuple[dict, str, torch.Tensor]] = []
+_ALIGN = 64  # bytes: every staged tensor starts aligned for any dtype's loads
 
-    def copy(t: dict) -> dict:
-        out: dict = {}
-        for k, v in t.items():
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                on_device.append((out, k, v))
-            elif isinstance(v, torch.Tensor):
-                out[k] = v.detach().clone()
-            else:
-                out[k] = copy(v) if isinstance(v, dict) else v
-        return out
 
-    out = copy(tree)
-    if on_device:
-        copies = BlockingAsyncStager().stage({str(i): v for i, (_, _, v) in enumerate(on_device)})
-        for i, (parent, k, _) in enumerate(on_device):
-            parent[k] = copies[str(i)]
-    return out
+def _key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
+    """A write item's name across planning steps (DCP rewrites the index hint, not the offset)."""
+    return index.fqn, tuple(index.offset or ())
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one write item's bytes sit in the staging buffer."""
+
+    key: tuple[str, tuple[int, ...]]  # _key of its write item
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the buffer
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    """What a writer process needs to write one rank's share: the rank's DCP plan, already
+    deduplicated over the ranks, and where each item sits in the staging buffer. Picklable: sent
+    to the writer with each new buffer."""
+
+    plan: SavePlan
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+
+def _layout_key(flat: dict[str, Any]) -> tuple:
+    """What this rank's DCP plan depends on, read from the flat {fqn: tensor} in microseconds a
+    tensor (DCP's planning takes ~0.1 s for a 350m state): every name, shape, dtype and device,
+    and a DTensor's mesh and placements."""
+    return tuple(
+        (
+            fqn,
+            tuple(t.shape),
+            t.dtype,
+            t.device.type,
+            (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None,
+        )
+        for fqn, t in flat.items()
+    )
+
+
+def _slots(plan: SavePlan) -> tuple[tuple[Slot, ...], int]:
+    slots, start = [], 0
+    for item in plan.items:
+        if item.tensor_data is None or item.tensor_data.chunk is None:
+            raise TypeError(f"checkpoint state key {item.index.fqn!r}: only tensors are staged")
+        dtype, shape = item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes)
+        slots.append(Slot(_key(item.index), dtype, shape, start))
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start += -(-nbytes // _ALIGN) * _ALIGN
+    return tuple(slots), start
+
+
+class StagingBuffer:
+    """One anonymous shared-memory file (memfd: no file left behind whatever happens, and not
+    limited by the size of /dev/shm) mapped into this process; the writer process maps the same
+    pages through its `fd`. Pinned (cudaHostRegister) when it receives GPU tensors, so their
+    copies are DMA transfers that need not block the host."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = nbytes
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("codex-checkpoint-staging")
+        else:  # not Linux: an unlinked temporary file
+            with tempfile.TemporaryFile() as f:
+                self.fd = os.dup(f.fileno())
+        os.ftruncate(self.fd, max(nbytes, 1))
+        self.map = mmap.mmap(self.fd, max(nbytes, 1))
+        self.pinned = False
+        if pin:
+            from torch.cuda import _pin_memory_utils
+
+            ptr = torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()
+            _pin_memory_utils.pin_memory(ptr, max(nbytes, 1))
+            self.pinned = True
+            # not at exit: CUDA may be gone by then (the process's memory goes anyway)
+            weakref.finalize(self, _pin_memory_utils.unpin_memory, ptr).atexit = False
+        weakref.finalize(self, os.close, self.fd)
+
+
+def buffer_views(buffer: mmap.mmap, slots: tuple[Slot, ...]) -> list[torch.Tensor]:
+    """A tensor per slot over `buffer`, each with its own storage of exactly its bytes: DCP's
+    writer clones a tensor whose storage is larger than itself, and torch.save would write the
+    whole storage."""
+    views = []
+    for slot in slots:
+        numel = torch.Size(slot.shape).numel()
+        if numel == 0:  # an empty shard: frombuffer refuses a zero count
+            views.append(torch.empty(slot.shape, dtype=slot.dtype))
+            continue
+        flat = torch.frombuffer(buffer, dtype=slot.dtype, count=numel, offset=slot.start)
+        views.append(flat.view(slot.shape))
+    return views
+
+
+@dataclass
+class StagingCache:
+    """What staging keeps from one save to the next: this rank's deduplicated plan (`key`: the
+    layout of the state it was made for, _layout_key), the buffer, and the tensors over it."""
+
+    key: tuple | None = None
+    plan: StagedPlan | None = None
+    buffer: StagingBuffer | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+def staged(tree: dict, cache: StagingCache, control) -> bool:
+    """Copy, now, the tensors of `tree` this rank will write into the cache's buffer: what a
+    background save writes while training changes the originals. Every rank of `control` calls it
+    together. The plan, and with it the buffer, is made on the first call and again only when the
+    tensors' layout changes on some rank (one flag all-reduced tells); later calls only copy.
+    Returns True when the buffer is new: the writer process must map it (cache.buffer.fd,
+    cache.plan).
+
+    Only what this rank writes is staged: its DTensor shards, and of the tensors every rank holds
+    whole (replicate) the ones DCP's deduplication (dedup_save_plans, as dcp.save runs it) gives
+    this rank."""
+    flat, _ = flatten_state_dict(tensors_only(tree))  # DCP's names: "model.blocks.0.attn..."
+    key = _layout_key(flat)
+    new = control.any_flag(key != cache.key)
+    if new:
+        # dcp.save's own plan for this rank (its default planner, as write_tree uses), before and
+        # after deduplication over every rank's
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(tensors_only(tree), is_coordinator=control.rank == 0)
+        mine = dedup_save_plans(control.gather(planner.create_local_plan()))[control.rank]
+        slots, nbytes = _slots(mine)
+        sources = [find_state_dict_object(flat, item.index) for item in mine.items]
+        # the old buffer goes before the new one is made: two would need twice the memory
+        cache.views, cache.buffer = [], None
+        cache.buffer = StagingBuffer(nbytes, pin=any(t.is_cuda for t in sources))
+        cache.views = buffer_views(cache.buffer.map, slots)
+        cache.plan, cache.key = StagedPlan(mine, slots, nbytes), key
+    else:
+        assert cache.plan is not None
+        sources = [find_state_dict_object(flat, item.index) for item in cache.plan.plan.items]
+    assert cache.buffer is not None
+    with torch.no_grad():
+        for slot, view, source in zip(cache.plan.slots, cache.views, sources, strict=True):
+            if tuple(source.shape) != slot.shape:
+                raise ValueError(
+                    f"checkpoint state key {slot.key[0]!r}: this rank holds {tuple(source.shape)}, "
+                    f"its plan says {slot.shape}"
+                )
+            view.copy_(source, non_blocking=cache.buffer.pinned and source.is_cuda)
+        if any(t.is_cuda for t in sources):
+            torch.cuda.synchronize()  # the buffer is complete before the writer reads it
+    return new
+
+
+class _StagedPlanner(DefaultSavePlanner):
+    """DCP's default planner with this rank's plan given (already deduplicated: planning again
+    changes nothing) and its data taken from the staged tensors."""
+
+    def __init__(self, plan: SavePlan, data: dict) -> None:
+        super().__init__()
+        self._given, self._data = plan, data
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+        self.mappings = self._given.planner_data
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = self._given
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self._data[_key(index)]
+
+
+def write_staged(folder: str, plan: StagedPlan, views: list[torch.Tensor], control) -> dict:
+    """write_tree for a staged share (in the writer process, every rank of `control` together):
+    the same .metadata and files. Returns this rank's {file: {bytes, sha256}}."""
+    data = {slot.key: view for slot, view in zip(plan.slots, views, strict=True)}
+    return _dcp_save(folder, {}, _StagedPlanner(plan.plan, data), control)
 
 
 def read_tensors(folder: str, targets: dict, control=None) -> None:

@@ -101,10 +101,15 @@ class StepRecord:
 
 
 def save_training(
-    cfg, control, parts: TrainingParts, record: StepRecord, background: bool = False
+    cfg,
+    control,
+    parts: TrainingParts,
+    record: StepRecord,
+    writer: checkpoint.BackgroundWriter | None = None,
 ) -> checkpoint.PendingSave:
-    """Every rank: write everything a resumed run needs to continue exactly. background: copy the
-    state now and write it while training goes on (train.async_save); wait() on the result."""
+    """Every rank: write everything a resumed run needs to continue exactly. writer (this rank's
+    BackgroundWriter, train.async_save): copy the state now and write it in the writer's process
+    while training goes on; wait() on the result."""
     state = {
         "model": {k: _local(v) for k, v in parts.model.state_dict().items()},
         "optimizer": optimizer_tree(parts.model, parts.optimizer),
@@ -120,10 +125,10 @@ def save_training(
         "log_window": record.log_window,
         "parallel": record.parallel,
     }
-    keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every, control=control)
-    if background:
-        return checkpoint.save_in_background(cfg.run, state, **keep)
-    return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, **keep))
+    keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
+    if writer is not None:
+        return checkpoint.save_in_background(cfg.run, state, writer, **keep)
+    return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, control=control, **keep))
 
 
 def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor:

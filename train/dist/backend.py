@@ -4,19 +4,25 @@
     model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
     for each optimizer step:
         for each micro-batch:
+            backend.set_grad_sync(model, last)  # reduce in the step's last backward only
             x, y = backend.to_device(batch)
             with backend.autocast():
                 loss = model(x, y) / accum
-            loss.backward()
-        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step
+            loss.backward()                     # last: the gradient buckets' all-reduces start
+        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step: finished here
         clip, optimizer.step()
         backend.step_boundary()            # XLA: cut the graph; CPU/CUDA: nothing
 
 Why not DistributedDataParallel: DDP all-reduces inside every backward unless each micro-batch
 but the last is wrapped in no_sync(), and hides where the communication happens. Here the one
-all-reduce per optimizer step is a plain call you can find, time and test. Gradients are summed
-in fp32 buckets and divided by the world size, so the result is the gradient of the mean loss
-over every token of the global batch.
+all-reduce per optimizer step is ours (train/dist/reduce.py, owned by TorchBackend), overlapped
+with the backward as DDP's is: set_grad_sync(model, last) arms per-parameter hooks for the step's
+last micro-batch, whose backward issues each bucket's async all-reduce as soon as its gradients
+are final; `all_reduce_grads` is still the one place to find, time and test it (it issues what
+the backward did not, waits, and writes the result into .grad). Gradients are summed in buckets
+(fp32, or bf16 under train.reduce_dtype=bf16) and divided by the world size, so the result is the
+gradient of the mean loss over every token of the global batch; tests/test_reduce.py counts one
+reduction of every gradient element per step.
 
 Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for
 several machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL
@@ -57,6 +63,7 @@ from codex.config import ConfigError
 from model.gpt import build_model
 from train.dist.control import ControlPlane, control_timeout
 from train.dist.fsdp import build_sharded, set_grad_sync
+from train.dist.reduce import GradReducer
 from train.plan.hardware import launch_env
 from train.plan.layout import Layout
 
@@ -111,7 +118,7 @@ class Backend(Protocol):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
     # Training's model, in `layout`.
     def build_model(self, model_cfg, seed: int, layout) -> torch.nn.Module: ...
-    # Before each micro-batch's backward: whether it reduces (fsdp: the last one only).
+    # Before each micro-batch's backward: whether it reduces (the step's last one only).
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None: ...
     # XLA: the step's micro-batches as one While; None: the loop's Python micro-batch loop.
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> Callable | None: ...
@@ -170,6 +177,8 @@ class TorchBackend:
     autocast_dtype: torch.dtype | None = None
     compile: bool = False
     bucket_bytes: int = 64 << 20  # gradient all-reduce bucket size (fewer, larger collectives)
+    # train.reduce_dtype: the replicated all-reduce's buffers (and FSDP2's reduce_dtype)
+    reduce_dtype: torch.dtype = torch.float32
     distributed: bool = False
     step_timeout_s: float = 300.0  # train.dist_timeout_s: collectives after the first step
     # host-side gloo (train/dist/control.py)
@@ -180,6 +189,8 @@ class TorchBackend:
     lagged_logs: bool = False
     layout: Layout = field(default_factory=Layout)  # set by build_model (train/dist/fsdp.py)
     _compiled: list = field(default_factory=list)
+    # replicate over several ranks: the bucketed all-reduce and its hooks (train/dist/reduce.py)
+    _reducer: GradReducer | None = field(default=None, repr=False)
 
     @property
     def loader_rank(self) -> int:
@@ -198,6 +209,11 @@ class TorchBackend:
         return self.rank == 0
 
     def autocast(self):
+        """bf16 autocast (replicate), or a null context under fsdp: there FSDP2's mixed-precision
+        policy already gathers bf16 weights and casts each block's inputs (train/dist/fsdp.py),
+        so autocast would only cast again (torchtitan's maybe_enable_amp does the same)."""
+        if self.layout.sharded:
+            return contextlib.nullcontext()
         return autocast_context(self.device.type, self.autocast_dtype)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -216,14 +232,25 @@ class TorchBackend:
             # same seed on every rank: identical weights
             return self.prepare_model(build_model(model_cfg, seed=seed))
         return build_sharded(
-            model_cfg, seed, layout, self.device, self.autocast_dtype, self.compile
+            model_cfg,
+            seed,
+            layout,
+            self.device,
+            self.autocast_dtype,
+            self.compile,
+            reduce_dtype=self.reduce_dtype,
         )
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:
-        """fsdp: reduce-scatter gradients in this backward only when `on` (the step's last
-        micro-batch), so a step has one gradient reduction. replicate: all_reduce_grads does it."""
+        """Before each micro-batch: reduce gradients in this backward only when `on` (the step's
+        last micro-batch), so a step has one gradient reduction. fsdp: FSDP2 reduce-scatters.
+        replicate over several ranks: the reducer's hooks issue each bucket's all-reduce as its
+        gradients become ready (made, with its buckets, at the first call); all_reduce_grads
+        finishes it."""
         if self.layout.sharded:
             set_grad_sync(model, on)
+        elif self.world_size > 1:
+            self._reducer_for(model).arm(on)
 
     def device_accumulation(self, model: torch.nn.Module, accum: int) -> None:
         # eager and compiled torch: the loop's Python micro-batch loop costs no tracing
@@ -236,44 +263,28 @@ class TorchBackend:
         non_blocking = self.device.type == "cuda"
         return tuple(t.to(self.device, non_blocking=non_blocking) for t in batch)
 
-    @torch.no_grad()
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """THE gradient all-reduce: average .grad over the replicas. Call once per optimizer step,
-        after the last micro-batch's backward and before clipping. fsdp: nothing to do, the last
-        micro-batch's backward already reduce-scattered every gradient (set_grad_sync)."""
+        after the last micro-batch's backward and before clipping. replicate: that backward has
+        already issued the buckets whose gradients were ready (async, overlapping the rest of the
+        backward; set_grad_sync armed it); this issues any it did not, waits for every one and
+        writes the mean back into .grad, in fp32 or via bf16 (train.reduce_dtype;
+        train/dist/reduce.py). fsdp: nothing to do, the last micro-batch's backward already
+        reduce-scattered every gradient (set_grad_sync)."""
         if self.world_size == 1 or self.layout.sharded:
             return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        # Buckets of same-dtype grads, flattened into one buffer each: a handful of collectives
-        # instead of one per parameter, issued async so they pipeline.
-        pending = []
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in grads:
-            if bucket and (
-                g.dtype != bucket[0].dtype
-                or size + g.numel() * g.element_size() > self.bucket_bytes
-            ):
-                pending.append(self._reduce_bucket(bucket))
-                bucket, size = [], 0
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-        if bucket:
-            pending.append(self._reduce_bucket(bucket))
-        for work, flat, members in pending:
-            work.wait()
-            flat.div_(self.world_size)
-            offset = 0
-            for g in members:
-                n = g.numel()
-                g.copy_(flat[offset : offset + n].view_as(g))
-                offset += n
+        self._reducer_for(model).finish()
 
-    def _reduce_bucket(self, bucket: list[torch.Tensor]):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        # SUM then divide: gloo has no AVG op, and the result is the same on NCCL.
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
-        return work, flat, bucket
+    def _reducer_for(self, model: torch.nn.Module) -> GradReducer:
+        """The reducer of `model` (its plain module, under torch.compile's wrapper): made at the
+        first call, its buckets fixed from then on; another module replaces it."""
+        module = unwrap(model)
+        if self._reducer is None or self._reducer.module is not module:
+            if self._reducer is not None:
+                self._reducer.remove()
+            dtype = None if self.reduce_dtype == torch.float32 else self.reduce_dtype
+            self._reducer = GradReducer(module, self.bucket_bytes, dtype, self.world_size)
+        return self._reducer
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over all replicas, in place; returns it (a no-op on one process)."""
@@ -557,6 +568,7 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
         world_size=world,
         local_rank=local_rank,
         autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
+        reduce_dtype=torch.bfloat16 if cfg.train.reduce_dtype == "bf16" else torch.float32,
         compile=bool(cfg.train.compile) and preset.kind == "cuda",
         distributed=launched,
         step_timeout_s=cfg.train.dist_timeout_s,

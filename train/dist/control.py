@@ -31,7 +31,7 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,25 +57,11 @@ class ControlPlane:
     group: Any = None
     rank: int = 0
     world: int = 1
-    _background: Any = field(default=None, repr=False)
-
-    def background(self) -> ControlPlane:
-        """A control plane over its own gloo group for collectives that run in a background thread
-        (an asynchronous checkpoint save) while this one serves the training loop: two threads must
-        never share a group. Made on first use, so every rank must call this at the same point."""
-        if self.world == 1:
-            return self
-        if self._background is None:
-            group = dist.new_group(backend="gloo", timeout=control_timeout())
-            self._background = ControlPlane(group, self.rank, self.world)
-        return self._background
 
     def groups(self) -> list:
-        """The gloo groups this control plane owns (its own, the background one once made): their
-        timeout stays CONTROL_TIMEOUT_S when the backend shortens the others' after the first
-        step."""
-        own = [self.group] + ([self._background.group] if self._background is not None else [])
-        return [g for g in own if g is not None]
+        """The gloo group this control plane owns: its timeout stays CONTROL_TIMEOUT_S when the
+        backend shortens the others' after the first step."""
+        return [self.group] if self.group is not None else []
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -18,6 +18,11 @@ class Layout:
     parallel: str = "replicate"  # "replicate" (every rank holds everything) or "fsdp"
     shard: int = 1  # ranks one copy of the state is sharded over (fsdp)
     replicas: int = 1  # copies of the sharded state (HSDP when > 1 under fsdp)
+    # fsdp: True frees each block's gathered weights after its forward and gathers them again in
+    # its backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2: one all-gather
+    # per block a micro-batch instead of two). Decided by the memory plan (MemoryPlan's field of
+    # the same name, train/plan/plan.py: resolve_batch); read by train/dist/fsdp.py.
+    reshard_after_forward: bool = True
 
     @property
     def sharded(self) -> bool:
@@ -26,8 +31,14 @@ class Layout:
     def describe(self) -> str:
         if not self.sharded:
             return "replicate"
-        return f"fsdp over {self.shard}" + (
-            f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else ""
+        return (
+            f"fsdp over {self.shard}"
+            + (f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else "")
+            + (
+                ", gathered weights freed after forward (ZeRO-3)"
+                if self.reshard_after_forward
+                else ", gathered weights kept from forward to backward (ZeRO-2)"
+            )
         )
 
 

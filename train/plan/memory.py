@@ -19,10 +19,13 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                                  blocks' matrices, AdamW's 8 for the rest
     compute weights  replicate:  c x matmul weights under bf16 autocast (its cast cache keeps one
                                  bf16 copy of every weight from the forward until backward used it)
-                     fsdp:       the gathered weights in c: two blocks (the one computing and the
+                     fsdp:       the gathered weights in c, plus one block's unsharded gradient
+                                 (c + 4 for the fp32 reduce-scatter). ZeRO-2 (FSDP2's
+                                 reshard_after_forward=False), chosen wherever its plan fits with
+                                 headroom: c P, every block's weights kept from its forward to its
+                                 backward. Else ZeRO-3: two blocks (the one computing and the
                                  next, prefetched) and the root's (embedding, head, final norm,
-                                 which FSDP2 keeps gathered between forward and backward), plus one
-                                 block's unsharded gradient (c + 4 for the fp32 reduce-scatter)
+                                 which FSDP2 keeps gathered between forward and backward)
                      fsdp (TPU): c P, every weight gathered whole in c once per step before
                                  the step's While (ZeRO-2, train/xla/step.py); the gradients are
                                  4 P, whole: the While carries each device's unreduced fp32 sum,
@@ -33,16 +36,19 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
     logits           3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient
     workspace        N x per_layer: the gradients of the block in backward (as large as its saved
                      activations), the transient that sits on top of the forward's peak
-    step buffers     what the optimizer step allocates (`step_buffer_bytes`), after the
+    reduction        replicate over W > 1 on CPU/CUDA: the gradient reduction's flat buckets,
+                     r P (r = 4, or 2 under train.reduce_dtype=bf16), filled during the last
+                     backward and freed when all_reduce_grads has copied the sums back
+    step buffers     what the optimizer step allocates (`muon_step_bytes`), after the
                      activations are freed and with the gradients reduced (4 P / F under fsdp):
                      Muon's updates (one process: 4 M; fsdp: the owner-rank exchange's
                      buffers, about c x 2 M / F, each owner orthogonalising one whole matrix at
-                     a time; replicate over W:
-                     the all_gather of everyone's updates, ~4 M x (2 + 3 / W)); the replicated
-                     all-reduce's flat copy of the gradients, 4 P, when W > 1
+                     a time; replicate over W: the all_gather of everyone's updates,
+                     ~4 M x (2 + 3 / W))
 
 The peak is the larger of the two phases: weights + optimizer state + max(gradients + compute
-weights + activations + logits + workspace, the reduced gradients + step buffers).
+weights + activations + logits + workspace, the reduced gradients + the larger of the reduction's
+buffers and the step buffers, which are never alive together).
 
 The attention matters: SDPA's fused kernels (flash on CUDA, its CPU kernel, GQA included; checked
 on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head; XLA's math
@@ -102,7 +108,13 @@ class MemoryPlan:
     world: int = 1  # data-parallel ranks (torchrun's WORLD_SIZE, or the preset's devices)
     accum: int = 1  # micro-batches per optimizer step
     step_gradients: int = 0  # at the optimizer step: reduced (4 P / F under fsdp)
-    step_buffers: int = 0  # what the optimizer step allocates (Muon's updates, the all-reduce)
+    step_buffers: int = 0  # what the optimizer step allocates (Muon's updates)
+    # replicate over W > 1 (CPU/CUDA): the reduction's flat buckets, filled during the last
+    # backward and freed by all_reduce_grads (train/dist/reduce.py), before the optimizer step
+    reduce_buffers: int = 0
+    # fsdp: False = ZeRO-2, the gathered weights held from forward to backward (what
+    # compute_weights counts; TPU: always); train/plan/plan.py passes it on in the Layout
+    reshard_after_forward: bool = True
 
     @property
     def backward(self) -> int:
@@ -113,8 +125,10 @@ class MemoryPlan:
 
     @property
     def step(self) -> int:
-        """Bytes on top of the weights and optimizer state during the optimizer step."""
-        return self.step_gradients + self.step_buffers
+        """Bytes on top of the weights and optimizer state from the end of the backward (the
+        reduction's buffers) through the optimizer step (its own buffers), which come one after
+        the other."""
+        return self.step_gradients + max(self.reduce_buffers, self.step_buffers)
 
     @property
     def total(self) -> int:
@@ -138,12 +152,15 @@ class MemoryPlan:
             ("gradients (fp32, whole)" if whole else "gradients (fp32)", self.gradients),
             (f"optimizer ({self.optimizer})", self.optimizer_state),
             (
-                "gathered weights" if self.layout == "fsdp" else f"weights in {self.dtype}",
+                f"gathered weights, ZeRO-{3 if self.reshard_after_forward else 2}"
+                if self.layout == "fsdp"
+                else f"weights in {self.dtype}",
                 self.compute_weights,
             ),
             (f"activations (remat {self.remat})", self.activations),
             ("logits (fp32)", self.logits),
             ("workspace", self.workspace),
+            ("gradient reduction", self.reduce_buffers),
             ("optimizer step buffers", self.step_buffers),
         ]
         accum = f", accum {self.accum}" if self.accum > 1 else ""
@@ -207,18 +224,16 @@ def optimizer_bytes(m, optimizer: str) -> int:
     return 8 * param_count(m)
 
 
-def step_buffer_bytes(m, optimizer: str, kind: str, layout: str, F: int, W: int, c: int) -> int:
-    """What the optimizer step allocates on top of the state, per device (counted on the CPU by
-    bench/count_step_memory.py): the larger of the replicated gradient all-reduce's copy
-    (train/dist/backend.py flattens and sends every bucket before it waits on the first: a copy of
-    every gradient, 4 P, when W > 1 on CPU/CUDA) and Muon's (train/optim/muon.py), which runs
-    after it. Muon iterates in the compute dtype (c bytes); M = the matrices' entries, n = the
-    largest matrix's, F the ranks sharing the state, W the world:
+def muon_step_bytes(m, kind: str, layout: str, F: int, W: int, c: int) -> int:
+    """What Muon's step allocates on top of the state, per device (train/optim/muon.py; counted
+    on the CPU by bench/count_step_memory.py). Muon iterates in the compute dtype (c bytes);
+    M = the matrices' entries, n = the largest matrix's, F the ranks sharing the state, W the
+    world:
 
         one process, TPU  every matrix's update, whole (fp32), until they are applied: 4 M, plus
                           the matrix being orthogonalised (below; TPU: XLA's one graph, assumed)
         replicate, W > 1  the all_gather of the updates, w = the largest rank's share: its own
-                          updates, their flat copy and the send buffer (3 x 4 w), the W received
+                          updates, the send buffer and their flat copy (3 x 4 w), the W received
                           (4 W w) and the collective's flat output they are copied out of (4 W w)
         fsdp (CPU/CUDA)   the owner-rank exchange (muon.py: _owner_updates), s = this rank's
                           row shards of every matrix (M / F), o = the entries of the matrices the
@@ -228,24 +243,20 @@ def step_buffer_bytes(m, optimizer: str, kind: str, layout: str, F: int, W: int,
                           output and, in bf16, its fp32 copy (c s, + 4 s)
 
     The matrix being orthogonalised: its blended gradient, its normalised copy and the
-    Newton-Schulz iteration's temporaries, about 5 c bytes x n (20 n in fp32).
-    AdamW: not counted (fused on CUDA; on the CPU a few copies of one parameter at a time)."""
-    replicated_reduce = layout == "replicate" and W > 1 and kind != "tpu"
-    reduce_copy = 4 * param_count(m) if replicated_reduce else 0
-    sizes = [r * c_ for r, c_ in hidden_matrices(m)]
-    if optimizer != "muon" or not sizes:
-        return reduce_copy
+    Newton-Schulz iteration's temporaries, about 5 c bytes x n (20 n in fp32). AdamW's step is
+    not counted (fused on CUDA; on the CPU a few copies of one parameter at a time)."""
+    sizes = [r * cols for r, cols in hidden_matrices(m)]
+    if not sizes:
+        return 0
     work = 5 * c * max(sizes)
     if kind == "tpu" or W == 1:
-        muon = 4 * sum(sizes) + work
-    elif layout == "fsdp":
+        return 4 * sum(sizes) + work
+    if layout == "fsdp":
         s = -(-sum(sizes) // F)
         o = max(sum(sizes[q::F]) for q in range(F))
-        muon = max(c * (s + o), c * o + work, (c + (4 if c != 4 else 0)) * s)
-    else:
-        width = max(sum(sizes[r::W]) for r in range(W))
-        muon = 4 * (2 * W + 3) * width
-    return max(reduce_copy, muon)
+        return max(c * (s + o), c * o + work, (c + (4 if c != 4 else 0)) * s)
+    width = max(sum(sizes[r::W]) for r in range(W))
+    return 4 * (2 * W + 3) * width
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -327,6 +338,7 @@ def plan(
     optimizer: str = "adamw",
     world: int = 0,
     batch_tokens: int = 0,
+    reduce_dtype: str = "fp32",
     device_memory: int | None = None,
 ) -> MemoryPlan:
     """The memory plan for ModelConfig `m` (vocab_size set; 0 counts DEFAULT_VOCAB) on `preset`
@@ -335,7 +347,7 @@ def plan(
     accumulation it implies at this batch). device_memory overrides the preset's memory per device
     (the GPU's real size, the CPU's free RAM).
 
-    12 parameters: the model, the preset and the batch, then keyword settings with defaults
+    13 parameters: the model, the preset and the batch, then keyword settings with defaults
     (setting_for's dict, passed as **setting). Long because every term is a line of the module
     docstring's arithmetic, kept side by side in one place."""
     if m.vocab_size <= 0:
@@ -366,8 +378,10 @@ def plan(
     # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward;
     # the XLA While carries every device's unreduced fp32 sum, whole, for the whole step
     tpu = preset.kind == "tpu"
-    held = 4 * P if layout == "fsdp" and (tpu or accum > 1) else reduced
-    return MemoryPlan(
+    r = 2 if reduce_dtype == "bf16" else 4
+    # (FSDP2 accumulates the unsharded gradients in its reduce_dtype)
+    held = (4 if tpu else r) * P if layout == "fsdp" and (tpu or accum > 1) else reduced
+    p = MemoryPlan(
         hardware=preset.name,
         layout=layout,
         shards=shards,
@@ -389,8 +403,21 @@ def plan(
         world=world,
         accum=accum,
         step_gradients=reduced,
-        step_buffers=step_buffer_bytes(m, optimizer, preset.kind, layout, shards, world, c),
+        step_buffers=(
+            muon_step_bytes(m, preset.kind, layout, shards, world, c) if optimizer == "muon" else 0
+        ),
+        # the replicated reduction's flat buckets (train/dist/reduce.py), in train.reduce_dtype
+        reduce_buffers=r * P if layout == "replicate" and world > 1 and not tpu else 0,
+        reshard_after_forward=not (layout == "fsdp" and tpu),
     )
+    if layout == "fsdp" and not tpu:
+        # FSDP2 (CPU/CUDA): keep the gathered weights from forward to backward (one all-gather per
+        # block a micro-batch instead of two) when that fits with headroom: at the end of the
+        # forward every block is gathered, each freed by its backward
+        kept = c * P + (c + 4) * block_params(m)
+        zero2 = dataclasses.replace(p, compute_weights=kept, reshard_after_forward=False)
+        return zero2 if zero2.fits() else p
+    return p
 
 
 def largest_batch(m, preset, seq_len: int, cap: int, **setting) -> int:
@@ -547,4 +574,5 @@ def setting_for(tcfg, kind: str, world: int = 0) -> dict:
         "remat": tcfg.remat,
         "world": world,
         "batch_tokens": tcfg.batch_tokens,
+        "reduce_dtype": tcfg.reduce_dtype,
     }

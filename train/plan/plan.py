@@ -87,6 +87,8 @@ def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, Mem
     # over this run's world size, with its accumulation (fsdp holds whole gradients then)
     memory = check_fits(cfg.model, preset, B, T, **setting)
     layout = layout_for(setting["layout"], setting["fsdp_size"], world_size)
+    # fsdp: keep the gathered weights from forward to backward (ZeRO-2) where the plan fits them
+    layout = replace(layout, reshard_after_forward=memory.reshard_after_forward)
     accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
     return B, T, accum, B * T * world_size * accum, memory, layout
 

@@ -1,0 +1,147 @@
+"""The replicated layout's gradient all-reduce (train.parallel=replicate on CPU/CUDA), overlapped
+with the backward of the step's last micro-batch.
+
+    reducer = GradReducer(module, bucket_bytes, reduce_dtype, world_size)   # hooks on its params
+    for each micro-batch:
+        reducer.arm(last)            # TorchBackend.set_grad_sync(model, last)
+        loss.backward()              # last: each bucket's all-reduce starts when its grads are done
+    reducer.finish()                 # TorchBackend.all_reduce_grads: wait, mean back into .grad
+
+Buckets: the module's parameters in reverse order (roughly the order the backward finishes their
+gradients: head first, embedding last), cut every `bucket_bytes` of gradient, fixed when the
+reducer is made (the first step) and the same on every rank. A post-accumulate-grad hook on each
+parameter counts its bucket's gradients in the last micro-batch's backward only; a full bucket is
+flattened into one buffer (cast to `reduce_dtype`) and its SUM all-reduce is issued asynchronously,
+in bucket order (a bucket waits for the ones before it, so every rank issues the same collectives in
+the same order), while the backward goes on computing the rest. `finish` issues any bucket the
+backward did not (hooks not armed, a parameter without a gradient), waits for each, copies the sum
+back into .grad (in the gradient's dtype) and divides by the world size: the gradient of the mean
+loss over the global batch. Each gradient element is reduced exactly once per optimizer step
+(tests/test_reduce.py counts the collectives on 2 gloo ranks).
+
+The hooks sit on the parameters of the plain module, so torch.compile (whose compiled backward
+hands each parameter its gradient through autograd's AccumulateGrad, where the hook runs) and
+activation checkpointing (train/remat.py: the recomputed block's gradients still accumulate once
+per backward) need nothing else. Under bf16 (train.reduce_dtype=bf16) the buffer holds bf16
+copies: half the bytes on the wire, the per-rank gradients rounded to bf16 before the sum, which is
+cast back into the fp32 gradients. A parameter without a gradient on this rank contributes zeros
+and keeps no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Bucket:
+    params: list[torch.nn.Parameter]
+    numel: int
+    ready: set[int] = field(default_factory=set)  # ids of its gradients final in this backward
+    # issued and not yet finished: the collective's work and the flat buffer it reduces
+    work: dist.Work | None = None
+    flat: torch.Tensor | None = None
+
+
+class GradReducer:
+    """Bucketed SUM all-reduce of `module`'s gradients over the default process group, issued from
+    the backward (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        bucket_bytes: int,
+        reduce_dtype: torch.dtype | None,
+        world_size: int,
+    ) -> None:
+        self.module = module
+        self.reduce_dtype = reduce_dtype  # None: each gradient's own dtype
+        self.world_size = world_size
+        self.armed = False
+        self.next = 0  # the next bucket to issue (buckets go out in order)
+        self.buckets: list[Bucket] = []
+        params = [p for p in module.parameters() if p.requires_grad]  # a tied weight once
+        size = 0
+        for p in reversed(params):
+            last = self.buckets[-1] if self.buckets else None
+            nbytes = p.numel() * p.element_size()
+            if last is None or p.dtype != last.params[0].dtype or size + nbytes > bucket_bytes:
+                last = Bucket([], 0)
+                self.buckets.append(last)
+                size = 0
+            last.params.append(p)
+            last.numel += p.numel()
+            size += nbytes
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def arm(self, on: bool) -> None:
+        """Before each micro-batch's backward: on = the step's last, whose gradients are final and
+        are reduced as they become ready."""
+        if on and any(b.work is not None for b in self.buckets):
+            raise RuntimeError(
+                "gradient buckets are still being reduced from an earlier backward: call "
+                "all_reduce_grads once after the step's last micro-batch"
+            )
+        self.armed = on
+
+    @torch.no_grad()
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        if id(p) in bucket.ready:
+            raise RuntimeError(
+                "a parameter's gradient was accumulated twice in the step's last backward, after "
+                "its bucket's all-reduce may have started (a weight used in two backward passes?)"
+            )
+        bucket.ready.add(id(p))
+        # in bucket order: a full bucket waits for the ones before it
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if len(b.ready) < len(b.params):
+                break
+            self._issue(b)
+
+    def _issue(self, bucket: Bucket) -> None:
+        first = bucket.params[0]
+        dtype = self.reduce_dtype or first.dtype
+        flat = torch.empty(bucket.numel, dtype=dtype, device=first.device)
+        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)) for p in bucket.params]
+        torch.cat([g.reshape(-1) for g in pieces], out=flat)  # one copy, cast to the reduce dtype
+        # SUM, then divide in finish: gloo has no AVG op, and the result is the same on NCCL.
+        bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        bucket.flat = flat
+        self.next += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Issue the buckets the backward did not, wait for every one, and write the mean over the
+        ranks into each .grad. Leaves the reducer disarmed and ready for the next step."""
+        while self.next < len(self.buckets):
+            self._issue(self.buckets[self.next])
+        for bucket in self.buckets:
+            assert bucket.work is not None and bucket.flat is not None
+            bucket.work.wait()
+            flat, offset, grads = bucket.flat, 0, []
+            for p in bucket.params:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))  # back to its dtype
+                    grads.append(p.grad)
+                offset += n
+            if grads:
+                torch._foreach_div_(grads, self.world_size)
+            bucket.work = bucket.flat = None  # the buffer goes now, before the optimizer step
+            bucket.ready.clear()
+        self.next = 0
+        self.armed = False
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters (a reducer for another module replaces this one)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
