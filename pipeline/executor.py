@@ -1,16 +1,20 @@
 """Where a data stage's units of work run: this process, a local process pool, or a Ray cluster.
 
     run_units(fn, units, where, progress)   yields (unit, fn(unit)) as units finish, any order
+    slots(where)                            how many units run side by side (workers, Ray CPUs)
+    stage_pool(where, warm)                 one local pool for all of a stage's run_units calls
 
-The stages own what a unit is (a byte range of an input file, a cleaned part, a partition of
-hashes) and make every unit idempotent: it writes through temp + rename and its marker last, and
+The stages own what a unit is (a byte range of an input file, rows of a cleaned part, a partition
+of hashes) and make every unit idempotent: it writes through temp + rename and its marker last, and
 removes what an earlier attempt left. So the same units give the same bytes whoever runs them, a
 unit Ray retries after its worker died leaves no partial file, and a rerun after the driver was
 killed does only the units without a marker. Scheduling, retries and placement are Ray's (or the
 process pool's); nothing here is a scheduler.
 
     local, workers=1   in this process, in order (easiest to debug)
-    local, workers=N   N spawned processes on this machine (fork is unsafe with gcsfs' threads)
+    local, workers=N   N spawned processes on this machine (fork is unsafe with gcsfs' threads):
+                       a pool per run_units call, or one a stage opens with stage_pool, whose
+                       processes start (and run its `warm`) while the driver goes on
     ray                one Ray task per unit (1 CPU each, retried up to RAY_MAX_RETRIES times when
                        its worker dies) on the cluster at data.ray_address, else $RAY_ADDRESS,
                        else a Ray runtime started here with `workers` CPUs
@@ -23,6 +27,7 @@ unless CODEX_DEBUG=1.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -31,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from codex.config import ConfigError
@@ -52,6 +57,8 @@ class Where:
     executor: str = "local"  # local | ray
     workers: int = 1
     ray_address: str = ""
+    # local workers > 1: the process pool every run_units call uses (stage_pool), else one per call
+    pool: cf.ProcessPoolExecutor | None = field(default=None, compare=False, repr=False)
 
     @property
     def parallel(self) -> bool:
@@ -68,6 +75,15 @@ def where_for(data_cfg, workers: int) -> Where:
     if data_cfg.executor == "ray":
         import_ray()  # before the stage touches its folder
     return Where(data_cfg.executor, workers, data_cfg.ray_address)
+
+
+def slots(where: Where) -> int:
+    """How many units run side by side: the local workers, or the Ray cluster's CPUs (a stage
+    may cut its work into more units when it has fewer than this)."""
+    if where.executor != "ray":
+        return where.workers
+    ray = connect_ray(where)
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def run_units(
@@ -88,7 +104,7 @@ def run_units(
     elif where.workers == 1 or len(units) == 1:
         runner = ((u, fn(u)) for u in units)
     else:
-        runner = _run_pool(fn, units, where.workers)
+        runner = _run_pool(fn, units, where.workers, where.pool)
     for unit, result in runner:
         if progress is not None:
             progress.update(1, **(count(unit, result) if count else {}))
@@ -120,11 +136,33 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _run_pool(fn, units, workers: int) -> Iterator[tuple[Any, Any]]:
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(
-        min(workers, len(units)), ctx, initializer=_watch_parent, initargs=(os.getpid(),)
-    ) as pool:
+def _new_pool(workers: int) -> cf.ProcessPoolExecutor:
+    return cf.ProcessPoolExecutor(
+        workers, mp.get_context("spawn"), initializer=_watch_parent, initargs=(os.getpid(),)
+    )
+
+
+@contextlib.contextmanager
+def stage_pool(where: Where, warm: Callable[[], Any] | None = None) -> Iterator[Where]:
+    """A Where whose run_units calls share one pool of `where.workers` local processes, started
+    now (each runs `warm`, e.g. loading what its units need, while the driver goes on) and closed
+    on exit: a stage of several phases spawns its workers once, not once per phase. Ray and
+    workers=1: `where` itself."""
+    if where.executor == "ray" or where.workers == 1:
+        yield where
+        return
+    with _new_pool(where.workers) as pool:
+        for _ in range(where.workers):
+            pool.submit(warm or _nothing)  # a process starts per task while none is idle
+        yield replace(where, pool=pool)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _run_pool(fn, units, workers: int, shared=None) -> Iterator[tuple[Any, Any]]:
+    with contextlib.nullcontext(shared) if shared else _new_pool(min(workers, len(units))) as pool:
         futures = {pool.submit(fn, u): u for u in units}
         try:
             for fut in cf.as_completed(futures):

@@ -595,6 +595,41 @@ def _parquet_texts(path: str, column: str, batch_rows: int) -> Iterator[list]:
             yield batch.column(0).to_pylist()
 
 
+def parquet_text_rows(
+    path: str, start: int, stop: int, column: str = "text", batch_rows: int = READ_BATCH_ROWS
+) -> Iterator[list]:
+    """Lists of the texts of rows [start, stop) of a parquet file, in order (None for a null
+    value): only the row groups that hold them are read, the rows of those before `start` never
+    become Python strings, and the reading stops at `stop`. Bad input is a BadInputFile."""
+    if stop <= start:
+        return
+    with fsio.open(path, "rb") as fh:
+        try:
+            pf = pq.ParquetFile(fh)
+        except Exception as e:
+            raise BadInputFile(f"{path}: not a readable parquet file ({e})") from None
+        names = pf.schema_arrow.names
+        if column not in names:
+            raise BadInputFile(f"{path}: no '{column}' column (columns: {', '.join(names)})")
+        groups, row, first = [], 0, -1
+        for i in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(i).num_rows
+            if row < stop and row + n > start:
+                first = row if first < 0 else first
+                groups.append(i)
+            row += n
+        if not groups:
+            return
+        row = first
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=[column]):
+            a, b = max(start - row, 0), min(stop - row, batch.num_rows)
+            if b > a:
+                yield batch.column(0).slice(a, b - a).to_pylist()
+            row += batch.num_rows
+            if row >= stop:
+                break
+
+
 def _jsonl_texts(path: str, key: str, batch_rows: int) -> Iterator[list]:
     batch: list = []
     with fsio.open(path, "rb", compression="infer") as f:

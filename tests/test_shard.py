@@ -51,7 +51,9 @@ def make_docs(n: int = 160, seed: int = 0) -> list[str]:
     return docs
 
 
-def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
+def write_clean(
+    run: Path, docs: list[str], files: int = 3, row_group_size: int | None = None
+) -> None:
     clean = run / "clean"
     clean.mkdir(parents=True, exist_ok=True)
     per = -(-len(docs) // files)
@@ -68,6 +70,7 @@ def write_clean(run: Path, docs: list[str], files: int = 3) -> None:
                 }
             ),
             clean / names[-1],
+            row_group_size=row_group_size,
         )
     # clean's record
     (clean / "stats.json").write_text(json.dumps({"shards": names, "docs_out": len(docs)}))
@@ -104,9 +107,16 @@ def tokenizer_files(tmp_path_factory, corpus):
     return d / "tokenizer"
 
 
-def make_run(tmp_path: Path, corpus, tokenizer_files, name: str = "run", files: int = 3) -> Path:
+def make_run(
+    tmp_path: Path,
+    corpus,
+    tokenizer_files,
+    name: str = "run",
+    files: int = 3,
+    row_group_size: int | None = None,
+) -> Path:
     run = tmp_path / name
-    write_clean(run, corpus, files)
+    write_clean(run, corpus, files, row_group_size)
     (run / "tokenizer").mkdir(parents=True)
     for f in tokenizer_files.iterdir():
         (run / "tokenizer" / f.name).write_bytes(f.read_bytes())

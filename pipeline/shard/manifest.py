@@ -8,12 +8,13 @@ and the intermediate files of an unfinished one.
                                      absent (a killed run, a rerun that is repairing a shard)
     RUN/shards/.units/               what an unfinished run has done; removed once the manifest
                                      is written
-        NNNNN-PART/                     one cleaned part (NNNNN: its place in corpus order):
+        NNNNN-PART-rows-A-B/            one encode unit, rows [A, B) of a cleaned part (NNNNN:
+                                        its place in corpus order):
             SPLIT.tokens                its token ids of that split, in corpus order (a raw array
                                         of the shard dtype)
             SPLIT.lens                  tokens per document of that split (raw int64)
-            done.json                   last: documents, tokens and bytes per split, and the
-                                        fingerprint of the settings
+            done.json                   last: the part and its rows, documents, tokens and bytes
+                                        per split, and the fingerprint of the settings
         shards/SPLIT_NNNNN.json         a shard's manifest entries, after its files
     RUN/shards/manifest.json         last: every shard's entry (split, path, format, tokens,
                                      documents, sha256), totals, and the settings they were

@@ -10,35 +10,46 @@ marker).
           parquet|both)
       --> manifest.json last
 
-Units: one cleaned part is one unit. Each phase runs its units through pipeline/executor.py (this
-process, --workers processes, or one Ray task each); this process plans, adds up and writes the
-manifest:
+Units. Each phase runs its units through pipeline/executor.py (this process, --workers processes
+sharing one pool for the whole stage, or one Ray task each); this process plans, adds up and writes
+the manifest:
 
-    scan     a unit reads its part and counts its documents per split, so an empty corpus or an
-             empty val split fails in seconds, before any encoding (reading + hashing is ~100x
-             cheaper than encoding)
-    encode   a unit encodes its part, in batches of ~BATCH_CHARS, into its folder of .units/
-             (manifest.py): per split its token stream and tokens per document, then its marker
-    write    the markers say where each part's tokens start in each split's stream, so shard k of
-             a split is that stream's tokens [k * shard_tokens, (k + 1) * shard_tokens) whoever
-             writes it; a write task takes consecutive shards (~WRITE_TASK_TOKENS), reads only the
-             slices of the parts' token files they cover, and writes each shard's files
-             (atomically), then its marker
+    scan     a unit reads one part and counts its documents per split, so an empty corpus or an
+             empty val split fails in seconds, before any encoding (reading + hashing is ~30x
+             cheaper than encoding); it also samples, every BLOCK_ROWS rows and at the end, the
+             UTF-8 bytes and val documents before that row
+    encode   a unit is rows [start, stop) of one part. With at least UNITS_PER_WORKER x slots
+             parts (slots: local workers, or the Ray cluster's CPUs) each part is one unit;
+             with fewer (one 20,000-document part, a few parts) the parts are cut at the scan's
+             sampled rows into about that many ranges of about equal bytes, so that no core idles
+             (_cuts). A unit reads only the row groups holding its rows (read_text_rows), encodes
+             them in batches of ~BATCH_CHARS into its folder of .units/ (manifest.py; the folder's
+             name holds the part and rows): per split its token stream and tokens per document,
+             then its marker (part, rows, counts). Its documents per split must be what the scan
+             counted in those rows
+    write    the markers say where each unit's tokens start in each split's stream (units in
+             corpus order), so shard k of a split is that stream's tokens [k * shard_tokens,
+             (k + 1) * shard_tokens) whoever writes it; a write task takes consecutive shards
+             (~WRITE_TASK_TOKENS), reads only the slices of the units' token files they cover,
+             and writes each shard's files (atomically), then its marker
 
 Determinism: the shards depend only on the clean files, the tokenizer and the shard settings,
-never on --workers, the executor or the order in which units finish. Threads: with --workers 1
-the parts are encoded here with tokenizers' own threads; N local processes share the cores, a Ray
-task has one.
+never on --workers, the executor, where the parts were cut or the order in which units finish
+(each split's stream is the units' streams in corpus order, and a document is encoded alone,
+whatever batch it is in). Threads: with --workers 1 (or one unit left) the units are encoded here on
+the encoder's own threads (every core); N local processes share the cores (cores // N threads
+each, tiktoken's included: pipeline/encode.py: _threads), a Ray task has one.
 
 Resume: an encode unit first removes what an earlier attempt of it left (its folder of .units/),
 so a task Ray retries after its worker died leaves no partial file; temp files of shard writes are
-swept before the manifest is written. A rerun skips the parts whose marker matches the settings and
-the shards whose marker's sha256 still matches the file. Once the manifest is written, .units/ is
-removed; a rerun then re-checks every shard's sha256 and does nothing when all match, else encodes
-the corpus again and rewrites only the shards that do not match. An output folder made with other
-settings is refused.
+swept before the manifest is written. A rerun skips the units whose marker matches the settings,
+part and rows (a rerun with other --workers may cut the parts elsewhere: a range it does not find
+is encoded again) and the shards whose marker's sha256 still matches the file. Once the manifest
+is written, .units/ is removed; a rerun then re-checks every shard's sha256 and does nothing when
+all match, else encodes the corpus again and rewrites only the shards that do not match. An output
+folder made with other settings is refused.
 
-Memory: an encode task holds one batch (~BATCH_CHARS of text and its tokens) and its part's
+Memory: an encode task holds one batch (~BATCH_CHARS of text and its tokens) and its unit's
 document lengths, a write task one shard (shard_tokens x 2 or 4 bytes). Disk: until the manifest is
 written, .units/ holds a second copy of the corpus's tokens.
 
@@ -52,12 +63,14 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import IO
 
 import numpy as np
@@ -68,9 +81,9 @@ from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, EncodeWith, token_dtype
-from pipeline.executor import Where, run_units, where_for, worker_id
+from pipeline.executor import Where, run_units, slots, stage_pool, where_for, worker_id
 from pipeline.inputs import clean_parts
-from pipeline.readers import BadInputFile, iter_text_batches
+from pipeline.readers import BadInputFile, iter_text_batches, parquet_text_rows
 from pipeline.shard.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -94,6 +107,13 @@ log = logging.getLogger("codex.shard")
 
 BATCH_CHARS = 4_000_000  # text per encode call: big enough for the thread pool, small for memory
 READ_ROWS = 2048  # parquet rows decoded at a time
+# rows between the places where the scan records its running counts: where a part may be cut into
+# several encode units
+BLOCK_ROWS = 64
+# encode units per unit of parallelism (local worker or Ray CPU) when the parts are fewer: the
+# parts are then cut into byte-balanced row ranges, so that no core idles while another encodes
+# the last big part
+UNITS_PER_WORKER = 4
 PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
 # tokens per write task (whole shards, at least one): small shards are grouped so that a task is
 # worth scheduling
@@ -162,6 +182,21 @@ def read_text_batches(files: list[str]):
                 row += len(texts)
         except BadInputFile as e:
             raise ShardDataError(str(e)) from None
+
+
+def read_text_rows(path: str, start: int, stop: int) -> Iterator[list[str]]:
+    """Lists of the texts of rows [start, stop) of one cleaned part, in order (readers.py:
+    parquet_text_rows reads only the row groups that hold them). A null text or an unreadable
+    file is a ShardDataError naming it (and the row)."""
+    row = start
+    try:
+        for texts in parquet_text_rows(path, start, stop, batch_rows=READ_ROWS):
+            if None in texts:
+                raise ShardDataError(f"{path}: row {row + texts.index(None)}: text is null")
+            yield texts
+            row += len(texts)
+    except BadInputFile as e:
+        raise ShardDataError(str(e)) from None
 
 
 # --- shard files ---------------------------------------------------------------------------------
@@ -343,15 +378,37 @@ class _ScanUnit:
 
 
 def shard_scan_unit(u: _ScanUnit) -> dict:
-    """Documents per split of one part, and its smallest split value (to suggest a val_fraction)."""
-    docs = dict.fromkeys(SPLITS, 0)
+    """One part: its rows, documents per split, smallest split value (to suggest a val_fraction),
+    and running counts sampled at rows 0, BLOCK_ROWS, 2 x BLOCK_ROWS, ... and its last row
+    ("rows_at"): the UTF-8 bytes ("bytes_at") and val documents ("val_at") before each. _cuts may
+    cut the part into encode units at those rows, and each unit's documents come from them."""
     min_value = 1.0
+    rows_at, bytes_at, val_at = [0], [0], [0]
+    n_bytes = n_val = row = 0
     for texts in read_text_batches([u.path]):
         for text in texts:
-            v = split_value(text)
+            data = text.encode("utf-8")
+            v = _split_value(data)
             min_value = min(min_value, v)
-            docs["val" if v < u.val_fraction else "train"] += 1
-    return {"documents": docs, "min_value": min_value}
+            n_bytes += len(data)
+            n_val += v < u.val_fraction
+            row += 1
+            if row % BLOCK_ROWS == 0:
+                rows_at.append(row)
+                bytes_at.append(n_bytes)
+                val_at.append(n_val)
+    if row % BLOCK_ROWS:
+        rows_at.append(row)
+        bytes_at.append(n_bytes)
+        val_at.append(n_val)
+    return {
+        "documents": {"train": row - n_val, "val": n_val},
+        "min_value": min_value,
+        "rows": row,
+        "rows_at": np.array(rows_at, np.int64),
+        "bytes_at": np.array(bytes_at, np.int64),
+        "val_at": np.array(val_at, np.int64),
+    }
 
 
 def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str, dict]:
@@ -389,7 +446,8 @@ def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str
 
 @dataclass
 class _EncodeUnit:
-    """One part to encode, with everything a worker process or Ray task needs (picklable)."""
+    """Rows [start, stop) of one part to encode, with everything a worker process or Ray task needs
+    (picklable)."""
 
     index: int  # the part's place in corpus order
     path: str
@@ -403,12 +461,17 @@ class _EncodeUnit:
     chunk_chars: int
     val_fraction: float
     fingerprint: str  # of the settings: a marker of other settings is not this unit's
+    start: int = 0  # the part's rows [start, stop)
+    stop: int = 0
+    documents: dict[str, int] = field(default_factory=dict)  # in those rows per split (the scan's)
     threads: int = 0  # encoder threads of the process that runs it; 0: leave them alone
 
     @property
     def folder(self) -> str:
+        """NNNNN-PART-rows-START-STOP: a rerun that cuts the parts elsewhere (other --workers)
+        never takes another range's files for this one's."""
         name = fsio.basename(self.path).removesuffix(".parquet")
-        return fsio.join(self.units_dir, f"{self.index:05d}-{name}")
+        return fsio.join(self.units_dir, f"{self.index:05d}-{name}-rows-{self.start}-{self.stop}")
 
     def file(self, name: str) -> str:
         return fsio.join(self.folder, name)
@@ -433,10 +496,15 @@ def _encoder_for(u: _EncodeUnit) -> tuple[Encoder, EncodeWith]:
     return _encoders[key]
 
 
+def shard_load_encoder(u: _EncodeUnit) -> None:
+    """Load the encoder of u's settings into this process (a pool worker, before its units)."""
+    _encoder_for(u)
+
+
 def shard_encode_unit(u: _EncodeUnit) -> dict:
-    """Encode one part into its folder of .units/; returns its marker (documents, tokens per split,
-    UTF-8 bytes). Removes what an earlier attempt left there first and writes the marker last, so
-    a marker always vouches for complete files."""
+    """Encode the unit's rows of its part into its folder of .units/; returns its marker (part,
+    rows, documents, tokens per split, UTF-8 bytes). Removes what an earlier attempt left there
+    first and writes the marker last, so a marker always vouches for complete files."""
     fsio.rm(u.folder, recursive=True)
     if u.threads:
         # read by rayon when tokenizers first builds its thread pool in this process: N processes
@@ -446,6 +514,7 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
     counts = fsio.with_retries(lambda: _encode_to_files(u, encoder, tok), u.folder)
     marker = {
         "part": fsio.basename(u.path),
+        "rows": [u.start, u.stop],
         "fingerprint": u.fingerprint,
         "worker": worker_id(),  # for the curious; never part of the output
         **counts,
@@ -456,7 +525,7 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
 
 
 def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: EncodeWith) -> dict:
-    """Stream the part's documents through the encoder into SPLIT.tokens (ids, in order) and
+    """Stream the unit's documents through the encoder into SPLIT.tokens (ids, in order) and
     SPLIT.lens (tokens per document, int64)."""
     documents = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
@@ -483,7 +552,7 @@ def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: EncodeWith) -> dict:
         batch: list[str] = []
         is_val: list[bool] = []
         chars = 0
-        for texts in read_text_batches([u.path]):
+        for texts in read_text_rows(u.path, u.start, u.stop):
             for text in texts:
                 data = text.encode("utf-8")
                 n_bytes += len(data)
@@ -501,9 +570,10 @@ def _encode_to_files(u: _EncodeUnit, encoder: Encoder, tok: EncodeWith) -> dict:
     return {"documents": documents, "tokens": tokens, "bytes": n_bytes}
 
 
-def _encoded(units: list[_EncodeUnit], scanned: dict[str, dict], itemsize: int) -> dict[int, dict]:
-    """{unit index: marker} of the parts an earlier run encoded with these settings, whose files
-    are all there (sizes as the marker says) and whose document counts match the scan."""
+def _encoded(units: list[_EncodeUnit], itemsize: int) -> dict[str, dict]:
+    """{unit folder: marker} of the units an earlier run encoded with these settings (same part,
+    same rows), whose files are all there (sizes as the marker says) and whose document counts
+    match the scan."""
     if not units:
         return {}
     sizes = _listing(units[0].units_dir)
@@ -518,7 +588,8 @@ def _encoded(units: list[_EncodeUnit], scanned: dict[str, dict], itemsize: int) 
             m is None
             or m.get("fingerprint") != u.fingerprint
             or m.get("part") != fsio.basename(u.path)
-            or m.get("documents") != scanned[u.path]["documents"]
+            or m.get("rows") != [u.start, u.stop]
+            or m.get("documents") != u.documents
         ):
             continue
         if all(
@@ -526,45 +597,47 @@ def _encoded(units: list[_EncodeUnit], scanned: dict[str, dict], itemsize: int) 
             and sizes.get(rel(u, f"{sp}.lens")) == m["documents"][sp] * 8
             for sp in SPLITS
         ):
-            done[u.index] = m
+            done[u.folder] = m
     return done
 
 
-def _encode_phase(units: list[_EncodeUnit], scanned: dict, where: Where) -> list[dict]:
-    """Every part's marker, in corpus order; encodes the parts that have none."""
+def _encode_phase(units: list[_EncodeUnit], where: Where) -> list[dict]:
+    """Every unit's marker, in corpus order; encodes the units that have none."""
     itemsize = np.dtype(units[0].dtype).itemsize
-    markers = _encoded(units, scanned, itemsize)
-    todo = [u for u in units if u.index not in markers]
+    markers = _encoded(units, itemsize)
+    todo = [u for u in units if u.folder not in markers]
     threads = _encoder_threads(where, len(todo))
     for u in todo:
         u.threads = threads
-    total = sum(sum(scanned[u.path]["documents"].values()) for u in todo)
+    total = sum(sum(u.documents.values()) for u in todo)
     with Progress("shard", total=total, unit="docs", enabled=bool(todo)) as prog:
         for u, m in run_units(shard_encode_unit, todo, where):
-            if m["documents"] != scanned[u.path]["documents"]:
+            if m["documents"] != u.documents:
                 raise RuntimeError(
-                    f"shard: {u.path} changed while it was read ({scanned[u.path]['documents']} "
-                    f"documents, then {m['documents']})"
+                    f"shard: {u.path} changed while it was read (rows [{u.start}, {u.stop}) held "
+                    f"{u.documents} documents, then {m['documents']})"
                 )
-            markers[u.index] = m
+            markers[u.folder] = m
             prog.update(
                 sum(m["documents"].values()), tokens=sum(m["tokens"].values()), bytes=m["bytes"]
             )
+    parts = len({u.index for u in units})
     log.info(
-        "shard: encoded %d of %d parts (%d done by an earlier run)",
+        "shard: encoded %d of %d units of %d parts (%d done by an earlier run)",
         len(todo),
         len(units),
+        parts,
         len(units) - len(todo),
     )
-    return [markers[u.index] for u in units]
+    return [markers[u.folder] for u in units]
 
 
-# --- write: consecutive shards of one split from the parts' token files ---------------------------
+# --- write: consecutive shards of one split from the units' token files ---------------------------
 
 
 @dataclass
 class _Source:
-    """One part's tokens of a split, and where they start in the split's token stream."""
+    """One encode unit's tokens of a split, and where they start in the split's token stream."""
 
     tokens_path: str
     lens_path: str
@@ -586,7 +659,7 @@ class _WriteSettings:
 
 @dataclass
 class _WriteTask:
-    """Shards first..stop-1 of a split, with the parts that hold their tokens (picklable)."""
+    """Shards first..stop-1 of a split, with the units that hold their tokens (picklable)."""
 
     split: str
     first: int
@@ -601,7 +674,7 @@ class _WriteTask:
 
 
 class _SplitReader:
-    """Token ranges of one split's stream, read from the parts' files: only the slices asked for."""
+    """Token ranges of one split's stream, read from the units' files: only the slices asked for."""
 
     def __init__(self, sources: list[_Source], dtype: str):
         self.sources = sources
@@ -630,7 +703,7 @@ class _SplitReader:
     def tokens(self, a: int, b: int) -> np.ndarray:
         """Tokens [a, b) of the split."""
         for i in [i for i in self.files if self.sources[i].start + self.sources[i].tokens <= a]:
-            self.files.pop(i).close()  # shards go forward: a part behind them is done with
+            self.files.pop(i).close()  # shards go forward: a unit behind them is done with
             self.doc_starts.pop(i, None)
         buf = np.empty(b - a, self.dtype)
         size, filled = self.dtype.itemsize, 0
@@ -647,7 +720,7 @@ class _SplitReader:
             buf[lo - a : hi - a] = np.frombuffer(data, self.dtype)
             filled += hi - lo
         if filled != b - a:
-            raise RuntimeError(f"shard: tokens [{a}, {b}) are not all in the parts: internal error")
+            raise RuntimeError(f"shard: tokens [{a}, {b}) are not all in the units: internal error")
         return buf
 
     def documents(self, a: int, b: int) -> int:
@@ -752,12 +825,12 @@ def _shard_names(by_path: dict[str, dict], formats: list[str]) -> dict[tuple[str
 
 def _write_phase(
     units: list[_EncodeUnit],
-    parts: list[dict],
+    markers: list[dict],
     w: _WriteSettings,
     previous: list[dict],
     where: Where,
 ) -> dict[str, list[list[dict]]]:
-    """Every split's shards, each a list of entries (one per format), from the parts' markers (in
+    """Every split's shards, each a list of entries (one per format), from the units' markers (in
     corpus order) and the entries of the previous manifest whose files still match."""
     earlier = _earlier_shards(w.markers_dir, w.fingerprint, w.formats, previous)
     tasks: list[_WriteTask] = []
@@ -765,7 +838,7 @@ def _write_phase(
     counts = {}
     for sp in SPLITS:
         sources, pos = [], 0
-        for u, m in zip(units, parts, strict=True):
+        for u, m in zip(units, markers, strict=True):
             n = m["tokens"][sp]
             if n:
                 sources.append(_Source(u.file(f"{sp}.tokens"), u.file(f"{sp}.lens"), pos, n))
@@ -775,7 +848,7 @@ def _write_phase(
         for first in range(0, counts[sp], per_task):
             stop = min(counts[sp], first + per_task)
             lo, hi = first * w.shard_tokens, min(stop * w.shard_tokens, pos)
-            # the parts holding tokens [lo, hi): from the one lo falls in to the last starting
+            # the units holding tokens [lo, hi): from the one lo falls in to the last starting
             # before hi
             a, b = max(0, bisect.bisect_right(starts, lo) - 1), bisect.bisect_left(starts, hi)
             mine = {k: earlier[(sp, k)] for k in range(first, stop) if (sp, k) in earlier}
@@ -819,29 +892,71 @@ def _check_shards(out: str, manifest: dict, where: Where) -> tuple[list[dict], l
     return good, bad
 
 
-def _encode_units(
-    files: list[str], units_dir: str, cfg: Config, meta: dict, dtype: str, fingerprint: str
-) -> list[_EncodeUnit]:
-    """One encode unit per cleaned part, in corpus order."""
+def _encode_template(
+    units_dir: str, cfg: Config, meta: dict, dtype: str, fingerprint: str
+) -> _EncodeUnit:
+    """What every encode unit of this run shares (no part yet)."""
     s = cfg.data.shard
-    tok_dir = rundir.tokenizer_dir(cfg.run)
-    return [
-        _EncodeUnit(
-            i,
-            f,
-            units_dir,
-            fsio.join(tok_dir, "tokenizer.json"),
-            meta["sha256"],
-            meta["special_ids"]["bos"],
-            meta["special_ids"]["eos"],
-            s.append_eos,
-            dtype,
-            s.chunk_chars,
-            s.val_fraction,
-            fingerprint,
+    return _EncodeUnit(
+        -1,
+        "",
+        units_dir,
+        fsio.join(rundir.tokenizer_dir(cfg.run), "tokenizer.json"),
+        meta["sha256"],
+        meta["special_ids"]["bos"],
+        meta["special_ids"]["eos"],
+        s.append_eos,
+        dtype,
+        s.chunk_chars,
+        s.val_fraction,
+        fingerprint,
+    )
+
+
+def _cuts(scans: list[dict], slots: int) -> list[list[int]]:
+    """Where each part is cut into encode units (rows, from 0 to its row count). Each part is one
+    unit when the parts are at least UNITS_PER_WORKER x slots (or nothing runs side by side);
+    otherwise the parts are cut at the scan's sampled rows into about that many ranges of about
+    equal UTF-8 bytes, so that every slot has work until the end."""
+    whole = [[0, r["rows"]] for r in scans]
+    want = UNITS_PER_WORKER * slots
+    total = sum(int(r["bytes_at"][-1]) for r in scans)
+    if slots <= 1 or len(scans) >= want or total == 0:
+        return whole
+    cuts = []
+    for r in scans:
+        at, rows = r["bytes_at"], r["rows_at"]
+        k = max(1, round(int(at[-1]) * want / total))
+        goals = at[-1] * np.arange(1, k) / k  # j/k of the part's bytes
+        i = np.clip(np.searchsorted(at, goals), 1, len(at) - 1)
+        i -= goals - at[i - 1] < at[i] - goals  # the nearer of the two sampled rows
+        cut = sorted({0, r["rows"], *rows[i].tolist()})
+        cuts.append(cut if len(cut) > 1 else [0, 0])  # an empty part is one (empty) unit
+    return cuts
+
+
+def _encode_units(
+    files: list[str], scanned: dict[str, dict], slots: int, template: _EncodeUnit
+) -> list[_EncodeUnit]:
+    """The encode units in corpus order (see _cuts), each with the documents the scan counted in
+    its rows."""
+    scans = [scanned[f] for f in files]
+    units = []
+    for i, (f, r, cut) in enumerate(zip(files, scans, _cuts(scans, slots), strict=True)):
+        rows, val_at = r["rows_at"], r["val_at"]
+        for a, b in zip(cut, cut[1:], strict=False):
+            val = int(val_at[np.searchsorted(rows, b)] - val_at[np.searchsorted(rows, a)])
+            documents = {"train": b - a - val, "val": val}
+            units.append(replace(template, index=i, path=f, start=a, stop=b, documents=documents))
+    if len(units) > len(files):
+        log.info(
+            "shard: %d parts cut into %d encode units of ~%.1f MB (%d run side by side)",
+            len(files),
+            len(units),
+            sum(int(r["bytes_at"][-1]) for r in scans) / len(units) / 1e6,
+            slots,
         )
-        for i, f in enumerate(files)
-    ]
+    return units
 
 
 def run_shard(cfg: Config) -> dict:
@@ -862,31 +977,38 @@ def run_shard(cfg: Config) -> dict:
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     _refuse_other_settings(stage, settings)
-
-    previous: list[dict] = []
-    manifest = stage.finished()
-    if manifest is not None:
-        previous, bad = _check_shards(out, manifest, where)
-        if not bad:
-            log.info("shard: %s is complete and every shard matches its sha256; nothing to do", out)
-            fsio.rm(units_dir, recursive=True)  # left when a run was killed right after its commit
-            return manifest
-        for problem in bad:
-            log.warning("shard: %s; redoing it", problem)
-
-    scanned = scan_corpus(files, s.val_fraction, where)  # fails fast on an impossible split
-    stage.start()  # a damaged or unfinished output has no manifest
-    fsio.write_json(fsio.join(out, PROGRESS), {"settings": settings})
-    remove_temp_files(out)
-
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    units = _encode_units(files, units_dir, cfg, meta, dtype, fingerprint)
-    parts = _encode_phase(units, scanned, where)
-    w = _WriteSettings(
-        s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint
-    )
-    shards = _write_phase(units, parts, w, previous, where)
-    docs = {sp: sum(m["documents"][sp] for m in parts) for sp in SPLITS}
+    template = _encode_template(units_dir, cfg, meta, dtype, fingerprint)
+
+    # --workers N: one pool of N processes for every phase; they load the encoder while this
+    # process checks or scans
+    with stage_pool(where, functools.partial(shard_load_encoder, template)) as where:
+        previous: list[dict] = []
+        manifest = stage.finished()
+        if manifest is not None:
+            previous, bad = _check_shards(out, manifest, where)
+            if not bad:
+                log.info(
+                    "shard: %s is complete and every shard matches its sha256; nothing to do", out
+                )
+                # left when a run was killed right after its commit
+                fsio.rm(units_dir, recursive=True)
+                return manifest
+            for problem in bad:
+                log.warning("shard: %s; redoing it", problem)
+
+        scanned = scan_corpus(files, s.val_fraction, where)  # fails fast on an impossible split
+        stage.start()  # a damaged or unfinished output has no manifest
+        fsio.write_json(fsio.join(out, PROGRESS), {"settings": settings})
+        remove_temp_files(out)
+
+        units = _encode_units(files, scanned, slots(where), template)
+        markers = _encode_phase(units, where)
+        w = _WriteSettings(
+            s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint
+        )
+        shards = _write_phase(units, markers, w, previous, where)
+    docs = {sp: sum(m["documents"][sp] for m in markers) for sp in SPLITS}
     manifest = build_manifest(shards, settings, meta, dtype, s, docs)
     remove_temp_files(out)  # a write task retried after its worker died may have left one
     stage.commit(manifest)

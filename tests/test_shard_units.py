@@ -1,0 +1,278 @@
+"""codex data shard's encode units: a part cut into row ranges when the parts are fewer than the
+workers can take (issue 27), the row-range reader, and resuming a run whose parts were cut."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.executor import Where
+from pipeline.shard import shard as shard_mod
+from pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
+from pipeline.shard.verify import verify_shards
+from tests import test_shard as shard_tests
+from tests.test_shard import Stopped, make_cfg, make_run, npy_sha, reference_shards
+
+# test_shard.py's module-scoped fixtures, found by pytest under these names
+corpus = shard_tests.corpus
+tokenizer_files = shard_tests.tokenizer_files
+
+GROUP = 30  # rows per row group of the test parts: cuts every 8 rows fall inside them
+
+
+def write_part(path: Path, texts: list, group: int = GROUP) -> None:
+    pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}), path, group)
+
+
+def texts_of(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"doc {i} " + "é東 word " * rng.randint(0, 40) for i in range(n)]
+
+
+# --- the row-range reader ------------------------------------------------------------------------
+
+
+def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch):
+    texts = texts_of(100)
+    path = tmp_path / "part.parquet"
+    write_part(path, texts)  # row groups of 30, 30, 30, 10 rows
+    monkeypatch.setattr(shard_mod, "READ_ROWS", 7)  # batches that straddle the cuts
+    groups_read = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        groups_read.append(list(kwargs["row_groups"]))
+        return iter_batches(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    whole = [t for batch in read_text_rows(str(path), 0, 100) for t in batch]
+    assert whole == pq.read_table(path).column("text").to_pylist() == texts
+    for a, b, groups in [
+        (0, 30, [0]),
+        (30, 60, [1]),
+        (5, 25, [0]),  # inside one row group
+        (25, 65, [0, 1, 2]),  # from the middle of one to the middle of the third
+        (29, 31, [0, 1]),
+        (59, 100, [1, 2, 3]),
+        (95, 100, [3]),
+        (0, 1, [0]),
+        (99, 100, [3]),
+    ]:
+        groups_read.clear()
+        got = [t for batch in read_text_rows(str(path), a, b) for t in batch]
+        assert got == texts[a:b], (a, b)
+        assert groups_read == [groups], (a, b)
+    groups_read.clear()
+    assert list(read_text_rows(str(path), 40, 40)) == [] and groups_read == []
+
+
+def test_a_null_text_is_named_by_its_row_only_in_the_ranges_that_hold_it(tmp_path):
+    texts: list = texts_of(100)
+    texts[45] = None
+    path = tmp_path / "part.parquet"
+    write_part(path, texts)
+    assert sum(map(len, read_text_rows(str(path), 0, 45))) == 45
+    assert sum(map(len, read_text_rows(str(path), 46, 100))) == 54
+    with pytest.raises(ShardDataError, match=r"part\.parquet: row 45: text is null"):
+        list(read_text_rows(str(path), 40, 50))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ShardDataError, match="bad.parquet: not a readable parquet file"):
+        list(read_text_rows(str(tmp_path / "bad.parquet"), 0, 10))
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    with pytest.raises(ShardDataError, match="no 'text' column"):
+        list(read_text_rows(str(tmp_path / "nocol.parquet"), 0, 1))
+
+
+# --- where the parts are cut ----------------------------------------------------------------------
+
+
+def scans_of(tmp_path: Path, sizes: list[int], val_fraction: float = 0.3) -> list[dict]:
+    scans = []
+    for k, n in enumerate(sizes):
+        path = tmp_path / f"part-{k}.parquet"
+        # skewed documents: the first rows of each part are 20x bigger than the rest
+        write_part(path, [("x " * (400 if i < n // 4 else 20)) + str(i) for i in range(n)])
+        scans.append(shard_mod.shard_scan_unit(shard_mod._ScanUnit(str(path), val_fraction)))
+    return scans
+
+
+def test_cuts_keep_whole_parts_when_there_are_enough(tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    scans = scans_of(tmp_path, [100] * 8)
+    whole = [[0, 100]] * 8
+    assert shard_mod._cuts(scans, 1) == whole  # nothing runs side by side
+    assert shard_mod._cuts(scans, 2) == whole  # 8 parts >= 4 units x 2 workers
+    assert len(sum((c[1:] for c in shard_mod._cuts(scans, 3)), [])) >= 12
+
+
+def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    (scan,) = scans_of(tmp_path, [203])
+    assert scan["rows_at"].tolist() == [*range(0, 203, 4), 203]
+    assert scan["bytes_at"][-1] == sum(
+        len(t.encode()) for t in pq.read_table(tmp_path / "part-0.parquet").column(0).to_pylist()
+    )
+    (cut,) = shard_mod._cuts([scan], 2)
+    assert cut[0] == 0 and cut[-1] == 203 and cut == sorted(set(cut))
+    assert all(r % 4 == 0 for r in cut[:-1])
+    assert len(cut) - 1 == shard_mod.UNITS_PER_WORKER * 2
+    at = dict(zip(scan["rows_at"].tolist(), scan["bytes_at"].tolist(), strict=True))
+    sizes = [at[b] - at[a] for a, b in zip(cut, cut[1:], strict=False)]
+    # about equal bytes (within a block of the big documents), not equal rows
+    assert max(sizes) - min(sizes) <= 4 * 810, sizes
+    assert cut[1] < 203 // 8
+
+
+def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    scans = scans_of(tmp_path, [50, 203, 0], val_fraction=0.3)
+    files = [str(tmp_path / f"part-{k}.parquet") for k in range(3)]
+    template = shard_mod._EncodeUnit(
+        -1, "", "U", "tok.json", "sha", 0, 1, False, "uint16", 1000, 0.3, "fingerprint"
+    )
+    units = shard_mod._encode_units(files, dict(zip(files, scans, strict=True)), 2, template)
+    assert len(units) > 3 and [u.index for u in units] == sorted(u.index for u in units)
+    for k, f in enumerate(files):
+        mine = [u for u in units if u.path == f]
+        assert mine[0].start == 0 and mine[-1].stop == scans[k]["rows"]
+        assert all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False))
+        texts = pq.read_table(f).column(0).to_pylist()
+        for u in mine:
+            val = sum(shard_mod.split_value(t) < 0.3 for t in texts[u.start : u.stop])
+            assert u.documents == {"train": u.stop - u.start - val, "val": val}
+    # the empty part is one empty unit; every folder names its part and rows
+    assert [(u.start, u.stop) for u in units if u.index == 2] == [(0, 0)]
+    assert len({u.folder for u in units}) == len(units)
+    assert units[-1].folder.endswith("00002-part-2-rows-0-0")
+
+
+def test_local_workers_share_the_cores():
+    cores = shard_mod._cores()
+    assert shard_mod._encoder_threads(Where("local", 2), 8) == max(1, cores // 2)
+    assert shard_mod._encoder_threads(Where("local", 1), 8) == 0  # here: every core
+    assert shard_mod._encoder_threads(Where("local", 2), 1) == 0  # one unit runs here
+    assert shard_mod._encoder_threads(Where("ray", 2), 8) == 0  # Ray's task sets 1
+
+
+# --- the stage -----------------------------------------------------------------------------------
+
+
+def test_one_part_is_cut_for_two_workers_and_gives_the_same_shards(
+    tmp_path, corpus, tokenizer_files, monkeypatch, caplog
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=1, row_group_size=GROUP)
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)  # the scan of the one part runs here
+    S = 700
+    one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
+    with caplog.at_level(logging.INFO, logger="codex.shard"):
+        two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
+    assert "1 parts cut into 8 encode units" in caplog.text
+    assert "encoded 8 of 8 units of 1 parts" in caplog.text
+    assert two == one and len(one["shards"]) >= 6
+    for e in one["shards"]:
+        w1, w2 = tmp_path / "w1" / e["path"], tmp_path / "w2" / e["path"]
+        assert w1.read_bytes() == w2.read_bytes()
+    ref, _ = reference_shards(run, corpus, make_cfg(run, shard_tokens=S), files=1)
+    for split in ("train", "val"):
+        entries = [e for e in one["shards"] if e["split"] == split]
+        assert [e["sha256"] for e in entries] == [npy_sha(t) for t in ref[split]]
+    assert verify_shards(str(tmp_path / "w2")) == []
+
+
+def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
+    tmp_path, corpus, tokenizer_files, monkeypatch
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=2, row_group_size=GROUP)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)
+    # the plan of 2 workers (8 units), run in this process
+    monkeypatch.setattr(shard_mod, "slots", lambda where: 2)
+    encode = shard_mod.shard_encode_unit
+    seen: list[tuple] = []
+
+    def stops_at_the_fourth(u):
+        if len(seen) == 3:
+            raise Stopped
+        seen.append((u.index, u.start, u.stop))
+        return encode(u)
+
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", stops_at_the_fourth)
+    cfg = make_cfg(run, shard_tokens=700)
+    with pytest.raises(Stopped):
+        run_shard(cfg)
+    units = run / "shards" / ".units"
+    part = "part-00000-00000-000"
+    done = {p.parent.name for p in units.glob("*/done.json")}
+    assert done == {f"00000-{part}-rows-{a}-{b}" for _, a, b in seen}
+    marker = json.loads((units / f"00000-{part}-rows-0-{seen[0][2]}" / "done.json").read_text())
+    assert marker["part"] == f"{part}.parquet" and marker["rows"] == [0, seen[0][2]]
+    # a marker whose rows are not its folder's is not trusted
+    marker["rows"] = [0, 8]
+    _, a, b = seen[1]
+    (units / f"00000-{part}-rows-{a}-{b}" / "done.json").write_text(json.dumps(marker))
+
+    first = list(seen)
+    seen.clear()
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
+    assert run_shard(cfg) == ref
+    redone = [(u.index, u.start, u.stop) for u in seen]
+    assert first[0] not in redone and first[1] in redone and first[2] not in redone
+    assert len(redone) == 8 - 2
+    assert not units.exists() and verify_shards(str(run / "shards")) == []
+
+
+def test_a_rerun_that_cuts_elsewhere_never_takes_another_ranges_files(
+    tmp_path, corpus, tokenizer_files, monkeypatch
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=1, row_group_size=GROUP)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(shard_mod, "slots", lambda where: 2)
+    encode = shard_mod.shard_encode_unit
+    count = [0]
+
+    def stops_at_the_sixth(u):
+        count[0] += 1
+        if count[0] == 6:
+            raise Stopped
+        return encode(u)
+
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", stops_at_the_sixth)
+    cfg = make_cfg(run, shard_tokens=700)
+    with pytest.raises(Stopped):
+        run_shard(cfg)
+    # the rerun has one worker: the part is one unit, whatever ranges are done
+    monkeypatch.setattr(shard_mod, "slots", lambda where: 1)
+    seen = []
+    monkeypatch.setattr(shard_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
+    assert run_shard(cfg) == ref
+    assert [(u.start, u.stop) for u in seen] == [(0, len(corpus))]
+    for e in ref["shards"]:
+        got = np.load(run / "shards" / e["path"])
+        assert npy_sha(got) == e["sha256"]
+
+
+def test_ray_cuts_one_part_for_the_clusters_cpus_and_gives_the_same_shards(
+    tmp_path, tokenizer_files, ray_cluster, caplog
+):
+    docs = shard_tests.make_docs(600, seed=1)  # ten blocks of 64 rows: cuts for 8 units
+    run = make_run(tmp_path, docs, tokenizer_files, files=1, row_group_size=GROUP)
+    ref = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=2000))
+    cfg = make_cfg(run, out=str(tmp_path / "ray"), shard_tokens=2000)
+    cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
+    with caplog.at_level(logging.INFO, logger="codex.shard"):
+        got = run_shard(cfg)
+    # two raylets of one CPU each: 4 x 2 units
+    assert "1 parts cut into 8 encode units" in caplog.text
+    assert "(2 run side by side)" in caplog.text
+    assert got == ref and len(ref["shards"]) >= 4
+    for e in ref["shards"]:
+        ray, w1 = tmp_path / "ray" / e["path"], tmp_path / "w1" / e["path"]
+        assert ray.read_bytes() == w1.read_bytes()
