@@ -4,6 +4,7 @@ device batches, the layout, `codex hardware --model`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -330,15 +331,21 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     assert zero2.backward > zero2.step  # the forward's peak holds the gathered weights
     zero3_total = zero2.total - zero2.compute_weights + zero3_weights
     between = int((zero3_total + zero2.total) / 2 / HEADROOM)
-    zero3 = plan(m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=between)
+    small = dataclasses.replace(h100_8, memory_gb=between / 1e9)
+    zero3 = plan(m, small, 4, 2048, layout="fsdp", world=8)
     assert zero3.reshard_after_forward and zero3.fits()
     assert (zero3.compute_weights, zero3.total) == (zero3_weights, zero3_total)
     assert "gathered weights, ZeRO-3" in "\n".join(zero3.lines())
     # at the edge: ZeRO-2's total is HEADROOM of the device, give or take a byte
     edge = int(zero2.total / HEADROOM)
     for memory, reshard in ((edge + 1, False), (edge - 1, True)):
-        p = plan(m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=memory)
+        p = plan(m, dataclasses.replace(h100_8, memory_gb=memory / 1e9), 4, 2048, layout="fsdp")
         assert p.reshard_after_forward is reshard
+    # the same choice on every rank: what this process measures (device_memory) never moves it,
+    # since ZeRO-2 and ZeRO-3 ranks would run different collectives
+    assert not plan(
+        m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=between
+    ).reshard_after_forward
     # the TPU's cached step always holds every weight gathered (train/xla/step.py)
     v6e = plan(m, get_preset("v6e-8"), 1, 1024, layout="fsdp", device_memory=1)
     assert not v6e.reshard_after_forward and v6e.compute_weights == 2 * P

@@ -250,3 +250,38 @@ def test_the_reduced_gradient_is_the_ranks_mean_in_fp32_and_within_bf16_rounding
         if key[1] != "local":
             for n, g in v["grads"].items():
                 assert torch.equal(g, ranks[1][key]["grads"][n]), (key, n)
+
+
+def _unused_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 leaves the second layer out of its loss: it has no gradient there."""
+    import torch.distributed as dist
+
+    from train.dist.backend import TorchBackend
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    backend = TorchBackend("cpu", torch.device("cpu"), rank, world)
+    backend.set_grad_sync(model, True)
+    x = torch.full((2, 4), float(rank + 1))
+    (model(x) if rank == 0 else model[0](x)).sum().backward()
+    backend.all_reduce_grads(model)
+    torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_parameter_without_a_gradient_on_one_rank_gets_the_same_gradient_on_every_rank(tmp_path):
+    """As DDP: rank 1 computed no gradient for the second layer, rank 0 did; both end with rank
+    0's gradient / 2 there (else the replicas' optimizers step apart), and the same elsewhere."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import _free_port
+
+    mp.spawn(_unused_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    g0, g1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert g0[n] is not None and torch.equal(g0[n], g1[n]), n
+    assert g0["1.weight"].abs().sum() > 0

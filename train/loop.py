@@ -534,7 +534,17 @@ def _save(
     final and SIGTERM saves (a spot VM gets ~30 s) are synchronous. One save at a time."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     if state.saving is not None:
-        state.saving.wait()
+        try:
+            state.saving.wait()
+        except Exception:
+            if reason == "periodic":
+                raise
+            # the final or SIGTERM save still runs: it is the only way to keep the steps since the
+            # last good checkpoint (every rank goes on to it, whichever ranks' writers failed)
+            log.exception(
+                "the background save of %s failed; saving synchronously now", state.saving.folder
+            )
+        state.saving = None
     # every rank: the partial loss window is averaged over replicas
     log_window = meters.window.state()
     if backend.is_main:

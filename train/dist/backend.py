@@ -60,9 +60,9 @@ import torch.distributed as dist
 
 from codex import fsio
 from codex.config import ConfigError
-from model.gpt import build_model
+from model.gpt import GPT, build_model
 from train.dist.control import ControlPlane, control_timeout
-from train.dist.fsdp import build_sharded, set_grad_sync
+from train.dist.fsdp import build_sharded, compile_head, set_grad_sync
 from train.dist.reduce import GradReducer
 from train.plan.hardware import launch_env
 from train.plan.layout import Layout
@@ -219,7 +219,14 @@ class TorchBackend:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay fp32 (the master weights); autocast runs the matmuls in bf16.
         model = model.to(self.device)
-        if self.compile:
+        if self.compile and self.world_size > 1:
+            # Each block's forward and the head compiled apart, as under fsdp: a whole-model
+            # compile's backward is one graph that hands out every gradient at its end, so the
+            # reduction's buckets (train/dist/reduce.py) could only start once it is over.
+            for block in cast(GPT, model).blocks:
+                block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+            compile_head(cast(GPT, model))
+        elif self.compile:
             model = cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule
             self._compiled.append(model)
         return model

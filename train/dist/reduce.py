@@ -25,7 +25,8 @@ activation checkpointing (train/remat.py: the recomputed block's gradients still
 per backward) need nothing else. Under bf16 (train.reduce_dtype=bf16) the buffer holds bf16
 copies: half the bytes on the wire, the per-rank gradients rounded to bf16 before the sum, which is
 cast back into the fp32 gradients. A parameter without a gradient on this rank contributes zeros
-and keeps no gradient.
+and gets the reduced gradient like every other rank (as DDP does), so the replicas never step
+apart.
 """
 
 from __future__ import annotations
@@ -129,9 +130,14 @@ class GradReducer:
             flat, offset, grads = bucket.flat, 0, []
             for p in bucket.params:
                 n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))  # back to its dtype
-                    grads.append(p.grad)
+                mean = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    # no gradient on this rank, maybe one on another: every rank keeps the same
+                    # gradient (as DDP does), or the replicas' optimizers would step differently
+                    p.grad = mean.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(mean)  # back to its dtype
+                grads.append(p.grad)
                 offset += n
             if grads:
                 torch._foreach_div_(grads, self.world_size)

@@ -416,7 +416,10 @@ def plan(
         # forward every block is gathered, each freed by its backward
         kept = c * P + (c + 4) * block_params(m)
         zero2 = dataclasses.replace(p, compute_weights=kept, reshard_after_forward=False)
-        return zero2 if zero2.fits() else p
+        # judged at the preset's memory, never this process's measured free memory: every rank
+        # must make the same choice (ZeRO-2 and ZeRO-3 run different collectives in the backward)
+        at_preset = dataclasses.replace(zero2, device_memory=int(preset.memory_gb * 1e9))
+        return zero2 if at_preset.fits() else p
     return p
 
 
