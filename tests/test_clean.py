@@ -535,28 +535,187 @@ def test_sources_carry_their_own_preset_and_delimiter(tmp_path):
     assert res.exit_code == 2 and "data.clean.sources[0]: unknown key 'presets'" in res.output
 
 
-def test_word_split_and_gopher_counters_equal_their_per_word_definitions():
-    """split_words (white-space pieces, the regex only on pieces that are not letters and digits)
-    and the regexes that count Gopher's real and alphabetic words over the joined words give what
-    the plain definitions give, on random Unicode (white space of several kinds, punctuation,
-    numerals such as '²' and '五', combining marks) and on source code."""
+def _texts(seed: int, n: int) -> list[str]:
+    """Random Unicode (white space of several kinds, punctuation, numerals such as '²' and '五',
+    combining marks, a lone surrogate) and the symbols and words _WORD has rules for, mixed."""
     import random
+
+    rng = random.Random(seed)
+    pool = [chr(c) for c in range(0x20, 0x3000)] + list(F.PUNCTUATION)
+    pool += list(" \n\t\u00a0\u2003\x1c") * 20 + list("abc def.,'-_:/") * 30
+    pool += ["²", "½", "五", "Ⅻ", "１", "％", "\u0301", "\U0001f600", "\ud800"]
+    rules = ["://", "http", "e.g.", "U.S.", "Inc.", "Dr.", "a.", "..", "...", "--", "---",
+             "''", "'s", "’ll", "'re", "n't", "/or", "+1", "1-2", "3.5", "1,000", "a_b", "__",
+             "…", "—", "C++", "(x)", "foo(", "self.x,", "-f", "=", "==", "#", "a@b.org", "the",
+             "and"]  # fmt: skip
+    texts = []
+    for _ in range(n):
+        parts = [rng.choice(rules) if rng.random() < 0.3 else rng.choice(pool)]
+        parts += [rng.choice(rules) if rng.random() < 0.3 else rng.choice(pool)
+                  for _ in range(rng.randint(0, 120))]  # fmt: skip
+        texts.append("".join(parts))
+    return texts
+
+
+def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeypatch):
+    """split_words (the pieces' words found once, by _WORD_FAST) gives _WORD.findall, and
+    word_counts (pieces of letters and digits counted by C loops, the others' rows summed in
+    numpy) gives Gopher's counts by their per-word definitions, on random and adversarial text
+    and on source code; also while the piece cache is forgotten between documents."""
     import sysconfig
 
-    from pipeline.clean.filters import _WORD, PUNCTUATION, _word_counters, split_words
-
-    real_re, no_alpha_re = _word_counters()
-    rng = random.Random(0)
-    pool = [chr(c) for c in range(0x20, 0x3000)] + list(PUNCTUATION)
-    pool += list(" \n\t\u00a0\u2003\x1c") * 20 + list("abc def.,'-_:/") * 30
-    pool += ["²", "½", "五", "Ⅻ", "１", "％", "\u0301", "\U0001f600"]
-    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 200))) for _ in range(1500)]
+    texts = _texts(0, 1500)
     texts.append(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text())
+    texts += ["", " \n ", "x", "the and", "(" * 50, "é" * 20 + " 12 ²½ 五", "(１) １, a１ ％１"]
+    # many new pieces in one document (their words counted in numpy, not one by one)
+    texts.append(" ".join([f"(w{i}," for i in range(30)] + ["(the", "and,", "of)", "[１]", "be:"]))
+    monkeypatch.setattr(F, "_PIECE_CACHE", 300)  # forgotten many times over these texts
     for text in texts:
-        words = _WORD.findall(text)
-        assert split_words(text) == words, repr(text)
-        joined = "\n".join(words)
-        real = [w for w in words if w[0].isalnum() or any(c not in PUNCTUATION for c in w)]
-        assert real_re.findall(joined) == real, repr(text)
+        words = F._WORD.findall(text)
+        assert F.split_words(text) == words, repr(text)
+        real = [w for w in words if w[0].isalnum() or any(c not in F.PUNCTUATION for c in w)]
         alpha = sum(any(c.isalpha() for c in w) for w in words)
-        assert (len(words) - len(no_alpha_re.findall(joined)) if words else 0) == alpha
+        stop = len(F.STOP_WORDS.intersection(words))
+        expected = (len(words), len(real), sum(map(len, real)), alpha, stop)
+        assert F.word_counts(text) == expected, repr(text)
+    # _WORD_FAST is _WORD, piece by piece, in both modes (re.ASCII on ASCII pieces only)
+    for text in texts[:300]:
+        for piece in text.split():
+            fast = F._WORD_FAST_ASCII if piece.isascii() else F._WORD_FAST
+            assert fast.findall(piece) == F._WORD.findall(piece), repr(piece)
+
+
+def _reference_repetition(text: str, words: list[str], cfg) -> str | None:
+    """The Gopher repetition filter as written before the numpy n-grams: a Python step per line,
+    paragraph and n-gram (datatrove's find_top_duplicate and find_all_duplicate, tuple keys)."""
+    import re
+    from collections import Counter
+
+    def duplicates(items):
+        seen, n, chars = set(), 0, 0
+        for x in items:
+            if x in seen:
+                n, chars = n + 1, chars + len(x)
+            else:
+                seen.add(x)
+        return n, chars
+
+    def dup_ngram_chars(n):
+        seen, chars, i = set(), 0, 0
+        while i < len(words) - n + 1:
+            gram = tuple(words[i : i + n])
+            if gram in seen:
+                chars, i = chars + sum(map(len, gram)), i + n
+            else:
+                seen.add(gram)
+                i += 1
+        return chars
+
+    paragraphs = re.split(r"\n{2,}", text)
+    n, chars = duplicates(paragraphs)
+    if cfg.dup_para_frac and n / len(paragraphs) > cfg.dup_para_frac:
+        return "dup_para_frac"
+    if cfg.dup_para_char_frac and chars / len(text) > cfg.dup_para_char_frac:
+        return "dup_para_char_frac"
+    lines = [line for line in text.split("\n") if line]
+    n, chars = duplicates(lines)
+    if cfg.dup_line_frac and n / len(lines) > cfg.dup_line_frac:
+        return "dup_line_frac"
+    if cfg.dup_line_char_frac and chars / len(text) > cfg.dup_line_char_frac:
+        return "dup_line_char_frac"
+    for n, frac in zip((2, 3, 4), cfg.top_ngram_fracs, strict=False):
+        if frac and len(words) >= n:
+            grams_ = Counter(zip(*(words[i:] for i in range(n)), strict=False))
+            gram, count = grams_.most_common(1)[0]
+            if (sum(map(len, gram)) + n - 1) * count / len(text) > frac:
+                return f"top_{n}_gram"
+    for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs, strict=False):
+        if frac and len(words) >= n and dup_ngram_chars(n) / len(text) > frac:
+            return f"duplicated_{n}_grams"
+    return None
+
+
+def test_ngrams_equal_a_python_reference():
+    """NGrams (n-gram ids by one stable sort a level; the walk of find_all_duplicate through
+    the repeated positions only) gives what a Python step per n-gram gives: the most frequent
+    n-gram's characters and count (the first to occur among equals), and the characters in
+    repeated n-grams (the jumps kept), exactly, on random word sequences from small and large
+    vocabularies, on runs and overlapping repeats, and on unicode words; and the repetition
+    filter's decisions equal the reference's under several thresholds."""
+    import dataclasses
+    import random
+    from collections import Counter
+
+    rng = random.Random(1)
+    seqs = [[], ["a"], ["a"] * 40, ["ab", "a", "b"] * 7, list("abcabcabd" * 5)]
+    seqs += [list("aaaaabaaaaabaaaaa"), ["é", "五", "😀", "x"] * 9 + ["é"]]
+    for _ in range(400):
+        vocab = [rng.choice(["a", "bb", "ccc", "é", "五六", "the"]) + str(i)
+                 for i in range(rng.choice([1, 2, 3, 5, 50]))]  # fmt: skip
+        seq = [rng.choice(vocab) for _ in range(rng.randint(0, 300))]
+        if seq and rng.random() < 0.5:  # a block repeated, overlapping itself
+            k = rng.randint(0, len(seq) - 1)
+            seq[k:k] = seq[k : k + rng.randint(1, 12)] * rng.randint(1, 4)
+        seqs.append(seq)
+    for words in seqs:
+        grams = F.NGrams(words)
+        for n in range(2, 11):
+            if len(words) < n:
+                break
+            grams.extend()
+            counter = Counter(zip(*(words[i:] for i in range(n)), strict=False))
+            gram, count = counter.most_common(1)[0]
+            assert grams.top() == (sum(map(len, gram)) + n - 1, count), (words, n)
+            seen, chars, i = set(), 0, 0
+            while i < len(words) - n + 1:
+                g = tuple(words[i : i + n])
+                if g in seen:
+                    chars, i = chars + sum(map(len, g)), i + n
+                else:
+                    seen.add(g)
+                    i += 1
+            assert grams.duplicated_chars() == chars, (words, n)
+    base = CleanConfig().gopher_repetition
+    cfgs = [base, dataclasses.replace(base, dup_para_frac=0, dup_para_char_frac=0,
+                                      dup_line_frac=0, dup_line_char_frac=0)]  # fmt: skip
+    cfgs += [dataclasses.replace(cfgs[1], top_ngram_fracs=[0.5] * 3, dup_ngram_fracs=[f] * 6)
+             for f in (0.02, 0.1, 0.3)]  # fmt: skip
+    docs = [" ".join(w) for w in seqs if w] + [t for t in _texts(2, 300) if t.strip()]
+    docs += ["\n".join(["buy cheap watches online now"] * 10 + [PROSE]), PROSE]
+    reasons = Counter()
+    for text in docs:
+        for cfg in cfgs:
+            got = F.gopher_repetition_filter(F.Doc(text), cfg)
+            assert got == _reference_repetition(text, F._WORD.findall(text), cfg), text
+            reasons[got] += 1
+    assert len(reasons) >= 6, reasons  # the thresholds decide, not one rule every time
+
+
+def test_line_counts_and_normalize_equal_their_definitions():
+    """Gopher's bullet and end-ellipsis lines counted by the regex engine (and line by line where
+    another line break than "\n" occurs), and normalize's bytes.translate test for control
+    characters in ASCII text, equal the plain definitions."""
+    texts = _texts(3, 400) + ["- a\n  - b\n\n...\nx…  \n• y", "a...\n", "\u2028- x...", ""]
+    texts += ["\t-a\x0b- b\x1f\n\x1f• c ...\t", "....\n......  \n. . ."]
+    for text in texts:
+        lines = text.splitlines()
+        expected = (
+            len(lines),
+            sum(s.lstrip().startswith(("•", "-")) for s in lines),
+            sum(s.rstrip().endswith(("...", "…")) for s in lines),
+        )
+        assert F._line_counts(F.Doc(text)) == expected, repr(text)
+    for text in ["plain ascii\ttext\n", "bell\x07 del\x7f nul\x00\r\n", "é\x85 \x9f x\x00"]:
+        expected = F._CONTROL.sub("", text.replace("\r\n", "\n")).strip()
+        assert F.normalize(text) == (expected, text.count("\x00"))
+
+
+def test_part_columns_equal_pyarrows_own():
+    """PartWriter's columns, put together from their buffers (pyarrow's constructors import
+    pandas), are the arrays pyarrow makes itself."""
+    from pipeline.clean.parts import string_array
+
+    for values in [[], [""], ["a", "", "héllo wörld", "\U0001f600" * 3, "x" * 5000], list("abc")]:
+        got = string_array(values)
+        got.validate(full=True)
+        assert got.equals(pa.array(values, pa.string())), values

@@ -42,7 +42,7 @@ from codex.config import ConfigError
 from codex.config.data import CleanConfig
 from codex.progress import Progress
 from pipeline.clean.dedup import dedup_corpus, hash_buckets
-from pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
+from pipeline.clean.filters import Doc, active_filters, apply_filters, forget_pieces, normalize
 from pipeline.clean.parts import PartWriter
 from pipeline.clean.stats import (
     drop_fix,
@@ -53,7 +53,7 @@ from pipeline.clean.stats import (
     whole_files_dropped,
     yield_problem,
 )
-from pipeline.executor import Where, run_units, where_for, worker_id
+from pipeline.executor import Where, run_units, stage_pool, where_for, worker_id
 from pipeline.inputs import clean_inputs, ls_matching
 from pipeline.readers import (
     BadInputFile,
@@ -364,6 +364,23 @@ def run_clean(cfg) -> dict:
         "stats.json",
         later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)),
     )
+    # --workers N: one pool of N processes for the units and the corpus-wide dedup after them,
+    # started now: they import the stage while this process lists and plans the inputs
+    with stage_pool(where, _warm) as where:
+        stats = _clean(stage, c, where)
+    forget_pieces()  # the word cache of the units run in this process (workers=1)
+    _refuse_bad_outcome(stats, stage.out)
+    return stats
+
+
+def _warm() -> None:
+    """A pool worker's first task: unpickling it imports this module (the filters, their compiled
+    regexes, numpy, pyarrow) before the first unit arrives."""
+
+
+def _clean(stage: Stage, c: CleanConfig, where: Where) -> dict:
+    """The units not done yet, then (when every unit is) the corpus-wide dedup and stats.json;
+    returns the stats."""
     out = stage.out
     files, skipped, filters = _inputs_and_filters(c)
     fingerprint = _fingerprint(c, files)
@@ -406,7 +423,6 @@ def run_clean(cfg) -> dict:
         )
         stats = summarize([markers[u.name] for u in mine], filters, files, skipped)
         stats["units_run"] = len(todo)
-    _refuse_bad_outcome(stats, out)
     return stats
 
 

@@ -17,22 +17,32 @@ tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like 
 contraction suffixes ('s) kept whole. Sentences (C4) are counted as runs of . ! ? followed by
 whitespace or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are
 approximations; bench/bench_datatrove_parity.py measures how often the decisions still agree.
+
+Speed, with the same decisions (tests/test_clean.py holds each fast path to its plain definition):
+_WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches its pieces),
+in a form written for Python's regex engine (_WORD_FAST); Gopher's counts come from per-piece rows
+summed in numpy, the repetition filter's n-grams are integer ids ranked by numpy (NGrams), and no
+filter takes a Python step per word or per n-gram.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 import unicodedata
-from collections import Counter
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
+from operator import not_
+
+import numpy as np
 
 # ----------------------------------------------------------------------------------------------
 # normalisation
 
 # Unicode category Cc (C0, DEL, C1) except \t and \n; \r is turned into \n before this runs.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_ASCII_CONTROL = bytes([*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])  # the same, < 128
 
 
 def normalize(text: str) -> tuple[str, int]:
@@ -40,12 +50,16 @@ def normalize(text: str) -> tuple[str, int]:
 
     Returns (text, number of NUL characters removed) so the stage can report NUL bytes.
     """
-    if not text.isascii() and not unicodedata.is_normalized("NFC", text):
-        text = unicodedata.normalize("NFC", text)
+    if text.isascii():  # NFC already; bytes.translate finds control characters fast
+        control = len(text.encode("ascii").translate(None, _ASCII_CONTROL)) != len(text)
+    else:
+        if not unicodedata.is_normalized("NFC", text):
+            text = unicodedata.normalize("NFC", text)
+        control = _CONTROL.search(text) is not None
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     nuls = 0
-    if _CONTROL.search(text):
+    if control:
         nuls = text.count("\x00")
         text = _CONTROL.sub("", text)
     return text.strip(), nuls
@@ -90,57 +104,228 @@ _WORD = re.compile(
 )
 
 
+# _WORD written for the regex engine (the same words, fewer steps; tests/test_clean.py holds them
+# equal on random and adversarial text): possessive repeats where giving back characters cannot
+# lead to a match (what follows them cannot start with what they take), (?:...|) for an
+# optional group, and each alternative starting with a character or class where it can (the
+# engine then skips it at once when the character does not fit): \w+ is \w\w*+, _+ is __*+,
+# \b/ is /(?<=\w/), (?<=\d)[-+*^] is [-+*^](?<=\d.), (?<![\w.])(?:[^\W\d_]\.)+ is
+# [^\W\d_](?<![\w.].)\.(?:[^\W\d_]\.)*+, -{2,3}x is --(?:-)?x, \.{2} is \.\.
+_WORD_FAST = re.compile(
+    r"""
+    \w\w*+://[^\s<>"'()\[\]]*[^\s<>"'()\[\].,;:!?]
+    | [^\W\d_](?<![\w.].)\.(?:[^\W\d_]\.)*+(?![^\W_])
+    | \b(?:Inc|Ltd|Co|Corp|vs|Dr|Mr|Mrs|Ms|St|Jr|Sr
+         |Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.(?!\w)
+    | (?:(?<![^\s{affix}]) (?:\+(?=\d) | (?!\.\.)[^\w\s{affix}]++) |)
+      [^\W_]++
+      (?: (?: __*+
+            | /(?<=\w/)(?=or\b)
+            | (?! [-–—~:<>=/,][^\W\d_] | --(?:-)?[^\W\d_] | [-+*^](?<=\d.)[\d-]
+                | \.\. | … | {contraction} )
+              [^\w\s]++
+          ) [^\W_]++ )*+
+      (?: [^\w\s]*[^\w\s{suffix}] (?=[{suffix}]*+(?!\S)) |)
+    | \.\.\.*+ | --\-*+ | ''
+    | ['’](?<=\w.)(?:[sSmM]|ll|LL|re|RE|ve|VE)(?![^\W_])
+    | [^\w\s] | _
+    """.replace("{affix}", _AFFIX)
+    .replace("{suffix}", _SUFFIX)
+    .replace("{contraction}", _CONTRACTION),
+    re.X,
+)
+# ... and on a piece of ASCII characters only, the same words with cheaper class tests: a piece
+# holds no white space (\s matches nothing in it in either mode), and on ASCII characters \w \d
+# \b and [^\W\d_] mean the same under re.ASCII as under Unicode
+_WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
+
+# Pieces kept (about 20 MB at most), then forgotten all at once, before a document.
+_PIECE_CACHE = 1 << 16
+
+
+class _Pieces(dict):
+    """The pieces (runs of non-white space) met so far: piece -> id, and by id its words (a
+    tuple; `words`) and Gopher's counts over them (`table`: words, real words, characters in
+    real words, words with a letter, the stop words among them as bits).
+
+    A piece's words depend on the piece alone (no token spans white space: no branch of _WORD
+    matches it, and its look-arounds see white space and a piece's ends alike; str.split and
+    the regex's \\s agree, both are Py_UNICODE_ISSPACE), and pieces repeat ("the", "self,",
+    "=", "(1)"), so each goes through the regex once (spaCy's tokenizer caches its pieces the
+    same way). Nothing here takes a Python step per piece or per word: new pieces are learnt
+    together (map runs the regex, numpy counts their words' characters), a document's pieces
+    are looked up by map and their rows summed in numpy, and in `counts` a piece of letters
+    and digits only (str.isalnum, exactly [^\\W_]: one word) is counted by C loops instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words: list[tuple[str, ...]] = []
+        self.table = np.zeros((1 << 12, 5), dtype=np.int64)
+
+    def forget(self) -> None:
+        self.clear()
+        self.words.clear()
+        self.table = np.zeros((1 << 12, 5), dtype=np.int64)
+
+    def ids(self, pieces: list[str]) -> np.ndarray:
+        """The ids of these pieces, the new ones learnt first. Pieces are forgotten all at once
+        when there are too many, before a document's, so its ids stay valid."""
+        if len(self.words) > _PIECE_CACHE:
+            self.forget()
+        ids = np.fromiter(map(self.get, pieces, repeat(-1)), dtype=np.intp, count=len(pieces))
+        new = ids < 0
+        if new.any():
+            unknown = new.tolist()
+            self._learn(list(dict.fromkeys(compress(pieces, unknown))))
+            ids[new] = np.fromiter(map(self.__getitem__, compress(pieces, unknown)), np.intp)
+        return ids
+
+    def split(self, text: str) -> list[str]:
+        """_WORD.findall(text): the pieces of letters and digits as they are (no look-up), the
+        others' words put in their places (map over list.__setitem__), then chained."""
+        pieces = text.split()
+        plain = list(map(str.isalnum, pieces))
+        if all(plain):
+            return pieces
+        at = list(compress(range(len(pieces)), map(not_, plain)))
+        ids = self.ids(list(compress(pieces, map(not_, plain)))).tolist()
+        words: list[tuple[str, ...]] = list(zip(pieces))  # each piece its own word
+        deque(map(words.__setitem__, at, map(self.words.__getitem__, ids)), maxlen=0)
+        return list(chain.from_iterable(words))
+
+    def counts(self, text: str) -> tuple[int, int, int, int, int]:
+        """Gopher's counts over the words of text: (words, real words, characters in real
+        words, words with a letter, distinct stop words)."""
+        pieces = text.split()
+        plain = list(map(str.isalnum, pieces))
+        # a piece of letters and digits is one word, real, with a letter unless all numerals
+        # ("12", "²"; str.isnumeric, and "五" is numeric but a letter too)
+        alnum = list(compress(pieces, plain))
+        numbers = list(filter(str.isnumeric, alnum))
+        no_letter = len(numbers) - (0 if text.isascii() else sum(map(_has_letter, numbers)))
+        stop = sum(_STOP_BITS[w] for w in STOP_WORDS.intersection(alnum))
+        n = real = len(alnum)
+        real_chars = sum(map(len, alnum))
+        alpha = n - no_letter
+        if n < len(pieces):
+            ids = self.ids(list(compress(pieces, map(not_, plain))))
+            rows = self.table[ids]  # after ids: learning may grow the table
+            n_, real_, real_chars_, alpha_ = rows[:, :4].sum(axis=0).tolist()
+            n, real, real_chars, alpha = (
+                n + n_,
+                real + real_,
+                real_chars + real_chars_,
+                alpha + alpha_,
+            )
+            stop |= int(np.bitwise_or.reduce(rows[:, 4]))
+        return n, real, real_chars, alpha, bin(stop).count("1")
+
+    def _learn(self, new: list[str]) -> None:
+        """Find the words of these new pieces (distinct) and count them: the regex on each,
+        called by map (C); a piece of letters and digits only is one word."""
+        one = list(map(str.isalnum, new))
+        rest = list(compress(new, map(not_, one)))
+        ascii_ = list(map(str.isascii, rest))
+        fast, slow = list(compress(rest, ascii_)), list(compress(rest, map(not_, ascii_)))
+        pieces = [*compress(new, one), *fast, *slow]
+        words: list[tuple[str, ...]] = list(zip(compress(new, one)))  # one word each
+        words += map(tuple, map(_WORD_FAST_ASCII.findall, fast))
+        words += map(tuple, map(_WORD_FAST.findall, slow))
+        a = len(self.words)
+        b = a + len(pieces)
+        if b > len(self.table):
+            grown = np.zeros((2 * b, 5), dtype=np.int64)
+            grown[:a] = self.table[:a]
+            self.table = grown
+        self.words += words
+        self.update(zip(pieces, range(a, b), strict=True))
+        self.table[a:b] = _count_words(words)
+
+
+def _has_letter(word: str) -> bool:
+    return any(map(str.isalpha, word))
+
+
+def _count_piece(words: tuple[str, ...]) -> tuple[int, int, int, int, int]:
+    """_count_words' row for one piece, in Python."""
+    real = [w for w in words if w[0].isalnum() or not PUNCTUATION.issuperset(w)]
+    stop = 0
+    for w in words:
+        stop |= _STOP_BITS.get(w, 0)
+    return len(words), len(real), sum(map(len, real)), sum(map(_has_letter, words)), stop
+
+
+def _count_words(pieces: list[tuple[str, ...]]) -> np.ndarray:
+    """Gopher's counts over each piece's words, one row a piece (see _Pieces), in numpy over
+    the words' characters joined by "\\n" (no word holds white space) and flagged per character
+    (_CHAR_FLAGS): real: w[0].isalnum() or any(c not in PUNCTUATION for c in w); with a letter:
+    any(c.isalpha() for c in w) (str.isalpha: numerals such as '²' are none)."""
+    if len(pieces) <= 8:  # numpy's calls cost more than a few pieces in Python
+        return np.array([_count_piece(words) for words in pieces], dtype=np.int64).reshape(-1, 5)
+    per_piece = np.fromiter(map(len, pieces), dtype=np.intp, count=len(pieces))  # >= 1 each
+    words = list(chain.from_iterable(pieces))
+    flags = _char_flags("\n".join(words))  # "\n" (_SPACE) only between words
+    starts = np.empty(len(words), dtype=np.intp)
+    starts[0] = 0
+    starts[1:] = np.flatnonzero(flags == _SPACE) + 1
+    lengths = np.diff(starts, append=len(flags) + 1) - 1
+    any_flag = np.bitwise_or.reduceat(flags, starts)  # a word's and its "\n"'s (_SPACE)
+    real = ((any_flag & _PLAIN) | (flags[starts] & _ALNUM)) != 0
+    first = np.empty(len(pieces), dtype=np.intp)  # each piece's first word
+    first[0] = 0
+    np.cumsum(per_piece[:-1], out=first[1:])
+    rows = np.empty((len(pieces), 5), dtype=np.int64)
+    rows[:, 0] = per_piece
+    rows[:, 1] = np.add.reduceat(real, first, dtype=np.int64)
+    rows[:, 2] = np.add.reduceat(np.where(real, lengths, 0), first)
+    rows[:, 3] = np.add.reduceat((any_flag & _ALPHA) != 0, first, dtype=np.int64)
+    if STOP_WORDS.isdisjoint(words):
+        rows[:, 4] = 0
+    else:
+        stop = np.fromiter(map(_STOP_BITS.get, words, repeat(0)), np.int64, count=len(words))
+        rows[:, 4] = np.bitwise_or.reduceat(stop, first)
+    return rows
+
+
+_PIECES = _Pieces()
+
+
 def split_words(text: str) -> list[str]:
-    """_WORD.findall(text), three times faster: no token spans white space (no branch of _WORD
-    matches it, and its look-arounds see white space and a piece's ends alike), so the text is
-    cut at white space first (str.split and the regex's \\s agree: both are Py_UNICODE_ISSPACE),
-    and a piece of letters and digits only (str.isalnum, which is exactly [^\\W_]) is one token
-    as it stands; only the other pieces go through the regex."""
-    out: list[str] = []
-    for piece in text.split():
-        if piece.isalnum():
-            out.append(piece)
-        else:
-            out.extend(_WORD.findall(piece))
-    return out
+    """_WORD.findall(text), each piece's words found once (_Pieces)."""
+    return _PIECES.split(text)
 
 
-@functools.cache
-def _word_counters() -> tuple[re.Pattern, re.Pattern]:
-    """Regexes over the words joined by newlines (one word a line; no word holds white space),
-    so Gopher's per-word tests run in the regex engine, not a Python loop per word:
-    real: the words that start with a letter or digit or hold a character outside PUNCTUATION;
-    no_alpha: the words without a character for which str.isalpha holds (a class built from the
-    code points once per process: [^\\W\\d_] would also take numerals such as '²'); counting
-    these is three times faster than matching the ones with one."""
-    punct = "".join(re.escape(c) for c in sorted(PUNCTUATION))
-    real = re.compile(rf"^(?:[^\W_][^\n]*|[^\n]*[^{punct}\n][^\n]*)$", re.M)
-    no_alpha = re.compile(rf"^[^{_code_point_class(str.isalpha)}\n]*+$", re.M)
-    return real, no_alpha
+def word_counts(text: str) -> tuple[int, int, int, int, int]:
+    """Gopher's counts over the words of text, without making the words (_Pieces.counts)."""
+    return _PIECES.counts(text)
 
 
-def _code_point_class(test) -> str:
-    """A regex character class body (ranges) of every code point for which test(chr) holds."""
-    ranges, start = [], None
-    for cp in range(sys.maxunicode + 2):
-        inside = cp <= sys.maxunicode and test(chr(cp))
-        if inside and start is None:
-            start = cp
-        elif not inside and start is not None:
-            a, b = re.escape(chr(start)), re.escape(chr(cp - 1))
-            ranges.append(a if start == cp - 1 else f"{a}-{b}")
-            start = None
-    return "".join(ranges)
+def forget_pieces() -> None:
+    """Free the pieces kept (_Pieces), e.g. when a stage is done in a process that goes on."""
+    _PIECES.forget()
 
 
 @dataclass
 class Doc:
+    """A document and the views of it that filters share, each made once (set_text forgets
+    them): Gopher's word counts, its words in order (only the repetition filter needs them), its
+    lines."""
+
     text: str
+    _counts: tuple[int, int, int, int, int] | None = field(default=None, repr=False)
     _words: list[str] | None = field(default=None, repr=False)
     _lines: list[str] | None = field(default=None, repr=False)
 
     def set_text(self, text: str) -> None:
-        self.text, self._words, self._lines = text, None, None
+        self.text, self._counts, self._words, self._lines = text, None, None, None
+
+    @property
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(words, real words, characters in real words, words with a letter, distinct stop
+        words): word_counts."""
+        if self._counts is None:
+            self._counts = word_counts(self.text)
+        return self._counts
 
     @property
     def words(self) -> list[str]:
@@ -205,6 +390,72 @@ TERMINAL_PUNCTUATION = frozenset(
 )
 PUNCTUATION |= TERMINAL_PUNCTUATION
 STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
+_STOP_BITS = {w: 1 << i for i, w in enumerate(sorted(STOP_WORDS))}
+
+# Per code point, for Gopher's per-word tests: c.isalpha(), c.isalnum(), c not in PUNCTUATION,
+# and white space (str.isspace: the separator of words joined by "\n") with no other flag. A
+# table over every code point, filled the first time one is seen (_UNSET before): no process pays
+# for the 1.1M code points it never meets. ASCII text goes through bytes.translate instead.
+_ALPHA, _ALNUM, _PLAIN, _SPACE, _UNSET = 1, 2, 4, 8, 255
+_CHAR_FLAGS = np.full(sys.maxunicode + 1, _UNSET, dtype=np.uint8)
+
+
+def _set_char_flags(codes: np.ndarray) -> None:
+    for cp in np.unique(codes).tolist():
+        c = chr(cp)
+        _CHAR_FLAGS[cp] = (
+            _SPACE
+            if c.isspace()
+            else _ALPHA * c.isalpha() | _ALNUM * c.isalnum() | _PLAIN * (c not in PUNCTUATION)
+        )
+
+
+def _char_flags(text: str) -> np.ndarray:
+    """_CHAR_FLAGS of each of text's characters (uint8)."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii").translate(_ASCII_FLAGS), dtype=np.uint8)
+    # one uint32 per code point (surrogatepass: a lone surrogate is one too, as in str)
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    flags = _CHAR_FLAGS[codes]
+    unset = flags == _UNSET
+    if unset.any():
+        _set_char_flags(codes[unset])
+        flags = _CHAR_FLAGS[codes]
+    return flags
+
+
+_set_char_flags(np.arange(128))
+_ASCII_FLAGS = _CHAR_FLAGS[:256].tobytes()  # for bytes.translate (128..255: never in ASCII)
+
+# str.splitlines' line breaks other than "\n" (normalize leaves none: it turns \r into \n and drops
+# the control characters); in a text without them a line is what lies between two "\n".
+_OTHER_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+_BULLET_LINE = re.compile(r"\n[^\S\n]*+[•-]")  # with the "\n" before the line
+_DOTS_LINE = re.compile(r"\.\.\.[^\S\n]*+\n")  # with the "\n" after the line
+_ELLIPSIS_LINE = re.compile(r"…[^\S\n]*+\n")
+
+
+def _line_counts(doc: Doc) -> tuple[int, int, int]:
+    """(lines, lines whose lstrip() starts with "•" or "-", lines whose rstrip() ends with "..."
+    or "…") of doc.lines. Where the newline is the only line break, without making the lines:
+    counted by str.count and the regex engine (each pattern begins with a literal, which the
+    engine finds fast; the white space inside a line is what str.strip removes: [^\\S\\n])."""
+    text = doc.text
+    if any(c in text for c in _OTHER_BREAKS):
+        lines = doc.lines
+        return (
+            len(lines),
+            sum(s.lstrip().startswith(("•", "-")) for s in lines),
+            sum(s.rstrip().endswith(("...", "…")) for s in lines),
+        )
+    # str.splitlines: no line after a final "\n", none in ""
+    n_lines = text.count("\n") + (not text.endswith("\n")) if text else 0
+    ended = text + "\n"
+    return (
+        n_lines,
+        len(_BULLET_LINE.findall("\n" + text)),
+        len(_DOTS_LINE.findall(ended)) + (len(_ELLIPSIS_LINE.findall(ended)) if "…" in text else 0),
+    )
 
 
 def gopher_quality_filter(doc: Doc, cfg) -> str | None:
@@ -220,19 +471,15 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
     - at least min_stop_words=2 distinct stop words of: the be to of and that have with
     A threshold of 0 switches that rule off.
     """
-    text, words = doc.text, doc.words
-    n_words = len(words)
-    real_words, no_alpha_words = _word_counters()
-    joined = "\n".join(words)  # one word a line: the counters run in the regex engine
-    real = real_words.findall(joined)  # w[0].isalnum() or any(c not in PUNCTUATION for c in w)
-    n_real = len(real)
+    text = doc.text
+    n_words, n_real, real_chars, n_alpha, n_stop = doc.counts
     if cfg.min_doc_words and n_real < cfg.min_doc_words:
         return "short_doc"
     if cfg.max_doc_words and n_real > cfg.max_doc_words:
         return "long_doc"
     if n_real == 0:
         return "short_doc"
-    avg = sum(map(len, real)) / n_real
+    avg = real_chars / n_real
     if cfg.min_avg_word_length and avg < cfg.min_avg_word_length:
         return "below_avg_word_length"
     if cfg.max_avg_word_length and avg > cfg.max_avg_word_length:
@@ -244,27 +491,15 @@ def gopher_quality_filter(doc: Doc, cfg) -> str | None:
         and (text.count("...") + text.count("…")) / n_words > cfg.max_symbol_word_ratio
     ):
         return "too_many_ellipsis"
-    lines = doc.lines
-    if (
-        cfg.max_bullet_lines_ratio
-        and sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines)
-        > cfg.max_bullet_lines_ratio
-    ):
-        return "too_many_bullets"
-    if (
-        cfg.max_ellipsis_lines_ratio
-        and sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
-        > cfg.max_ellipsis_lines_ratio
-    ):
-        return "too_many_end_ellipsis"
-    if (
-        cfg.max_non_alpha_words_ratio
-        # the words with any(c.isalpha() for c in w)
-        and (n_words - len(no_alpha_words.findall(joined))) / n_words  # n_words > 0 here
-        < cfg.max_non_alpha_words_ratio
-    ):
+    if cfg.max_bullet_lines_ratio or cfg.max_ellipsis_lines_ratio:
+        n_lines, bullets, ellipses = _line_counts(doc)
+        if cfg.max_bullet_lines_ratio and bullets / n_lines > cfg.max_bullet_lines_ratio:
+            return "too_many_bullets"
+        if cfg.max_ellipsis_lines_ratio and ellipses / n_lines > cfg.max_ellipsis_lines_ratio:
+            return "too_many_end_ellipsis"
+    if cfg.max_non_alpha_words_ratio and n_alpha / n_words < cfg.max_non_alpha_words_ratio:
         return "below_alpha_threshold"
-    if cfg.min_stop_words and len(STOP_WORDS.intersection(words)) < cfg.min_stop_words:
+    if cfg.min_stop_words and n_stop < cfg.min_stop_words:
         return "not_enough_stop_words"
     return None
 
@@ -276,16 +511,10 @@ _PARAGRAPHS = re.compile(r"\n{2,}")
 
 
 def _duplicates(items: list[str]) -> tuple[int, int]:
-    """(number of items seen before, characters in them)."""
-    seen: set[str] = set()
-    n = chars = 0
-    for x in items:
-        if x in seen:
-            n += 1
-            chars += len(x)
-        else:
-            seen.add(x)
-    return n, chars
+    """(number of items seen before, characters in them): every occurrence after an item's first,
+    counted with one set in C."""
+    distinct = set(items)
+    return len(items) - len(distinct), sum(map(len, items)) - sum(map(len, distinct))
 
 
 def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
@@ -316,34 +545,111 @@ def gopher_repetition_filter(doc: Doc, cfg) -> str | None:
     if cfg.dup_line_char_frac and chars / n_chars > cfg.dup_line_char_frac:
         return "dup_line_char_frac"
     words = doc.words
-    for n, frac in zip((2, 3, 4), cfg.top_ngram_fracs, strict=False):
-        if frac and len(words) >= n:
-            grams = Counter(zip(*(words[i:] for i in range(n)), strict=False))
-            gram, count = grams.most_common(1)[0]
-            if (sum(map(len, gram)) + n - 1) * count / n_chars > frac:
+    tops = {n: f for n, f in zip((2, 3, 4), cfg.top_ngram_fracs, strict=False) if f}
+    dups = {n: f for n, f in zip(range(5, 11), cfg.dup_ngram_fracs, strict=False) if f}
+    last = max((n for n in (*tops, *dups) if n <= len(words)), default=0)
+    if not last:
+        return None
+    grams = NGrams(words)
+    for n in range(2, last + 1):
+        grams.extend()
+        if n in tops:
+            chars, count = grams.top()
+            if chars * count / n_chars > tops[n]:
                 return f"top_{n}_gram"
-    for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs, strict=False):
-        if frac and len(words) >= n and _dup_ngram_chars(words, n) / n_chars > frac:
+        if n in dups and grams.duplicated_chars(n_chars, dups[n]) / n_chars > dups[n]:
             return f"duplicated_{n}_grams"
     return None
 
 
-def _dup_ngram_chars(words: list[str], n: int) -> int:
-    """Characters in n-grams that repeat an earlier n-gram, skipping past each repeat
-    (datatrove's find_all_duplicate: an n-gram's characters are its words' characters, without
-    separators, as datatrove measures "".join(words))."""
-    seen: set[tuple[str, ...]] = set()
-    chars = i = 0
-    last = len(words) - n + 1
-    while i < last:
-        gram = tuple(words[i : i + n])
-        if gram in seen:
-            chars += sum(map(len, gram))
-            i += n
-        else:
-            seen.add(gram)
-            i += 1
-    return chars
+class NGrams:
+    """The n-grams of a document's words, n = 1, 2, ... (extend() adds one word to each), as
+    integer ids, in numpy: no Python step per n-gram.
+
+    Words get ids by first occurrence; the n-grams at positions 0..len(words)-n get the dense ids
+    of their distinct values: (id of the (n-1)-gram at i, id of word i+n-1) packed into one
+    int64 (< len(words)**2: exact below 3 billion words) and ranked by one stable sort, so equal
+    n-grams get equal ids (no hashing) and the first position of each id is known."""
+
+    def __init__(self, words: list[str]) -> None:
+        index = dict.fromkeys(words)  # insertion order: first occurrence
+        index = dict(zip(index, range(len(index)), strict=True))
+        self.words = np.fromiter(map(index.__getitem__, words), np.int64, len(words))
+        self.vocab = len(index)
+        lengths = np.fromiter(map(len, words), np.int64, len(words))
+        self.cum = np.concatenate([[0], np.cumsum(lengths)])  # characters before word i
+        self.n = 1
+        self.ids = self.words  # the n-gram id at each position
+        # the first position of each id: ids come in order, so where the id is a new maximum
+        ahead = np.empty(len(words), dtype=bool)
+        ahead[:1] = True
+        np.greater(self.words[1:], np.maximum.accumulate(self.words)[:-1], out=ahead[1:])
+        self.first = np.flatnonzero(ahead)
+
+    def extend(self) -> None:
+        """n -> n + 1."""
+        self.n += 1
+        key = self.ids[:-1] * self.vocab + self.words[self.n - 1 :]
+        order = np.argsort(key, kind="stable")  # equal n-grams in position order
+        ranked = key[order]
+        new = np.empty(len(ranked), dtype=bool)
+        new[:1] = True
+        np.not_equal(ranked[1:], ranked[:-1], out=new[1:])
+        self.ids = np.empty(len(ranked), dtype=np.int64)
+        self.ids[order] = np.cumsum(new) - 1
+        self.first = order[new]
+
+    def chars(self, positions: np.ndarray) -> np.ndarray:
+        """Characters in the n-grams at these positions (their words' characters: datatrove's
+        "".join(words))."""
+        return self.cum[positions + self.n] - self.cum[positions]
+
+    def top(self) -> tuple[int, int]:
+        """(characters of the most frequent n-gram, its count), the n-gram joined by spaces
+        (datatrove's " ".join); among n-grams as frequent, the one that occurs first
+        (Counter.most_common(1): the first counted)."""
+        counts = np.bincount(self.ids)
+        count = counts.max()
+        at = int(self.first[counts == count].min())
+        return int(self.cum[at + self.n] - self.cum[at]) + self.n - 1, int(count)
+
+    def duplicated_chars(self, n_chars: int = 0, frac: float = 0.0) -> int:
+        """datatrove's find_all_duplicate: walk the positions; an n-gram already seen (among the
+        positions walked) adds its characters and the walk jumps past it (its n words), else it
+        is remembered and the walk moves one word on.
+
+        Only an n-gram that occurred before can be a repeat: the walk visits the other positions
+        one by one and they are new, so Python steps only through the positions that repeat an
+        earlier n-gram, keeping the jumps (a skipped position is not remembered). With frac, the
+        answer only has to decide count / n_chars > frac: the bound (every such position counted)
+        ends it when it cannot be over, and the walk stops once the count is."""
+        positions = np.arange(len(self.ids))
+        again = np.flatnonzero(self.first[self.ids] < positions)  # occurred before
+        if not len(again):
+            return 0
+        chars = self.chars(again)
+        if frac and int(chars.sum()) / n_chars <= frac:
+            return int(chars.sum())
+        skipped = bytearray(len(self.ids))  # positions jumped over
+        remembered: set[int] = set()  # ids of walked repeats seen with their earlier copies skipped
+        total = walk = 0
+        n = self.n
+        firsts = self.first[self.ids[again]].tolist()
+        for i, gram, first, c in zip(
+            again.tolist(), self.ids[again].tolist(), firsts, chars.tolist(), strict=True
+        ):
+            if i < walk:
+                continue  # jumped over
+            if not skipped[first] or gram in remembered:  # seen: a repeat
+                total += c
+                walk = i + n
+                skipped[i + 1 : walk] = b"\x01" * (n - 1)
+                if frac and total / n_chars > frac:
+                    return total
+            else:
+                remembered.add(gram)
+                walk = i + 1
+        return total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +753,7 @@ def fineweb_filter(doc: Doc, cfg) -> str | None:
         chars = _duplicates(lines)[1]
         if chars / max(1, len(text) - text.count("\n")) > cfg.char_duplicates_ratio:
             return "char_dup_ratio"
-    if cfg.new_line_ratio and text.count("\n") / max(1, len(doc.words)) > cfg.new_line_ratio:
+    if cfg.new_line_ratio and text.count("\n") / max(1, doc.counts[0]) > cfg.new_line_ratio:
         return "list_ratio"
     return None
 
