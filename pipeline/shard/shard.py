@@ -173,24 +173,20 @@ def read_text_batches(files: list[str]):
     """Yield lists of document texts in corpus order (files sorted, rows in order); a null text or
     an unreadable file is a ShardDataError naming it."""
     for path in files:
-        row = 0
-        try:
-            for texts in iter_text_batches(path, batch_rows=READ_ROWS):
-                if None in texts:
-                    raise ShardDataError(f"{path}: row {row + texts.index(None)}: text is null")
-                yield texts
-                row += len(texts)
-        except BadInputFile as e:
-            raise ShardDataError(str(e)) from None
+        yield from _checked(path, iter_text_batches(path, batch_rows=READ_ROWS), 0)
 
 
 def read_text_rows(path: str, start: int, stop: int) -> Iterator[list[str]]:
     """Lists of the texts of rows [start, stop) of one cleaned part, in order (readers.py:
     parquet_text_rows reads only the row groups that hold them). A null text or an unreadable
     file is a ShardDataError naming it (and the row)."""
-    row = start
+    yield from _checked(path, parquet_text_rows(path, start, stop, batch_rows=READ_ROWS), start)
+
+
+def _checked(path: str, batches: Iterator[list], row: int) -> Iterator[list[str]]:
+    """`batches` of `path` from row `row` on, bad input as a ShardDataError naming the file."""
     try:
-        for texts in parquet_text_rows(path, start, stop, batch_rows=READ_ROWS):
+        for texts in batches:
             if None in texts:
                 raise ShardDataError(f"{path}: row {row + texts.index(None)}: text is null")
             yield texts
