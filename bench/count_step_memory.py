@@ -155,6 +155,8 @@ def tensor_bytes(model: torch.nn.Module, optimizer) -> int:
 
 
 def main() -> None:
+    """One run, top to bottom as the module docstring lists it: the counts are marks between
+    consecutive statements of the step, so the step stays one readable block here."""
     layout_name, optimizer_name = sys.argv[1], sys.argv[2]
     accum, B, T = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     overrides = sys.argv[6:]

@@ -1009,15 +1009,13 @@ def run_shard(cfg: Config) -> dict:
     remove_temp_files(out)  # a write task retried after its worker died may have left one
     stage.commit(manifest)
     fsio.rm(units_dir, recursive=True)
-    t = manifest["totals"]
-    log.info(
-        "shard: train %d tokens / %d docs / %d shards, val %d tokens / %d docs / %d shards -> %s",
-        t["train"]["tokens"],
-        t["train"]["documents"],
-        t["train"]["shards"],
-        t["val"]["tokens"],
-        t["val"]["documents"],
-        t["val"]["shards"],
-        out,
-    )
+    _log_totals(manifest, out)
     return manifest
+
+
+def _log_totals(manifest: dict, out: str) -> None:
+    per_split = ", ".join(
+        f"{sp} {t['tokens']} tokens / {t['documents']} docs / {t['shards']} shards"
+        for sp, t in ((sp, manifest["totals"][sp]) for sp in SPLITS)
+    )
+    log.info("shard: %s -> %s", per_split, out)

@@ -148,6 +148,9 @@ def _owner_updates(
     that buffer back. Returns {i: update as a DTensor laid out as params[i]}. Under HSDP every
     replica group does this alike.
 
+    One function (68 lines) because the two exchanges share its bookkeeping (rows, owners,
+    sizes per rank) and must stay mirror images of each other.
+
     What it holds (train/plan/memory.py's step buffers): the send and receive buffers during the
     first exchange, the receive buffer and one whole matrix with its iteration's temporaries
     while orthogonalising, the receive buffer and the returned shards during the second."""
