@@ -561,7 +561,8 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
     """split_words (the pieces' words found once, by _WORD_FAST) gives _WORD.findall, and
     word_counts (pieces of letters and digits counted by C loops, the others' rows summed in
     numpy) gives Gopher's counts by their per-word definitions, on random and adversarial text
-    and on source code; also while the piece cache is forgotten between documents."""
+    and on source code; also while the piece cache is forgotten between documents, and when
+    counts learnt a piece before a split needs its words."""
     import sysconfig
 
     texts = _texts(0, 1500)
@@ -578,6 +579,11 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
         stop = len(F.STOP_WORDS.intersection(words))
         expected = (len(words), len(real), sum(map(len, real)), alpha, stop)
         assert F.word_counts(text) == expected, repr(text)
+    # counts learn pieces without their words: a split after them finds the words then
+    F.forget_pieces()
+    for text in texts[:300]:
+        F.word_counts(text)
+        assert F.split_words(text) == F._WORD.findall(text), repr(text)
     # _WORD_FAST is _WORD, piece by piece, in both modes (re.ASCII on ASCII pieces only)
     for text in texts[:300]:
         for piece in text.split():

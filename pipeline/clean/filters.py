@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import not_
+from typing import cast
 
 import numpy as np
 
@@ -145,8 +146,9 @@ _PIECE_CACHE = 1 << 16
 
 class _Pieces(dict):
     """The pieces (runs of non-white space) met so far: piece -> id, and by id its words (a
-    tuple; `words`) and Gopher's counts over them (`table`: words, real words, characters in
-    real words, words with a letter, the stop words among them as bits).
+    tuple; `words`, None until `split` asks) and Gopher's counts over them (`table`: words,
+    real words, characters in real words, words with a letter, the stop words among them as
+    bits).
 
     A piece's words depend on the piece alone (no token spans white space: no branch of _WORD
     matches it, and its look-arounds see white space and a piece's ends alike; str.split and
@@ -159,7 +161,7 @@ class _Pieces(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self.words: list[tuple[str, ...]] = []
+        self.words: list[tuple[str, ...] | None] = []  # None until `split` needs them
         self.table = np.zeros((1 << 12, 5), dtype=np.int64)
 
     def forget(self) -> None:
@@ -167,7 +169,7 @@ class _Pieces(dict):
         self.words.clear()
         self.table = np.zeros((1 << 12, 5), dtype=np.int64)
 
-    def ids(self, pieces: list[str]) -> np.ndarray:
+    def ids(self, pieces: list[str], keep_words: bool = False) -> np.ndarray:
         """The ids of these pieces, the new ones learnt first. Pieces are forgotten all at once
         when there are too many, before a document's, so its ids stay valid."""
         if len(self.words) > _PIECE_CACHE:
@@ -176,7 +178,7 @@ class _Pieces(dict):
         new = ids < 0
         if new.any():
             unknown = new.tolist()
-            self._learn(list(dict.fromkeys(compress(pieces, unknown))))
+            self._learn(list(dict.fromkeys(compress(pieces, unknown))), keep_words)
             ids[new] = np.fromiter(map(self.__getitem__, compress(pieces, unknown)), np.intp)
         return ids
 
@@ -188,9 +190,13 @@ class _Pieces(dict):
         if all(plain):
             return pieces
         at = list(compress(range(len(pieces)), map(not_, plain)))
-        ids = self.ids(list(compress(pieces, map(not_, plain)))).tolist()
+        ids = self.ids(list(compress(pieces, map(not_, plain))), keep_words=True).tolist()
+        found = list(map(self.words.__getitem__, ids))
+        if None in found:  # learnt by `counts`, which keeps no words
+            for k in [k for k, w in enumerate(found) if w is None]:
+                found[k] = self.words[ids[k]] = _words_of(pieces[at[k]])
         words: list[tuple[str, ...]] = list(zip(pieces))  # each piece its own word
-        deque(map(words.__setitem__, at, map(self.words.__getitem__, ids)), maxlen=0)
+        deque(map(words.__setitem__, at, cast(list[tuple[str, ...]], found)), maxlen=0)
         return list(chain.from_iterable(words))
 
     def counts(self, text: str) -> tuple[int, int, int, int, int]:
@@ -220,9 +226,11 @@ class _Pieces(dict):
             stop |= int(np.bitwise_or.reduce(rows[:, 4]))
         return n, real, real_chars, alpha, bin(stop).count("1")
 
-    def _learn(self, new: list[str]) -> None:
+    def _learn(self, new: list[str], keep_words: bool) -> None:
         """Find the words of these new pieces (distinct) and count them: the regex on each,
-        called by map (C); a piece of letters and digits only is one word."""
+        called by map (C); a piece of letters and digits only is one word. The words are kept
+        only for `split` (most documents need only the counts, and the words are most of a
+        piece's bytes)."""
         one = list(map(str.isalnum, new))
         rest = list(compress(new, map(not_, one)))
         ascii_ = list(map(str.isascii, rest))
@@ -237,9 +245,13 @@ class _Pieces(dict):
             grown = np.zeros((2 * b, 5), dtype=np.int64)
             grown[:a] = self.table[:a]
             self.table = grown
-        self.words += words
+        self.words += words if keep_words else repeat(None, len(words))
         self.update(zip(pieces, range(a, b), strict=True))
         self.table[a:b] = _count_words(words)
+
+
+def _words_of(piece: str) -> tuple[str, ...]:
+    return tuple((_WORD_FAST_ASCII if piece.isascii() else _WORD_FAST).findall(piece))
 
 
 def _has_letter(word: str) -> bool:
