@@ -547,7 +547,8 @@ def _texts(seed: int, n: int) -> list[str]:
     rules = ["://", "http", "e.g.", "U.S.", "Inc.", "Dr.", "a.", "..", "...", "--", "---",
              "''", "'s", "’ll", "'re", "n't", "/or", "+1", "1-2", "3.5", "1,000", "a_b", "__",
              "…", "—", "C++", "(x)", "foo(", "self.x,", "-f", "=", "==", "#", "a@b.org", "the",
-             "and"]  # fmt: skip
+             "and", "don't", "cannot", "Can't", "10am", "GPL-2+", "x.org", "me@x.org",
+             "foo-bar.deb", "https://a.io/b", "(howto.html),", ":-)", "a.m.", "gonna"]  # fmt: skip
     texts = []
     for _ in range(n):
         parts = [rng.choice(rules) if rng.random() < 0.3 else rng.choice(pool)]
@@ -557,8 +558,14 @@ def _texts(seed: int, n: int) -> list[str]:
     return texts
 
 
+def _words(text: str) -> list[str]:
+    """The words by their definition: each piece's _piece_words with _WORD itself."""
+    return [w for piece in text.split() for w in F._piece_words(piece, F._WORD.findall)]
+
+
 def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeypatch):
-    """split_words (the pieces' words found once, by _WORD_FAST) gives _WORD.findall, and
+    """split_words (the pieces' words found once, by _WORD_FAST and spaCy's tables for the
+    pieces they change) gives _words (_WORD and the tables piece by piece), and
     word_counts (pieces of letters and digits counted by C loops, the others' rows summed in
     numpy) gives Gopher's counts by their per-word definitions, on random and adversarial text
     and on source code; also while the piece cache is forgotten between documents, and when
@@ -572,7 +579,7 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
     texts.append(" ".join([f"(w{i}," for i in range(30)] + ["(the", "and,", "of)", "[１]", "be:"]))
     monkeypatch.setattr(F, "_PIECE_CACHE", 300)  # forgotten many times over these texts
     for text in texts:
-        words = F._WORD.findall(text)
+        words = _words(text)
         assert F.split_words(text) == words, repr(text)
         real = [w for w in words if w[0].isalnum() or any(c not in F.PUNCTUATION for c in w)]
         alpha = sum(any(c.isalpha() for c in w) for w in words)
@@ -583,7 +590,7 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
     F.forget_pieces()
     for text in texts[:300]:
         F.word_counts(text)
-        assert F.split_words(text) == F._WORD.findall(text), repr(text)
+        assert F.split_words(text) == _words(text), repr(text)
     # _WORD_FAST is _WORD, piece by piece, in both modes (re.ASCII on ASCII pieces only)
     for text in texts[:300]:
         for piece in text.split():
@@ -692,7 +699,7 @@ def test_ngrams_equal_a_python_reference():
     for text in docs:
         for cfg in cfgs:
             got = F.gopher_repetition_filter(F.Doc(text), cfg)
-            assert got == _reference_repetition(text, F._WORD.findall(text), cfg), text
+            assert got == _reference_repetition(text, _words(text), cfg), text
             reasons[got] += 1
     assert len(reasons) >= 6, reasons  # the thresholds decide, not one rule every time
 

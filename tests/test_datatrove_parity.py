@@ -38,6 +38,20 @@ def test_words_follow_spacy_rules():
     ]  # fmt: skip
 
 
+def test_words_take_spacys_special_cases_and_url_match():
+    # spaCy's tables (pipeline/clean/spacy_en.py): special cases, whole or as a piece's word,
+    # letters and digits only too ("cannot"); its URL match between symbols; + after a digit
+    text = "I don't (cannot) go at 10am, GPL-2+ C++ see bar-foo.deb (me@x.org). e.g. :-)"
+    assert F.split_words(text) == [
+        "I", "do", "n't", "(", "can", "not", ")", "go", "at", "10", "am", ",", "GPL-2", "+",
+        "C++", "see", "bar-foo.deb", "(", "me@x.org", ")", ".", "e.g.", ":-)",
+    ]  # fmt: skip
+    n, *_ = F.word_counts(text)
+    assert n == 23
+    # word_counts corrects a special case of letters and digits counted as one word by this
+    assert F.STOP_WORDS.isdisjoint(F._SPLIT_ALNUM) and all(map(F._has_letter, F._SPLIT_ALNUM))
+
+
 def test_repetition_blank_lines_are_not_duplicate_lines():
     # 12 one-line paragraphs: datatrove splits lines at runs of newlines, so the 11 blank lines
     # between them are not 11 duplicate lines (they were: dup_line_frac 11/23 > 0.3)

@@ -14,7 +14,8 @@ Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean
 Words: datatrove splits English words with spaCy's tokenizer (slow); we use one regex (`_WORD`)
 that copies its main rules: symbols split off words one character at a time ("===" is three
 tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like e.g. and
-contraction suffixes ('s) kept whole. Sentences (C4) are counted as runs of . ! ? followed by
+contraction suffixes ('s) kept whole; and spaCy's own tables (its special cases: "don't" is do
+n't; its URL match: foo-bar.deb is one word), see _piece_words. Sentences (C4) are counted as runs of . ! ? followed by
 whitespace or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are
 approximations; bench/bench_datatrove_parity.py measures how often the decisions still agree.
 
@@ -33,10 +34,12 @@ import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import not_
+from operator import contains, gt, not_
 from typing import cast
 
 import numpy as np
+
+from pipeline.clean.spacy_en import SPECIAL_CASES, URL_PATTERN
 
 # ----------------------------------------------------------------------------------------------
 # normalisation
@@ -74,7 +77,9 @@ def normalize(text: str) -> tuple[str, int]:
 # only at a few "infixes") with one regex. bench/bench_datatrove_parity.py measures the agreement.
 _CONTRACTION = r"['’](?:[sSmM]|ll|LL|re|RE|ve|VE)(?![^\W_])"  # 's 'm 'll 're 've
 _AFFIX = r""""'`(\[{<«“‘$£€=+%§—–*&#,;:!?)\]}>»”’…"""  # symbols spaCy splits off a piece's ends
-_SUFFIX = _AFFIX.replace("+", "") + "."  # C++ keeps its +; a final period is split off
+# = + § % and currency are spaCy prefixes, not suffixes (C++ keeps its +, --opt= its =); a final
+# period is split off
+_SUFFIX = re.sub("[+=$£€%§]", "", _AFFIX) + "."
 _WORD = re.compile(
     r"""
     \w+://[^\s<>"'()\[\]]*[^\s<>"'()\[\].,;:!?]        # URL: one token
@@ -140,6 +145,70 @@ _WORD_FAST = re.compile(
 # \b and [^\W\d_] mean the same under re.ASCII as under Unicode
 _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
 
+# spaCy's own tables (pipeline/clean/spacy_en.py), used as they are: its special cases ("don't"
+# is do n't, "cannot" can not, "10am" 10 am) and its URL match, which it tries on what is left
+# of a piece once the prefix and suffix symbols are off (e-mail addresses and names like
+# foo-bar.deb or howto.html stay one token). See _piece_words.
+_SPECIAL_PIECES = frozenset(SPECIAL_CASES)
+# words spaCy splits otherwise when they are a piece's: "don't", "cannot" (not ":-)", kept whole)
+_SPLIT_WORDS = frozenset(k for k, v in SPECIAL_CASES.items() if v != (k,))
+# ... and those of letters and digits only, each with a letter and none a stop word
+_SPLIT_ALNUM = frozenset(filter(str.isalnum, _SPLIT_WORDS))
+_URL_END = "(?:[/?#]\\S*)?$"
+assert URL_PATTERN.startswith("^") and URL_PATTERN.endswith(_URL_END)
+# (prefix symbols)(URL)(suffix symbols); the path is lazy so that the suffix symbols are not in it
+_URL_PIECE = re.compile(
+    f"([{_AFFIX}]*+)({URL_PATTERN[1 : -len(_URL_END)]}(?:[/?#]\\S*?)?)([{_SUFFIX}]*+)"
+)
+# the URL match is tried where _WORD would split a URL: a piece with a . and one of these symbols
+# before a letter or digit (bar-foo.deb a@b.org x.org/a=b); elsewhere _WORD keeps it whole
+_URL_HINT = re.compile(r"[-@/:=~<>,–—][^\W_]")
+_DIGIT_PLUS = re.compile(r"[0-9]\+")  # spaCy's suffix rule (?<=[0-9])\+ (GPL-2+ is GPL-2 +)
+
+
+def _piece_words(piece: str, findall=None) -> tuple[str, ...]:
+    """A piece's words, as spaCy's tokenizer finds them (approximately): a special case is taken
+    whole; a piece that is a URL between symbols (with a . and a _URL_HINT) is one word between
+    their words; else _WORD's words (findall: _WORD's, by default _WORD_FAST's), each special
+    case among them split as spaCy splits it, and a + after a digit split off."""
+    if findall is None:
+        findall = (_WORD_FAST_ASCII if piece.isascii() else _WORD_FAST).findall
+    if piece in SPECIAL_CASES:
+        return SPECIAL_CASES[piece]
+    url = "." in piece and _URL_HINT.search(piece) and _URL_PIECE.fullmatch(piece)
+    if url:
+        return (*findall(url[1]), url[2], *findall(url[3]))
+    words: list[str] = []
+    for w in findall(piece):
+        if w in _SPLIT_WORDS:
+            words += SPECIAL_CASES[w]
+        elif len(w) > 1 and w[-1] == "+" and w[-2] in "0123456789":
+            words += (w[:-1], "+")
+        else:
+            words.append(w)
+    return tuple(words)
+
+
+def _spacy_pieces(pieces: list[str], words: list[tuple[str, ...]]) -> list[int]:
+    """Which of these pieces (with _WORD's words) _piece_words may split otherwise, found by C
+    loops (map), each first asked of all the pieces at once: a special case, a word that is one,
+    a + after a digit, a URL."""
+    every = range(len(pieces))
+    found: set[int] = set()
+    if not _SPECIAL_PIECES.isdisjoint(pieces):
+        found.update(compress(every, map(SPECIAL_CASES.__contains__, pieces)))
+    if not _SPLIT_WORDS.isdisjoint(chain.from_iterable(words)):
+        found.update(compress(every, map(not_, map(_SPLIT_WORDS.isdisjoint, words))))
+    joined = "\n".join(pieces)
+    if _DIGIT_PLUS.search(joined):
+        found.update(compress(every, map(_DIGIT_PLUS.search, pieces)))
+    if "." in joined and _URL_HINT.search(joined):
+        dotted = list(compress(every, map(contains, pieces, repeat("."))))
+        hinted = compress(dotted, map(_URL_HINT.search, map(pieces.__getitem__, dotted)))
+        found.update(k for k in hinted if _URL_PIECE.fullmatch(pieces[k]))
+    return sorted(found)
+
+
 # Pieces kept (about 20 MB at most), then forgotten all at once, before a document.
 _PIECE_CACHE = 1 << 16
 
@@ -186,7 +255,7 @@ class _Pieces(dict):
         """_WORD.findall(text): the pieces of letters and digits as they are (no look-up), the
         others' words put in their places (map over list.__setitem__), then chained."""
         pieces = text.split()
-        plain = list(map(str.isalnum, pieces))
+        plain = _plain(pieces)
         if all(plain):
             return pieces
         at = list(compress(range(len(pieces)), map(not_, plain)))
@@ -194,7 +263,7 @@ class _Pieces(dict):
         found = list(map(self.words.__getitem__, ids))
         if None in found:  # learnt by `counts`, which keeps no words
             for k in [k for k, w in enumerate(found) if w is None]:
-                found[k] = self.words[ids[k]] = _words_of(pieces[at[k]])
+                found[k] = self.words[ids[k]] = _piece_words(pieces[at[k]])
         words: list[tuple[str, ...]] = list(zip(pieces))  # each piece its own word
         deque(map(words.__setitem__, at, cast(list[tuple[str, ...]], found)), maxlen=0)
         return list(chain.from_iterable(words))
@@ -224,6 +293,14 @@ class _Pieces(dict):
                 alpha + alpha_,
             )
             stop |= int(np.bitwise_or.reduce(rows[:, 4]))
+        for piece in _SPLIT_ALNUM.intersection(alnum):  # "cannot" was counted as one word
+            times = alnum.count(piece)
+            row = self.table[self.ids([piece])[0]].tolist()
+            n += times * (row[0] - 1)
+            real += times * (row[1] - 1)
+            real_chars += times * (row[2] - len(piece))
+            alpha += times * (row[3] - 1)  # each has a letter (_SPLIT_ALNUM)
+            stop |= row[4]
         return n, real, real_chars, alpha, bin(stop).count("1")
 
     def _learn(self, new: list[str], keep_words: bool) -> None:
@@ -239,6 +316,8 @@ class _Pieces(dict):
         words: list[tuple[str, ...]] = list(zip(compress(new, one)))  # one word each
         words += map(tuple, map(_WORD_FAST_ASCII.findall, fast))
         words += map(tuple, map(_WORD_FAST.findall, slow))
+        for k in _spacy_pieces(pieces, words):
+            words[k] = _piece_words(pieces[k])
         a = len(self.words)
         b = a + len(pieces)
         if b > len(self.table):
@@ -250,8 +329,13 @@ class _Pieces(dict):
         self.table[a:b] = _count_words(words)
 
 
-def _words_of(piece: str) -> tuple[str, ...]:
-    return tuple((_WORD_FAST_ASCII if piece.isascii() else _WORD_FAST).findall(piece))
+def _plain(pieces: list[str]) -> list[bool]:
+    """Which pieces are one word as they are: letters and digits only (str.isalnum, exactly
+    [^\\W_]), and not a special case ("cannot")."""
+    plain = list(map(str.isalnum, pieces))
+    if _SPLIT_ALNUM.isdisjoint(pieces):
+        return plain
+    return list(map(gt, plain, map(_SPLIT_ALNUM.__contains__, pieces)))
 
 
 def _has_letter(word: str) -> bool:
