@@ -225,7 +225,7 @@ def test_jsonl_without_the_text_field_says_which_field(tmp_path):
         (["--input", "/nonexistent/in.jsonl"], 2, "/nonexistent/in.jsonl: no such file"),
         (["--input", "{tmp}/x.bin"], 2, "unsupported file type"),
         (["--input", "{tmp}/p.parquet"], 1, "no column 'text'"),
-        (["--input", "{tmp}/p.parquet", "--workers", "0"], 2, "data.clean.workers=0"),
+        (["--input", "{tmp}/p.parquet", "--workers", "-1"], 2, "data.clean.workers=-1"),
         (
             ["--input", "{tmp}/p.parquet", "--num-tasks", "2", "--task-index", "3"],
             2,

@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from codex.config import Config
+from pipeline import executor
 from pipeline.executor import Where
 from pipeline.shard import shard as shard_mod
 from pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
@@ -154,14 +156,40 @@ def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
 
 
 def test_local_workers_share_the_cores():
-    cores = shard_mod._cores()
+    cores = executor.cores()
     assert shard_mod._encoder_threads(Where("local", 2), 8) == max(1, cores // 2)
     assert shard_mod._encoder_threads(Where("local", 1), 8) == 0  # here: every core
     assert shard_mod._encoder_threads(Where("local", 2), 1) == 0  # one unit runs here
     assert shard_mod._encoder_threads(Where("ray", 2), 8) == 0  # Ray's task sets 1
 
 
+def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
+    per = executor.AUTO_BYTES_PER_WORKER
+    monkeypatch.setattr(executor, "cores", lambda: 4)
+    assert [executor.auto_workers(n) for n in (0, per - 1, 2 * per, 3 * per + 1, 100 * per)] == [
+        1, 1, 2, 3, 4
+    ]  # fmt: skip
+
+
 # --- the stage -----------------------------------------------------------------------------------
+
+
+def test_the_default_workers_run_a_small_corpus_here_and_a_big_one_on_every_core(
+    tmp_path, corpus, tokenizer_files, monkeypatch, caplog
+):
+    run = make_run(tmp_path, corpus, tokenizer_files, files=1, row_group_size=GROUP)
+    assert Config().data.shard.workers == 0 and Config().data.clean.workers == 0
+    with caplog.at_level(logging.INFO, logger="codex.executor"):
+        small = run_shard(make_cfg(run, out=str(tmp_path / "small")))
+    assert "--workers 0: 1 worker(s) for" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(executor, "AUTO_BYTES_PER_WORKER", 1)  # the same corpus made "big"
+    monkeypatch.setattr(executor, "cores", lambda: 2)
+    with caplog.at_level(logging.INFO):
+        big = run_shard(make_cfg(run, out=str(tmp_path / "big")))
+    assert "--workers 0: 2 worker(s) for" in caplog.text
+    assert "(2 run side by side)" in caplog.text  # the corpus was cut for two workers
+    assert big == small
 
 
 def test_one_part_is_cut_for_two_workers_and_gives_the_same_shards(

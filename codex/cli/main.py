@@ -138,7 +138,8 @@ def _read_sources(_ctx, _param, path):
     "--workers",
     key="data.clean.workers",
     type=int,
-    help="Processes on this machine (or CPUs of a Ray runtime started here).",
+    help="Processes on this machine (or CPUs of a Ray runtime started here); 0 (default): one "
+    "per core, 1 per 8 MB of input at most.",
 )
 @key_option(
     "--num-tasks",
@@ -306,7 +307,8 @@ def data_tokenize(cfg):
     "--workers",
     key="data.shard.workers",
     type=int,
-    help="Worker processes (or CPUs of a Ray runtime started here).",
+    help="Worker processes (or CPUs of a Ray runtime started here); 0 (default): one per core, "
+    "1 per 8 MB of cleaned corpus at most.",
 )
 def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.

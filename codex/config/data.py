@@ -100,7 +100,9 @@ class CleanConfig:
     txt_delimiter: str = ""  # .txt: split on this string; "" = one document per file
     # web: prose rules, code: source-code corpora, all
     preset: Literal["web", "code", "all"] = "web"
-    workers: int = 1  # processes on this machine (local), or CPUs of a Ray runtime started here
+    # processes on this machine (local), or CPUs of a Ray runtime started here; 0: one per core
+    # when the input is big enough to pay for them (pipeline/executor.py: auto_workers)
+    workers: int = 0
     num_tasks: int = 1  # tasks across machines (a job array); task I takes units I, I+N, ...
     task_index: int = 0
     keep_rejected: bool = False  # also write dropped documents with their reason
@@ -171,7 +173,9 @@ class ShardConfig:
     val_fraction: float = 0.005  # documents hashed into the validation split
     format: Literal["npy", "parquet", "both"] = "npy"
     append_eos: bool = False  # each document is <|bos|> + tokens (+ <|eos|>)
-    workers: int = 1  # 1: encode in this process (tokenizers' threads); N: N processes
+    # 1: encode in this process (tokenizers' threads); N: N processes; 0: one per core when the
+    # corpus is big enough to pay for them (pipeline/executor.py: auto_workers)
+    workers: int = 0
     out: str = ""  # default: RUN/shards (any fsspec URL)
     # auto: uint16 when the vocab fits, else uint32
     dtype: Literal["auto", "uint16", "uint32"] = "auto"

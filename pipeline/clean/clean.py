@@ -354,9 +354,11 @@ def run_clean(cfg) -> dict:
             f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 "
             f"(num_tasks={c.num_tasks})"
         )
-    where = where_for(cfg.data, c.workers)
+    where_for(cfg.data, 1)  # data.executor checked (and Ray imported) before any file is read
     if not c.inputs and not c.sources:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
+    listed = _inputs_and_filters(c)
+    where = where_for(cfg.data, c.workers, sum(f.size for f in listed[0]) // c.num_tasks)
     stage = Stage(
         "codex data clean",
         cfg,
@@ -365,9 +367,9 @@ def run_clean(cfg) -> dict:
         later=(rundir.tokenizer_dir(cfg.run), rundir.shards_dir(cfg.run)),
     )
     # --workers N: one pool of N processes for the units and the corpus-wide dedup after them,
-    # started now: they import the stage while this process lists and plans the inputs
+    # started now: they import the stage while this process plans the units
     with stage_pool(where, _warm) as where:
-        stats = _clean(stage, c, where)
+        stats = _clean(stage, c, where, listed)
     forget_pieces()  # the word cache of the units run in this process (workers=1)
     _refuse_bad_outcome(stats, stage.out)
     return stats
@@ -378,11 +380,11 @@ def _warm() -> None:
     regexes, numpy, pyarrow) before the first unit arrives."""
 
 
-def _clean(stage: Stage, c: CleanConfig, where: Where) -> dict:
+def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     """The units not done yet, then (when every unit is) the corpus-wide dedup and stats.json;
-    returns the stats."""
+    returns the stats. listed: _inputs_and_filters(c)."""
     out = stage.out
-    files, skipped, filters = _inputs_and_filters(c)
+    files, skipped, filters = listed
     fingerprint = _fingerprint(c, files)
     units = plan_units(files, c)
     markers = _read_markers(stage, fingerprint)

@@ -15,9 +15,10 @@ Words: datatrove splits English words with spaCy's tokenizer (slow); we use one 
 that copies its main rules: symbols split off words one character at a time ("===" is three
 tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like e.g. and
 contraction suffixes ('s) kept whole; and spaCy's own tables (its special cases: "don't" is do
-n't; its URL match: foo-bar.deb is one word), see _piece_words. Sentences (C4) are counted as runs of . ! ? followed by
-whitespace or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are
-approximations; bench/bench_datatrove_parity.py measures how often the decisions still agree.
+n't; its URL match: foo-bar.deb is one word), see _piece_words. Sentences (C4) are counted as
+runs of . ! ? followed by whitespace or the end, not after an abbreviation, instead of spaCy's
+sentencizer. Both are approximations; bench/bench_datatrove_parity.py measures how often the
+decisions still agree.
 
 Speed, with the same decisions (tests/test_clean.py holds each fast path to its plain definition):
 _WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches its pieces),

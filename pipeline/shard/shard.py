@@ -81,7 +81,7 @@ from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, EncodeWith, token_dtype
-from pipeline.executor import Where, run_units, slots, stage_pool, where_for, worker_id
+from pipeline.executor import Where, cores, run_units, slots, stage_pool, where_for, worker_id
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches, parquet_text_rows
 from pipeline.shard.manifest import (
@@ -253,8 +253,8 @@ def _validate(cfg: Config) -> None:
         )
     if not 0 < s.val_fraction < 1:
         raise ShardError(f"data.shard.val_fraction must be in (0, 1), got {s.val_fraction}")
-    if s.workers < 1:
-        raise ShardError(f"data.shard.workers must be >= 1, got {s.workers}")
+    if s.workers < 0:
+        raise ShardError(f"data.shard.workers must be >= 0 (0: auto), got {s.workers}")
     if s.chunk_chars < 1000:
         raise ShardError(f"data.shard.chunk_chars must be >= 1000, got {s.chunk_chars}")
 
@@ -318,18 +318,13 @@ def _refuse_other_settings(stage: Stage, settings: dict) -> None:
         )
 
 
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
-
-
 def _encoder_threads(where: Where, n_units: int) -> int:
     """Encoder threads per process for n_units encode units; 0 leaves them alone. In this process
     (run_units runs one unit, or workers=1, here) tokenizers uses every core; Ray's runtime sets 1
     thread a task; N local processes share the cores."""
     if where.executor != "local" or where.workers == 1 or n_units <= 1:
         return 0
-    return max(1, _cores() // min(where.workers, n_units))
+    return max(1, cores() // min(where.workers, n_units))
 
 
 def _listing(folder: str) -> dict[str, int]:
@@ -960,7 +955,7 @@ def run_shard(cfg: Config) -> dict:
     manifest."""
     s = cfg.data.shard
     _validate(cfg)
-    where = where_for(cfg.data, s.workers)
+    where_for(cfg.data, 1)  # data.executor checked (and Ray imported) before any file is read
     stage = Stage(
         "codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError
     )
@@ -970,6 +965,7 @@ def run_shard(cfg: Config) -> dict:
     _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
+    where = where_for(cfg.data, s.workers, sum(map(fsio.size, files)))
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     _refuse_other_settings(stage, settings)
