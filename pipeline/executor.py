@@ -68,26 +68,22 @@ class Where:
         return self.executor == "ray" or self.workers > 1
 
 
-# --workers 0: a second process pays for its start (spawn, imports: about 0.6 s) from about 12 MB
-# of input on, for clean and shard alike (README's stage table), so one worker per 8 MB at most
-AUTO_BYTES_PER_WORKER = 8 << 20
-
-
 def cores() -> int:
     """The cores this process may run on (its affinity, e.g. under taskset or a container)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity else (os.cpu_count() or 1)
 
 
-def auto_workers(input_bytes: int) -> int:
+def auto_workers(input_bytes: int, bytes_per_worker: int) -> int:
     """What --workers 0 (the default) means for input_bytes of input: one process per core, and
-    one per AUTO_BYTES_PER_WORKER at most (a small input runs fastest in this process)."""
-    return max(1, min(cores(), input_bytes // AUTO_BYTES_PER_WORKER))
+    one per bytes_per_worker at most (below that a process's start, spawn and imports, costs
+    more than its share of the work gains; each stage measured its own: README's stage table)."""
+    return max(1, min(cores(), input_bytes // bytes_per_worker))
 
 
-def where_for(data_cfg, workers: int, input_bytes: int = 0) -> Where:
+def where_for(data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: int = 1) -> Where:
     """The Where of a stage from the data config (data.executor, data.ray_address); workers 0
-    is auto_workers(input_bytes) (a Ray runtime started here: every core)."""
+    is auto_workers(input_bytes, bytes_per_worker) (a Ray runtime started here: every core)."""
     if data_cfg.executor not in ("local", "ray"):
         raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
     if workers < 0:
@@ -97,7 +93,9 @@ def where_for(data_cfg, workers: int, input_bytes: int = 0) -> Where:
     if data_cfg.executor == "ray":
         import_ray()  # before the stage touches its folder
     if workers == 0:
-        workers = cores() if data_cfg.executor == "ray" else auto_workers(input_bytes)
+        workers = (
+            cores() if data_cfg.executor == "ray" else auto_workers(input_bytes, bytes_per_worker)
+        )
         log.info(
             "--workers 0: %d worker(s) for %.1f MB of input on %d core(s)",
             workers,

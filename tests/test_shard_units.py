@@ -164,11 +164,10 @@ def test_local_workers_share_the_cores():
 
 
 def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
-    per = executor.AUTO_BYTES_PER_WORKER
+    per = 1000
     monkeypatch.setattr(executor, "cores", lambda: 4)
-    assert [executor.auto_workers(n) for n in (0, per - 1, 2 * per, 3 * per + 1, 100 * per)] == [
-        1, 1, 2, 3, 4
-    ]  # fmt: skip
+    sizes = (0, per - 1, 2 * per, 3 * per + 1, 100 * per)
+    assert [executor.auto_workers(n, per) for n in sizes] == [1, 1, 2, 3, 4]
 
 
 # --- the stage -----------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ def test_the_default_workers_run_a_small_corpus_here_and_a_big_one_on_every_core
         small = run_shard(make_cfg(run, out=str(tmp_path / "small")))
     assert "--workers 0: 1 worker(s) for" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(executor, "AUTO_BYTES_PER_WORKER", 1)  # the same corpus made "big"
+    monkeypatch.setattr(shard_mod, "AUTO_BYTES_PER_WORKER", 1)  # the same corpus made "big"
     monkeypatch.setattr(executor, "cores", lambda: 2)
     with caplog.at_level(logging.INFO):
         big = run_shard(make_cfg(run, out=str(tmp_path / "big")))

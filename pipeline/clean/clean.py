@@ -69,6 +69,10 @@ from pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
 
+# --workers 0: one process per this much input at most; a process's start (spawn, imports) is
+# won back only above it (measured: README's stage table)
+AUTO_BYTES_PER_WORKER = 8 << 20
+
 # Settings that change what is written (part of the plan fingerprint); others (workers,
 # task_index) only change how it is computed.
 _RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield")
@@ -358,7 +362,9 @@ def run_clean(cfg) -> dict:
     if not c.inputs and not c.sources:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     listed = _inputs_and_filters(c)
-    where = where_for(cfg.data, c.workers, sum(f.size for f in listed[0]) // c.num_tasks)
+    where = where_for(
+        cfg.data, c.workers, sum(f.size for f in listed[0]) // c.num_tasks, AUTO_BYTES_PER_WORKER
+    )
     stage = Stage(
         "codex data clean",
         cfg,

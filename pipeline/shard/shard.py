@@ -107,6 +107,9 @@ log = logging.getLogger("codex.shard")
 
 BATCH_CHARS = 4_000_000  # text per encode call: big enough for the thread pool, small for memory
 READ_ROWS = 2048  # parquet rows decoded at a time
+# --workers 0: one process per this much cleaned corpus at most; one process already encodes on
+# every core (the encoder's threads), so processes win only on big corpora (README's stage table)
+AUTO_BYTES_PER_WORKER = 48 << 20
 # rows between the places where the scan records its running counts: where a part may be cut into
 # several encode units
 BLOCK_ROWS = 64
@@ -965,7 +968,7 @@ def run_shard(cfg: Config) -> dict:
     _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
-    where = where_for(cfg.data, s.workers, sum(map(fsio.size, files)))
+    where = where_for(cfg.data, s.workers, sum(map(fsio.size, files)), AUTO_BYTES_PER_WORKER)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     _refuse_other_settings(stage, settings)
