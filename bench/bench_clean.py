@@ -9,7 +9,7 @@ marker line so repeats are not exact duplicates. Both tools run the equivalent G
 Gopher repetition + C4 filters (datatrove: GopherRepetitionFilter, GopherQualityFilter,
 C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench-only venv (pass
 its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
-every 50 ms.
+every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
 Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files),
 2026-11-26, after the word-piece cache, the n-grams in numpy and one pool per stage (load 0.5):
@@ -84,23 +84,28 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
     return total
 
 
-def measure(cmd: list[str], env=None) -> tuple[float, float]:
-    """(seconds, peak RSS MB of the process tree)."""
+def measure(cmd: list[str], env=None) -> tuple[float, float, float, float]:
+    """(seconds, peak RSS MB of the process tree, the driver's own peak, the largest worker's)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    peak = 0
+    peak, each = 0, {}
     while proc.poll() is None:
-        peak = max(peak, tree_rss(proc.pid))
+        now = tree_rss(proc.pid)
+        peak = max(peak, sum(now.values()))
+        for p, b in now.items():
+            each[p] = max(each.get(p, 0), b)
         time.sleep(0.05)
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:3]} failed:\n{proc.stderr.read().decode()[-3000:]}")
-    return dt, peak / 1e6
+    worker = max([b for p, b in each.items() if p != proc.pid] + [0])
+    return dt, peak / 1e6, each.get(proc.pid, 0) / 1e6, worker / 1e6
 
 
-def tree_rss(pid: int) -> int:
+def tree_rss(pid: int) -> dict[int, int]:
+    """RSS bytes of pid and each of its descendants."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for d in os.listdir("/proc"):
@@ -113,12 +118,12 @@ def tree_rss(pid: int) -> int:
             rss[int(d)] = int(parts[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             pass
-    total, todo = 0, [pid]
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
+        out[p] = rss.get(p, 0)
         todo += children.get(p, [])
-    return total
+    return out
 
 
 def main() -> None:
@@ -141,23 +146,25 @@ def main() -> None:
             f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
             f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)"
         )
-        dt, rss = measure([sys.executable, "-c", code])
+        dt, rss, driver, worker = measure([sys.executable, "-c", code])
         stats = json.loads((tmp / f"codex{w}" / "clean" / "stats.json").read_text())
-        rows.append((f"codex workers={w}", dt, rss, stats["docs_out"]))
+        rows.append((f"codex workers={w}", dt, rss, stats["docs_out"], driver, worker))
         if args.datatrove:  # needs: pip install datatrove orjson spacy nltk (in the bench venv)
             try:
-                dt, rss = measure(
+                dt, rss, driver, worker = measure(
                     [args.datatrove, "-c", DATATROVE, str(tmp / "in"), str(tmp / f"dt{w}"), str(w)]
                 )
             except SystemExit as e:
                 print(f"datatrove workers={w} failed: {str(e)[-400:]}")
                 continue
 
-            rows.append((f"datatrove workers={w}", dt, rss, None))
-    print(f"\n{'':22} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'docs kept':>10}")
-    for name, dt, rss, kept in rows:
+            rows.append((f"datatrove workers={w}", dt, rss, None, driver, worker))
+    print(
+        f"\n{'':22} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>12} {'drv/wkr':>9} {'docs kept':>10}"
+    )
+    for name, dt, rss, kept, driver, worker in rows:
         print(
-            f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {rss:12.0f} "
+            f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {rss:12.0f} {driver:4.0f}/{worker:<4.0f} "
             f"{kept if kept is not None else '':>10}"
         )
 

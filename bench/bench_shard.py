@@ -13,7 +13,8 @@ session, alternating so machine load hits both alike:
             library's limit)
   shard     the whole stage in a fresh process (read parquet, hash the split, encode, write shards,
             sha256, manifest) with --workers 1 (tokenizers' threads) and --workers 2 (processes)
-Peak RSS of the shard process includes its worker processes. --cores pins everything with
+Peak RSS of the shard process includes its worker processes (RSS MB: the largest sum; drv/wkr:
+the driver's own peak and the largest worker's). --cores pins everything with
 taskset-like affinity (default: the first 2 cores). --scaling runs only the stage: --workers 1
 pinned to the first of --cores against --workers N on all N of them, each round in turn, and prints
 the speed-up (seconds) and the ratio of CPU seconds (the stage's process and its workers) per round,
@@ -206,10 +207,13 @@ def tree(pid):
             pass
     return out
 
-peak = [0]
-def sample():   # RSS of this process + its worker processes, every 0.1 s
+peak, each = [0], {{}}
+def sample():   # RSS of this process + its worker processes, every 0.1 s; and each one's peak
     while True:
-        peak[0] = max(peak[0], sum(rss_kb(p) for p in tree(os.getpid())))
+        now = {{p: rss_kb(p) for p in tree(os.getpid())}}
+        peak[0] = max(peak[0], sum(now.values()))
+        for p, kb in now.items():
+            each[p] = max(each.get(p, 0), kb)
         time.sleep(0.1)
 threading.Thread(target=sample, daemon=True).start()
 cfg = Config(); cfg.run = {run!r}
@@ -220,7 +224,10 @@ cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_S
                                             resource.getrusage(resource.RUSAGE_CHILDREN)))
 print(json.dumps({{"seconds": dt, "cpu": cpu,
                   "tokens": m["totals"]["train"]["tokens"] + m["totals"]["val"]["tokens"],
-                  "rss_mb": peak[0] / 1024, "shards": len(m["shards"])}}))
+                  "rss_mb": peak[0] / 1024, "shards": len(m["shards"]),
+                  "driver_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "worker_mb": max([kb for p, kb in each.items() if p != os.getpid()] + [0])
+                  / 1024}}))
 """
 
 
@@ -256,7 +263,8 @@ def shard(
 def table(rows: list[dict], ref: float | None) -> None:
     print(
         f"\n{'what':42s} {'MB':>6s} {'Mtokens':>8s} {'s':>6s} {'MB/s':>6s} {'Mtok/s':>7s} "
-        f"{'x bare':>6s} {'cpu s':>6s} {'MB/cpu-s':>8s} {'RSS MB':>6s} {'load':>5s}"
+        f"{'x bare':>6s} {'cpu s':>6s} {'MB/cpu-s':>8s} {'RSS MB':>6s} {'drv/wkr':>9s} "
+        f"{'load':>5s}"
     )
     for r in rows:
         rate = r["tokens"] / r["seconds"]
@@ -265,7 +273,9 @@ def table(rows: list[dict], ref: float | None) -> None:
             f"{r['bytes'] / r['seconds'] / 1e6:6.2f} {rate / 1e6:7.3f} "
             f"{rate / ref if ref else float('nan'):6.2f} "
             f"{r['cpu']:6.1f} {r['bytes'] / r['cpu'] / 1e6:8.2f} "
-            f"{r.get('rss_mb', float('nan')):6.0f} {r.get('load', float('nan')):5.2f}"
+            f"{r.get('rss_mb', float('nan')):6.0f} "
+            f"{r.get('driver_mb', float('nan')):4.0f}/{r.get('worker_mb', float('nan')):<4.0f} "
+            f"{r.get('load', float('nan')):5.2f}"
         )
 
 

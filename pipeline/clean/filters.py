@@ -210,8 +210,9 @@ def _spacy_pieces(pieces: list[str], words: list[tuple[str, ...]]) -> list[int]:
     return sorted(found)
 
 
-# Pieces kept (about 20 MB at most), then forgotten all at once, before a document.
-_PIECE_CACHE = 1 << 16
+# Pieces kept (a few MB: a worker's peak RSS is the limit), then forgotten all at once, before a
+# document.
+_PIECE_CACHE = 1 << 14
 
 
 class _Pieces(dict):
