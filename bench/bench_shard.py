@@ -197,6 +197,12 @@ def rss_kb(pid):
         pass
     return 0
 
+def hwm_kb():   # this process's own peak (ru_maxrss would carry the bench's peak across exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
 def tree(pid):
     out = [pid]
     for t in os.listdir(f"/proc/{{pid}}/task"):
@@ -225,7 +231,7 @@ cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_S
 print(json.dumps({{"seconds": dt, "cpu": cpu,
                   "tokens": m["totals"]["train"]["tokens"] + m["totals"]["val"]["tokens"],
                   "rss_mb": peak[0] / 1024, "shards": len(m["shards"]),
-                  "driver_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "driver_mb": hwm_kb() / 1024,
                   "worker_mb": max([kb for p, kb in each.items() if p != os.getpid()] + [0])
                   / 1024}}))
 """
