@@ -2,6 +2,7 @@
 
     python bench/bench_clean.py                        # codex only (1 and 2 workers)
     python bench/bench_clean.py --datatrove /work/benchenv-clean/bin/python --mb 100
+    python bench/bench_clean.py --pin --repeats 3      # 1 worker on core 0 vs 2 on cores 0,1
 
 Input: the Python stdlib's .py files plus ../shared/data/*.txt when present (paragraphs), written
 as JSONL files (one document per record) and repeated until --mb MB; each repeat gets a distinct
@@ -84,11 +85,17 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
     return total
 
 
-def measure(cmd: list[str], env=None) -> tuple[float, float, float, float]:
-    """(seconds, peak RSS MB of the process tree, the driver's own peak, the largest worker's)."""
+def measure(cmd: list[str], env=None, cores=None) -> tuple[float, float, float, float]:
+    """(seconds, peak RSS MB of the process tree, the driver's own peak, the largest worker's);
+    cores: pin the process (and so its workers) to these."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
     peak, each = 0, {}
     while proc.poll() is None:
@@ -131,28 +138,35 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--datatrove", default="", help="python of a venv with datatrove installed")
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="run N workers on cores 0..N-1 only (the issue's scaling: 1 worker on 1 core)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_clean_"))
     size = build_input(tmp / "in", args.mb)
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
     rows = []
-    for w in [int(x) for x in args.workers.split(",")]:
+    for i, w in enumerate([int(x) for x in args.workers.split(",")] * args.repeats):
         code = (
             "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
             "cfg = build_config(overrides=['data.clean.preset=web', "
             "'data.clean.fineweb.enabled=false', "
             # the corpus is mostly source code, which the prose rules drop: well under min_yield
             "'data.clean.allow_low_yield=true', "
-            f"'data.clean.workers={w}'], run={str(tmp / f'codex{w}')!r})\n"
+            f"'data.clean.workers={w}'], run={str(tmp / f'codex{i}')!r})\n"
             f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)"
         )
-        dt, rss, driver, worker = measure([sys.executable, "-c", code])
-        stats = json.loads((tmp / f"codex{w}" / "clean" / "stats.json").read_text())
+        pin = set(range(w)) if args.pin else None
+        dt, rss, driver, worker = measure([sys.executable, "-c", code], cores=pin)
+        stats = json.loads((tmp / f"codex{i}" / "clean" / "stats.json").read_text())
         rows.append((f"codex workers={w}", dt, rss, stats["docs_out"], driver, worker))
         if args.datatrove:  # needs: pip install datatrove orjson spacy nltk (in the bench venv)
             try:
                 dt, rss, driver, worker = measure(
-                    [args.datatrove, "-c", DATATROVE, str(tmp / "in"), str(tmp / f"dt{w}"), str(w)]
+                    [args.datatrove, "-c", DATATROVE, str(tmp / "in"), str(tmp / f"dt{i}"), str(w)]
                 )
             except SystemExit as e:
                 print(f"datatrove workers={w} failed: {str(e)[-400:]}")

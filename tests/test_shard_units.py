@@ -132,6 +132,35 @@ def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
     assert cut[1] < 203 // 8
 
 
+def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    (whole,) = scans_of(tmp_path, [203])  # row groups of 30 rows: ranges end off the 4-row grid
+    path = str(tmp_path / "part-0.parquet")
+    for side_by_side in (2, 3, 7):
+        units = shard_mod._scan_units([path], 0.3, side_by_side)
+        # byte-balanced at row groups: the big documents' groups are fewer rows each
+        assert 2 <= len(units) <= side_by_side and units[0].start == 0 and units[-1].stop == 203
+        assert all(u.start % GROUP == 0 for u in units)  # cut at row groups
+        joined = shard_mod._joined_scans(
+            [(u.start, shard_mod.shard_scan_unit(u)) for u in reversed(units)]
+        )
+        assert joined.keys() == whole.keys()
+        for key, value in whole.items():
+            same = (
+                np.array_equal(joined[key], value) if key.endswith("_at") else joined[key] == value
+            )
+            assert same, key
+    # one unit a part when there are enough parts, and for an empty part
+    empty = tmp_path / "empty.parquet"
+    write_part(empty, [])
+    assert [(u.start, u.stop) for u in shard_mod._scan_units([path, str(empty)], 0.3, 2)] == [
+        (0, -1), (0, -1)
+    ]  # fmt: skip
+    assert [(u.start, u.stop) for u in shard_mod._scan_units([str(empty)], 0.3, 2)] == [(0, -1)]
+
+
 def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
     scans = scans_of(tmp_path, [50, 203, 0], val_fraction=0.3)

@@ -17,7 +17,9 @@ the manifest:
     scan     a unit reads one part and counts its documents per split, so an empty corpus or an
              empty val split fails in seconds, before any encoding (reading + hashing is ~30x
              cheaper than encoding); it also samples, every BLOCK_ROWS rows and at the end, the
-             UTF-8 bytes and val documents before that row
+             UTF-8 bytes and val documents before that row. With fewer parts than slots a part is
+             scanned in row ranges cut at its row groups, one per slot, and their counts added
+             up (_scan_units, _joined_scans): the same samples, and no core idles meanwhile
     encode   a unit is rows [start, stop) of one part. With at least UNITS_PER_WORKER x slots
              parts (slots: local workers, or the Ray cluster's CPUs) each part is one unit;
              with fewer (one 20,000-document part, a few parts) the parts are cut at the scan's
@@ -65,6 +67,7 @@ import concurrent.futures as cf
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -369,17 +372,28 @@ def _read_markers(paths: list[str]) -> list[dict | None]:
 class _ScanUnit:
     path: str
     val_fraction: float
+    start: int = 0  # rows [start, stop) of the part; stop -1: to its end
+    stop: int = -1
+    block_rows: int = 0  # the driver's BLOCK_ROWS (a worker process may hold another)
 
 
 def shard_scan_unit(u: _ScanUnit) -> dict:
-    """One part: its rows, documents per split, smallest split value (to suggest a val_fraction),
-    and running counts sampled at rows 0, BLOCK_ROWS, 2 x BLOCK_ROWS, ... and its last row
-    ("rows_at"): the UTF-8 bytes ("bytes_at") and val documents ("val_at") before each. _cuts may
-    cut the part into encode units at those rows, and each unit's documents come from them."""
+    """One part (or rows of it): its rows, documents per split, smallest split value (to suggest
+    a val_fraction), and running counts sampled at rows 0, BLOCK_ROWS, 2 x BLOCK_ROWS, ... and its
+    last row ("rows_at"): the UTF-8 bytes ("bytes_at") and val documents ("val_at") before each.
+    _cuts may cut the part into encode units at those rows, and each unit's documents come from
+    them. Rows [start, stop) count from start (a part's are added up by _joined_scans)."""
     min_value = 1.0
-    rows_at, bytes_at, val_at = [0], [0], [0]
-    n_bytes = n_val = row = 0
-    for texts in read_text_batches([u.path]):
+    block = u.block_rows or BLOCK_ROWS
+    rows_at, bytes_at, val_at = [u.start], [0], [0]
+    n_bytes = n_val = 0
+    row = u.start
+    reader = (
+        read_text_batches([u.path])
+        if u.start == 0 and u.stop < 0
+        else read_text_rows(u.path, u.start, u.stop)
+    )
+    for texts in reader:
         for text in texts:
             data = text.encode("utf-8")
             v = _split_value(data)
@@ -387,16 +401,16 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
             n_bytes += len(data)
             n_val += v < u.val_fraction
             row += 1
-            if row % BLOCK_ROWS == 0:
+            if row % block == 0:
                 rows_at.append(row)
                 bytes_at.append(n_bytes)
                 val_at.append(n_val)
-    if row % BLOCK_ROWS:
+    if row % block and row > u.start:
         rows_at.append(row)
         bytes_at.append(n_bytes)
         val_at.append(n_val)
     return {
-        "documents": {"train": row - n_val, "val": n_val},
+        "documents": {"train": row - u.start - n_val, "val": n_val},
         "min_value": min_value,
         "rows": row,
         "rows_at": np.array(rows_at, np.int64),
@@ -405,14 +419,60 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
     }
 
 
+def _scan_units(files: list[str], val_fraction: float, side_by_side: int) -> list[_ScanUnit]:
+    """A unit per part; with fewer parts than units run side by side, each part is cut at row
+    groups (about equal bytes) into that many, so that the scan runs on every worker too."""
+    if len(files) >= side_by_side:
+        return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS) for f in files]
+    units = []
+    for f in files:
+        with fsio.open(f, "rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+        sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+        rows = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        at = np.cumsum([0] + sizes)
+        # the row group where each cut's share of the bytes begins
+        cuts = np.searchsorted(at, np.linspace(0, at[-1], side_by_side + 1)[1:-1])
+        bounds = sorted({0, *rows[cuts].tolist(), int(rows[-1])})
+        ranges = list(itertools.pairwise(bounds)) or [(0, -1)]  # an empty part: one unit
+        units += [_ScanUnit(f, val_fraction, a, b, BLOCK_ROWS) for a, b in ranges]
+    return units
+
+
+def _joined_scans(parts: list[tuple[int, dict]]) -> dict:
+    """One part's scan from the scans of its row ranges (start row, scan): counts added up, and
+    the samples at a range's end that are not on a BLOCK_ROWS boundary left out (the part's
+    samples are the same wherever the scan was cut)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    if len(parts) == 1:
+        return parts[0][1]
+    rows, nbytes, nval = [np.zeros(1, np.int64) for _ in range(3)]
+    for _, r in parts:
+        keep = r["rows_at"][1:]
+        rows = np.concatenate([rows, keep])
+        nbytes = np.concatenate([nbytes, r["bytes_at"][1:] + nbytes[-1]])
+        nval = np.concatenate([nval, r["val_at"][1:] + nval[-1]])
+    last = parts[-1][1]["rows"]
+    on_grid = (rows % BLOCK_ROWS == 0) | (rows == last)
+    return {
+        "documents": {sp: sum(r["documents"][sp] for _, r in parts) for sp in SPLITS},
+        "min_value": min(r["min_value"] for _, r in parts),
+        "rows": last,
+        "rows_at": rows[on_grid],
+        "bytes_at": nbytes[on_grid],
+        "val_at": nval[on_grid],
+    }
+
+
 def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str, dict]:
     """{part: its documents per split}; an impossible split is a ShardError now, not after hours of
     tokenization."""
-    found: dict[str, dict] = {}
     # one bar for the stage (the encoding's): the scan and the write report one line each
-    units = [_ScanUnit(f, val_fraction) for f in files]
+    units = _scan_units(files, val_fraction, slots(where) if where.parallel else 1)
+    scans: dict[str, list] = {f: [] for f in files}
     for u, r in run_units(shard_scan_unit, units, where):
-        found[u.path] = r
+        scans[u.path].append((u.start, r))
+    found = {f: _joined_scans(scans[f]) for f in files}
     docs = {sp: sum(r["documents"][sp] for r in found.values()) for sp in SPLITS}
     log.info(
         "shard: %d parts hold %d train and %d val documents", len(files), docs["train"], docs["val"]
