@@ -33,14 +33,14 @@ the stage encodes with the exact tiktoken encoder, pipeline/encode.py):
 
 The --workers 2 rows above predate issue 27's fix: the corpus is one part (10,021 documents), which
 was then one encode unit, run in the driver process, so no second process ever encoded. Since then
-a corpus of fewer than 4 parts per worker is cut into ~4 byte-balanced row ranges per worker, and
-one pool of workers serves the stage's phases. Not yet measured on a quiet machine. On the 2
-shared cores here (2026-11-26, --scaling, 1-minute load 2-9 from other work, 13 rounds of the 100
-MB corpus, with row groups of 2,000 rows and of one row group) the speed-up of --workers 2 ranged
-from 0.46x to 1.84x and its CPU seconds from 1.03x to 1.40x those of --workers 1: noise, the
-issue's 1.8x is neither shown nor refuted. Measured alone: a pool of 2 workers costs ~0.8 CPU
-seconds to start (imports, the encoder), overlapped with the driver's scan; 8 row ranges read
-0.12 CPU seconds more than the whole part with row groups of 2,000 rows (0.33 with one row group).
+a corpus of fewer than 4 parts per worker is cut into ~4 byte-balanced row ranges per worker, one
+pool of workers serves the stage's phases, and the scan of a part runs on every worker in row
+ranges cut at its row groups. Quiet machine, 2026-11-26, --scaling --rounds 3: 1 worker on core 0
+9.7-9.9 s (391 MB), 2 workers on cores 0,1 5.7-5.9 s (687-717 MB: the driver 88, each worker
+349-355): 1.67x, 1.71x, 1.72x (CPU seconds 1.08-1.11x); target 1.8x, not met. Where the rest goes
+(one logged run of 2 workers, 5.8 s): pool start and scan until 0.82 s, the encoding 4.86 s at 20.6
+MB/s (2 x one core's whole-stage rate), the write 0.24 s, the manifest 0.1 s. Tried and dropped:
+8 units a worker instead of 4 (1.65x), a write task per worker (1.65x): noise-level either way.
 """
 
 from __future__ import annotations
