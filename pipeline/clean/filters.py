@@ -150,7 +150,6 @@ _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
 # is do n't, "cannot" can not, "10am" 10 am) and its URL match, which it tries on what is left
 # of a piece once the prefix and suffix symbols are off (e-mail addresses and names like
 # foo-bar.deb or howto.html stay one token). See _piece_words.
-_SPECIAL_PIECES = frozenset(SPECIAL_CASES)
 # words spaCy splits otherwise when they are a piece's: "don't", "cannot" (not ":-)", kept whole)
 _SPLIT_WORDS = frozenset(k for k, v in SPECIAL_CASES.items() if v != (k,))
 # ... and those of letters and digits only, each with a letter and none a stop word
@@ -174,8 +173,13 @@ def _piece_words(piece: str, findall=None) -> tuple[str, ...]:
     case among them split as spaCy splits it, and a + after a digit split off."""
     if findall is None:
         findall = (_WORD_FAST_ASCII if piece.isascii() else _WORD_FAST).findall
-    if piece in SPECIAL_CASES:
+    if piece in _SPECIAL_PIECES:
         return SPECIAL_CASES[piece]
+    return _rule_words(piece, findall)
+
+
+def _rule_words(piece: str, findall) -> tuple[str, ...]:
+    """_piece_words of a piece that is not a special case."""
     url = "." in piece and _URL_HINT.search(piece) and _URL_PIECE.fullmatch(piece)
     if url:
         return (*findall(url[1]), url[2], *findall(url[3]))
@@ -190,6 +194,13 @@ def _piece_words(piece: str, findall=None) -> tuple[str, ...]:
     return tuple(words)
 
 
+# the special cases the rules would split otherwise ("don't", ":-)"; not "e.g." or "'"): taking
+# only these whole gives the same words as taking every one whole
+_SPECIAL_PIECES = frozenset(
+    k for k, v in SPECIAL_CASES.items() if _rule_words(k, _WORD.findall) != v
+)
+
+
 def _spacy_pieces(pieces: list[str], words: list[tuple[str, ...]]) -> list[int]:
     """Which of these pieces (with _WORD's words) _piece_words may split otherwise, found by C
     loops (map), each first asked of all the pieces at once: a special case, a word that is one,
@@ -197,7 +208,7 @@ def _spacy_pieces(pieces: list[str], words: list[tuple[str, ...]]) -> list[int]:
     every = range(len(pieces))
     found: set[int] = set()
     if not _SPECIAL_PIECES.isdisjoint(pieces):
-        found.update(compress(every, map(SPECIAL_CASES.__contains__, pieces)))
+        found.update(compress(every, map(_SPECIAL_PIECES.__contains__, pieces)))
     if not _SPLIT_WORDS.isdisjoint(chain.from_iterable(words)):
         found.update(compress(every, map(not_, map(_SPLIT_WORDS.isdisjoint, words))))
     joined = "\n".join(pieces)
