@@ -159,6 +159,12 @@ def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
         (0, -1), (0, -1)
     ]  # fmt: skip
     assert [(u.start, u.stop) for u in shard_mod._scan_units([str(empty)], 0.3, 2)] == [(0, -1)]
+    # a damaged part is named (the driver reads its footer to cut it)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(path_bytes := Path(path).read_bytes()[:-100])
+    assert path_bytes
+    with pytest.raises(ShardDataError, match=f"{bad}: not a readable parquet file"):
+        shard_mod._scan_units([str(bad)], 0.3, 2)
 
 
 def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):

@@ -426,8 +426,11 @@ def _scan_units(files: list[str], val_fraction: float, side_by_side: int) -> lis
         return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS) for f in files]
     units = []
     for f in files:
-        with fsio.open(f, "rb") as fh:
-            meta = pq.ParquetFile(fh).metadata
+        try:
+            with fsio.open(f, "rb") as fh:
+                meta = pq.ParquetFile(fh).metadata
+        except Exception as e:
+            raise ShardDataError(f"{f}: not a readable parquet file ({e})") from None
         sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
         rows = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         at = np.cumsum([0] + sizes)
