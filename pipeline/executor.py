@@ -81,17 +81,23 @@ def auto_workers(input_bytes: int, bytes_per_worker: int) -> int:
     return max(1, min(cores(), input_bytes // bytes_per_worker))
 
 
+def check_executor(data_cfg) -> None:
+    """data.executor is local or ray, and Ray is installed for ray: a stage asks before it reads
+    or touches any file."""
+    if data_cfg.executor not in ("local", "ray"):
+        raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
+    if data_cfg.executor == "ray":
+        import_ray()
+
+
 def where_for(data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: int = 1) -> Where:
     """The Where of a stage from the data config (data.executor, data.ray_address); workers 0
     is auto_workers(input_bytes, bytes_per_worker) (a Ray runtime started here: every core)."""
-    if data_cfg.executor not in ("local", "ray"):
-        raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
+    check_executor(data_cfg)
     if workers < 0:
         raise ConfigError(
             f"workers must be >= 0 (0: one per core, as the input allows), got {workers}"
         )
-    if data_cfg.executor == "ray":
-        import_ray()  # before the stage touches its folder
     if workers == 0:
         workers = (
             cores() if data_cfg.executor == "ray" else auto_workers(input_bytes, bytes_per_worker)

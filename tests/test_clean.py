@@ -608,6 +608,19 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
             assert fast.findall(piece) == F._WORD.findall(piece), repr(piece)
 
 
+def _dup_ngram_chars(words: list[str], n: int) -> int:
+    """datatrove's find_all_duplicate: characters in n-grams seen before, a Python step each."""
+    seen, chars, i = set(), 0, 0
+    while i < len(words) - n + 1:
+        gram = tuple(words[i : i + n])
+        if gram in seen:
+            chars, i = chars + sum(map(len, gram)), i + n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
 def _reference_repetition(text: str, words: list[str], cfg) -> str | None:
     """The Gopher repetition filter as written before the numpy n-grams: a Python step per line,
     paragraph and n-gram (datatrove's find_top_duplicate and find_all_duplicate, tuple keys)."""
@@ -622,17 +635,6 @@ def _reference_repetition(text: str, words: list[str], cfg) -> str | None:
             else:
                 seen.add(x)
         return n, chars
-
-    def dup_ngram_chars(n):
-        seen, chars, i = set(), 0, 0
-        while i < len(words) - n + 1:
-            gram = tuple(words[i : i + n])
-            if gram in seen:
-                chars, i = chars + sum(map(len, gram)), i + n
-            else:
-                seen.add(gram)
-                i += 1
-        return chars
 
     paragraphs = re.split(r"\n{2,}", text)
     n, chars = duplicates(paragraphs)
@@ -653,7 +655,7 @@ def _reference_repetition(text: str, words: list[str], cfg) -> str | None:
             if (sum(map(len, gram)) + n - 1) * count / len(text) > frac:
                 return f"top_{n}_gram"
     for n, frac in zip(range(5, 11), cfg.dup_ngram_fracs, strict=False):
-        if frac and len(words) >= n and dup_ngram_chars(n) / len(text) > frac:
+        if frac and len(words) >= n and _dup_ngram_chars(words, n) / len(text) > frac:
             return f"duplicated_{n}_grams"
     return None
 
@@ -689,15 +691,7 @@ def test_ngrams_equal_a_python_reference():
             counter = Counter(zip(*(words[i:] for i in range(n)), strict=False))
             gram, count = counter.most_common(1)[0]
             assert grams.top() == (sum(map(len, gram)) + n - 1, count), (words, n)
-            seen, chars, i = set(), 0, 0
-            while i < len(words) - n + 1:
-                g = tuple(words[i : i + n])
-                if g in seen:
-                    chars, i = chars + sum(map(len, g)), i + n
-                else:
-                    seen.add(g)
-                    i += 1
-            assert grams.duplicated_chars() == chars, (words, n)
+            assert grams.duplicated_chars() == _dup_ngram_chars(words, n), (words, n)
     base = CleanConfig().gopher_repetition
     cfgs = [base, dataclasses.replace(base, dup_para_frac=0, dup_para_char_frac=0,
                                       dup_line_frac=0, dup_line_char_frac=0)]  # fmt: skip

@@ -53,7 +53,7 @@ from pipeline.clean.stats import (
     whole_files_dropped,
     yield_problem,
 )
-from pipeline.executor import Where, run_units, stage_pool, where_for, worker_id
+from pipeline.executor import Where, check_executor, run_units, stage_pool, where_for, worker_id
 from pipeline.inputs import clean_inputs, ls_matching
 from pipeline.readers import (
     BadInputFile,
@@ -358,7 +358,7 @@ def run_clean(cfg) -> dict:
             f"data.clean.task_index={c.task_index} must be in 0..num_tasks-1 "
             f"(num_tasks={c.num_tasks})"
         )
-    where_for(cfg.data, 1)  # data.executor checked (and Ray imported) before any file is read
+    check_executor(cfg.data)
     if not c.inputs and not c.sources:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     listed = _inputs_and_filters(c)

@@ -84,7 +84,16 @@ from codex import fsio, rundir
 from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, EncodeWith, token_dtype
-from pipeline.executor import Where, cores, run_units, slots, stage_pool, where_for, worker_id
+from pipeline.executor import (
+    Where,
+    check_executor,
+    cores,
+    run_units,
+    slots,
+    stage_pool,
+    where_for,
+    worker_id,
+)
 from pipeline.inputs import clean_parts
 from pipeline.readers import BadInputFile, iter_text_batches, parquet_text_rows
 from pipeline.shard.manifest import (
@@ -168,10 +177,11 @@ def _suggest_fraction(min_value: float) -> str:
 # --- inputs --------------------------------------------------------------------------------------
 
 
-def _inputs_fingerprint(files: list[str]) -> str:
+def _inputs_fingerprint(sizes: dict[str, int]) -> str:
+    """The cleaned parts' names and sizes (path -> bytes)."""
     h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.rsplit('/', 1)[-1]}\t{fsio.size(f)}\n".encode())
+    for f, size in sizes.items():
+        h.update(f"{f.rsplit('/', 1)[-1]}\t{size}\n".encode())
     return h.hexdigest()
 
 
@@ -1021,7 +1031,7 @@ def run_shard(cfg: Config) -> dict:
     manifest."""
     s = cfg.data.shard
     _validate(cfg)
-    where_for(cfg.data, 1)  # data.executor checked (and Ray imported) before any file is read
+    check_executor(cfg.data)
     stage = Stage(
         "codex data shard", cfg, s.out or rundir.shards_dir(cfg.run), MANIFEST, error=ShardError
     )
@@ -1031,8 +1041,9 @@ def run_shard(cfg: Config) -> dict:
     _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
-    where = where_for(cfg.data, s.workers, sum(map(fsio.size, files)), AUTO_BYTES_PER_WORKER)
-    settings = _settings(cfg, meta, dtype, _inputs_fingerprint(files))
+    sizes = {f: fsio.size(f) for f in files}  # one stat a part (a request on GCS)
+    where = where_for(cfg.data, s.workers, sum(sizes.values()), AUTO_BYTES_PER_WORKER)
+    settings = _settings(cfg, meta, dtype, _inputs_fingerprint(sizes))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     _refuse_other_settings(stage, settings)
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
