@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -180,6 +181,16 @@ def main() -> None:
         print(
             f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {rss:12.0f} {driver:4.0f}/{worker:<4.0f} "
             f"{kept if kept is not None else '':>10}"
+        )
+    seconds = {w: [r[1] for r in rows if r[0] == f"codex workers={w}"] for w in (1, 2)}
+    if args.repeats > 1 and all(seconds.values()):
+        # per round (run in turn), and best of each: on a shared VM noise only adds time
+        rounds = [a / b for a, b in zip(seconds[1], seconds[2], strict=False)]
+        print(
+            f"speed-up of 2 workers over 1{' (pinned: 1 core vs 2)' if args.pin else ''}: "
+            f"rounds {', '.join(f'{r:.2f}x' for r in rounds)}; median "
+            f"{statistics.median(rounds):.2f}x, best of each "
+            f"{min(seconds[1]) / min(seconds[2]):.2f}x"
         )
 
 

@@ -14,9 +14,10 @@ process pool's); nothing here is a scheduler.
     local, workers=0   (the default) auto_workers: one process per core when the input is big
                        enough to pay for a pool's start, else 1
     local, workers=1   in this process, in order (easiest to debug)
-    local, workers=N   N spawned processes on this machine (fork is unsafe with gcsfs' threads):
-                       a pool per run_units call, or one a stage opens with stage_pool, whose
-                       processes start (and run its `warm`) while the driver goes on
+    local, workers=N   this process and N-1 spawned ones on this machine (fork is unsafe with
+                       gcsfs' threads): a pool per run_units call, or one a stage opens with
+                       stage_pool, whose processes start (and run its `warm`) while the driver
+                       goes on; the driver runs units too, those the pool has not started
     ray                one Ray task per unit (1 CPU each, retried up to RAY_MAX_RETRIES times when
                        its worker dies) on the cluster at data.ray_address, else $RAY_ADDRESS,
                        else a Ray runtime started here with `workers` CPUs
@@ -28,11 +29,13 @@ unless CODEX_DEBUG=1.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import logging
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import threading
@@ -61,6 +64,8 @@ class Where:
     ray_address: str = ""
     # local workers > 1: the process pool every run_units call uses (stage_pool), else one per call
     pool: cf.ProcessPoolExecutor | None = field(default=None, compare=False, repr=False)
+    # ... and its first task per process (`warm`): done once that process has started
+    started: tuple[cf.Future, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def parallel(self) -> bool:
@@ -138,7 +143,7 @@ def run_units(
     elif where.workers == 1 or len(units) == 1:
         runner = ((u, fn(u)) for u in units)
     else:
-        runner = _run_pool(fn, units, where.workers, where.pool)
+        runner = _run_pool(fn, units, where)
     for unit, result in runner:
         if progress is not None:
             progress.update(1, **(count(unit, result) if count else {}))
@@ -178,34 +183,106 @@ def _new_pool(workers: int) -> cf.ProcessPoolExecutor:
 
 @contextlib.contextmanager
 def stage_pool(where: Where, warm: Callable[[], Any] | None = None) -> Iterator[Where]:
-    """A Where whose run_units calls share one pool of `where.workers` local processes, started
-    now (each runs `warm`, e.g. loading what its units need, while the driver goes on) and closed
-    on exit: a stage of several phases spawns its workers once, not once per phase. Ray and
-    workers=1: `where` itself."""
+    """A Where whose run_units calls share one pool of `where.workers - 1` local processes (this
+    one is the N-th), started now (each runs `warm`, e.g. loading what its units need, while the
+    driver goes on) and closed on exit: a stage of several phases spawns its workers once, not
+    once per phase. Ray and workers=1: `where` itself."""
     if where.executor == "ray" or where.workers == 1:
         yield where
         return
-    with _new_pool(where.workers) as pool:
-        for _ in range(where.workers):
-            pool.submit(warm or _nothing)  # a process starts per task while none is idle
-        yield replace(where, pool=pool)
+    with _new_pool(where.workers - 1) as pool:
+        yield replace(where, pool=pool, started=_start(pool, where.workers - 1, warm))
+
+
+def _start(pool: cf.ProcessPoolExecutor, n: int, warm: Callable[[], Any] | None):
+    """A first task for each of the pool's n processes (a process starts per task while none is
+    idle): its future is done once that process is up."""
+    return tuple(pool.submit(warm or _nothing) for _ in range(n))
 
 
 def _nothing() -> None:
     pass
 
 
-def _run_pool(fn, units, workers: int, shared=None) -> Iterator[tuple[Any, Any]]:
-    with contextlib.nullcontext(shared) if shared else _new_pool(min(workers, len(units))) as pool:
-        futures = {pool.submit(fn, u): u for u in units}
+def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
+    """fn on every unit, on where.workers processes: this one and a pool of the others (the
+    stage's, else one for this call). Each pool process is fed one unit once it has started, and
+    the next as it finishes one (done-callbacks, on the pool's thread: no process waits on this
+    one), from the front of the list; this process runs units from its back, handing on what the
+    pool finished in between, then waits for the pool's last. So this process works from the
+    start (while the others spawn and import), a phase shorter than a pool's start runs here
+    whole, and no unit waits queued in the pool while a process idles at the end."""
+    n = min(where.workers, len(units))
+    todo = collections.deque(units)
+    running: dict[cf.Future, Any] = {}  # in the pool: future -> unit
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # futures the pool has finished
+    broken: list[BaseException] = []  # the pool could take no unit (a process died)
+    lock = threading.Lock()  # todo, running and broken, shared with the pool's thread
+    with contextlib.nullcontext(where.pool) if where.pool else _new_pool(n - 1) as pool:
+
+        def feed(_started: cf.Future | None = None) -> None:
+            with lock:
+                if not todo:
+                    return
+                unit = todo.popleft()
+                try:
+                    fut = pool.submit(fn, unit)
+                except (cf.BrokenExecutor, RuntimeError) as e:  # RuntimeError: shut down
+                    todo.appendleft(unit)
+                    broken.append(e)
+                    return
+                running[fut] = unit
+            fut.add_done_callback(next_unit)
+
+        def next_unit(done: cf.Future) -> None:
+            finished.put(done)
+            if not done.cancelled():
+                feed()
+
+        started = where.started if where.pool else _start(pool, n - 1, None)
+        for first in started[: n - 1]:
+            first.add_done_callback(feed)
         try:
-            for fut in cf.as_completed(futures):
-                # popped: the driver holds no result it has already handed on
-                yield futures.pop(fut), fut.result()  # re-raises the unit's exception
+            while True:
+                while not finished.empty():
+                    fut = finished.get()
+                    with lock:
+                        unit = running.pop(fut)
+                    # popped: the driver holds no result it has already handed on
+                    yield unit, fut.result()  # re-raises the unit's exception
+                with lock:
+                    if broken and not running:
+                        raise broken[0]
+                    unit = todo.pop() if todo else None
+                    waiting = bool(running)
+                if unit is not None:
+                    yield unit, _here(fn, unit)
+                elif not waiting:
+                    return
+                else:
+                    finished.put(finished.get())  # block until the pool finishes one
         except BaseException:
-            for fut in futures:
+            with lock:
+                todo.clear()
+                left = list(running)
+            for fut in left:  # not under the lock: cancel runs the done-callbacks here
                 fut.cancel()
             raise
+
+
+def _here(fn, unit):
+    """fn(unit) in this process, its environment as it was after (a unit may set its threads,
+    e.g. shard's RAYON_NUM_THREADS, for the process it runs in; this one goes on after the
+    stage)."""
+    env = dict(os.environ)
+    try:
+        return fn(unit)
+    finally:
+        for key in os.environ.keys() - env.keys():
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
 
 
 # --- ray --------------------------------------------------------------------------------------

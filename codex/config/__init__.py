@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,15 @@ def all_keys(cls=Config, prefix: str = "") -> list[str]:
 
 
 def _field_type(cls, name: str):
-    return typing.get_type_hints(cls)[name]
+    return _type_hints(cls)[name]
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    """typing.get_type_hints(cls), once a class (read only): it evaluates every annotation
+    (strings, under `from __future__ import annotations`) each call, and building a config asks
+    for hundreds."""
+    return typing.get_type_hints(cls)
 
 
 def _suggest(bad: str, valid: list[str]) -> str:

@@ -24,11 +24,11 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from codex import fsio
 from codex.config import ConfigError
+from pipeline.clean.parts import bool_array, string_array
 from pipeline.executor import Where, run_units
 from pipeline.readers import read_part
 
@@ -154,17 +154,15 @@ def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> in
         if all(keep):
             continue
         if c.keep_rejected:
-            gone = table.filter(pa.array([not k for k in keep]))
-            gone = gone.append_column(
-                "reason", pa.array(["dedup:duplicate"] * len(gone), pa.string())
-            )
+            gone = table.filter(bool_array([not k for k in keep]))
+            gone = gone.append_column("reason", string_array(["dedup:duplicate"] * len(gone)))
             with fsio.atomic_open(
                 fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb"
             ) as fh:
                 pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
         with fsio.atomic_open(path, "wb") as fh:
             pq.write_table(
-                table.filter(pa.array(keep)),
+                table.filter(bool_array(keep)),
                 fh,
                 compression="zstd",
                 row_group_size=c.row_group_size,

@@ -28,6 +28,12 @@ def string_array(values: list[str]) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), len(values), buffers)
 
 
+def bool_array(values: list[bool]) -> pa.Array:
+    """pa.array(values, pa.bool_()) from its bits (no pandas import: string_array)."""
+    bits = np.packbits(np.asarray(values, dtype=bool), bitorder="little")
+    return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
+
+
 class PartWriter:
     """Streams rows into prefix-000.parquet, prefix-001.parquet, ... (docs_per_shard rows each,
     zstd, row groups of row_group_size rows), each file written atomically. These are the cleaned

@@ -75,7 +75,7 @@ def _check_parquet(path: str, entry: dict, vocab: int, bos: int) -> tuple[list[s
     if problems:
         return problems, None
     with fsio.open(path, "rb") as f:
-        a = pq.read_table(f, columns=["tokens"]).column(0).to_numpy()
+        a = pq.ParquetFile(f).read(columns=["tokens"]).column(0).to_numpy()  # no pandas import
     if len(a) != entry["tokens"]:
         problems.append(f"{path}: {len(a)} tokens, manifest says {entry['tokens']}")
     if int(np.count_nonzero(a == bos)) != entry["documents"]:

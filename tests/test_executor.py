@@ -1,0 +1,80 @@
+"""pipeline/executor.py, local processes: --workers N runs units in this process and N-1 pool
+processes; the pool is fed from the front of the units, the driver takes them from the back."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import pytest
+
+from pipeline import executor
+from pipeline.executor import Where, run_units, stage_pool
+
+
+def who(unit: int) -> tuple[int, int]:
+    """(unit, the pid that ran it); unit 0 (the pool's first) and -1 (the driver's) raise."""
+    if unit in (0, -1):
+        raise ValueError(f"bad unit {unit}")
+    time.sleep(0.02)
+    return unit, os.getpid()
+
+
+def die_in_the_pool(unit: int) -> int:
+    if unit == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.02)
+    return unit
+
+
+def set_env(unit: int) -> int:
+    os.environ["RAYON_NUM_THREADS"] = "1"  # as shard's encode unit does for its process
+    os.environ.pop("CODEX_TEST_GONE", None)
+    return unit
+
+
+def test_two_workers_are_this_process_and_one_in_the_pool():
+    units = list(range(1, 9))
+    with stage_pool(Where(workers=2)) as where:
+        assert where.pool is not None and where.pool._max_workers == 1  # the driver is the other
+        cf.wait(where.started)  # the pool's process is up: fed its first unit at once
+        got = dict(r for _, r in run_units(who, units, where))
+    assert sorted(got) == units  # each unit once
+    pids = set(got.values())
+    assert os.getpid() in pids and len(pids) == 2
+    assert got[8] == os.getpid()  # the driver starts at the back, the pool at the front
+    assert got[1] != os.getpid()
+
+
+def test_a_units_exception_is_raised_here_from_either_process():
+    with stage_pool(Where(workers=2)) as where:
+        cf.wait(where.started)
+        with pytest.raises(ValueError, match="bad unit 0"):  # the pool's first unit
+            list(run_units(who, [0, 1, 2, 3], where))
+        with pytest.raises(ValueError, match="bad unit -1"):  # the driver's first unit
+            list(run_units(who, [1, 2, 3, -1], where))
+        # the pool goes on serving the stage's next phase
+        assert sorted(u for u, _ in run_units(who, [1, 2, 3], where)) == [1, 2, 3]
+
+
+def test_a_dead_pool_process_fails_the_run_and_nothing_hangs():
+    with stage_pool(Where(workers=2)) as where:
+        cf.wait(where.started)
+        with pytest.raises(cf.process.BrokenProcessPool):
+            list(run_units(die_in_the_pool, list(range(8)), where))
+
+
+def test_a_unit_run_here_leaves_the_environment_as_it_was(monkeypatch):
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    monkeypatch.setenv("CODEX_TEST_GONE", "x")
+    assert sorted(u for u, _ in run_units(set_env, [1, 2, 3], Where(workers=2))) == [1, 2, 3]
+    assert "RAYON_NUM_THREADS" not in os.environ
+    assert os.environ["CODEX_TEST_GONE"] == "x"
+
+
+def test_one_worker_runs_every_unit_here():
+    got = [r for _, r in run_units(who, [1, 2], Where(workers=1))]
+    assert {pid for _, pid in got} == {os.getpid()}
+    assert executor.slots(Where(workers=3)) == 3  # units side by side: the driver counts
