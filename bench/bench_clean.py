@@ -13,24 +13,15 @@ its python with --datatrove). Peak RSS is the largest summed RSS of the process 
 every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
 Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files),
-2026-11-26, after the word-piece cache, the n-grams in numpy and one pool per stage (load 0.5):
+2026-11-26, `--pin --repeats 5`, after the driver became one of the workers and no process
+imports pandas:
 
-                        seconds    MB/s  peak RSS MB  docs kept
-codex workers=1            10.8    9.42          164        146
-codex workers=2             6.3   16.30          419        146
+                        seconds    MB/s  cpu s  peak RSS MB   drv/wkr  docs kept
+codex workers=1       11.2-11.7  8.74-9.10   11.1-11.6    112  112/0      146
+codex workers=2        6.3-6.6  15.5-16.2   11.6-12.1    238-242  114/111   146
 
-Before that change: 16.8 s / 6.07 MB/s (150 MB) and 10.0 s / 10.21 MB/s (375 MB), the same 146
-kept and byte-identical outputs. Before the word split moved into the regex engine: 3.92 / 6.92
-MB/s (the same 146 kept); an earlier run with datatrove 0.10 (before the parity fixes: codex
-4.26 / 7.35 MB/s, 124 kept) measured datatrove at 0.48 / 0.84 MB/s. The input is mostly source
-code, which the prose rules reject only after the word-level work.
-
-Not yet measured here: the change after (each distinct piece through the regex once, the regex
-rewritten for Python's engine, Gopher's counts and the repetition n-grams in numpy, one worker
-pool for the units and the dedup; the same kept/dropped decisions and byte-identical parts). On a
-busy machine, same sessions, this corpus: one worker 16.6-17.0 -> 9.9-10.5 s of CPU (16.6-16.9 ->
-10.4 s wall), two workers 9.7-9.9 -> 6.1 s wall (1.71x one worker, before and after), peak RSS
-146 -> 158 MB (one worker).
+speed-up per round 1.75-1.81x (median 1.78x). Earlier figures (the word-piece cache, the n-grams in
+numpy, datatrove 0.10 at 0.48 / 0.84 MB/s before the parity fixes) are in README's stage table.
 """
 
 from __future__ import annotations
