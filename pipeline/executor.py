@@ -195,8 +195,9 @@ def stage_pool(where: Where, warm: Callable[[], Any] | None = None) -> Iterator[
 
 
 def _start(pool: cf.ProcessPoolExecutor, n: int, warm: Callable[[], Any] | None):
-    """A first task for each of the pool's n processes (a process starts per task while none is
-    idle): its future is done once that process is up."""
+    """n first tasks (`warm`) for the pool's n processes: a done one means a process is up. Which
+    process runs which is the pool's choice (a quick one may run several), so with more than one
+    pool process this paces the first units rather than marking each process as started."""
     return tuple(pool.submit(warm or _nothing) for _ in range(n))
 
 
@@ -211,7 +212,8 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
     one), from the front of the list; this process runs units from its back, handing on what the
     pool finished in between, then waits for the pool's last. So this process works from the
     start (while the others spawn and import), a phase shorter than a pool's start runs here
-    whole, and no unit waits queued in the pool while a process idles at the end."""
+    whole, and no unit waits queued in the pool while a process idles at the end. (One function,
+    over 60 lines: the callbacks and the loop share todo, running and the lock.)"""
     n = min(where.workers, len(units))
     todo = collections.deque(units)
     running: dict[cf.Future, Any] = {}  # in the pool: future -> unit
@@ -240,9 +242,9 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
                 feed()
 
         started = where.started if where.pool else _start(pool, n - 1, None)
-        for first in started[: n - 1]:
-            first.add_done_callback(feed)
         try:
+            for first in started[: n - 1]:
+                first.add_done_callback(feed)
             while True:
                 while not finished.empty():
                     fut = finished.get()
@@ -265,7 +267,10 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
             with lock:
                 todo.clear()
                 left = list(running)
-            for fut in left:  # not under the lock: cancel runs the done-callbacks here
+            # not under the lock: cancel runs the done-callbacks here. A unit fed to the pool is
+            # already running there (queued counts as running), so this rarely cancels one: the
+            # pool's exit waits for them, and their results are dropped
+            for fut in left:
                 fut.cancel()
             raise
 
