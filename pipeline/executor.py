@@ -20,7 +20,8 @@ process pool's); nothing here is a scheduler.
                        goes on; the driver runs units too, those the pool has not started
     ray                one Ray task per unit (1 CPU each, retried up to RAY_MAX_RETRIES times when
                        its worker dies) on the cluster at data.ray_address, else $RAY_ADDRESS,
-                       else a Ray runtime started here with `workers` CPUs
+                       else a Ray runtime started here with `workers` CPUs; on connecting, the
+                       driver first has a worker started on every node (so short units spread)
 
 Progress is the driver's only: it advances as units finish, by what each unit reports (its input
 bytes and documents), across every node. Ray's own logs stay out of the terminal
@@ -50,6 +51,8 @@ from codex.progress import Progress, adopt_library_loggers, log_file, setup_logg
 log = logging.getLogger("codex.executor")
 
 RAY_MAX_RETRIES = 3  # Ray's default for tasks; a unit is idempotent, so a retry is safe
+# how long the driver waits for a worker on every node before it gives the cluster units
+RAY_WORKER_START_S = 60.0
 RAY_INSTALL = "pip install 'codex[ray]'  (from a checkout: pip install -e '.[ray]')"
 
 U = TypeVar("U")
@@ -332,15 +335,38 @@ def connect_ray(where: Where):
     except ConnectionError as e:
         raise ConfigError(f"cannot reach the Ray cluster at {address}: {e}") from None
     _connected = address or "local"
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     cpus = int(ray.cluster_resources().get("CPU", 0))
+    t0 = time.monotonic()
+    ready = _a_worker_on_every_node(ray, nodes)
     log.info(
-        "ray: %s, %d node(s), %d CPUs",
+        "ray: %s, %d node(s), %d CPUs, a worker ready on %d of them in %.1fs",
         f"cluster at {address}" if address else "local runtime",
         len(nodes),
         cpus,
+        ready,
+        time.monotonic() - t0,
     )
     return ray
+
+
+def _a_worker_on_every_node(ray, nodes: list[str]) -> int:
+    """Start this job's first worker on every node, waiting up to RAY_WORKER_START_S for them;
+    how many started. Ray hands a task queued behind a running one to the worker it already
+    leased, so without this short units all run on the first node whose worker is up (the
+    driver's) while the others are still starting theirs. 0 CPUs: a busy node still starts one."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_nothing)
+    refs = [
+        probe.options(
+            name="codex_start_worker",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+        ).remote()
+        for node in nodes
+    ]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=RAY_WORKER_START_S)
+    return len(done)
 
 
 def _one_cpu(fn, unit):

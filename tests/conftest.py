@@ -118,11 +118,40 @@ def run_xla(
     return proc
 
 
+def _nodes_alive(address: str, nodes: int, timeout: float = 120.0) -> None:
+    """Wait until the cluster at `address` has `nodes` nodes alive."""
+    import ray
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        deadline = time.monotonic() + timeout
+        alive = 0
+        while alive < nodes and time.monotonic() < deadline:
+            alive = sum(bool(n.get("Alive")) for n in ray.nodes())
+            time.sleep(0.2)
+        assert alive == nodes, f"the Ray cluster has {alive} of {nodes} nodes alive"
+    finally:
+        ray.shutdown()
+
+
+# The second node's first Python worker takes 5 s more to start, as on a cold machine (CI): a
+# driver that gave the cluster its units before every node had a worker would run short units all
+# on the head (executor._a_worker_on_every_node).
+_COLD_FIRST_WORKER = """import os, sys, time
+flag = os.path.join(os.path.dirname(__file__), "started")
+worker = any(a.endswith("default_worker.py") for a in getattr(sys, "argv", []))
+if worker and not os.path.exists(flag):
+    open(flag, "w").close()
+    time.sleep(5)
+"""
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(gcs_emulator):
     """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start`,
-    two raylets of 1 CPU each (NOTES.md section 7); yields the address. Its workers see the GCS
-    emulator (they inherit STORAGE_EMULATOR_HOST from here). Skips, saying why, only where Ray is
+    two raylets of 1 CPU each (NOTES.md section 7), the second one slow to start its first
+    worker; yields the address. Its workers see the GCS emulator (they inherit
+    STORAGE_EMULATOR_HOST from here). Skips, saying why, only where Ray is
     not installed or cannot start."""
     ray_exe = Path(sys.executable).parent / "ray"
     if not ray_exe.exists():
@@ -138,10 +167,14 @@ def ray_cluster(gcs_emulator):
         ["--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard=false"],
         ["--address", f"127.0.0.1:{port}"],
     ]
-    for args in starts:
+    cold = Path(temp) / "cold"
+    cold.mkdir()
+    (cold / "sitecustomize.py").write_text(_COLD_FIRST_WORKER)
+    path = os.pathsep.join(filter(None, [str(cold), os.environ.get("PYTHONPATH")]))
+    for args, node_env in zip(starts, [env, dict(env, PYTHONPATH=path)], strict=True):
         res = subprocess.run(
             [str(ray_exe), "start", *args, *common],
-            env=env,
+            env=node_env,
             capture_output=True,
             text=True,
             timeout=180,
@@ -151,6 +184,7 @@ def ray_cluster(gcs_emulator):
             last = (res.stderr or res.stdout).strip().splitlines()[-1:]
             pytest.skip(f"Ray cannot start a cluster here: {' '.join(last)}")
     try:
+        _nodes_alive(f"127.0.0.1:{port}", nodes=2)
         yield f"127.0.0.1:{port}"
     finally:
         import ray

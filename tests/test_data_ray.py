@@ -102,7 +102,8 @@ def test_every_executor_gives_the_same_bytes(tmp_path, ray_cluster):
         assert [n for n in ref if got[n] != ref[n]] == [], name
     # the Ray run's units ran on both nodes of the cluster
     nodes = {m["worker"].split(":")[0] for m in markers(tmp_path / "ray")}
-    assert len(nodes) == 2 and all(n.startswith("ray-node-") for n in nodes)
+    assert len(nodes) == 2, [m["worker"] for m in markers(tmp_path / "ray")]
+    assert all(n.startswith("ray-node-") for n in nodes)
 
 
 def test_a_200mb_file_is_cut_into_units_that_run_in_parallel(tmp_path, ray_cluster):
