@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -51,6 +51,8 @@ from codex.progress import Progress, adopt_library_loggers, log_file, setup_logg
 log = logging.getLogger("codex.executor")
 
 RAY_MAX_RETRIES = 3  # Ray's default for tasks; a unit is idempotent, so a retry is safe
+# how long a started pool process waits for its siblings before it takes units anyway
+POOL_START_S = 120.0
 # how long the driver waits for a worker on every node before it gives the cluster units
 RAY_WORKER_START_S = 60.0
 RAY_INSTALL = "pip install 'codex[ray]'  (from a checkout: pip install -e '.[ray]')"
@@ -67,7 +69,7 @@ class Where:
     ray_address: str = ""
     # local workers > 1: the process pool every run_units call uses (stage_pool), else one per call
     pool: cf.ProcessPoolExecutor | None = field(default=None, compare=False, repr=False)
-    # ... and its first task per process (`warm`): done once that process has started
+    # ... and its first tasks, one a process: done once every process has started (and warmed)
     started: tuple[cf.Future, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -147,10 +149,14 @@ def run_units(
         runner = ((u, fn(u)) for u in units)
     else:
         runner = _run_pool(fn, units, where)
-    for unit, result in runner:
-        if progress is not None:
-            progress.update(1, **(count(unit, result) if count else {}))
-        yield unit, result
+    try:
+        for unit, result in runner:
+            if progress is not None:
+                progress.update(1, **(count(unit, result) if count else {}))
+            yield unit, result
+    finally:
+        # a caller that stops early (it raised) stops the units now, not when this is collected
+        runner.close()
 
 
 def worker_id() -> str:
@@ -166,22 +172,42 @@ def worker_id() -> str:
 # --- local: a process pool --------------------------------------------------------------------
 
 
-def _watch_parent(parent: int) -> None:
-    """A pool worker whose driver was killed exits instead of writing on as an orphan."""
+def _start_process(parent: int, warm: Callable[[], Any] | None, up: threading.Barrier) -> None:
+    """A pool process's start, before its first task: exit when its driver is gone (no orphan
+    writing on), load what its units need (`warm`), then wait for the pool's other processes at
+    `up`. So the pool's first task is done only once every process is up and warm: the driver
+    then feeds one unit each, and none waits queued behind a sibling's."""
     setup_logging()
+    threading.Thread(target=_exit_without, args=(parent,), daemon=True).start()
+    if warm is not None:
+        try:
+            warm()
+        except Exception:  # the first unit that needs it fails the same way, saying why
+            log.debug("pool process %d: warm failed", os.getpid(), exc_info=True)
+    try:
+        up.wait(POOL_START_S)
+    except threading.BrokenBarrierError:  # a sibling died starting: the pool reports it broken
+        pass
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
 
-    threading.Thread(target=watch, daemon=True).start()
+def _exit_without(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(3)
 
 
-def _new_pool(workers: int) -> cf.ProcessPoolExecutor:
-    return cf.ProcessPoolExecutor(
-        workers, mp.get_context("spawn"), initializer=_watch_parent, initargs=(os.getpid(),)
+def _new_pool(processes: int, warm: Callable[[], Any] | None = None):
+    """A pool of `processes` spawned processes (fork is unsafe with gcsfs' threads), all started
+    now, and its first tasks: done once every process is up (_start_process)."""
+    ctx = mp.get_context("spawn")
+    pool = cf.ProcessPoolExecutor(
+        processes,
+        ctx,
+        initializer=_start_process,
+        initargs=(os.getpid(), warm, ctx.Barrier(processes)),
     )
+    # one task a process: the pool spawns a process for each task it cannot hand to an idle one
+    return pool, tuple(pool.submit(_nothing) for _ in range(processes))
 
 
 @contextlib.contextmanager
@@ -193,22 +219,16 @@ def stage_pool(where: Where, warm: Callable[[], Any] | None = None) -> Iterator[
     if where.executor == "ray" or where.workers == 1:
         yield where
         return
-    with _new_pool(where.workers - 1) as pool:
-        yield replace(where, pool=pool, started=_start(pool, where.workers - 1, warm))
-
-
-def _start(pool: cf.ProcessPoolExecutor, n: int, warm: Callable[[], Any] | None):
-    """n first tasks (`warm`) for the pool's n processes: a done one means a process is up. Which
-    process runs which is the pool's choice (a quick one may run several), so with more than one
-    pool process this paces the first units rather than marking each process as started."""
-    return tuple(pool.submit(warm or _nothing) for _ in range(n))
+    pool, up = _new_pool(where.workers - 1, warm)
+    with pool:
+        yield replace(where, pool=pool, started=up)
 
 
 def _nothing() -> None:
     pass
 
 
-def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
+def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
     """fn on every unit, on where.workers processes: this one and a pool of the others (the
     stage's, else one for this call). Each pool process is fed one unit once it has started, and
     the next as it finishes one (done-callbacks, on the pool's thread: no process waits on this
@@ -223,7 +243,8 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
     finished: queue.SimpleQueue = queue.SimpleQueue()  # futures the pool has finished
     broken: list[BaseException] = []  # the pool could take no unit (a process died)
     lock = threading.Lock()  # todo, running and broken, shared with the pool's thread
-    with contextlib.nullcontext(where.pool) if where.pool else _new_pool(n - 1) as pool:
+    pool, started = (where.pool, where.started) if where.pool else _new_pool(n - 1)
+    with contextlib.nullcontext(pool) if where.pool else pool:
 
         def feed(_started: cf.Future | None = None) -> None:
             with lock:
@@ -232,7 +253,7 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
                 unit = todo.popleft()
                 try:
                     fut = pool.submit(fn, unit)
-                except (cf.BrokenExecutor, RuntimeError) as e:  # RuntimeError: shut down
+                except Exception as e:  # broken, shut down: raised by the loop, unit kept
                     todo.appendleft(unit)
                     broken.append(e)
                     return
@@ -244,7 +265,6 @@ def _run_pool(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
             if not done.cancelled():
                 feed()
 
-        started = where.started if where.pool else _start(pool, n - 1, None)
         try:
             for first in started[: n - 1]:
                 first.add_done_callback(feed)
@@ -377,7 +397,7 @@ def _one_cpu(fn, unit):
     return fn(unit)
 
 
-def _run_ray(fn, units, where: Where) -> Iterator[tuple[Any, Any]]:
+def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
     ray = connect_ray(where)
     # SPREAD: units go to every node from the start, rather than packing onto the first node until
     # it is saturated (short units could all finish there before another node starts a worker)

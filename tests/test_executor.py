@@ -4,6 +4,7 @@ processes; the pool is fed from the front of the units, the driver takes them fr
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 import signal
 import time
@@ -46,6 +47,30 @@ def test_two_workers_are_this_process_and_one_in_the_pool():
     assert os.getpid() in pids and len(pids) == 2
     assert got[8] == os.getpid()  # the driver starts at the back, the pool at the front
     assert got[1] != os.getpid()
+
+
+def note_pid(folder: str) -> None:
+    """A pool process's warm: one file a call, named by its pid."""
+    with open(os.path.join(folder, f"{os.getpid()}-{time.monotonic_ns()}"), "w"):
+        pass
+
+
+def slow(unit: int) -> tuple[int, int]:
+    time.sleep(0.3)
+    return unit, os.getpid()
+
+
+def test_every_pool_process_warms_once_and_takes_one_of_the_first_units(tmp_path):
+    """Four workers: three pool processes, each warmed exactly once before its first task, and
+    the pool's first tasks done only when all three are up, so its first three units go to three
+    processes (none queued behind a sibling while another idles)."""
+    with stage_pool(Where(workers=4), functools.partial(note_pid, str(tmp_path))) as where:
+        cf.wait(where.started)
+        warmed = [p.name.split("-")[0] for p in tmp_path.iterdir()]
+        assert len(warmed) == 3 and len(set(warmed)) == 3, warmed
+        got = dict(r for _, r in run_units(slow, [1, 2, 3, 4], where))
+    assert got[4] == os.getpid()  # the driver's, from the back
+    assert {str(got[u]) for u in (1, 2, 3)} == set(warmed)
 
 
 def test_a_units_exception_is_raised_here_from_either_process():

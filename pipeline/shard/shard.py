@@ -574,8 +574,10 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
     first and writes the marker last, so a marker always vouches for complete files."""
     fsio.rm(u.folder, recursive=True)
     if u.threads:
-        # read by rayon when tokenizers first builds its thread pool in this process: N processes
-        # x `threads` threads should not oversubscribe the cores
+        # N processes x `threads` threads should not oversubscribe the cores. tiktoken reads it
+        # on every call; rayon once, when tokenizers first builds its thread pool in a process,
+        # so in the driver that pool keeps this size after the stage: only HF batch encodes use
+        # it, and a `codex data` command ends with its stage
         os.environ["RAYON_NUM_THREADS"] = str(u.threads)
     encoder, tok = _encoder_for(u)
     counts = fsio.with_retries(lambda: _encode_to_files(u, encoder, tok), u.folder)
