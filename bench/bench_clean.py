@@ -3,6 +3,7 @@
     python bench/bench_clean.py                        # codex only (1 and 2 workers)
     python bench/bench_clean.py --datatrove /work/benchenv-clean/bin/python --mb 100
     python bench/bench_clean.py --pin --repeats 3      # 1 worker on core 0 vs 2 on cores 0,1
+    python bench/bench_clean.py --pin --repeats 5 --ceiling   # + what two cores give this machine
 
 Input: the Python stdlib's .py files plus ../shared/data/*.txt when present (paragraphs), written
 as JSONL files (one document per record) and repeated until --mb MB; each repeat gets a distinct
@@ -77,6 +78,47 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
     return total
 
 
+def clean_code(inp: Path, run: Path, workers: int) -> str:
+    """The Python that runs `codex data clean` (preset web, fineweb off) on inp into run."""
+    return (
+        "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
+        "cfg = build_config(overrides=['data.clean.preset=web', "
+        "'data.clean.fineweb.enabled=false', "
+        # the corpus is mostly source code, which the prose rules drop: well under min_yield
+        "'data.clean.allow_low_yield=true', "
+        f"'data.clean.workers={workers}'], run={str(run)!r})\n"
+        f"cfg.data.clean.inputs = [{str(inp)!r}]\nrun_clean(cfg)"
+    )
+
+
+def split_input(inp: Path, tmp: Path) -> list[Path]:
+    """The input's files in two folders (hard links), alternate files each."""
+    halves = [tmp / "in-half0", tmp / "in-half1"]
+    for k, p in enumerate(sorted(inp.glob("*.jsonl"))):
+        halves[k % 2].mkdir(exist_ok=True)
+        os.link(p, halves[k % 2] / p.name)
+    return halves
+
+
+def independent_halves(halves: list[Path], run: Path) -> float:
+    """Seconds until both of two 1-worker cleans are done, one per half of the files, pinned to
+    cores 0 and 1 and started together: no coordination at all, so what two cores give here."""
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", clean_code(half, run / f"h{k}", 1)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=lambda k=k: os.sched_setaffinity(0, {k}),
+        )
+        for k, half in enumerate(halves)
+    ]
+    if any(p.wait() for p in procs):
+        raise SystemExit("an independent half failed")
+    return time.perf_counter() - t0
+
+
 def measure(cmd: list[str], env=None, cores=None) -> tuple[float, float, float, float, float]:
     """(seconds, peak RSS MB of the process tree, the driver's own peak, the largest worker's,
     CPU seconds of the tree); cores: pin the process (and so its workers) to these."""
@@ -141,23 +183,24 @@ def main() -> None:
         action="store_true",
         help="run N workers on cores 0..N-1 only (the issue's scaling: 1 worker on 1 core)",
     )
+    ap.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="with --pin: also time two independent 1-worker runs on half the files each",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_clean_"))
     size = build_input(tmp / "in", args.mb)
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
-    rows = []
+    if args.ceiling:
+        halves = split_input(tmp / "in", tmp)
+    rows, ceiling = [], []
     for i, w in enumerate([int(x) for x in args.workers.split(",")] * args.repeats):
-        code = (
-            "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
-            "cfg = build_config(overrides=['data.clean.preset=web', "
-            "'data.clean.fineweb.enabled=false', "
-            # the corpus is mostly source code, which the prose rules drop: well under min_yield
-            "'data.clean.allow_low_yield=true', "
-            f"'data.clean.workers={w}'], run={str(tmp / f'codex{i}')!r})\n"
-            f"cfg.data.clean.inputs = [{str(tmp / 'in')!r}]\nrun_clean(cfg)"
-        )
+        code = clean_code(tmp / "in", tmp / f"codex{i}", w)
         pin = set(range(w)) if args.pin else None
+        if args.ceiling and w == 2:  # the machine's own ceiling, in the same round
+            ceiling.append(independent_halves(halves, tmp / f"half{i}"))
         dt, rss, driver, worker, cpu = measure([sys.executable, "-c", code], cores=pin)
         stats = json.loads((tmp / f"codex{i}" / "clean" / "stats.json").read_text())
         rows.append((f"codex workers={w}", dt, rss, stats["docs_out"], driver, worker, cpu))
@@ -191,6 +234,15 @@ def main() -> None:
             f"{', '.join(f'{r:.2f}x (cpu s x{c:.2f})' for r, c in rounds)}; median "
             f"{statistics.median(r for r, _ in rounds):.2f}x, best of each {best:.2f}x"
         )
+        if ceiling:
+            ceil = [a[1] / c for a, c in zip(runs[1], ceiling, strict=False)]
+            of_it = [r / c for (r, _), c in zip(rounds, ceil, strict=False)]
+            print(
+                "ceiling (1 worker's seconds over two independent 1-worker runs on half the files "
+                f"each, cores 0 and 1 at once): rounds {', '.join(f'{c:.2f}x' for c in ceil)}; "
+                f"median {statistics.median(ceil):.2f}x; 2 workers reached "
+                f"{', '.join(f'{x:.0%}' for x in of_it)} of it"
+            )
 
 
 if __name__ == "__main__":
