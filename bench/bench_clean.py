@@ -214,6 +214,13 @@ def main() -> None:
                 continue
 
             rows.append((f"datatrove workers={w}", dt, rss, None, driver, worker, cpu))
+    print_table(rows, size)
+    runs = {w: [r for r in rows if r[0] == f"codex workers={w}"] for w in (1, 2)}
+    if args.repeats > 1 and all(runs.values()):
+        print_speed_ups(runs[1], runs[2], ceiling, args.pin)
+
+
+def print_table(rows: list[tuple], size: int) -> None:
     print(
         f"\n{'':22} {'seconds':>8} {'MB/s':>7} {'cpu s':>6} {'peak RSS MB':>12} {'drv/wkr':>9} "
         f"{'docs kept':>10}"
@@ -223,26 +230,28 @@ def main() -> None:
             f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {cpu:6.1f} {rss:12.0f} "
             f"{driver:4.0f}/{worker:<4.0f} {kept if kept is not None else '':>10}"
         )
-    runs = {w: [r for r in rows if r[0] == f"codex workers={w}"] for w in (1, 2)}
-    if args.repeats > 1 and all(runs.values()):
-        # per round (run in turn), and best of each: on a shared VM noise only adds time; the
-        # CPU seconds of 2 workers over 1's show how much the two cores slowed each other
-        rounds = [(a[1] / b[1], b[6] / a[6]) for a, b in zip(runs[1], runs[2], strict=False)]
-        best = min(r[1] for r in runs[1]) / min(r[1] for r in runs[2])
+
+
+def print_speed_ups(one: list[tuple], two: list[tuple], ceiling: list[float], pin: bool) -> None:
+    """Per round (run in turn), and best of each: on a shared VM noise only adds time; the CPU
+    seconds of 2 workers over 1's show how much the two cores slowed each other; and, with
+    --ceiling, what two independent processes got in the same round."""
+    rounds = [(a[1] / b[1], b[6] / a[6]) for a, b in zip(one, two, strict=False)]
+    best = min(r[1] for r in one) / min(r[1] for r in two)
+    print(
+        f"speed-up of 2 workers over 1{' (pinned: 1 core vs 2)' if pin else ''}: rounds "
+        f"{', '.join(f'{r:.2f}x (cpu s x{c:.2f})' for r, c in rounds)}; median "
+        f"{statistics.median(r for r, _ in rounds):.2f}x, best of each {best:.2f}x"
+    )
+    if ceiling:
+        ceil = [a[1] / c for a, c in zip(one, ceiling, strict=False)]
+        of_it = [r / c for (r, _), c in zip(rounds, ceil, strict=False)]
         print(
-            f"speed-up of 2 workers over 1{' (pinned: 1 core vs 2)' if args.pin else ''}: rounds "
-            f"{', '.join(f'{r:.2f}x (cpu s x{c:.2f})' for r, c in rounds)}; median "
-            f"{statistics.median(r for r, _ in rounds):.2f}x, best of each {best:.2f}x"
+            "ceiling (1 worker's seconds over two independent 1-worker runs on half the files "
+            f"each, cores 0 and 1 at once): rounds {', '.join(f'{c:.2f}x' for c in ceil)}; "
+            f"median {statistics.median(ceil):.2f}x; 2 workers reached "
+            f"{', '.join(f'{x:.0%}' for x in of_it)} of it"
         )
-        if ceiling:
-            ceil = [a[1] / c for a, c in zip(runs[1], ceiling, strict=False)]
-            of_it = [r / c for (r, _), c in zip(rounds, ceil, strict=False)]
-            print(
-                "ceiling (1 worker's seconds over two independent 1-worker runs on half the files "
-                f"each, cores 0 and 1 at once): rounds {', '.join(f'{c:.2f}x' for c in ceil)}; "
-                f"median {statistics.median(ceil):.2f}x; 2 workers reached "
-                f"{', '.join(f'{x:.0%}' for x in of_it)} of it"
-            )
 
 
 if __name__ == "__main__":
