@@ -10,14 +10,14 @@ venv: $(VENV)/.codex-installed
 venv-xla: $(XLA_VENV)/.codex-installed
 
 # Main venv: torch 2.13.0 (the CPU wheel; an unpinned torch would pull GBs of CUDA wheels).
-$(VENV)/.codex-installed: pyproject.toml
+$(VENV)/.codex-installed: pyproject.toml pipeline/clean/_wordcount.c
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,hf,tasks,ray]'
 	touch $@
 
 # XLA venv: torch_xla 2.9.0 needs torch 2.9.0 exactly; runs the real XLA path with PJRT_DEVICE=CPU.
-$(XLA_VENV)/.codex-installed: pyproject.toml
+$(XLA_VENV)/.codex-installed: pyproject.toml pipeline/clean/_wordcount.c
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.9.0 torch_xla==2.9.0
 	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'

@@ -548,7 +548,8 @@ def _texts(seed: int, n: int) -> list[str]:
              "''", "'s", "’ll", "'re", "n't", "/or", "+1", "1-2", "3.5", "1,000", "a_b", "__",
              "…", "—", "C++", "(x)", "foo(", "self.x,", "-f", "=", "==", "#", "a@b.org", "the",
              "and", "don't", "cannot", "Can't", "10am", "GPL-2+", "x.org", "me@x.org",
-             "foo-bar.deb", "https://a.io/b", "(howto.html),", ":-)", "a.m.", "gonna"]  # fmt: skip
+             "foo-bar.deb", "foo—bar.deb", "a–b.org", "https://a.io/b", "(howto.html),", ":-)",
+             "a.m.", "gonna"]  # fmt: skip
     texts = []
     for _ in range(n):
         parts = [rng.choice(rules) if rng.random() < 0.3 else rng.choice(pool)]
@@ -563,15 +564,24 @@ def _words(text: str) -> list[str]:
     return [w for piece in text.split() for w in F._piece_words(piece, F._WORD.findall)]
 
 
-def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeypatch):
+@pytest.mark.parametrize("counter", ["compiled", "python"])
+def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeypatch, counter):
     """split_words (the pieces' words found once, by _WORD_FAST and spaCy's tables for the
     pieces they change) gives _words (_WORD and the tables piece by piece), and
-    word_counts (pieces of letters and digits counted by C loops, the others' rows summed in
-    numpy) gives Gopher's counts by their per-word definitions, on random and adversarial text
-    and on source code; also while the piece cache is forgotten between documents, and when
-    counts learnt a piece before a split needs its words."""
+    word_counts gives Gopher's counts by their per-word definitions, on random and adversarial
+    text and on source code; also while the piece cache is forgotten between documents, and
+    when counts learnt a piece before a split needs its words. word_counts both ways: compiled
+    (pipeline/clean/_wordcount.c) and in Python (_Pieces.counts: pieces of letters and digits
+    counted by C loops, the others' rows summed in numpy)."""
     import sysconfig
 
+    if counter == "python":
+        monkeypatch.setattr(F, "COUNTER", None)
+    elif F.COUNTER is None:
+        pytest.skip("the compiled word counter is not built (no C compiler at install)")
+    else:  # its cache forgotten as often as the Python one's below
+        monkeypatch.setattr(F.COUNTER, "cache_size", 300)
+    F.forget_pieces()
     texts = _texts(0, 1500)
     texts.append(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text())
     texts += ["", " \n ", "x", "the and", "(" * 50, "é" * 20 + " 12 ²½ 五", "(１) １, a１ ％１"]
@@ -592,6 +602,8 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
     # a special case of letters and digits ("cannot") in a document whose count forgets the cache
     # (or grows its table): counted from its own words, not a row the cache no longer holds
     monkeypatch.setattr(F, "_PIECE_CACHE", 2)
+    if F.COUNTER is not None:
+        monkeypatch.setattr(F.COUNTER, "cache_size", 2)
     F.forget_pieces()
     for text in ["a, b, c, d,", "cannot", "cannot Cannot", " ".join(f"x{i}," for i in range(5000))]:
         for doc in (text, "cannot 10am " + text, text + " cannot gonna,"):
@@ -706,6 +718,39 @@ def test_ngrams_equal_a_python_reference():
             assert got == _reference_repetition(text, _words(text), cfg), text
             reasons[got] += 1
     assert len(reasons) >= 6, reasons  # the thresholds decide, not one rule every time
+
+
+def test_compiled_counter_errors_keep_no_half_learnt_piece():
+    """A regex error while the compiled counter learns a document's new pieces raises it, and
+    the pieces met in that document are forgotten: the next count is still the right one."""
+    if F.COUNTER is None:
+        pytest.skip("the compiled word counter is not built (no C compiler at install)")
+    from pipeline.clean._wordcount import Counter
+
+    def findall(piece):
+        if piece == "boom!":
+            raise RuntimeError("regex failed")
+        return F._WORD_FAST.findall(piece)
+
+    counter = Counter(
+        findall_ascii=findall,
+        findall=findall,
+        piece_words=F._piece_words,
+        url_fullmatch=F._URL_PIECE.fullmatch,
+        special_pieces=F._SPECIAL_PIECES,
+        split_words=F._SPLIT_WORDS,
+        split_alnum=F._SPLIT_ALNUM,
+        stop_bits=F._STOP_BITS,
+        punctuation=F.PUNCTUATION,
+        cache_size=100,
+    )
+    with pytest.raises(RuntimeError, match="regex failed"):
+        counter.counts("the (cat), sat; boom!")
+    assert len(counter) == 0
+    text = "the (cat), sat; on the mat."
+    assert counter.counts(text) == F._Pieces().counts(text)
+    with pytest.raises(TypeError, match="needs a str"):
+        counter.counts(b"bytes")  # type: ignore[arg-type]
 
 
 def test_line_counts_and_normalize_equal_their_definitions():

@@ -41,6 +41,7 @@ from codex import fsio, rundir
 from codex.config import ConfigError
 from codex.config.data import CleanConfig
 from codex.progress import Progress
+from pipeline.clean import filters
 from pipeline.clean.dedup import dedup_corpus, hash_buckets
 from pipeline.clean.filters import Doc, active_filters, apply_filters, forget_pieces, normalize
 from pipeline.clean.parts import PartWriter
@@ -359,6 +360,12 @@ def run_clean(cfg) -> dict:
             f"(num_tasks={c.num_tasks})"
         )
     check_executor(cfg.data)
+    if filters.COUNTER is None:
+        log.warning(
+            "clean: the compiled word counter (pipeline/clean/_wordcount.c) is not built, so "
+            "words are counted in Python at about half the speed; to build it, install a C "
+            "compiler and reinstall codex (pip install -e .)"
+        )
     if not c.inputs and not c.sources:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     listed = _inputs_and_filters(c)

@@ -404,14 +404,42 @@ def split_words(text: str) -> list[str]:
     return _PIECES.split(text)
 
 
+def _compiled_counter():
+    """_Pieces.counts compiled (pipeline/clean/_wordcount.c: the same words, from the same regex
+    and tables, and the same counts), or None where the package was installed without it (no C
+    compiler): clean then says so once and counts in Python."""
+    try:
+        from pipeline.clean._wordcount import Counter
+    except ImportError:
+        return None
+    return Counter(
+        findall_ascii=_WORD_FAST_ASCII.findall,
+        findall=_WORD_FAST.findall,
+        piece_words=_piece_words,
+        url_fullmatch=_URL_PIECE.fullmatch,
+        special_pieces=_SPECIAL_PIECES,
+        split_words=_SPLIT_WORDS,
+        split_alnum=_SPLIT_ALNUM,
+        stop_bits=_STOP_BITS,
+        punctuation=PUNCTUATION,
+        cache_size=_PIECE_CACHE,
+    )
+
+
 def word_counts(text: str) -> tuple[int, int, int, int, int]:
-    """Gopher's counts over the words of text, without making the words (_Pieces.counts)."""
+    """Gopher's counts over the words of text, without making the words: COUNTER's where it is
+    built, else _Pieces.counts."""
+    if COUNTER is not None:
+        return COUNTER.counts(text)
     return _PIECES.counts(text)
 
 
 def forget_pieces() -> None:
-    """Free the pieces kept (_Pieces), e.g. when a stage is done in a process that goes on."""
+    """Free the pieces kept (_Pieces, COUNTER), e.g. when a stage is done in a process that goes
+    on."""
     _PIECES.forget()
+    if COUNTER is not None:
+        COUNTER.forget()
 
 
 @dataclass
@@ -500,6 +528,7 @@ TERMINAL_PUNCTUATION = frozenset(
 PUNCTUATION |= TERMINAL_PUNCTUATION
 STOP_WORDS = frozenset(["the", "be", "to", "of", "and", "that", "have", "with"])
 _STOP_BITS = {w: 1 << i for i, w in enumerate(sorted(STOP_WORDS))}
+COUNTER = _compiled_counter()  # word_counts' (needs PUNCTUATION and _STOP_BITS)
 
 # Per code point, for Gopher's per-word tests: c.isalpha(), c.isalnum(), c not in PUNCTUATION,
 # and white space (str.isspace: the separator of words joined by "\n") with no other flag. A
