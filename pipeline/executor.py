@@ -232,11 +232,13 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
     """fn on every unit, on where.workers processes: this one and a pool of the others (the
     stage's, else one for this call). Each pool process is fed one unit once it has started, and
     the next as it finishes one (done-callbacks, on the pool's thread: no process waits on this
-    one), from the front of the list; this process runs units from its back, handing on what the
-    pool finished in between, then waits for the pool's last. So this process works from the
-    start (while the others spawn and import), a phase shorter than a pool's start runs here
-    whole, and no unit waits queued in the pool while a process idles at the end. (One function,
-    over 60 lines: the callbacks and the loop share todo, running and the lock.)"""
+    one); this process runs units too, handing on what the pool finished in between, then waits
+    for the pool's last. Every process takes the next unit from the front of the list, so units
+    start in the list's order (a stage puts its small units last: the processes run out of work
+    together). So this process works from the start (while the others spawn and import), a phase
+    shorter than a pool's start runs here whole, and no unit waits queued in the pool while a
+    process idles at the end. (One function, over 60 lines: the callbacks and the loop share
+    todo, running and the lock.)"""
     n = min(where.workers, len(units))
     todo = collections.deque(units)
     running: dict[cf.Future, Any] = {}  # in the pool: future -> unit
@@ -278,7 +280,7 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
                 with lock:
                     if broken and not running:
                         raise broken[0]
-                    unit = todo.pop() if todo else None
+                    unit = todo.popleft() if todo else None
                     waiting = bool(running)
                 if unit is not None:
                     yield unit, _here(fn, unit)

@@ -1,5 +1,5 @@
 """pipeline/executor.py, local processes: --workers N runs units in this process and N-1 pool
-processes; the pool is fed from the front of the units, the driver takes them from the back."""
+processes; every process takes the next unit from the front of the list (units start in order)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def test_two_workers_are_this_process_and_one_in_the_pool():
     assert sorted(got) == units  # each unit once
     pids = set(got.values())
     assert os.getpid() in pids and len(pids) == 2
-    assert got[8] == os.getpid()  # the driver starts at the back, the pool at the front
-    assert got[1] != os.getpid()
+    # the pool's process is fed the first unit, the driver takes the next: both from the front
+    assert got[1] != os.getpid() and got[2] == os.getpid()
 
 
 def note_pid(folder: str) -> None:
@@ -69,7 +69,7 @@ def test_every_pool_process_warms_once_and_takes_one_of_the_first_units(tmp_path
         warmed = [p.name.split("-")[0] for p in tmp_path.iterdir()]
         assert len(warmed) == 3 and len(set(warmed)) == 3, warmed
         got = dict(r for _, r in run_units(slow, [1, 2, 3, 4], where))
-    assert got[4] == os.getpid()  # the driver's, from the back
+    assert got[4] == os.getpid()  # the next in line once each pool process has one
     assert {str(got[u]) for u in (1, 2, 3)} == set(warmed)
 
 
@@ -79,7 +79,7 @@ def test_a_units_exception_is_raised_here_from_either_process():
         with pytest.raises(ValueError, match="bad unit 0"):  # the pool's first unit
             list(run_units(who, [0, 1, 2, 3], where))
         with pytest.raises(ValueError, match="bad unit -1"):  # the driver's first unit
-            list(run_units(who, [1, 2, 3, -1], where))
+            list(run_units(who, [1, -1, 2, 3], where))
         # the pool goes on serving the stage's next phase
         assert sorted(u for u, _ in run_units(who, [1, 2, 3], where)) == [1, 2, 3]
 

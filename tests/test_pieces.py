@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from codex.config import build_config
+from pipeline.clean import clean as clean_mod
 from pipeline.clean.clean import plan_units
 from pipeline.readers import FileReport, InputFile, Piece, read_records
 
@@ -107,11 +108,16 @@ def test_plan_cuts_big_files_and_packs_small_ones(tmp_path):
     files = [*small, gz, InputFile(str(big), big.stat().st_size, "jsonl")]
     cfg = build_config(overrides=["data.clean.chunk_bytes=20000"]).data.clean
     units = plan_units(files, cfg)
-    # small files packed into one unit, the gzip file whole (cannot be split), the big one cut
+    # small files packed into one unit, the gzip file whole (cannot be split), the big one cut:
+    # the corpus's last 2 x chunk_bytes (TAIL_CHUNKS) in units of a quarter chunk
     assert [len(u.pieces) for u in units[:2]] == [3, 1] and units[1].pieces[0] == Piece(gz)
-    big_units = units[2:]
-    assert len(big_units) == -(-big.stat().st_size // 20000)
-    assert big_units[0].pieces[0].start == 0 and big_units[-1].pieces[0].end == big.stat().st_size
+    size = big.stat().st_size
+    bounds = [units[2].pieces[0].start] + [u.pieces[0].end for u in units[2:]]
+    assert bounds[0] == 0 and bounds[-1] == size and bounds == sorted(set(bounds))
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert clean_mod.TAIL_CHUNKS == 2 and (size - 40000) in bounds
+    assert len(lengths) == -(-(size - 40000) // 20000) + 8
+    assert all(x <= 20000 for x in lengths) and all(x <= 5000 for x in lengths[-8:])
     assert [u.index for u in units] == list(range(len(units)))
 
 

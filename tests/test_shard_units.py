@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -116,20 +117,38 @@ def test_cuts_keep_whole_parts_when_there_are_enough(tmp_path, monkeypatch):
 
 def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
-    (scan,) = scans_of(tmp_path, [203])
-    assert scan["rows_at"].tolist() == [*range(0, 203, 4), 203]
+    (scan,) = scans_of(tmp_path, [803])
+    assert scan["rows_at"].tolist() == [*range(0, 803, 4), 803]
     assert scan["bytes_at"][-1] == sum(
         len(t.encode()) for t in pq.read_table(tmp_path / "part-0.parquet").column(0).to_pylist()
     )
     (cut,) = shard_mod._cuts([scan], 2)
-    assert cut[0] == 0 and cut[-1] == 203 and cut == sorted(set(cut))
+    assert cut[0] == 0 and cut[-1] == 803 and cut == sorted(set(cut))
     assert all(r % 4 == 0 for r in cut[:-1])
-    assert len(cut) - 1 == shard_mod.UNITS_PER_WORKER * 2
+    # 8 units, the last 2 of them cut in 4 each: the two workers run out of work together
+    body = shard_mod.UNITS_PER_WORKER * 2 - 2
+    assert len(cut) - 1 == body + 2 * shard_mod.TAIL_SPLIT
     at = dict(zip(scan["rows_at"].tolist(), scan["bytes_at"].tolist(), strict=True))
     sizes = [at[b] - at[a] for a, b in zip(cut, cut[1:], strict=False)]
-    # about equal bytes (within a block of the big documents), not equal rows
-    assert max(sizes) - min(sizes) <= 4 * 810, sizes
-    assert cut[1] < 203 // 8
+    # about equal bytes (within a block of the big documents), not equal rows; the tail a quarter
+    unit = scan["bytes_at"][-1] / 8
+    assert all(abs(x - unit) <= 4 * 810 for x in sizes[:body]), sizes
+    assert all(abs(x - unit / shard_mod.TAIL_SPLIT) <= 4 * 810 for x in sizes[body:]), sizes
+    assert cut[1] < 803 // 8
+
+
+def test_cuts_of_several_parts_follow_the_corpus_bytes(tmp_path, monkeypatch):
+    """Parts of unequal size: each is cut where the corpus's unit ends fall in it, so a small
+    part stays whole and the tail's small units are in the last part."""
+    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    scans = scans_of(tmp_path, [40, 800, 800])
+    cuts = shard_mod._cuts(scans, 2)
+    assert cuts[0] == [0, 40]
+    n_units = sum(len(c) - 1 for c in cuts)
+    assert shard_mod.UNITS_PER_WORKER * 2 <= n_units <= 6 + 2 * shard_mod.TAIL_SPLIT + 2
+    at = dict(zip(scans[2]["rows_at"].tolist(), scans[2]["bytes_at"].tolist(), strict=True))
+    last = [at[b] - at[a] for a, b in zip(cuts[2], cuts[2][1:], strict=False)]
+    assert last[-1] < last[0] / 2, (cuts, last)  # in bytes: the tail's units are small
 
 
 def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
@@ -235,8 +254,10 @@ def test_one_part_is_cut_for_two_workers_and_gives_the_same_shards(
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
     with caplog.at_level(logging.INFO, logger="codex.shard"):
         two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
-    assert "1 parts cut into 8 encode units" in caplog.text
-    assert "encoded 8 of 8 units of 1 parts" in caplog.text
+    # 8 units, the last 2 cut smaller (some of the tail's cuts fall on the same sampled row)
+    n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
+    assert 8 < n <= 6 + 2 * shard_mod.TAIL_SPLIT
+    assert f"encoded {n} of {n} units of 1 parts" in caplog.text
     assert two == one and len(one["shards"]) >= 6
     for e in one["shards"]:
         w1, w2 = tmp_path / "w1" / e["path"], tmp_path / "w2" / e["path"]
@@ -254,7 +275,7 @@ def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
     run = make_run(tmp_path, corpus, tokenizer_files, files=2, row_group_size=GROUP)
     ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
     monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)
-    # the plan of 2 workers (8 units), run in this process
+    # the plan of 2 workers (8 units, the last 2 cut smaller), run in this process
     monkeypatch.setattr(shard_mod, "slots", lambda where: 2)
     encode = shard_mod.shard_encode_unit
     seen: list[tuple] = []
@@ -286,7 +307,7 @@ def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
     assert run_shard(cfg) == ref
     redone = [(u.index, u.start, u.stop) for u in seen]
     assert first[0] not in redone and first[1] in redone and first[2] not in redone
-    assert len(redone) == 8 - 2
+    assert len(redone) == len(set(first) | set(redone)) - 2  # the rest of the plan, once each
     assert not units.exists() and verify_shards(str(run / "shards")) == []
 
 
@@ -331,8 +352,9 @@ def test_ray_cuts_one_part_for_the_clusters_cpus_and_gives_the_same_shards(
     cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
     with caplog.at_level(logging.INFO, logger="codex.shard"):
         got = run_shard(cfg)
-    # two raylets of one CPU each: 4 x 2 units
-    assert "1 parts cut into 8 encode units" in caplog.text
+    # two raylets of one CPU each: 4 x 2 units, the last 2 cut smaller (on 64-row blocks)
+    n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
+    assert 8 < n <= 6 + 2 * shard_mod.TAIL_SPLIT
     assert "(2 run side by side)" in caplog.text
     assert got == ref and len(ref["shards"]) >= 4
     for e in ref["shards"]:

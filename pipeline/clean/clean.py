@@ -93,36 +93,60 @@ class Unit:
         return f"{self.index:06d}"
 
 
-def _split_file(f: InputFile, chunk_bytes: int) -> list[Piece]:
-    """A big splittable file in about size / chunk_bytes pieces."""
-    n = -(-f.size // chunk_bytes)
+def _bounds(size: int, chunk_bytes: int, fine_from: int) -> list[int]:
+    """Byte offsets that cut [0, size) into pieces of about chunk_bytes, and of a quarter of that
+    from fine_from on (0 and size included)."""
+    head = min(max(fine_from, 0), size)
+    bounds = {0, head, size}
+    for a, b, chunk in ((0, head, chunk_bytes), (head, size, max(1, chunk_bytes // 4))):
+        n = -(-(b - a) // chunk)
+        bounds.update(a + k * (b - a) // n for k in range(1, n))
+    return sorted(bounds)
+
+
+def _split_file(f: InputFile, bounds: list[int]) -> list[Piece]:
+    """A splittable file in pieces between these byte offsets (_bounds; a parquet file's at the
+    row groups nearest them)."""
     if f.kind != "parquet":
-        return [Piece(f, k * f.size // n, (k + 1) * f.size // n) for k in range(n)]
+        return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     groups = parquet_row_groups(f.path)
-    sizes = np.cumsum([b for _, b in groups]) if groups else np.zeros(0)
     if len(groups) < 2:
         return [Piece(f)]
-    # cut before the row group where each n-th of the bytes begins
-    cuts = sorted({int(np.searchsorted(sizes, k * sizes[-1] / n, side="right")) for k in range(n)})
+    # cut before the row group where each bound's share of the (uncompressed) bytes begins
+    sizes = np.cumsum([b for _, b in groups])
+    goals = [sizes[-1] * x / f.size for x in bounds[1:-1]]
+    cuts = sorted({int(np.searchsorted(sizes, g, side="right")) for g in goals})
     cuts = [c for c in cuts if 0 < c < len(groups)]
-    bounds = [0, *cuts, len(groups)]
-    return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    rows = [0, *cuts, len(groups)]
+    return [Piece(f, a, b) for a, b in zip(rows, rows[1:], strict=False)]
+
+
+# The corpus's last TAIL_CHUNKS x chunk_bytes go in units a quarter that size, so that the workers
+# run out of work together (units start in the plan's order): a unit started last by one worker
+# while the others have none left is short.
+TAIL_CHUNKS = 2
 
 
 def plan_units(files: list[InputFile], c) -> list[Unit]:
-    """Units of about chunk_bytes of input, in corpus order (files sorted, pieces in order)."""
+    """Units of about chunk_bytes of input (a quarter of it in the tail: TAIL_CHUNKS), in corpus
+    order (files sorted, pieces in order). The plan depends on the files and settings only, never
+    on the workers: a rerun with other workers resumes the same units."""
     units: list[Unit] = []
     pack: list[Piece] = []
     size = 0
+    fine_from = sum(f.size for f in files) - TAIL_CHUNKS * c.chunk_bytes  # in the corpus's bytes
     for f in files:
-        if f.size > c.chunk_bytes and splittable(f, f.delimiter(c)):
+        bounds = _bounds(f.size, c.chunk_bytes, fine_from)
+        fine_from -= f.size  # from here on: in the next file's bytes
+        cut = len(bounds) > 2 and splittable(f, f.delimiter(c))
+        pieces = _split_file(f, bounds) if cut else []
+        if len(pieces) > 1:
             if pack:
                 units.append(Unit(len(units), pack))
                 pack, size = [], 0
-            for piece in _split_file(f, c.chunk_bytes):
-                units.append(Unit(len(units), [piece]))
+            units += [Unit(len(units) + k, [piece]) for k, piece in enumerate(pieces)]
             continue
-        if f.size > c.chunk_bytes:
+        if f.size > c.chunk_bytes and not cut:
             log.info(
                 "clean: %s (%.0f MB) is one unit: %s",
                 f.path,

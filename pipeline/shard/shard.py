@@ -72,6 +72,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import IO
@@ -129,6 +130,8 @@ BLOCK_ROWS = 64
 # parts are then cut into byte-balanced row ranges, so that no core idles while another encodes
 # the last big part
 UNITS_PER_WORKER = 4
+# ... the last of them cut in this many more: the slots run out of work together
+TAIL_SPLIT = 4
 PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
 # tokens per write task (whole shards, at least one): small shards are grouped so that a task is
 # worth scheduling
@@ -572,6 +575,7 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
     """Encode the unit's rows of its part into its folder of .units/; returns its marker (part,
     rows, documents, tokens per split, UTF-8 bytes). Removes what an earlier attempt left there
     first and writes the marker last, so a marker always vouches for complete files."""
+    started = time.time()
     fsio.rm(u.folder, recursive=True)
     if u.threads:
         # N processes x `threads` threads should not oversubscribe the cores. tiktoken reads it
@@ -585,7 +589,10 @@ def shard_encode_unit(u: _EncodeUnit) -> dict:
         "part": fsio.basename(u.path),
         "rows": [u.start, u.stop],
         "fingerprint": u.fingerprint,
-        "worker": worker_id(),  # for the curious; never part of the output
+        # who ran it and when: for the log and the curious, never part of the output
+        "worker": worker_id(),
+        "started": started,
+        "finished": time.time(),
         **counts,
     }
     path = u.file(UNIT_DONE)
@@ -985,20 +992,27 @@ def _encode_template(
 def _cuts(scans: list[dict], slots: int) -> list[list[int]]:
     """Where each part is cut into encode units (rows, from 0 to its row count). Each part is one
     unit when the parts are at least UNITS_PER_WORKER x slots (or nothing runs side by side);
-    otherwise the parts are cut at the scan's sampled rows into about that many ranges of about
-    equal UTF-8 bytes, so that every slot has work until the end."""
+    otherwise the corpus is cut at the scan's sampled rows into that many ranges of about equal
+    UTF-8 bytes, the last `slots` of them each in TAIL_SPLIT, so that every slot has work until
+    the end and the slots finish together (the units run in this order)."""
     whole = [[0, r["rows"]] for r in scans]
     want = UNITS_PER_WORKER * slots
     total = sum(int(r["bytes_at"][-1]) for r in scans)
     if slots <= 1 or len(scans) >= want or total == 0:
         return whole
+    # where units end, in the corpus's bytes (0 and total left out)
+    ends = np.linspace(0, total, want + 1)
+    tail = np.linspace(ends[-slots - 1], total, TAIL_SPLIT * slots + 1)
+    goals = np.concatenate([ends[1 : -slots - 1], tail[:-1]])
     cuts = []
+    offset = 0
     for r in scans:
         at, rows = r["bytes_at"], r["rows_at"]
-        k = max(1, round(int(at[-1]) * want / total))
-        goals = at[-1] * np.arange(1, k) / k  # j/k of the part's bytes
-        i = np.clip(np.searchsorted(at, goals), 1, len(at) - 1)
-        i -= goals - at[i - 1] < at[i] - goals  # the nearer of the two sampled rows
+        size = int(at[-1])
+        mine = goals[(goals > offset) & (goals < offset + size)] - offset
+        offset += size
+        i = np.clip(np.searchsorted(at, mine), 1, len(at) - 1)
+        i -= mine - at[i - 1] < at[i] - mine  # the nearer of the two sampled rows
         cut = sorted({0, r["rows"], *rows[i].tolist()})
         cuts.append(cut if len(cut) > 1 else [0, 0])  # an empty part is one (empty) unit
     return cuts
