@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -356,6 +357,24 @@ def test_one_and_two_workers_give_identical_output(tmp_path):
         and len(snapshot(tmp_path / "w1")) > 2
     )
     assert s1 == s2
+
+
+def test_without_the_compiled_counter_clean_warns_and_gives_the_same_output(
+    tmp_path, monkeypatch, caplog
+):
+    """Where the package was installed without a C compiler, clean says so and counts words in
+    Python: the same parts and stats (web and code filters over prose and source code)."""
+    make_corpus(tmp_path / "in", 2, 30)
+    (tmp_path / "in" / "code.jsonl").write_text(
+        "".join(json.dumps({"text": Path(m.__file__).read_text()}) + "\n" for m in (F, json))
+    )
+    compiled = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="compiled"))
+    monkeypatch.setattr(F, "COUNTER", None)
+    with caplog.at_level(logging.WARNING):
+        python = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="python"))
+    assert "the compiled word counter (pipeline/clean/_wordcount.c) is not built" in caplog.text
+    assert snapshot(tmp_path / "python") == snapshot(tmp_path / "compiled")
+    assert python == compiled and python["docs_out"] > 0
 
 
 def test_dedup_is_exact_across_tasks(tmp_path):
