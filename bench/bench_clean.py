@@ -13,16 +13,16 @@ C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench
 its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
 every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
-Measured here (2 CPU cores, quiet machine, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files),
-2026-11-26, `--pin --repeats 5`, after the driver became one of the workers and no process
-imports pandas:
+Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27,
+`--pin --repeats 5 --ceiling`, with the compiled word counter (pipeline/clean/_wordcount.c):
 
                         seconds    MB/s  cpu s  peak RSS MB   drv/wkr  docs kept
-codex workers=1       11.2-11.7  8.74-9.10   11.1-11.6    112  112/0      146
-codex workers=2        6.3-6.6  15.5-16.2   11.6-12.1    238-242  114/111   146
+codex workers=1         6.4-6.7  15.2-15.9    6.4-6.7    109-110  109/0     146
+codex workers=2         3.7-4.0  25.7-27.2    6.8-7.3    229-232  110/108   146
 
-speed-up per round 1.75-1.81x (median 1.78x). Earlier figures (the word-piece cache, the n-grams in
-numpy, datatrove 0.10 at 0.48 / 0.84 MB/s before the parity fixes) are in README's stage table.
+speed-up per round 1.66-1.79x (median 1.66x) against a ceiling of 1.81-1.95x (median 1.88x):
+88-96% of it. Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in
+README's stage table.
 """
 
 from __future__ import annotations
