@@ -741,7 +741,8 @@ def test_ngrams_equal_a_python_reference():
 
 def test_compiled_counter_errors_keep_no_half_learnt_piece():
     """A regex error while the compiled counter learns a document's new pieces raises it, and
-    the pieces met in that document are forgotten: the next count is still the right one."""
+    the pieces met in that document are forgotten: the next count is still the right one. A
+    callback that counts with its own Counter is refused (its rows may move meanwhile)."""
     if F.COUNTER is None:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
     from pipeline.clean._wordcount import Counter
@@ -751,9 +752,7 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
             raise RuntimeError("regex failed")
         return F._WORD_FAST.findall(piece)
 
-    counter = Counter(
-        findall_ascii=findall,
-        findall=findall,
+    tables = dict(
         piece_words=F._piece_words,
         url_fullmatch=F._URL_PIECE.fullmatch,
         special_pieces=F._SPECIAL_PIECES,
@@ -761,8 +760,8 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
         split_alnum=F._SPLIT_ALNUM,
         stop_bits=F._STOP_BITS,
         punctuation=F.PUNCTUATION,
-        cache_size=100,
     )
+    counter = Counter(findall_ascii=findall, findall=findall, cache_size=100, **tables)
     with pytest.raises(RuntimeError, match="regex failed"):
         counter.counts("the (cat), sat; boom!")
     assert len(counter) == 0
@@ -770,6 +769,16 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     assert counter.counts(text) == F._Pieces().counts(text)
     with pytest.raises(TypeError, match="needs a str"):
         counter.counts(b"bytes")  # type: ignore[arg-type]
+
+    def counts_again(piece):  # a callback that uses its own Counter is refused, not obeyed
+        return [str(counter.counts("x"))]
+
+    counter.__init__(findall_ascii=counts_again, findall=counts_again, cache_size=100, **tables)
+    with pytest.raises(RuntimeError, match="cannot be used from its own callbacks"):
+        counter.counts("(x)")
+    assert counter.counts("abc def") == (2, 2, 6, 2, 0)  # letters and digits: no callback
+    with pytest.raises(RuntimeError, match="__init__ was not called"):
+        Counter.__new__(Counter).counts("x")
 
 
 def test_line_counts_and_normalize_equal_their_definitions():

@@ -46,6 +46,7 @@ typedef struct {
     Row *rows;
     Py_ssize_t n_rows, rows_cap;
     Py_ssize_t cache_size;
+    int busy; /* in counts: its callbacks must not count or forget with this Counter */
     uint8_t ascii_punct[128];
     Py_UCS4 *punct; /* the non-ASCII punctuation, sorted */
     Py_ssize_t n_punct;
@@ -209,7 +210,7 @@ error:
 }
 
 static void forget(Counter *self) {
-    PyDict_Clear(self->pieces);
+    if (self->pieces != NULL) PyDict_Clear(self->pieces);
     self->n_rows = 0;
 }
 
@@ -229,7 +230,27 @@ static Py_ssize_t new_row(Counter *self) {
     return self->n_rows++;
 }
 
+static int refuse_if_busy(Counter *self) {
+    if (self->busy)
+        PyErr_SetString(PyExc_RuntimeError, "a Counter cannot be used from its own callbacks");
+    else if (self->pieces == NULL)
+        PyErr_SetString(PyExc_RuntimeError, "Counter.__init__ was not called");
+    else
+        return 0;
+    return -1;
+}
+
+static PyObject *count_text(Counter *self, PyObject *text);
+
 static PyObject *Counter_counts(Counter *self, PyObject *text) {
+    if (refuse_if_busy(self) < 0) return NULL;
+    self->busy = 1;
+    PyObject *result = count_text(self, text);
+    self->busy = 0;
+    return result;
+}
+
+static PyObject *count_text(Counter *self, PyObject *text) {
     if (!PyUnicode_Check(text)) {
         PyErr_Format(PyExc_TypeError, "counts needs a str, not %.100s", Py_TYPE(text)->tp_name);
         return NULL;
@@ -316,6 +337,7 @@ error:
 }
 
 static PyObject *Counter_forget(Counter *self, PyObject *Py_UNUSED(ignored)) {
+    if (refuse_if_busy(self) < 0) return NULL;
     forget(self);
     Py_RETURN_NONE;
 }
@@ -329,6 +351,7 @@ static int Counter_init(Counter *self, PyObject *args, PyObject *kwargs) {
     PyObject *findall_ascii, *findall, *piece_words, *url_fullmatch, *special_pieces;
     PyObject *split_words, *split_alnum, *stop_bits, *punctuation;
     Py_ssize_t cache_size;
+    if (self->busy) return refuse_if_busy(self);
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!O!OO!On:Counter", names,
                                      &findall_ascii, &findall, &piece_words, &url_fullmatch,
                                      &PyFrozenSet_Type, &special_pieces, &PyFrozenSet_Type,
