@@ -779,6 +779,26 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     assert counter.counts("abc def") == (2, 2, 6, 2, 0)  # letters and digits: no callback
     with pytest.raises(RuntimeError, match="__init__ was not called"):
         Counter.__new__(Counter).counts("x")
+    assert len(Counter.__new__(Counter)) == 0
+    # a failed __init__ leaves it unusable, not half set up with the old tables
+    with pytest.raises(TypeError):
+        counter.__init__(findall_ascii=findall, findall=findall, cache_size=100,
+                         **{**tables, "stop_bits": {"the": 1, "and": "x"}})  # fmt: skip
+    with pytest.raises(RuntimeError, match="__init__ was not called"):
+        counter.counts("the and")
+    # the rows of a huge document are given back when the pieces are forgotten
+    import tracemalloc
+
+    counter.__init__(findall_ascii=findall, findall=findall, cache_size=100, **tables)
+    huge = " ".join(f"({i})" for i in range(100_000))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        counter.counts(huge)  # rows for 100,000 pieces: 40 bytes each
+        counter.counts("x")  # over cache_size: forgotten first
+        assert tracemalloc.get_traced_memory()[0] - before < 1_000_000
+    finally:
+        tracemalloc.stop()
 
 
 def test_line_counts_and_normalize_equal_their_definitions():

@@ -29,6 +29,8 @@ typedef struct {
     int64_t words, real, real_chars, alpha, stop;
 } Row;
 
+#define ROWS_START 4096 /* rows allocated at first */
+
 /* A small set of short ASCII strings (split_alnum, the stop words), each with a value. */
 #define SMALL_SLOTS 1024
 #define SMALL_LEN 15
@@ -134,6 +136,12 @@ static void count_word(Counter *self, Row *row, int kind, const void *data, Py_s
     row->stop |= stop > 0 ? stop : 0;
 }
 
+static int popcount(int64_t bits) {
+    int n = 0;
+    for (uint64_t b = (uint64_t)bits; b; b &= b - 1) n++;
+    return n;
+}
+
 static void add_row(Row *to, const Row *row) {
     to->words += row->words;
     to->real += row->real;
@@ -212,12 +220,18 @@ error:
 static void forget(Counter *self) {
     if (self->pieces != NULL) PyDict_Clear(self->pieces);
     self->n_rows = 0;
+    Py_ssize_t usual = self->cache_size > ROWS_START ? self->cache_size : ROWS_START;
+    if (self->rows_cap > 4 * usual) { /* a huge document's rows: give them back */
+        PyMem_Free(self->rows);
+        self->rows = NULL;
+        self->rows_cap = 0;
+    }
 }
 
 /* A new row's index (rows grow), or -1 with MemoryError. */
 static Py_ssize_t new_row(Counter *self) {
     if (self->n_rows == self->rows_cap) {
-        Py_ssize_t cap = self->rows_cap ? 2 * self->rows_cap : 4096;
+        Py_ssize_t cap = self->rows_cap ? 2 * self->rows_cap : ROWS_START;
         Row *rows = PyMem_Realloc(self->rows, cap * sizeof(Row));
         if (rows == NULL) {
             PyErr_NoMemory();
@@ -232,7 +246,8 @@ static Py_ssize_t new_row(Counter *self) {
 
 static int refuse_if_busy(Counter *self) {
     if (self->busy)
-        PyErr_SetString(PyExc_RuntimeError, "a Counter cannot be used from its own callbacks");
+        PyErr_SetString(PyExc_RuntimeError,
+                        "a Counter cannot be used from its own callbacks (nor from two threads)");
     else if (self->pieces == NULL)
         PyErr_SetString(PyExc_RuntimeError, "Counter.__init__ was not called");
     else
@@ -255,6 +270,9 @@ static PyObject *count_text(Counter *self, PyObject *text) {
         PyErr_Format(PyExc_TypeError, "counts needs a str, not %.100s", Py_TYPE(text)->tp_name);
         return NULL;
     }
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(text) < 0) return NULL; /* a legacy str another extension made */
+#endif
     /* forgotten all at once, before a document, when there are too many (as _Pieces.ids) */
     if (PyDict_GET_SIZE(self->pieces) > self->cache_size) forget(self);
     int kind = PyUnicode_KIND(text);
@@ -327,7 +345,7 @@ static PyObject *count_text(Counter *self, PyObject *text) {
     Py_DECREF(new_pieces);
     return Py_BuildValue("(LLLLi)", (long long)total.words, (long long)total.real,
                          (long long)total.real_chars, (long long)total.alpha,
-                         __builtin_popcountll((unsigned long long)total.stop));
+                         popcount(total.stop));
 error:
     /* the pieces met in this document may have no rows yet: forget them all */
     forget(self);
@@ -342,16 +360,27 @@ static PyObject *Counter_forget(Counter *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-static Py_ssize_t Counter_len(Counter *self) { return PyDict_GET_SIZE(self->pieces); }
+static Py_ssize_t Counter_len(Counter *self) {
+    return self->pieces == NULL ? 0 : PyDict_GET_SIZE(self->pieces);
+}
 
+static int setup(Counter *self, PyObject *args, PyObject *kwargs);
+
+/* A failed __init__ leaves the Counter unusable (as before __init__), never half set up. */
 static int Counter_init(Counter *self, PyObject *args, PyObject *kwargs) {
+    if (self->busy) return refuse_if_busy(self);
+    if (setup(self, args, kwargs) == 0) return 0;
+    Py_CLEAR(self->pieces);
+    return -1;
+}
+
+static int setup(Counter *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"findall_ascii", "findall",     "piece_words", "url_fullmatch",
                             "special_pieces", "split_words", "split_alnum", "stop_bits",
                             "punctuation",    "cache_size",  NULL};
     PyObject *findall_ascii, *findall, *piece_words, *url_fullmatch, *special_pieces;
     PyObject *split_words, *split_alnum, *stop_bits, *punctuation;
     Py_ssize_t cache_size;
-    if (self->busy) return refuse_if_busy(self);
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!O!OO!On:Counter", names,
                                      &findall_ascii, &findall, &piece_words, &url_fullmatch,
                                      &PyFrozenSet_Type, &special_pieces, &PyFrozenSet_Type,
