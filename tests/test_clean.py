@@ -752,16 +752,9 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
             raise RuntimeError("regex failed")
         return F._WORD_FAST.findall(piece)
 
-    tables = dict(
-        piece_words=F._piece_words,
-        url_fullmatch=F._URL_PIECE.fullmatch,
-        special_pieces=F._SPECIAL_PIECES,
-        split_words=F._SPLIT_WORDS,
-        split_alnum=F._SPLIT_ALNUM,
-        stop_bits=F._STOP_BITS,
-        punctuation=F.PUNCTUATION,
-    )
-    counter = Counter(findall_ascii=findall, findall=findall, cache_size=100, **tables)
+    settings = {**F.counter_settings(), "findall_ascii": findall, "findall": findall}
+    settings["cache_size"] = 100
+    counter = Counter(**settings)
     with pytest.raises(RuntimeError, match="regex failed"):
         counter.counts("the (cat), sat; boom!")
     assert len(counter) == 0
@@ -773,7 +766,7 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     def counts_again(piece):  # a callback that uses its own Counter is refused, not obeyed
         return [str(counter.counts("x"))]
 
-    counter.__init__(findall_ascii=counts_again, findall=counts_again, cache_size=100, **tables)
+    counter.__init__(**{**settings, "findall_ascii": counts_again, "findall": counts_again})
     with pytest.raises(RuntimeError, match="cannot be used from its own callbacks"):
         counter.counts("(x)")
     assert counter.counts("abc def") == (2, 2, 6, 2, 0)  # letters and digits: no callback
@@ -782,14 +775,13 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     assert len(Counter.__new__(Counter)) == 0
     # a failed __init__ leaves it unusable, not half set up with the old tables
     with pytest.raises(TypeError):
-        counter.__init__(findall_ascii=findall, findall=findall, cache_size=100,
-                         **{**tables, "stop_bits": {"the": 1, "and": "x"}})  # fmt: skip
+        counter.__init__(**{**settings, "stop_bits": {"the": 1, "and": "x"}})
     with pytest.raises(RuntimeError, match="__init__ was not called"):
         counter.counts("the and")
     # the rows of a huge document are given back when the pieces are forgotten
     import tracemalloc
 
-    counter.__init__(findall_ascii=findall, findall=findall, cache_size=100, **tables)
+    counter.__init__(**settings)
     huge = " ".join(f"({i})" for i in range(100_000))
     tracemalloc.start()
     try:

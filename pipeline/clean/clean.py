@@ -54,7 +54,15 @@ from pipeline.clean.stats import (
     whole_files_dropped,
     yield_problem,
 )
-from pipeline.executor import Where, check_executor, run_units, stage_pool, where_for, worker_id
+from pipeline.executor import (
+    TAIL_SPLIT,
+    Where,
+    check_executor,
+    run_units,
+    stage_pool,
+    where_for,
+    worker_id,
+)
 from pipeline.inputs import clean_inputs, ls_matching
 from pipeline.readers import (
     BadInputFile,
@@ -94,11 +102,11 @@ class Unit:
 
 
 def _bounds(size: int, chunk_bytes: int, fine_from: int) -> list[int]:
-    """Byte offsets that cut [0, size) into pieces of about chunk_bytes, and of a quarter of that
-    from fine_from on (0 and size included)."""
+    """Byte offsets that cut [0, size) into pieces of about chunk_bytes, and of 1/TAIL_SPLIT of
+    that from fine_from on (0 and size included)."""
     head = min(max(fine_from, 0), size)
     bounds = {0, head, size}
-    for a, b, chunk in ((0, head, chunk_bytes), (head, size, max(1, chunk_bytes // 4))):
+    for a, b, chunk in ((0, head, chunk_bytes), (head, size, max(1, chunk_bytes // TAIL_SPLIT))):
         n = -(-(b - a) // chunk)
         bounds.update(a + k * (b - a) // n for k in range(1, n))
     return sorted(bounds)
@@ -121,14 +129,12 @@ def _split_file(f: InputFile, bounds: list[int]) -> list[Piece]:
     return [Piece(f, a, b) for a, b in zip(rows, rows[1:], strict=False)]
 
 
-# The corpus's last TAIL_CHUNKS x chunk_bytes go in units a quarter that size, so that the workers
-# run out of work together (units start in the plan's order): a unit started last by one worker
-# while the others have none left is short.
+# The corpus's last TAIL_CHUNKS x chunk_bytes go in units 1/TAIL_SPLIT that size (executor.py).
 TAIL_CHUNKS = 2
 
 
 def plan_units(files: list[InputFile], c) -> list[Unit]:
-    """Units of about chunk_bytes of input (a quarter of it in the tail: TAIL_CHUNKS), in corpus
+    """Units of about chunk_bytes of input (less in the tail: TAIL_CHUNKS), in corpus
     order (files sorted, pieces in order). The plan depends on the files and settings only, never
     on the workers: a rerun with other workers resumes the same units."""
     units: list[Unit] = []

@@ -404,6 +404,23 @@ def split_words(text: str) -> list[str]:
     return _PIECES.split(text)
 
 
+def counter_settings() -> dict:
+    """The compiled Counter's arguments: _WORD_FAST's findall, spaCy's tables and the counts'
+    sets, as _Pieces uses them."""
+    return {
+        "findall_ascii": _WORD_FAST_ASCII.findall,
+        "findall": _WORD_FAST.findall,
+        "piece_words": _piece_words,
+        "url_fullmatch": _URL_PIECE.fullmatch,
+        "special_pieces": _SPECIAL_PIECES,
+        "split_words": _SPLIT_WORDS,
+        "split_alnum": _SPLIT_ALNUM,
+        "stop_bits": _STOP_BITS,
+        "punctuation": PUNCTUATION,
+        "cache_size": _PIECE_CACHE,
+    }
+
+
 def _compiled_counter():
     """_Pieces.counts compiled (pipeline/clean/_wordcount.c: the same words, from the same regex
     and tables, and the same counts), or None where the package was installed without it (no C
@@ -412,18 +429,7 @@ def _compiled_counter():
         from pipeline.clean._wordcount import Counter
     except ImportError:
         return None
-    return Counter(
-        findall_ascii=_WORD_FAST_ASCII.findall,
-        findall=_WORD_FAST.findall,
-        piece_words=_piece_words,
-        url_fullmatch=_URL_PIECE.fullmatch,
-        special_pieces=_SPECIAL_PIECES,
-        split_words=_SPLIT_WORDS,
-        split_alnum=_SPLIT_ALNUM,
-        stop_bits=_STOP_BITS,
-        punctuation=PUNCTUATION,
-        cache_size=_PIECE_CACHE,
-    )
+    return Counter(**counter_settings())
 
 
 def word_counts(text: str) -> tuple[int, int, int, int, int]:

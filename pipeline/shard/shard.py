@@ -86,6 +86,7 @@ from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, EncodeWith, token_dtype
 from pipeline.executor import (
+    TAIL_SPLIT,
     Where,
     check_executor,
     cores,
@@ -130,8 +131,6 @@ BLOCK_ROWS = 64
 # parts are then cut into byte-balanced row ranges, so that no core idles while another encodes
 # the last big part
 UNITS_PER_WORKER = 4
-# ... the last of them cut in this many more: the slots run out of work together
-TAIL_SPLIT = 4
 PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
 # tokens per write task (whole shards, at least one): small shards are grouped so that a task is
 # worth scheduling
@@ -993,8 +992,8 @@ def _cuts(scans: list[dict], slots: int) -> list[list[int]]:
     """Where each part is cut into encode units (rows, from 0 to its row count). Each part is one
     unit when the parts are at least UNITS_PER_WORKER x slots (or nothing runs side by side);
     otherwise the corpus is cut at the scan's sampled rows into that many ranges of about equal
-    UTF-8 bytes, the last `slots` of them each in TAIL_SPLIT, so that every slot has work until
-    the end and the slots finish together (the units run in this order)."""
+    UTF-8 bytes, the last `slots` of them each in TAIL_SPLIT (executor.py), so that every slot
+    has work until the end and the slots finish together."""
     whole = [[0, r["rows"]] for r in scans]
     want = UNITS_PER_WORKER * slots
     total = sum(int(r["bytes_at"][-1]) for r in scans)
