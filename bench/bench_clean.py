@@ -152,25 +152,24 @@ def measure(cmd: list[str], env=None, cores=None) -> tuple[float, float, float, 
 
 
 def tree_rss(pid: int) -> dict[int, int]:
-    """RSS bytes of pid and each of its descendants."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                parts = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(parts[1]), []).append(int(d))
-            rss[int(d)] = int(parts[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            pass
+    """RSS bytes of pid and each of its descendants, found through /proc/PID/task/*/children: a
+    few small reads, not a scan of every process on the machine (this polls every 50 ms beside the
+    workers; a /proc scan cost ~1 ms a poll, CPU taken from 2 pinned workers but not from 1)."""
     out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        out[p] = rss.get(p, 0)
-        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                out[p] = int(f.read().split()[1]) * PAGE
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):  # it exited meanwhile
+            pass
     return out
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:

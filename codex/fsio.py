@@ -18,12 +18,14 @@ import json
 import logging
 import os
 import posixpath
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import fsspec
+if TYPE_CHECKING:
+    import fsspec
 
 # gcsfs 2026.x probes every bucket's type over gRPC first and waits ~60 s when the server does not
 # speak it (the emulator, some proxies); the probe only matters for zonal/HNS buckets. gcsfs reads
@@ -67,7 +69,13 @@ def _strip_file(path: str) -> str:
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path within it). Remote filesystems are created with our retry/emulator
-    options."""
+    options.
+
+    fsspec is imported here, on first use, not with this module: the functions below answer a
+    local path with os calls, so a process that only touches local files (a data stage's worker)
+    starts without fsspec's imports (asyncio, ssl, importlib.metadata: ~80 ms a process)."""
+    import fsspec
+
     path = _strip_file(path)
     if not is_remote(path):
         return fsspec.filesystem("file"), os.path.abspath(path)
@@ -104,24 +112,41 @@ def _url(fs: fsspec.AbstractFileSystem, path: str, like: str) -> str:
     return path if "://" in path else f"{protocol}://{path}"
 
 
+def _local(path: str) -> str | None:
+    """The absolute local path for a local path or file:// URL; None for a remote URL."""
+    return None if is_remote(path) else os.path.abspath(_strip_file(path))
+
+
 def exists(path: str) -> bool:
+    local = _local(path)
+    if local is not None:
+        return os.path.exists(local)
     fs, p = filesystem(path)
     return fs.exists(p)
 
 
 def isdir(path: str) -> bool:
+    local = _local(path)
+    if local is not None:
+        return os.path.isdir(local)
     fs, p = filesystem(path)
     return fs.isdir(p)
 
 
 def makedirs(path: str) -> None:
-    fs, p = filesystem(path)
-    if not is_remote(path):  # object stores have no directories
-        fs.makedirs(p, exist_ok=True)
+    local = _local(path)
+    if local is not None:  # object stores have no directories
+        os.makedirs(local, exist_ok=True)
 
 
 def listdir(path: str) -> list[str]:
-    """Full paths of the entries directly under `path`, sorted; [] when it does not exist."""
+    """Full paths of the entries directly under `path`, sorted; [] when it does not exist (a file:
+    [that file], as fsspec's ls answers)."""
+    local = _local(path)
+    if local is not None:
+        if os.path.isdir(local):
+            return sorted(os.path.join(local, name) for name in os.listdir(local))
+        return [local] if os.path.exists(local) else []
     fs, p = filesystem(path)
     if not fs.exists(p):
         return []
@@ -159,17 +184,33 @@ def glob(pattern: str) -> list[str]:
 
 
 def size(path: str) -> int:
+    local = _local(path)
+    if local is not None:
+        return os.path.getsize(local)
     fs, p = filesystem(path)
     return int(fs.size(p))
 
 
 def rm(path: str, recursive: bool = False) -> None:
+    local = _local(path)
+    if local is not None:
+        if os.path.isdir(local) and not os.path.islink(local):
+            if not recursive:
+                raise ValueError(f"{local}: cannot delete a directory without recursive=True")
+            shutil.rmtree(local)
+        elif os.path.lexists(local):
+            os.remove(local)
+        return
     fs, p = filesystem(path)
     if fs.exists(p):
         fs.rm(p, recursive=recursive)
 
 
 def open(path: str, mode: str = "rb", **kwargs) -> IO:  # noqa: A001 - mirrors builtins.open
+    """A file object; kwargs are fsspec's (compression="infer" reads .gz and .zst)."""
+    local = _local(path)
+    if local is not None and not kwargs:
+        return builtins_open(local, mode)
     fs, p = filesystem(path)
     return fs.open(p, mode, **kwargs)
 

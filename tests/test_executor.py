@@ -99,6 +99,62 @@ def test_a_unit_run_here_leaves_the_environment_as_it_was(monkeypatch):
     assert os.environ["CODEX_TEST_GONE"] == "x"
 
 
+class _AtTeardown:
+    """Writes a file when the interpreter tears its modules down (a pool process should not)."""
+
+    def __init__(self, path: str):
+        self.path, self.open = path, open  # builtins may be gone by then
+
+    def __del__(self):
+        with self.open(self.path, "w"):
+            pass
+
+
+_held: list = []
+
+
+def log_and_hold(folder: str, unit: int) -> int:
+    import logging
+
+    logging.getLogger("codex.test").warning("unit %d in pool process %d", unit, os.getpid())
+    _held.append(_AtTeardown(os.path.join(folder, f"teardown-{os.getpid()}")))
+    time.sleep(0.05)
+    return os.getpid()
+
+
+def test_a_pool_process_leaves_without_teardown_and_its_log_lines_reach_the_file(tmp_path):
+    """At the stage's end the driver waits for its pool processes to exit: they skip the
+    interpreter's teardown (no module's objects are destroyed) but flush their log lines first."""
+    from codex import progress
+
+    path = progress.log_to_file(str(tmp_path), "codex data test")
+    try:
+        with stage_pool(Where(workers=2)) as where:
+            cf.wait(where.started)
+            pids = {
+                p
+                for _, p in run_units(
+                    functools.partial(log_and_hold, str(tmp_path)), [1, 2, 3, 4], where
+                )
+            }
+    finally:
+        progress.close_log_file()
+    (pool_pid,) = pids - {os.getpid()}
+    assert f"in pool process {pool_pid}" in open(path).read()
+    assert not (tmp_path / f"teardown-{pool_pid}").exists()
+    # the same object in a process that exits normally does write its file (the check can fail)
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); from tests.test_executor import _AtTeardown; "
+        f"x = _AtTeardown({str(tmp_path / 'normal')!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert (tmp_path / "normal").exists()
+
+
 def test_one_worker_runs_every_unit_here():
     got = [r for _, r in run_units(who, [1, 2], Where(workers=1))]
     assert {pid for _, pid in got} == {os.getpid()}

@@ -33,6 +33,68 @@ def test_listdir_glob_local(tmp_path):
     assert fsio.listdir(str(tmp_path / "missing")) == []
 
 
+def test_local_answers_are_fsspecs(tmp_path, monkeypatch):
+    """fsio answers a local path with os calls (no fsspec import): the same answers fsspec's
+    LocalFileSystem gives, for files, folders, links, relative paths and file:// URLs."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs = LocalFileSystem()
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "f.txt").write_text("four")
+    (tmp_path / "d" / ".hidden").write_text("x")
+    os.symlink(tmp_path / "d" / "f.txt", tmp_path / "d" / "link")
+    monkeypatch.chdir(tmp_path)
+    paths = [
+        "d",
+        "d/f.txt",
+        "d/sub",
+        "d/link",
+        "d/missing",
+        str(tmp_path / "d"),
+        f"file://{tmp_path}/d",
+    ]
+    for path in paths:
+        p = fs._strip_protocol(path)
+        assert fsio.exists(path) == fs.exists(p), path
+        assert fsio.isdir(path) == fs.isdir(p), path
+        want = sorted(fs.ls(p, detail=False)) if fs.exists(p) else []
+        assert fsio.listdir(path) == want, path
+        if fs.isfile(p):
+            assert fsio.size(path) == fs.size(p), path
+            with fsio.open(path, "rb") as f:
+                assert f.read() == b"four"
+    with pytest.raises(ValueError, match="recursive"):  # as fsspec: a folder only with recursive
+        fsio.rm("d/sub")
+    fsio.rm("d/link")
+    assert (tmp_path / "d" / "f.txt").exists() and not os.path.lexists(tmp_path / "d" / "link")
+    fsio.rm("d/missing")  # nothing there: nothing to do
+    fsio.rm("d", recursive=True)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_clean_worker_runs_without_importing_fsspec(tmp_path):
+    """What a data stage's pool process does (import the stage, clean a local unit) never imports
+    fsspec: it is ~80 ms of every worker's start, which a 2-core run waits for."""
+    import subprocess
+    import sys
+
+    (tmp_path / "in.jsonl").write_text('{"text": "A few words of prose, enough for a unit."}\n')
+    code = f"""
+import sys
+from codex.config import Config
+from pipeline.clean.clean import UnitJob, clean_unit, plan_units
+from pipeline.readers import InputFile
+c = Config().data.clean
+f = InputFile({str(tmp_path / "in.jsonl")!r}, {(tmp_path / "in.jsonl").stat().st_size}, "jsonl")
+(unit,) = plan_units([f], c)
+marker = clean_unit(UnitJob(unit, c, {str(tmp_path / "out")!r}, ["length"], "fp"))
+assert marker["docs_in"] == 1, marker
+print("fsspec" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.gcs
 def test_gcs_round_trip(gcs_bucket, tmp_path):
     url = f"{gcs_bucket}/run/x/f.json"
