@@ -18,11 +18,11 @@ where documents are encoded and in what order is the caller's (pipeline/shard/sh
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -36,6 +36,8 @@ log = logging.getLogger("codex.encode")
 BACKENDS = ("auto", "hf")
 # What an Encoder encodes with (Encoder.load): tiktoken where exact, else HF tokenizers.
 EncodeWith = Union["tiktoken.Encoding", Tokenizer]
+# A piece's ids: a uint32 array from tiktoken, a list from HF tokenizers.
+Ids = np.ndarray | list[int]
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -106,8 +108,8 @@ class Encoder:
             first += [True] + [False] * (len(parts) - 1)
             last += [False] * (len(parts) - 1) + [True]
             pieces += parts
-        bos, eos = (self.bos,), (self.eos,)
-        seqs: list[Sequence[int]] = []
+        bos, eos = np.array([self.bos], np.uint32), np.array([self.eos], np.uint32)
+        seqs: list[Ids] = []
         doc_starts: list[int] = []
         for ids, is_first, is_last in zip(encode_pieces(tok, pieces), first, last, strict=True):
             if is_first:
@@ -117,22 +119,40 @@ class Encoder:
             if is_last and self.append_eos:
                 seqs.append(eos)
         lengths = np.fromiter(map(len, seqs), np.int64, len(seqs))
-        flat = np.fromiter(itertools.chain.from_iterable(seqs), self.dtype, int(lengths.sum()))
+        # ids < vocab_size, which token_dtype holds: the cast only narrows
+        flat = (
+            np.concatenate(seqs, dtype=self.dtype, casting="unsafe")
+            if seqs
+            else np.zeros(0, self.dtype)
+        )
         per_doc = np.add.reduceat(lengths, doc_starts) if doc_starts else np.zeros(0, np.int64)
         return flat, per_doc
 
 
-def encode_pieces(tok: EncodeWith, pieces: list[str]) -> Sequence[Sequence[int]]:
-    """The ids of each piece, no specials added: HF tokenizers' encode_batch_fast, or tiktoken's
-    encode_ordinary (a special token's text is text) on as many threads as HF would use."""
+def encode_pieces(tok: EncodeWith, pieces: list[str]) -> list[Ids]:
+    """The ids of each piece, no specials added: HF tokenizers' encode_batch_fast (lists), or
+    tiktoken's ordinary encoding (uint32 arrays, ordinary_ids) on as many threads as HF would
+    use."""
     if isinstance(tok, Tokenizer):
         # add_special_tokens=False: the documents' specials are ours to place, not a
         # post-processor's
         return [e.ids for e in tok.encode_batch_fast(pieces, add_special_tokens=False)]
     threads = _threads()
     if threads <= 1 or len(pieces) < 2:
-        return [tok.encode_ordinary(p) for p in pieces]
-    return tok.encode_ordinary_batch(pieces, num_threads=threads)
+        return [ordinary_ids(tok, p) for p in pieces]
+    with ThreadPoolExecutor(threads) as pool:  # tiktoken lets go of the GIL while it encodes
+        return list(pool.map(functools.partial(ordinary_ids, tok), pieces))
+
+
+def ordinary_ids(enc: tiktoken.Encoding, text: str) -> np.ndarray:
+    """enc.encode_ordinary(text) as a uint32 array: a special token's text is text (no special
+    is allowed, none refused); tiktoken's buffer becomes the array directly, not through a list
+    of one Python int per token, which shard would only flatten into an array again."""
+    try:
+        return enc.encode_to_numpy(text, disallowed_special=())
+    except UnicodeEncodeError:  # a lone surrogate: made valid, as encode_ordinary does
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return enc.encode_to_numpy(text, disallowed_special=())
 
 
 def _threads() -> int:

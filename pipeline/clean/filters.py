@@ -545,7 +545,7 @@ _CHAR_FLAGS = np.full(sys.maxunicode + 1, _UNSET, dtype=np.uint8)
 
 
 def _set_char_flags(codes: np.ndarray) -> None:
-    for cp in np.unique(codes).tolist():
+    for cp in sorted(set(codes.tolist())):  # not np.unique: it imports numpy.ma (10 ms a process)
         c = chr(cp)
         _CHAR_FLAGS[cp] = (
             _SPACE
