@@ -432,10 +432,15 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
 
 
 def _scan_units(files: list[str], val_fraction: float, side_by_side: int) -> list[_ScanUnit]:
-    """A unit per part; with fewer parts than units run side by side, each part is cut at row
-    groups (about equal bytes) into that many, so that the scan runs on every worker too."""
-    if len(files) >= side_by_side:
+    """A unit per part; with fewer parts than UNITS_PER_WORKER units per worker run side by side,
+    each part is cut at row groups (about equal bytes) into as many as make that up. The scan is
+    the stage's first phase, run while the pool's processes start: this process scans from the
+    front meanwhile, and each pool process joins for what is left once it is up (cut in as many
+    units as workers, the first half would have waited for a process still importing)."""
+    want = UNITS_PER_WORKER * side_by_side if side_by_side > 1 else 1
+    if len(files) >= want:
         return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS) for f in files]
+    per_part = -(-want // len(files))
     units = []
     for f in files:
         try:
@@ -447,7 +452,7 @@ def _scan_units(files: list[str], val_fraction: float, side_by_side: int) -> lis
         rows = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         at = np.cumsum([0] + sizes)
         # the row group where each cut's share of the bytes begins
-        cuts = np.searchsorted(at, np.linspace(0, at[-1], side_by_side + 1)[1:-1])
+        cuts = np.searchsorted(at, np.linspace(0, at[-1], per_part + 1)[1:-1])
         bounds = sorted({0, *rows[cuts].tolist(), int(rows[-1])})
         ranges = list(itertools.pairwise(bounds)) or [(0, -1)]  # an empty part: one unit
         units += [_ScanUnit(f, val_fraction, a, b, BLOCK_ROWS) for a, b in ranges]
