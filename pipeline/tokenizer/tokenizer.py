@@ -28,7 +28,6 @@ import logging
 import resource
 import sys
 import time
-from importlib.metadata import version
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -328,6 +327,10 @@ def _meta(
 
     9 parameters: one per part of the record it assembles; run_tokenizer, its one caller, has each
     at hand."""
+    # imported here: importlib.metadata is ~15 ms of the start of every process that imports this
+    # module (shard's workers load tokenizers through it), and only a finished training needs it
+    from importlib.metadata import version
+
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     return {
         "format_version": FORMAT_VERSION,
