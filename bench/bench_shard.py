@@ -266,6 +266,66 @@ def shard(
     return {"name": name, "bytes": n_bytes, "load": load, **r}
 
 
+def half_runs(run: Path) -> list[Path]:
+    """Two run directories beside `run`, each with half its documents (alternate ones, so about
+    equal bytes) in parts written as build_run writes them, and the same tokenizer."""
+    halves = [run.parent / f"{run.name}-half{k}" for k in (0, 1)]
+    if all((h / "clean" / "stats.json").exists() for h in halves):
+        return halves
+    docs = []
+    for f in sorted((run / "clean").glob("part-*.parquet")):
+        docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
+    for k, half in enumerate(halves):
+        mine = docs[k::2]
+        (half / "clean").mkdir(parents=True, exist_ok=True)
+        pq.write_table(
+            pa.table(
+                {
+                    "text": mine,
+                    "id": [str(i) for i in range(len(mine))],
+                    "source": ["bench"] * len(mine),
+                }
+            ),
+            half / "clean" / "part-00000-00000-000.parquet",
+            compression="zstd",
+            row_group_size=CLEAN.row_group_size,
+        )
+        (half / "clean" / "stats.json").write_text(
+            json.dumps({"shards": ["part-00000-00000-000.parquet"], "docs_out": len(mine)})
+        )
+        subprocess.run(["cp", "-r", str(run / "tokenizer"), str(half)], check=True)
+    return halves
+
+
+def independent_halves(halves: list[Path], cores: list[int], shard_tokens: int, tag: str) -> float:
+    """Seconds of the slower of two 1-worker shards, one per half of the corpus, started together
+    on cores[0] and cores[1]: no coordination at all, so what two cores give this machine (each
+    timed as shard() times a run: the stage, not the process's start)."""
+    procs = []
+    for k, half in enumerate(halves):
+        out = half / f"shards-bench-{tag}"
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        code = SHARD_CHILD.format(
+            root=str(ROOT), run=str(half), out=str(out), workers=1, shard_tokens=shard_tokens
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=lambda c=cores[k]: os.sched_setaffinity(0, {c}),
+            )
+        )
+    seconds = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise SystemExit(err[-3000:])
+        seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+    return max(seconds)
+
+
 def table(rows: list[dict], ref: float | None) -> None:
     print(
         f"\n{'what':42s} {'MB':>6s} {'Mtokens':>8s} {'s':>6s} {'MB/s':>6s} {'Mtok/s':>7s} "
@@ -285,19 +345,30 @@ def table(rows: list[dict], ref: float | None) -> None:
         )
 
 
-def scaling(run: Path, cores: list[int], shard_tokens: int, rounds: int) -> None:
-    """--workers 1 pinned to the first core against --workers N on all N cores, in turn."""
+def scaling(run: Path, cores: list[int], shard_tokens: int, rounds: int, ceiling: bool) -> None:
+    """--workers 1 pinned to the first core against --workers N on all N cores, in turn; with
+    `ceiling` (2 cores), two independent 1-worker runs on half the corpus each too."""
     n = len(cores)
-    rows, ratios = [], []
+    halves = half_runs(run) if ceiling else []
+    rows, ratios, ceil = [], [], []
     for i in range(rounds):
         one = shard(run, 1, shard_tokens, f"w1-{i}", {cores[0]})
         many = shard(run, n, shard_tokens, f"w{n}-{i}", set(cores))
         rows += [one, many]
         ratios.append((one["seconds"] / many["seconds"], many["cpu"] / one["cpu"]))
+        if halves:
+            ceil.append(one["seconds"] / independent_halves(halves, cores, shard_tokens, str(i)))
     table(rows, None)
-    print(f"\n{'round':>5s} {f'speed-up x{n}':>13s} {'cpu s ratio':>12s}")
+    print(f"\n{'round':>5s} {f'speed-up x{n}':>13s} {'cpu s ratio':>12s} {'ceiling':>8s}")
     for i, (speed, cpu) in enumerate(ratios):
-        print(f"{i:5d} {speed:13.2f} {cpu:12.2f}")
+        print(f"{i:5d} {speed:13.2f} {cpu:12.2f} {ceil[i] if ceil else float('nan'):8.2f}")
+    if ceil:
+        print(
+            "ceiling (1 worker's seconds over the slower of two independent 1-worker runs on half "
+            f"the documents each, on cores {cores[0]} and {cores[1]} at once): median "
+            f"{statistics.median(ceil):.2f}x; {n} workers reached "
+            f"{', '.join(f'{r[0] / c:.0%}' for r, c in zip(ratios, ceil, strict=True))} of it"
+        )
     # best of rounds too: on a shared VM noise only adds time (timeit's reasoning)
     best = min(r["seconds"] for r in rows[::2]) / min(r["seconds"] for r in rows[1::2])
     print(
@@ -321,6 +392,12 @@ def main() -> None:
         help="only the stage: --workers 1 pinned to the first of --cores against --workers N on "
         "all N of them, in turn each round (no bare encode)",
     )
+    ap.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="with --scaling on 2 cores: also two independent 1-worker runs on half the corpus "
+        "each, started together, one a core: what two cores give this machine, in each round",
+    )
     args = ap.parse_args()
     cores = [int(c) for c in args.cores.split(",")] if args.cores else []
     if cores:
@@ -337,7 +414,7 @@ def main() -> None:
     if args.scaling:
         if len(cores) < 2:
             raise SystemExit("--scaling needs --cores with at least 2 cores")
-        scaling(run, cores, args.shard_tokens, args.rounds)
+        scaling(run, cores, args.shard_tokens, args.rounds, args.ceiling and len(cores) == 2)
         return
     rows = []
     for i in range(args.rounds):
