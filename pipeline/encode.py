@@ -145,9 +145,10 @@ def encode_pieces(tok: EncodeWith, pieces: list[str]) -> list[Ids]:
 
 
 def ordinary_ids(enc: tiktoken.Encoding, text: str) -> np.ndarray:
-    """enc.encode_ordinary(text) as a uint32 array: a special token's text is text (no special
-    is allowed, none refused); tiktoken's buffer becomes the array directly, not through a list
-    of one Python int per token, which shard would only flatten into an array again."""
+    """enc.encode_ordinary(text) as a uint32 array (read-only: tiktoken's buffer): a special
+    token's text is text (no special is allowed, none refused); tiktoken's buffer becomes the
+    array directly, not through a list of one Python int per token, which shard would only
+    flatten into an array again."""
     try:
         return enc.encode_to_numpy(text, disallowed_special=())
     except UnicodeEncodeError:  # a lone surrogate: made valid, as encode_ordinary does
@@ -341,4 +342,9 @@ def exact_encoding(tokenizer_json: str):
     enc = tiktoken.Encoding(
         "codex", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
     )
+    # tiktoken < 0.11's encode_to_numpy made a special's text the special (pyproject asks for
+    # 0.11; an older one kept by another package's pin must not put fake boundaries in shards)
+    for text in specials:
+        if ordinary_ids(enc, f"a{text}").tolist() != enc.encode_ordinary(f"a{text}"):
+            return None, f"tiktoken {tiktoken.__version__} encodes a special's text as the special"
     return enc, None

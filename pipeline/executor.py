@@ -198,10 +198,13 @@ def _start_process(parent: int, warm: Callable[[], Any] | None, up: threading.Ba
 
 
 def _exit_at_shutdown() -> None:
-    """A pool process's exit, once the pool has shut it down (its last atexit hook, so the first
-    to run): flush the logs and leave without the interpreter's teardown of every module and
-    object, which the driver would wait for at the end of its stage (~50 ms, serial). It holds no
-    open output: a unit writes and renames its files before its result is sent."""
+    """A pool process's exit, once the pool has shut it down: flush the logs and leave without the
+    interpreter's teardown of every module and object, which the driver would wait for at the end
+    of its stage (~50 ms, serial). It holds no open output: a unit writes and renames its files
+    before its result is sent (synchronously, on the pool's result pipe). atexit runs the last
+    registered hook first: those registered before this one (logging's, multiprocessing's, ones
+    made at import) are skipped, those a unit registers still run. The exit status is 0; the pool
+    notices a process that died by its sentinel, not its status."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -151,7 +151,8 @@ def test_special_token_look_alikes_stay_text(tok_json):
     enc, _ = exact_encoding(tok_json)
     assert enc is not None
     for text in texts:
-        ids = enc.encode_ordinary(text)
+        ids = ordinary_ids(enc, text).tolist()  # what shard encodes with
+        assert ids == enc.encode_ordinary(text)
         assert not set(ids) & {0, 1, 2}
         assert enc.decode(ids) == text
         assert hf_of(tok_json).decode(ids, skip_special_tokens=False) == text
@@ -189,6 +190,22 @@ def test_threads_give_the_same_ids(tok_json, monkeypatch):
     one = [ids.tolist() for ids in encode_pieces(enc, pieces)]
     monkeypatch.setenv("RAYON_NUM_THREADS", "3")
     assert [ids.tolist() for ids in encode_pieces(enc, pieces)] == one
+
+
+def test_a_tiktoken_that_encodes_special_text_as_specials_is_not_used(tok_json, monkeypatch):
+    """tiktoken < 0.11's encode_to_numpy encoded a special's text as the special whatever it was
+    told: with such a tiktoken, exact_encoding refuses it (HF tokenizers encodes, with a log line)
+    instead of shards holding fake document boundaries."""
+
+    def old_encode_to_numpy(self, text, *, allowed_special=(), disallowed_special="all"):
+        return np.frombuffer(
+            self._core_bpe.encode_to_tiktoken_buffer(text, self.special_tokens_set), np.uint32
+        )
+
+    monkeypatch.setattr(tiktoken.Encoding, "encode_to_numpy", old_encode_to_numpy)
+    enc, why = exact_encoding(tok_json)
+    assert enc is None and "encodes a special's text as the special" in why
+    assert isinstance(Encoder(tok_json, 0, 1, False, "uint16", 1000).load(), Tokenizer)
 
 
 def test_a_lone_surrogate_is_encoded_as_encode_ordinary_does(tok_json):

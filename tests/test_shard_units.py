@@ -158,7 +158,7 @@ def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
     (whole,) = scans_of(tmp_path, [203])  # row groups of 30 rows: ranges end off the 4-row grid
     path = str(tmp_path / "part-0.parquet")
     for side_by_side in (2, 3, 7):
-        units = shard_mod._scan_units([path], 0.3, side_by_side)
+        units = shard_mod._scan_units([path], 0.3, shard_mod.UNITS_PER_WORKER * side_by_side)
         # byte-balanced at row groups: the big documents' groups are fewer rows each
         # UNITS_PER_WORKER ranges a worker, as the row groups allow (7 of them here): the driver
         # scans from the front while a pool process starts, and each joins for what is left
@@ -179,20 +179,20 @@ def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
     empty = tmp_path / "empty.parquet"
     write_part(empty, [])
     many = [path, str(empty)] * shard_mod.UNITS_PER_WORKER
-    assert [(u.start, u.stop) for u in shard_mod._scan_units(many, 0.3, 2)] == [(0, -1)] * len(many)
-    units = shard_mod._scan_units([path, str(empty)], 0.3, 2)
+    assert [(u.start, u.stop) for u in shard_mod._scan_units(many, 0.3, 8)] == [(0, -1)] * len(many)
+    units = shard_mod._scan_units([path, str(empty)], 0.3, 8)
     assert len(units) > 2 and (units[-1].path, units[-1].start, units[-1].stop) == (
         str(empty),
         0,
         -1,
     )
-    assert [(u.start, u.stop) for u in shard_mod._scan_units([str(empty)], 0.3, 2)] == [(0, -1)]
+    assert [(u.start, u.stop) for u in shard_mod._scan_units([str(empty)], 0.3, 8)] == [(0, -1)]
     # a damaged part is named (the driver reads its footer to cut it)
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(path_bytes := Path(path).read_bytes()[:-100])
     assert path_bytes
     with pytest.raises(ShardDataError, match=f"{bad}: not a readable parquet file"):
-        shard_mod._scan_units([str(bad)], 0.3, 2)
+        shard_mod._scan_units([str(bad)], 0.3, 8)
 
 
 def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):

@@ -17,9 +17,10 @@ the manifest:
     scan     a unit reads one part and counts its documents per split, so an empty corpus or an
              empty val split fails in seconds, before any encoding (reading + hashing is ~30x
              cheaper than encoding); it also samples, every BLOCK_ROWS rows and at the end, the
-             UTF-8 bytes and val documents before that row. With fewer parts than slots a part is
-             scanned in row ranges cut at its row groups, one per slot, and their counts added
-             up (_scan_units, _joined_scans): the same samples, and no core idles meanwhile
+             UTF-8 bytes and val documents before that row. With fewer parts than units wanted
+             (a Ray CPU's one, a local worker's UNITS_PER_WORKER: the pool's processes start
+             during the scan) a part is scanned in row ranges cut at its row groups, and their
+             counts added up (_scan_units, _joined_scans): the same samples, and no core idles
     encode   a unit is rows [start, stop) of one part. With at least UNITS_PER_WORKER x slots
              parts (slots: local workers, or the Ray cluster's CPUs) each part is one unit;
              with fewer (one 20,000-document part, a few parts) the parts are cut at the scan's
@@ -431,14 +432,10 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
     }
 
 
-def _scan_units(files: list[str], val_fraction: float, side_by_side: int) -> list[_ScanUnit]:
-    """A unit per part; with fewer parts than UNITS_PER_WORKER units per worker run side by side,
-    each part is cut at row groups (about equal bytes) into as many as make that up. The scan is
-    the stage's first phase, run while the pool's processes start: this process scans from the
-    front meanwhile, and each pool process joins for what is left once it is up (cut in as many
-    units as workers, the first half would have waited for a process still importing)."""
-    want = UNITS_PER_WORKER * side_by_side if side_by_side > 1 else 1
-    if len(files) >= want:
+def _scan_units(files: list[str], val_fraction: float, want: int) -> list[_ScanUnit]:
+    """A unit per part; with fewer parts than `want` units, each part is cut at row groups (about
+    equal bytes) into as many as make that up (scan_corpus says how many)."""
+    if len(files) >= want or not files:
         return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS) for f in files]
     per_part = -(-want // len(files))
     units = []
@@ -488,7 +485,13 @@ def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str
     """{part: its documents per split}; an impossible split is a ShardError now, not after hours of
     tokenization."""
     # one bar for the stage (the encoding's): the scan and the write report one line each
-    units = _scan_units(files, val_fraction, slots(where) if where.parallel else 1)
+    # Units: one a worker (a Ray CPU), and UNITS_PER_WORKER a worker for a local pool, whose
+    # processes start (spawn, imports, the encoder) during this phase: this process scans from
+    # the front meanwhile, and each pool process joins for what is left once it is up (with one
+    # unit a worker, this process's second would have waited for a process still importing).
+    side_by_side = slots(where) if where.parallel else 1
+    local = where.executor == "local" and side_by_side > 1
+    units = _scan_units(files, val_fraction, side_by_side * (UNITS_PER_WORKER if local else 1))
     scans: dict[str, list] = {f: [] for f in files}
     for u, r in run_units(shard_scan_unit, units, where):
         scans[u.path].append((u.start, r))
