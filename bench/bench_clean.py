@@ -14,14 +14,15 @@ its python with --datatrove). Peak RSS is the largest summed RSS of the process 
 every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
 Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27,
-`--pin --repeats 5 --ceiling`, with the compiled word counter (pipeline/clean/_wordcount.c):
+`--pin --repeats 5 --ceiling`, with the compiled word counter (pipeline/clean/_wordcount.c), pool
+processes that import no fsspec and skip the interpreter's teardown:
 
                         seconds    MB/s  cpu s  peak RSS MB   drv/wkr  docs kept
-codex workers=1         6.4-6.7  15.2-15.9    6.4-6.7    109-110  109/0     146
-codex workers=2         3.7-4.0  25.7-27.2    6.8-7.3    229-232  110/108   146
+codex workers=1         6.3-6.9  14.8-16.3    6.2-6.5    107-108  108/0     146
+codex workers=2         3.6-4.1  25.0-28.7    6.6-7.5    217-220  108/100   146
 
-speed-up per round 1.66-1.79x (median 1.66x) against a ceiling of 1.81-1.95x (median 1.88x):
-88-96% of it. Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in
+speed-up per round 1.69-1.80x (median 1.76x) against a ceiling of 1.90-1.95x (median 1.93x):
+87-94% of it. Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in
 README's stage table.
 """
 

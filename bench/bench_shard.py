@@ -3,6 +3,7 @@
     python bench/bench_shard.py               # >= 100 MB of Python stdlib sources + tinyshakespeare
     python bench/bench_shard.py --mb 20 --cores 0,1
     python bench/bench_shard.py --cores 0,1 --scaling --rounds 3   # 1 worker on core 0 vs 2 on 0,1
+    python bench/bench_shard.py --cores 0,1 --scaling --rounds 5 --ceiling   # + two cores' ceiling
 
 Builds a run directory (clean parquet as `codex data clean` writes it: parts of 20,000 documents in
 row groups of 2,000 rows; + a BPE tokenizer trained on a 4 MB sample) under --dir, unless one is
@@ -19,6 +20,10 @@ taskset-like affinity (default: the first 2 cores). --scaling runs only the stag
 pinned to the first of --cores against --workers N on all N of them, each round in turn, and prints
 the speed-up (seconds) and the ratio of CPU seconds (the stage's process and its workers) per round,
 with the 1-minute load average at each run's start: on a busy machine compare the CPU seconds.
+
+Latest (2026-11-27, --scaling --rounds 5 --ceiling): 1 worker 8.0-8.6 s, 2 workers 4.8-5.3 s,
+median 1.63x against a ceiling (two independent 1-worker runs on half the documents each, one a
+core, started together) of 1.95x: 80-88% of it; README's stage table says where the rest goes.
 
 Measured (quiet machine, 2026-11-26, 100 MB = stdlib .py + tinyshakespeare, shard_tokens 10M;
 the stage encodes with the exact tiktoken encoder, pipeline/encode.py):
