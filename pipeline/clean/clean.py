@@ -312,6 +312,16 @@ class _UnitCleaner:
             self.rejected.add(text, rec.id, source, reason)
 
 
+def _write_hashes(out: str, name: str, rows: bytearray) -> list[int]:
+    """hashes/NAME.npy: the unit's kept documents' rows (16-byte hash + 8-byte length), sorted
+    (the dedup's partitions are row ranges); returns their count per top-byte bucket."""
+    hashes = np.frombuffer(bytes(rows), dtype=np.uint64).reshape(-1, 3)
+    hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]
+    with fsio.atomic_open(fsio.join(out, "hashes", f"{name}.npy"), "wb") as fh:
+        np.save(fh, hashes)
+    return hash_buckets(hashes)
+
+
 def clean_unit(job: UnitJob) -> dict:
     """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
     unit, c, out = job.unit, job.c, job.out
@@ -349,13 +359,7 @@ def clean_unit(job: UnitJob) -> dict:
         if rejected is not None:
             rejected.abort()
         raise
-    buckets: list[int] = []
-    if "dedup" in job.filters:
-        hashes = np.frombuffer(bytes(state.hashes), dtype=np.uint64).reshape(-1, 3)
-        hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]  # partitions are row ranges
-        with fsio.atomic_open(fsio.join(out, "hashes", f"{unit.name}.npy"), "wb") as fh:
-            np.save(fh, hashes)
-        buckets = hash_buckets(hashes)
+    buckets = _write_hashes(out, unit.name, state.hashes) if "dedup" in job.filters else []
     marker = {
         "unit": unit.name,
         "fingerprint": job.fingerprint,
@@ -578,6 +582,13 @@ def _finalize(
         stats["drops_total"],
         ", ".join(f"{k} {sum(v.values())}" for k, v in stats["drops"].items()) or "none",
     )
+    _warn_about(stats, stage.out)
+    return stats
+
+
+def _warn_about(stats: dict, out: str) -> None:
+    """The warnings a finished clean logs: bad input, whole files dropped, files that kept under
+    1% of their bytes, and one filter dropping most documents (with its fix)."""
     bad = stats["bad_input"]
     summary = [
         f"{bad[k]['count']} {k.replace('_', ' ')} in {bad[k]['files']} files"
@@ -608,7 +619,7 @@ def _finalize(
             "clean: %d input file(s) kept under 1%% of their bytes (%s); per_file in %s/stats.json",
             starved,
             worst,
-            stage.out,
+            out,
         )
     top = top_drop(stats)
     if top and stats["docs_out"] and top[2] > stats["docs_in"] // 2:
@@ -622,4 +633,3 @@ def _finalize(
             100 * top[2] / stats["docs_in"],
             drop_fix(top[0], top[1]),
         )
-    return stats
