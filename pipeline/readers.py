@@ -7,6 +7,8 @@
     read_part(path)                        a cleaned part as a table (clean's final dedup pass)
     iter_text_batches(path)                `codex data tokenize`, `codex data shard`: lists of
                                            texts; bad input raises BadInputFile naming the file
+    parquet_text_rows(path, start, stop)   `codex data shard`'s units: the texts of a row range,
+                                           its process's last row group kept for the next range
 Which files to read is pipeline/inputs.py's business.
 
 Formats (by file name):
@@ -597,12 +599,34 @@ def _parquet_texts(path: str, column: str, batch_rows: int) -> Iterator[list]:
             yield batch.column(0).to_pylist()
 
 
+# The row group parquet_text_rows decoded last in this process, kept for its next call: shard cuts
+# a part into row ranges and each of its processes takes them in order, so a range often starts in
+# the group the process's last one ended in. A group's text costs about the same to decode for one
+# row as for all of them (its pages are compressed, the dictionary is one page), so without this a
+# group split into k ranges is decoded k times. Groups above ROW_GROUP_CACHE_BYTES are streamed.
+ROW_GROUP_CACHE_BYTES = 64 << 20  # of the column, uncompressed
+_last_group: list[tuple[str, pq.FileMetaData, int, str, pa.ChunkedArray]] = []
+
+
+def _row_group_column(pf: pq.ParquetFile, path: str, i: int, column: str) -> pa.ChunkedArray:
+    """Row group i's `column`, from _last_group when it holds it (the same file: its footer is
+    equal, offsets and sizes of every page included)."""
+    for p, meta, j, c, values in _last_group:
+        if (p, j, c) == (path, i, column) and meta.equals(pf.metadata):
+            return values
+    values = pf.read_row_group(i, columns=[column]).column(0)
+    _last_group[:] = [(path, pf.metadata, i, column, values)]
+    return values
+
+
 def parquet_text_rows(
     path: str, start: int, stop: int, column: str = "text", batch_rows: int = READ_BATCH_ROWS
 ) -> Iterator[list]:
     """Lists of the texts of rows [start, stop) of a parquet file, in order (None for a null
-    value): only the row groups that hold them are read, the rows of those before `start` never
-    become Python strings, and the reading stops at `stop`. Bad input is a BadInputFile."""
+    value): only the row groups that hold them are read, the rows of those outside [start, stop)
+    never become Python strings, and the reading stops at `stop`. A row group up to
+    ROW_GROUP_CACHE_BYTES is decoded whole and kept for the next call (_last_group), a larger one
+    streamed in batches. Bad input is a BadInputFile."""
     if stop <= start:
         return
     with fsio.open(path, "rb") as fh:
@@ -613,23 +637,28 @@ def parquet_text_rows(
         names = pf.schema_arrow.names
         if column not in names:
             raise BadInputFile(f"{path}: no '{column}' column (columns: {', '.join(names)})")
-        groups, row, first = [], 0, -1
+        leaves = [pf.metadata.schema.column(j).path for j in range(pf.metadata.num_columns)]
+        at = leaves.index(column) if column in leaves else -1  # -1: nested, streamed
+        row = 0
         for i in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(i).num_rows
-            if row < stop and row + n > start:
-                first = row if first < 0 else first
-                groups.append(i)
-            row += n
-        if not groups:
-            return
-        row = first
-        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=[column]):
-            a, b = max(start - row, 0), min(stop - row, batch.num_rows)
-            if b > a:
-                yield batch.column(0).slice(a, b - a).to_pylist()
-            row += batch.num_rows
-            if row >= stop:
-                break
+            group = pf.metadata.row_group(i)
+            first, row = row, row + group.num_rows
+            if row <= start or first >= stop:
+                continue
+            a, b = max(start, first) - first, min(stop, row) - first  # its rows to yield
+            if at >= 0 and group.column(at).total_uncompressed_size <= ROW_GROUP_CACHE_BYTES:
+                values = _row_group_column(pf, path, i, column)
+                for k in range(a, b, batch_rows):
+                    yield values.slice(k, min(batch_rows, b - k)).to_pylist()
+                continue
+            seen = 0
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[i], columns=[column]):
+                lo, hi = max(a - seen, 0), min(b - seen, batch.num_rows)
+                if hi > lo:
+                    yield batch.column(0).slice(lo, hi - lo).to_pylist()
+                seen += batch.num_rows
+                if seen >= b:
+                    break
 
 
 def _jsonl_texts(path: str, key: str, batch_rows: int) -> Iterator[list]:

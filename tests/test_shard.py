@@ -291,8 +291,20 @@ def test_same_shards_for_any_workers_and_the_reference_layout(
     S = 700
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
     monkeypatch.setattr(shard_mod, "WRITE_TASK_TOKENS", 3 * S)  # several write tasks
+    tasks: list[int] = []  # shards per write task
+    run_units = shard_mod.run_units
+
+    def spy(fn, units, where, *args):
+        if fn is shard_mod.shard_write_unit:
+            tasks.extend(t.stop - t.first for t in units)
+        return run_units(fn, units, where, *args)
+
+    monkeypatch.setattr(shard_mod, "run_units", spy)
     two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
     assert two == one and len(one["shards"]) >= 10
+    # at most WRITE_TASK_TOKENS a task, and UNITS_PER_WORKER tasks a worker where the shards allow
+    assert sum(tasks) == len(one["shards"]) and max(tasks) <= 3
+    assert len(tasks) >= min(len(one["shards"]), shard_mod.UNITS_PER_WORKER * 2)
     for e in one["shards"]:
         w1, w2 = tmp_path / "w1" / e["path"], tmp_path / "w2" / e["path"]
         assert w1.read_bytes() == w2.read_bytes()

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from codex.config import Config
-from pipeline import executor
+from pipeline import executor, readers
 from pipeline.executor import Where
 from pipeline.shard import shard as shard_mod
 from pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
@@ -42,19 +42,37 @@ def texts_of(n: int, seed: int = 0) -> list[str]:
 # --- the row-range reader ------------------------------------------------------------------------
 
 
-def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch):
+def spy_on_decoding(monkeypatch) -> list[tuple[str, list[int]]]:
+    """What parquet_text_rows decodes: ("whole", [group]) read_row_group, ("stream", groups)
+    iter_batches."""
+    decoded: list[tuple[str, list[int]]] = []
+    read_row_group, iter_batches = pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches
+
+    def whole(self, i, *args, **kwargs):
+        decoded.append(("whole", [i]))
+        return read_row_group(self, i, *args, **kwargs)
+
+    def stream(self, *args, **kwargs):
+        decoded.append(("stream", list(kwargs["row_groups"])))
+        return iter_batches(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", whole)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", stream)
+    return decoded
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch, cached):
+    """Decoded whole and kept (groups up to ROW_GROUP_CACHE_BYTES) or streamed: only the row groups
+    that hold the range are read, and exactly its rows come out."""
+    if not cached:
+        monkeypatch.setattr(readers, "ROW_GROUP_CACHE_BYTES", 0)
     texts = texts_of(100)
     path = tmp_path / "part.parquet"
     write_part(path, texts)  # row groups of 30, 30, 30, 10 rows
     monkeypatch.setattr(shard_mod, "READ_ROWS", 7)  # batches that straddle the cuts
-    groups_read = []
-    iter_batches = pq.ParquetFile.iter_batches
-
-    def spy(self, *args, **kwargs):
-        groups_read.append(list(kwargs["row_groups"]))
-        return iter_batches(self, *args, **kwargs)
-
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    decoded = spy_on_decoding(monkeypatch)
+    how = "whole" if cached else "stream"
     whole = [t for batch in read_text_rows(str(path), 0, 100) for t in batch]
     assert whole == pq.read_table(path).column("text").to_pylist() == texts
     for a, b, groups in [
@@ -68,12 +86,41 @@ def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch):
         (0, 1, [0]),
         (99, 100, [3]),
     ]:
-        groups_read.clear()
+        readers._last_group.clear()
+        decoded.clear()
         got = [t for batch in read_text_rows(str(path), a, b) for t in batch]
         assert got == texts[a:b], (a, b)
-        assert groups_read == [groups], (a, b)
-    groups_read.clear()
-    assert list(read_text_rows(str(path), 40, 40)) == [] and groups_read == []
+        assert decoded == [(how, [g]) for g in groups], (a, b)
+        assert all(len(batch) <= 7 for batch in read_text_rows(str(path), a, b))
+    decoded.clear()
+    assert list(read_text_rows(str(path), 40, 40)) == [] and decoded == []
+    assert bool(readers._last_group) == cached
+
+
+def test_consecutive_ranges_decode_a_row_group_once(tmp_path, monkeypatch):
+    """Ranges taken in order, as an encode process takes its units, decode each row group once,
+    unless the file was rewritten in between (its footer differs) or another file was read."""
+    texts = texts_of(100)
+    path = tmp_path / "part.parquet"
+    write_part(path, texts)
+    decoded = spy_on_decoding(monkeypatch)
+    readers._last_group.clear()
+    got = []
+    for a in range(0, 100, 8):
+        got += [t for batch in read_text_rows(str(path), a, min(a + 8, 100)) for t in batch]
+    assert got == texts
+    assert decoded == [("whole", [g]) for g in range(4)]
+    decoded.clear()
+    assert sum(map(len, read_text_rows(str(path), 91, 95))) == 4 and decoded == []
+    other = tmp_path / "other.parquet"
+    write_part(other, texts_of(40, seed=2))
+    assert sum(map(len, read_text_rows(str(other), 31, 33))) == 2
+    assert decoded == [("whole", [1])]
+    write_part(path, texts_of(100, seed=1))  # the same name, other texts
+    decoded.clear()
+    assert next(read_text_rows(str(path), 0, 1)) == texts_of(100, seed=1)[:1]
+    assert next(read_text_rows(str(path), 1, 2)) == texts_of(100, seed=1)[1:2]
+    assert decoded == [("whole", [0])]
 
 
 def test_a_null_text_is_named_by_its_row_only_in_the_ranges_that_hold_it(tmp_path):
@@ -125,15 +172,24 @@ def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
     (cut,) = shard_mod._cuts([scan], 2)
     assert cut[0] == 0 and cut[-1] == 803 and cut == sorted(set(cut))
     assert all(r % 4 == 0 for r in cut[:-1])
-    # 8 units, the last 2 of them cut in 4 each: the two workers run out of work together
+    # 8 units, the last 2 of them cut in pieces that halve: the two workers run out of work
+    # together
     body = shard_mod.UNITS_PER_WORKER * 2 - 2
-    assert len(cut) - 1 == body + 2 * shard_mod.TAIL_SPLIT
+    assert shard_mod.TAIL_HALVINGS == 3
+    assert len(cut) - 1 == body + 2 * 4
     at = dict(zip(scan["rows_at"].tolist(), scan["bytes_at"].tolist(), strict=True))
     sizes = [at[b] - at[a] for a, b in zip(cut, cut[1:], strict=False)]
-    # about equal bytes (within a block of the big documents), not equal rows; the tail a quarter
+    # about equal bytes (within a block of the big documents), not equal rows; the tail's pieces
+    # halving, the first two within a block of the big documents, the rest (small documents, 45
+    # bytes) within a block of those
     unit = scan["bytes_at"][-1] / 8
     assert all(abs(x - unit) <= 4 * 810 for x in sizes[:body]), sizes
-    assert all(abs(x - unit / shard_mod.TAIL_SPLIT) <= 4 * 810 for x in sizes[body:]), sizes
+    tail = [unit / 2, unit / 2, unit / 4, unit / 4] + [unit / 8] * 4
+    slack = [4 * 810] * 2 + [4 * 45] * 6
+    assert all(abs(x - y) <= d for x, y, d in zip(sizes[body:], tail, slack, strict=True)), (
+        sizes[body:],
+        tail,
+    )
     assert cut[1] < 803 // 8
 
 
@@ -145,7 +201,7 @@ def test_cuts_of_several_parts_follow_the_corpus_bytes(tmp_path, monkeypatch):
     cuts = shard_mod._cuts(scans, 2)
     assert cuts[0] == [0, 40]
     n_units = sum(len(c) - 1 for c in cuts)
-    assert shard_mod.UNITS_PER_WORKER * 2 <= n_units <= 6 + 2 * shard_mod.TAIL_SPLIT + 2
+    assert shard_mod.UNITS_PER_WORKER * 2 <= n_units <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1) + 2
     at = dict(zip(scans[2]["rows_at"].tolist(), scans[2]["bytes_at"].tolist(), strict=True))
     last = [at[b] - at[a] for a, b in zip(cuts[2], cuts[2][1:], strict=False)]
     assert last[-1] < last[0] / 2, (cuts, last)  # in bytes: the tail's units are small
@@ -265,7 +321,7 @@ def test_one_part_is_cut_for_two_workers_and_gives_the_same_shards(
         two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
     # 8 units, the last 2 cut smaller (some of the tail's cuts fall on the same sampled row)
     n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
-    assert 8 < n <= 6 + 2 * shard_mod.TAIL_SPLIT
+    assert 8 < n <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1)
     assert f"encoded {n} of {n} units of 1 parts" in caplog.text
     assert two == one and len(one["shards"]) >= 6
     for e in one["shards"]:
@@ -363,7 +419,7 @@ def test_ray_cuts_one_part_for_the_clusters_cpus_and_gives_the_same_shards(
         got = run_shard(cfg)
     # two raylets of one CPU each: 4 x 2 units, the last 2 cut smaller (on 64-row blocks)
     n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
-    assert 8 < n <= 6 + 2 * shard_mod.TAIL_SPLIT
+    assert 8 < n <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1)
     assert "(2 run side by side)" in caplog.text
     assert got == ref and len(ref["shards"]) >= 4
     for e in ref["shards"]:

@@ -24,17 +24,19 @@ the manifest:
     encode   a unit is rows [start, stop) of one part. With at least UNITS_PER_WORKER x slots
              parts (slots: local workers, or the Ray cluster's CPUs) each part is one unit;
              with fewer (one 20,000-document part, a few parts) the parts are cut at the scan's
-             sampled rows into about that many ranges of about equal bytes, so that no core idles
-             (_cuts). A unit reads only the row groups holding its rows (read_text_rows), encodes
-             them in batches of ~BATCH_CHARS into its folder of .units/ (manifest.py; the folder's
-             name holds the part and rows): per split its token stream and tokens per document,
-             then its marker (part, rows, counts). Its documents per split must be what the scan
-             counted in those rows
+             sampled rows into about that many ranges of about equal bytes, the last ones smaller
+             and smaller, so that no core idles (_cuts). A unit reads only the row groups holding
+             its rows (read_text_rows; a process keeps the last one it decoded for its next unit,
+             which usually starts in it), encodes them in batches of ~BATCH_CHARS into its folder
+             of .units/ (manifest.py; the folder's name holds the part and rows): per split its
+             token stream and tokens per document, then its marker (part, rows, counts). Its
+             documents per split must be what the scan counted in those rows
     write    the markers say where each unit's tokens start in each split's stream (units in
              corpus order), so shard k of a split is that stream's tokens [k * shard_tokens,
              (k + 1) * shard_tokens) whoever writes it; a write task takes consecutive shards
-             (~WRITE_TASK_TOKENS), reads only the slices of the units' token files they cover,
-             and writes each shard's files (atomically), then its marker
+             (~WRITE_TASK_TOKENS, fewer when that would leave a slot without UNITS_PER_WORKER
+             tasks), reads only the slices of the units' token files they cover, and writes each
+             shard's files (atomically), then its marker
 
 Determinism: the shards depend only on the clean files, the tokenizer and the shard settings,
 never on --workers, the executor, where the parts were cut or the order in which units finish
@@ -87,7 +89,6 @@ from codex.config import Config, ConfigError
 from codex.progress import Progress
 from pipeline.encode import Encoder, EncodeWith, token_dtype
 from pipeline.executor import (
-    TAIL_SPLIT,
     Where,
     check_executor,
     cores,
@@ -132,9 +133,13 @@ BLOCK_ROWS = 64
 # parts are then cut into byte-balanced row ranges, so that no core idles while another encodes
 # the last big part
 UNITS_PER_WORKER = 4
+# the last `slots` of those units are cut in pieces that halve this many times (_cuts): a slot that
+# finishes early takes the next, smaller one, and the slots finish within a small piece of each
+# other (a unit costs a few ms beyond its encoding: its process keeps the row group it read last)
+TAIL_HALVINGS = 3
 PARQUET_ROW_GROUP = 1 << 20  # tokens per row group in parquet shards
 # tokens per write task (whole shards, at least one): small shards are grouped so that a task is
-# worth scheduling
+# worth scheduling, but never so many that a slot has no task (_write_phase)
 WRITE_TASK_TOKENS = 64 << 20
 
 
@@ -917,8 +922,15 @@ def _write_phase(
     corpus order) and the entries of the previous manifest whose files still match."""
     earlier = _earlier_shards(w.markers_dir, w.fingerprint, w.formats, previous)
     tasks: list[_WriteTask] = []
-    per_task = max(1, WRITE_TASK_TOKENS // w.shard_tokens)
-    counts = {}
+    counts = {sp: -(-sum(m["tokens"][sp] for m in markers) // w.shard_tokens) for sp in SPLITS}
+    # UNITS_PER_WORKER tasks a slot where the shards allow, as the encoding's units
+    per_task = max(
+        1,
+        min(
+            WRITE_TASK_TOKENS // w.shard_tokens,
+            sum(counts.values()) // (UNITS_PER_WORKER * slots(where)),
+        ),
+    )
     for sp in SPLITS:
         sources, pos = [], 0
         for u, m in zip(units, markers, strict=True):
@@ -926,7 +938,6 @@ def _write_phase(
             if n:
                 sources.append(_Source(u.file(f"{sp}.tokens"), u.file(f"{sp}.lens"), pos, n))
                 pos += n
-        counts[sp] = -(-pos // w.shard_tokens)
         starts = [src.start for src in sources]
         for first in range(0, counts[sp], per_task):
             stop = min(counts[sp], first + per_task)
@@ -1000,8 +1011,9 @@ def _cuts(scans: list[dict], slots: int) -> list[list[int]]:
     """Where each part is cut into encode units (rows, from 0 to its row count). Each part is one
     unit when the parts are at least UNITS_PER_WORKER x slots (or nothing runs side by side);
     otherwise the corpus is cut at the scan's sampled rows into that many ranges of about equal
-    UTF-8 bytes, the last `slots` of them each in TAIL_SPLIT (executor.py), so that every slot
-    has work until the end and the slots finish together."""
+    UTF-8 bytes, the last `slots` of them in `slots` pieces of 1/2, 1/4, ... 1/2**TAIL_HALVINGS
+    their size and `slots` more of the last size (units start in the list's order), so that every
+    slot has work until the end and the slots finish together."""
     whole = [[0, r["rows"]] for r in scans]
     want = UNITS_PER_WORKER * slots
     total = sum(int(r["bytes_at"][-1]) for r in scans)
@@ -1009,7 +1021,8 @@ def _cuts(scans: list[dict], slots: int) -> list[list[int]]:
         return whole
     # where units end, in the corpus's bytes (0 and total left out)
     ends = np.linspace(0, total, want + 1)
-    tail = np.linspace(ends[-slots - 1], total, TAIL_SPLIT * slots + 1)
+    halves = [2.0**-k for k in range(1, TAIL_HALVINGS + 1)] + [2.0**-TAIL_HALVINGS]
+    tail = ends[-slots - 1] + np.cumsum([0, *np.repeat(halves, slots)]) * (total / want)
     goals = np.concatenate([ends[1 : -slots - 1], tail[:-1]])
     cuts = []
     offset = 0
