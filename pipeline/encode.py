@@ -260,18 +260,31 @@ def _merge_parts(m) -> tuple[str, str] | None:
     return (parts[0], parts[1]) if isinstance(parts, list) and len(parts) == 2 else None
 
 
-def _ranks_problem(model: dict, specials: dict[str, int]) -> tuple[str | None, dict[bytes, int]]:
-    """(why merges and ids are not consistent (or None), mergeable_ranks)."""
+def _byte_level_table() -> dict[int, str]:
+    """str.translate table: a byte-level token's characters -> the characters of its bytes (then
+    latin-1 gives the bytes); any other character below 256 -> one above, so that latin-1 refuses
+    it as it refuses every character outside the byte-level alphabet."""
     from pipeline.tokenizer.bpe import _byte_decoder
 
-    byte_of = _byte_decoder()
+    table = {c: "\U0010ffff" for c in range(256)}
+    table.update({ord(c): chr(b) for c, b in _byte_decoder().items()})
+    return table
+
+
+def _ranks_problem(model: dict, specials: dict[str, int]) -> tuple[str | None, dict[bytes, int]]:
+    """(why merges and ids are not consistent (or None), mergeable_ranks)."""
+    table = _byte_level_table()
+
+    def to_bytes(s: str) -> bytes:
+        return s.translate(table).encode("latin-1")  # UnicodeEncodeError: not byte-level
+
     ranks: dict[bytes, int] = {}
     for s, i in model["vocab"].items():
         if s in specials:
             continue
         try:
-            ranks[bytes(byte_of[c] for c in s)] = i
-        except KeyError:
+            ranks[to_bytes(s)] = i
+        except UnicodeEncodeError:
             return f"token {i} {s!r} is not a byte-level token", {}
     if len(set(ranks.values())) != len(ranks) or set(ranks.values()) & set(specials.values()):
         return "two tokens share an id", {}
@@ -284,8 +297,8 @@ def _ranks_problem(model: dict, specials: dict[str, int]) -> tuple[str | None, d
         if parts is None:
             return f"merge {k} is not a pair", {}
         try:
-            a, b = (bytes(byte_of[c] for c in p) for p in parts)
-        except KeyError:
+            a, b = to_bytes(parts[0]), to_bytes(parts[1])
+        except UnicodeEncodeError:
             return f"merge {k} is not byte-level", {}
         t = a + b
         rank = ranks.get(t)

@@ -261,6 +261,27 @@ def test_other_setups_fall_back_to_hf_with_one_log_line(tok_json, caplog):
         assert len(lines) == 1 and "HF tokenizers" in lines[0] and reason in lines[0], lines
 
 
+def test_tokens_outside_the_byte_level_alphabet_are_refused(tok_json):
+    """A vocabulary token or merge with a character that is no byte in the byte-level alphabet
+    (a space, a control character: below 256 but mapped elsewhere; CJK: above 256) is refused;
+    every one of the alphabet's 256 characters is its byte."""
+    from pipeline.encode import _byte_level_table
+
+    table = _byte_level_table()
+    for ch, byte in B._byte_decoder().items():
+        assert ch.translate(table).encode("latin-1") == bytes([byte])
+    cfg = json.loads(tok_json)
+    token = next(s for s, i in cfg["model"]["vocab"].items() if len(s) > 1 and i > 300)
+    for bad in (" ", "\x00", "中"):
+        vocab = dict(cfg["model"]["vocab"])
+        vocab[token + bad] = vocab.pop(token)
+        enc, why = exact_encoding(_with(tok_json, model__vocab=vocab))
+        assert enc is None and "is not a byte-level token" in why, (bad, why)
+        merges = [[bad, "a"], *cfg["model"]["merges"][1:]]
+        enc, why = exact_encoding(_with(tok_json, model__merges=merges))
+        assert enc is None and why == "merge 0 is not byte-level", (bad, why)
+
+
 def test_merges_that_tiktoken_would_not_form_fall_back():
     """xabc: HF applies the merges x+a, b+c and then stops (xa+bc is no merge); tiktoken on the
     same ranks would merge xa+bc into "xabc" because those bytes are a token. Such a vocabulary is
