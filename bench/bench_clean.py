@@ -4,6 +4,7 @@
     python bench/bench_clean.py --datatrove /work/benchenv-clean/bin/python --mb 100
     python bench/bench_clean.py --pin --repeats 3      # 1 worker on core 0 vs 2 on cores 0,1
     python bench/bench_clean.py --pin --repeats 5 --ceiling   # + what two cores give this machine
+    python bench/bench_clean.py --against 'caf9f80^' --repeats 3   # per core vs issue 27's filing
 
 Input: the Python stdlib's .py files plus ../shared/data/*.txt when present (paragraphs), written
 as JSONL files (one document per record) and repeated until --mb MB; each repeat gets a distinct
@@ -120,14 +121,17 @@ def independent_halves(halves: list[Path], run: Path) -> float:
     return time.perf_counter() - t0
 
 
-def measure(cmd: list[str], env=None, cores=None) -> tuple[float, float, float, float, float]:
+def measure(
+    cmd: list[str], env=None, cores=None, cwd: Path = ROOT
+) -> tuple[float, float, float, float, float]:
     """(seconds, peak RSS MB of the process tree, the driver's own peak, the largest worker's,
-    CPU seconds of the tree); cores: pin the process (and so its workers) to these."""
+    CPU seconds of the tree); cores: pin the process (and so its workers) to these; cwd: the
+    checkout whose codex `python -c` imports (the first entry of its sys.path)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
@@ -189,10 +193,20 @@ def main() -> None:
         help="with --pin: also time two independent 1-worker runs on half the files each",
     )
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn")
+    ap.add_argument(
+        "--against",
+        default="",
+        metavar="REV",
+        help="only 1 worker on core 0: this checkout's clean against git revision REV's, in turn "
+        "(per-core speed-up on this machine; e.g. caf9f80^, the code when issue 27 was filed)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_clean_"))
     size = build_input(tmp / "in", args.mb)
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
+    if args.against:
+        against(args.against, tmp, size, args.repeats)
+        return
     if args.ceiling:
         halves = split_input(tmp / "in", tmp)
     rows, ceiling = [], []
@@ -220,14 +234,42 @@ def main() -> None:
         print_speed_ups(runs[1], runs[2], ceiling, args.pin)
 
 
+def against(rev: str, tmp: Path, size: int, repeats: int) -> None:
+    """1 worker pinned to core 0, this checkout's clean and REV's (a git worktree of it) in turn,
+    on the same input: MB/s is a property of the day's VM (the same code's rate moved by a third
+    between sessions here), a ratio measured in one run is not."""
+    other = tmp / "against"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(other), rev], check=True
+    )
+    try:
+        rows = []
+        for i in range(repeats):
+            for name, cwd in ((f"codex at {rev}", other), ("codex here", ROOT)):
+                run = tmp / f"against{i}-{len(rows)}"
+                dt, rss, driver, _, cpu = measure(
+                    [sys.executable, "-c", clean_code(tmp / "in", run, 1)], cores={0}, cwd=cwd
+                )
+                kept = json.loads((run / "clean" / "stats.json").read_text())["docs_out"]
+                rows.append((f"{name} workers=1", dt, rss, kept, driver, 0.0, cpu))
+        print_table(rows, size)
+        ratios = [a[1] / b[1] for a, b in zip(rows[::2], rows[1::2], strict=True)]
+        print(
+            f"per core (core 0), this checkout over {rev}: rounds "
+            f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x"
+        )
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)])
+
+
 def print_table(rows: list[tuple], size: int) -> None:
     print(
-        f"\n{'':22} {'seconds':>8} {'MB/s':>7} {'cpu s':>6} {'peak RSS MB':>12} {'drv/wkr':>9} "
+        f"\n{'':28} {'seconds':>8} {'MB/s':>7} {'cpu s':>6} {'peak RSS MB':>12} {'drv/wkr':>9} "
         f"{'docs kept':>10}"
     )
     for name, dt, rss, kept, driver, worker, cpu in rows:
         print(
-            f"{name:22} {dt:8.1f} {size / 1e6 / dt:7.2f} {cpu:6.1f} {rss:12.0f} "
+            f"{name:28} {dt:8.1f} {size / 1e6 / dt:7.2f} {cpu:6.1f} {rss:12.0f} "
             f"{driver:4.0f}/{worker:<4.0f} {kept if kept is not None else '':>10}"
         )
 
