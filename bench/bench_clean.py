@@ -23,8 +23,10 @@ codex workers=1         6.3-6.9  14.8-16.3    6.2-6.5    107-108  108/0     146
 codex workers=2         3.6-4.1  25.0-28.7    6.6-7.5    217-220  108/100   146
 
 speed-up per round 1.69-1.80x (median 1.76x) against a ceiling of 1.90-1.95x (median 1.93x):
-87-94% of it. Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in
-README's stage table.
+87-94% of it. At 07:00 the same day the VM ran the same code ~30% slower per core (1 worker
+8.4-8.7 s): 1.67-1.79x (median 1.75x) against a ceiling of 1.89x (89-94%); --against 'caf9f80^'
+(the code at issue 27's filing): 2.12x per core (5.81 against 12.31 MB/s, medians). Earlier
+figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in README's stage table.
 """
 
 from __future__ import annotations

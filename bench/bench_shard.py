@@ -21,9 +21,11 @@ pinned to the first of --cores against --workers N on all N of them, each round 
 the speed-up (seconds) and the ratio of CPU seconds (the stage's process and its workers) per round,
 with the 1-minute load average at each run's start: on a busy machine compare the CPU seconds.
 
-Latest (2026-11-27, --scaling --rounds 5 --ceiling): 1 worker 8.0-8.6 s, 2 workers 4.8-5.3 s,
-median 1.63x against a ceiling (two independent 1-worker runs on half the documents each, one a
-core, started together) of 1.95x: 80-88% of it; README's stage table says where the rest goes.
+Latest (2026-11-27 07:00 UTC, --scaling --rounds 5 --ceiling, on a VM ~30% slower per core than
+at 05:00): 1 worker 10.6-11.0 s, 2 workers 6.0-6.3 s, median 1.79x (rounds 1.73-1.82x) against a
+ceiling (two independent 1-worker runs on half the documents each, one a core, started together)
+of 1.91x: 91-96% of it (05:00, before a process kept its last row group: 1.63x, 80-88% of 1.95x);
+README's stage table says where the rest goes.
 
 Measured (quiet machine, 2026-11-26, 100 MB = stdlib .py + tinyshakespeare, shard_tokens 10M;
 the stage encodes with the exact tiktoken encoder, pipeline/encode.py):
