@@ -619,6 +619,11 @@ def _row_group_column(pf: pq.ParquetFile, path: str, i: int, column: str) -> pa.
     return values
 
 
+def forget_row_group() -> None:
+    """Drop the row group parquet_text_rows kept (a stage done in a process that goes on: demo)."""
+    _last_group.clear()
+
+
 def parquet_text_rows(
     path: str, start: int, stop: int, column: str = "text", batch_rows: int = READ_BATCH_ROWS
 ) -> Iterator[list]:
