@@ -308,7 +308,7 @@ def data_tokenize(cfg):
     key="data.shard.workers",
     type=int,
     help="Worker processes (or CPUs of a Ray runtime started here); 0 (default): one per core, "
-    "1 per 48 MB of cleaned corpus at most.",
+    "1 per 4 MB of cleaned parquet (~12-20 MB of text) at most.",
 )
 def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.

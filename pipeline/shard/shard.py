@@ -128,9 +128,11 @@ log = logging.getLogger("codex.shard")
 
 BATCH_CHARS = 4_000_000  # text per encode call: big enough for the thread pool, small for memory
 READ_ROWS = 2048  # parquet rows decoded at a time
-# --workers 0: one process per this much cleaned corpus at most; one process already encodes on
-# every core (the encoder's threads), so processes win only on big corpora (README's stage table)
-AUTO_BYTES_PER_WORKER = 48 << 20
+# --workers 0: one process per this much cleaned corpus at most, in parquet bytes (the parts' sizes,
+# zstd: ~4-5x less than their text for code, ~3x for prose); one process already encodes on every
+# core (the encoder's threads), so below it a second process's start costs more than it gains
+# (README's stage table)
+AUTO_BYTES_PER_WORKER = 4 << 20
 # rows between the places where the scan records its running counts: where a part may be cut into
 # several encode units
 BLOCK_ROWS = 64
