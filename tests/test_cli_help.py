@@ -186,3 +186,33 @@ def test_train_help_imports_no_torch():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_console_script_loads_no_command_in_a_spawned_worker(tmp_path):
+    """pyproject's `codex` script, as pip writes it: spawn starts a data stage's worker process by
+    running a script `__main__` again as `__mp_main__` (multiprocessing's _fixup_main_from_path:
+    runpy.run_path), so its import line runs in every worker; it must load no command, stage or
+    click there. Run as a script, it is the CLI."""
+    import tomllib
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["codex"]
+    module, func = target.split(":")
+    script = tmp_path / "codex"
+    script.write_text(
+        f"import sys\nfrom {module} import {func}\n"
+        f"if __name__ == '__main__':\n    sys.exit({func}())\n"
+    )
+    heavy = ("click", "codex.cli.main", "pipeline", "numpy")
+    code = (
+        "import runpy, sys\n"
+        f"runpy.run_path({str(script)!r}, run_name='__mp_main__')\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    res = subprocess.run(
+        [sys.executable, str(script), "data", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "Usage: codex data" in res.stdout, res.stdout + res.stderr
