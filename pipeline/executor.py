@@ -60,11 +60,6 @@ RAY_INSTALL = "pip install 'codex[ray]'  (from a checkout: pip install -e '.[ray
 
 U = TypeVar("U")
 
-# Units start in their list's order (_run_pool, _run_ray), so a stage puts its small units last:
-# the last stretch of its plan is cut this many times finer, and the workers run out of work
-# together instead of one finishing a big unit while the others idle.
-TAIL_SPLIT = 4
-
 
 @dataclass(frozen=True)
 class Where:

@@ -55,7 +55,6 @@ from pipeline.clean.stats import (
     yield_problem,
 )
 from pipeline.executor import (
-    TAIL_SPLIT,
     Where,
     check_executor,
     run_units,
@@ -129,8 +128,11 @@ def _split_file(f: InputFile, bounds: list[int]) -> list[Piece]:
     return [Piece(f, a, b) for a, b in zip(rows, rows[1:], strict=False)]
 
 
-# The corpus's last TAIL_CHUNKS x chunk_bytes go in units 1/TAIL_SPLIT that size (executor.py).
+# Units start in their list's order (executor.py: _run_pool, _run_ray), so the small ones go last:
+# the corpus's last TAIL_CHUNKS x chunk_bytes go in units 1/TAIL_SPLIT that size, and the workers
+# run out of work together instead of one finishing a big unit while the others idle.
 TAIL_CHUNKS = 2
+TAIL_SPLIT = 4
 
 
 def plan_units(files: list[InputFile], c) -> list[Unit]:
