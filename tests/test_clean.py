@@ -639,6 +639,40 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
             assert fast.findall(piece) == F._WORD.findall(piece), repr(piece)
 
 
+def test_ascii_words_equal_the_regex():
+    """ascii_words (pipeline/clean/_wordcount.c: _WORD_FAST_ASCII's alternatives written out in
+    C, which the compiled counter and split_words use on ASCII pieces) gives the regex's words:
+    on every pair of ASCII characters, every triple of the characters the rules name, and random
+    strings of the rules' fragments (white space included: it is the regex's findall, not only
+    a piece's). A str that is not ASCII is refused."""
+    import itertools
+    import random
+
+    try:
+        from pipeline.clean._wordcount import ascii_words
+    except ImportError:
+        pytest.skip("the compiled word counter is not built (no C compiler at install)")
+    rng = random.Random(5)
+    every = [chr(c) for c in range(128)]
+    named = list("aZq9_ .,'-:/+*^()!?\"=<>`{}[]@#&;~|\\$%\t\x00\x1c")
+    fragments = ["://", "http", "e.g.", "U.S.", "Inc.", "Co.", "Corp.", "Sep.", "Sept.", "a.",
+                 "..", "...", "--", "---", "''", "'s", "'S", "'ll", "'re", "'ve", "'m", "n't",
+                 "/or", "/orb", "+1", "1-2", "2-", "1^2", "3*-4", "3.5", "1,000", "a_b", "__",
+                 "C++", "(x)", "foo(", "self.x,", "-f", "==", "a@b.org", "don't", "10am",
+                 "GPL-2+", "x.org", "https://a.io/b?q=1).", "(howto.html),", ":-)", "a.m.",
+                 "a--b", "a---b", "a:b", "a,b", ".)", "!?)", "x=-1", "#!/usr/bin"]  # fmt: skip
+    texts = [a + b for a in every for b in every]
+    texts += map("".join, itertools.product(named, repeat=3))
+    for _ in range(30_000):
+        pool = rng.choice([every, named, fragments])
+        texts.append("".join(rng.choice(pool) for _ in range(rng.randint(0, 20))))
+    texts += ["".join(rng.choice(fragments + named) for _ in range(2000))]
+    for text in texts:
+        assert ascii_words(text) == F._WORD_FAST_ASCII.findall(text), repr(text)
+    with pytest.raises(ValueError, match="needs an ASCII str"):
+        ascii_words("café")
+
+
 def _dup_ngram_chars(words: list[str], n: int) -> int:
     """datatrove's find_all_duplicate: characters in n-grams seen before, a Python step each."""
     seen, chars, i = set(), 0, 0

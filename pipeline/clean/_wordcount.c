@@ -1,11 +1,14 @@
 /* Gopher's word counts of a text, compiled: what pipeline/clean/filters.py's _Pieces.counts
- * computes, with the same words. The words themselves still come from the Python objects it is
- * given (the _WORD_FAST regexes and _piece_words); this file only does the steps around them
- * that cost most in Python: splitting the text at white space, looking each piece up in a cache,
- * spaCy's checks on a new piece, and counting each word's characters.
+ * computes, with the same words. This file does the steps that cost most in Python: splitting
+ * the text at white space, looking each piece up in a cache, finding an ASCII piece's words
+ * (filters._WORD_FAST_ASCII, written out as C), spaCy's checks on a new piece, and counting each
+ * word's characters. Other pieces' words still come from the Python objects it is given (the
+ * _WORD_FAST regex, and _piece_words where spaCy's tables may change them).
  *
+ * ascii_words(text) -> _WORD_FAST_ASCII.findall(text), for ASCII text
  * Counter(findall_ascii, findall, piece_words, url_fullmatch, special_pieces, split_words,
  *         split_alnum, stop_bits, punctuation, cache_size)
+ *     findall_ascii: ascii_words (then called as C, no str made per word) or a Python callable
  * Counter.counts(text) -> (words, real words, characters in real words, words with a letter,
  *                          distinct stop words)
  * Counter.forget()
@@ -32,13 +35,18 @@ typedef struct {
 #define ROWS_START 4096 /* rows allocated at first */
 
 /* A small set of short ASCII strings (split_alnum, the stop words), each with a value. */
-#define SMALL_SLOTS 1024
+#define SMALL_SLOTS 4096
 #define SMALL_LEN 15
 typedef struct {
     uint8_t len; /* 0: empty slot */
     char s[SMALL_LEN];
     int64_t value;
 } SmallSlot;
+
+typedef struct {
+    SmallSlot slots[SMALL_SLOTS];
+    uint8_t has_len[SMALL_LEN + 1], has_first[128]; /* what a look-up may skip at once */
+} SmallTable;
 
 typedef struct {
     PyObject_HEAD
@@ -52,8 +60,12 @@ typedef struct {
     uint8_t ascii_punct[128];
     Py_UCS4 *punct; /* the non-ASCII punctuation, sorted */
     Py_ssize_t n_punct;
-    SmallSlot split_alnum[SMALL_SLOTS];
-    SmallSlot stop[SMALL_SLOTS];
+    int compiled_ascii; /* findall_ascii is ascii_words: words of ASCII pieces found by words_of */
+    Py_ssize_t *spans;  /* words_of's spans: start, end, start, end, ... */
+    Py_ssize_t spans_cap;
+    uint8_t latin1[256]; /* LATIN1_* flags of the characters below 256 */
+    SmallTable split_alnum, stop;
+    SmallTable split_ascii; /* the ASCII words of split_words */
 } Counter;
 
 static uint32_t small_hash(const char *s, Py_ssize_t n) {
@@ -62,16 +74,16 @@ static uint32_t small_hash(const char *s, Py_ssize_t n) {
     return h;
 }
 
-static SmallSlot *small_find(SmallSlot *table, const char *s, Py_ssize_t n) {
+static SmallSlot *small_find(SmallTable *table, const char *s, Py_ssize_t n) {
     uint32_t at = small_hash(s, n) & (SMALL_SLOTS - 1);
     for (;; at = (at + 1) & (SMALL_SLOTS - 1)) {
-        SmallSlot *slot = &table[at];
+        SmallSlot *slot = &table->slots[at];
         if (slot->len == 0 || (slot->len == n && memcmp(slot->s, s, n) == 0)) return slot;
     }
 }
 
 /* table[key] = value; keys that are not ASCII or are longer than SMALL_LEN are refused. */
-static int small_add(SmallSlot *table, PyObject *key, int64_t value, Py_ssize_t *used) {
+static int small_add(SmallTable *table, PyObject *key, int64_t value, Py_ssize_t *used) {
     if (!PyUnicode_Check(key) || !PyUnicode_IS_ASCII(key) ||
         PyUnicode_GET_LENGTH(key) > SMALL_LEN || PyUnicode_GET_LENGTH(key) == 0) {
         PyErr_Format(PyExc_ValueError, "not a short ASCII word: %R", key);
@@ -87,15 +99,18 @@ static int small_add(SmallSlot *table, PyObject *key, int64_t value, Py_ssize_t 
     slot->len = (uint8_t)n;
     memcpy(slot->s, s, n);
     slot->value = value;
+    table->has_len[n] = table->has_first[(uint8_t)s[0]] = 1;
     return 0;
 }
 
 /* The value of an ASCII piece [start, end) of text in table, or -1. */
-static int64_t small_get(SmallSlot *table, int kind, const void *data, Py_ssize_t start,
+static int64_t small_get(SmallTable *table, int kind, const void *data, Py_ssize_t start,
                          Py_ssize_t end) {
     char buf[SMALL_LEN];
     Py_ssize_t n = end - start;
-    if (n > SMALL_LEN) return -1;
+    if (n > SMALL_LEN || !table->has_len[n]) return -1;
+    Py_UCS4 first = PyUnicode_READ(kind, data, start);
+    if (first >= 128 || !table->has_first[first]) return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_UCS4 c = PyUnicode_READ(kind, data, start + i);
         if (c >= 128) return -1;
@@ -104,6 +119,212 @@ static int64_t small_get(SmallSlot *table, int kind, const void *data, Py_ssize_
     SmallSlot *slot = small_find(table, buf, n);
     return slot->len ? slot->value : -1;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * _WORD_FAST_ASCII.findall compiled: the words of an ASCII string, the regex's alternatives
+ * tried in its order at each position, each written out as the regex engine runs it (possessive
+ * repeats take all they can and give nothing back; the optional groups try their first branch
+ * first). tests/test_clean.py holds ascii_words equal to the regex on random and adversarial
+ * text. In re.ASCII, \w is [A-Za-z0-9_], [^\W_] [A-Za-z0-9], [^\W\d_] [A-Za-z], \s [ \t\n\v\f\r].
+ */
+enum {
+    C_W = 1,      /* \w */
+    C_AN = 2,     /* [^\W_]: a letter or digit */
+    C_L = 4,      /* [^\W\d_]: a letter */
+    C_D = 8,      /* \d */
+    C_SP = 16,    /* \s */
+    C_AFFIX = 32, /* _AFFIX: what spaCy splits off a piece's ends */
+    C_SUFFIX = 64,
+    C_URL_STOP = 128,  /* where a URL's run ends: \s < > " ' ( ) [ ] */
+    C_URL_TRIM = 256,  /* what a URL does not end with, besides those: . , ; : ! ? */
+    C_SYM = 512,       /* [^\w\s] */
+};
+static uint16_t CLS[128];
+static PyObject *ASCII_WORDS; /* the module's ascii_words: a Counter given it uses words_of */
+
+static void init_classes(void) {
+    for (int c = 0; c < 128; c++) {
+        int alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'), digit = c >= '0' && c <= '9';
+        int space = c == ' ' || (c >= '\t' && c <= '\r');
+        uint16_t k = 0;
+        if (alpha || digit || c == '_') k |= C_W;
+        if (alpha || digit) k |= C_AN;
+        if (alpha) k |= C_L;
+        if (digit) k |= C_D;
+        if (space) k |= C_SP;
+        if (!(k & (C_W | C_SP))) k |= C_SYM;
+        if (c && strchr("!\"#$%&'()*+,:;<=>?[]`{}", c)) k |= C_AFFIX;
+        if (c && strchr("!\"#&'()*,.:;<>?[]`{}", c)) k |= C_SUFFIX;
+        if (space || (c && strchr("<>\"'()[]", c))) k |= C_URL_STOP;
+        if (c && strchr(".,;:!?", c)) k |= C_URL_TRIM;
+        CLS[c] = k;
+    }
+}
+
+#define IS(i, k) ((i) >= 0 && (i) < n && (CLS[s[i]] & (k)))
+#define CH(i, c) ((i) >= 0 && (i) < n && s[i] == (c))
+#define ANY_OF(i, set) ((i) >= 0 && (i) < n && s[i] && strchr(set, s[i]) != NULL)
+
+/* {contraction} at i: ['’](?:[sSmM]|ll|LL|re|RE|ve|VE)(?![^\W_]) from i + 1 (the quote is at
+ * i); its length without the quote, or 0. */
+static int contraction_at(const unsigned char *s, Py_ssize_t n, Py_ssize_t i) {
+    if (ANY_OF(i, "sSmM") && !IS(i + 1, C_AN)) return 1;
+    if (i + 1 < n && !IS(i + 2, C_AN)) {
+        static const char *pairs[] = {"ll", "LL", "re", "RE", "ve", "VE"};
+        for (int k = 0; k < 6; k++)
+            if (s[i] == pairs[k][0] && s[i + 1] == pairs[k][1]) return 2;
+    }
+    return 0;
+}
+
+/* The word alternative's look-ahead before a run of symbols inside a word: spaCy's infixes
+ * (a-b a/b a:b a,b a--b 1-2 a..b) and contractions, where the word must not go on. */
+static int infix_at(const unsigned char *s, Py_ssize_t n, Py_ssize_t q) {
+    return (ANY_OF(q, "-~:<>=/,") && IS(q + 1, C_L)) ||
+           (CH(q, '-') && CH(q + 1, '-') && (IS(q + 2, C_L) || (CH(q + 2, '-') && IS(q + 3, C_L)))) ||
+           (ANY_OF(q, "-+*^") && IS(q - 1, C_D) && (IS(q + 1, C_D) || CH(q + 1, '-'))) ||
+           (CH(q, '.') && CH(q + 1, '.')) || (CH(q, '\'') && contraction_at(s, n, q + 1));
+}
+
+static const char *ABBREVIATIONS[] = {"Inc", "Ltd", "Co",  "Corp", "vs",  "Dr",  "Mr",  "Mrs",
+                                      "Ms",  "St",  "Jr",  "Sr",   "Jan", "Feb", "Mar", "Apr",
+                                      "Jun", "Jul", "Aug", "Sep",  "Sept", "Oct", "Nov", "Dec"};
+
+/* The end of the regex's match at p (p itself where nothing matches: white space). */
+static Py_ssize_t word_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
+    unsigned char c = s[p];
+    if (CLS[c] & C_SP) return p;
+    /* \w\w*+://[^\s<>"'()\[\]]*[^\s<>"'()\[\].,;:!?]   URL */
+    if (IS(p, C_W)) {
+        Py_ssize_t q = p, end = -1;
+        while (IS(q, C_W)) q++;
+        if (CH(q, ':') && CH(q + 1, '/') && CH(q + 2, '/')) {
+            for (Py_ssize_t r = q + 3; r < n && !(CLS[s[r]] & C_URL_STOP); r++)
+                if (!(CLS[s[r]] & C_URL_TRIM)) end = r + 1;
+            if (end > 0) return end;
+        }
+    }
+    /* [^\W\d_](?<![\w.].)\.(?:[^\W\d_]\.)*+(?![^\W_])   a. e.g. U.S.A. */
+    if (IS(p, C_L) && !IS(p - 1, C_W) && !CH(p - 1, '.') && CH(p + 1, '.')) {
+        Py_ssize_t q = p + 2;
+        while (IS(q, C_L) && CH(q + 1, '.')) q += 2;
+        if (!IS(q, C_AN)) return q;
+    }
+    /* \b(?:Inc|Ltd|...)\.(?!\w)   abbreviations */
+    if (IS(p, C_L) && !IS(p - 1, C_W)) {
+        for (size_t k = 0; k < sizeof(ABBREVIATIONS) / sizeof(*ABBREVIATIONS); k++) {
+            Py_ssize_t len = (Py_ssize_t)strlen(ABBREVIATIONS[k]);
+            if (p + len < n && memcmp(s + p, ABBREVIATIONS[k], len) == 0 && s[p + len] == '.' &&
+                !IS(p + len + 1, C_W))
+                return p + len + 1;
+        }
+    }
+    /* a word: (prefix symbols |) [^\W_]++ (joined parts)*+ (suffix symbols |) */
+    Py_ssize_t q = -1;
+    if (p == 0 || IS(p - 1, C_SP | C_AFFIX)) { /* (?<![^\s{affix}]) */
+        if (c == '+' && IS(p + 1, C_D)) {
+            q = p + 1; /* \+(?=\d) */
+        } else if (IS(p, C_SYM) && !IS(p, C_AFFIX) && !(c == '.' && CH(p + 1, '.'))) {
+            Py_ssize_t r = p; /* (?!\.\.)[^\w\s{affix}]++ */
+            while (IS(r, C_SYM) && !IS(r, C_AFFIX)) r++;
+            if (IS(r, C_AN)) q = r;
+        }
+    }
+    if (q < 0 && IS(p, C_AN)) q = p;
+    if (q >= 0) {
+        while (IS(q, C_AN)) q++;
+        for (;;) {
+            Py_ssize_t r = q;
+            if (CH(q, '_')) { /* __*+ */
+                while (CH(r, '_')) r++;
+            } else if (CH(q, '/') && IS(q - 1, C_W) && CH(q + 1, 'o') && CH(q + 2, 'r') &&
+                       !IS(q + 3, C_W)) { /* /(?<=\w/)(?=or\b) */
+                r = q + 1;
+            } else if (IS(q, C_SYM) && !infix_at(s, n, q)) { /* (?!infixes)[^\w\s]++ */
+                while (IS(r, C_SYM)) r++;
+            }
+            if (r == q || !IS(r, C_AN)) break; /* then [^\W_]++, or the repeat ends here */
+            for (q = r; IS(q, C_AN); q++) {
+            }
+        }
+        /* [^\w\s]*[^\w\s{suffix}](?=[{suffix}]*+(?!\S)): symbols up to the last that is not a
+         * suffix, where only suffix symbols follow it to the end of the piece */
+        Py_ssize_t r = q;
+        while (IS(r, C_SYM)) r++;
+        if (r == n || IS(r, C_SP)) {
+            Py_ssize_t t = r;
+            while (t > q && IS(t - 1, C_SUFFIX)) t--;
+            if (t > q) q = t;
+        }
+        return q;
+    }
+    /* \.\.\.*+ | --\-*+ | '' */
+    if ((c == '.' || c == '-') && CH(p + 1, c)) {
+        Py_ssize_t r = p + 2;
+        while (CH(r, c)) r++;
+        return r;
+    }
+    if (c == '\'' && CH(p + 1, '\'')) return p + 2;
+    /* ['’](?<=\w.){contraction letters}(?![^\W_]) */
+    if (c == '\'' && IS(p - 1, C_W)) {
+        int k = contraction_at(s, n, p + 1);
+        if (k) return p + 1 + k;
+    }
+    return p + 1; /* [^\w\s] | _ */
+}
+
+/* The words of ASCII s as spans into *spans (start, end, ...; grown as needed): their number,
+ * or -1 with MemoryError. */
+static Py_ssize_t words_of(const unsigned char *s, Py_ssize_t n, Py_ssize_t **spans,
+                           Py_ssize_t *cap) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t p = 0; p < n;) {
+        Py_ssize_t end = word_end(s, n, p);
+        if (end == p) {
+            p++;
+            continue;
+        }
+        if (2 * count + 2 > *cap) {
+            Py_ssize_t grown_cap = *cap ? 2 * *cap : 64;
+            Py_ssize_t *grown = PyMem_Realloc(*spans, grown_cap * sizeof(Py_ssize_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            *spans = grown, *cap = grown_cap;
+        }
+        (*spans)[2 * count] = p, (*spans)[2 * count + 1] = end;
+        count++;
+        p = end;
+    }
+    return count;
+}
+
+#undef IS
+#undef CH
+#undef ANY_OF
+
+/* ascii_words(text) -> list of str: _WORD_FAST_ASCII.findall(text), for ASCII text. */
+static PyObject *ascii_words(PyObject *Py_UNUSED(module), PyObject *text) {
+    if (!PyUnicode_Check(text) || !PyUnicode_IS_ASCII(text)) {
+        PyErr_SetString(PyExc_ValueError, "ascii_words needs an ASCII str");
+        return NULL;
+    }
+    Py_ssize_t *spans = NULL, cap = 0;
+    Py_ssize_t count = words_of(PyUnicode_1BYTE_DATA(text), PyUnicode_GET_LENGTH(text), &spans,
+                                &cap);
+    PyObject *words = count < 0 ? NULL : PyList_New(count);
+    for (Py_ssize_t k = 0; words != NULL && k < count; k++) {
+        PyObject *w = PyUnicode_Substring(text, spans[2 * k], spans[2 * k + 1]);
+        if (w == NULL) Py_CLEAR(words);
+        else PyList_SET_ITEM(words, k, w);
+    }
+    PyMem_Free(spans);
+    return words;
+}
+
+/* Flags of a character below 256, as the Py_UNICODE_IS* macros and punctuation say. */
+enum { LATIN1_SPACE = 1, LATIN1_ALNUM = 2, LATIN1_ALPHA = 4, LATIN1_PUNCT = 8 };
 
 static int is_punct(Counter *self, Py_UCS4 c) {
     if (c < 128) return self->ascii_punct[c];
@@ -121,18 +342,28 @@ static int is_punct(Counter *self, Py_UCS4 c) {
 /* Adds one word, the characters [start, end) of a str's data, to row. */
 static void count_word(Counter *self, Row *row, int kind, const void *data, Py_ssize_t start,
                        Py_ssize_t end) {
-    int alpha = 0, plain = 0;
-    for (Py_ssize_t i = start; i < end; i++) {
-        Py_UCS4 c = PyUnicode_READ(kind, data, i);
-        alpha |= Py_UNICODE_ISALPHA(c);
-        plain |= !is_punct(self, c);
+    int alpha = 0, plain = 0, real;
+    if (kind == PyUnicode_1BYTE_KIND) {
+        const Py_UCS1 *b = data;
+        for (Py_ssize_t i = start; i < end; i++) {
+            uint8_t f = self->latin1[b[i]];
+            alpha |= f & LATIN1_ALPHA;
+            plain |= !(f & LATIN1_PUNCT);
+        }
+        real = plain || (self->latin1[b[start]] & LATIN1_ALNUM);
+    } else {
+        for (Py_ssize_t i = start; i < end; i++) {
+            Py_UCS4 c = PyUnicode_READ(kind, data, i);
+            alpha |= Py_UNICODE_ISALPHA(c);
+            plain |= !is_punct(self, c);
+        }
+        real = plain || Py_UNICODE_ISALNUM(PyUnicode_READ(kind, data, start));
     }
-    int real = plain || Py_UNICODE_ISALNUM(PyUnicode_READ(kind, data, start));
-    int64_t stop = small_get(self->stop, kind, data, start, end);
+    int64_t stop = small_get(&self->stop, kind, data, start, end);
     row->words += 1;
     row->real += real;
     row->real_chars += real ? end - start : 0;
-    row->alpha += alpha;
+    row->alpha += alpha != 0;
     row->stop |= stop > 0 ? stop : 0;
 }
 
@@ -150,16 +381,9 @@ static void add_row(Row *to, const Row *row) {
     to->stop |= row->stop;
 }
 
-/* spaCy's checks (_spacy_pieces): may _piece_words split this piece otherwise than its
- * regex words? 1 yes, 0 no, -1 error. */
-static int spacy_may_change(Counter *self, PyObject *piece, PyObject *words) {
-    int found = PySet_Contains(self->special_pieces, piece);
-    if (found) return found;
-    Py_ssize_t n_words = PySequence_Fast_GET_SIZE(words);
-    for (Py_ssize_t k = 0; k < n_words; k++) {
-        found = PySet_Contains(self->split_words, PySequence_Fast_GET_ITEM(words, k));
-        if (found) return found;
-    }
+/* spaCy's checks on a piece that the words themselves do not decide (_spacy_pieces): a + after
+ * a digit, a URL. 1 yes, 0 no, -1 error. */
+static int digit_plus_or_url(Counter *self, PyObject *piece) {
     int kind = PyUnicode_KIND(piece);
     const void *data = PyUnicode_DATA(piece);
     Py_ssize_t n = PyUnicode_GET_LENGTH(piece);
@@ -177,23 +401,65 @@ static int spacy_may_change(Counter *self, PyObject *piece, PyObject *words) {
     if (!(dot && hint)) return 0;
     PyObject *match = PyObject_CallOneArg(self->url_fullmatch, piece);
     if (match == NULL) return -1;
-    found = match != Py_None;
+    int found = match != Py_None;
     Py_DECREF(match);
     return found;
 }
 
+/* spaCy's checks (_spacy_pieces): may _piece_words split this piece otherwise than its
+ * regex words? 1 yes, 0 no, -1 error. */
+static int spacy_may_change(Counter *self, PyObject *piece, PyObject *words) {
+    int found = PySet_Contains(self->special_pieces, piece);
+    if (found) return found;
+    Py_ssize_t n_words = PySequence_Fast_GET_SIZE(words);
+    for (Py_ssize_t k = 0; k < n_words; k++) {
+        found = PySet_Contains(self->split_words, PySequence_Fast_GET_ITEM(words, k));
+        if (found) return found;
+    }
+    return digit_plus_or_url(self, piece);
+}
+
+/* learn, for an ASCII piece whose words words_of finds: no str is made for them, and spaCy's
+ * word check is a look-up in split_ascii. 1 when spaCy's tables may change the words (the
+ * caller then asks piece_words), 0 when counted into row, -1 error. */
+static int learn_ascii(Counter *self, PyObject *piece, Row *row) {
+    int found = PySet_Contains(self->special_pieces, piece);
+    if (found) return found;
+    const unsigned char *s = PyUnicode_1BYTE_DATA(piece);
+    Py_ssize_t count = words_of(s, PyUnicode_GET_LENGTH(piece), &self->spans, &self->spans_cap);
+    if (count < 0) return -1;
+    const Py_ssize_t *spans = self->spans;
+    for (Py_ssize_t k = 0; k < count; k++)
+        if (small_get(&self->split_ascii, PyUnicode_1BYTE_KIND, s, spans[2 * k],
+                      spans[2 * k + 1]) >= 0)
+            return 1;
+    found = digit_plus_or_url(self, piece);
+    if (found) return found;
+    memset(row, 0, sizeof(Row));
+    for (Py_ssize_t k = 0; k < count; k++)
+        count_word(self, row, PyUnicode_1BYTE_KIND, s, spans[2 * k], spans[2 * k + 1]);
+    return 0;
+}
+
 /* The row of a new piece: its words found by the regex (or spaCy's tables), then counted. */
 static int learn(Counter *self, PyObject *piece, Row *row) {
-    PyObject *findall = PyUnicode_IS_ASCII(piece) ? self->findall_ascii : self->findall;
-    PyObject *found = PyObject_CallOneArg(findall, piece);
-    if (found == NULL) return -1;
-    PyObject *words = PySequence_Fast(found, "findall must give a sequence");
-    Py_DECREF(found);
-    if (words == NULL) return -1;
-    int change = spacy_may_change(self, piece, words);
-    if (change < 0) goto error;
+    int change;
+    PyObject *found, *words = NULL;
+    if (self->compiled_ascii && PyUnicode_IS_ASCII(piece)) {
+        change = learn_ascii(self, piece, row);
+        if (change <= 0) return change;
+    } else {
+        PyObject *findall = PyUnicode_IS_ASCII(piece) ? self->findall_ascii : self->findall;
+        found = PyObject_CallOneArg(findall, piece);
+        if (found == NULL) return -1;
+        words = PySequence_Fast(found, "findall must give a sequence");
+        Py_DECREF(found);
+        if (words == NULL) return -1;
+        change = spacy_may_change(self, piece, words);
+        if (change < 0) goto error;
+    }
     if (change) {
-        Py_DECREF(words);
+        Py_XDECREF(words);
         found = PyObject_CallOneArg(self->piece_words, piece);
         if (found == NULL) return -1;
         words = PySequence_Fast(found, "piece_words must give a sequence");
@@ -286,16 +552,27 @@ static PyObject *count_text(Counter *self, PyObject *text) {
 
     Py_ssize_t i = 0;
     while (i < n) {
-        while (i < n && Py_UNICODE_ISSPACE(PyUnicode_READ(kind, data, i))) i++;
-        if (i == n) break;
-        Py_ssize_t start = i;
+        Py_ssize_t start;
         int alnum = 1;
-        for (; i < n; i++) {
-            Py_UCS4 c = PyUnicode_READ(kind, data, i);
-            if (Py_UNICODE_ISSPACE(c)) break;
-            if (alnum && !Py_UNICODE_ISALNUM(c)) alnum = 0;
+        if (kind == PyUnicode_1BYTE_KIND) { /* the same, the flags from latin1 */
+            const Py_UCS1 *b = data;
+            while (i < n && (self->latin1[b[i]] & LATIN1_SPACE)) i++;
+            if (i == n) break;
+            for (start = i; i < n; i++) {
+                uint8_t f = self->latin1[b[i]];
+                if (f & LATIN1_SPACE) break;
+                alnum &= (f & LATIN1_ALNUM) != 0;
+            }
+        } else {
+            while (i < n && Py_UNICODE_ISSPACE(PyUnicode_READ(kind, data, i))) i++;
+            if (i == n) break;
+            for (start = i; i < n; i++) {
+                Py_UCS4 c = PyUnicode_READ(kind, data, i);
+                if (Py_UNICODE_ISSPACE(c)) break;
+                if (alnum && !Py_UNICODE_ISALNUM(c)) alnum = 0;
+            }
         }
-        if (alnum && small_get(self->split_alnum, kind, data, start, i) < 0) {
+        if (alnum && small_get(&self->split_alnum, kind, data, start, i) < 0) {
             count_word(self, &total, kind, data, start, i); /* one word as it is */
             continue;
         }
@@ -398,14 +675,26 @@ static int setup(Counter *self, PyObject *args, PyObject *kwargs) {
     if (self->pieces == NULL && (self->pieces = PyDict_New()) == NULL) return -1;
     forget(self);
     self->cache_size = cache_size;
-    memset(self->split_alnum, 0, sizeof(self->split_alnum));
-    memset(self->stop, 0, sizeof(self->stop));
+    self->compiled_ascii = findall_ascii == ASCII_WORDS;
+    memset(&self->split_alnum, 0, sizeof(self->split_alnum));
+    memset(&self->stop, 0, sizeof(self->stop));
+    memset(&self->split_ascii, 0, sizeof(self->split_ascii));
 
     Py_ssize_t used = 0;
     PyObject *it = PyObject_GetIter(split_alnum), *key;
     if (it == NULL) return -1;
     while ((key = PyIter_Next(it)) != NULL) {
-        int failed = small_add(self->split_alnum, key, 1, &used);
+        int failed = small_add(&self->split_alnum, key, 1, &used);
+        Py_DECREF(key);
+        if (failed) break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return -1;
+    used = 0; /* split_words' ASCII words (the only ones an ASCII piece's words can be) */
+    if ((it = PyObject_GetIter(split_words)) == NULL) return -1;
+    while ((key = PyIter_Next(it)) != NULL) {
+        int failed = PyUnicode_Check(key) && PyUnicode_IS_ASCII(key) &&
+                     small_add(&self->split_ascii, key, 1, &used) < 0;
         Py_DECREF(key);
         if (failed) break;
     }
@@ -416,7 +705,7 @@ static int setup(Counter *self, PyObject *args, PyObject *kwargs) {
     PyObject *value;
     while (PyDict_Next(stop_bits, &pos, &key, &value)) {
         int64_t bit = PyLong_AsLongLong(value);
-        if ((bit == -1 && PyErr_Occurred()) || small_add(self->stop, key, bit, &used) < 0)
+        if ((bit == -1 && PyErr_Occurred()) || small_add(&self->stop, key, bit, &used) < 0)
             return -1;
     }
 
@@ -448,6 +737,11 @@ static int setup(Counter *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         return -1;
     }
+    for (Py_UCS4 c = 0; c < 256; c++)
+        self->latin1[c] = (Py_UNICODE_ISSPACE(c) ? LATIN1_SPACE : 0) |
+                          (Py_UNICODE_ISALNUM(c) ? LATIN1_ALNUM : 0) |
+                          (Py_UNICODE_ISALPHA(c) ? LATIN1_ALPHA : 0) |
+                          (is_punct(self, c) ? LATIN1_PUNCT : 0);
     return 0;
 }
 
@@ -478,6 +772,7 @@ static void Counter_dealloc(Counter *self) {
     Counter_clear(self);
     PyMem_Free(self->rows);
     PyMem_Free(self->punct);
+    PyMem_Free(self->spans);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -512,14 +807,27 @@ static PyTypeObject CounterType = {
     .tp_as_sequence = &Counter_as_sequence,
 };
 
+static PyMethodDef module_methods[] = {
+    {"ascii_words", (PyCFunction)ascii_words, METH_O,
+     "ascii_words(text) -> list of str: filters._WORD_FAST_ASCII.findall(text), for ASCII text"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_wordcount", "Gopher's word counts, compiled (see Counter).", -1,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__wordcount(void) {
     if (PyType_Ready(&CounterType) < 0) return NULL;
+    init_classes();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    ASCII_WORDS = PyObject_GetAttrString(m, "ascii_words"); /* kept for the module's life */
+    if (ASCII_WORDS == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&CounterType);
     if (PyModule_AddObject(m, "Counter", (PyObject *)&CounterType) < 0) {
         Py_DECREF(&CounterType);

@@ -2,6 +2,8 @@
 
 from collections.abc import Callable, Iterable, Sequence
 
+def ascii_words(text: str) -> list[str]: ...
+
 class Counter:
     cache_size: int
     def __init__(

@@ -22,7 +22,8 @@ decisions still agree.
 
 Speed, with the same decisions (tests/test_clean.py holds each fast path to its plain definition):
 _WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches its pieces),
-in a form written for Python's regex engine (_WORD_FAST); Gopher's counts come from per-piece rows
+in a form written for Python's regex engine (_WORD_FAST), compiled to C for ASCII pieces
+(_ascii_words); Gopher's counts come from per-piece rows
 summed in numpy, the repetition filter's n-grams are integer ids ranked by numpy (NGrams), and no
 filter takes a Python step per word or per n-gram.
 """
@@ -33,6 +34,7 @@ import re
 import sys
 import unicodedata
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import contains, gt, not_
@@ -145,6 +147,13 @@ _WORD_FAST = re.compile(
 # holds no white space (\s matches nothing in it in either mode), and on ASCII characters \w \d
 # \b and [^\W\d_] mean the same under re.ASCII as under Unicode
 _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
+# ... and its findall compiled (pipeline/clean/_wordcount.c's ascii_words: the alternatives in
+# the regex's order, each as the engine runs it), where the package was built with it
+_ascii_words: Callable[[str], list[str]]
+try:
+    from pipeline.clean._wordcount import ascii_words as _ascii_words
+except ImportError:
+    _ascii_words = _WORD_FAST_ASCII.findall
 
 # spaCy's own tables (pipeline/clean/spacy_en.py), used as they are: its special cases ("don't"
 # is do n't, "cannot" can not, "10am" 10 am) and its URL match, which it tries on what is left
@@ -172,7 +181,7 @@ def _piece_words(piece: str, findall=None) -> tuple[str, ...]:
     their words; else _WORD's words (findall: _WORD's, by default _WORD_FAST's), each special
     case among them split as spaCy splits it, and a + after a digit split off."""
     if findall is None:
-        findall = (_WORD_FAST_ASCII if piece.isascii() else _WORD_FAST).findall
+        findall = _ascii_words if piece.isascii() else _WORD_FAST.findall
     if piece in _SPECIAL_PIECES:
         return SPECIAL_CASES[piece]
     return _rule_words(piece, findall)
@@ -327,7 +336,7 @@ class _Pieces(dict):
         fast, slow = list(compress(rest, ascii_)), list(compress(rest, map(not_, ascii_)))
         pieces = [*compress(new, one), *fast, *slow]
         words: list[tuple[str, ...]] = list(zip(compress(new, one)))  # one word each
-        words += map(tuple, map(_WORD_FAST_ASCII.findall, fast))
+        words += map(tuple, map(_ascii_words, fast))
         words += map(tuple, map(_WORD_FAST.findall, slow))
         for k in _spacy_pieces(pieces, words):
             words[k] = _piece_words(pieces[k])
@@ -408,7 +417,7 @@ def counter_settings() -> dict:
     """The compiled Counter's arguments: _WORD_FAST's findall, spaCy's tables and the counts'
     sets, as _Pieces uses them."""
     return {
-        "findall_ascii": _WORD_FAST_ASCII.findall,
+        "findall_ascii": _ascii_words,
         "findall": _WORD_FAST.findall,
         "piece_words": _piece_words,
         "url_fullmatch": _URL_PIECE.fullmatch,
