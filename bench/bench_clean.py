@@ -14,19 +14,19 @@ C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench
 its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
 every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
-Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27,
-`--pin --repeats 5 --ceiling`, with the compiled word counter (pipeline/clean/_wordcount.c), pool
-processes that import no fsspec and skip the interpreter's teardown:
+Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27
+10:00-10:20 UTC, with the compiled word counter (pipeline/clean/_wordcount.c), which finds an
+ASCII piece's words itself (ascii_words), bytecode compiled first:
 
                         seconds    MB/s  cpu s  peak RSS MB   drv/wkr  docs kept
-codex workers=1         6.3-6.9  14.8-16.3    6.2-6.5    107-108  108/0     146
-codex workers=2         3.6-4.1  25.0-28.7    6.6-7.5    217-220  108/100   146
+codex workers=1         5.2-5.3  19.3-19.7    5.1-5.2    108      108/0     146
+codex workers=2         3.1-3.2  32.3-33.3    5.6-5.8    218-223  108/100   146
 
-speed-up per round 1.69-1.80x (median 1.76x) against a ceiling of 1.90-1.95x (median 1.93x):
-87-94% of it. At 07:00 the same day the VM ran the same code ~30% slower per core (1 worker
-8.4-8.7 s): 1.67-1.79x (median 1.75x) against a ceiling of 1.89x (89-94%); --against 'caf9f80^'
-(the code at issue 27's filing): 2.12x per core (5.81 against 12.31 MB/s, medians). Earlier
-figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in README's stage table.
+--pin --repeats 5 --ceiling: 1.66-1.71x (median 1.68x) against a ceiling of 1.78-1.87x (median
+1.84x): 90-95% of it; --mb 300 --repeats 3 --ceiling: median 1.84x against 1.93x. --against
+'caf9f80^' (the code at issue 27's filing): 3.36x per core (5.8 against 19.5 MB/s, medians).
+Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in README's stage
+table.
 """
 
 from __future__ import annotations
@@ -92,6 +92,17 @@ def clean_code(inp: Path, run: Path, workers: int) -> str:
         "'data.clean.allow_low_yield=true', "
         f"'data.clean.workers={workers}'], run={str(run)!r})\n"
         f"cfg.data.clean.inputs = [{str(inp)!r}]\nrun_clean(cfg)"
+    )
+
+
+def compile_bytecode(root: Path) -> None:
+    """Write the .pyc of codex's packages under root, as pip does when it installs a wheel: every
+    process of a run then loads them instead of compiling each module from source, which it does
+    where they are missing and cannot be written (PYTHONDONTWRITEBYTECODE; ~50 ms a process here,
+    the pool's processes included)."""
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(root / "codex"), str(root / "pipeline")],
+        check=True,
     )
 
 
@@ -203,6 +214,7 @@ def main() -> None:
         "(per-core speed-up on this machine; e.g. caf9f80^, the code when issue 27 was filed)",
     )
     args = ap.parse_args()
+    compile_bytecode(ROOT)
     tmp = Path(tempfile.mkdtemp(prefix="bench_clean_"))
     size = build_input(tmp / "in", args.mb)
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
@@ -244,6 +256,7 @@ def against(rev: str, tmp: Path, size: int, repeats: int) -> None:
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(other), rev], check=True
     )
+    compile_bytecode(other)
     try:
         rows = []
         for i in range(repeats):

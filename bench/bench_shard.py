@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from bench_clean import compile_bytecode  # noqa: E402  (bench/ is this script's sys.path[0])
 
 from codex.config import Config  # noqa: E402
 from pipeline.encode import split_long_text  # noqa: E402
@@ -412,6 +413,7 @@ def main() -> None:
         os.sched_setaffinity(0, set(cores))
     run = Path(args.dir)
     t0 = time.perf_counter()
+    compile_bytecode(ROOT)
     build_run(run, args.mb, args.vocab)
     print(
         f"run dir ready in {time.perf_counter() - t0:.0f}s: {run} "
