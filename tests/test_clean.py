@@ -776,7 +776,8 @@ def test_ngrams_equal_a_python_reference():
 def test_compiled_counter_errors_keep_no_half_learnt_piece():
     """A regex error while the compiled counter learns a document's new pieces raises it, and
     the pieces met in that document are forgotten: the next count is still the right one. A
-    callback that counts with its own Counter is refused (its rows may move meanwhile)."""
+    callback that counts with its own Counter is refused (its rows may move meanwhile). The
+    memory of a huge document's rows and of a huge piece's word spans is given back."""
     if F.COUNTER is None:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
     from pipeline.clean._wordcount import Counter
@@ -823,6 +824,11 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
         counter.counts(huge)  # rows for 100,000 pieces: 40 bytes each
         counter.counts("x")  # over cache_size: forgotten first
         assert tracemalloc.get_traced_memory()[0] - before < 1_000_000
+        # and the word spans of one huge ASCII piece (400,000 words), found by ascii_words in C
+        compiled = Counter(**{**F.counter_settings(), "cache_size": 100})
+        before = tracemalloc.get_traced_memory()[0]
+        assert compiled.counts("a," * 200_000) == F._Pieces().counts("a," * 200_000)
+        assert tracemalloc.get_traced_memory()[0] - before < 1_000_000  # the piece: 400 KB
     finally:
         tracemalloc.stop()
 

@@ -33,6 +33,7 @@ typedef struct {
 } Row;
 
 #define ROWS_START 4096 /* rows allocated at first */
+#define SPANS_KEPT (1 << 14) /* words_of's span entries kept between pieces */
 
 /* A small set of short ASCII strings (split_alnum, the stop words), each with a value. */
 #define SMALL_SLOTS 4096
@@ -429,16 +430,21 @@ static int learn_ascii(Counter *self, PyObject *piece, Row *row) {
     Py_ssize_t count = words_of(s, PyUnicode_GET_LENGTH(piece), &self->spans, &self->spans_cap);
     if (count < 0) return -1;
     const Py_ssize_t *spans = self->spans;
-    for (Py_ssize_t k = 0; k < count; k++)
-        if (small_get(&self->split_ascii, PyUnicode_1BYTE_KIND, s, spans[2 * k],
-                      spans[2 * k + 1]) >= 0)
-            return 1;
-    found = digit_plus_or_url(self, piece);
-    if (found) return found;
-    memset(row, 0, sizeof(Row));
-    for (Py_ssize_t k = 0; k < count; k++)
-        count_word(self, row, PyUnicode_1BYTE_KIND, s, spans[2 * k], spans[2 * k + 1]);
-    return 0;
+    for (Py_ssize_t k = 0; k < count && !found; k++)
+        found = small_get(&self->split_ascii, PyUnicode_1BYTE_KIND, s, spans[2 * k],
+                          spans[2 * k + 1]) >= 0;
+    if (!found) found = digit_plus_or_url(self, piece);
+    if (!found) {
+        memset(row, 0, sizeof(Row));
+        for (Py_ssize_t k = 0; k < count; k++)
+            count_word(self, row, PyUnicode_1BYTE_KIND, s, spans[2 * k], spans[2 * k + 1]);
+    }
+    if (self->spans_cap > SPANS_KEPT) { /* a huge piece's spans: give them back */
+        PyMem_Free(self->spans);
+        self->spans = NULL;
+        self->spans_cap = 0;
+    }
+    return found;
 }
 
 /* The row of a new piece: its words found by the regex (or spaCy's tables), then counted. */
