@@ -671,6 +671,32 @@ def test_ascii_words_equal_the_regex():
         assert ascii_words(text) == F._WORD_FAST_ASCII.findall(text), repr(text)
     with pytest.raises(ValueError, match="needs an ASCII str"):
         ascii_words("café")
+    # and filters uses it: the C was written for this pattern (an edited pattern needs the C and
+    # its PATTERN_SHA256 updated; filters falls back to the regex engine meanwhile)
+    assert F._ascii_words is ascii_words
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="possessive repeats came in Python 3.11")
+def test_url_piece_takes_the_prefix_symbols_whole():
+    """_URL_PIECE's (?=(X*))\\1 (a form Python 3.10 compiles) matches as the possessive X*+ it
+    stands for: the same groups on pieces with URLs between symbols and on random pieces (where
+    a greedy X* differs: "(:@b.org" is no URL piece)."""
+    import re
+
+    prefix = f"(?=([{F._AFFIX}]*))\\1"
+    assert F._URL_PIECE.pattern.startswith(prefix)
+    possessive = re.compile(F._URL_PIECE.pattern.replace(prefix, f"([{F._AFFIX}]*+)", 1))
+    # "@b.org" after "(" or "(:": a greedy prefix would give the symbols back as the URL's user
+    urls = ["a@b.org", "x.org/a=b", "foo-bar.deb", "https://a.io/b?q=1", "@b.org", "(a.b)"]
+    pieces = [p + u + s for p in ["", "(", "((", '"', "<", "(:", "@("] for u in urls
+              for s in ["", ")", ").", ",", "))"]]  # fmt: skip
+    pieces += [p for t in _texts(4, 400) for p in t.split()]
+    matched = 0
+    for piece in pieces:
+        a, b = F._URL_PIECE.fullmatch(piece), possessive.fullmatch(piece)
+        assert (a and a.groups()) == (b and b.groups()), repr(piece)
+        matched += a is not None
+    assert matched >= 30
 
 
 def _dup_ngram_chars(words: list[str], n: int) -> int:

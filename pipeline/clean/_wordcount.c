@@ -141,6 +141,9 @@ enum {
     C_SYM = 512,       /* [^\w\s] */
 };
 static uint16_t CLS[128];
+/* sha256 of filters._WORD_FAST_PATTERN, the pattern word_end is written for (filters.py uses
+ * ascii_words only while its pattern still hashes to this) */
+#define PATTERN_SHA256 "b2e753c9e21fa90553339a206e5083c029d277f954fd2063c3e72315a4779d6d"
 static PyObject *ASCII_WORDS; /* the module's ascii_words: a Counter given it uses words_of */
 
 static void init_classes(void) {
@@ -190,6 +193,7 @@ static int infix_at(const unsigned char *s, Py_ssize_t n, Py_ssize_t q) {
 static const char *ABBREVIATIONS[] = {"Inc", "Ltd", "Co",  "Corp", "vs",  "Dr",  "Mr",  "Mrs",
                                       "Ms",  "St",  "Jr",  "Sr",   "Jan", "Feb", "Mar", "Apr",
                                       "Jun", "Jul", "Aug", "Sep",  "Sept", "Oct", "Nov", "Dec"};
+#define N_ABBREVIATIONS (sizeof(ABBREVIATIONS) / sizeof(*ABBREVIATIONS))
 
 /* The end of the regex's match at p (p itself where nothing matches: white space). */
 static Py_ssize_t word_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
@@ -212,13 +216,14 @@ static Py_ssize_t word_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
         if (!IS(q, C_AN)) return q;
     }
     /* \b(?:Inc|Ltd|...)\.(?!\w)   abbreviations */
-    if (IS(p, C_L) && !IS(p - 1, C_W)) {
-        for (size_t k = 0; k < sizeof(ABBREVIATIONS) / sizeof(*ABBREVIATIONS); k++) {
-            Py_ssize_t len = (Py_ssize_t)strlen(ABBREVIATIONS[k]);
-            if (p + len < n && memcmp(s + p, ABBREVIATIONS[k], len) == 0 && s[p + len] == '.' &&
-                !IS(p + len + 1, C_W))
-                return p + len + 1;
-        }
+    if (IS(p, C_L) && !IS(p - 1, C_W)) { /* each is all letters: the letters from p, then "." */
+        Py_ssize_t q = p;
+        while (IS(q, C_L) && q - p < 5) q++;
+        if (q - p >= 2 && q - p <= 4 && CH(q, '.') && !IS(q + 1, C_W))
+            for (size_t k = 0; k < N_ABBREVIATIONS; k++)
+                if ((Py_ssize_t)strlen(ABBREVIATIONS[k]) == q - p &&
+                    memcmp(s + p, ABBREVIATIONS[k], q - p) == 0)
+                    return q + 1;
     }
     /* a word: (prefix symbols |) [^\W_]++ (joined parts)*+ (suffix symbols |) */
     Py_ssize_t q = -1;
@@ -830,7 +835,7 @@ PyMODINIT_FUNC PyInit__wordcount(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     ASCII_WORDS = PyObject_GetAttrString(m, "ascii_words"); /* kept for the module's life */
-    if (ASCII_WORDS == NULL) {
+    if (ASCII_WORDS == NULL || PyModule_AddStringConstant(m, "PATTERN_SHA256", PATTERN_SHA256) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,6 +2,8 @@
 
 from collections.abc import Callable, Iterable, Sequence
 
+PATTERN_SHA256: str
+
 def ascii_words(text: str) -> list[str]: ...
 
 class Counter:

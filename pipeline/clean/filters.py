@@ -30,6 +30,7 @@ filter takes a Python step per word or per n-gram.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import unicodedata
@@ -120,7 +121,7 @@ _WORD = re.compile(
 # engine then skips it at once when the character does not fit): \w+ is \w\w*+, _+ is __*+,
 # \b/ is /(?<=\w/), (?<=\d)[-+*^] is [-+*^](?<=\d.), (?<![\w.])(?:[^\W\d_]\.)+ is
 # [^\W\d_](?<![\w.].)\.(?:[^\W\d_]\.)*+, -{2,3}x is --(?:-)?x, \.{2} is \.\.
-_WORD_FAST = re.compile(
+_WORD_FAST_PATTERN = (
     r"""
     \w\w*+://[^\s<>"'()\[\]]*[^\s<>"'()\[\].,;:!?]
     | [^\W\d_](?<![\w.].)\.(?:[^\W\d_]\.)*+(?![^\W_])
@@ -140,20 +141,26 @@ _WORD_FAST = re.compile(
     | [^\w\s] | _
     """.replace("{affix}", _AFFIX)
     .replace("{suffix}", _SUFFIX)
-    .replace("{contraction}", _CONTRACTION),
-    re.X,
+    .replace("{contraction}", _CONTRACTION)
 )
+# Python 3.10's re has no possessive repeats (3.11 added them): there _WORD itself, the same words
+_WORD_FAST = re.compile(_WORD_FAST_PATTERN, re.X) if sys.version_info >= (3, 11) else _WORD
 # ... and on a piece of ASCII characters only, the same words with cheaper class tests: a piece
 # holds no white space (\s matches nothing in it in either mode), and on ASCII characters \w \d
 # \b and [^\W\d_] mean the same under re.ASCII as under Unicode
 _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
 # ... and its findall compiled (pipeline/clean/_wordcount.c's ascii_words: the alternatives in
-# the regex's order, each as the engine runs it), where the package was built with it
-_ascii_words: Callable[[str], list[str]]
+# the regex's order, each as the engine runs it), where the package was built with it and the C
+# was written for this very pattern (its sha256, PATTERN_SHA256 there): an edited pattern falls
+# back to the regex engine until the C follows (tests/test_clean.py fails meanwhile)
+_ascii_words: Callable[[str], list[str]] = _WORD_FAST_ASCII.findall
 try:
-    from pipeline.clean._wordcount import ascii_words as _ascii_words
+    from pipeline.clean import _wordcount
 except ImportError:
-    _ascii_words = _WORD_FAST_ASCII.findall
+    pass
+else:
+    if _wordcount.PATTERN_SHA256 == hashlib.sha256(_WORD_FAST_PATTERN.encode()).hexdigest():
+        _ascii_words = _wordcount.ascii_words
 
 # spaCy's own tables (pipeline/clean/spacy_en.py), used as they are: its special cases ("don't"
 # is do n't, "cannot" can not, "10am" 10 am) and its URL match, which it tries on what is left
@@ -165,9 +172,11 @@ _SPLIT_WORDS = frozenset(k for k, v in SPECIAL_CASES.items() if v != (k,))
 _SPLIT_ALNUM = frozenset(filter(str.isalnum, _SPLIT_WORDS))
 _URL_END = "(?:[/?#]\\S*)?$"
 assert URL_PATTERN.startswith("^") and URL_PATTERN.endswith(_URL_END)
-# (prefix symbols)(URL)(suffix symbols); the path is lazy so that the suffix symbols are not in it
+# (prefix symbols)(URL)(suffix symbols); the path is lazy so that the suffix symbols are not in it,
+# and the prefix symbols are all taken, none given back to the URL: (?=(X*))\1 is X*+ in a form
+# Python 3.10 compiles (a look-ahead is atomic); at the end of a fullmatch X* is X*+ already
 _URL_PIECE = re.compile(
-    f"([{_AFFIX}]*+)({URL_PATTERN[1 : -len(_URL_END)]}(?:[/?#]\\S*?)?)([{_SUFFIX}]*+)"
+    f"(?=([{_AFFIX}]*))\\1({URL_PATTERN[1 : -len(_URL_END)]}(?:[/?#]\\S*?)?)([{_SUFFIX}]*)"
 )
 # the URL match is tried where _WORD would split a URL: a piece with a . and one of these symbols
 # before a letter or digit (bar-foo.deb a@b.org x.org/a=b); elsewhere _WORD keeps it whole
@@ -583,9 +592,10 @@ _ASCII_FLAGS = _CHAR_FLAGS[:256].tobytes()  # for bytes.translate (128..255: nev
 # str.splitlines' line breaks other than "\n" (normalize leaves none: it turns \r into \n and drops
 # the control characters); in a text without them a line is what lies between two "\n".
 _OTHER_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
-_BULLET_LINE = re.compile(r"\n[^\S\n]*+[•-]")  # with the "\n" before the line
-_DOTS_LINE = re.compile(r"\.\.\.[^\S\n]*+\n")  # with the "\n" after the line
-_ELLIPSIS_LINE = re.compile(r"…[^\S\n]*+\n")
+# (what follows each [^\S\n]* cannot be white space: it never gives back a character usefully)
+_BULLET_LINE = re.compile(r"\n[^\S\n]*[•-]")  # with the "\n" before the line
+_DOTS_LINE = re.compile(r"\.\.\.[^\S\n]*\n")  # with the "\n" after the line
+_ELLIPSIS_LINE = re.compile(r"…[^\S\n]*\n")
 
 
 def _line_counts(doc: Doc) -> tuple[int, int, int]:
