@@ -15,16 +15,16 @@ its python with --datatrove). Peak RSS is the largest summed RSS of the process 
 every 50 ms; drv/wkr the driver's own peak and the largest worker's.
 
 Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27
-10:00-10:20 UTC, with the compiled word counter (pipeline/clean/_wordcount.c), which finds an
+10:20-10:30 UTC, with the compiled word counter (pipeline/clean/_wordcount.c), which finds an
 ASCII piece's words itself (ascii_words), bytecode compiled first:
 
                         seconds    MB/s  cpu s  peak RSS MB   drv/wkr  docs kept
-codex workers=1         5.2-5.3  19.3-19.7    5.1-5.2    108      108/0     146
-codex workers=2         3.1-3.2  32.3-33.3    5.6-5.8    218-223  108/100   146
+codex workers=1         5.0-5.1  19.9-20.3    5.0-5.1    108      108/0     146
+codex workers=2         3.0-3.2  32.2-33.8    5.6-5.7    217-223  108/99-102 146
 
---pin --repeats 5 --ceiling: 1.66-1.71x (median 1.68x) against a ceiling of 1.78-1.87x (median
-1.84x): 90-95% of it; --mb 300 --repeats 3 --ceiling: median 1.84x against 1.93x. --against
-'caf9f80^' (the code at issue 27's filing): 3.36x per core (5.8 against 19.5 MB/s, medians).
+--pin --repeats 5 --ceiling: 1.62-1.70x (median 1.65x) against a ceiling of 1.80-1.85x (median
+1.81x): 89-93% of it; --mb 300 --repeats 3 --ceiling: median 1.86x against 1.94x. --against
+'caf9f80^' (the code at issue 27's filing): 3.40x per core (5.8 against 19.9 MB/s, medians).
 Earlier figures (datatrove 0.10 at 0.48 / 0.84 MB/s, the Python counter) are in README's stage
 table.
 """
