@@ -592,7 +592,7 @@ _ASCII_FLAGS = _CHAR_FLAGS[:256].tobytes()  # for bytes.translate (128..255: nev
 # str.splitlines' line breaks other than "\n" (normalize leaves none: it turns \r into \n and drops
 # the control characters); in a text without them a line is what lies between two "\n".
 _OTHER_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
-# (what follows each [^\S\n]* cannot be white space: it never gives back a character usefully)
+# (what follows each [^\S\n]*, • - or \n, is never in it: giving a character back cannot help)
 _BULLET_LINE = re.compile(r"\n[^\S\n]*[•-]")  # with the "\n" before the line
 _DOTS_LINE = re.compile(r"\.\.\.[^\S\n]*\n")  # with the "\n" after the line
 _ELLIPSIS_LINE = re.compile(r"…[^\S\n]*\n")
