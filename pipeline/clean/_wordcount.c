@@ -47,6 +47,7 @@ typedef struct {
 typedef struct {
     SmallSlot slots[SMALL_SLOTS];
     uint8_t has_len[SMALL_LEN + 1], has_first[128]; /* what a look-up may skip at once */
+    Py_ssize_t used;
 } SmallTable;
 
 typedef struct {
@@ -84,13 +85,13 @@ static SmallSlot *small_find(SmallTable *table, const char *s, Py_ssize_t n) {
 }
 
 /* table[key] = value; keys that are not ASCII or are longer than SMALL_LEN are refused. */
-static int small_add(SmallTable *table, PyObject *key, int64_t value, Py_ssize_t *used) {
+static int small_add(SmallTable *table, PyObject *key, int64_t value) {
     if (!PyUnicode_Check(key) || !PyUnicode_IS_ASCII(key) ||
         PyUnicode_GET_LENGTH(key) > SMALL_LEN || PyUnicode_GET_LENGTH(key) == 0) {
         PyErr_Format(PyExc_ValueError, "not a short ASCII word: %R", key);
         return -1;
     }
-    if (++*used > SMALL_SLOTS / 2) {
+    if (++table->used > SMALL_SLOTS / 2) {
         PyErr_SetString(PyExc_ValueError, "too many words for the compiled word counter");
         return -1;
     }
@@ -102,6 +103,22 @@ static int small_add(SmallTable *table, PyObject *key, int64_t value, Py_ssize_t
     slot->value = value;
     table->has_len[n] = table->has_first[(uint8_t)s[0]] = 1;
     return 0;
+}
+
+/* Empties table, then adds each str of words with the value 1; ascii_only: skips the others
+ * (else they are refused). */
+static int small_fill(SmallTable *table, PyObject *words, int ascii_only) {
+    memset(table, 0, sizeof(*table));
+    PyObject *it = PyObject_GetIter(words), *key;
+    if (it == NULL) return -1;
+    while ((key = PyIter_Next(it)) != NULL) {
+        int skip = ascii_only && !(PyUnicode_Check(key) && PyUnicode_IS_ASCII(key));
+        int failed = !skip && small_add(table, key, 1) < 0;
+        Py_DECREF(key);
+        if (failed) break;
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 /* The value of an ASCII piece [start, end) of text in table, or -1. */
@@ -195,6 +212,49 @@ static const char *ABBREVIATIONS[] = {"Inc", "Ltd", "Co",  "Corp", "vs",  "Dr", 
                                       "Jun", "Jul", "Aug", "Sep",  "Sept", "Oct", "Nov", "Dec"};
 #define N_ABBREVIATIONS (sizeof(ABBREVIATIONS) / sizeof(*ABBREVIATIONS))
 
+/* The word alternative, (prefix symbols |) [^\W_]++ (joined parts)*+ (suffix symbols |): the
+ * end of its match at p, or -1. */
+static Py_ssize_t word_alternative_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
+    unsigned char c = s[p];
+    Py_ssize_t q = -1;
+    if (p == 0 || IS(p - 1, C_SP | C_AFFIX)) { /* (?<![^\s{affix}]) */
+        if (c == '+' && IS(p + 1, C_D)) {
+            q = p + 1; /* \+(?=\d) */
+        } else if (IS(p, C_SYM) && !IS(p, C_AFFIX) && !(c == '.' && CH(p + 1, '.'))) {
+            Py_ssize_t r = p; /* (?!\.\.)[^\w\s{affix}]++ */
+            while (IS(r, C_SYM) && !IS(r, C_AFFIX)) r++;
+            if (IS(r, C_AN)) q = r;
+        }
+    }
+    if (q < 0 && IS(p, C_AN)) q = p;
+    if (q < 0) return -1;
+    while (IS(q, C_AN)) q++;
+    for (;;) {
+        Py_ssize_t r = q;
+        if (CH(q, '_')) { /* __*+ */
+            while (CH(r, '_')) r++;
+        } else if (CH(q, '/') && IS(q - 1, C_W) && CH(q + 1, 'o') && CH(q + 2, 'r') &&
+                   !IS(q + 3, C_W)) { /* /(?<=\w/)(?=or\b) */
+            r = q + 1;
+        } else if (IS(q, C_SYM) && !infix_at(s, n, q)) { /* (?!infixes)[^\w\s]++ */
+            while (IS(r, C_SYM)) r++;
+        }
+        if (r == q || !IS(r, C_AN)) break; /* then [^\W_]++, or the repeat ends here */
+        for (q = r; IS(q, C_AN); q++) {
+        }
+    }
+    /* [^\w\s]*[^\w\s{suffix}](?=[{suffix}]*+(?!\S)): symbols up to the last that is not a
+     * suffix, where only suffix symbols follow it to the end of the piece */
+    Py_ssize_t r = q;
+    while (IS(r, C_SYM)) r++;
+    if (r == n || IS(r, C_SP)) {
+        Py_ssize_t t = r;
+        while (t > q && IS(t - 1, C_SUFFIX)) t--;
+        if (t > q) q = t;
+    }
+    return q;
+}
+
 /* The end of the regex's match at p (p itself where nothing matches: white space). */
 static Py_ssize_t word_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
     unsigned char c = s[p];
@@ -225,45 +285,8 @@ static Py_ssize_t word_end(const unsigned char *s, Py_ssize_t n, Py_ssize_t p) {
                     memcmp(s + p, ABBREVIATIONS[k], q - p) == 0)
                     return q + 1;
     }
-    /* a word: (prefix symbols |) [^\W_]++ (joined parts)*+ (suffix symbols |) */
-    Py_ssize_t q = -1;
-    if (p == 0 || IS(p - 1, C_SP | C_AFFIX)) { /* (?<![^\s{affix}]) */
-        if (c == '+' && IS(p + 1, C_D)) {
-            q = p + 1; /* \+(?=\d) */
-        } else if (IS(p, C_SYM) && !IS(p, C_AFFIX) && !(c == '.' && CH(p + 1, '.'))) {
-            Py_ssize_t r = p; /* (?!\.\.)[^\w\s{affix}]++ */
-            while (IS(r, C_SYM) && !IS(r, C_AFFIX)) r++;
-            if (IS(r, C_AN)) q = r;
-        }
-    }
-    if (q < 0 && IS(p, C_AN)) q = p;
-    if (q >= 0) {
-        while (IS(q, C_AN)) q++;
-        for (;;) {
-            Py_ssize_t r = q;
-            if (CH(q, '_')) { /* __*+ */
-                while (CH(r, '_')) r++;
-            } else if (CH(q, '/') && IS(q - 1, C_W) && CH(q + 1, 'o') && CH(q + 2, 'r') &&
-                       !IS(q + 3, C_W)) { /* /(?<=\w/)(?=or\b) */
-                r = q + 1;
-            } else if (IS(q, C_SYM) && !infix_at(s, n, q)) { /* (?!infixes)[^\w\s]++ */
-                while (IS(r, C_SYM)) r++;
-            }
-            if (r == q || !IS(r, C_AN)) break; /* then [^\W_]++, or the repeat ends here */
-            for (q = r; IS(q, C_AN); q++) {
-            }
-        }
-        /* [^\w\s]*[^\w\s{suffix}](?=[{suffix}]*+(?!\S)): symbols up to the last that is not a
-         * suffix, where only suffix symbols follow it to the end of the piece */
-        Py_ssize_t r = q;
-        while (IS(r, C_SYM)) r++;
-        if (r == n || IS(r, C_SP)) {
-            Py_ssize_t t = r;
-            while (t > q && IS(t - 1, C_SUFFIX)) t--;
-            if (t > q) q = t;
-        }
-        return q;
-    }
+    Py_ssize_t end = word_alternative_end(s, n, p);
+    if (end >= 0) return end;
     /* \.\.\.*+ | --\-*+ | '' */
     if ((c == '.' || c == '-') && CH(p + 1, c)) {
         Py_ssize_t r = p + 2;
@@ -534,6 +557,56 @@ static int refuse_if_busy(Counter *self) {
 
 static PyObject *count_text(Counter *self, PyObject *text);
 
+/* The row of the piece text[start:end) in the cache; a new row when it is not there yet (the
+ * piece is then appended to new_pieces, its row counted once learnt). -1 on error. */
+static Py_ssize_t piece_row(Counter *self, PyObject *text, Py_ssize_t start, Py_ssize_t end,
+                            PyObject *new_pieces) {
+    PyObject *piece = PyUnicode_Substring(text, start, end);
+    if (piece == NULL) return -1;
+    PyObject *at = PyDict_GetItemWithError(self->pieces, piece);
+    Py_ssize_t index = -1;
+    if (at != NULL) {
+        index = PyLong_AsSsize_t(at);
+    } else if (!PyErr_Occurred()) {
+        index = new_row(self);
+        PyObject *value = index < 0 ? NULL : PyLong_FromSsize_t(index);
+        if (value == NULL || PyDict_SetItem(self->pieces, piece, value) < 0 ||
+            PyList_Append(new_pieces, piece) < 0)
+            index = -1;
+        Py_XDECREF(value);
+    }
+    Py_DECREF(piece);
+    return index;
+}
+
+/* The next piece of data from *end on: [*start, *end); 1 when it is letters and digits only, 0
+ * when not, -1 when only white space is left. */
+static int next_piece(Counter *self, int kind, const void *data, Py_ssize_t n, Py_ssize_t *start,
+                      Py_ssize_t *end) {
+    Py_ssize_t i = *end;
+    int alnum = 1;
+    if (kind == PyUnicode_1BYTE_KIND) { /* the same, the flags from latin1 */
+        const Py_UCS1 *b = data;
+        while (i < n && (self->latin1[b[i]] & LATIN1_SPACE)) i++;
+        if (i == n) return -1;
+        for (*start = i; i < n; i++) {
+            uint8_t f = self->latin1[b[i]];
+            if (f & LATIN1_SPACE) break;
+            alnum &= (f & LATIN1_ALNUM) != 0;
+        }
+    } else {
+        while (i < n && Py_UNICODE_ISSPACE(PyUnicode_READ(kind, data, i))) i++;
+        if (i == n) return -1;
+        for (*start = i; i < n; i++) {
+            Py_UCS4 c = PyUnicode_READ(kind, data, i);
+            if (Py_UNICODE_ISSPACE(c)) break;
+            if (alnum && !Py_UNICODE_ISALNUM(c)) alnum = 0;
+        }
+    }
+    *end = i;
+    return alnum;
+}
+
 static PyObject *Counter_counts(Counter *self, PyObject *text) {
     if (refuse_if_busy(self) < 0) return NULL;
     self->busy = 1;
@@ -564,50 +637,14 @@ static PyObject *count_text(Counter *self, PyObject *text) {
     Py_ssize_t i = 0;
     while (i < n) {
         Py_ssize_t start;
-        int alnum = 1;
-        if (kind == PyUnicode_1BYTE_KIND) { /* the same, the flags from latin1 */
-            const Py_UCS1 *b = data;
-            while (i < n && (self->latin1[b[i]] & LATIN1_SPACE)) i++;
-            if (i == n) break;
-            for (start = i; i < n; i++) {
-                uint8_t f = self->latin1[b[i]];
-                if (f & LATIN1_SPACE) break;
-                alnum &= (f & LATIN1_ALNUM) != 0;
-            }
-        } else {
-            while (i < n && Py_UNICODE_ISSPACE(PyUnicode_READ(kind, data, i))) i++;
-            if (i == n) break;
-            for (start = i; i < n; i++) {
-                Py_UCS4 c = PyUnicode_READ(kind, data, i);
-                if (Py_UNICODE_ISSPACE(c)) break;
-                if (alnum && !Py_UNICODE_ISALNUM(c)) alnum = 0;
-            }
-        }
+        int alnum = next_piece(self, kind, data, n, &start, &i);
+        if (alnum < 0) break;
         if (alnum && small_get(&self->split_alnum, kind, data, start, i) < 0) {
             count_word(self, &total, kind, data, start, i); /* one word as it is */
             continue;
         }
-        PyObject *piece = PyUnicode_Substring(text, start, i);
-        if (piece == NULL) goto error;
-        PyObject *at = PyDict_GetItemWithError(self->pieces, piece);
-        Py_ssize_t index;
-        if (at != NULL) {
-            index = PyLong_AsSsize_t(at);
-        } else if (PyErr_Occurred()) {
-            Py_DECREF(piece);
-            goto error;
-        } else {
-            index = new_row(self);
-            PyObject *value = index < 0 ? NULL : PyLong_FromSsize_t(index);
-            int failed = value == NULL || PyDict_SetItem(self->pieces, piece, value) < 0 ||
-                         PyList_Append(new_pieces, piece) < 0;
-            Py_XDECREF(value);
-            if (failed) {
-                Py_DECREF(piece);
-                goto error;
-            }
-        }
-        Py_DECREF(piece);
+        Py_ssize_t index = piece_row(self, text, start, i, new_pieces);
+        if (index < 0) goto error;
         if (index < first_new) {
             add_row(&total, &self->rows[index]);
             continue;
@@ -653,6 +690,7 @@ static Py_ssize_t Counter_len(Counter *self) {
 }
 
 static int setup(Counter *self, PyObject *args, PyObject *kwargs);
+static int set_characters(Counter *self, PyObject *punctuation);
 
 /* A failed __init__ leaves the Counter unusable (as before __init__), never half set up. */
 static int Counter_init(Counter *self, PyObject *args, PyObject *kwargs) {
@@ -687,39 +725,22 @@ static int setup(Counter *self, PyObject *args, PyObject *kwargs) {
     forget(self);
     self->cache_size = cache_size;
     self->compiled_ascii = findall_ascii == ASCII_WORDS;
-    memset(&self->split_alnum, 0, sizeof(self->split_alnum));
+    /* split_words' ASCII words: the only ones an ASCII piece's words can be */
+    if (small_fill(&self->split_alnum, split_alnum, 0) < 0 ||
+        small_fill(&self->split_ascii, split_words, 1) < 0)
+        return -1;
     memset(&self->stop, 0, sizeof(self->stop));
-    memset(&self->split_ascii, 0, sizeof(self->split_ascii));
-
-    Py_ssize_t used = 0;
-    PyObject *it = PyObject_GetIter(split_alnum), *key;
-    if (it == NULL) return -1;
-    while ((key = PyIter_Next(it)) != NULL) {
-        int failed = small_add(&self->split_alnum, key, 1, &used);
-        Py_DECREF(key);
-        if (failed) break;
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred()) return -1;
-    used = 0; /* split_words' ASCII words (the only ones an ASCII piece's words can be) */
-    if ((it = PyObject_GetIter(split_words)) == NULL) return -1;
-    while ((key = PyIter_Next(it)) != NULL) {
-        int failed = PyUnicode_Check(key) && PyUnicode_IS_ASCII(key) &&
-                     small_add(&self->split_ascii, key, 1, &used) < 0;
-        Py_DECREF(key);
-        if (failed) break;
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred()) return -1;
-    used = 0;
     Py_ssize_t pos = 0;
-    PyObject *value;
+    PyObject *key, *value;
     while (PyDict_Next(stop_bits, &pos, &key, &value)) {
         int64_t bit = PyLong_AsLongLong(value);
-        if ((bit == -1 && PyErr_Occurred()) || small_add(&self->stop, key, bit, &used) < 0)
-            return -1;
+        if ((bit == -1 && PyErr_Occurred()) || small_add(&self->stop, key, bit) < 0) return -1;
     }
+    return set_characters(self, punctuation);
+}
 
+/* The punctuation (ascii_punct, punct: sorted) and the flags of the characters below 256. */
+static int set_characters(Counter *self, PyObject *punctuation) {
     PyObject *chars = PySequence_List(punctuation);
     if (chars == NULL || PyList_Sort(chars) < 0) {
         Py_XDECREF(chars);
