@@ -75,16 +75,45 @@ def start_hosts(
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each host's stderr once all have exited. A host still running after `timeout` fails the
+    test with every process's Python stack: SIGABRT makes each worker, then each agent
+    (PYTHONFAULTHANDLER, set by child_env), print where it stood."""
     errs = []
     for p in procs:
         try:
             errs.append(p.communicate(timeout=timeout)[1])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
-            raise
+            stacks = _stacks(procs)
+            raise AssertionError(f"a host still ran after {timeout:.0f} s:\n{stacks}") from None
     return errs
+
+
+def _stacks(procs: list[subprocess.Popen]) -> str:
+    # The workers first: an agent killed first would SIGTERM its worker before it printed a stack.
+    workers = [
+        int(pid)
+        for q in procs
+        for pid in subprocess.run(
+            ["pgrep", "-P", str(q.pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(2)
+    for q in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(q.pid, signal.SIGABRT)
+    out = []
+    for r, q in enumerate(procs):
+        try:
+            err = q.communicate(timeout=20)[1]
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(q.pid, signal.SIGKILL)
+            err = q.communicate()[1]
+        out.append(f"--- host {r} (exit {q.returncode}), stderr tail:\n{(err or '')[-6000:]}")
+    return "\n".join(out)
 
 
 def worker_pid(agent: subprocess.Popen, timeout: float = 60) -> int:

@@ -92,7 +92,8 @@ def base_overrides(**train) -> list[str]:
 
 
 def child_env() -> dict:
-    """Environment for subprocess runs: one thread (bitwise-comparable with the test process)."""
+    """Environment for subprocess runs: one thread (bitwise-comparable with the test process); a
+    fatal signal (a test's SIGABRT to a hung child) prints every thread's Python stack."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env.update(
@@ -101,6 +102,7 @@ def child_env() -> dict:
             "MKL_NUM_THREADS": "1",
             "PYTHONPATH": root,
             "WANDB_MODE": "offline",
+            "PYTHONFAULTHANDLER": "1",
         }
     )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
