@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,8 +110,18 @@ def corpus_docs(target_bytes: int) -> list[str]:
 
 
 def build_run(run: Path, mb: float, vocab: int) -> None:
-    if (run / "tokenizer" / "tokenizer_meta.json").exists():
-        return
+    """The bench's run folder for (mb, vocab): kept from an earlier run only when it was built for
+    the same two, else built again (a reused 100 MB folder must not answer for --mb 300)."""
+    built = run / "bench.json"
+    want = {"mb": mb, "vocab": vocab}
+    if (run / "tokenizer" / "tokenizer_meta.json").exists() and built.exists():
+        if json.loads(built.read_text()) == want:
+            return
+    if run.exists() and any(run.iterdir()) and not (run / "clean").is_dir():
+        raise SystemExit(f"--dir {run}: not empty and not a bench folder (no clean/)")
+    for d in (run, *half_dirs(run)):  # the halves (--ceiling) are cut from this corpus
+        if d.exists():
+            shutil.rmtree(d)
     docs = corpus_docs(int(mb * 1e6))
     clean = run / "clean"
     clean.mkdir(parents=True, exist_ok=True)
@@ -151,6 +162,7 @@ def build_run(run: Path, mb: float, vocab: int) -> None:
             }
         )
     )
+    built.write_text(json.dumps(want))  # last: a folder without it is rebuilt
 
 
 def bare(run: Path, method: str) -> dict:
@@ -274,10 +286,14 @@ def shard(
     return {"name": name, "bytes": n_bytes, "load": load, **r}
 
 
+def half_dirs(run: Path) -> list[Path]:
+    return [run.parent / f"{run.name}-half{k}" for k in (0, 1)]
+
+
 def half_runs(run: Path) -> list[Path]:
     """Two run directories beside `run`, each with half its documents (alternate ones, so about
     equal bytes) in parts written as build_run writes them, and the same tokenizer."""
-    halves = [run.parent / f"{run.name}-half{k}" for k in (0, 1)]
+    halves = half_dirs(run)
     if all((h / "clean" / "stats.json").exists() for h in halves):
         return halves
     docs = []
