@@ -90,14 +90,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def _stacks(procs: list[subprocess.Popen]) -> str:
     # The workers first: an agent killed first would SIGTERM its worker before it printed a stack.
-    workers = [
-        int(pid)
-        for q in procs
-        for pid in subprocess.run(
-            ["pgrep", "-P", str(q.pid)], capture_output=True, text=True
-        ).stdout.split()
-    ]
-    for pid in workers:
+    for pid in [pid for q in procs for pid in children(q.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGABRT)
     time.sleep(2)
@@ -116,15 +109,17 @@ def _stacks(procs: list[subprocess.Popen]) -> str:
     return "\n".join(out)
 
 
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(c) for c in out.split()]
+
+
 def worker_pid(agent: subprocess.Popen, timeout: float = 60) -> int:
     """The training process torchrun started (the agent's child)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        out = subprocess.run(
-            ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True
-        ).stdout.split()
-        if out:
-            return int(out[0])
+        if found := children(agent.pid):
+            return found[0]
         time.sleep(0.1)
     raise AssertionError("torchrun started no worker")
 
