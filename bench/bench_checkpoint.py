@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from codex.config import build_config
+from codex.core.config import build_config
 
 GB = 1e9
 
@@ -72,8 +72,8 @@ def training_state(model) -> dict:
 
 
 def one_process(vocab: int, folder: str) -> list[tuple[str, float, float]]:
-    from model.gpt import GPT
-    from train.checkpoint import folders as checkpoint
+    from codex.model.gpt import GPT
+    from codex.train.checkpoint import folders as checkpoint
 
     with torch.device("meta"):
         model = GPT(model_config(vocab))
@@ -109,11 +109,11 @@ def worker(vocab: int, folder: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from model.gpt import GPT
-    from train.checkpoint import folders as checkpoint
-    from train.dist.control import ControlPlane
-    from train.dist.fsdp import make_mesh
-    from train.plan.layout import Layout
+    from codex.model.gpt import GPT
+    from codex.train.checkpoint import folders as checkpoint
+    from codex.train.distributed.control import ControlPlane
+    from codex.train.distributed.fsdp import make_mesh
+    from codex.train.plan.layout import Layout
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

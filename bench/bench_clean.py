@@ -85,7 +85,8 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
 def clean_code(inp: Path, run: Path, workers: int) -> str:
     """The Python that runs `codex data clean` (preset web, fineweb off) on inp into run."""
     return (
-        "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
+        "from codex.core.config import build_config\n"
+        "from codex.pipeline.clean.clean import run_clean\n"
         "cfg = build_config(overrides=['data.clean.preset=web', "
         "'data.clean.fineweb.enabled=false', "
         # the corpus is mostly source code, which the prose rules drop: well under min_yield

@@ -29,7 +29,7 @@ clean` does before its filters) and exact duplicates (after normalisation) are k
 seen wins (Debian's copyright files repeat licence texts many times).
 
 Each filter runs in isolation, on the same normalised text, on both sides: ours is the single
-filter function with its default settings (codex/config/data.py), datatrove's is the filter's
+filter function with its default settings (codex/core/config/data.py), datatrove's is the filter's
 `filter(Document)` with its default arguments. Agreement = both keep or both drop. Disagreeing
 documents are counted by (our reason, datatrove's reason); --dump DIR writes them as JSONL.
 datatrove's results are cached in --cache (keyed by the corpus hash) so reruns after changing our
@@ -74,8 +74,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from codex.config.data import CleanConfig  # noqa: E402
-from pipeline.clean import filters as F  # noqa: E402
+from codex.core.config.data import CleanConfig  # noqa: E402
+from codex.pipeline.clean import filters as F  # noqa: E402
 
 NAMES = ("gopher_quality", "gopher_repetition", "c4", "fineweb")
 

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from codex.config.model import ModelConfig
-from eval.evaluate import evaluate
-from model.gpt import build_model
+from codex.core.config.model import ModelConfig
+from codex.eval.evaluate import evaluate
+from codex.model.gpt import build_model
 
 
 def main():

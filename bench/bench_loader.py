@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train.data.loader import TrainLoader  # noqa: E402
+from codex.train.data.loader import TrainLoader  # noqa: E402
 
 
 def build_shards(root: str, n_tokens: int, shard_tokens: int) -> None:

@@ -18,9 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from codex.config import build_config
-from train.plan.hardware import format_hardware_table, format_model_fit, get_preset
-from train.plan.memory import plan
+from codex.core.config import build_config
+from codex.train.plan.hardware import format_hardware_table, format_model_fit, get_preset
+from codex.train.plan.memory import plan
 
 # prints the peak in bytes
 MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")

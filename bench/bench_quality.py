@@ -32,14 +32,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from codex.cli.demo import stdlib_inputs  # noqa: E402
-from codex.config import CONFIGS_DIR, build_config  # noqa: E402
-from codex.progress import setup_logging  # noqa: E402
-from eval.evaluate import evaluate  # noqa: E402
-from eval.run import run_eval  # noqa: E402
-from pipeline.clean.clean import run_clean  # noqa: E402
-from pipeline.shard.shard import run_shard  # noqa: E402
-from pipeline.tokenizer.tokenizer import run_tokenizer  # noqa: E402
-from train.loop import train  # noqa: E402
+from codex.core.config import CONFIGS_DIR, build_config  # noqa: E402
+from codex.core.progress import setup_logging  # noqa: E402
+from codex.eval.evaluate import evaluate  # noqa: E402
+from codex.eval.run import run_eval  # noqa: E402
+from codex.pipeline.clean.clean import run_clean  # noqa: E402
+from codex.pipeline.shard.shard import run_shard  # noqa: E402
+from codex.pipeline.tokenizer.tokenizer import run_tokenizer  # noqa: E402
+from codex.train.loop import train  # noqa: E402
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 

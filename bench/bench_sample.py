@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from codex.config.model import ModelConfig
-from model.gpt import build_model, decode, prefill
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model, decode, prefill
 
 
 def per_token_ms(step, n: int) -> float:

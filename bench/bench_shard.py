@@ -73,11 +73,11 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from bench_clean import compile_bytecode  # noqa: E402  (bench/ is this script's sys.path[0])
 
-from codex.config import Config  # noqa: E402
-from pipeline.encode import split_long_text  # noqa: E402
-from pipeline.shard.shard import BATCH_CHARS  # noqa: E402
-from pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
-from pipeline.tokenizer.tokenizer import load_tokenizer  # noqa: E402
+from codex.core.config import Config  # noqa: E402
+from codex.pipeline.encode import split_long_text  # noqa: E402
+from codex.pipeline.shard.shard import BATCH_CHARS  # noqa: E402
+from codex.pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
+from codex.pipeline.tokenizer.tokenizer import load_tokenizer  # noqa: E402
 
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 CLEAN = Config().data.clean  # parts of docs_per_shard rows in row groups of row_group_size
@@ -204,8 +204,8 @@ def cpu_seconds(who) -> float:
 SHARD_CHILD = """
 import json, os, resource, sys, threading, time
 sys.path.insert(0, {root!r})
-from codex.config import Config
-from pipeline.shard.shard import run_shard
+from codex.core.config import Config
+from codex.pipeline.shard.shard import run_shard
 
 def rss_kb(pid):
     try:

@@ -61,9 +61,9 @@ DOC_CHARS = 100_000
 CODEX_CHILD = r"""
 import json, sys, time, resource
 sys.path.insert(0, {root!r})
-from codex.config import Config
-from codex.progress import setup_logging
-from pipeline.tokenizer.tokenizer import run_tokenizer
+from codex.core.config import Config
+from codex.core.progress import setup_logging
+from codex.pipeline.tokenizer.tokenizer import run_tokenizer
 setup_logging()
 cfg = Config(run={run!r})
 cfg.data.tokenizer.inputs = [{corpus!r}]
@@ -76,7 +76,7 @@ t0, c0 = time.perf_counter(), cpu()
 meta = run_tokenizer(cfg)
 dt, cpu_s = time.perf_counter() - t0, cpu() - c0
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-from pipeline.tokenizer.tokenizer import load_tokenizer
+from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 tok = load_tokenizer({run!r} + "/tokenizer")
 held = [l for l in open({held!r}, encoding="utf-8").read().split("\0") if l]
 bpt = sum(len(d.encode()) for d in held) / sum(len(e.ids) for e in tok.encode_batch(held))
@@ -92,7 +92,7 @@ import glob, hashlib, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 from tokenizers import trainers, pre_tokenizers
-from pipeline.tokenizer.bpe import new_tokenizer, SPECIAL_TOKENS
+from codex.pipeline.tokenizer.bpe import new_tokenizer, SPECIAL_TOKENS
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()
@@ -117,7 +117,7 @@ import glob, json, sys, time, resource
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
 import rustbpe
-from pipeline.tokenizer.bpe import SPLIT_PATTERN
+from codex.pipeline.tokenizer.bpe import SPLIT_PATTERN
 docs = []
 for f in sorted(glob.glob({corpus!r} + "/*.parquet")):
     docs += pq.read_table(f, columns=["text"]).column(0).to_pylist()

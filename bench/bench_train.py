@@ -39,13 +39,13 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from codex.config import build_config  # noqa: E402
-from codex.config.train import DEFAULT_LR  # noqa: E402
-from eval.evaluate import evaluate  # noqa: E402
-from model.gpt import build_model, flops_per_token  # noqa: E402
-from train.loop import train  # noqa: E402
-from train.optim.optimizer import make_optimizer  # noqa: E402
-from train.plan.hardware import device_defaults, get_preset  # noqa: E402
+from codex.core.config import build_config  # noqa: E402
+from codex.core.config.train import DEFAULT_LR  # noqa: E402
+from codex.eval.evaluate import evaluate  # noqa: E402
+from codex.model.gpt import build_model, flops_per_token  # noqa: E402
+from codex.train.loop import train  # noqa: E402
+from codex.train.optim.optimizer import make_optimizer  # noqa: E402
+from codex.train.plan.hardware import device_defaults, get_preset  # noqa: E402
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
 

@@ -49,14 +49,14 @@ import json, statistics, sys, time
 from dataclasses import replace
 sys.path.insert(0, {root!r})
 import torch
-from codex.config import build_config
-from model.gpt import mlp_hidden
-from train.dist.backend import unwrap
-from train.plan.hardware import get_preset
-from train.plan.plan import resolve_batch
-from train.optim.optimizer import clip_grad_norm, make_optimizer
-from train.optim.schedule import set_lr
-from train.xla.backend import make_xla_backend
+from codex.core.config import build_config
+from codex.model.gpt import mlp_hidden
+from codex.train.distributed.backend import unwrap
+from codex.train.plan.hardware import get_preset
+from codex.train.plan.plan import resolve_batch
+from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
+from codex.train.optim.schedule import set_lr
+from codex.train.xla.backend import make_xla_backend
 import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 
 name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}

@@ -8,9 +8,9 @@ over gloo; replicate) with gradient accumulation: what the memory plan's per-dev
     python bench/count_step_memory.py replicate OPTIMIZER ACCUM B T [...]   # one process
 
 codex's own parts run as train/loop.py runs them (fp32, 1 thread): the model built in the layout
-(fsdp: train/dist/fsdp.py: build_sharded), make_optimizer (adamw, or muon: Muon + AdamW),
+(fsdp: train/distributed/fsdp.py: build_sharded), make_optimizer (adamw, or muon: Muon + AdamW),
 `set_grad_sync` on for the last micro-batch only (fsdp), the replicated gradient all-reduce
-(train/dist/backend.py: all_reduce_grads), clip_grad_norm, the optimizer step, zero_grad; two
+(train/distributed/backend.py: all_reduce_grads), clip_grad_norm, the optimizer step, zero_grad; two
 optimizer steps, the second one measured (the first creates the optimizer state).
 
 Counting: the bytes malloc has handed out and not taken back (glibc's mallinfo2: uordblks +
@@ -31,7 +31,7 @@ inside the second step, on top of what is alive when it begins:
                the step's start: the gradients FSDP2 accumulates between micro-batches
     sharded    alive after the last micro-batch's backward (its reduce-scatter done), above the
                step's start: the gradients, and under replicate the reduction's buckets the
-               backward filled (train/dist/reduce.py)
+               backward filled (train/distributed/reduce.py)
     reduced    alive after all_reduce_grads, above the step's start: the reduced gradients the
                optimizer steps with (sharded - reduced: the reduction's buffers)
     backward   the most alive during the micro-batches' forwards and backwards, above the start
@@ -58,14 +58,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from codex.config import build_config  # noqa: E402
-from model.gpt import build_model  # noqa: E402
-from train.dist.backend import TorchBackend  # noqa: E402
-from train.dist.fsdp import build_sharded  # noqa: E402
-from train.optim.optimizer import clip_grad_norm, make_optimizer  # noqa: E402
-from train.plan.hardware import get_preset  # noqa: E402
-from train.plan.layout import layout_for  # noqa: E402
-from train.plan.memory import plan  # noqa: E402
+from codex.core.config import build_config  # noqa: E402
+from codex.model.gpt import build_model  # noqa: E402
+from codex.train.distributed.backend import TorchBackend  # noqa: E402
+from codex.train.distributed.fsdp import build_sharded  # noqa: E402
+from codex.train.optim.optimizer import clip_grad_norm, make_optimizer  # noqa: E402
+from codex.train.plan.hardware import get_preset  # noqa: E402
+from codex.train.plan.layout import layout_for  # noqa: E402
+from codex.train.plan.memory import plan  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from codex.config import build_config  # noqa: E402
-from model.gpt import build_model  # noqa: E402
+from codex.core.config import build_config  # noqa: E402
+from codex.model.gpt import build_model  # noqa: E402
 
 torch.set_num_threads(1)
 dtype, B, T, overrides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]

@@ -27,18 +27,18 @@ from tests.import_graph import (  # noqa: E402
 )
 
 PARTS = [
-    "train.optim",
-    "train.checkpoint",
-    "train.xla",
-    "train.xla.step",
-    "train.dist",
-    "train.data",
-    "train.plan",
-    "pipeline.clean",
-    "pipeline.tokenizer",
-    "pipeline.shard",
-    "eval",
-    "codex.config",
+    "codex.train.optim",
+    "codex.train.checkpoint",
+    "codex.train.xla",
+    "codex.train.xla.step",
+    "codex.train.distributed",
+    "codex.train.data",
+    "codex.train.plan",
+    "codex.pipeline.clean",
+    "codex.pipeline.tokenizer",
+    "codex.pipeline.shard",
+    "codex.eval",
+    "codex.core.config",
 ]
 
 

@@ -1,10 +1,10 @@
 """codex: raw text to a trained, evaluated language model on Cloud TPUs or CUDA GPUs.
 
-This package is the ground every stage stands on: the configuration (config/), file I/O over
-local paths and gs:// (fsio.py), the run-directory contract (rundir.py), progress reporting
-(progress.py) and the run lock (runlock.py). The stages live in pipeline/, model/, train/ and
-eval/; the command line on top of all of them is codex/cli/, the one part of codex/ that imports
-them.
+One import name holds it all, from the ground up:
+- codex.core: configuration, file I/O, run directory, progress, run lock (codex/core/);
+- codex.model, codex.pipeline, codex.train, codex.eval: the stages (the folders model/, pipeline/,
+  train/ and eval/ at the top of the repository, mapped in);
+- codex.cli: the command line, on top of everything (codex/cli/).
 """
 
 __version__ = "0.1.0"

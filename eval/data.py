@@ -11,14 +11,14 @@ from typing import cast
 
 import numpy as np
 
-from codex import fsio, rundir
-from pipeline.clean.filters import normalize
-from pipeline.encode import Encoder, token_dtype
-from pipeline.inputs import list_inputs
-from pipeline.readers import FileReport, read_records
-from pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
-from pipeline.shard.shard import write_npy
-from pipeline.tokenizer.tokenizer import load_tokenizer
+from codex.core import fsio, rundir
+from codex.pipeline.clean.filters import normalize
+from codex.pipeline.encode import Encoder, token_dtype
+from codex.pipeline.inputs import list_inputs
+from codex.pipeline.readers import FileReport, read_records
+from codex.pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
+from codex.pipeline.shard.shard import write_npy
+from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("codex.eval")
 

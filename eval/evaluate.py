@@ -43,10 +43,10 @@ def evaluate(model, batches, token_bytes: torch.Tensor, backend=None, progress=N
     model:       forward(x, targets=y, reduction="none") -> per-token losses [B, T] (fp32)
     batches:     iterable of (x, y) or (x, y, row_mask) int64 [B, T] tensors (host or device)
     token_bytes: [vocab_size] UTF-8 byte length of every token id, 0 for special tokens
-    backend:     train.dist.backend object; when given, batches are moved with backend.to_device,
-                 the forward runs under backend.autocast(), and the sums are all-reduced with
+    backend:     train.distributed.backend object; when given, batches are moved with
+                 backend.to_device, the forward runs under backend.autocast(), and the sums are all-reduced with
                  backend.all_reduce_sum (so every rank returns the global numbers)
-    progress:    optional codex.progress.Progress, advanced by one per batch (tokens counted)
+    progress:    optional codex.core.progress.Progress, advanced by one per batch (tokens counted)
     """
     device = _model_device(model)
     # fp64 accumulation keeps the sum exact enough over billions of tokens; TPUs have no fp64.

@@ -17,7 +17,7 @@ import io
 import json
 import logging
 
-from codex import fsio, rundir
+from codex.core import fsio, rundir
 
 log = logging.getLogger("codex.eval")
 

@@ -15,17 +15,17 @@ import time
 
 import torch
 
-from codex import fsio, rundir
-from codex.progress import Progress, setup_logging
-from eval.data import tokenize_to_shard
-from eval.evaluate import evaluate
-from pipeline.tokenizer.tokenizer import load_meta, load_token_bytes
-from train.checkpoint.read import load_model
-from train.data.loader import val_batches
-from train.data.token_shards import load_split
-from train.dist.backend import loader_layout, unwrap
-from train.launch import open_backend
-from train.plan.hardware import default_seq_len, device_defaults, get_preset
+from codex.core import fsio, rundir
+from codex.core.progress import Progress, setup_logging
+from codex.eval.data import tokenize_to_shard
+from codex.eval.evaluate import evaluate
+from codex.pipeline.tokenizer.tokenizer import load_meta, load_token_bytes
+from codex.train.checkpoint.read import load_model
+from codex.train.data.loader import val_batches
+from codex.train.data.token_shards import load_split
+from codex.train.distributed.backend import loader_layout, unwrap
+from codex.train.launch import open_backend
+from codex.train.plan.hardware import default_seq_len, device_defaults, get_preset
 
 log = logging.getLogger("codex.eval")
 
@@ -160,7 +160,9 @@ def _plot_if_possible(run: str) -> str | None:
     except ImportError:
         log.warning("loss plot skipped: matplotlib is not installed (pip install matplotlib)")
         return None
-    from eval.plot import plot_loss  # imports matplotlib: an optional dependency, checked above
+    from codex.eval.plot import (
+        plot_loss,  # imports matplotlib: an optional dependency, checked above
+    )
 
     path = plot_loss(run)
     print(f"loss plot: {path}")

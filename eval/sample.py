@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from codex import rundir
-from model.gpt import decode, prefill
-from pipeline.tokenizer.tokenizer import load_tokenizer
-from train.checkpoint.read import load_model
-from train.launch import open_backend
+from codex.core import rundir
+from codex.model.gpt import decode, prefill
+from codex.pipeline.tokenizer.tokenizer import load_tokenizer
+from codex.train.checkpoint.read import load_model
+from codex.train.launch import open_backend
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 

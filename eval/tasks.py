@@ -7,7 +7,8 @@
 The exported tokenizer puts <|bos|> first and lm-eval is told add_bos_token=True, so every scored
 context starts with <|bos|>, as every training document did. A task whose dataset is not on this
 machine (no network, never downloaded) fails with one line naming it and how to get it. Extra task
-YAMLs (a local JSON dataset, say) come from eval.tasks_path, lm-eval's include_path; configs/tasks
+YAMLs (a local JSON dataset, say) come from codex.eval.tasks_path, lm-eval's include_path;
+configs/tasks
 ships one that runs offline (codex_example).
 
 lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported
@@ -32,13 +33,13 @@ import warnings
 
 import torch
 
-from codex import fsio, rundir
-from codex.config import CONFIGS_DIR, ConfigError
-from codex.progress import adopt_library_loggers
-from model.export_hf import export_hf
-from train.checkpoint.read import load_model
-from train.dist.backend import BackendError
-from train.plan.hardware import get_preset
+from codex.core import fsio, rundir
+from codex.core.config import CONFIGS_DIR, ConfigError
+from codex.core.progress import adopt_library_loggers
+from codex.model.export_hf import export_hf
+from codex.train.checkpoint.read import load_model
+from codex.train.distributed.backend import BackendError
+from codex.train.plan.hardware import get_preset
 
 log = logging.getLogger("codex.eval")
 

@@ -54,10 +54,10 @@ from typing import Any, cast
 
 import torch
 
-from codex import fsio, rundir
-from codex.config import ConfigError, to_yaml
-from codex.config.model import ModelConfig
-from model.gpt import GPT, mlp_hidden
+from codex.core import fsio, rundir
+from codex.core.config import ConfigError, to_yaml
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import GPT, mlp_hidden
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2

@@ -8,8 +8,8 @@ code):
      "step": int, "tokenizer_sha256": str}
 
     import torch
-    from codex.config.model import ModelConfig
-    from model.gpt import GPT
+    from codex.core.config.model import ModelConfig
+    from codex.model.gpt import GPT
     saved = torch.load("model.pt", weights_only=True)
     model = GPT(ModelConfig(**saved["model_config"]))
     model.load_state_dict(saved["model"])
@@ -26,8 +26,8 @@ import tempfile
 
 import torch
 
-from codex import fsio
-from codex.config import ConfigError
+from codex.core import fsio
+from codex.core.config import ConfigError
 
 
 def export_torch(weights: dict, run_cfg, info: dict, out: str) -> dict:

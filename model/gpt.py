@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 # the shape arithmetic lives beside ModelConfig, so the memory plan (train/plan/memory.py) and
 # `codex train --help` compute it without importing torch; imported here for the model's use
-from codex.config.model import (
+from codex.core.config.model import (
     ModelConfig,
     has_value_embed,
     matmul_params,
@@ -315,7 +315,8 @@ class GPT(nn.Module):
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """The final norm, the head and the cross-entropy of the last block's output x [B, T, d]
         against targets [B, T] (-1 = ignored): the mean loss, or per-token losses [B, T] (fp32)
-        with reduction="none". One method so that train/dist/fsdp.py can torch.compile it as one
+        with reduction="none". One method so that train/distributed/fsdp.py can torch.compile it as
+        one
         function (the blocks are compiled one by one there; the whole model under replicate)."""
         B, T = targets.shape
         # fp32 cross-entropy: bf16 log-softmax over a 32K+ vocab loses ~2 digits of the loss.
@@ -390,7 +391,8 @@ def decode(model: GPT, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
 def init_parameter(
     cfg: ModelConfig, name: str, p: torch.Tensor, generator: torch.Generator
 ) -> None:
-    """GPT.init_weights' rule for one parameter, drawn from `generator` (train/dist/fsdp.py replays
+    """GPT.init_weights' rule for one parameter, drawn from `generator` (train/distributed/fsdp.py
+    replays
     it parameter by parameter to initialise a sharded model exactly as build_model would)."""
     std = cfg.init_std
     if name.endswith("norm.weight") or name.endswith("norm_f.weight"):

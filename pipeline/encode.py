@@ -200,7 +200,7 @@ def _threads() -> int:
 
 
 def _expected_pre_tokenizer() -> dict:
-    from pipeline.tokenizer.bpe import SPLIT_PATTERN
+    from codex.pipeline.tokenizer.bpe import SPLIT_PATTERN
 
     return {
         "type": "Sequence",
@@ -264,7 +264,7 @@ def _byte_level_table() -> dict[int, str]:
     """str.translate table: a byte-level token's characters -> the characters of its bytes (then
     latin-1 gives the bytes); any other character below 256 -> one above, so that latin-1 refuses
     it as it refuses every character outside the byte-level alphabet."""
-    from pipeline.tokenizer.bpe import _byte_decoder
+    from codex.pipeline.tokenizer.bpe import _byte_decoder
 
     table = {c: "\U0010ffff" for c in range(256)}
     table.update({ord(c): chr(b) for c, b in _byte_decoder().items()})

@@ -46,8 +46,8 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from codex.config import ConfigError
-from codex.progress import Progress, adopt_library_loggers, log_file, setup_logging
+from codex.core.config import ConfigError
+from codex.core.progress import Progress, adopt_library_loggers, log_file, setup_logging
 
 log = logging.getLogger("codex.executor")
 
@@ -357,7 +357,7 @@ def connect_ray(where: Where):
         ray.shutdown()  # attached elsewhere (another stage of this process asked for another)
     debug = bool(os.environ.get("CODEX_DEBUG"))
     # Ray's driver lines go through codex's handlers: INFO to the log file (RUN/logs/), ERROR and
-    # above to the terminal (codex/progress.py: TERMINAL_LEVELS)
+    # above to the terminal (codex/core/progress.py: TERMINAL_LEVELS)
     adopt_library_loggers()
     # No runtime_env: tasks then run on the workers each raylet keeps warm for the default
     # environment instead of new ones; _one_cpu sets a task's threads.

@@ -16,10 +16,10 @@ import fnmatch
 import logging
 import os
 
-from codex import fsio, rundir
-from codex.config import Config, ConfigError
-from pipeline.clean.stats import nothing_kept, yield_problem
-from pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
+from codex.core import fsio, rundir
+from codex.core.config import Config, ConfigError
+from codex.pipeline.clean.stats import nothing_kept, yield_problem
+from codex.pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
 
 log = logging.getLogger("codex.clean")
 
@@ -94,7 +94,7 @@ def clean_inputs(c) -> tuple[list[InputFile], list[str]]:
     """data.clean.inputs and data.clean.sources as (files sorted by path, skipped paths); a file
     from a source carries that source's preset and delimiter (they win over a plain --input of the
     same file)."""
-    from pipeline.clean.filters import PRESETS  # the presets are clean's
+    from codex.pipeline.clean.filters import PRESETS  # the presets are clean's
 
     files, skipped = list_inputs(c.inputs, c.text_extensions) if c.inputs else ([], [])
     found = {f.path: f for f in files}

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from codex import fsio
+from codex.core import fsio
 
 log = logging.getLogger("codex.clean")
 

@@ -1,6 +1,6 @@
 """The run-directory contract of a data stage (clean, tokenize, shard), owned in one place.
 
-Every stage writes one folder of RUN (codex/rundir.py) and follows the same rules:
+Every stage writes one folder of RUN (codex/core/rundir.py) and follows the same rules:
 
     finished()            the stage's completion marker, if its last run got that far
     refuse(holds, fix)    its folder holds output it must not mix with or overwrite: exit 2 with one
@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from codex import fsio
-from codex.config import Config, ConfigError, save_config
+from codex.core import fsio
+from codex.core.config import Config, ConfigError, save_config
 
 log = logging.getLogger("codex.stage")
 

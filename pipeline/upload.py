@@ -20,9 +20,9 @@ import os
 import re
 from typing import Any
 
-from codex import fsio
-from codex.config import ConfigError
-from codex.progress import Progress
+from codex.core import fsio
+from codex.core.config import ConfigError
+from codex.core.progress import Progress
 
 log = logging.getLogger("codex.upload")
 
@@ -39,7 +39,7 @@ def _local_files(root: str) -> list[str]:
             if TEMP_NAME.search(name):
                 continue  # a killed local write; never part of the run
             if name.startswith(".codex-lock"):
-                # the local run's lock (codex/runlock.py), not data; the remote has its own
+                # the local run's lock (codex/core/runlock.py), not data; the remote has its own
                 continue
             rels.append(os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/"))
     # markers last, so the remote copy only ever shows a marker once its data is there

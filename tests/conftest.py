@@ -37,7 +37,7 @@ def _free_port() -> int:
 def gcs_emulator():
     """A real gcp-storage-emulator on 127.0.0.1 for the whole session; yields its URL.
 
-    Sets STORAGE_EMULATOR_HOST so codex.fsio (gcsfs) talks to it; the test makes its own bucket
+    Sets STORAGE_EMULATOR_HOST so codex.core.fsio (gcsfs) talks to it; the test makes its own bucket
     through `gcs_bucket`.
     """
     exe = shutil.which("gcp-storage-emulator") or str(
@@ -200,6 +200,6 @@ def _no_log_file_left_open():
     """A command run in-process (CliRunner) logs to its RUN/logs/<command>.log until the process
     ends: closed after each test, so no later test's lines go there."""
     yield
-    from codex import progress
+    from codex.core import progress
 
     progress.close_log_file()

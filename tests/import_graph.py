@@ -11,18 +11,20 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("codex", "model", "pipeline", "train", "eval")
+# The one import namespace, `codex`, and the folder each of its stage packages lives in (the
+# wheel maps them in; in a checkout codex/<name> is a link to the top-level folder).
+STAGES = ("model", "pipeline", "train", "eval")
 
-# Folders from the ground up: an arrow may only point to the same folder or one listed earlier.
-# codex/ is the shared base (config, I/O, progress, run lock); codex/cli/ sits on top of all.
-LAYERS = ("codex", "model", "pipeline", "train", "eval", "codex.cli")
+# Layers from the ground up: an arrow may only point to the same layer or one listed earlier.
+# codex.core is the ground (config, I/O, progress, run lock); codex.cli sits on top of all.
+LAYERS = ("codex.core", "codex.model", "codex.pipeline", "codex.train", "codex.eval", "codex.cli")
 
 # train/'s parts from the bottom up, by the same rule.
 TRAIN_LAYERS = (
     "data",
     "plan",
     "optim",
-    "dist",
+    "distributed",
     "xla",
     "checkpoint",
     "metrics",
@@ -33,11 +35,16 @@ TRAIN_LAYERS = (
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """{dotted module name: file} for every source file of the project's packages."""
+    """{dotted module name: file} for every source file of the project, each file once (the
+    links under codex/ are not followed; the stage folders are read where they really are)."""
     mods = {}
-    for pkg in PACKAGES:
-        for f in sorted((root / pkg).rglob("*.py")):
-            name = ".".join(f.relative_to(root).with_suffix("").parts)
+    folders = [(root / "codex", ())] + [(root / s, ("codex", s)) for s in STAGES]
+    for top, prefix in folders:
+        for f in sorted(top.rglob("*.py")):
+            rel = f.relative_to(top).with_suffix("").parts
+            if top.name == "codex" and (top / rel[0]).is_symlink():
+                continue
+            name = ".".join((*(prefix or ("codex",)), *rel))
             mods[name.removesuffix(".__init__")] = f
     return mods
 
@@ -106,17 +113,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def folder(module: str) -> str:
-    """The layer a module belongs to (codex.cli.* is the top, the rest of codex.* the ground)."""
+    """The layer a module belongs to: codex.cli.* the top, codex.train.* train's, ...; the root
+    package `codex` (its version only) counts as the ground."""
     parts = module.split(".")
-    if parts[0] == "codex" and len(parts) > 1 and parts[1] == "cli":
-        return "codex.cli"
-    return parts[0]
+    return "codex.core" if len(parts) == 1 else ".".join(parts[:2])
 
 
 def train_part(module: str) -> str | None:
-    """train.dist.backend -> 'dist', train.loop -> 'loop'; None outside train/ and for train/."""
+    """codex.train.distributed.backend -> 'distributed', codex.train.loop -> 'loop'; None outside
+    train/ and for train/ itself."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "train" and len(parts) > 1 else None
+    return parts[2] if parts[:2] == ["codex", "train"] and len(parts) > 2 else None
 
 
 def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:

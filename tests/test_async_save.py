@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from codex.train.checkpoint import folders as checkpoint
 from tests.train_helpers import child_env
-from train.checkpoint import folders as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def _two_ranks(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from train.dist.control import ControlPlane
+    from codex.train.distributed.control import ControlPlane
 
     dist.init_process_group(
         "gloo",
@@ -171,7 +171,7 @@ def test_each_rank_stages_only_what_it_writes(tmp_path):
 _KILLED = """
 import os, signal, sys, time
 import torch
-from train.checkpoint import folders as checkpoint
+from codex.train.checkpoint import folders as checkpoint
 
 run = sys.argv[1]
 state = {"model": {"w": torch.ones(256, 256)}, "step": 1}

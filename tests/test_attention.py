@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from codex.config.model import ModelConfig
-from model.gpt import build_model, sdpa_causal
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model, sdpa_causal
+from codex.train.xla.flash import REQUIREMENT, expand_kv_heads, flash_partition_spec
 from tests.train_helpers import base_overrides, child_env, make_run
-from train.xla.flash import REQUIREMENT, expand_kv_heads, flash_partition_spec
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)

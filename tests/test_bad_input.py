@@ -23,12 +23,12 @@ import zstandard
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import build_config
+from codex.core.config import build_config
+from codex.train.plan.hardware import get_preset
+from codex.train.plan.memory import plan
 from tests.test_clean import prose
 from tests.test_pipeline import _corpus
 from tests.train_helpers import TINY_MODEL
-from train.plan.hardware import get_preset
-from train.plan.memory import plan
 
 TRAIN = [f"--set={o}" for o in TINY_MODEL] + [
     "--set=train.hardware=cpu",
@@ -589,7 +589,7 @@ def test_a_forged_checkpoint_index_runs_nothing(run, tmp_path):
 def test_a_full_disk_is_one_line_and_a_rerun_keeps_the_finished_work(tmp_path, monkeypatch):
     import errno
 
-    from codex import fsio
+    from codex.core import fsio
 
     src = tmp_path / "in.txt"
     src.write_text(prose(3))
@@ -1183,7 +1183,7 @@ def test_upload_onto_another_run_is_refused_unless_overwrite(run, tmp_path):
 
 @pytest.mark.gcs
 def test_upload_onto_another_gs_run_is_refused_unless_overwrite(run, tmp_path, gcs_bucket):
-    from codex import fsio
+    from codex.core import fsio
 
     target = f"{gcs_bucket}/run"
     invoke(["data", "upload", str(run), target], 0)
@@ -1204,7 +1204,7 @@ def test_export_files_follow_the_umask(run, tmp_path, monkeypatch, umask):
     """A shared model directory: every file and folder as the umask says (0644 / 0755 by
     default), not tempfile's 0600 / 0700."""
     pytest.importorskip("transformers")
-    from codex import fsio
+    from codex.core import fsio
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(fsio, "_UMASK", umask)
@@ -1295,7 +1295,11 @@ def test_a_rank_dies_with_its_killed_launcher(tmp_path, armed):
     import time
 
     pid_file = tmp_path / "rank.pid"
-    arm = "from train.dist.backend import die_with_launcher; die_with_launcher(); " if armed else ""
+    arm = (
+        "from codex.train.distributed.backend import die_with_launcher; die_with_launcher(); "
+        if armed
+        else ""
+    )
     rank = f"import os, time; {arm}open({str(pid_file)!r}, 'w').write(str(os.getpid()))"
     rank += "; time.sleep(120)"
     agent = subprocess.Popen(

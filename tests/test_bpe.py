@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from codex.config import ConfigError
-from pipeline.tokenizer import bpe as B
-from pipeline.tokenizer import doc_select
-from pipeline.tokenizer import tokenizer as T
+from codex.core.config import ConfigError
+from codex.pipeline.tokenizer import bpe as B
+from codex.pipeline.tokenizer import doc_select
+from codex.pipeline.tokenizer import tokenizer as T
 from tests.test_tokenizer import TRICKY, VOCAB, config, make_docs, random_strings, write_parquet
 
 

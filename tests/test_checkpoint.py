@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from codex.train.checkpoint import folders as checkpoint
 from tests.test_train import one_thread, run_train, train_cli_args  # noqa: F401  (one_thread: autouse)
 from tests.train_helpers import child_env, make_run
-from train.checkpoint import folders as checkpoint
 
 
 def _state(step: int) -> dict:
@@ -112,7 +112,7 @@ def test_checkpoint_round_trip_on_gcs(gcs_bucket):
 @pytest.mark.gcs
 def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
     """A gs:// run: shards read through the loader's cache, checkpoints and metrics.jsonl on GCS."""
-    from codex import fsio
+    from codex.core import fsio
 
     local = Path(make_run(tmp_path / "local"))
     run = f"{gcs_bucket}/run"
@@ -135,7 +135,7 @@ def test_a_gs_run_and_its_resume_print_no_error_gcsfs_handled(gcs_bucket, tmp_pa
     on the emulator renames DCP's .metadata.tmp, gcsfs's moveTo call fails (501) and it falls back
     to copy + delete. They stay out of the terminal, here on a resumed run; CODEX_DEBUG=1 shows
     them (proof that they happen)."""
-    from codex import fsio
+    from codex.core import fsio
 
     local = Path(make_run(tmp_path / "local"))
 

@@ -17,12 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codex import fsio
-from codex.config import build_config
-from codex.config.data import CleanConfig
-from pipeline.clean import filters as F
-from pipeline.clean.clean import CleanError, run_clean
-from pipeline.inputs import clean_parts
+from codex.core import fsio
+from codex.core.config import build_config
+from codex.core.config.data import CleanConfig
+from codex.pipeline.clean import filters as F
+from codex.pipeline.clean.clean import CleanError, run_clean
+from codex.pipeline.inputs import clean_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -302,8 +302,8 @@ def test_huge_single_line_is_dropped_with_bounded_memory(tmp_path):
         f.write(b'"}\n')
         f.write(json.dumps({"text": prose(2)}).encode() + b"\n")
     code = (
-        "import resource, json; from codex.config import build_config; "
-        "from pipeline.clean.clean import run_clean\n"
+        "import resource, json; from codex.core.config import build_config; "
+        "from codex.pipeline.clean.clean import run_clean\n"
         f"cfg = build_config(run={str(tmp_path / 'run')!r}); "
         f"cfg.data.clean.inputs = [{str(big)!r}]; cfg.data.clean.allow_low_yield = True\n"
         "s = run_clean(cfg)\n"
@@ -409,7 +409,8 @@ def test_sigkill_midway_then_rerun_matches_uninterrupted(tmp_path):
     ref = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
     assert ref["units"] >= 12
     code = (
-        "from codex.config import build_config; from pipeline.clean.clean import run_clean\n"
+        "from codex.core.config import build_config\n"
+        "from codex.pipeline.clean.clean import run_clean\n"
         f"cfg = build_config(overrides={args!r}, run={str(tmp_path / 'killed')!r})\n"
         f"cfg.data.clean.inputs = [{str(tmp_path / 'in')!r}]\nrun_clean(cfg)"
     )
@@ -649,7 +650,7 @@ def test_ascii_words_equal_the_regex():
     import random
 
     try:
-        from pipeline.clean._wordcount import ascii_words
+        from codex.pipeline.clean._wordcount import ascii_words
     except ImportError:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
     rng = random.Random(5)
@@ -806,7 +807,7 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     memory of a huge document's rows and of a huge piece's word spans is given back."""
     if F.COUNTER is None:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
-    from pipeline.clean._wordcount import Counter
+    from codex.pipeline.clean._wordcount import Counter
 
     def findall(piece):
         if piece == "boom!":
@@ -881,7 +882,7 @@ def test_line_counts_and_normalize_equal_their_definitions():
 def test_part_columns_equal_pyarrows_own():
     """PartWriter's columns, put together from their buffers (pyarrow's constructors import
     pandas), are the arrays pyarrow makes itself."""
-    from pipeline.clean.parts import string_array
+    from codex.pipeline.clean.parts import string_array
 
     for values in [[], [""], ["a", "", "héllo wörld", "\U0001f600" * 3, "x" * 5000], list("abc")]:
         got = string_array(values)

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from codex.cli.command import config_default
 from codex.cli.main import cli
-from codex.config import Config, build_config, load_yaml, preset_path
-from codex.config.train import DEFAULT_LR
+from codex.core.config import Config, build_config, load_yaml, preset_path
+from codex.core.config.train import DEFAULT_LR
+from codex.train.plan.hardware import device_defaults, get_preset
+from codex.train.plan.memory import setting_for
 from tests.import_graph import ROOT
-from train.plan.hardware import device_defaults, get_preset
-from train.plan.memory import setting_for
 
 RESOLVED = "\nResolved for this command line:\n"  # the section, not the docstring naming it
 

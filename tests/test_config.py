@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import (
+from codex.core.config import (
     ConfigError,
     all_keys,
     build_config,
@@ -203,7 +203,7 @@ def test_help_shows_each_options_default_from_the_config():
     from click.testing import CliRunner
 
     from codex.cli.main import cli
-    from codex.config import Config
+    from codex.core.config import Config
 
     d = Config()
     out = CliRunner().invoke(cli, ["train", "--help"], terminal_width=200).output

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from codex import fsio
-from pipeline.clean.clean import run_clean
+from codex.core import fsio
+from codex.pipeline.clean.clean import run_clean
 from tests.test_clean import cfg_for, prose
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
-from codex.config.data import CleanConfig
-from pipeline.clean import filters as F
+from codex.core.config.data import CleanConfig
+from codex.pipeline.clean import filters as F
 
 _spec = importlib.util.spec_from_file_location(
     "bench_datatrove_parity",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.clean.clean import run_clean
-from pipeline.clean.dedup import HASH_ROW_BYTES, hash_buckets, partition_jobs
+from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.clean.dedup import HASH_ROW_BYTES, hash_buckets, partition_jobs
 from tests.test_clean import cfg_for, make_corpus, read_out, snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_many_partitions_keep_what_one_pass_keeps(tmp_path):
 # so under a big pytest process the growth it shows would be 0 whatever the reduce holds
 REDUCE = """
 import json, sys
-from pipeline.clean.dedup import PartitionJob, dedup_partition
+from codex.pipeline.clean.dedup import PartitionJob, dedup_partition
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 job = PartitionJob(**json.load(open(sys.argv[1])))

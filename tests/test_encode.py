@@ -19,8 +19,8 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer, normalizers
 
-from pipeline.encode import Encoder, encode_pieces, exact_encoding, ordinary_ids
-from pipeline.tokenizer import bpe as B
+from codex.pipeline.encode import Encoder, encode_pieces, exact_encoding, ordinary_ids
+from codex.pipeline.tokenizer import bpe as B
 from tests.test_tokenizer import TRICKY, make_docs, random_strings
 
 
@@ -265,7 +265,7 @@ def test_tokens_outside_the_byte_level_alphabet_are_refused(tok_json):
     """A vocabulary token or merge with a character that is no byte in the byte-level alphabet
     (a space, a control character: below 256 but mapped elsewhere; CJK: above 256) is refused;
     every one of the alphabet's 256 characters is its byte."""
-    from pipeline.encode import _byte_level_table
+    from codex.pipeline.encode import _byte_level_table
 
     table = _byte_level_table()
     for ch, byte in B._byte_decoder().items():

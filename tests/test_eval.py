@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from codex.config.model import ModelConfig
-from eval.evaluate import evaluate, summarize
-from model.gpt import build_model
+from codex.core.config.model import ModelConfig
+from codex.eval.evaluate import evaluate, summarize
+from codex.model.gpt import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -28,7 +28,7 @@ TEXT = (
 def make_tokenizer(vocab_size: int = 300, text: str = TEXT):
     """A codex byte-level BPE (pipeline/tokenizer/tokenizer.py): specials <|bos|> 0, <|eos|> 1,
     <|pad|> 2."""
-    from pipeline.tokenizer.tokenizer import train_tokenizer
+    from codex.pipeline.tokenizer.tokenizer import train_tokenizer
 
     tok = train_tokenizer(iter([[text] * 20]), vocab_size)
     tok.encode_special_tokens = True
@@ -36,7 +36,7 @@ def make_tokenizer(vocab_size: int = 300, text: str = TEXT):
 
 
 def token_bytes_of(tok) -> torch.Tensor:
-    from pipeline.tokenizer import tokenizer as ptok
+    from codex.pipeline.tokenizer import tokenizer as ptok
 
     return torch.from_numpy(ptok.token_bytes_of(tok))
 

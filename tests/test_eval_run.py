@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval.evaluate import evaluate, summarize
-from model.gpt import GPT, build_model
+from codex.eval.evaluate import evaluate, summarize
+from codex.model.gpt import GPT, build_model
 from tests.test_eval import ROOT, batched, make_tokenizer, tiny_cfg, token_bytes_of, windows
 
 torch.set_num_threads(1)
@@ -40,9 +40,9 @@ def make_run(
     import hashlib
     import io
 
-    from codex import fsio
-    from codex.config import Config, to_dict
-    from train.checkpoint import folders as checkpoint
+    from codex.core import fsio
+    from codex.core.config import Config, to_dict
+    from codex.train.checkpoint import folders as checkpoint
 
     run = str(root / "run")
     tok = make_tokenizer()
@@ -109,7 +109,7 @@ def make_run(
 
 
 def eval_cfg(run: str, batch: int = 2, **eval_settings):
-    from codex.config import Config
+    from codex.core.config import Config
 
     cfg = Config()
     cfg.run = run
@@ -121,7 +121,7 @@ def eval_cfg(run: str, batch: int = 2, **eval_settings):
 
 
 def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
-    from eval.run import run_eval
+    from codex.eval.run import run_eval
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -170,8 +170,8 @@ def test_run_eval_writes_the_json_record_and_matches_evaluate(tmp_path, capsys):
 
 
 def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
-    from eval.run import run_eval
-    from pipeline.clean.filters import normalize
+    from codex.eval.run import run_eval
+    from codex.pipeline.clean.filters import normalize
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -203,7 +203,7 @@ def test_run_eval_on_other_text_tokenizes_it_with_the_run_tokenizer(tmp_path):
 
 
 def test_run_eval_names_a_missing_checkpoint(tmp_path):
-    from eval.run import run_eval
+    from codex.eval.run import run_eval
 
     run, _, _ = make_run(tmp_path)
     with pytest.raises(FileNotFoundError, match="step_00000099"):
@@ -213,7 +213,7 @@ def test_run_eval_names_a_missing_checkpoint(tmp_path):
 def test_fixed_shape_masked_batches_across_ranks_cover_every_window_once(tmp_path):
     """The XLA path: val_batches(with_mask=True) gives every rank the same number of full batches;
     the per-rank sums (what all_reduce_sum adds up) equal one process's numbers."""
-    from train.data.loader import val_batches
+    from codex.train.data.loader import val_batches
 
     T = 8
     run, tok, model = make_run(tmp_path, T=T)
@@ -245,8 +245,8 @@ _RANK_SCRIPT = r"""
 import json, os, sys
 import torch
 torch.set_num_threads(1)
-from codex.config import Config
-from eval.run import run_eval
+from codex.core.config import Config
+from codex.eval.run import run_eval
 
 cfg = Config()
 cfg.run = os.environ["EVAL_RUN"]
@@ -292,7 +292,7 @@ def _launch(world: int, port: int, run: str) -> list[dict]:
 
 
 def test_world_size_1_and_2_give_the_same_numbers(tmp_path):
-    from eval.run import run_eval
+    from codex.eval.run import run_eval
     from tests.conftest import _free_port
 
     T = 8
@@ -354,7 +354,7 @@ def test_cli_eval_and_sample(tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    from eval.sample import sample
+    from codex.eval.sample import sample
 
     assert r.output.rstrip("\n") == sample(model, tok, "The quick", max_new_tokens=5, temperature=0)
 
@@ -367,10 +367,10 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     reports for the final checkpoint, and the trained model beats the untrained one."""
     import shutil
 
-    from codex.config import Config
-    from eval.evaluate import evaluate
-    from eval.run import run_eval
-    from train.loop import train
+    from codex.core.config import Config
+    from codex.eval.evaluate import evaluate
+    from codex.eval.run import run_eval
+    from codex.train.loop import train
 
     run, _, _ = make_run(tmp_path, T=8)
     untrained = run_eval(eval_cfg(run, batch=3))
@@ -393,8 +393,8 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
 
 @pytest.mark.gcs
 def test_run_eval_and_plot_on_gcs(tmp_path, gcs_bucket):
-    from codex import fsio
-    from eval.run import run_eval
+    from codex.core import fsio
+    from codex.eval.run import run_eval
 
     local, _, _ = make_run(tmp_path, T=8)
     _metrics(
@@ -423,7 +423,7 @@ def test_spmd_4_devices_equals_eager(tmp_path):
     """run_eval on the XLA SPMD path (4 virtual CPU devices, masked fixed-shape batches, the sums
     reduced by the partitioner) gives the eager CPU numbers."""
     pytest.importorskip("torch_xla")
-    from eval.run import run_eval
+    from codex.eval.run import run_eval
     from tests.conftest import run_xla
 
     run, _, _ = make_run(tmp_path, T=8, train_steps=5)
@@ -431,8 +431,8 @@ def test_spmd_4_devices_equals_eager(tmp_path):
     out = run_xla(
         f"""
 import json
-from codex.config import Config
-from eval.run import run_eval
+from codex.core.config import Config
+from codex.eval.run import run_eval
 cfg = Config()
 cfg.run = {run!r}
 cfg.train.hardware, cfg.train.allow_cpu_xla, cfg.train.dtype = "v6e-4", True, "fp32"

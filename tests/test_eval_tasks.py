@@ -153,7 +153,7 @@ def test_an_unreachable_hub_means_offline_at_once(tmp_path, monkeypatch, caplog)
     from click.testing import CliRunner
 
     from codex.cli.main import cli
-    from eval import tasks as eval_tasks
+    from codex.eval import tasks as eval_tasks
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
@@ -179,8 +179,8 @@ def test_the_shipped_example_task_runs_offline(tmp_path, capfd, caplog, monkeypa
     neither that nor lm-eval's INFO lines; RUN/logs/eval.log has the latter."""
     from click.testing import CliRunner
 
-    from codex import progress
     from codex.cli.main import cli
+    from codex.core import progress
 
     monkeypatch.delenv("CODEX_DEBUG", raising=False)
     run, _, _ = make_run(tmp_path)

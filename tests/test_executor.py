@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pipeline import executor
-from pipeline.executor import Where, run_units, stage_pool
+from codex.pipeline import executor
+from codex.pipeline.executor import Where, run_units, stage_pool
 
 
 def who(unit: int) -> tuple[int, int]:
@@ -125,7 +125,7 @@ def log_and_hold(folder: str, unit: int) -> int:
 def test_a_pool_process_leaves_without_teardown_and_its_log_lines_reach_the_file(tmp_path):
     """At the stage's end the driver waits for its pool processes to exit: they skip the
     interpreter's teardown (no module's objects are destroyed) but flush their log lines first."""
-    from codex import progress
+    from codex.core import progress
 
     path = progress.log_to_file(str(tmp_path), "codex data test")
     try:

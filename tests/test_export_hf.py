@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from codex.config import Config, to_dict
-from eval.sample import sample
-from model.gpt import build_model
+from codex.core.config import Config, to_dict
+from codex.eval.sample import sample
+from codex.model.gpt import build_model
 from tests.test_eval import tiny_cfg
 from tests.test_eval_run import make_run
 
@@ -33,7 +33,7 @@ def offline(monkeypatch):
 def save_model(run: str, model_cfg, step: int, seed: int = 0):
     """A checkpoint of a model with `model_cfg` whose weights are far from the init: std 0.3
     matrices and random norm weights, so a transposed or swapped tensor shows in the logits."""
-    from train.checkpoint import folders as checkpoint
+    from codex.train.checkpoint import folders as checkpoint
 
     cfg = Config()
     cfg.run = run
@@ -63,8 +63,8 @@ def save_model(run: str, model_cfg, step: int, seed: int = 0):
 
 
 def export(run: str, out: Path, step, **kw) -> Path:
-    from model.export_hf import export_hf
-    from train.checkpoint.read import load_model
+    from codex.model.export_hf import export_hf
+    from codex.train.checkpoint.read import load_model
 
     cfg = Config()
     cfg.run = run
@@ -141,7 +141,7 @@ def test_generate_matches_codex_greedy_sample_and_tokenizer_matches(tmp_path):
 
 
 def test_model_card_reports_validation_bits_per_byte(tmp_path):
-    from codex import fsio
+    from codex.core import fsio
 
     run, _, _ = make_run(tmp_path)
     fsio.write_json(os.path.join(run, "eval", "step_7.json"), {"step": 7, "bits_per_byte": 1.2345})
@@ -152,7 +152,7 @@ def test_model_card_reports_validation_bits_per_byte(tmp_path):
 def test_the_export_has_the_permissions_of_anything_else_the_user_creates(tmp_path, monkeypatch):
     """A shared model directory must be readable by the group: the folder and every file get
     the umask's permissions (tempfile made them 0700 / 0600)."""
-    from codex import fsio
+    from codex.core import fsio
 
     run, _, _ = make_run(tmp_path)
     umask = 0o022  # not 0o077, under which the fix and tempfile's 0700 would look alike

@@ -8,13 +8,13 @@ import torch
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import Config, build_config
-from codex.config.model import ModelConfig
-from eval.evaluate import evaluate
-from model.gpt import GPT
+from codex.core.config import Config, build_config
+from codex.core.config.model import ModelConfig
+from codex.eval.evaluate import evaluate
+from codex.model.gpt import GPT
+from codex.train.checkpoint.read import load_model
+from codex.train.loop import train
 from tests.train_helpers import VOCAB, base_overrides, make_run
-from train.checkpoint.read import load_model
-from train.loop import train
 
 
 @pytest.mark.parametrize("tied", [False, True])

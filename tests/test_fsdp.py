@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from codex.train.checkpoint import folders as checkpoint
 from tests.test_train import assert_close, final_model, one_thread, run_train, train_cli_args  # noqa: F401
 from tests.train_helpers import child_env, make_run
-from train.checkpoint import folders as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
 
 KILL_IN_SAVE = """
 import os, signal, sys
-from train.checkpoint import dcp as dcp_io
+from codex.train.checkpoint import dcp as dcp_io
 real = dcp_io.write_tree
 def write_tree(folder, tree, control):
     records = real(folder, tree, control)
@@ -194,9 +194,9 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
 
 
 def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
-    from codex.config import ConfigError, build_config
-    from train.plan.layout import layout_for
-    from train.plan.memory import setting_for
+    from codex.core.config import ConfigError, build_config
+    from codex.train.plan.layout import layout_for
+    from codex.train.plan.memory import setting_for
 
     with pytest.raises(ConfigError, match="train.fsdp_size=3 must divide the world size 4"):
         layout_for("fsdp", 3, 4)
@@ -244,8 +244,8 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
 def test_the_fsdp_backend_computes_without_autocast_when_the_policy_casts():
     """Under fsdp the MixedPrecisionPolicy casts (bf16 weights and block inputs): autocast on top
     would cast again, so the backend's context is a null one; replicate keeps bf16 autocast."""
-    from train.dist.backend import TorchBackend
-    from train.plan.layout import Layout
+    from codex.train.distributed.backend import TorchBackend
+    from codex.train.plan.layout import Layout
 
     cpu = torch.device("cpu")
     for layout, on in ((Layout("fsdp", shard=2), False), (Layout("replicate"), True)):
@@ -255,7 +255,7 @@ def test_the_fsdp_backend_computes_without_autocast_when_the_policy_casts():
 
 
 def _tiny_batch():
-    from codex.config import build_config
+    from codex.core.config import build_config
     from tests.train_helpers import TINY_MODEL, VOCAB
 
     m = build_config(overrides=TINY_MODEL).model
@@ -272,9 +272,9 @@ def _sharded_bf16_step(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from train.dist.backend import TorchBackend
-    from train.dist.fsdp import compile_head
-    from train.plan.layout import Layout
+    from codex.train.distributed.backend import TorchBackend
+    from codex.train.distributed.fsdp import compile_head
+    from codex.train.plan.layout import Layout
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -325,7 +325,7 @@ def test_fsdp_bf16_zero2_zero3_and_the_compiled_head_match_replicated_autocast(t
     the same numbers. The compiled head + loss gives eager's loss and keeps the state_dict keys."""
     import torch.multiprocessing as mp
 
-    from model.gpt import build_model
+    from codex.model.gpt import build_model
     from tests.conftest import _free_port
 
     out = str(tmp_path / "seen.pt")

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from codex import fsio
+from codex.core import fsio
 
 
 def test_atomic_write_leaves_old_file_on_error(tmp_path):
@@ -81,9 +81,9 @@ def test_a_clean_worker_runs_without_importing_fsspec(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "A few words of prose, enough for a unit."}\n')
     code = f"""
 import sys
-from codex.config import Config
-from pipeline.clean.clean import UnitJob, clean_unit, plan_units
-from pipeline.readers import InputFile
+from codex.core.config import Config
+from codex.pipeline.clean.clean import UnitJob, clean_unit, plan_units
+from codex.pipeline.readers import InputFile
 c = Config().data.clean
 f = InputFile({str(tmp_path / "in.jsonl")!r}, {(tmp_path / "in.jsonl").stat().st_size}, "jsonl")
 (unit,) = plan_units([f], c)

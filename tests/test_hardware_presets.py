@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import ConfigError, build_config
-from train.plan.hardware import format_hardware_table, get_preset, require_shared_run_dir
+from codex.core.config import ConfigError, build_config
+from codex.train.plan.hardware import format_hardware_table, get_preset, require_shared_run_dir
 
 # name -> (chips, hosts, family, per-chip bf16 TFLOP/s, HBM GB per chip)
 MULTI_HOST = {

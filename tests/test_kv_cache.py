@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from eval.sample import generate, sample
-from model.gpt import build_model, decode, prefill
+from codex.eval.sample import generate, sample
+from codex.model.gpt import build_model, decode, prefill
 from tests.conftest import run_xla
 from tests.test_eval import make_tokenizer, tiny_cfg
 
@@ -112,9 +112,9 @@ def test_the_cache_under_bf16_autocast_holds_bf16_and_tracks_the_forward():
 
 
 def test_run_sample_on_a_gpu_preset_without_a_gpu_is_an_error(tmp_path):
-    from eval.sample import run_sample
+    from codex.eval.sample import run_sample
+    from codex.train.distributed.backend import BackendError
     from tests.test_eval_run import eval_cfg, make_run
-    from train.dist.backend import BackendError
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -132,8 +132,8 @@ import json
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
-from eval.sample import generate
-from model.gpt import build_model
+from codex.eval.sample import generate
+from codex.model.gpt import build_model
 from tests.test_eval import tiny_cfg
 
 torch.manual_seed(0)

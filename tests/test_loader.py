@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.data.loader import TrainLoader, val_batches
-from train.data.token_shards import load_manifest
+from codex.train.data.loader import TrainLoader, val_batches
+from codex.train.data.token_shards import load_manifest
 
 T = 8
 
@@ -246,7 +246,7 @@ def test_bad_inputs_name_the_problem(tmp_path, shards):
 
 def upload_dir(local: str, remote: str) -> None:
     # Plain puts: test setup needs no atomic temp-object-and-move (slow against the emulator).
-    from codex import fsio
+    from codex.core import fsio
 
     fs, base = fsio.filesystem(remote)
     for name in sorted(os.listdir(local)):
@@ -311,8 +311,8 @@ def test_parquet_entries_of_format_both_are_skipped(tmp_path):
 
 def test_host_cache_never_evicts_a_shard_another_holder_holds(tmp_path):
     # Two caches on one folder behave like two processes: flock locks belong to open files.
-    from codex.fsio import file_sha256 as sha256_of
-    from train.data.shard_cache import HostShardCache
+    from codex.core.fsio import file_sha256 as sha256_of
+    from codex.train.data.shard_cache import HostShardCache
 
     src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1] * 3})
     paths = [os.path.join(src, f"train_{i:05d}.npy") for i in range(3)]
@@ -350,8 +350,8 @@ def test_host_cache_waiter_is_not_blocked_by_the_downloader_holding_the_shard(
     # job.
     import threading
 
-    from codex.fsio import file_sha256 as sha256_of
-    from train.data.shard_cache import HostShardCache
+    from codex.core.fsio import file_sha256 as sha256_of
+    from codex.train.data.shard_cache import HostShardCache
 
     src = write_shards(tmp_path / "src", {"train": [8 * 4 + 1]})
     paths = [os.path.join(src, "train_00000.npy")]

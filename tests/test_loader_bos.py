@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.data.loader import TrainLoader
-from train.data.token_shards import bos_aligned_starts
+from codex.train.data.loader import TrainLoader
+from codex.train.data.token_shards import bos_aligned_starts
 
 T = 8
 

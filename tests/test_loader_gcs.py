@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from codex.train.data.loader import epoch_order
+from codex.train.data.token_shards import load_split
 from tests.conftest import ROOT
 from tests.test_loader import T, upload_dir, write_shards
-from train.data.loader import epoch_order
-from train.data.token_shards import load_split
 
 # One rank of the test, as a trainer runs it: the per-step barrier stands for the gradient
 # all-reduce that keeps real ranks in lockstep. fsio.download is wrapped so the downloads are
@@ -24,7 +24,7 @@ from train.data.token_shards import load_split
 CHILD = r"""
 import datetime, faulthandler, json, os, sys
 import torch, torch.distributed as dist
-from codex import fsio
+from codex.core import fsio
 
 a = json.loads(sys.argv[1])
 faulthandler.dump_traceback_later(a["timeout"], exit=True)  # a hang shows every thread's stack
@@ -34,7 +34,7 @@ def counting_download(src, dst):
     downloads.append(fsio.basename(src))
     _download(src, dst)
 fsio.download = counting_download
-from train.data.loader import TrainLoader
+from codex.train.data.loader import TrainLoader
 
 r, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="file://" + a["pg"], rank=r, world_size=W,

@@ -15,16 +15,15 @@ import torch
 from click.testing import CliRunner
 
 from codex.cli.main import cli
-from codex.config import ConfigError, build_config, preset_names
-from tests.train_helpers import child_env
-from train.plan.hardware import (
+from codex.core.config import ConfigError, build_config, preset_names
+from codex.train.plan.hardware import (
     default_seq_len,
     device_defaults,
     get_preset,
     list_presets,
     preset_model,
 )
-from train.plan.memory import (
+from codex.train.plan.memory import (
     HEADROOM,
     block_params,
     check_fits,
@@ -33,7 +32,8 @@ from train.plan.memory import (
     param_count,
     plan,
 )
-from train.plan.plan import resolve_batch
+from codex.train.plan.plan import resolve_batch
+from tests.train_helpers import child_env
 
 GB = 1e9
 
@@ -127,7 +127,7 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
 
 
 def test_parameter_count_matches_the_model_for_every_shape_option():
-    from model.gpt import GPT, num_params
+    from codex.model.gpt import GPT, num_params
 
     for overrides in (
         [],
@@ -246,9 +246,9 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
     which layout), codex train's batch resolution with train.parallel=auto accepts it with that
     layout; where it says no, training is refused (exit 2). Multi-host TPU presets never offer
     fsdp (not built there), and asking for it is refused."""
-    from train.plan import memory
-    from train.plan.hardware import model_fit
-    from train.plan.plan import resolve_batch
+    from codex.train.plan import memory
+    from codex.train.plan.hardware import model_fit
+    from codex.train.plan.plan import resolve_batch
 
     # Both sides plan with the preset's memory, also on a machine whose own GPU differs.
     monkeypatch.setattr(memory, "available_bytes", lambda kind, gb: int(gb * 1e9) if gb else None)

@@ -106,7 +106,7 @@ def test_metrics_on_gcs_are_appended_in_bounded_chunks(gcs_bucket, monkeypatch):
     rewrite per line; a resume still cuts the lines after its checkpoint."""
     import gcsfs
 
-    from train import metrics as M
+    from codex.train import metrics as M
 
     monkeypatch.setattr(M, "FLUSH_LINES", 10)
     written, merges = [], []

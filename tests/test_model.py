@@ -13,9 +13,16 @@ import textwrap
 import pytest
 import torch
 
-from codex.config import build_config, preset_names
-from codex.config.model import ModelConfig
-from model.gpt import GPT, build_model, flops_per_token, matmul_params, num_params, padded_vocab
+from codex.core.config import build_config, preset_names
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import (
+    GPT,
+    build_model,
+    flops_per_token,
+    matmul_params,
+    num_params,
+    padded_vocab,
+)
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -152,8 +159,8 @@ def test_two_processes_with_different_ranks_build_identical_weights():
         rank = int(sys.argv[1])
         torch.manual_seed(rank)            # what a per-rank seeded process would do first
         torch.rand(rank * 17 + 1)
-        from codex.config.model import ModelConfig
-        from model.gpt import build_model
+        from codex.core.config.model import ModelConfig
+        from codex.model.gpt import build_model
         m = build_model(ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300,
                                     max_seq_len=32, tie_embeddings=True), seed=1337)
         h = hashlib.sha256()
@@ -238,8 +245,8 @@ def test_forward_backward_lowers_under_xla_and_matches_cpu():
     out = run_xla(
         textwrap.dedent("""
         import torch, torch_xla, torch_xla.debug.metrics as met
-        from codex.config.model import ModelConfig
-        from model.gpt import build_model
+        from codex.core.config.model import ModelConfig
+        from codex.model.gpt import build_model
         # before any CPU backward: the autograd engine sizes its device queues once
         dev = torch_xla.device()
         cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300,
@@ -280,8 +287,8 @@ def test_zero_init_proj_makes_every_block_the_identity_and_still_trains():
 
 
 def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
-    from codex.config import ConfigError
-    from model.export_hf import check_exportable
+    from codex.core.config import ConfigError
+    from codex.model.export_hf import check_exportable
 
     raw = build_model(tiny(init_std=2.0), seed=0)
     capped = build_model(tiny(init_std=2.0, logit_softcap=5.0), seed=0)
@@ -295,9 +302,9 @@ def test_logit_softcap_bounds_the_logits_and_is_refused_by_the_export():
 
 
 def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
-    from codex.config import ConfigError
-    from model.export_hf import check_exportable
-    from model.gpt import decode, prefill
+    from codex.core.config import ConfigError
+    from codex.model.export_hf import check_exportable
+    from codex.model.gpt import decode, prefill
 
     m = build_model(tiny(n_layer=4, n_kv_head=2, value_embed=True), seed=0).eval()
     assert sorted(m.value_embeds) == ["1", "3"]  # every other layer, the last included
@@ -323,7 +330,7 @@ def test_value_embeddings_add_a_per_token_vector_to_alternate_layers_values():
 
 
 def test_derived_mlp_hidden_is_a_multiple_of_256_from_1024_and_of_128_below():
-    from model.gpt import mlp_hidden
+    from codex.model.gpt import mlp_hidden
 
     assert mlp_hidden(ModelConfig()) == 384  # the default 4 x 128: 8/3 * 128 = 341 -> 384
     assert mlp_hidden(ModelConfig(n_embd=768)) == 2048  # 124m: already a multiple of 256

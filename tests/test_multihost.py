@@ -1,5 +1,6 @@
 """Two hosts simulated on the CPU: two `torchrun --nnodes=2 --nproc_per_node=1` agents on 127.0.0.1
-with gloo, the tiny model. The control plane (train/dist/control.py) must keep them in step: one
+with gloo, the tiny model. The control plane (train/distributed/control.py) must keep them in step:
+one
 stop step for a SIGTERM on one host, one resume step (or a loud failure), a failing, killed or hung
 rank ends the job. Below them, without a GPU: the environment set before the process group (NCCL
 flight recorder, socket interface), the abort on a failed CUDA rank, one GPU per process."""
@@ -19,8 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from codex.train.checkpoint import folders as checkpoint
 from tests.train_helpers import base_overrides, child_env, make_run
-from train.checkpoint import folders as checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,9 +159,9 @@ def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_pa
 
 def _checkpoints_at(run: str, steps: list[int]) -> None:
     """Checkpoints at `steps` from one process with the two hosts' global batch (2 x 4 rows)."""
-    from codex.config import build_config
-    from eval.evaluate import evaluate
-    from train.loop import train
+    from codex.core.config import build_config
+    from codex.eval.evaluate import evaluate
+    from codex.train.loop import train
 
     train(
         build_config(
@@ -305,8 +306,8 @@ def test_two_nodes_on_a_local_run_directory_are_refused_unless_it_is_shared(tmp_
 def _check_shared_dir(rank: int, world: int, port: int, folders: list[str], out: str) -> None:
     import torch.distributed as dist
 
-    from codex.config import ConfigError
-    from train.dist.control import ControlPlane
+    from codex.core.config import ConfigError
+    from codex.train.distributed.control import ControlPlane
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -369,7 +370,7 @@ def test_a_killed_torchrun_agent_takes_its_rank_down_and_the_job_stops(tmp_path)
 
 
 def test_the_flight_recorder_is_set_for_cuda_where_unset_with_its_dump_in_the_run_dir(tmp_path):
-    from train.dist.backend import process_group_env
+    from codex.train.distributed.backend import process_group_env
 
     run = str(tmp_path / "run")
     one_host = {"MASTER_ADDR": "127.0.0.1"}
@@ -410,7 +411,7 @@ def test_the_socket_interface_is_the_one_that_reaches_master_addr(tmp_path):
     127.0.0.1; this machine's own address is held by its interface). process_group_env sets
     GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on CUDA) from it only for a MASTER_ADDR that is not
     loopback (several hosts) and only where unset."""
-    from train.dist.backend import process_group_env, route_interface
+    from codex.train.distributed.backend import process_group_env, route_interface
 
     assert route_interface("127.0.0.1") == "lo"
     assert route_interface("localhost") == "lo"
@@ -442,7 +443,7 @@ def test_a_failed_cuda_rank_aborts_its_process_groups_without_waiting(monkeypatc
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from train.dist.backend import TorchBackend
+    from codex.train.distributed.backend import TorchBackend
 
     calls: list[str] = []
 
@@ -471,8 +472,8 @@ def test_one_gpu_per_process_runs_on_its_cuda_0(monkeypatch):
     still refused, and 8 visible GPUs give local rank 3 cuda:3."""
     import torch
 
-    from train.dist.backend import BackendError, _cuda_device
-    from train.plan.hardware import get_preset
+    from codex.train.distributed.backend import BackendError, _cuda_device
+    from codex.train.plan.hardware import get_preset
 
     count = {"n": 1}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -500,8 +501,8 @@ def _first_step_timeouts(rank: int, world: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from train.dist.backend import TorchBackend
-    from train.dist.control import ControlPlane
+    from codex.train.distributed.backend import TorchBackend
+    from codex.train.distributed.control import ControlPlane
 
     dist.init_process_group(
         "gloo",

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from codex.config import ConfigError, build_config
-from model.gpt import build_model
+from codex.core.config import ConfigError, build_config
+from codex.model.gpt import build_model
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.optim.muon import Muon, Optimizers, orthogonalize
+from codex.train.optim.optimizer import make_optimizer
+from codex.train.optim.schedule import set_lr
 from tests.test_train import (
     KILL_AT_SAVE,
     ROOT,
@@ -24,10 +28,6 @@ from tests.test_train import (
     train_cli_args,
 )
 from tests.train_helpers import base_overrides, child_env, make_run
-from train.checkpoint import folders as checkpoint
-from train.optim.muon import Muon, Optimizers, orthogonalize
-from train.optim.optimizer import make_optimizer
-from train.optim.schedule import set_lr
 
 MUON = dict(optimizer="muon", muon_lr=0.02)
 
@@ -127,7 +127,7 @@ def _sharded_muon_step(rank: int, world: int, port: int, out: str) -> None:
     orthogonalised."""
     import torch.distributed as dist
 
-    import train.optim.muon as muon_module
+    import codex.train.optim.muon as muon_module
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -192,7 +192,7 @@ def _fsdp_muon_step(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import train.optim.muon as muon_module
+    import codex.train.optim.muon as muon_module
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

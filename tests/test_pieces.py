@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codex.config import build_config
-from pipeline.clean import clean as clean_mod
-from pipeline.clean.clean import plan_units
-from pipeline.readers import FileReport, InputFile, Piece, read_records
+from codex.core.config import build_config
+from codex.pipeline.clean import clean as clean_mod
+from codex.pipeline.clean.clean import plan_units
+from codex.pipeline.readers import FileReport, InputFile, Piece, read_records
 
 
 def records(piece_or_file, cfg) -> list[tuple[str, str | None, int]]:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from codex.config import build_config
-from codex.config.model import ModelConfig
-from eval.evaluate import evaluate
-from model.gpt import build_model
+from codex.core.config import build_config
+from codex.core.config.model import ModelConfig
+from codex.eval.evaluate import evaluate
+from codex.model.gpt import build_model
+from codex.train.loop import train
 from tests.train_helpers import base_overrides, make_run
-from train.loop import train
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from codex.progress import Progress
+from codex.core.progress import Progress
 
 
 def test_line_has_counts_and_rates():
@@ -50,7 +50,7 @@ def test_the_final_line_is_not_repeated(caplog):
 def terminal(monkeypatch):
     """The terminal handler setup_logging installs, on a StringIO, with the root logger at INFO
     (as the codex CLI runs); removed afterwards with the log file."""
-    from codex import progress
+    from codex.core import progress
 
     monkeypatch.delenv("CODEX_DEBUG", raising=False)
     root = logging.getLogger()
@@ -70,7 +70,7 @@ def terminal(monkeypatch):
 def test_library_info_lines_go_to_the_log_file_not_the_terminal(terminal, tmp_path):
     """rustbpe, fsspec, gcsfs, lm-eval, ...: INFO in RUN/logs/<command>.log only; their warnings
     on the terminal too (gcsfs's handled errors never); codex's INFO lines in both."""
-    from codex import progress
+    from codex.core import progress
 
     path = progress.log_to_file(str(tmp_path / "run"), "codex data tokenize")
     assert path == str(tmp_path / "run" / "logs" / "tokenize.log")
@@ -107,7 +107,7 @@ def test_codex_debug_shows_library_lines_on_the_terminal(terminal, monkeypatch):
 def test_libraries_with_their_own_stderr_handler_are_routed_through_codex(terminal, tmp_path):
     """transformers, datasets, huggingface_hub print on a stderr handler of their own (and
     transformers does not propagate): after adoption their INFO goes to the file only."""
-    from codex import progress
+    from codex.core import progress
 
     own = logging.getLogger("transformers")
     saved = own.handlers[:], own.propagate, own.level
@@ -129,7 +129,7 @@ def test_libraries_with_their_own_stderr_handler_are_routed_through_codex(termin
 
 def test_the_bar_goes_to_the_log_file_as_lines(terminal, tmp_path):
     """On a terminal the bar is drawn, not logged; the log file still gets its line."""
-    from codex import progress
+    from codex.core import progress
 
     (tmp_path / "run").mkdir()
     path = progress.log_to_file(str(tmp_path / "run"), "codex data shard")
@@ -142,7 +142,7 @@ def test_the_bar_goes_to_the_log_file_as_lines(terminal, tmp_path):
 
 
 def test_a_remote_run_has_no_log_file(terminal):
-    from codex import progress
+    from codex.core import progress
 
     assert progress.log_to_file("gs://bucket/run", "codex train") is None
     assert progress.log_file() is None
@@ -163,7 +163,7 @@ class _Terminal(io.StringIO):
 
 
 def test_log_lines_never_run_into_the_bar():
-    from codex.progress import BarAwareHandler
+    from codex.core.progress import BarAwareHandler
 
     term = _Terminal()
     handler = BarAwareHandler(term)

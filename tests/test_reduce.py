@@ -1,4 +1,5 @@
-"""The replicated gradient all-reduce (train/dist/reduce.py through TorchBackend) on 2 gloo ranks:
+"""The replicated gradient all-reduce (train/distributed/reduce.py through TorchBackend) on 2 gloo
+ranks:
 exactly one reduction of every gradient element per optimizer step, issued from the last
 micro-batch's backward while it still computes (overlap), for accumulation 1 and 4 through
 `codex train`; the mean of the ranks' gradients, bitwise in fp32 and within bf16's rounding under
@@ -27,7 +28,7 @@ BUCKET_BYTES = 16 << 10  # 11 buckets for the tiny model (222 KB of gradients)
 COUNT_REDUCE = """
 import json, os, sys, torch
 import torch.distributed as dist
-from train.dist.backend import TorchBackend, unwrap
+from codex.train.distributed.backend import TorchBackend, unwrap
 events, state, hooked = [], {{"backward": False}}, []
 real_backward = torch.Tensor.backward
 def backward(self, *a, **k):
@@ -131,7 +132,7 @@ def test_one_reduction_per_step_issued_inside_the_last_backward(tmp_path, accum,
 
 
 def _tiny_model_cfg():
-    from codex.config import build_config
+    from codex.core.config import build_config
 
     cfg = build_config(overrides=TINY_MODEL).model
     cfg.vocab_size = VOCAB
@@ -144,9 +145,9 @@ def _reduce_worker(rank: int, world: int, port: int, out: str) -> None:
     set_grad_sync / all_reduce_grads, with the all-reduces recorded."""
     import torch.distributed as dist
 
-    from model.gpt import build_model
-    from train.dist.backend import TorchBackend
-    from train.remat import apply_remat
+    from codex.model.gpt import build_model
+    from codex.train.distributed.backend import TorchBackend
+    from codex.train.remat import apply_remat
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -256,7 +257,7 @@ def _unused_worker(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 leaves the second layer out of its loss: it has no gradient there."""
     import torch.distributed as dist
 
-    from train.dist.backend import TorchBackend
+    from codex.train.distributed.backend import TorchBackend
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

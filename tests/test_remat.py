@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codex.config.model import ModelConfig
-from model.gpt import build_model
-from train.remat import apply_remat
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model
+from codex.train.remat import apply_remat
 
 torch.set_num_threads(1)
 
@@ -52,12 +52,12 @@ def test_remat_leaves_parameter_names_and_no_grad_forward_alone():
 def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, monkeypatch):
     """The loop applies train.remat (train/loop.py -> apply_remat): three optimizer steps on the
     CPU end with the same weights either way, and the block run did go through the checkpoint."""
-    import train.remat as remat_module
-    from codex.config import build_config
-    from eval.evaluate import evaluate
+    import codex.train.remat as remat_module
+    from codex.core.config import build_config
+    from codex.eval.evaluate import evaluate
+    from codex.train.checkpoint import folders as checkpoint
+    from codex.train.loop import train
     from tests.train_helpers import base_overrides, make_run
-    from train.checkpoint import folders as checkpoint
-    from train.loop import train
 
     calls = []
     real_fn = remat_module.checkpoint_fn
@@ -86,15 +86,15 @@ def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
     import sys
     from pathlib import Path
 
-    from codex.config import build_config
-    from train.plan.hardware import get_preset
-    from train.plan.memory import plan
+    from codex.core.config import build_config
+    from codex.train.plan.hardware import get_preset
+    from codex.train.plan.memory import plan
 
     overrides = ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_layer=8"]
     script = (
         "import sys, torch\n"
-        "from codex.config import build_config\nfrom model.gpt import build_model\n"
-        "from train.remat import apply_remat\n"
+        "from codex.core.config import build_config\nfrom model.gpt import build_model\n"
+        "from codex.train.remat import apply_remat\n"
         "torch.set_num_threads(1)\n"
         f"m = build_config(overrides={overrides!r}).model\n"
         # VmHWM (kB), this process's own peak: ru_maxrss carries the parent's across exec

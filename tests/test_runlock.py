@@ -1,4 +1,4 @@
-"""The run-directory lock (codex/runlock.py): one writer per run, local and on gs://.
+"""The run-directory lock (codex/core/runlock.py): one writer per run, local and on gs://.
 
 Cross-process cases run the real CLI in subprocesses and kill the holder with SIGKILL; the lease
 logic itself is checked in-process. GCS: the shared emulator (tests/conftest.py) does not honour
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from codex import runlock
-from codex.runlock import LockHeld, LockLost, RunLock
+from codex.core import runlock
+from codex.core.runlock import LockHeld, LockLost, RunLock
 from tests.test_shard import make_docs, write_clean, write_tokenizer
 from tests.train_helpers import base_overrides, child_env, make_run
 
@@ -125,7 +125,7 @@ def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp
 BLOCKING_SHARD = """
 import sys, time
 from pathlib import Path
-from pipeline.shard import shard
+from codex.pipeline.shard import shard
 def write_npy(path, tokens):
     Path(sys.argv[1]).write_text("writing")
     time.sleep(600)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.gpt import build_model
+from codex.model.gpt import build_model
 from tests.test_eval import make_tokenizer, tiny_cfg
 from tests.test_eval_run import _metrics, eval_cfg, make_run
 
@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 
 def test_sample_greedy_topk_seed_and_crop():
-    from eval.sample import sample
+    from codex.eval.sample import sample
 
     tok = make_tokenizer()
     model = build_model(tiny_cfg(tok.get_vocab_size(), max_seq_len=16), seed=2)
@@ -49,7 +49,7 @@ def test_sample_greedy_topk_seed_and_crop():
 
 
 def test_run_sample_loads_the_checkpoint(tmp_path):
-    from eval.sample import run_sample, sample
+    from codex.eval.sample import run_sample, sample
 
     run, tok, model = make_run(tmp_path)
     got = run_sample(eval_cfg(run, max_new_tokens=8, temperature=0), "The quick")
@@ -60,7 +60,7 @@ def test_run_sample_loads_the_checkpoint(tmp_path):
 
 
 def test_plot_loss_writes_a_png_and_dedups_resumed_steps(tmp_path):
-    from eval.plot import loss_curves, plot_loss, read_metrics
+    from codex.eval.plot import loss_curves, plot_loss, read_metrics
 
     run = tmp_path / "run"
     rows = [
@@ -83,7 +83,7 @@ def test_plot_loss_writes_a_png_and_dedups_resumed_steps(tmp_path):
 
 
 def test_plot_loss_errors_name_the_file_and_line(tmp_path):
-    from eval.plot import plot_loss
+    from codex.eval.plot import plot_loss
 
     run = tmp_path / "run"
     _metrics(run, ['{"kind": "train", "step": 1, "tokens": 10, "loss": 3}', "not json", "{}"])

@@ -17,14 +17,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codex import fsio
-from codex.config import Config
-from pipeline import readers
-from pipeline.encode import split_long_text
-from pipeline.shard import shard as shard_mod
-from pipeline.shard.shard import run_shard
-from pipeline.shard.verify import verify_shards
-from pipeline.upload import upload_run
+from codex.core import fsio
+from codex.core.config import Config
+from codex.pipeline import readers
+from codex.pipeline.encode import split_long_text
+from codex.pipeline.shard import shard as shard_mod
+from codex.pipeline.shard.shard import run_shard
+from codex.pipeline.shard.verify import verify_shards
+from codex.pipeline.upload import upload_run
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = (
@@ -78,7 +78,7 @@ def write_clean(
 
 
 def write_tokenizer(run: Path, docs: list[str], vocab_size: int = 400) -> None:
-    from pipeline.tokenizer.tokenizer import SPECIAL_IDS, train_tokenizer
+    from codex.pipeline.tokenizer.tokenizer import SPECIAL_IDS, train_tokenizer
 
     tok = train_tokenizer(iter([docs]), vocab_size)
     text = tok.to_str(pretty=True)
@@ -174,7 +174,7 @@ def shas(manifest: dict) -> list[tuple]:
 
 
 def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
-    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     m = run_shard(make_cfg(run))
@@ -203,7 +203,7 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
     assert (out / "config.yaml").exists()
     assert verify_shards(str(out), str(run / "tokenizer")) == []
     # the training loader accepts the manifest as written
-    from train.data.token_shards import (
+    from codex.train.data.token_shards import (
         load_manifest,
     )
 
@@ -211,7 +211,7 @@ def test_round_trip_manifest_and_verify(tmp_path, corpus, tokenizer_files):
 
 
 def test_append_eos_and_parquet_format(tmp_path, corpus, tokenizer_files):
-    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 
     run = make_run(tmp_path, corpus, tokenizer_files)
     m = run_shard(make_cfg(run, append_eos=True, format="both"))
@@ -256,7 +256,7 @@ def reference_shards(
     """The layout computed without the stage: each split's documents encoded one at a time,
     concatenated in corpus order and cut every shard_tokens; and where the train stream passes
     from one part to the next (write_clean's parts are consecutive slices of `corpus`)."""
-    from pipeline.encode import Encoder
+    from codex.pipeline.encode import Encoder
 
     s = cfg.data.shard
     text = (run / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
@@ -386,7 +386,7 @@ def test_interrupted_encode_redoes_only_the_missing_parts(
 KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from pipeline.shard import shard
+from codex.pipeline.shard import shard
 from tests.test_shard import make_cfg
 after, where = int(sys.argv[2]), sys.argv[3]
 count = [0]

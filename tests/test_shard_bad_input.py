@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.shard import shard as shard_mod
-from pipeline.shard.shard import ShardDataError, ShardError, run_shard
-from pipeline.shard.verify import verify_shards
+from codex.pipeline.shard import shard as shard_mod
+from codex.pipeline.shard.shard import ShardDataError, ShardError, run_shard
+from codex.pipeline.shard.verify import verify_shards
 from tests import test_shard as shard_tests
 from tests.test_shard import make_cfg, make_run, write_tokenizer
 

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codex.config import Config
-from pipeline import executor, readers
-from pipeline.executor import Where
-from pipeline.shard import shard as shard_mod
-from pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
-from pipeline.shard.verify import verify_shards
+from codex.core.config import Config
+from codex.pipeline import executor, readers
+from codex.pipeline.executor import Where
+from codex.pipeline.shard import shard as shard_mod
+from codex.pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
+from codex.pipeline.shard.verify import verify_shards
 from tests import test_shard as shard_tests
 from tests.test_shard import Stopped, make_cfg, make_run, npy_sha, reference_shards
 

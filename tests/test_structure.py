@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+from pathlib import Path
 
 from tests.import_graph import (
     LAYERS,
     ROOT,
+    STAGES,
     TRAIN_LAYERS,
     cycles,
+    folder,
     import_graph,
     module_files,
     upward_arrows,
@@ -29,25 +33,41 @@ def test_no_arrow_runs_back_up():
 
 
 def test_the_graph_sees_lazy_imports_and_the_rules_can_fail(tmp_path):
-    """A circle made only of imports inside functions, and an arrow from the ground (codex/) up to
-    train/, are both caught: the checks above are not vacuous."""
-    for pkg in ("codex", "model", "pipeline", "train", "eval"):
+    """A circle made only of imports inside functions, and an arrow from the ground (codex.core)
+    up to train, are both caught: the checks above are not vacuous."""
+    for pkg in ("codex", "codex/core", "model", "pipeline", "train", "eval"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "train" / "loop.py").write_text("def f():\n    from train import data\n")
-    (tmp_path / "train" / "data.py").write_text("def g():\n    import train.loop\n")
-    (tmp_path / "codex" / "fsio.py").write_text("from train.loop import f\n")
+    (tmp_path / "train" / "loop.py").write_text("def f():\n    from codex.train import data\n")
+    (tmp_path / "train" / "data.py").write_text("def g():\n    import codex.train.loop\n")
+    (tmp_path / "codex" / "core" / "fsio.py").write_text("from codex.train.loop import f\n")
     graph = import_graph(tmp_path)
-    assert cycles(graph) == [["train.data", "train.loop"]]
-    assert upward_arrows(graph) == [("codex.fsio", "train.loop"), ("train.data", "train.loop")]
+    assert cycles(graph) == [["codex.train.data", "codex.train.loop"]]
+    assert upward_arrows(graph) == [
+        ("codex.core.fsio", "codex.train.loop"),
+        ("codex.train.data", "codex.train.loop"),
+    ]
 
 
 def test_layers_name_every_folder_and_train_part():
-    folders = {m.split(".")[0] for m in module_files()}
-    assert folders <= set(LAYERS)
+    layers = {folder(m) for m in module_files()}
+    assert layers == set(LAYERS)
     parts = {p.name.removesuffix(".py") for p in (ROOT / "train").iterdir()}
     parts -= {"__init__", "__pycache__"}
     assert parts == set(TRAIN_LAYERS)
+
+
+def test_one_import_namespace_and_no_folder_named_dist():
+    """Every module is codex.*, each stage folder is linked into codex/ (so a checkout imports
+    what the wheel installs), and no folder is named dist (tools skip such folders unasked)."""
+    assert all(m == "codex" or m.startswith("codex.") for m in module_files())
+    for stage in (*STAGES, "configs"):
+        link = ROOT / "codex" / stage
+        assert link.is_symlink() and link.resolve() == (ROOT / stage).resolve(), link
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert not [f for f in tracked if "dist" in Path(f).parent.parts]
 
 
 def architecture_names(text: str) -> set[str]:
@@ -95,6 +115,7 @@ def test_pyproject_ships_every_package():
         tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
     packages = {m for m, f in module_files().items() if f.name == "__init__.py"}
+    assert all(p == "codex" or p.startswith("codex.") for p in listed)
     assert listed == packages | {"codex.configs"}
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from train.plan import threads as th
+from codex.train.plan import threads as th
 
 
 def fake_topology(root, cores_of_cpu: dict[int, tuple[int, int]]):

@@ -11,12 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codex import fsio, rundir
-from codex.config import Config, ConfigError
-from pipeline import encode
-from pipeline.tokenizer import bpe as B
-from pipeline.tokenizer import doc_select
-from pipeline.tokenizer import tokenizer as T
+from codex.core import fsio, rundir
+from codex.core.config import Config, ConfigError
+from codex.pipeline import encode
+from codex.pipeline.tokenizer import bpe as B
+from codex.pipeline.tokenizer import doc_select
+from codex.pipeline.tokenizer import tokenizer as T
 
 VOCAB = 600
 

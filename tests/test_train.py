@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from codex.config import ConfigError, build_config
-from eval.evaluate import evaluate
+from codex.core.config import ConfigError, build_config
+from codex.eval.evaluate import evaluate
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.loop import train
+from codex.train.plan.plan import grad_accum_steps
 from tests.train_helpers import base_overrides, child_env, make_run, optimizer_tensors
-from train.checkpoint import folders as checkpoint
-from train.loop import train
-from train.plan.plan import grad_accum_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_one_process_two_processes_and_accumulation_agree(tmp_path):
 
 
 def build_init(run: str) -> dict:
-    from model.gpt import build_model
+    from codex.model.gpt import build_model
 
     cfg = build_config(overrides=base_overrides(), run=run)
     cfg.model.vocab_size = 300
@@ -166,7 +166,7 @@ def build_init(run: str) -> dict:
 
 KILL_AT_SAVE = """
 import os, signal, sys
-from train.checkpoint import folders as checkpoint
+from codex.train.checkpoint import folders as checkpoint
 real_save = checkpoint.save
 def save(run, state, **kw):
     if state["step"] == {kill_step}:
@@ -336,7 +336,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
 
 
 def test_lr_schedules():
-    from train.optim.schedule import lr_at
+    from codex.train.optim.schedule import lr_at
 
     kw = dict(max_lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
@@ -351,8 +351,8 @@ def test_lr_schedules():
 
 
 def test_no_weight_decay_on_norms_embeddings_and_vectors():
-    from model.gpt import build_model
-    from train.optim.optimizer import param_groups
+    from codex.model.gpt import build_model
+    from codex.train.optim.optimizer import param_groups
 
     cfg = build_config(overrides=base_overrides())
     cfg.model.vocab_size = 300
@@ -373,7 +373,7 @@ def test_no_weight_decay_on_norms_embeddings_and_vectors():
 
 
 def test_hardware_presets_and_table():
-    from train.plan.hardware import format_hardware_table, get_preset
+    from codex.train.plan.hardware import format_hardware_table, get_preset
 
     table = format_hardware_table()
     for name in (
@@ -399,8 +399,8 @@ def test_hardware_presets_and_table():
 def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from train.dist.backend import BackendError
-    from train.launch import make_backend
+    from codex.train.distributed.backend import BackendError
+    from codex.train.launch import make_backend
 
     cfg = build_config(overrides=base_overrides(hardware="h100-8"), run=str(tmp_path))
     with pytest.raises(BackendError) as e:
@@ -409,7 +409,7 @@ def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
 
 
 def test_default_batch_comes_from_the_preset(tmp_path):
-    from train.plan.hardware import device_defaults, get_preset
+    from codex.train.plan.hardware import device_defaults, get_preset
 
     cfg = build_config(model="124m")
     assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)
@@ -430,7 +430,7 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     runs that same wrapper and loop on the CPU (inductor's C++ backend): losses match eager bf16,
     checkpoints hold plain keys (no '_orig_mod.'), and a resumed compiled run ends where an
     uninterrupted one does. (~1 min: inductor compiles the model once per process.)"""
-    import train.launch as B
+    import codex.train.launch as B
 
     real = B.make_backend
 

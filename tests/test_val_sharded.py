@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from codex.train.data.loader import val_batches, val_window_ids
 from tests.test_train import run_train, train_cli_args
 from tests.train_helpers import child_env, make_run
-from train.data.loader import val_batches, val_window_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 16

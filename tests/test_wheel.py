@@ -44,37 +44,60 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
     )
 
 
+def test_the_wheel_installs_one_top_level_name(installed):
+    (top,) = installed.glob("codex-*.dist-info/top_level.txt")
+    assert top.read_text().split() == ["codex"]
+    assert sorted(p.name for p in installed.iterdir() if not p.name.endswith(".dist-info")) == [
+        "bin",
+        "codex",
+    ]
+
+
 def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
     where = run_installed(
         installed,
         tmp_path,
         "-c",
-        "import codex, train, pipeline, model, eval, codex.config as c; "
-        "print(codex.__file__, train.__file__, c.CONFIGS_DIR)",
+        "import codex, codex.train, codex.pipeline, codex.core.config as c; "
+        "print(codex.__file__, codex.train.__file__, c.CONFIGS_DIR)",
     )
     assert where.returncode == 0, where.stderr
     assert all(p.startswith(str(installed)) for p in where.stdout.split()), where.stdout
     # clean's compiled word counter ships in the wheel wherever the checkout's install built it
-    from pipeline.clean import filters
+    from codex.pipeline.clean import filters
 
     built = run_installed(
-        installed, tmp_path, "-c", "from pipeline.clean import filters as F; print(F.COUNTER)"
+        installed, tmp_path, "-c", "from codex.pipeline.clean import filters as F; print(F.COUNTER)"
     )
     assert built.returncode == 0, built.stderr
     assert ("Counter" in built.stdout) == (filters.COUNTER is not None), built.stdout
 
-    # a user's folder with its own train.py, model.py and eval.py (a nanoGPT checkout): codex must
-    # never import them in place of its packages
+    # a user's folder with its own train.py, model.py, eval.py and pipeline.py (a nanoGPT
+    # checkout): codex must never import them in place of its packages
     user = tmp_path / "user"
     user.mkdir()
-    for name in ("train.py", "model.py", "eval.py"):
+    for name in ("train.py", "model.py", "eval.py", "pipeline.py"):
         (user / name).write_text(f"raise SystemExit('the user\\'s {name} was imported')\n")
 
     table = run_installed(installed, user, "-m", "codex.cli", "hardware")
     assert table.returncode == 0 and "v6e-4" in table.stdout, table.stderr
-    fit = run_installed(installed, user, "-m", "codex.cli", "hardware", "--model", "124m")
+    script = [str(installed / "bin" / "codex"), "hardware", "--model", "124m"]
+    fit = run_installed(installed, user, *script)
     assert fit.returncode == 0, fit.stderr
     assert "model 124m: 135M parameters" in fit.stdout and "v6e-4" in fit.stdout
+
+    # the python -c line a notebook or a user's script runs: the working folder first on the path
+    run0 = make_run(tmp_path / "run0")
+    flags0 = [f for o in base_overrides(max_steps=2) for f in ("--set", o)]
+    argv = ["train", "--run", run0, *flags0]
+    inline = run_installed(
+        installed,
+        user,
+        "-c",
+        f"import sys; from codex.cli import main; sys.argv = ['codex', *{argv!r}]; main()",
+    )
+    assert inline.returncode == 0, inline.stderr[-3000:]
+    assert (Path(run0) / "checkpoints" / "step_00000002" / "DONE").exists()
 
     run = make_run(tmp_path / "run")
     flags = [f for o in base_overrides(max_steps=2) for f in ("--set", o)]

@@ -81,10 +81,10 @@ sys.path.insert(0, {str(ROOT)!r})
 import torch
 torch.set_num_threads(1)
 from pathlib import Path
-from codex.config import build_config
+from codex.core.config import build_config
 from tests.train_helpers import make_run
-from eval.evaluate import evaluate
-from train.loop import train
+from codex.eval.evaluate import evaluate
+from codex.train.loop import train
 
 def cfg(run, ov):
     if not Path(run, "shards").exists():
@@ -133,7 +133,7 @@ def run_xla_script(script: str, devices: int, env: dict | None = None) -> dict:
 
 
 def model_at(run: str, step: int) -> dict:
-    from train.checkpoint import folders as checkpoint
+    from codex.train.checkpoint import folders as checkpoint
 
     return checkpoint.load(run, step)["model"]
 
@@ -190,12 +190,12 @@ emit("resume_xla", train(cfg({d["resume_xla"]!r}, {overrides("v6e-4", 2, 30, sav
                          evaluate))
 
 # eval.evaluate: one set of weights (eager30 step 30), SPMD over 4 devices vs the eager CPU.
-from eval.evaluate import evaluate
-from model.gpt import build_model
-from train.checkpoint import folders as checkpoint
-from train.dist.backend import loader_layout
-from train.launch import make_backend
-from train.data.loader import val_batches
+from codex.eval.evaluate import evaluate
+from codex.model.gpt import build_model
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.distributed.backend import loader_layout
+from codex.train.launch import make_backend
+from codex.train.data.loader import val_batches
 import numpy as np
 c = cfg({d["eager30"]!r}, {overrides("v6e-4", 2, 30)!r})
 state = checkpoint.load(c.run, 30)
@@ -217,7 +217,7 @@ eager_640 = evaluate(cpu_model, val_batches(shards, seq_len=32, batch_size=8, ma
 emit("eval", {{"eager_all": eager, "xla": xla, "eager": eager_640, "layout": [rank, world, rows]}})
 
 # max_compiles fails loudly.
-from train.xla.backend import CompileLimitError
+from codex.train.xla.backend import CompileLimitError
 backend.max_compiles = backend.compile_count() - 1
 try:
     backend.step_boundary()
@@ -227,8 +227,8 @@ except CompileLimitError as e:
 """
     spmd_b = f"""
 import torch_xla.debug.metrics as met
-from train.dist.backend import BackendError
-from train.launch import make_backend
+from codex.train.distributed.backend import BackendError
+from codex.train.launch import make_backend
 try:
     make_backend(cfg({d["spmd60"]!r}, {overrides("v6e-8", 2, 60)!r}))
     emit("mismatch_error", None)
@@ -239,7 +239,7 @@ emit("spmd60_compiles", met.metric_data("CompileTime")[0])
 """
     spawn = f"""
 import functools
-from train.xla.backend import spawn_train
+from codex.train.xla.backend import spawn_train
 emit("spawn5", spawn_train(
     cfg({d["spawn5"]!r},
         {overrides("v6e-1", 8, 5, xla_mode="spawn", xla_step="traced")!r}),
@@ -309,7 +309,7 @@ def test_spawn_one_device_with_all_reduce_matches_eager(runs):
 def test_xla_checkpoint_resumes_on_eager_cpu_and_back(runs):
     d = runs["dirs"]
     # A DCP checkpoint like every other: loads into CPU tensors without torch_xla.
-    from train.checkpoint import folders as checkpoint
+    from codex.train.checkpoint import folders as checkpoint
 
     state = checkpoint.load(d["spmd30"], 30)
     parts = list(state["optimizer"].values())  # AdamW, or Muon + AdamW
@@ -361,9 +361,9 @@ def test_device_count_mismatch_is_an_error(runs):
 NO_FALLBACK = f"""
 import os, sys, json
 sys.path.insert(0, {str(ROOT)!r})
-from codex.config import build_config
-from train.dist.backend import BackendError
-from train.launch import make_backend
+from codex.core.config import build_config
+from codex.train.distributed.backend import BackendError
+from codex.train.launch import make_backend
 out = {{}}
 for case, env, allow in (("unset", None, True), ("cpu_not_allowed", "CPU", False),
                          ("tpu_missing", "TPU", True)):
@@ -495,7 +495,7 @@ def test_compile_count_fixed_for_1000_steps_and_after_a_resume(tmp_path):
     make_run(Path(fresh))
     long_run = f"""
 import torch_xla.debug.metrics as met
-from codex.config import build_config
+from codex.core.config import build_config
 r = train(build_config(overrides={_long_overrides(1000, max_compiles=LONG_RUN_COMPILES)!r},
                        run={fresh!r}), evaluate)
 emit("fresh", r)
@@ -515,7 +515,7 @@ emit("fresh_compiles", met.metric_data("CompileTime")[0])
     shutil.copytree(fresh, resumed, ignore=shutil.ignore_patterns("step_00001000", "xla_cache"))
     resume = f"""
 import torch_xla.debug.metrics as met
-from codex.config import build_config
+from codex.core.config import build_config
 emit("resumed", train(build_config(overrides={_long_overrides(1000)!r}, run={resumed!r}), evaluate))
 emit("resumed_compiles", met.metric_data("CompileTime")[0])
 """
@@ -579,9 +579,9 @@ import json
 import torch
 torch.set_num_threads(1)
 import torch_xla
-from codex.config.model import ModelConfig
-from model.gpt import build_model
-from train.remat import apply_remat
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model
+from codex.train.remat import apply_remat
 
 cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)
 g = torch.Generator().manual_seed(1)

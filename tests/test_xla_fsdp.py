@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from codex.train.xla.sharding import param_spec
 from tests.test_xla import max_diff, model_at, overrides, run_eager, run_xla_script
 from tests.train_helpers import make_run
-from train.xla.sharding import param_spec
 
 pytestmark = pytest.mark.xla
 
@@ -38,8 +38,8 @@ DEVICES = 4
 # Hands the loop's model and optimizer to the script, and counts the optimizer state tensors the
 # step hooks mark (train/xla/sharding.py: shard_optimizer_state).
 CAPTURE = """
-import train.loop as loop_module
-from train.xla import sharding as xla_sharding
+import codex.train.loop as loop_module
+from codex.train.xla import sharding as xla_sharding
 import torch_xla.core.xla_model as xm
 captured, marks = {}, []
 _make_optimizer, _shard_state = loop_module.make_optimizer, xla_sharding.shard_optimizer_state
@@ -218,11 +218,11 @@ def test_xla_fsdp_checkpoint_resumes_on_eager_and_back(runs):
 def test_export_gives_the_live_sharded_models_logits(runs, tmp_path):
     """`codex export`'s file (torch.load(weights_only=True)) in a fresh model gives the logits the
     live XLA fsdp=4 model gave at the same step."""
-    from codex.config import build_config
-    from codex.config.model import ModelConfig
-    from model.export_torch import export_torch
-    from model.gpt import GPT
-    from train.checkpoint.read import read_checkpoint
+    from codex.core.config import build_config
+    from codex.core.config.model import ModelConfig
+    from codex.model.export_torch import export_torch
+    from codex.model.gpt import GPT
+    from codex.train.checkpoint.read import read_checkpoint
 
     d = runs["dirs"]
     out = str(tmp_path / "model.pt")
@@ -253,12 +253,12 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
     """train.parallel=auto on a TPU preset where the replicated state does not fit gives fsdp over
     the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any
     device work."""
-    from codex.config import ConfigError, build_config
-    from codex.config.model import ModelConfig
-    from train.plan.hardware import get_preset
-    from train.plan.layout import Layout
-    from train.plan.plan import resolve_batch
-    from train.xla.backend import XLABackend
+    from codex.core.config import ConfigError, build_config
+    from codex.core.config.model import ModelConfig
+    from codex.train.plan.hardware import get_preset
+    from codex.train.plan.layout import Layout
+    from codex.train.plan.plan import resolve_batch
+    from codex.train.xla.backend import XLABackend
 
     preset = get_preset("v5litepod-4")
     *_, layout = resolve_batch(

@@ -22,7 +22,7 @@ from tests.test_xla import PRELUDE, overrides, results
 pytestmark = pytest.mark.xla
 
 CHILD = """
-from train.xla.backend import XLABackend
+from codex.train.xla.backend import XLABackend
 drains = []
 plain = XLABackend.synchronize
 def counted(self):

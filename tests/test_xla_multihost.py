@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from codex.train.checkpoint import folders as checkpoint
 from tests.test_multihost import finish, free_port
 from tests.train_helpers import base_overrides, child_env, make_run
 from tests.xla_hosts import RECORD_ENV
-from train.checkpoint import folders as checkpoint
 
 pytestmark = pytest.mark.xla
 

@@ -26,15 +26,15 @@ ACCUM = 4
 
 CHILD = """
 from dataclasses import replace
-from model.gpt import build_model, mlp_hidden
+from codex.model.gpt import build_model, mlp_hidden
 from tests.train_helpers import VOCAB
 c = cfg({run!r}, {ov!r})
 emit("loss", train(c, evaluate)["loss"])
 m = build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model)), seed=0)
 emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
-from train.plan.hardware import get_preset
-from train.plan.memory import plan
+from codex.train.plan.hardware import get_preset
+from codex.train.plan.memory import plan
 t = c.train
 mp = plan(replace(c.model, vocab_size=VOCAB), get_preset("v6e-4"), t.device_batch, t.seq_len,
           layout=t.parallel, dtype=t.dtype, optimizer=t.optimizer, world=4,

@@ -21,10 +21,10 @@ import json
 import torch
 torch.set_num_threads(1)
 import torch_xla
-from codex.config.model import ModelConfig
-from model.gpt import build_model
-from train.remat import apply_remat
-from train.xla.step import DeviceAccumulation
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model
+from codex.train.remat import apply_remat
+from codex.train.xla.step import DeviceAccumulation
 
 ACCUM, STEPS = 3, 3
 cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=300, max_seq_len=16)
@@ -112,8 +112,8 @@ def test_flash_kernel_gets_no_mesh_inside_the_per_device_trace(monkeypatch):
     the traced step) the mesh and the batch spec over both axes."""
     import torch_xla.experimental.custom_kernel as ck
 
-    from train.xla.flash import make_flash_attend
-    from train.xla.sharding import per_device_trace
+    from codex.train.xla.flash import make_flash_attend
+    from codex.train.xla.sharding import per_device_trace
 
     calls = []
     monkeypatch.setattr(
@@ -138,18 +138,18 @@ UPDATE_SCRIPT = """
 import json
 import torch
 torch.set_num_threads(1)
-from train.plan.hardware import set_xla_import_env
+from codex.train.plan.hardware import set_xla_import_env
 set_xla_import_env()
 import torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
-from codex.config import build_config
-from codex.config.model import ModelConfig
-from model.gpt import build_model
-from train.optim.optimizer import clip_grad_norm, make_optimizer
-from train.optim.schedule import set_lr
-from train.xla import sharding
-from train.xla.update import CachedUpdate
+from codex.core.config import build_config
+from codex.core.config.model import ModelConfig
+from codex.model.gpt import build_model
+from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
+from codex.train.optim.schedule import set_lr
+from codex.train.xla import sharding
+from codex.train.xla.update import CachedUpdate
 
 xr.use_spmd()
 dev = torch_xla.device()

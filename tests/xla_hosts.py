@@ -37,8 +37,8 @@ RECORD_ENV = "CODEX_SIM_RECORD_BATCH"  # save each host's first batch to VALUE.I
 
 def simulate(hosts: int, index: int) -> None:
     """Patch torch_xla's runtime queries and codex's mesh and cross-host sums (module doc)."""
-    from codex.progress import setup_logging
-    from train.plan.hardware import set_xla_import_env
+    from codex.core.progress import setup_logging
+    from codex.train.plan.hardware import set_xla_import_env
 
     # before torch_xla's first import, as codex's CLI does: its import logs through the root
     # logger, which would otherwise get logging's default handler in place of codex's
@@ -49,8 +49,8 @@ def simulate(hosts: int, index: int) -> None:
     import torch_xla
     import torch_xla.runtime as xr
 
-    from train.xla import sharding
-    from train.xla.backend import XLABackend
+    from codex.train.xla import sharding
+    from codex.train.xla.backend import XLABackend
 
     local = xr.addressable_runtime_device_count()
     # (hosts == 1: the same runtime, unpatched but for the recorder: the reference run)
@@ -62,7 +62,7 @@ def simulate(hosts: int, index: int) -> None:
         # The slice's chips for make_xla_backend; torch_xla's own checks (xs.Mesh) keep this
         # runtime's count.
         caller = sys._getframe(1).f_globals.get("__name__")
-        return hosts * local if caller == "train.xla.backend" else global_count()
+        return hosts * local if caller == "codex.train.xla.backend" else global_count()
 
     xr.global_runtime_device_count = slice_device_count
     make_mesh = sharding.make_mesh

@@ -1,6 +1,6 @@
 """The backend a hardware preset runs on, opened and closed around a command's work.
 
-    with open_backend(cfg) as backend:   # CPU/CUDA: train/dist/backend.py;
+    with open_backend(cfg) as backend:   # CPU/CUDA: train/distributed/backend.py;
                                          # TPU: train/xla/backend.py
         ...
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from train.dist.backend import Backend, BackendError, make_torch_backend
-from train.plan.hardware import get_preset, launch_env
-from train.plan.threads import apply_threads
-from train.xla.flash import flash_unavailable
+from codex.train.distributed.backend import Backend, BackendError, make_torch_backend
+from codex.train.plan.hardware import get_preset, launch_env
+from codex.train.plan.threads import apply_threads
+from codex.train.xla.flash import flash_unavailable
 
 
 def make_backend(cfg, xla_spawned: bool = False) -> Backend:
@@ -26,7 +26,9 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
     if launch_env()[0] == 0:
         logging.getLogger("codex.train").info("threads: %s", threads.describe())
     if preset.kind == "tpu":
-        from train.xla import backend as xla_backend  # imports torch_xla: only for TPU presets
+        from codex.train.xla import (
+            backend as xla_backend,  # imports torch_xla: only for TPU presets
+        )
 
         return xla_backend.make_xla_backend(cfg, preset, spawned=xla_spawned)
     if cfg.model.attention == "flash":

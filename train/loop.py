@@ -41,24 +41,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codex import fsio, rundir
-from codex.config import Config, ConfigError, save_config, to_dict
-from codex.progress import Progress, setup_logging
-from model.gpt import flops_per_token, num_params
-from train.checkpoint import folders as checkpoint
-from train.checkpoint.folders import BackgroundWriter, PendingSave
-from train.checkpoint.resume import resume
-from train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
-from train.data.loader import TrainLoader, val_batches
-from train.dist.backend import Backend, loader_layout, unwrap
-from train.dist.control import StopFlag, injected_step_fault, rank_tag
-from train.launch import open_backend
-from train.metrics import LossWindow, MetricsLogger, StepTimer, make_logger
-from train.optim.optimizer import clip_grad_norm, make_optimizer
-from train.optim.schedule import lr_for, set_lr
-from train.plan.hardware import HardwarePreset, get_preset
-from train.plan.plan import Plan, make_plan
-from train.remat import apply_remat
+from codex.core import fsio, rundir
+from codex.core.config import Config, ConfigError, save_config, to_dict
+from codex.core.progress import Progress, setup_logging
+from codex.model.gpt import flops_per_token, num_params
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.checkpoint.folders import BackgroundWriter, PendingSave
+from codex.train.checkpoint.resume import resume
+from codex.train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
+from codex.train.data.loader import TrainLoader, val_batches
+from codex.train.distributed.backend import Backend, loader_layout, unwrap
+from codex.train.distributed.control import StopFlag, injected_step_fault, rank_tag
+from codex.train.launch import open_backend
+from codex.train.metrics import LossWindow, MetricsLogger, StepTimer, make_logger
+from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
+from codex.train.optim.schedule import lr_for, set_lr
+from codex.train.plan.hardware import HardwarePreset, get_preset
+from codex.train.plan.plan import Plan, make_plan
+from codex.train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
 

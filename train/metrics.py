@@ -42,9 +42,9 @@ from typing import Literal, cast
 
 import torch
 
-from codex import fsio, rundir
-from codex.progress import adopt_library_loggers
-from train.dist.backend import Backend, replica_mean
+from codex.core import fsio, rundir
+from codex.core.progress import adopt_library_loggers
+from codex.train.distributed.backend import Backend, replica_mean
 
 
 class LossWindow:

@@ -4,8 +4,9 @@
     torchrun --nnodes=2 --node_rank=R --master_addr=HOST --nproc_per_node=8 \\
         -m codex.cli -- train ...
 
-`codex train --nproc-per-node N` runs the first line for you. A train.py (model.py, eval.py) in the
-working directory is never imported in place of codex's packages (`_drop_working_dir`).
+`codex train --nproc-per-node N` runs the first line for you. These two are the only multi-process
+launch lines. codex installs one top-level name, so a train.py (model.py, eval.py) in the working
+directory, which `python -m` puts first on sys.path, is never imported in place of codex's own.
 
 The `--` matters: without it torchrun's own parser reads `--run` as an abbreviation of its
 `--run-path` option and stops. Every rank builds the same Config from the same flags. Exit 2 on a
@@ -15,22 +16,8 @@ configuration mistake, 0 on success and after a SIGTERM/SIGINT checkpoint.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-
-def _drop_working_dir() -> None:
-    """`python -m` puts the working directory first on sys.path, so a user's own train.py, model.py
-    or eval.py there (any nanoGPT checkout) would be imported instead of codex's packages. codex is
-    installed: the working directory has no business on the path, unless it is codex's own
-    checkout run uninstalled."""
-    here = Path(__file__).resolve().parents[2]  # the folder holding codex/
-    if sys.path and Path(sys.path[0] or ".").resolve() == Path.cwd() != here:
-        sys.path.pop(0)
-
-
-_drop_working_dir()
-
-from codex.cli.main import cli  # noqa: E402  (after the path is fixed)
+from codex.cli.main import cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import click
 
-from codex import fsio, progress, runlock
-from codex.config import Config, ConfigError, build_config, get_value
+from codex.core import fsio, progress, runlock
+from codex.core.config import Config, ConfigError, build_config, get_value
 
 
 class UserError(click.UsageError):
@@ -79,7 +79,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def run_lock(cfg, command: str):
-    """Hold RUN's lease (codex/runlock.py) while a command writes it; a second writer exits 2.
+    """Hold RUN's lease (codex/core/runlock.py) while a command writes it; a second writer exits 2.
     The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its
     own."""
     progress.log_to_file(cfg.run, command)  # RUN/logs/<command>.log: every line, libraries' too
@@ -98,7 +98,7 @@ def run_lock(cfg, command: str):
 def preset_hosts(cfg) -> int:
     """How many hosts cfg.train.hardware spans (the run lock asks a multi-host TPU slice which
     worker this is)."""
-    from train.plan.hardware import get_preset
+    from codex.train.plan.hardware import get_preset
 
     return get_preset(cfg.train.hardware).hosts
 

@@ -14,12 +14,12 @@ import sysconfig
 import time
 from collections.abc import Callable
 
-from codex import fsio, rundir
-from codex.config import CONFIGS_DIR, Config, build_config
-from codex.progress import log_to_file
-from pipeline.clean.clean import run_clean
-from pipeline.shard.shard import existing_state, run_shard
-from pipeline.tokenizer.tokenizer import load_meta, run_tokenizer
+from codex.core import fsio, rundir
+from codex.core.config import CONFIGS_DIR, Config, build_config
+from codex.core.progress import log_to_file
+from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.shard.shard import existing_state, run_shard
+from codex.pipeline.tokenizer.tokenizer import load_meta, run_tokenizer
 
 log = logging.getLogger("codex.demo")
 
@@ -65,10 +65,10 @@ def drop_stale_outputs(run: str) -> None:
 
 def run_demo(run: str, overrides=()) -> dict:
     # torch (seconds to import) only when the demo runs: `codex` itself imports this module
-    from eval.evaluate import evaluate
-    from eval.plot import plot_loss
-    from eval.run import run_eval
-    from train.loop import train
+    from codex.eval.evaluate import evaluate
+    from codex.eval.plot import plot_loss
+    from codex.eval.run import run_eval
+    from codex.train.loop import train
 
     cfg = build_config(str(CONFIGS_DIR / "runs" / "demo.yaml"), tuple(overrides), run=run)
     if not cfg.data.clean.inputs:

@@ -14,7 +14,6 @@ import sys
 
 import click
 
-from codex import fsio, rundir, runlock
 from codex.cli.command import (
     ResolvedHelp,
     UserError,
@@ -27,15 +26,16 @@ from codex.cli.command import (
     with_config,
 )
 from codex.cli.demo import run_demo
-from codex.config import build_config, yaml_error
-from codex.config.train import TrainConfig
-from codex.progress import log_to_file, setup_logging
-from pipeline.clean.clean import run_clean
-from pipeline.shard.shard import run_shard
-from pipeline.shard.verify import verify_shards
-from pipeline.tokenizer.tokenizer import run_tokenizer
-from pipeline.upload import upload_run
-from train.plan.hardware import (
+from codex.core import fsio, rundir, runlock
+from codex.core.config import build_config, yaml_error
+from codex.core.config.train import TrainConfig
+from codex.core.progress import log_to_file, setup_logging
+from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.shard.shard import run_shard
+from codex.pipeline.shard.verify import verify_shards
+from codex.pipeline.tokenizer.tokenizer import run_tokenizer
+from codex.pipeline.upload import upload_run
+from codex.train.plan.hardware import (
     format_hardware_table,
     format_model_fit,
     format_train_plan,
@@ -398,7 +398,7 @@ def _exec_torchrun(n: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     cmd += ["-m", "codex.cli", "--", *out]
     # torchrun would set OMP_NUM_THREADS=1 in each process; the default divides the cores instead
-    from train.plan.threads import default_threads
+    from codex.train.plan.threads import default_threads
 
     os.environ.setdefault("OMP_NUM_THREADS", str(default_threads(n).n))
     sys.stderr.flush()
@@ -422,7 +422,7 @@ def _describe_train(cfg, params) -> list[str]:
     default=None,
     help="Model size preset: tiny, 124m, 350m, 1b, 7b (configs/model/). Default: none, the model.* "
     f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
-    f"{_DEFAULT_MODEL.n_head} heads (codex/config/model.py; --set model.KEY=VALUE).",
+    f"{_DEFAULT_MODEL.n_head} heads (codex/core/config/model.py; --set model.KEY=VALUE).",
 )
 @key_option("--max-steps", key="train.max_steps", type=int, help="Optimizer steps to train.")
 @key_option(
@@ -505,12 +505,14 @@ def train_cmd(cfg, nproc_per_node):
     if get_preset(cfg.train.hardware).kind == "tpu":
         set_xla_import_env()  # before the run lock, whose TPU worker-id lookup imports torch_xla
     with run_lock(cfg, "codex train"):
-        from eval.evaluate import evaluate  # torch (seconds to import): only when a command runs
-        from eval.plot import plot_loss
-        from train.loop import train
+        from codex.eval.evaluate import (
+            evaluate,  # torch (seconds to import): only when a command runs
+        )
+        from codex.eval.plot import plot_loss
+        from codex.train.loop import train
 
         if cfg.train.xla_mode == "spawn":  # TPU: one process per chip through torch_xla's launcher
-            from train.xla.backend import spawn_train
+            from codex.train.xla.backend import spawn_train
 
             spawn_train(cfg, functools.partial(train, evaluate=evaluate, plot=plot_loss))
         else:
@@ -581,11 +583,11 @@ def eval_cmd(cfg):
     """
     if cfg.eval.tasks:
         # lm-eval and transformers: optional dependencies
-        from eval.tasks import (
+        from codex.eval.tasks import (
             run_tasks as run_eval,
         )
     else:
-        from eval.run import run_eval
+        from codex.eval.run import run_eval
 
     # eval writes only RUN/eval, so its lease lives there and it runs beside a trainer; a RUN that
     # does not exist gets no folder made (run_eval says what is missing)
@@ -638,7 +640,7 @@ def sample_cmd(cfg, prompt):
       codex sample --run runs/web --prompt "def fibonacci(n):" --temperature 0.7 --top-k 40
       codex sample --run runs/web --prompt "Once upon a time" --hardware h100
     """
-    from eval.sample import run_sample
+    from codex.eval.sample import run_sample
 
     text = run_sample(cfg, prompt)
     if text is not None:  # rank 0 of a multi-process launch prints; the others have nothing to say
@@ -685,8 +687,8 @@ def export_cmd(cfg, fmt, out, max_shard_size):
       codex export --run runs/web --checkpoint 2000 --format torch --out exports/web-2000.pt
     """
     if fmt == "torch":
-        from model.export_torch import check_export_target, export_torch
-        from train.checkpoint.read import read_checkpoint
+        from codex.model.export_torch import check_export_target, export_torch
+        from codex.train.checkpoint.read import read_checkpoint
 
         check_export_target(out)
         r = export_torch(*read_checkpoint(cfg, cfg.eval.checkpoint), out)
@@ -695,8 +697,11 @@ def export_cmd(cfg, fmt, out, max_shard_size):
             f"({r['bytes'] / 1e6:.1f} MB, vocab {r['vocab_size']})"
         )
         return
-    from model.export_hf import check_export_target, export_hf  # imports torch (start-up time)
-    from train.checkpoint.read import load_model
+    from codex.model.export_hf import (  # imports torch (start-up time)
+        check_export_target,
+        export_hf,
+    )
+    from codex.train.checkpoint.read import load_model
 
     check_export_target(out)
     model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
@@ -758,7 +763,7 @@ def hardware_cmd(model, optimizer):
     if model is None:
         click.echo(format_hardware_table())
         return
-    from codex.config import preset_path
+    from codex.core.config import preset_path
 
     preset_path("model", model)  # an unknown name: exit 2 with the list and a suggestion
     click.echo(format_model_fit(model, optimizer=optimizer))

@@ -825,7 +825,7 @@ static PyMemberDef Counter_members[] = {
 static PySequenceMethods Counter_as_sequence = {.sq_length = (lenfunc)Counter_len};
 
 static PyTypeObject CounterType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pipeline.clean._wordcount.Counter",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "codex.pipeline.clean._wordcount.Counter",
     .tp_basicsize = sizeof(Counter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Gopher's word counts of texts, the pieces' rows cached (filters._Pieces.counts).",

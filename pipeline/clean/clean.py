@@ -37,15 +37,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codex import fsio, rundir
-from codex.config import ConfigError
-from codex.config.data import CleanConfig
-from codex.progress import Progress
-from pipeline.clean import filters
-from pipeline.clean.dedup import dedup_corpus, hash_buckets
-from pipeline.clean.filters import Doc, active_filters, apply_filters, forget_pieces, normalize
-from pipeline.clean.parts import PartWriter
-from pipeline.clean.stats import (
+from codex.core import fsio, rundir
+from codex.core.config import ConfigError
+from codex.core.config.data import CleanConfig
+from codex.core.progress import Progress
+from codex.pipeline.clean import filters
+from codex.pipeline.clean.dedup import dedup_corpus, hash_buckets
+from codex.pipeline.clean.filters import (
+    Doc,
+    active_filters,
+    apply_filters,
+    forget_pieces,
+    normalize,
+)
+from codex.pipeline.clean.parts import PartWriter
+from codex.pipeline.clean.stats import (
     drop_fix,
     low_yield,
     nothing_kept,
@@ -54,7 +60,7 @@ from pipeline.clean.stats import (
     whole_files_dropped,
     yield_problem,
 )
-from pipeline.executor import (
+from codex.pipeline.executor import (
     Where,
     check_executor,
     run_units,
@@ -62,8 +68,8 @@ from pipeline.executor import (
     where_for,
     worker_id,
 )
-from pipeline.inputs import clean_inputs, ls_matching
-from pipeline.readers import (
+from codex.pipeline.inputs import clean_inputs, ls_matching
+from codex.pipeline.readers import (
     BadInputFile,
     FileReport,
     InputFile,
@@ -73,7 +79,7 @@ from pipeline.readers import (
     read_records,
     splittable,
 )
-from pipeline.stage import Stage
+from codex.pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from codex import fsio
-from codex.config import ConfigError
-from pipeline.clean.parts import bool_array, string_array
-from pipeline.executor import Where, run_units
-from pipeline.readers import read_part
+from codex.core import fsio
+from codex.core.config import ConfigError
+from codex.pipeline.clean.parts import bool_array, string_array
+from codex.pipeline.executor import Where, run_units
+from codex.pipeline.readers import read_part
 
 HASH_BUCKETS = 256  # a unit's marker counts its kept hashes per top byte: the finest partition
 HASH_ROW_BYTES = 24  # per kept document: 16-byte hash + 8-byte length, as three uint64

@@ -4,7 +4,8 @@ Every filter is a plain function `f(doc: Doc, cfg) -> str | None`: None keeps th
 string is the drop reason (e.g. "short_doc"). The stage records it as "<filter>:<reason>" in
 stats.json, so every dropped document says which rule dropped it. A filter may also rewrite
 `doc.text` (C4 removes lines). Thresholds live in the filter's settings dataclass in
-codex/config/data.py; the defaults are the published ones, copied from datatrove 0.10 (which copies
+codex/core/config/data.py; the defaults are the published ones, copied from datatrove 0.10 (which
+copies
 them from the papers), and written next to each function below.
 
 Which filters run: `FILTERS` in order, each only if `enabled` and named by the preset
@@ -43,7 +44,7 @@ from typing import cast
 
 import numpy as np
 
-from pipeline.clean.spacy_en import SPECIAL_CASES, URL_PATTERN
+from codex.pipeline.clean.spacy_en import SPECIAL_CASES, URL_PATTERN
 
 # ----------------------------------------------------------------------------------------------
 # normalisation
@@ -155,7 +156,7 @@ _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
 # back to the regex engine until the C follows (tests/test_clean.py fails meanwhile)
 _ascii_words: Callable[[str], list[str]] = _WORD_FAST_ASCII.findall
 try:
-    from pipeline.clean import _wordcount
+    from codex.pipeline.clean import _wordcount
 except ImportError:
     pass
 else:
@@ -444,7 +445,7 @@ def _compiled_counter():
     and tables, and the same counts), or None where the package was installed without it (no C
     compiler): clean then says so once and counts in Python."""
     try:
-        from pipeline.clean._wordcount import Counter
+        from codex.pipeline.clean._wordcount import Counter
     except ImportError:
         return None
     return Counter(**counter_settings())

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from codex import fsio
+from codex.core import fsio
 
 _MAX_ROW_GROUP_BYTES = 256 << 20  # a row group is cut early only if its text would exceed this
 

@@ -3,7 +3,7 @@ why a clean kept little or nothing (the rule that dropped the most, and how to s
 
 from __future__ import annotations
 
-from pipeline.readers import InputFile
+from codex.pipeline.readers import InputFile
 
 PER_FILE_ROWS = 1000  # stats.json stays small on a corpus of a million files
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from codex import fsio
+from codex.core import fsio
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

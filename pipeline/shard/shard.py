@@ -84,11 +84,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from codex import fsio, rundir
-from codex.config import Config, ConfigError
-from codex.progress import Progress
-from pipeline.encode import Encoder, EncodeWith, token_dtype
-from pipeline.executor import (
+from codex.core import fsio, rundir
+from codex.core.config import Config, ConfigError
+from codex.core.progress import Progress
+from codex.pipeline.encode import Encoder, EncodeWith, token_dtype
+from codex.pipeline.executor import (
     Where,
     check_executor,
     cores,
@@ -98,14 +98,14 @@ from pipeline.executor import (
     where_for,
     worker_id,
 )
-from pipeline.inputs import clean_parts
-from pipeline.readers import (
+from codex.pipeline.inputs import clean_parts
+from codex.pipeline.readers import (
     BadInputFile,
     forget_row_group,
     iter_text_batches,
     parquet_text_rows,
 )
-from pipeline.shard.manifest import (
+from codex.pipeline.shard.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     PROGRESS,
@@ -121,8 +121,8 @@ from pipeline.shard.manifest import (
     shard_entry,
     shard_name,
 )
-from pipeline.stage import Stage
-from pipeline.tokenizer.tokenizer import load_meta, load_tokenizer
+from codex.pipeline.stage import Stage
+from codex.pipeline.tokenizer.tokenizer import load_meta, load_tokenizer
 
 log = logging.getLogger("codex.shard")
 

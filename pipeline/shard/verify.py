@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from codex import fsio
-from pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, SHARD_NAME, SPLITS
+from codex.core import fsio
+from codex.pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, SHARD_NAME, SPLITS
 
 
 def _check_npy(

@@ -36,7 +36,7 @@ import numpy as np
 import rustbpe
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from codex.config import ConfigError
+from codex.core.config import ConfigError
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 SPECIAL_IDS = {"bos": 0, "eos": 1, "pad": 2}

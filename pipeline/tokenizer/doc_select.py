@@ -37,9 +37,9 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from codex.progress import Progress
-from pipeline.executor import Where, run_units
-from pipeline.readers import iter_text_batches
+from codex.core.progress import Progress
+from codex.pipeline.executor import Where, run_units
+from codex.pipeline.readers import iter_text_batches
 
 Key = tuple[int, int, int]  # (hash, file index, row): the order documents are selected in
 

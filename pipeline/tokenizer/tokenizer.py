@@ -32,14 +32,14 @@ import time
 import numpy as np
 from tokenizers import Tokenizer
 
-from codex import fsio, rundir
-from codex.config import Config, ConfigError
-from pipeline.encode import token_dtype
-from pipeline.executor import Where, where_for
-from pipeline.inputs import input_files
-from pipeline.readers import iter_text_batches
-from pipeline.stage import Stage
-from pipeline.tokenizer.bpe import (
+from codex.core import fsio, rundir
+from codex.core.config import Config, ConfigError
+from codex.pipeline.encode import token_dtype
+from codex.pipeline.executor import Where, where_for
+from codex.pipeline.inputs import input_files
+from codex.pipeline.readers import iter_text_batches
+from codex.pipeline.stage import Stage
+from codex.pipeline.tokenizer.bpe import (
     MIN_VOCAB,
     RUSTBPE_MAX_BYTES,
     SPECIAL_IDS,
@@ -48,7 +48,12 @@ from pipeline.tokenizer.bpe import (
     token_bytes_of,
     train_tokenizer,
 )
-from pipeline.tokenizer.doc_select import Selection, TextReader, iter_selected, select_documents
+from codex.pipeline.tokenizer.doc_select import (
+    Selection,
+    TextReader,
+    iter_selected,
+    select_documents,
+)
 
 log = logging.getLogger("codex.tokenizer")
 

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
-from codex import fsio
+from codex.core import fsio
 
 TENSOR = "__tensor__"
 
@@ -87,7 +87,8 @@ class _HashingStream:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's fsspec file system, opened through codex.fsio (emulator and gs:// options), recording
+    """DCP's fsspec file system, opened through codex.core.fsio (emulator and gs:// options),
+    recording
     the size and sha256 of every file written."""
 
     def __init__(self) -> None:

@@ -58,9 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from codex import fsio, rundir
-from train.checkpoint import dcp as dcp_io
-from train.dist.control import CONTROL_TIMEOUT_S, ControlPlane
+from codex.core import fsio, rundir
+from codex.train.checkpoint import dcp as dcp_io
+from codex.train.distributed.control import CONTROL_TIMEOUT_S, ControlPlane
 
 log = logging.getLogger("codex.checkpoint")
 
@@ -380,7 +380,7 @@ def _picklable(e: BaseException) -> BaseException:
 # The writer process's first lines: codex's packages are found through the trainer's sys.path.
 _WRITER_MAIN = (
     "import sys, multiprocessing.connection as c; conn = c.Connection(int(sys.argv[1])); "
-    "sys.path[:] = conn.recv(); from train.checkpoint.folders import serve_writer; "
+    "sys.path[:] = conn.recv(); from codex.train.checkpoint.folders import serve_writer; "
     "serve_writer(conn, *conn.recv())"
 )
 

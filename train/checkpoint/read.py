@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-from codex import fsio, rundir
-from codex.config import from_dict
-from model.gpt import build_model
-from pipeline.tokenizer.tokenizer import load_meta
-from train.checkpoint import folders as ckpt
+from codex.core import fsio, rundir
+from codex.core.config import from_dict
+from codex.model.gpt import build_model
+from codex.pipeline.tokenizer.tokenizer import load_meta
+from codex.train.checkpoint import folders as ckpt
 
 
 def read_checkpoint(cfg, checkpoint: str | int = "latest"):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from codex import rundir
-from train.checkpoint import folders as checkpoint
-from train.dist.control import ControlPlane
+from codex.core import rundir
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.distributed.control import ControlPlane
 
 log = logging.getLogger("codex.train")
 

@@ -25,12 +25,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import codex
-from codex import rundir
-from codex.config import ConfigError, to_dict
-from train.checkpoint import dcp as dcp_io
-from train.checkpoint import folders as checkpoint
-from train.optim.muon import Optimizers
-from train.optim.optimizer import load_optimizer_state
+from codex.core import rundir
+from codex.core.config import ConfigError, to_dict
+from codex.train.checkpoint import dcp as dcp_io
+from codex.train.checkpoint import folders as checkpoint
+from codex.train.optim.muon import Optimizers
+from codex.train.optim.optimizer import load_optimizer_state
 
 log = logging.getLogger("codex.checkpoint")
 
@@ -49,7 +49,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     shards)."""
     if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda"):
         return t.detach()
-    from train.xla.sharding import to_cpu
+    from codex.train.xla.sharding import to_cpu
 
     return to_cpu(t)
 

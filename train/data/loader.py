@@ -46,8 +46,8 @@ import threading
 import numpy as np
 import torch
 
-from pipeline.tokenizer.bpe import SPECIAL_IDS
-from train.data.token_shards import ShardReader, Split, gather, load_split
+from codex.pipeline.tokenizer.bpe import SPECIAL_IDS
+from codex.train.data.token_shards import ShardReader, Split, gather, load_split
 
 # ----------------------------------------------------------------------------- training order
 

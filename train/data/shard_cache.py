@@ -30,7 +30,7 @@ import fcntl
 import os
 import threading
 
-from codex import fsio
+from codex.core import fsio
 
 
 class HostShardCache:

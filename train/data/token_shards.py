@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codex import fsio
-from train.data.shard_cache import HostShardCache
+from codex.core import fsio
+from codex.train.data.shard_cache import HostShardCache
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from codex.config import ConfigError
-from train.optim.muon import Muon, Optimizers, is_hidden_matrix
+from codex.core.config import ConfigError
+from codex.train.optim.muon import Muon, Optimizers, is_hidden_matrix
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

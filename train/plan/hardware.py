@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from codex import fsio
-from codex.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
+from codex.core import fsio
+from codex.core.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
 
 
 @dataclass
@@ -165,7 +165,7 @@ def default_device_batch(
     and the entry's max_device_batch. The CPU preset's memory is the machine's, so there it is the
     entry's max_device_batch (chosen for step time; train's check against free RAM still refuses).
     0 = nothing fits."""
-    from train.plan.memory import default_batch
+    from codex.train.plan.memory import default_batch
 
     _, entry = _entry(preset, model_cfg)
     cap = min(
@@ -181,7 +181,7 @@ def device_defaults(preset: HardwarePreset, model_cfg, **setting) -> tuple[int, 
     """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even
     one sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer,
     layout ('auto' too), fsdp_size, remat; by default bf16, AdamW, replicated."""
-    from train.plan.memory import fsdp_offered
+    from codex.train.plan.memory import fsdp_offered
 
     seq_len = default_seq_len(preset, model_cfg)
     batch, layout = default_device_batch(preset, model_cfg, seq_len, **setting)
@@ -207,7 +207,7 @@ def _render(rows: list[list[str]]) -> list[str]:
 def preset_model(name: str):
     """The ModelConfig of model preset `name` ('default': the defaults), vocab left 0 (the plan
     counts train.plan.memory.DEFAULT_VOCAB)."""
-    from codex.config import build_config
+    from codex.core.config import build_config
 
     return build_config(model=None if name == "default" else name).model
 
@@ -273,7 +273,7 @@ class ModelFit:
 def model_fit(m, p: HardwarePreset, **setting) -> ModelFit:
     """The largest device batch (a power of two) that fits with headroom replicated and under
     fsdp, and what train.parallel=auto picks (train.plan.memory.choose_layout)."""
-    from train.plan.memory import choose_layout, fsdp_offered, largest_batch, plan
+    from codex.train.plan.memory import choose_layout, fsdp_offered, largest_batch, plan
 
     T = default_seq_len(p, m)
     cap = max(1, MAX_DEVICE_TOKENS // T)
@@ -289,7 +289,7 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
     """`codex hardware --model NAME`: for every preset, the largest device batch (a power of two)
     that fits with headroom replicated and under fsdp over every device, and the layout
     train.parallel=auto picks (train.plan.memory.choose_layout)."""
-    from train.plan.memory import HEADROOM, plan
+    from codex.train.plan.memory import HEADROOM, plan
 
     m = preset_model(model)
     setting: dict[str, Any] = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
@@ -355,7 +355,13 @@ def _rows(rows: list[tuple[str, str]]) -> list[str]:
 def _planned_batch(cfg, processes: int | None) -> dict:
     """format_train_plan's batch, layout and memory plan, derived as resolve_batch does (same
     refusals, same ConfigError messages) but without the run's files or torch."""
-    from train.plan.memory import DEFAULT_VOCAB, choose_layout, fsdp_refusal, plan, setting_for
+    from codex.train.plan.memory import (
+        DEFAULT_VOCAB,
+        choose_layout,
+        fsdp_refusal,
+        plan,
+        setting_for,
+    )
 
     m, t = cfg.model, cfg.train
     preset = get_preset(t.hardware)
@@ -418,9 +424,9 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
     train would refuse at start (it does not fit, seq_len above model.max_seq_len, batch_tokens
     not a multiple) raises the same ConfigError. The plan counts a 32K vocab until the run's
     tokenizer gives the real one, so the device batch train picks may differ for a large vocab."""
-    from codex.config.model import mlp_hidden
-    from codex.config.train import DEFAULT_LR
-    from train.plan.memory import DEFAULT_VOCAB
+    from codex.core.config.model import mlp_hidden
+    from codex.core.config.train import DEFAULT_LR
+    from codex.train.plan.memory import DEFAULT_VOCAB
 
     m, t = cfg.model, cfg.train
     preset = get_preset(t.hardware)
@@ -472,7 +478,7 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
         (
             "steps",
             f"max_steps={steps}"
-            + (f" (from train.max_tokens={t.max_tokens:,})" if t.max_tokens > 0 else "")
+            + (f" (from codex.train.max_tokens={t.max_tokens:,})" if t.max_tokens > 0 else "")
             + f", {steps * batch:,} tokens",
         ),
         (

@@ -1,14 +1,14 @@
 """How the training state is laid out over the data-parallel ranks (train.parallel,
 train.fsdp_size): replicate (every rank holds everything) or fsdp over `shard` ranks x `replicas`
 groups (HSDP when replicas > 1). The memory plan resolves train.parallel=auto first;
-train/dist/fsdp.py (CPU/CUDA) and train/xla/sharding.py (TPU) build the model in the layout.
+train/distributed/fsdp.py (CPU/CUDA) and train/xla/sharding.py (TPU) build the model in the layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from codex.config import ConfigError
+from codex.core.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Layout:
     # fsdp: True frees each block's gathered weights after its forward and gathers them again in
     # its backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2: one all-gather
     # per block a micro-batch instead of two). Decided by the memory plan (MemoryPlan's field of
-    # the same name, train/plan/plan.py: resolve_batch); read by train/dist/fsdp.py.
+    # the same name, train/plan/plan.py: resolve_batch); read by train/distributed/fsdp.py.
     reshard_after_forward: bool = True
 
     @property

@@ -13,7 +13,8 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
     gradients        4 P / F     fp32 (replicated: 4 P, whole for the whole step once accumulation
                                  has begun). fsdp on CPU/CUDA with accum > 1: 4 P, whole: FSDP2
                                  reduce-scatters only in the step's last backward
-                                 (set_requires_gradient_sync, train/dist/fsdp.py), and until then
+                                 (set_requires_gradient_sync, train/distributed/fsdp.py), and until
+                                 then
                                  every block keeps its unsharded gradient, accumulated in fp32
     optimizer        8 P / F     AdamW's two fp32 moments; Muon: 4 bytes (one momentum) for the
                                  blocks' matrices, AdamW's 8 for the rest
@@ -74,8 +75,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from codex.config import ConfigError
-from codex.config.model import has_value_embed, matmul_params, mlp_hidden, padded_vocab
+from codex.core.config import ConfigError
+from codex.core.config.model import has_value_embed, matmul_params, mlp_hidden, padded_vocab
 
 HEADROOM = 0.9  # a plan fits when its total is at most this share of the device's memory
 # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
@@ -110,7 +111,8 @@ class MemoryPlan:
     step_gradients: int = 0  # at the optimizer step: reduced (4 P / F under fsdp)
     step_buffers: int = 0  # what the optimizer step allocates (Muon's updates)
     # replicate over W > 1 (CPU/CUDA): the reduction's flat buckets, filled during the last
-    # backward and freed by all_reduce_grads (train/dist/reduce.py), before the optimizer step
+    # backward and freed by all_reduce_grads (train/distributed/reduce.py), before the optimizer
+    # step
     reduce_buffers: int = 0
     # fsdp: False = ZeRO-2, the gathered weights held from forward to backward (what
     # compute_weights counts; TPU: always); train/plan/plan.py passes it on in the Layout
@@ -406,7 +408,8 @@ def plan(
         step_buffers=(
             muon_step_bytes(m, preset.kind, layout, shards, world, c) if optimizer == "muon" else 0
         ),
-        # the replicated reduction's flat buckets (train/dist/reduce.py), in train.reduce_dtype
+        # the replicated reduction's flat buckets (train/distributed/reduce.py), in
+        # train.reduce_dtype
         reduce_buffers=r * P if layout == "replicate" and world > 1 and not tpu else 0,
         reshard_after_forward=not (layout == "fsdp" and tpu),
     )
@@ -482,7 +485,7 @@ def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
 
 def _train_key_exists(name: str) -> bool:
     """Whether train.<name> is a setting, so a fix never names a key the config would reject."""
-    from codex.config.train import TrainConfig
+    from codex.core.config.train import TrainConfig
 
     return name in {f.name for f in dataclasses.fields(TrainConfig)}
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from codex import fsio, rundir
-from codex.config import ConfigError
-from codex.config.train import DEFAULT_LR
-from model.gpt import mlp_hidden
-from pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
-from train.data.token_shards import load_manifest
-from train.plan.hardware import device_defaults
-from train.plan.layout import Layout, layout_for
-from train.plan.memory import MemoryPlan, check_fits, choose_layout, fsdp_refusal, setting_for
+from codex.core import fsio, rundir
+from codex.core.config import ConfigError
+from codex.core.config.train import DEFAULT_LR
+from codex.model.gpt import mlp_hidden
+from codex.pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
+from codex.train.data.token_shards import load_manifest
+from codex.train.plan.hardware import device_defaults
+from codex.train.plan.layout import Layout, layout_for
+from codex.train.plan.memory import MemoryPlan, check_fits, choose_layout, fsdp_refusal, setting_for
 
 # --- batch arithmetic -------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
 
 
 def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan, Layout]:
-    """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from train.* and the
+    """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from codex.train.* and the
     hardware preset defaults (the memory plan's); a setting whose memory plan cannot fit is refused
     (exit 2)."""
     B, T = cfg.train.device_batch, cfg.train.seq_len

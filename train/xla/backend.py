@@ -1,4 +1,4 @@
-"""TPU training on PyTorch/XLA: the Backend of train/dist/backend.py for XLA devices.
+"""TPU training on PyTorch/XLA: the Backend of train/distributed/backend.py for XLA devices.
 
 Two modes (train.xla_mode, `--xla-mode`):
 
@@ -8,7 +8,8 @@ spmd (default)  One process per host drives all its chips as one program: xr.use
                 for the global batch, so the SPMD partitioner inserts the gradient all-reduce
                 itself and all_reduce_grads is a no-op. The host's loader loads
                 device_batch * local chips rows per micro-batch; hosts split the data by process
-                index (loader_rank / loader_world / devices_per_loader, see train/dist/backend.py).
+                index (loader_rank / loader_world / devices_per_loader, see
+                train/distributed/backend.py).
 spawn           One process per chip through torch_xla's launcher (spawn_train). Each process has
                 its own batch; all_reduce_grads is an explicit xm.all_reduce(SUM, scale=1/W) once
                 per optimizer step.
@@ -49,13 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from codex.config import ConfigError, from_dict, to_dict
-from train.dist.backend import BackendError, autocast_context, resolve_dtype, unwrap
-from train.dist.control import ControlPlane, control_timeout
-from train.plan.hardware import get_preset, set_xla_import_env
-from train.xla import sharding as xla_sharding
-from train.xla.flash import use_flash_attention
-from train.xla.platform import cache_dir, check_attention, check_platform
+from codex.core.config import ConfigError, from_dict, to_dict
+from codex.train.distributed.backend import BackendError, autocast_context, resolve_dtype, unwrap
+from codex.train.distributed.control import ControlPlane, control_timeout
+from codex.train.plan.hardware import get_preset, set_xla_import_env
+from codex.train.xla import sharding as xla_sharding
+from codex.train.xla.flash import use_flash_attention
+from codex.train.xla.platform import cache_dir, check_attention, check_platform
 
 log = logging.getLogger("codex.xla")
 
@@ -69,7 +70,8 @@ class CompileLimitError(RuntimeError):
 
 @dataclass
 class XLABackend:
-    """The Backend protocol (train/dist/backend.py) on XLA devices, SPMD or one process per chip."""
+    """The Backend protocol (train/distributed/backend.py) on XLA devices, SPMD or one process per
+    chip."""
 
     device: torch.device
     mode: str  # "spmd" or "spawn"
@@ -90,7 +92,7 @@ class XLABackend:
     xla_step: str = "cached"
     kind: str = "tpu"  # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
     pinned_copy_device: None = None  # batches go through send_cpu_data_to_device, not a pinned copy
-    # gloo over processes (train/dist/control.py)
+    # gloo over processes (train/distributed/control.py)
     control: ControlPlane = field(default_factory=ControlPlane)
     _specs: dict = field(default_factory=dict)
 
@@ -111,7 +113,7 @@ class XLABackend:
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:
         """build_model's weights, replicated, or sharded on a (replica, fsdp) mesh
         (train/xla/sharding.py)."""
-        from model.gpt import build_model
+        from codex.model.gpt import build_model
 
         model = build_model(model_cfg, seed=seed)
         if layout is None or not layout.sharded:
@@ -135,7 +137,7 @@ class XLABackend:
         one."""
         if self.xla_step != "cached":
             return None
-        from train.xla.step import DeviceAccumulation, stack_micro_batches
+        from codex.train.xla.step import DeviceAccumulation, stack_micro_batches
 
         def loss(x, y):
             with self.autocast():
@@ -152,7 +154,7 @@ class XLABackend:
         once (train/xla/update.py), called with the step's lr; traced: None."""
         if self.xla_step != "cached":
             return None
-        from train.xla.update import CachedUpdate
+        from codex.train.xla.update import CachedUpdate
 
         return CachedUpdate(unwrap(model), optimizer, max_norm)
 

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from train.xla.sharding import tracing_per_device
+from codex.train.xla.sharding import tracing_per_device
 
 if TYPE_CHECKING:
-    from model.gpt import GPT
+    from codex.model.gpt import GPT
 
 REQUIREMENT = (
     "model.attention=flash runs torch_xla's Pallas flash-attention kernel, "

@@ -10,10 +10,10 @@ import importlib.util
 import logging
 import os
 
-from codex import fsio
-from train.dist.backend import BackendError
-from train.plan.hardware import set_xla_import_env
-from train.xla.flash import flash_unavailable
+from codex.core import fsio
+from codex.train.distributed.backend import BackendError
+from codex.train.plan.hardware import set_xla_import_env
+from codex.train.xla.flash import flash_unavailable
 
 log = logging.getLogger("codex.xla")
 

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from train.xla.sharding import batch_spec, per_device_trace, sharding_of
+from codex.train.xla.sharding import batch_spec, per_device_trace, sharding_of
 
 
 @dataclass

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from train.optim.optimizer import clip_grad_norm
-from train.xla.sharding import shard_optimizer_state
+from codex.train.optim.optimizer import clip_grad_norm
+from codex.train.xla.sharding import shard_optimizer_state
 
 
 @dataclass
@@ -217,7 +217,7 @@ def _init_state(optimizer) -> None:
     """Create missing optimizer state as torch would on the first step (zeros, AdamW's step
     count 0), as device data sharded like its parameter, so the first step's trace already has
     the state as inputs: one trace per run, not one for the first step and one for the rest."""
-    from train.optim.muon import Muon
+    from codex.train.optim.muon import Muon
 
     for opt in _optimizers(optimizer):
         for group in opt.param_groups:

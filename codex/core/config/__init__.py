@@ -1,10 +1,10 @@
 """The whole configuration of a run as one typed dataclass tree, and how it is built.
 
     Config
-      data.clean / data.tokenizer / data.shard   codex/config/data.py
-      model                                      codex/config/model.py
-      train                                      codex/config/train.py
-      eval                                       codex/config/eval.py
+      data.clean / data.tokenizer / data.shard   codex/core/config/data.py
+      model                                      codex/core/config/model.py
+      train                                      codex/core/config/train.py
+      eval                                       codex/core/config/eval.py
 
 Built in this order, later wins: dataclass defaults -> `--model NAME` preset
 (configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> a command's own options (typed
@@ -25,19 +25,17 @@ from pathlib import Path
 
 import yaml
 
-from codex import fsio
-from codex.config.data import DataConfig
-from codex.config.eval import EvalConfig
-from codex.config.model import ModelConfig, with_depth
-from codex.config.train import TrainConfig
+from codex.core import fsio
+from codex.core.config.data import DataConfig
+from codex.core.config.eval import EvalConfig
+from codex.core.config.model import ModelConfig, with_depth
+from codex.core.config.train import TrainConfig
 
 
 def _configs_dir() -> Path:
-    """The YAML presets: codex/configs inside an installed wheel (pyproject.toml ships configs/
-    there), else configs/ at the top of the checkout."""
-    codex_dir = Path(__file__).resolve().parents[1]
-    installed = codex_dir / "configs"
-    return installed if installed.is_dir() else codex_dir.parent / "configs"
+    """The YAML presets: codex/configs, in a checkout a link to configs/ at the top, in the wheel
+    configs/ itself (pyproject.toml maps it there)."""
+    return Path(__file__).resolve().parents[2] / "configs"
 
 
 CONFIGS_DIR = _configs_dir()

@@ -42,7 +42,8 @@ def with_depth(m: ModelConfig) -> ModelConfig:
     """model.depth > 0 sets the shape from one number, as nanochat's --depth: n_layer = depth,
     n_embd = 64 x depth rounded up to a multiple of 128, heads of 128 (n_kv_head = n_head). It
     overrides n_layer, n_embd, n_head and n_kv_head. Idempotent, so a checkpoint's config rebuilds
-    the same shape. The learning rates do not follow the width (codex/config/train.py DEFAULT_LR
+    the same shape. The learning rates do not follow the width (codex/core/config/train.py
+    DEFAULT_LR
     says why)."""
     if m.depth <= 0:
         return m

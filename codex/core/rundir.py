@@ -6,7 +6,7 @@
     RUN/checkpoints/  step_XXXXXXXX/ checkpoints                               (codex train)
     RUN/eval/         step_N.json, loss.png                                    (codex eval)
     RUN/metrics.jsonl training and validation metrics, one JSON object a line (codex train)
-    RUN/.codex-lock.json  the lease of the command writing RUN now (codex/runlock.py);
+    RUN/.codex-lock.json  the lease of the command writing RUN now (codex/core/runlock.py);
                       eval's is in RUN/eval/
 
 so stages chain with nothing more than `--run DIR`. Each data stage saves the resolved config it
@@ -16,7 +16,7 @@ ran with as config.yaml inside its own folder and writes its completion marker l
 
 from __future__ import annotations
 
-from codex import fsio
+from codex.core import fsio
 
 
 def clean_dir(run: str) -> str:

@@ -15,7 +15,8 @@
 
 Why not DistributedDataParallel: DDP all-reduces inside every backward unless each micro-batch
 but the last is wrapped in no_sync(), and hides where the communication happens. Here the one
-all-reduce per optimizer step is ours (train/dist/reduce.py, owned by TorchBackend), overlapped
+all-reduce per optimizer step is ours (train/distributed/reduce.py, owned by TorchBackend),
+overlapped
 with the backward as DDP's is: set_grad_sync(model, last) arms per-parameter hooks for the step's
 last micro-batch, whose backward issues each bucket's async all-reduce as soon as its gradients
 are final; `all_reduce_grads` is still the one place to find, time and test it (it issues what
@@ -58,14 +59,14 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from codex import fsio
-from codex.config import ConfigError
-from model.gpt import GPT, build_model
-from train.dist.control import ControlPlane, control_timeout
-from train.dist.fsdp import build_sharded, compile_head, set_grad_sync
-from train.dist.reduce import GradReducer
-from train.plan.hardware import launch_env
-from train.plan.layout import Layout
+from codex.core import fsio
+from codex.core.config import ConfigError
+from codex.model.gpt import GPT, build_model
+from codex.train.distributed.control import ControlPlane, control_timeout
+from codex.train.distributed.fsdp import build_sharded, compile_head, set_grad_sync
+from codex.train.distributed.reduce import GradReducer
+from codex.train.plan.hardware import launch_env
+from codex.train.plan.layout import Layout
 
 resource: ModuleType | None
 try:
@@ -91,7 +92,7 @@ class Backend(Protocol):
     world_size: int  # data-parallel replicas = devices (batch arithmetic, MFU)
     local_rank: int
     autocast_dtype: torch.dtype | None  # bf16 on CUDA/TPU by default, None = fp32
-    control: ControlPlane  # host-side gloo group: barrier, stop flag (train/dist/control.py)
+    control: ControlPlane  # host-side gloo group: barrier, stop flag (train/distributed/control.py)
 
     # How data is loaded: one process per device on CPU/CUDA (loader_rank/world = rank/world_size,
     # devices_per_loader 1); under XLA SPMD one process per host feeds all its chips.
@@ -181,15 +182,16 @@ class TorchBackend:
     reduce_dtype: torch.dtype = torch.float32
     distributed: bool = False
     step_timeout_s: float = 300.0  # train.dist_timeout_s: collectives after the first step
-    # host-side gloo (train/dist/control.py)
+    # host-side gloo (train/distributed/control.py)
     control: ControlPlane = field(default_factory=ControlPlane)
     devices_per_loader: int = 1
     global_values: bool = False
     fixed_shapes: bool = False
     lagged_logs: bool = False
-    layout: Layout = field(default_factory=Layout)  # set by build_model (train/dist/fsdp.py)
+    layout: Layout = field(default_factory=Layout)  # set by build_model (train/distributed/fsdp.py)
     _compiled: list = field(default_factory=list)
-    # replicate over several ranks: the bucketed all-reduce and its hooks (train/dist/reduce.py)
+    # replicate over several ranks: the bucketed all-reduce and its hooks
+    # (train/distributed/reduce.py)
     _reducer: GradReducer | None = field(default=None, repr=False)
 
     @property
@@ -210,7 +212,8 @@ class TorchBackend:
 
     def autocast(self):
         """bf16 autocast (replicate), or a null context under fsdp: there FSDP2's mixed-precision
-        policy already gathers bf16 weights and casts each block's inputs (train/dist/fsdp.py),
+        policy already gathers bf16 weights and casts each block's inputs
+        (train/distributed/fsdp.py),
         so autocast would only cast again (torchtitan's maybe_enable_amp does the same)."""
         if self.layout.sharded:
             return contextlib.nullcontext()
@@ -222,7 +225,7 @@ class TorchBackend:
         if self.compile and self.world_size > 1:
             # Each block's forward and the head compiled apart, as under fsdp: a whole-model
             # compile's backward is one graph that hands out every gradient at its end, so the
-            # reduction's buckets (train/dist/reduce.py) could only start once it is over.
+            # reduction's buckets (train/distributed/reduce.py) could only start once it is over.
             for block in cast(GPT, model).blocks:
                 block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
             compile_head(cast(GPT, model))
@@ -233,7 +236,7 @@ class TorchBackend:
 
     def build_model(self, model_cfg, seed: int, layout: Layout) -> torch.nn.Module:
         """build_model(model_cfg, seed)'s weights: replicated on this device, or sharded (fsdp:
-        built on the meta device and materialised already sharded, train/dist/fsdp.py)."""
+        built on the meta device and materialised already sharded, train/distributed/fsdp.py)."""
         self.layout = layout
         if not layout.sharded:
             # same seed on every rank: identical weights
@@ -276,7 +279,7 @@ class TorchBackend:
         already issued the buckets whose gradients were ready (async, overlapping the rest of the
         backward; set_grad_sync armed it); this issues any it did not, waits for every one and
         writes the mean back into .grad, in fp32 or via bf16 (train.reduce_dtype;
-        train/dist/reduce.py). fsdp: nothing to do, the last micro-batch's backward already
+        train/distributed/reduce.py). fsdp: nothing to do, the last micro-batch's backward already
         reduce-scattered every gradient (set_grad_sync)."""
         if self.world_size == 1 or self.layout.sharded:
             return

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from model.gpt import GPT, init_parameter, rope_cache
-from train.plan.layout import Layout
+from codex.model.gpt import GPT, init_parameter, rope_cache
+from codex.train.plan.layout import Layout
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from codex import fsio
-from codex.config import ConfigError
+from codex.core import fsio
+from codex.core.config import ConfigError
 
 log = logging.getLogger("codex.train")
 

@@ -48,7 +48,8 @@ class TrainConfig:
     fsdp_size: int = 0
     # The dtype gradients are summed over the ranks in (CPU/CUDA). bf16: half the bytes on the
     # wire, each rank's gradient rounded to bf16 before the sum, the result cast back into the fp32
-    # gradients (replicate: train/dist/reduce.py's buckets; fsdp: FSDP2's reduce_dtype, which also
+    # gradients (replicate: train/distributed/reduce.py's buckets; fsdp: FSDP2's reduce_dtype,
+    # which also
     # accumulates the micro-batches' unsharded gradients in bf16). XLA reduces in fp32.
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # block: recompute every transformer block in the backward (train/remat.py)

@@ -35,10 +35,10 @@ import threading
 import time
 import uuid
 
-from codex import fsio
-from codex.config import ConfigError
+from codex.core import fsio
+from codex.core.config import ConfigError
 
-log = logging.getLogger("codex.runlock")
+log = logging.getLogger("codex.core.runlock")
 
 LEASE_NAME = ".codex-lock.json"
 STALE_AFTER_S = 120.0  # a heartbeat older than this marks the holder dead

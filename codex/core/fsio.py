@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # this at import time, so it is set before anything imports gcsfs. setdefault: the user may opt in.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-log = logging.getLogger("codex.fsio")
+log = logging.getLogger("codex.core.fsio")
 
 RETRIES = 5  # attempts for a remote write hitting a transient error
 
