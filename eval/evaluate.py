@@ -44,8 +44,8 @@ def evaluate(model, batches, token_bytes: torch.Tensor, backend=None, progress=N
     batches:     iterable of (x, y) or (x, y, row_mask) int64 [B, T] tensors (host or device)
     token_bytes: [vocab_size] UTF-8 byte length of every token id, 0 for special tokens
     backend:     train.distributed.backend object; when given, batches are moved with
-                 backend.to_device, the forward runs under backend.autocast(), and the sums are all-reduced with
-                 backend.all_reduce_sum (so every rank returns the global numbers)
+                 backend.to_device, the forward runs under backend.autocast(), and the sums are
+                 all-reduced with backend.all_reduce_sum (so every rank returns the global numbers)
     progress:    optional codex.core.progress.Progress, advanced by one per batch (tokens counted)
     """
     device = _model_device(model)

@@ -3,6 +3,7 @@ line resolves to (codex/cli/command.py: ResolvedHelp; train/plan/hardware.py: fo
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -10,9 +11,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from codex.cli.command import config_default
+from codex.cli.command import _shown, config_default
 from codex.cli.main import cli
 from codex.core.config import Config, build_config, load_yaml, preset_path
+from codex.core.config.setting import leaves
 from codex.core.config.train import DEFAULT_LR
 from codex.train.plan.hardware import device_defaults, get_preset
 from codex.train.plan.memory import setting_for
@@ -73,11 +75,76 @@ def test_the_default_check_can_fail():
 
 def test_key_options_show_the_configs_default():
     out = CliRunner().invoke(cli, ["data", "clean", "--help"], terminal_width=200).output
-    assert f"[default: {config_default('data.clean.workers')}]" in out
+    assert f"[default: {config_default('data.clean.workers')}; x>=0]" in out
     assert "[default: no-keep-rejected]" in out  # a --x/--no-x pair: the one in force, as Click
     assert "[default: ]" not in out and "[default: []]" not in out
     out = CliRunner().invoke(cli, ["export", "--help"], terminal_width=200).output
     assert "[default: hf]" in out and "[default: latest]" in out
+
+
+def test_every_config_field_reaches_help_with_its_default_help_and_range():
+    """Each field of the config tree (codex/core/config/setting.py) is a `--section.key` option of
+    the commands that read it, its --help record made from the field alone: the help text, the
+    default and the range. A field added to a dataclass appears with no edit under codex/cli/."""
+    top = click.Context(cli, info_name="codex", **cli.context_settings)
+    records: dict[str, list[str]] = {}
+    for ctx, cmd in _commands(cli, top):
+        for p in cmd.get_params(ctx):
+            record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+            if record:
+                records.setdefault(record[0].split()[0], []).append(record[1])
+    missing = []
+    for leaf in leaves(Config):
+        if leaf.key == "run":  # --run, on every command
+            continue
+        default = config_default(leaf.key)
+        shown = "none" if default in ("", []) else _shown(default)
+        bounds = f"; {leaf.range.as_inequality()}" if leaf.range else ""
+        want = f"{leaf.help}  [default: {shown}{bounds}]"
+        if not leaf.help or want not in records.get(f"--{leaf.key}", []):
+            missing.append(leaf.key)
+    assert missing == []
+    # and --help prints them
+    out = CliRunner().invoke(cli, ["data", "clean", "--help"], terminal_width=200).output
+    assert "--data.clean.gopher_quality.min_doc_words" in out
+    assert "Fewest words a document may have.  [default: 50; x>=0]" in out
+
+
+def test_every_number_has_a_range():
+    """A numeric setting without a range let 0 or a negative through to loop forever deep in a
+    stage (data.clean.dedup.partition_bytes=0): every int and float field states its range."""
+    assert [
+        leaf.key for leaf in leaves(Config) if leaf.type in (int, float) and not leaf.range
+    ] == []
+
+
+def test_the_cli_defines_no_default_range_or_help_of_a_config_key():
+    """The short flags (key_option) take type, default, help and range from the field: a call
+    under codex/cli/ that restates one, or a plain click.option that sets a config key (a name
+    with '__', as key_option names its parameters), fails here."""
+    restated = []
+    for f in sorted((ROOT / "codex" / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name == "key_option":
+                said = {kw.arg for kw in node.keywords} & {"help", "type", "default"}
+                restated += [f"{f.name}:{node.lineno} {k}" for k in sorted(said)]
+            decls = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            if name == "option" and any("__" in str(d) for d in decls):
+                restated.append(f"{f.name}:{node.lineno} {decls}")
+    assert restated == []
+
+
+def test_a_config_key_option_is_the_same_as_set():
+    runner = CliRunner()
+    args = ["train", "--train.lr", "0.002", "--set", "model.n_layer=3", "--help"]
+    resolved = runner.invoke(cli, args, terminal_width=200).output.split(RESOLVED, 1)[1]
+    assert "train.lr=0.002" in resolved and "model.n_layer=3" in resolved
+    bad = runner.invoke(cli, ["data", "clean", "--data.clean.dedup.partition_bytes", "0"])
+    assert bad.exit_code == 2
+    assert "data.clean.dedup.partition_bytes=0 is out of range: expected >= 1" in bad.output
 
 
 def _help(*args: str):

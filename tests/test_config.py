@@ -207,9 +207,9 @@ def test_help_shows_each_options_default_from_the_config():
 
     d = Config()
     out = CliRunner().invoke(cli, ["train", "--help"], terminal_width=200).output
-    assert f"Optimizer steps to train.  [default: {d.train.max_steps}]" in out
-    assert f"Checkpoint every N steps.  [default: {d.train.save_every}]" in out
+    assert f"Optimizer steps to train.  [default: {d.train.max_steps}; x>=0]" in out
+    assert f"only at the end.  [default: {d.train.save_every}; x>=0]" in out
     assert f"{d.model.n_layer} layers {d.model.n_embd} wide" in out
     out = CliRunner().invoke(cli, ["data", "tokenize", "--help"], terminal_width=200).output
-    assert f"[default: {d.data.tokenizer.vocab_size}]" in out
+    assert f"[default: {d.data.tokenizer.vocab_size}; x>=259]" in out
     assert "[default: ]" not in out and "[default: []]" not in out  # no empty defaults shown

@@ -9,12 +9,14 @@ import errno
 import functools
 import os
 import shutil
+import typing
 from collections.abc import Callable
 
 import click
 
 from codex.core import fsio, progress, runlock
 from codex.core.config import Config, ConfigError, build_config, get_value
+from codex.core.config.setting import Leaf, leaves
 
 
 class UserError(click.UsageError):
@@ -131,18 +133,107 @@ def config_options(fn):
     return fn
 
 
+# --- options generated from the config's fields ------------------------------------------------
+# A config field (codex/core/config/setting.py) carries its type, default, help and range. Every
+# option that sets a config key takes all four from it: the short flags a command names
+# (key_option) and the `--section.key VALUE` option of every key the command reads (with_config),
+# which is `--set section.key=VALUE` by another name. Nothing here repeats a default or a range.
+
+
+@functools.cache
+def _leaves() -> dict[str, Leaf]:
+    return {leaf.key: leaf for leaf in leaves(Config)}
+
+
+def _leaf(key: str) -> Leaf:
+    return _leaves()[key]
+
+
+def key_help(key: str, *, flag: str = "") -> str:
+    """The field's help with its default and range, for an option that sets `key`. A --x/--no-x
+    `flag` pair shows the one in force, as Click does."""
+    leaf = _leaf(key)
+    default = config_default(key)
+    if isinstance(default, bool) and "/" in flag:
+        on, off = flag.split("/", 1)
+        shown = (on if default else off).lstrip("-")
+    else:
+        shown = _shown(default) if default not in ("", []) else "none"
+    extra = f"; {leaf.range.as_inequality()}" if leaf.range else ""
+    return f"{leaf.help}  [default: {shown}{extra}]"
+
+
+def _metavar(leaf: Leaf) -> str:
+    typ = leaf.type
+    if typing.get_origin(typ) is typing.Literal:
+        return "[" + "|".join(str(v) for v in typing.get_args(typ)) + "]"
+    if typing.get_origin(typ) is list:
+        return "YAML" if typing.get_args(typ) == (dict,) else "A,B,..."
+    names = {int: "INT", float: "FLOAT", bool: "BOOL"}
+    return names.get(typ, "TEXT")
+
+
 def key_option(*decls, key: str, **kwargs):
-    """An option that is a shortcut for config key `key` (`--workers 4` is data.clean.workers=4).
-    Its click parameter is named after the key (dots as '__'); with_config collects it. --help
-    shows the key's default from the config (click's own default stays None: "not given")."""
-    default, text = config_default(key), kwargs.get("help", "")
-    if "default" not in text.lower():
-        if isinstance(default, bool) and "/" in decls[0]:  # --x/--no-x: the one in force, as Click
-            on, off = decls[0].split("/", 1)
-            kwargs["help"] = f"{text}  [default: {(on if default else off).lstrip('-')}]"
-        elif not isinstance(default, bool) and default not in ("", []):
-            kwargs["help"] = f"{text}  [default: {default}]"
+    """A short flag for config key `key` (`--workers 4` is data.clean.workers=4), its help, default
+    and range from the key's field; `kwargs` only shape the flag (multiple, is_flag, callback,
+    metavar). Its click parameter is named after the key (dots as '__'); with_config collects it.
+    Click's own default stays None: "not given"."""
+    leaf = _leaf(key)
+    repeat = " (repeatable)" if kwargs.get("multiple") else ""
+    kwargs.setdefault("help", key_help(key, flag=decls[0]).replace("  [", f"{repeat}  [", 1))
+    if "/" not in decls[0] and not kwargs.get("is_flag") and "callback" not in kwargs:
+        if typing.get_origin(leaf.type) is typing.Literal:
+            kwargs.setdefault("type", click.Choice([str(v) for v in typing.get_args(leaf.type)]))
+        elif leaf.type in (int, float):
+            kwargs.setdefault("type", leaf.type)
     return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
+
+
+class KeyOption(click.Option):
+    """`--section.key VALUE`: one config key, as `--set section.key=VALUE` (YAML-parsed and
+    checked like it). ConfigCommand lists these apart from the command's own options."""
+
+
+def _key_options(prefixes: tuple[str, ...]):
+    """A KeyOption for every config key under `prefixes` ('train' takes train.*)."""
+
+    def under(key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+    def add(fn):
+        for leaf in reversed([v for k, v in _leaves().items() if under(k)]):
+            click.option(
+                f"--{leaf.key}",
+                SET_PREFIX + leaf.key.replace(".", "__"),
+                cls=KeyOption,
+                default=None,
+                metavar=_metavar(leaf),
+                help=key_help(leaf.key),
+            )(fn)
+        return fn
+
+    return add
+
+
+SET_PREFIX = "set__"
+
+
+class ConfigCommand(click.Command):
+    """A command that builds a Config: its --help lists the command's own options, then every
+    config key it reads as `--section.key`, each with the field's help, default and range."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        own: list[tuple[str, str]] = []
+        keys: list[tuple[str, str]] = []
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx)
+            if record:
+                (keys if isinstance(p, KeyOption) else own).append(record)
+        with formatter.section("Options"):
+            formatter.write_dl(own)
+        if keys:
+            with formatter.section("Config keys (each is also --set KEY=VALUE)"):
+                formatter.write_dl(keys)
 
 
 @functools.cache
@@ -156,32 +247,45 @@ def config_default(key: str):
     return get_value(_defaults(), key)
 
 
-def with_config(fn):
-    """A command body that takes the built Config: --run/--config/--set (and --model, where the
-    command has it) plus the key_options' typed values (None or an empty repeat = not given) go
-    to build_config; the body gets `cfg` and its other options. Runs under `stage`."""
+def with_config(*sections: str):
+    """A command body that takes the built Config, reading the config keys under `sections`
+    (each becomes a `--section.key` option): --run/--config/--set (and --model, where the command
+    has it), the key options' typed values and the `--section.key` values go to build_config; the
+    body gets `cfg` and its other options. Runs under `stage`. The command's class must be
+    ConfigCommand (or a subclass)."""
 
-    @functools.wraps(fn)
-    def wrapper(**params):
-        cfg, rest = config_from_params(params)
-        fsio.require_bucket(cfg.run)
-        return fn(cfg, **rest)
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(**params):
+            cfg, rest = config_from_params(params)
+            fsio.require_bucket(cfg.run)
+            return fn(cfg, **rest)
 
-    return config_options(stage(wrapper))
+        return config_options(_key_options(sections)(stage(wrapper)))
+
+    return decorate
 
 
 def config_from_params(params: dict) -> tuple[Config, dict]:
     """(the Config, the command's other parameters) from a with_config command's parsed click
-    parameters: --run/--config/--set, --model where the command has it, and the key_options (None
-    or an empty repeat = not given). The one path from a command line to its Config: the command
-    body and its --help's resolved section (ResolvedHelp) both take it."""
+    parameters: --run/--config/--set, --model where the command has it, the key options (None
+    or an empty repeat = not given) and the `--section.key` options (before --set). The one path
+    from a command line to its Config: the command body and its --help's resolved section
+    (ResolvedHelp) both take it."""
     rest = dict(params)
     run, config_file, overrides = rest.pop("run"), rest.pop("config_file"), rest.pop("overrides")
     model = rest.pop("model", None)
+    keyed = [
+        f"{name.removeprefix(SET_PREFIX).replace('__', '.')}={rest.pop(name)}"
+        for name in list(rest)
+        if name.startswith(SET_PREFIX)
+    ]
+    keyed = [k for k in keyed if not k.endswith("=None")]
     values = {name.replace("__", "."): rest.pop(name) for name in list(rest) if "__" in name}
     # repeatable
     values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
-    cfg = build_config(config_file, overrides or (), model=model, run=run, values=values)
+    overrides = [*keyed, *(overrides or ())]
+    cfg = build_config(config_file, overrides, model=model, run=run, values=values)
     return cfg, rest
 
 
@@ -194,7 +298,7 @@ def _shown(value) -> str:
     return '""' if value == "" else str(value)
 
 
-class ResolvedHelp(click.Command):
+class ResolvedHelp(ConfigCommand):
     """A with_config command whose --help also says what the rest of its command line resolves to:
     `codex train --model 124m --set train.lr=1e-3 --help` prints the help, then "Resolved for this
     command line:" with every key option's effective value (defaults -> --model -> --config -> the
@@ -240,7 +344,11 @@ class ResolvedHelp(click.Command):
             if not isinstance(p, click.Option) or p.name in ("run", "config_file", "overrides"):
                 continue
             flag = max(p.opts, key=len)
-            if p.name and "__" in p.name:
+            if isinstance(p, KeyOption):  # listed where given: --set's row says the rest
+                if params.get(p.name or "") is not None:
+                    key = flag.removeprefix("--")
+                    rows.append((flag, f"{key}={_shown(get_value(cfg, key))}"))
+            elif p.name and "__" in p.name:
                 key = p.name.replace("__", ".")
                 rows.append((flag, f"{key}={_shown(get_value(cfg, key))}"))
             elif p.name == "model":

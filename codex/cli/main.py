@@ -15,6 +15,7 @@ import sys
 import click
 
 from codex.cli.command import (
+    ConfigCommand,
     ResolvedHelp,
     UserError,
     config_default,
@@ -44,9 +45,7 @@ from codex.train.plan.hardware import (
     set_xla_import_env,
 )
 
-checkpoint_option = key_option(
-    "--checkpoint", key="eval.checkpoint", help="Checkpoint step or 'latest'."
-)
+checkpoint_option = key_option("--checkpoint", key="eval.checkpoint")
 
 _DEFAULT_MODEL = config_default("model")
 
@@ -88,19 +87,8 @@ def data():
 
 def executor_options(fn):
     """--executor and --ray-address: where a data stage's units run (pipeline/executor.py)."""
-    fn = key_option(
-        "--ray-address",
-        key="data.ray_address",
-        metavar="ADDR",
-        help="Ray cluster to join (default: $RAY_ADDRESS, else start a Ray runtime here).",
-    )(fn)
-    return key_option(
-        "--executor",
-        key="data.executor",
-        type=click.Choice(["local", "ray"]),
-        help="Where the units of work run: local processes, or a Ray cluster (pip install "
-        "'codex[ray]').",
-    )(fn)
+    fn = key_option("--ray-address", key="data.ray_address", metavar="ADDR")(fn)
+    return key_option("--executor", key="data.executor")(fn)
 
 
 def _read_sources(_ctx, _param, path):
@@ -123,77 +111,20 @@ def _read_sources(_ctx, _param, path):
     return sources
 
 
-@data.command("clean")
-@with_config
-@key_option(
-    "--input",
-    key="data.clean.inputs",
-    multiple=True,
-    metavar="PATH",
-    help="Input file, glob or directory (.txt, .jsonl[.gz|.zst], .parquet), local or gs:// "
-    "(repeatable).",
-)
+@data.command("clean", cls=ConfigCommand)
+@with_config("data.clean", "data.executor", "data.ray_address")
+@key_option("--input", key="data.clean.inputs", multiple=True, metavar="PATH")
 @executor_options
-@key_option(
-    "--workers",
-    key="data.clean.workers",
-    type=int,
-    help="Processes on this machine (or CPUs of a Ray runtime started here); 0 (default): one "
-    "per core, 1 per 8 MB of input at most.",
-)
-@key_option(
-    "--num-tasks",
-    key="data.clean.num_tasks",
-    type=int,
-    help="Split the units of work across N tasks of a job array (Ray needs none).",
-)
-@key_option(
-    "--task-index",
-    key="data.clean.task_index",
-    type=int,
-    help="Which task this process runs (0..N-1).",
-)
-@key_option(
-    "--sources",
-    key="data.clean.sources",
-    metavar="FILE",
-    callback=_read_sources,
-    help="A YAML list of inputs with their own settings, e.g. '- {input: src/, preset: code}' and "
-    "'- {input: wiki.txt, txt_delimiter: blank-lines}' (data.clean.sources). Default: none, "
-    "every --input takes the flags' settings.",
-)
-@key_option(
-    "--text-field",
-    key="data.clean.text_field",
-    help="JSONL field holding the text.",
-)
-@key_option(
-    "--text-column",
-    key="data.clean.text_column",
-    help="Parquet column holding the text.",
-)
-@key_option(
-    "--txt-delimiter",
-    key="data.clean.txt_delimiter",
-    metavar="TEXT",
-    help="Split text files (.txt, .md, ...) into documents on TEXT, e.g. 'blank-lines' (lines "
-    "holding only white space) or '\\n\\n' (escapes such as \\n are understood). Default: "
-    "a whole text file is one document, and one over 1 MB (data.clean.length.max_chars) is "
-    "dropped, named in a warning.",
-)
-@key_option(
-    "--preset", key="data.clean.preset", type=click.Choice(["web", "code"]), help="Filter preset."
-)
-@key_option(
-    "--keep-rejected/--no-keep-rejected",
-    key="data.clean.keep_rejected",
-    help="Also write dropped documents with their reason.",
-)
-@key_option(
-    "--allow-low-yield/--no-allow-low-yield",
-    key="data.clean.allow_low_yield",
-    help="Keep a corpus even when clean kept under data.clean.min_yield (1%) of the input bytes.",
-)
+@key_option("--workers", key="data.clean.workers")
+@key_option("--num-tasks", key="data.clean.num_tasks")
+@key_option("--task-index", key="data.clean.task_index")
+@key_option("--sources", key="data.clean.sources", metavar="FILE", callback=_read_sources)
+@key_option("--text-field", key="data.clean.text_field")
+@key_option("--text-column", key="data.clean.text_column")
+@key_option("--txt-delimiter", key="data.clean.txt_delimiter", metavar="TEXT")
+@key_option("--preset", key="data.clean.preset")
+@key_option("--keep-rejected/--no-keep-rejected", key="data.clean.keep_rejected")
+@key_option("--allow-low-yield/--no-allow-low-yield", key="data.clean.allow_low_yield")
 def data_clean(cfg):
     """Clean raw text into parquet shards under RUN/clean/.
 
@@ -220,47 +151,14 @@ def data_clean(cfg):
 # --- codex data tokenize ----------------------------------------------------------------------
 
 
-@data.command("tokenize")
-@with_config
-@key_option(
-    "--vocab-size",
-    key="data.tokenizer.vocab_size",
-    type=int,
-    help="Vocabulary size.",
-)
-@key_option(
-    "--max-chars",
-    key="data.tokenizer.max_chars",
-    type=int,
-    help="Characters of training text to use.",
-)
-@key_option(
-    "--doc-max-chars",
-    key="data.tokenizer.doc_max_chars",
-    type=int,
-    help="Use at most this many characters of each document.",
-)
-@key_option(
-    "--trainer",
-    key="data.tokenizer.trainer",
-    type=click.Choice(["rustbpe", "hf"]),
-    help="BPE trainer: rustbpe (default, faster) or hf (HF tokenizers' BpeTrainer; for over 2 GB "
-    "of text).",
-)
-@key_option(
-    "--input",
-    key="data.tokenizer.inputs",
-    multiple=True,
-    metavar="PATH",
-    help="Train on these files, globs or directories (.parquet 'text' column, .jsonl[.gz|.zst] "
-    "'text' field, .txt = one document) instead of RUN/clean/ (repeatable).",
-)
-@key_option(
-    "--workers",
-    key="data.tokenizer.workers",
-    type=int,
-    help="Processes for the document-selection scan (or CPUs of a Ray runtime started here).",
-)
+@data.command("tokenize", cls=ConfigCommand)
+@with_config("data.tokenizer", "data.executor", "data.ray_address")
+@key_option("--vocab-size", key="data.tokenizer.vocab_size")
+@key_option("--max-chars", key="data.tokenizer.max_chars")
+@key_option("--doc-max-chars", key="data.tokenizer.doc_max_chars")
+@key_option("--trainer", key="data.tokenizer.trainer")
+@key_option("--input", key="data.tokenizer.inputs", multiple=True, metavar="PATH")
+@key_option("--workers", key="data.tokenizer.workers")
 @executor_options
 def data_tokenize(cfg):
     """Train a byte-level BPE tokenizer on the cleaned text; writes RUN/tokenizer/.
@@ -282,34 +180,14 @@ def data_tokenize(cfg):
 # --- codex data shard / verify / upload ---------------------------------------------------------
 
 
-@data.command("shard")
-@with_config
-@key_option(
-    "--out",
-    key="data.shard.out",
-    help="Where to write shards (default RUN/shards; any fsspec URL, e.g. gs://b/run/shards).",
-)
-@key_option("--shard-tokens", key="data.shard.shard_tokens", type=int, help="Tokens per shard.")
-@key_option(
-    "--val-fraction",
-    key="data.shard.val_fraction",
-    type=float,
-    help="Fraction of documents in the validation split.",
-)
-@key_option(
-    "--format",
-    key="data.shard.format",
-    type=click.Choice(["npy", "parquet", "both"]),
-    help="Shard format.",
-)
+@data.command("shard", cls=ConfigCommand)
+@with_config("data.shard", "data.executor", "data.ray_address")
+@key_option("--out", key="data.shard.out")
+@key_option("--shard-tokens", key="data.shard.shard_tokens")
+@key_option("--val-fraction", key="data.shard.val_fraction")
+@key_option("--format", key="data.shard.format")
 @executor_options
-@key_option(
-    "--workers",
-    key="data.shard.workers",
-    type=int,
-    help="Worker processes (or CPUs of a Ray runtime started here); 0 (default): one per core, "
-    "1 per 4 MB of cleaned parquet (~12-20 MB of text) at most.",
-)
+@key_option("--workers", key="data.shard.workers")
 def data_shard(cfg):
     """Tokenize the cleaned corpus into fixed-size token shards + manifest.json.
 
@@ -411,12 +289,8 @@ def _describe_train(cfg, params) -> list[str]:
 
 
 @cli.command("train", cls=ResolvedHelp, describe=_describe_train)
-@with_config
-@key_option(
-    "--hardware",
-    key="train.hardware",
-    help="Hardware preset: cpu, h100, h100-8, v6e-4, ... (see `codex hardware`).",
-)
+@with_config("train", "model")
+@key_option("--hardware", key="train.hardware")
 @click.option(
     "--model",
     default=None,
@@ -424,57 +298,21 @@ def _describe_train(cfg, params) -> list[str]:
     f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
     f"{_DEFAULT_MODEL.n_head} heads (codex/core/config/model.py; --set model.KEY=VALUE).",
 )
-@key_option("--max-steps", key="train.max_steps", type=int, help="Optimizer steps to train.")
-@key_option(
-    "--batch-tokens",
-    key="train.batch_tokens",
-    type=int,
-    help="Tokens per optimizer step (grad accumulation is derived; 0 = one micro-batch a step).",
-)
-@key_option(
-    "--device-batch",
-    key="train.device_batch",
-    type=int,
-    help="Sequences per device per micro-batch (0 = the memory plan's, `codex hardware`).",
-)
-@key_option("--seq-len", key="train.seq_len", type=int, help="Sequence length (0 = the preset's).")
-@key_option("--save-every", key="train.save_every", type=int, help="Checkpoint every N steps.")
-@key_option(
-    "--wandb",
-    key="train.wandb",
-    type=click.Choice(["auto", "online", "offline", "off"]),
-    help="Weights & Biases logging.",
-)
+@key_option("--max-steps", key="train.max_steps")
+@key_option("--batch-tokens", key="train.batch_tokens")
+@key_option("--device-batch", key="train.device_batch")
+@key_option("--seq-len", key="train.seq_len")
+@key_option("--save-every", key="train.save_every")
+@key_option("--wandb", key="train.wandb")
 @key_option(
     "--resume/--no-resume",
     key="train.resume",
     callback=lambda _ctx, _p, v: None if v is None else ("auto" if v else "never"),
-    help="Resume from the latest checkpoint (default: when one exists).",
 )
-@key_option(
-    "--xla-mode",
-    key="train.xla_mode",
-    type=click.Choice(["spmd", "spawn"]),
-    help="TPU: spmd (default, one process per host) or spawn (one process per chip).",
-)
-@key_option(
-    "--xla-cache",
-    key="train.xla_cache",
-    metavar="DIR",
-    help="TPU: persistent compilation cache (default RUN/xla_cache).",
-)
-@key_option(
-    "--max-compiles",
-    key="train.max_compiles",
-    type=int,
-    help="TPU: fail when XLA compiles more programs than this (0 = no limit).",
-)
-@key_option(
-    "--allow-cpu-xla",
-    key="train.allow_cpu_xla",
-    is_flag=True,
-    help="Run a TPU preset on the XLA CPU backend (PJRT_DEVICE=CPU; tests only).",
-)
+@key_option("--xla-mode", key="train.xla_mode")
+@key_option("--xla-cache", key="train.xla_cache", metavar="DIR")
+@key_option("--max-compiles", key="train.max_compiles")
+@key_option("--allow-cpu-xla", key="train.allow_cpu_xla", is_flag=True)
 @click.option(
     "--nproc-per-node",
     type=click.IntRange(min=1),
@@ -522,53 +360,16 @@ def train_cmd(cfg, nproc_per_node):
 # --- codex eval / sample ------------------------------------------------------------------------
 
 
-@cli.command("eval")
-@with_config
+@cli.command("eval", cls=ConfigCommand)
+@with_config("eval")
 @checkpoint_option
-@key_option(
-    "--max-tokens",
-    key="eval.max_tokens",
-    type=int,
-    help="Evaluate at most this many tokens (0 = all).",
-)
-@key_option(
-    "--data",
-    key="eval.data",
-    multiple=True,
-    metavar="PATH",
-    help="Evaluate on other text instead of the validation split.",
-)
-@key_option(
-    "--hardware",
-    key="train.hardware",
-    help="Where to evaluate (a preset, `codex hardware`).",
-)
-@key_option(
-    "--device-batch",
-    key="eval.device_batch",
-    type=int,
-    help="Sequences per device per batch (default: the preset's).",
-)
-@key_option(
-    "--tasks",
-    key="eval.tasks",
-    metavar="T1,T2",
-    help="Downstream accuracy on lm-eval-harness tasks instead (e.g. hellaswag,arc_easy). "
-    "Default: none, the validation loss.",
-)
-@key_option(
-    "--limit",
-    key="eval.tasks_limit",
-    type=int,
-    help="--tasks: at most N examples per task (0 = all).",
-)
-@key_option(
-    "--tasks-path",
-    key="eval.tasks_path",
-    metavar="DIR",
-    help="--tasks: a folder of extra task YAMLs. Default: none, lm-eval's tasks and the ones in "
-    "configs/tasks/.",
-)
+@key_option("--max-tokens", key="eval.max_tokens")
+@key_option("--data", key="eval.data", multiple=True, metavar="PATH")
+@key_option("--hardware", key="train.hardware")
+@key_option("--device-batch", key="eval.device_batch")
+@key_option("--tasks", key="eval.tasks", metavar="T1,T2")
+@key_option("--limit", key="eval.tasks_limit")
+@key_option("--tasks-path", key="eval.tasks_path", metavar="DIR")
 def eval_cmd(cfg):
     """Validation loss, perplexity and bits per byte of a checkpoint; writes RUN/eval/step_N.json
     (and RUN/eval/loss.png from the training metrics). With --tasks: accuracy on lm-eval-harness
@@ -602,36 +403,15 @@ def eval_cmd(cfg):
         run_eval(cfg)
 
 
-@cli.command("sample")
-@with_config
+@cli.command("sample", cls=ConfigCommand)
+@with_config("eval")
 @click.option("--prompt", required=True, help="Text to continue.")
 @checkpoint_option
-@key_option(
-    "--max-new-tokens",
-    key="eval.max_new_tokens",
-    type=int,
-    help="Tokens to generate.",
-)
-@key_option(
-    "--temperature",
-    key="eval.temperature",
-    type=float,
-    help="Sampling temperature; 0 = greedy.",
-)
-@key_option(
-    "--top-k",
-    key="eval.top_k",
-    type=int,
-    help="Sample among the k most likely tokens; 0 = all.",
-)
-@key_option(
-    "--seed", key="eval.seed", type=int, help="Random seed: the same seed gives the same text."
-)
-@key_option(
-    "--hardware",
-    key="train.hardware",
-    help="Where to generate (a preset, `codex hardware`).",
-)
+@key_option("--max-new-tokens", key="eval.max_new_tokens")
+@key_option("--temperature", key="eval.temperature")
+@key_option("--top-k", key="eval.top_k")
+@key_option("--seed", key="eval.seed")
+@key_option("--hardware", key="train.hardware")
 def sample_cmd(cfg, prompt):
     """Generate text from a checkpoint, with a KV cache, on the CPU, a GPU or a TPU.
 
@@ -650,8 +430,8 @@ def sample_cmd(cfg, prompt):
 # --- codex export -------------------------------------------------------------------------------
 
 
-@cli.command("export")
-@with_config
+@cli.command("export", cls=ConfigCommand)
+@with_config()
 @checkpoint_option
 @click.option(
     "--format",

@@ -29,6 +29,7 @@ from codex.core import fsio
 from codex.core.config.data import DataConfig
 from codex.core.config.eval import EvalConfig
 from codex.core.config.model import ModelConfig, with_depth
+from codex.core.config.setting import ConfigError, check_ranges, leaves, setting, type_hints
 from codex.core.config.train import TrainConfig
 
 
@@ -41,41 +42,23 @@ def _configs_dir() -> Path:
 CONFIGS_DIR = _configs_dir()
 
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration. The CLI turns it into a usage error (exit 2)."""
-
-
 @dataclass
 class Config:
-    run: str = "runs/default"  # the run directory (local path or gs://bucket/run)
+    run: str = setting("runs/default", "The run directory, a local path or gs://bucket/run.")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-def all_keys(cls=Config, prefix: str = "") -> list[str]:
+@functools.cache
+def all_keys() -> list[str]:
     """Every dotted leaf key, e.g. 'model.n_layer', 'data.clean.workers'."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        t = _field_type(cls, f.name)
-        if dataclasses.is_dataclass(t):
-            keys += all_keys(t, prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
+    return [leaf.key for leaf in leaves(Config)]
 
 
 def _field_type(cls, name: str):
-    return _type_hints(cls)[name]
-
-
-@functools.cache
-def _type_hints(cls) -> dict:
-    """typing.get_type_hints(cls), once a class (read only): it evaluates every annotation
-    (strings, under `from __future__ import annotations`) each call, and building a config asks
-    for hundreds."""
-    return typing.get_type_hints(cls)
+    return type_hints(cls)[name]
 
 
 def _suggest(bad: str, valid: list[str]) -> str:
@@ -268,75 +251,6 @@ def build_config(
     return cfg
 
 
-# Ranges, checked once when the config is built (exit 2 before any run file is read): (low, high,
-# whether the ends themselves are allowed); None = unbounded. A value typed wrong is caught in
-# _coerce, a value outside a Literal field's set in _check_choices.
-_RANGES = {
-    "train.lr": (0, None, True),
-    "train.min_lr_ratio": (0, 1, True),
-    "train.warmup_steps": (0, None, True),
-    "train.decay_fraction": (0, 1, True),
-    "train.weight_decay": (0, None, True),
-    "train.beta1": (0, 1, True),
-    "train.beta2": (0, 1, True),
-    "train.muon_lr": (0, None, False),
-    "train.muon_momentum": (0, 1, True),
-    "train.grad_clip": (0, None, True),
-    "train.device_batch": (0, None, True),
-    "train.seq_len": (0, None, True),
-    "train.batch_tokens": (0, None, True),
-    "train.max_steps": (0, None, True),
-    "train.max_tokens": (0, None, True),
-    "train.log_every": (1, None, True),
-    "train.eval_every": (0, None, True),
-    "train.eval_tokens": (0, None, True),
-    "train.save_every": (0, None, True),
-    "train.keep_last": (1, None, True),
-    "train.keep_every": (0, None, True),
-    "train.max_compiles": (0, None, True),
-    "train.shuffle_shards": (0, None, True),
-    "train.fsdp_size": (0, None, True),
-    "train.threads": (0, None, True),
-    "train.gc_every": (0, None, True),
-    "train.dist_init_timeout_s": (0, None, False),
-    "train.dist_timeout_s": (0, None, False),
-    "model.n_layer": (1, None, True),
-    "model.depth": (0, None, True),
-    "model.n_head": (1, None, True),
-    "model.n_kv_head": (1, None, True),
-    "model.n_embd": (1, None, True),
-    "model.mlp_hidden": (0, None, True),
-    "model.max_seq_len": (1, None, True),
-    "model.vocab_size": (0, None, True),
-    "model.init_std": (0, None, False),
-    "model.logit_softcap": (0, None, True),
-    "model.norm_eps": (0, None, False),
-    "eval.max_tokens": (0, None, True),
-    "eval.device_batch": (0, None, True),
-    "eval.max_new_tokens": (0, None, True),
-    "eval.temperature": (0, None, True),
-    "eval.top_k": (0, None, True),
-    "data.tokenizer.vocab_size": (259, None, True),
-    "data.tokenizer.max_chars": (1, None, True),
-    "data.shard.val_fraction": (0, 1, False),
-    "data.shard.workers": (0, None, True),
-    "data.clean.workers": (0, None, True),
-    "data.clean.num_tasks": (1, None, True),
-    "data.clean.task_index": (0, None, True),
-    "data.clean.docs_per_shard": (1, None, True),
-    "data.clean.row_group_size": (1, None, True),
-    "data.clean.chunk_bytes": (1, None, True),
-    "data.clean.max_record_bytes": (0, None, True),
-    "data.clean.length.min_chars": (0, None, True),
-    "data.clean.length.max_chars": (0, None, True),
-    "data.tokenizer.doc_max_chars": (1, None, True),
-    "data.tokenizer.heldout_docs": (0, None, True),
-    "data.shard.shard_tokens": (1, None, True),
-    "data.shard.chunk_chars": (1, None, True),
-    "model.rope_theta": (0, None, False),
-}
-
-
 def get_value(cfg, key: str):
     """The value of dotted key `key` ('train.max_steps') in a Config."""
     for part in key.split("."):
@@ -361,18 +275,7 @@ def check_values(cfg: Config) -> None:
     ConfigError naming the key and what is allowed, instead of a late failure (or a silent default)
     deep inside a stage."""
     _check_choices(cfg)
-    for key, (low, high, inclusive) in _RANGES.items():
-        v = get_value(cfg, key)
-        nan = v != v  # NaN compares false with every bound
-        too_low = nan or (low is not None and (v < low if inclusive else v <= low))
-        too_high = high is not None and (v > high if inclusive else v >= high)
-        if too_low or too_high:
-            want = (
-                (f">= {low}" if inclusive else f"> {low}")
-                if high is None
-                else (f"in [{low}, {high}]" if inclusive else f"in ({low}, {high})")
-            )
-            raise ConfigError(f"{key}={v!r} is out of range: expected {want}")
+    check_ranges(cfg)
     _check_model_shape(cfg.model)
     if cfg.model.preset:
         preset_path("model", cfg.model.preset)  # a ConfigError naming the presets there are

@@ -9,111 +9,152 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from codex.core.config.setting import setting
+
 # --- settings of each clean filter (data.clean.<filter>.*); the defaults are the published
 # thresholds, documented in pipeline/clean/filters.py. A threshold of 0 switches that one rule off.
 
 
 @dataclass
 class LengthFilterConfig:
-    enabled: bool = True
-    min_chars: int = 1  # documents shorter than this (after normalisation) are dropped
-    max_chars: int = 1_000_000  # ... and longer than this
+    enabled: bool = setting(True, "Run this filter.")
+    min_chars: int = setting(
+        1, "Documents shorter than this (after normalisation) are dropped.", ge=0
+    )
+    max_chars: int = setting(1_000_000, "Documents longer than this are dropped.", ge=0)
 
 
 @dataclass
 class GopherQualityConfig:
-    enabled: bool = True
-    min_doc_words: int = 50
-    max_doc_words: int = 100_000
-    min_avg_word_length: float = 3
-    max_avg_word_length: float = 10
-    max_symbol_word_ratio: float = 0.1
-    max_bullet_lines_ratio: float = 0.9
-    max_ellipsis_lines_ratio: float = 0.3
-    max_non_alpha_words_ratio: float = 0.8
-    min_stop_words: int = 2
+    enabled: bool = setting(True, "Run this filter.")
+    min_doc_words: int = setting(50, "Fewest words a document may have.", ge=0)
+    max_doc_words: int = setting(100_000, "Most words a document may have.", ge=0)
+    min_avg_word_length: float = setting(3, "Shortest mean word length (characters).", ge=0)
+    max_avg_word_length: float = setting(10, "Longest mean word length (characters).", ge=0)
+    max_symbol_word_ratio: float = setting(0.1, "Most '#' and '...' symbols per word.", ge=0)
+    max_bullet_lines_ratio: float = setting(
+        0.9, "Largest fraction of lines starting with a bullet.", ge=0, le=1
+    )
+    max_ellipsis_lines_ratio: float = setting(
+        0.3, "Largest fraction of lines ending with an ellipsis.", ge=0, le=1
+    )
+    # datatrove's name: the rule keeps documents where at least this fraction of words has a letter
+    max_non_alpha_words_ratio: float = setting(
+        0.8, "Smallest fraction of words holding a letter.", ge=0, le=1
+    )
+    min_stop_words: int = setting(2, "Fewest English stop words (the, be, to, of, ...).", ge=0)
 
 
 @dataclass
 class GopherRepetitionConfig:
-    enabled: bool = True
-    dup_line_frac: float = 0.3
-    dup_para_frac: float = 0.3
-    dup_line_char_frac: float = 0.2
-    dup_para_char_frac: float = 0.2
-    # for 2-, 3-, 4-grams
-    top_ngram_fracs: list[float] = field(default_factory=lambda: [0.20, 0.18, 0.16])
-    # 5..10-grams
-    dup_ngram_fracs: list[float] = field(
-        default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10]
+    enabled: bool = setting(True, "Run this filter.")
+    dup_line_frac: float = setting(0.3, "Largest fraction of duplicate lines.", ge=0, le=1)
+    dup_para_frac: float = setting(0.3, "Largest fraction of duplicate paragraphs.", ge=0, le=1)
+    dup_line_char_frac: float = setting(
+        0.2, "Largest fraction of characters in duplicate lines.", ge=0, le=1
+    )
+    dup_para_char_frac: float = setting(
+        0.2, "Largest fraction of characters in duplicate paragraphs.", ge=0, le=1
+    )
+    top_ngram_fracs: list[float] = setting(
+        [0.20, 0.18, 0.16],
+        "Largest fraction of characters in the most frequent 2-, 3- and 4-gram.",
+    )
+    dup_ngram_fracs: list[float] = setting(
+        [0.15, 0.14, 0.13, 0.12, 0.11, 0.10],
+        "Largest fraction of characters in duplicate 5- to 10-grams.",
     )
 
 
 @dataclass
 class C4FilterConfig:
-    enabled: bool = True
-    remove_citations: bool = True
-    filter_no_terminal_punct: bool = True
-    min_num_sentences: int = 5
-    min_words_per_line: int = 3
-    max_word_length: int = 1000
-    filter_lorem_ipsum: bool = True
-    filter_javascript: bool = True
-    filter_curly_bracket: bool = True
-    filter_policy: bool = True
+    enabled: bool = setting(True, "Run this filter.")
+    remove_citations: bool = setting(True, "Remove Wikipedia-style citations ([1], [edit]).")
+    filter_no_terminal_punct: bool = setting(
+        True, "Drop lines that do not end in terminal punctuation."
+    )
+    min_num_sentences: int = setting(5, "Fewest sentences a document may keep.", ge=0)
+    min_words_per_line: int = setting(3, "Lines with fewer words are dropped.", ge=0)
+    max_word_length: int = setting(1000, "Lines holding a longer word are dropped.", ge=0)
+    filter_lorem_ipsum: bool = setting(True, "Drop documents holding 'lorem ipsum'.")
+    filter_javascript: bool = setting(True, "Drop lines that mention javascript.")
+    filter_curly_bracket: bool = setting(True, "Drop documents holding a curly bracket.")
+    filter_policy: bool = setting(True, "Drop lines about cookies, terms of use and privacy.")
 
 
 @dataclass
 class FineWebFilterConfig:
-    enabled: bool = True
-    line_punct_thr: float = 0.12
-    short_line_thr: float = 0.67
-    short_line_length: int = 30
-    char_duplicates_ratio: float = 0.01
-    new_line_ratio: float = 0.3
+    enabled: bool = setting(True, "Run this filter.")
+    line_punct_thr: float = setting(
+        0.12, "Smallest fraction of lines ending in punctuation.", ge=0, le=1
+    )
+    short_line_thr: float = setting(0.67, "Largest fraction of short lines.", ge=0, le=1)
+    short_line_length: int = setting(30, "A line of at most this many characters is short.", ge=0)
+    char_duplicates_ratio: float = setting(
+        0.01, "Largest fraction of characters in duplicate lines.", ge=0, le=1
+    )
+    new_line_ratio: float = setting(0.3, "Most newlines per word.", ge=0)
 
 
 @dataclass
 class CodeFilterConfig:
-    enabled: bool = True
-    max_line_length: int = 1000
-    max_mean_line_length: float = 100
-    min_alnum_fraction: float = 0.25
+    enabled: bool = setting(True, "Run this filter.")
+    max_line_length: int = setting(1000, "Longest line (characters).", ge=0)
+    max_mean_line_length: float = setting(100, "Longest mean line length (characters).", ge=0)
+    min_alnum_fraction: float = setting(
+        0.25, "Smallest fraction of alphanumeric characters.", ge=0, le=1
+    )
 
 
 @dataclass
 class DedupConfig:
-    enabled: bool = True  # exact dedup on the normalised text, across the whole corpus
-    # hashes one reduce task of the corpus-wide dedup holds (24 bytes a kept document): the
-    # number of hash partitions is chosen so that none is bigger, whatever the corpus size
-    partition_bytes: int = 256 << 20
+    enabled: bool = setting(True, "Exact dedup on the normalised text, across the whole corpus.")
+    # 24 bytes a kept document: the number of hash partitions is chosen so that none is bigger,
+    # whatever the corpus size
+    partition_bytes: int = setting(
+        256 << 20, "Bytes of hashes one reduce task of the dedup holds.", ge=1
+    )
 
 
 @dataclass
 class CleanConfig:
-    inputs: list[str] = field(default_factory=list)  # paths, globs or directories, local or gs://
-    # inputs with their own settings, in a YAML list (--sources FILE): {input: PATH[, preset:
-    # web|code|all][, txt_delimiter: TEXT]}; what a source leaves out comes from the keys below
-    sources: list[dict] = field(default_factory=list)
-    text_field: str = "text"  # .jsonl(.gz/.zst): the field holding the document text
-    text_column: str = "text"  # .parquet: the column holding the document text
-    txt_delimiter: str = ""  # .txt: split on this string; "" = one document per file
-    # web: prose rules, code: source-code corpora, all
-    preset: Literal["web", "code", "all"] = "web"
-    # processes on this machine (local), or CPUs of a Ray runtime started here; 0: one per core
-    # when the input is big enough to pay for them (pipeline/executor.py: auto_workers)
-    workers: int = 0
-    num_tasks: int = 1  # tasks across machines (a job array); task I takes units I, I+N, ...
-    task_index: int = 0
-    keep_rejected: bool = False  # also write dropped documents with their reason
-    # a clean that keeps under this fraction of its input bytes exits 1 naming the rules (a
-    # delimiter that never matched, a preset for another kind of text), unless allow_low_yield
-    min_yield: float = 0.01
-    allow_low_yield: bool = False
-    docs_per_shard: int = 20_000  # rows per output parquet file
-    row_group_size: int = 2_000
-    text_extensions: list[str] = field(
-        default_factory=lambda: [  # read as text (.txt rules) in dirs/globs
+    inputs: list[str] = setting([], "Input files, globs or folders, local or gs://.")
+    # what a source leaves out comes from the keys below
+    sources: list[dict] = setting(
+        [],
+        "Inputs with their own settings, a YAML list: "
+        "{input: PATH[, preset: web|code|all][, txt_delimiter: TEXT]}.",
+    )
+    text_field: str = setting("text", ".jsonl(.gz/.zst): the field holding the document's text.")
+    text_column: str = setting("text", ".parquet: the column holding the document's text.")
+    txt_delimiter: str = setting(
+        "",
+        "Split text files into documents on this string ('blank-lines', or e.g. '\\n\\n'); "
+        '"" = a whole file is one document.',
+    )
+    preset: Literal["web", "code", "all"] = setting(
+        "web", "Filters: web (prose rules), code (source code), all."
+    )
+    workers: int = setting(
+        0,
+        "Processes here, or CPUs of a Ray runtime started here; "
+        "0 = one per core, when the input is big enough to pay for them.",
+        ge=0,
+    )
+    num_tasks: int = setting(
+        1, "Tasks of a job array across machines; task I takes units I, I+N, ...", ge=1
+    )
+    task_index: int = setting(0, "Which task of the job array this process runs.", ge=0)
+    keep_rejected: bool = setting(False, "Also write dropped documents with their reason.")
+    # a delimiter that never matched, or a preset for another kind of text
+    min_yield: float = setting(
+        0.01, "A clean keeping under this fraction of its input bytes exits 1.", ge=0, le=1
+    )
+    allow_low_yield: bool = setting(False, "Keep a corpus even under min_yield.")
+    docs_per_shard: int = setting(20_000, "Rows per output parquet file.", ge=1)
+    row_group_size: int = setting(2_000, "Rows per parquet row group.", ge=1)
+    text_extensions: list[str] = setting(
+        [
             ".txt",
             ".text",
             ".md",
@@ -137,14 +178,18 @@ class CleanConfig:
             ".scala",
             ".sql",
             ".tex",
-        ]
+        ],  # fmt: skip
+        "Files read as text (one document, or split by txt_delimiter) in folders and globs.",
     )
-    # input bytes per unit of work (resume + parallelism): bigger files are split into byte
-    # ranges (.jsonl, delimited text) or row groups (.parquet); compressed .jsonl.gz/.zst cannot be
-    # split (a reader must start at the stream's beginning)
-    chunk_bytes: int = 8_000_000
-    # records bigger than this on disk are dropped unread (bounded memory)
-    max_record_bytes: int = 8_000_000
+    # Compressed .jsonl.gz/.zst cannot be split: a reader must start at the stream's beginning.
+    chunk_bytes: int = setting(
+        8_000_000,
+        "Input bytes per unit of work; bigger files are split into byte ranges or row groups.",
+        ge=1,
+    )
+    max_record_bytes: int = setting(
+        8_000_000, "Records bigger than this on disk are dropped unread.", ge=0
+    )
     # filters, in the order they run; the preset picks which apply ("web": all prose rules,
     # "code": length + code, "all": every enabled one), `enabled: false` switches one off
     length: LengthFilterConfig = field(default_factory=LengthFilterConfig)
@@ -158,37 +203,51 @@ class CleanConfig:
 
 @dataclass
 class TokenizerConfig:
-    inputs: list[str] = field(default_factory=list)  # default: RUN/clean/
-    vocab_size: int = 32_768
-    max_chars: int = 200_000_000  # training-text budget (characters)
-    doc_max_chars: int = 100_000  # per-document cap
-    heldout_docs: int = 500  # documents held out to report compression
-    trainer: Literal["rustbpe", "hf"] = "rustbpe"  # rustbpe: fast; hf: HF tokenizers' BpeTrainer
-    workers: int = 1  # processes (or Ray CPUs) for the document-selection scan
+    inputs: list[str] = setting([], "Train on these files, globs or folders; none = RUN/clean/.")
+    vocab_size: int = setting(32_768, "Vocabulary size.", ge=259)
+    max_chars: int = setting(200_000_000, "Characters of training text to use.", ge=1)
+    doc_max_chars: int = setting(100_000, "Use at most this many characters of a document.", ge=1)
+    heldout_docs: int = setting(500, "Documents held out to report compression.", ge=0)
+    trainer: Literal["rustbpe", "hf"] = setting(
+        "rustbpe", "BPE trainer: rustbpe (faster) or hf (tokenizers' BpeTrainer; over 2 GB)."
+    )
+    workers: int = setting(1, "Processes (or Ray CPUs) for the document-selection scan.", ge=1)
 
 
 @dataclass
 class ShardConfig:
-    shard_tokens: int = 50_000_000  # tokens per shard (the last one may be short)
-    val_fraction: float = 0.005  # documents hashed into the validation split
-    format: Literal["npy", "parquet", "both"] = "npy"
-    append_eos: bool = False  # each document is <|bos|> + tokens (+ <|eos|>)
-    # 1: encode in this process (tokenizers' threads); N: N processes; 0: one per core when the
-    # corpus is big enough to pay for them (pipeline/executor.py: auto_workers)
-    workers: int = 0
-    out: str = ""  # default: RUN/shards (any fsspec URL)
-    # auto: uint16 when the vocab fits, else uint32
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"
-    # longer documents are cut at line/space boundaries before encoding (BPE is quadratic)
-    chunk_chars: int = 100_000
+    shard_tokens: int = setting(50_000_000, "Tokens per shard (the last may be short).", ge=1)
+    val_fraction: float = setting(
+        0.005, "Fraction of documents hashed into the validation split.", gt=0, lt=1
+    )
+    format: Literal["npy", "parquet", "both"] = setting("npy", "Shard file format.")
+    append_eos: bool = setting(False, "Each document is <|bos|> + tokens + <|eos|>.")
+    workers: int = setting(
+        0,
+        "1 = encode in this process; N = N processes (or Ray CPUs); "
+        "0 = one per core, when the corpus is big enough to pay for them.",
+        ge=0,
+    )
+    out: str = setting("", 'Where shards go (any fsspec URL); "" = RUN/shards.')
+    dtype: Literal["auto", "uint16", "uint32"] = setting(
+        "auto", "Token dtype; auto: uint16 when the vocabulary fits, else uint32."
+    )
+    # BPE is quadratic in a piece's length
+    chunk_chars: int = setting(
+        100_000, "Longer documents are cut at line or space boundaries before encoding.", ge=1
+    )
 
 
 @dataclass
 class DataConfig:
-    # where the units of clean, the tokenizer's scan and shard run (pipeline/executor.py):
-    # local (this machine: --workers processes) or ray (a Ray cluster)
-    executor: Literal["local", "ray"] = "local"
-    ray_address: str = ""  # ray: the cluster to join; "" = $RAY_ADDRESS, else start one here
+    executor: Literal["local", "ray"] = setting(
+        "local",
+        "Where the units of clean, the tokenizer's scan and shard run: "
+        "local processes, or a Ray cluster (pip install 'codex[ray]').",
+    )
+    ray_address: str = setting(
+        "", 'The Ray cluster to join; "" = $RAY_ADDRESS, else start a Ray runtime here.'
+    )
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)

@@ -9,42 +9,52 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from codex.core.config.setting import setting
+
 
 @dataclass
 class ModelConfig:
-    # the configs/model/NAME.yaml these settings start from (--model NAME); "" = none
-    preset: str = ""
-    depth: int = 0  # > 0: one knob for the shape (with_depth): n_layer, n_embd, heads
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int = 4  # < n_head: grouped-query attention
-    n_embd: int = 128
-    mlp: Literal["swiglu", "relu2"] = "swiglu"
-    # 0: derived (swiglu 8/3 * n_embd, relu2 4 * n_embd; rounded up to 256, to 128 below 1024)
-    mlp_hidden: int = 0
-    qk_norm: bool = True
-    # flash: torch_xla's Pallas kernel, TPU only (train/xla/flash.py)
-    attention: Literal["sdpa", "flash"] = "sdpa"
-    tie_embeddings: bool = False
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-6
-    vocab_size: int = 0  # 0: taken from the run's tokenizer; padded to a multiple of 128
-    max_seq_len: int = 1024
-    init_std: float = 0.02
-    # attention and MLP output projections start at zero (modded-nanogpt)
-    zero_init_proj: bool = False
-    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap); 0 = off
-    # alternate layers add a per-token value embedding to V (modded-nanogpt, nanochat)
-    value_embed: bool = False
+    preset: str = setting(
+        "", 'The configs/model/NAME.yaml these settings start from (--model NAME); "" = none.'
+    )
+    depth: int = setting(
+        0, "One knob for the shape (with_depth): n_layer, n_embd and heads; 0 = off.", ge=0
+    )
+    n_layer: int = setting(4, "Transformer blocks.", ge=1)
+    n_head: int = setting(4, "Attention heads.", ge=1)
+    n_kv_head: int = setting(4, "Key/value heads; fewer than n_head: grouped-query.", ge=1)
+    n_embd: int = setting(128, "Width of the residual stream.", ge=1)
+    mlp: Literal["swiglu", "relu2"] = setting("swiglu", "The MLP's activation.")
+    mlp_hidden: int = setting(
+        0,
+        "The MLP's width; 0 = derived: swiglu 8/3 d, relu2 4 d (rounded up to 256, or 128).",
+        ge=0,
+    )
+    qk_norm: bool = setting(True, "RMS-normalise queries and keys.")
+    attention: Literal["sdpa", "flash"] = setting(
+        "sdpa", "flash: torch_xla's Pallas kernel, TPU only (train/xla/flash.py)."
+    )
+    tie_embeddings: bool = setting(False, "The output head shares the embedding's weights.")
+    rope_theta: float = setting(10_000.0, "Rotary embeddings' base.", gt=0)
+    norm_eps: float = setting(1e-6, "RMSNorm's epsilon.", gt=0)
+    vocab_size: int = setting(0, "0 = the run's tokenizer's; padded to a multiple of 128.", ge=0)
+    max_seq_len: int = setting(1024, "The longest sequence the model takes.", ge=1)
+    init_std: float = setting(0.02, "Standard deviation of the weights' init.", gt=0)
+    zero_init_proj: bool = setting(
+        False, "Attention and MLP output projections start at zero (modded-nanogpt)."
+    )
+    logit_softcap: float = setting(0.0, "logits = cap * tanh(logits / cap); 0 = off.", ge=0)
+    value_embed: bool = setting(
+        False, "Alternate layers add a per-token value embedding to V (modded-nanogpt, nanochat)."
+    )
 
 
 def with_depth(m: ModelConfig) -> ModelConfig:
     """model.depth > 0 sets the shape from one number, as nanochat's --depth: n_layer = depth,
     n_embd = 64 x depth rounded up to a multiple of 128, heads of 128 (n_kv_head = n_head). It
     overrides n_layer, n_embd, n_head and n_kv_head. Idempotent, so a checkpoint's config rebuilds
-    the same shape. The learning rates do not follow the width (codex/core/config/train.py
-    DEFAULT_LR
-    says why)."""
+    the same shape. The learning rates do not follow the width (codex/core/config/train.py,
+    DEFAULT_LR, says why)."""
     if m.depth <= 0:
         return m
     width = -(-64 * m.depth // 128) * 128
