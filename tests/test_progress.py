@@ -184,3 +184,37 @@ def test_log_lines_never_run_into_the_bar():
     # and the bar comes back right under it
     after = out.split("a warning mid-stage\n", 1)[1]
     assert after.startswith("shard:  30.0% 3/10 docs")
+
+
+FRESH_BOOT = """
+import time
+_pc, _mono = time.perf_counter, time.monotonic
+_pc0, _mono0 = _pc(), _mono()
+time.perf_counter = lambda: _pc() - _pc0 + 5.0
+time.monotonic = lambda: _mono() - _mono0 + 5.0
+"""
+
+
+def test_the_timer_tests_pass_on_a_machine_booted_5_s_ago(tmp_path):
+    """The progress and metrics tests, in a Python whose perf_counter and monotonic read as on a
+    machine booted 5 s ago (a sitecustomize), as on a fresh CI machine."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.import_graph import ROOT
+
+    (tmp_path / "sitecustomize.py").write_text(FRESH_BOOT)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    probe = [sys.executable, "-c", "import time; print(time.perf_counter() < 60)"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() == "True"
+    tests = ["tests/test_progress.py", "tests/test_metrics.py", "-k", "not booted_5_s_ago"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]

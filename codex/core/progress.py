@@ -306,8 +306,11 @@ class Progress:
         self.n = 0
         self.counters: dict[str, float] = {}
         self.t0 = time.perf_counter()
-        self._last = 0.0
-        self._filed = 0.0  # on a TTY: when the log file last got the bar's line
+        # when the bar was last drawn, and (on a TTY) when the log file last got its line; None =
+        # never, so the first update does both. Not 0.0: perf_counter's zero is the machine's boot,
+        # and a machine up for less than log_every seconds would never file the first line.
+        self._last: float | None = None
+        self._filed: float | None = None
         # the state of the last plain log line (no repeat at close)
         self._logged: tuple | None = None
 
@@ -325,10 +328,12 @@ class Progress:
         for k, v in counters.items():
             self.counters[k] = self.counters.get(k, 0) + v
         now = time.perf_counter()
-        if now - self._last >= (0.2 if self.tty else self.log_every):
+        if self._last is None or now - self._last >= (0.2 if self.tty else self.log_every):
             self._last = now
             self._emit(final=False)
-        if self.tty and _file is not None and now - self._filed >= self.log_every:
+        if self.tty and _file is not None and (
+            self._filed is None or now - self._filed >= self.log_every
+        ):
             self._filed = now
             self._to_file()
 
