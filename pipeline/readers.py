@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
 
 from codex.core import fsio
 
@@ -417,6 +416,8 @@ class _ZstdReader(io.RawIOBase):
     EOF for a truncated frame and raises its own ZstdError for garbage."""
 
     def __init__(self, path: str, fh):
+        import zstandard  # only when a .zst input is read: other inputs run without it
+
         self.path, self.fh, self._zstd = path, fh, zstandard
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
         self.pending = b""

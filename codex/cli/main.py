@@ -26,16 +26,10 @@ from codex.cli.command import (
     stage,
     with_config,
 )
-from codex.cli.demo import run_demo
 from codex.core import fsio, rundir, runlock
 from codex.core.config import build_config, yaml_error
 from codex.core.config.train import TrainConfig
 from codex.core.progress import log_to_file, setup_logging
-from codex.pipeline.clean.clean import run_clean
-from codex.pipeline.shard.shard import run_shard
-from codex.pipeline.shard.verify import verify_shards
-from codex.pipeline.tokenizer.tokenizer import run_tokenizer
-from codex.pipeline.upload import upload_run
 from codex.train.plan.hardware import (
     format_hardware_table,
     format_model_fit,
@@ -145,6 +139,8 @@ def data_clean(cfg):
             "no input: pass --input PATH or --sources FILE (or set data.clean.inputs in --config)"
         )
     with run_lock(cfg, "codex data clean"):
+        from codex.pipeline.clean.clean import run_clean
+
         run_clean(cfg)
 
 
@@ -174,6 +170,8 @@ def data_tokenize(cfg):
       codex data tokenize --run runs/web --max-chars 4000000000 --trainer hf
     """
     with run_lock(cfg, "codex data tokenize"):
+        from codex.pipeline.tokenizer.tokenizer import run_tokenizer
+
         run_tokenizer(cfg)
 
 
@@ -197,6 +195,8 @@ def data_shard(cfg):
       codex data shard --run runs/web --out gs://bucket/web/shards
     """
     with run_lock(cfg, "codex data shard"):
+        from codex.pipeline.shard.shard import run_shard
+
         run_shard(cfg)
 
 
@@ -217,6 +217,8 @@ def data_verify(run_dir, run, config_file, overrides, out):
         raise UserError(f"two run directories: RUN={run_dir} and --run {run}; give one")
     cfg = build_config(config_file, overrides, run=run_dir or run, values={"data.shard.out": out})
     shards = cfg.data.shard.out or rundir.shards_dir(cfg.run)
+    from codex.pipeline.shard.verify import verify_shards
+
     problems = verify_shards(shards, rundir.tokenizer_dir(cfg.run))
     for p in problems:
         click.echo(p, err=True)
@@ -246,6 +248,8 @@ def data_upload(local_run, remote, overwrite):
       codex data upload runs/web gs://bucket/web
     """
     with runlock.hold(remote, "codex data upload"):
+        from codex.pipeline.upload import upload_run
+
         r = upload_run(local_run, remote, overwrite)
     click.echo(
         f"{r['files']} files ({r['uploaded']} uploaded, {r['skipped']} already there), "
@@ -254,8 +258,9 @@ def data_upload(local_run, remote, overwrite):
 
 
 # --- codex train --------------------------------------------------------------------------------
-# The commands that run a model import torch (seconds) inside their body, after the config is
-# checked and the run lock is held: a usage mistake or a second writer is refused at once.
+# Every command imports its stage inside its body, after the config is checked and the run lock is
+# held: a usage mistake or a second writer is refused at once, `codex --help` imports no stage, and
+# a machine without one stage's libraries (rustbpe, zstandard, torch) still runs the others.
 
 
 def _exec_torchrun(n: int) -> None:
@@ -513,6 +518,8 @@ def demo_cmd(run, overrides):
       codex demo --run runs/demo2 --set train.max_steps=50
     """
     with runlock.hold(run, "codex demo"):
+        from codex.cli.demo import run_demo
+
         run_demo(run, overrides)
 
 

@@ -33,7 +33,6 @@ import sys
 from collections.abc import Iterator
 
 import numpy as np
-import rustbpe
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from codex.core.config import ConfigError
@@ -120,6 +119,8 @@ def _train_rustbpe(texts, vocab_size: int, buffer_docs: int) -> Tokenizer:
     # A few spare merges: rustbpe can (rarely) build the same bytes by two different merges, which
     # makes one token in the HF vocabulary; the spares keep the vocabulary at the size asked for.
     spare = max(16, n_tokens // 256)
+    import rustbpe  # only the tokenize stage trains: other commands run without it
+
     bpe = rustbpe.Tokenizer()
     # rustbpe pulls `buffer_docs` documents at a time under the GIL, then splits and counts them
     # in parallel without it: the buffer bounds memory (documents are capped at doc_max_chars).
