@@ -46,8 +46,11 @@ def gcs_emulator():
     if not Path(exe).exists():
         pytest.fail("gcp-storage-emulator is not installed: pip install -e '.[dev]'")
     port = _free_port()
+    # tests/gcs_emulator.py: the emulator, answering objects.move as real GCS does
     proc = subprocess.Popen(
-        [exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+        [sys.executable, "-m", "tests.gcs_emulator"]
+        + ["start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+        cwd=Path(__file__).resolve().parent.parent,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -129,3 +129,22 @@ def test_atomic_write_has_normal_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (p.stat().st_mode & 0o777) == (0o666 & ~umask)
+
+
+@pytest.mark.gcs
+def test_a_rename_on_the_emulator_is_one_move(gcs_bucket, caplog):
+    """gcsfs renames with objects.move (a checkpoint's folder, DCP's metadata): the emulator the
+    suite runs answers it (tests/gcs_emulator.py), so no rename waits ~30 s in gcsfs's retries
+    of a 501 before falling back to copy + delete."""
+    import time
+
+    fs, _ = fsio.filesystem(gcs_bucket)
+    fsio.write_text(f"{gcs_bucket}/a/x.tmp", "payload")
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING", logger="gcsfs"):
+        fs.mv(f"{gcs_bucket}/a/x.tmp", f"{gcs_bucket}/a/x.json")
+    assert time.perf_counter() - t0 < 5
+    assert "Falling back to copy/delete" not in caplog.text
+    fs.invalidate_cache()
+    assert fsio.read_text(f"{gcs_bucket}/a/x.json") == "payload"
+    assert not fsio.exists(f"{gcs_bucket}/a/x.tmp")
