@@ -2,7 +2,7 @@
 moments, ~4 GB): one writer vs DCP with every rank writing its own shards.
 
     PYTHONPATH=. python bench/bench_checkpoint.py                  # local disk, under /tmp
-    PYTHONPATH=. python bench/bench_checkpoint.py --dir /mnt/disk --vocab 32768
+    PYTHONPATH=. python bench/bench_checkpoint.py --dir DISK --vocab 32768   # under DISK
 
 Rows:
   torch.save, 1 process     the single-file format codex used before DCP (rank 0 wrote everything):

@@ -1,7 +1,7 @@
 """Throughput (MB/s) and peak RSS of `codex data clean` vs datatrove on the same input.
 
     python bench/bench_clean.py                        # codex only (1 and 2 workers)
-    python bench/bench_clean.py --datatrove /work/benchenv-clean/bin/python --mb 100
+    python bench/bench_clean.py --datatrove BENCHVENV/bin/python --mb 100
     python bench/bench_clean.py --pin --repeats 3      # 1 worker on core 0 vs 2 on cores 0,1
     python bench/bench_clean.py --pin --repeats 5 --ceiling   # + what two cores give this machine
     python bench/bench_clean.py --against 'caf9f80^' --repeats 3   # per core vs issue 27's filing
@@ -10,9 +10,10 @@ Input: the Python stdlib's .py files plus ../shared/data/*.txt when present (par
 as JSONL files (one document per record) and repeated until --mb MB; each repeat gets a distinct
 marker line so repeats are not exact duplicates. Both tools run the equivalent Gopher quality +
 Gopher repetition + C4 filters (datatrove: GopherRepetitionFilter, GopherQualityFilter,
-C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench-only venv (pass
-its python with --datatrove). Peak RSS is the largest summed RSS of the process tree, sampled
-every 50 ms; drv/wkr the driver's own peak and the largest worker's.
+C4QualityFilter; codex: preset web with fineweb off). datatrove lives in a bench-only venv
+(BENCHVENV: see bench/bench_datatrove_parity.py; pass its python with --datatrove). Peak RSS is
+the largest summed RSS of the process tree, sampled every 50 ms; drv/wkr the driver's own peak
+and the largest worker's.
 
 Measured here (2 CPU cores, 102 MB = stdlib .py x3 + tinyshakespeare, 16 files), 2026-11-27
 10:20-10:30 UTC, with the compiled word counter (pipeline/clean/_wordcount.c), which finds an

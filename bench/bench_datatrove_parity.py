@@ -1,10 +1,10 @@
 """Decision parity of our prose filters with datatrove's own, filter by filter, on held-out prose.
 
-    python bench/bench_datatrove_parity.py --datatrove /work/benchenv-clean/bin/python
+    python bench/bench_datatrove_parity.py --datatrove BENCHVENV/bin/python
 
-The bench venv is the one bench/bench_clean.py uses (`python -m venv /work/benchenv-clean &&
-/work/benchenv-clean/bin/pip install datatrove orjson nltk spacy`; datatrove's English word and
-sentence splitter is spaCy's blank "en" tokenizer + sentencizer, so spacy is required).
+BENCHVENV is the bench venv bench/bench_clean.py uses, anywhere outside the repository (`python -m
+venv BENCHVENV && BENCHVENV/bin/pip install datatrove orjson nltk spacy`; datatrove's English word
+and sentence splitter is spaCy's blank "en" tokenizer + sentencizer, so spacy is required).
 
 Corpus (text nobody here generated; `corpus()` below, in this order):
   1. the first --shared-mb MB (default 20) of ../shared/data/*.txt, files in sorted order;
@@ -68,6 +68,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -234,7 +235,7 @@ def main() -> None:
     ap.add_argument("--man-mb", type=float, default=4)
     ap.add_argument("--changelogs", action="store_true", help="also Debian changelog*/NEWS*")
     ap.add_argument("--doc-chars", type=int, default=3000)
-    ap.add_argument("--cache", default=str(Path("/tmp/bench_datatrove_parity")))
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "bench_datatrove_parity"))
     ap.add_argument("--dump", default="", help="write disagreeing documents here (JSONL)")
     args = ap.parse_args()
     files, sizes = corpus(

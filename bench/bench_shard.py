@@ -63,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,11 +76,11 @@ from bench_clean import compile_bytecode  # noqa: E402  (bench/ is this script's
 
 from codex.core.config import Config  # noqa: E402
 from codex.pipeline.encode import split_long_text  # noqa: E402
-from codex.pipeline.shard.shard import BATCH_CHARS  # noqa: E402
+from codex.pipeline.shard.encode import BATCH_CHARS  # noqa: E402
 from codex.pipeline.tokenizer.bpe import SPECIAL_IDS, train_tokenizer  # noqa: E402
 from codex.pipeline.tokenizer.tokenizer import load_tokenizer  # noqa: E402
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+SHAKESPEARE = str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt")  # the shared data
 CLEAN = Config().data.clean  # parts of docs_per_shard rows in row groups of row_group_size
 
 
@@ -405,7 +406,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=100.0, help="corpus size in MB of UTF-8 text")
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dir", default="/tmp/codex-bench-shard")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "codex-bench-shard"))
     ap.add_argument("--cores", default="0,1", help="CPU cores to pin to ('' = no pinning)")
     ap.add_argument("--shard-tokens", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=1)

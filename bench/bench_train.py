@@ -47,7 +47,7 @@ from codex.train.loop import train  # noqa: E402
 from codex.train.optim.optimizer import make_optimizer  # noqa: E402
 from codex.train.plan.hardware import device_defaults, get_preset  # noqa: E402
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # the shared data
 
 
 def make_run(root: Path, vocab: int, tokens: int) -> str:

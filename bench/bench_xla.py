@@ -40,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ from codex.train.xla.backend import make_xla_backend
 import torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 
 name, accum, step_mode, steps = {name!r}, {accum}, {step_mode!r}, {steps}
-cfg = build_config(model=name, run="/tmp/codex-bench-xla", overrides=[
+cfg = build_config(model=name, run={run!r}, overrides=[
     "train.hardware=v6e-4", "train.allow_cpu_xla=true", "train.xla_step=cached",
     "train.lr=0.003"])
 m = replace(cfg.model, vocab_size=32768)
@@ -139,7 +140,14 @@ def run(name: str, accum: int, step_mode: str, steps: int) -> dict:
         PJRT_CPU_ASYNC_CLIENT="1",
         PYTHONPATH=str(ROOT),
     )
-    code = CHILD.format(root=str(ROOT), name=name, accum=accum, step_mode=step_mode, steps=steps)
+    code = CHILD.format(
+        root=str(ROOT),
+        run=os.path.join(tempfile.gettempdir(), "codex-bench-xla"),
+        name=name,
+        accum=accum,
+        step_mode=step_mode,
+        steps=steps,
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} accum {accum} {step_mode}: failed\n{proc.stderr[-3000:]}")

@@ -17,7 +17,7 @@ from codex.pipeline.encode import Encoder, token_dtype
 from codex.pipeline.inputs import list_inputs
 from codex.pipeline.readers import FileReport, read_records
 from codex.pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
-from codex.pipeline.shard.shard import write_npy
+from codex.pipeline.shard.write import write_npy
 from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("codex.eval")

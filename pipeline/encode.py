@@ -13,7 +13,7 @@ always uses HF tokenizers.
 
 Token ids are stored in the smallest unsigned dtype that holds the vocabulary (`token_dtype`).
 An Encoder is picklable (the tokenizer as JSON), so a worker process or Ray task can rebuild it;
-where documents are encoded and in what order is the caller's (pipeline/shard/shard.py).
+where documents are encoded and in what order is the caller's (pipeline/shard/encode.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from codex.core import fsio
 from codex.core.config import build_config
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import filters as F
+from codex.pipeline.clean import words as W
 from codex.pipeline.clean.clean import CleanError, run_clean
 from codex.pipeline.inputs import clean_parts
 
@@ -369,7 +370,7 @@ def test_without_the_compiled_counter_clean_warns_and_gives_the_same_output(
         "".join(json.dumps({"text": Path(m.__file__).read_text()}) + "\n" for m in (F, json))
     )
     compiled = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="compiled"))
-    monkeypatch.setattr(F, "COUNTER", None)
+    monkeypatch.setattr(W, "COUNTER", None)
     with caplog.at_level(logging.WARNING):
         python = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="python"))
     assert "the compiled word counter (pipeline/clean/_wordcount.c) is not built" in caplog.text
@@ -561,7 +562,7 @@ def _texts(seed: int, n: int) -> list[str]:
     import random
 
     rng = random.Random(seed)
-    pool = [chr(c) for c in range(0x20, 0x3000)] + list(F.PUNCTUATION)
+    pool = [chr(c) for c in range(0x20, 0x3000)] + list(W.PUNCTUATION)
     pool += list(" \n\t\u00a0\u2003\x1c") * 20 + list("abc def.,'-_:/") * 30
     pool += ["²", "½", "五", "Ⅻ", "１", "％", "\u0301", "\U0001f600", "\ud800"]
     rules = ["://", "http", "e.g.", "U.S.", "Inc.", "Dr.", "a.", "..", "...", "--", "---",
@@ -581,7 +582,7 @@ def _texts(seed: int, n: int) -> list[str]:
 
 def _words(text: str) -> list[str]:
     """The words by their definition: each piece's _piece_words with _WORD itself."""
-    return [w for piece in text.split() for w in F._piece_words(piece, F._WORD.findall)]
+    return [w for piece in text.split() for w in W._piece_words(piece, W._WORD.findall)]
 
 
 @pytest.mark.parametrize("counter", ["compiled", "python"])
@@ -596,48 +597,48 @@ def test_word_split_and_gopher_counters_equal_their_per_word_definitions(monkeyp
     import sysconfig
 
     if counter == "python":
-        monkeypatch.setattr(F, "COUNTER", None)
-    elif F.COUNTER is None:
+        monkeypatch.setattr(W, "COUNTER", None)
+    elif W.COUNTER is None:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
     else:  # its cache forgotten as often as the Python one's below
-        monkeypatch.setattr(F.COUNTER, "cache_size", 300)
-    F.forget_pieces()
+        monkeypatch.setattr(W.COUNTER, "cache_size", 300)
+    W.forget_pieces()
     texts = _texts(0, 1500)
     texts.append(Path(sysconfig.get_paths()["stdlib"], "argparse.py").read_text())
     texts += ["", " \n ", "x", "the and", "(" * 50, "é" * 20 + " 12 ²½ 五", "(１) １, a１ ％１"]
     # many new pieces in one document (their words counted in numpy, not one by one)
     texts.append(" ".join([f"(w{i}," for i in range(30)] + ["(the", "and,", "of)", "[１]", "be:"]))
-    monkeypatch.setattr(F, "_PIECE_CACHE", 300)  # forgotten many times over these texts
+    monkeypatch.setattr(W, "_PIECE_CACHE", 300)  # forgotten many times over these texts
 
     def definition(text):
         words = _words(text)
-        real = [w for w in words if w[0].isalnum() or any(c not in F.PUNCTUATION for c in w)]
+        real = [w for w in words if w[0].isalnum() or any(c not in W.PUNCTUATION for c in w)]
         alpha = sum(any(c.isalpha() for c in w) for w in words)
-        stop = len(F.STOP_WORDS.intersection(words))
+        stop = len(W.STOP_WORDS.intersection(words))
         return (len(words), len(real), sum(map(len, real)), alpha, stop)
 
     for text in texts:
-        assert F.split_words(text) == _words(text), repr(text)
-        assert F.word_counts(text) == definition(text), repr(text)
+        assert W.split_words(text) == _words(text), repr(text)
+        assert W.word_counts(text) == definition(text), repr(text)
     # a special case of letters and digits ("cannot") in a document whose count forgets the cache
     # (or grows its table): counted from its own words, not a row the cache no longer holds
-    monkeypatch.setattr(F, "_PIECE_CACHE", 2)
-    if F.COUNTER is not None:
-        monkeypatch.setattr(F.COUNTER, "cache_size", 2)
-    F.forget_pieces()
+    monkeypatch.setattr(W, "_PIECE_CACHE", 2)
+    if W.COUNTER is not None:
+        monkeypatch.setattr(W.COUNTER, "cache_size", 2)
+    W.forget_pieces()
     for text in ["a, b, c, d,", "cannot", "cannot Cannot", " ".join(f"x{i}," for i in range(5000))]:
         for doc in (text, "cannot 10am " + text, text + " cannot gonna,"):
-            assert F.word_counts(doc) == definition(doc), doc[:40]
+            assert W.word_counts(doc) == definition(doc), doc[:40]
     # counts learn pieces without their words: a split after them finds the words then
-    F.forget_pieces()
+    W.forget_pieces()
     for text in texts[:300]:
-        F.word_counts(text)
-        assert F.split_words(text) == _words(text), repr(text)
+        W.word_counts(text)
+        assert W.split_words(text) == _words(text), repr(text)
     # _WORD_FAST is _WORD, piece by piece, in both modes (re.ASCII on ASCII pieces only)
     for text in texts[:300]:
         for piece in text.split():
-            fast = F._WORD_FAST_ASCII if piece.isascii() else F._WORD_FAST
-            assert fast.findall(piece) == F._WORD.findall(piece), repr(piece)
+            fast = W._WORD_FAST_ASCII if piece.isascii() else W._WORD_FAST
+            assert fast.findall(piece) == W._WORD.findall(piece), repr(piece)
 
 
 def test_ascii_words_equal_the_regex():
@@ -669,12 +670,12 @@ def test_ascii_words_equal_the_regex():
         texts.append("".join(rng.choice(pool) for _ in range(rng.randint(0, 20))))
     texts += ["".join(rng.choice(fragments + named) for _ in range(2000))]
     for text in texts:
-        assert ascii_words(text) == F._WORD_FAST_ASCII.findall(text), repr(text)
+        assert ascii_words(text) == W._WORD_FAST_ASCII.findall(text), repr(text)
     with pytest.raises(ValueError, match="needs an ASCII str"):
         ascii_words("café")
-    # and filters uses it: the C was written for this pattern (an edited pattern needs the C and
-    # its PATTERN_SHA256 updated; filters falls back to the regex engine meanwhile)
-    assert F._ascii_words is ascii_words
+    # and words.py uses it: the C was written for this pattern (an edited pattern needs the C and
+    # its PATTERN_SHA256 updated; words.py falls back to the regex engine meanwhile)
+    assert W._ascii_words is ascii_words
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="possessive repeats came in Python 3.11")
@@ -684,9 +685,9 @@ def test_url_piece_takes_the_prefix_symbols_whole():
     a greedy X* differs: "(:@b.org" is no URL piece)."""
     import re
 
-    prefix = f"(?=([{F._AFFIX}]*))\\1"
-    assert F._URL_PIECE.pattern.startswith(prefix)
-    possessive = re.compile(F._URL_PIECE.pattern.replace(prefix, f"([{F._AFFIX}]*+)", 1))
+    prefix = f"(?=([{W._AFFIX}]*))\\1"
+    assert W._URL_PIECE.pattern.startswith(prefix)
+    possessive = re.compile(W._URL_PIECE.pattern.replace(prefix, f"([{W._AFFIX}]*+)", 1))
     # "@b.org" after "(" or "(:": a greedy prefix would give the symbols back as the URL's user
     urls = ["a@b.org", "x.org/a=b", "foo-bar.deb", "https://a.io/b?q=1", "@b.org", "(a.b)"]
     pieces = [p + u + s for p in ["", "(", "((", '"', "<", "(:", "@("] for u in urls
@@ -694,7 +695,7 @@ def test_url_piece_takes_the_prefix_symbols_whole():
     pieces += [p for t in _texts(4, 400) for p in t.split()]
     matched = 0
     for piece in pieces:
-        a, b = F._URL_PIECE.fullmatch(piece), possessive.fullmatch(piece)
+        a, b = W._URL_PIECE.fullmatch(piece), possessive.fullmatch(piece)
         assert (a and a.groups()) == (b and b.groups()), repr(piece)
         matched += a is not None
     assert matched >= 30
@@ -805,23 +806,23 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
     the pieces met in that document are forgotten: the next count is still the right one. A
     callback that counts with its own Counter is refused (its rows may move meanwhile). The
     memory of a huge document's rows and of a huge piece's word spans is given back."""
-    if F.COUNTER is None:
+    if W.COUNTER is None:
         pytest.skip("the compiled word counter is not built (no C compiler at install)")
     from codex.pipeline.clean._wordcount import Counter
 
     def findall(piece):
         if piece == "boom!":
             raise RuntimeError("regex failed")
-        return F._WORD_FAST.findall(piece)
+        return W._WORD_FAST.findall(piece)
 
-    settings = {**F.counter_settings(), "findall_ascii": findall, "findall": findall}
+    settings = {**W.counter_settings(), "findall_ascii": findall, "findall": findall}
     settings["cache_size"] = 100
     counter = Counter(**settings)
     with pytest.raises(RuntimeError, match="regex failed"):
         counter.counts("the (cat), sat; boom!")
     assert len(counter) == 0
     text = "the (cat), sat; on the mat."
-    assert counter.counts(text) == F._Pieces().counts(text)
+    assert counter.counts(text) == W._Pieces().counts(text)
     with pytest.raises(TypeError, match="needs a str"):
         counter.counts(b"bytes")  # type: ignore[arg-type]
 
@@ -852,9 +853,9 @@ def test_compiled_counter_errors_keep_no_half_learnt_piece():
         counter.counts("x")  # over cache_size: forgotten first
         assert tracemalloc.get_traced_memory()[0] - before < 1_000_000
         # and the word spans of one huge ASCII piece (400,000 words), found by ascii_words in C
-        compiled = Counter(**{**F.counter_settings(), "cache_size": 100})
+        compiled = Counter(**{**W.counter_settings(), "cache_size": 100})
         before = tracemalloc.get_traced_memory()[0]
-        assert compiled.counts("a," * 200_000) == F._Pieces().counts("a," * 200_000)
+        assert compiled.counts("a," * 200_000) == W._Pieces().counts("a," * 200_000)
         assert tracemalloc.get_traced_memory()[0] - before < 1_000_000  # the piece: 400 KB
     finally:
         tracemalloc.stop()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import filters as F
+from codex.pipeline.clean import words as W
 
 _spec = importlib.util.spec_from_file_location(
     "bench_datatrove_parity",
@@ -31,7 +32,7 @@ def test_split_documents_groups_paragraphs_in_order():
 
 
 def test_words_follow_spacy_rules():
-    words = F._WORD.findall("It's e.g. 3.5 ===== a-b bash-5.2 (see foo). that's -f C++")
+    words = W._WORD.findall("It's e.g. 3.5 ===== a-b bash-5.2 (see foo). that's -f C++")
     assert words == [
         "It", "'s", "e.g.", "3.5", "=", "=", "=", "=", "=", "a", "-", "b", "bash-5.2",
         "(", "see", "foo", ")", ".", "that", "'s", "-f", "C++",
@@ -42,14 +43,14 @@ def test_words_take_spacys_special_cases_and_url_match():
     # spaCy's tables (pipeline/clean/spacy_en.py): special cases, whole or as a piece's word,
     # letters and digits only too ("cannot"); its URL match between symbols; + after a digit
     text = "I don't (cannot) go at 10am, GPL-2+ C++ see bar-foo.deb (me@x.org). e.g. :-)"
-    assert F.split_words(text) == [
+    assert W.split_words(text) == [
         "I", "do", "n't", "(", "can", "not", ")", "go", "at", "10", "am", ",", "GPL-2", "+",
         "C++", "see", "bar-foo.deb", "(", "me@x.org", ")", ".", "e.g.", ":-)",
     ]  # fmt: skip
-    n, *_ = F.word_counts(text)
+    n, *_ = W.word_counts(text)
     assert n == 23
     # word_counts corrects a special case of letters and digits counted as one word by this
-    assert F.STOP_WORDS.isdisjoint(F._SPLIT_ALNUM) and all(map(F._has_letter, F._SPLIT_ALNUM))
+    assert W.STOP_WORDS.isdisjoint(W._SPLIT_ALNUM) and all(map(W._has_letter, W._SPLIT_ALNUM))
 
 
 def test_repetition_blank_lines_are_not_duplicate_lines():

@@ -125,11 +125,11 @@ def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp
 BLOCKING_SHARD = """
 import sys, time
 from pathlib import Path
-from codex.pipeline.shard import shard
+from codex.pipeline.shard import write
 def write_npy(path, tokens):
     Path(sys.argv[1]).write_text("writing")
     time.sleep(600)
-shard.write_npy = write_npy
+write.write_npy = write_npy
 from codex.cli.main import cli
 cli(sys.argv[2:], prog_name="codex")
 """

@@ -21,7 +21,8 @@ from codex.core import fsio
 from codex.core.config import Config
 from codex.pipeline import readers
 from codex.pipeline.encode import split_long_text
-from codex.pipeline.shard import shard as shard_mod
+from codex.pipeline.shard import encode as encode_mod
+from codex.pipeline.shard import write as write_mod
 from codex.pipeline.shard.shard import run_shard
 from codex.pipeline.shard.verify import verify_shards
 from codex.pipeline.upload import upload_run
@@ -292,21 +293,21 @@ def test_same_shards_for_any_workers_and_the_reference_layout(
     S = 700
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
     assert readers._last_group == []  # the stage's reads keep no row group after it
-    monkeypatch.setattr(shard_mod, "WRITE_TASK_TOKENS", 3 * S)  # several write tasks
+    monkeypatch.setattr(write_mod, "WRITE_TASK_TOKENS", 3 * S)  # several write tasks
     tasks: list[int] = []  # shards per write task
-    run_units = shard_mod.run_units
+    run_units = write_mod.run_units
 
     def spy(fn, units, where, *args):
-        if fn is shard_mod.shard_write_unit:
+        if fn is write_mod.shard_write_unit:
             tasks.extend(t.stop - t.first for t in units)
         return run_units(fn, units, where, *args)
 
-    monkeypatch.setattr(shard_mod, "run_units", spy)
+    monkeypatch.setattr(write_mod, "run_units", spy)
     two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
     assert two == one and len(one["shards"]) >= 10
     # at most WRITE_TASK_TOKENS a task, and UNITS_PER_WORKER tasks a worker where the shards allow
     assert sum(tasks) == len(one["shards"]) and max(tasks) <= 3
-    assert len(tasks) >= min(len(one["shards"]), shard_mod.UNITS_PER_WORKER * 2)
+    assert len(tasks) >= min(len(one["shards"]), encode_mod.UNITS_PER_WORKER * 2)
     for e in one["shards"]:
         w1, w2 = tmp_path / "w1" / e["path"], tmp_path / "w2" / e["path"]
         assert w1.read_bytes() == w2.read_bytes()
@@ -338,7 +339,7 @@ def counting(monkeypatch) -> dict[str, list[str]]:
     """Record the parts the stage encodes and the shard files it writes (workers=1: in this
     process)."""
     seen: dict[str, list[str]] = {"parts": [], "shards": []}
-    encode, write = shard_mod.shard_encode_unit, shard_mod.write_npy
+    encode, write = encode_mod.shard_encode_unit, write_mod.write_npy
 
     def encode_unit(u):
         seen["parts"].append(os.path.basename(u.path))
@@ -348,8 +349,8 @@ def counting(monkeypatch) -> dict[str, list[str]]:
         seen["shards"].append(os.path.basename(path))
         return write(path, tokens)
 
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", encode_unit)
-    monkeypatch.setattr(shard_mod, "write_npy", write_npy)
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", encode_unit)
+    monkeypatch.setattr(write_mod, "write_npy", write_npy)
     return seen
 
 
@@ -359,14 +360,14 @@ def test_interrupted_encode_redoes_only_the_missing_parts(
     run = make_run(tmp_path, corpus, tokenizer_files, files=5)
     ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
     parts = sorted(p.name for p in (run / "clean").glob("part-*.parquet"))
-    encode = shard_mod.shard_encode_unit
+    encode = encode_mod.shard_encode_unit
 
     def dies_at_the_third(u):
         if u.path.endswith(parts[2]):
             raise Stopped  # the driver is stopped
         return encode(u)
 
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", dies_at_the_third)
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", dies_at_the_third)
     cfg = make_cfg(run, shard_tokens=700)
     with pytest.raises(Stopped):
         run_shard(cfg)
@@ -386,7 +387,7 @@ def test_interrupted_encode_redoes_only_the_missing_parts(
 KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from codex.pipeline.shard import shard
+from codex.pipeline.shard import encode, shard, write
 from tests.test_shard import make_cfg
 after, where = int(sys.argv[2]), sys.argv[3]
 count = [0]
@@ -399,9 +400,9 @@ def killer(orig):
         return res
     return wrapped
 if where == "encode":  # after a part's marker
-    shard.shard_encode_unit = killer(shard.shard_encode_unit)
+    encode.shard_encode_unit = killer(encode.shard_encode_unit)
 else:  # a shard's file written, not yet its marker
-    shard.write_npy = killer(shard.write_npy)
+    write.write_npy = killer(write.write_npy)
 shard.run_shard(make_cfg(sys.argv[1], shard_tokens=700))
 """
 
@@ -440,7 +441,7 @@ def test_a_dead_attempts_leftovers_are_removed(tmp_path, corpus, tokenizer_files
     run = make_run(tmp_path, corpus, tokenizer_files)
     ref = run_shard(make_cfg(run, out=str(tmp_path / "ref")))
     units = []
-    encode = shard_mod.shard_encode_unit
+    encode = encode_mod.shard_encode_unit
 
     def first_only(u):
         units.append(u)
@@ -448,7 +449,7 @@ def test_a_dead_attempts_leftovers_are_removed(tmp_path, corpus, tokenizer_files
             raise Stopped
         return encode(u)
 
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", first_only)
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", first_only)
     with pytest.raises(Stopped):
         run_shard(make_cfg(run))
     monkeypatch.undo()
@@ -463,7 +464,7 @@ def test_a_dead_attempts_leftovers_are_removed(tmp_path, corpus, tokenizer_files
     out = run / "shards"
     (out / ".tmp-train_00000.npy.deadbeef").write_bytes(b"partial")
     # the unit retried (as Ray retries a task whose worker died)
-    marker = shard_mod.shard_encode_unit(u)
+    marker = encode_mod.shard_encode_unit(u)
     names = ["done.json", "train.lens", "train.tokens", "val.lens", "val.tokens"]
     assert sorted(os.listdir(folder)) == names
     assert (folder / "train.tokens").stat().st_size == 2 * marker["tokens"]["train"]

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from codex.pipeline.shard import shard as shard_mod
-from codex.pipeline.shard.shard import ShardDataError, ShardError, run_shard
+from codex.pipeline.shard.errors import ShardDataError, ShardError
+from codex.pipeline.shard.shard import run_shard
 from codex.pipeline.shard.verify import verify_shards
 from tests import test_shard as shard_tests
 from tests.test_shard import make_cfg, make_run, write_tokenizer

@@ -17,8 +17,14 @@ import pytest
 from codex.core.config import Config
 from codex.pipeline import executor, readers
 from codex.pipeline.executor import Where
+from codex.pipeline.shard import corpus as corpus_mod
+from codex.pipeline.shard import encode as encode_mod
+from codex.pipeline.shard import scan as scan_mod
 from codex.pipeline.shard import shard as shard_mod
-from codex.pipeline.shard.shard import ShardDataError, read_text_rows, run_shard
+from codex.pipeline.shard import write as write_mod
+from codex.pipeline.shard.corpus import read_text_rows
+from codex.pipeline.shard.errors import ShardDataError
+from codex.pipeline.shard.shard import run_shard
 from codex.pipeline.shard.verify import verify_shards
 from tests import test_shard as shard_tests
 from tests.test_shard import Stopped, make_cfg, make_run, npy_sha, reference_shards
@@ -70,7 +76,7 @@ def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch, cached):
     texts = texts_of(100)
     path = tmp_path / "part.parquet"
     write_part(path, texts)  # row groups of 30, 30, 30, 10 rows
-    monkeypatch.setattr(shard_mod, "READ_ROWS", 7)  # batches that straddle the cuts
+    monkeypatch.setattr(corpus_mod, "READ_ROWS", 7)  # batches that straddle the cuts
     decoded = spy_on_decoding(monkeypatch)
     how = "whole" if cached else "stream"
     whole = [t for batch in read_text_rows(str(path), 0, 100) for t in batch]
@@ -149,33 +155,33 @@ def scans_of(tmp_path: Path, sizes: list[int], val_fraction: float = 0.3) -> lis
         path = tmp_path / f"part-{k}.parquet"
         # skewed documents: the first rows of each part are 20x bigger than the rest
         write_part(path, [("x " * (400 if i < n // 4 else 20)) + str(i) for i in range(n)])
-        scans.append(shard_mod.shard_scan_unit(shard_mod._ScanUnit(str(path), val_fraction)))
+        scans.append(scan_mod.shard_scan_unit(scan_mod._ScanUnit(str(path), val_fraction)))
     return scans
 
 
 def test_cuts_keep_whole_parts_when_there_are_enough(tmp_path, monkeypatch):
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
     scans = scans_of(tmp_path, [100] * 8)
     whole = [[0, 100]] * 8
-    assert shard_mod._cuts(scans, 1) == whole  # nothing runs side by side
-    assert shard_mod._cuts(scans, 2) == whole  # 8 parts >= 4 units x 2 workers
-    assert len(sum((c[1:] for c in shard_mod._cuts(scans, 3)), [])) >= 12
+    assert encode_mod._cuts(scans, 1) == whole  # nothing runs side by side
+    assert encode_mod._cuts(scans, 2) == whole  # 8 parts >= 4 units x 2 workers
+    assert len(sum((c[1:] for c in encode_mod._cuts(scans, 3)), [])) >= 12
 
 
 def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
     (scan,) = scans_of(tmp_path, [803])
     assert scan["rows_at"].tolist() == [*range(0, 803, 4), 803]
     assert scan["bytes_at"][-1] == sum(
         len(t.encode()) for t in pq.read_table(tmp_path / "part-0.parquet").column(0).to_pylist()
     )
-    (cut,) = shard_mod._cuts([scan], 2)
+    (cut,) = encode_mod._cuts([scan], 2)
     assert cut[0] == 0 and cut[-1] == 803 and cut == sorted(set(cut))
     assert all(r % 4 == 0 for r in cut[:-1])
     # 8 units, the last 2 of them cut in pieces that halve: the two workers run out of work
     # together
-    body = shard_mod.UNITS_PER_WORKER * 2 - 2
-    assert shard_mod.TAIL_HALVINGS == 3
+    body = encode_mod.UNITS_PER_WORKER * 2 - 2
+    assert encode_mod.TAIL_HALVINGS == 3
     assert len(cut) - 1 == body + 2 * 4
     at = dict(zip(scan["rows_at"].tolist(), scan["bytes_at"].tolist(), strict=True))
     sizes = [at[b] - at[a] for a, b in zip(cut, cut[1:], strict=False)]
@@ -196,12 +202,12 @@ def test_cuts_balance_bytes_at_the_sampled_rows(tmp_path, monkeypatch):
 def test_cuts_of_several_parts_follow_the_corpus_bytes(tmp_path, monkeypatch):
     """Parts of unequal size: each is cut where the corpus's unit ends fall in it, so a small
     part stays whole and the tail's small units are in the last part."""
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
     scans = scans_of(tmp_path, [40, 800, 800])
-    cuts = shard_mod._cuts(scans, 2)
+    cuts = encode_mod._cuts(scans, 2)
     assert cuts[0] == [0, 40]
     n_units = sum(len(c) - 1 for c in cuts)
-    assert shard_mod.UNITS_PER_WORKER * 2 <= n_units <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1) + 2
+    assert encode_mod.UNITS_PER_WORKER * 2 <= n_units <= 6 + 2 * (encode_mod.TAIL_HALVINGS + 1) + 2
     at = dict(zip(scans[2]["rows_at"].tolist(), scans[2]["bytes_at"].tolist(), strict=True))
     last = [at[b] - at[a] for a, b in zip(cuts[2], cuts[2][1:], strict=False)]
     assert last[-1] < last[0] / 2, (cuts, last)  # in bytes: the tail's units are small
@@ -210,19 +216,19 @@ def test_cuts_of_several_parts_follow_the_corpus_bytes(tmp_path, monkeypatch):
 def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
     (whole,) = scans_of(tmp_path, [203])  # row groups of 30 rows: ranges end off the 4-row grid
     path = str(tmp_path / "part-0.parquet")
     for side_by_side in (2, 3, 7):
-        units = shard_mod._scan_units([path], 0.3, shard_mod.UNITS_PER_WORKER * side_by_side)
+        units = scan_mod._scan_units([path], 0.3, encode_mod.UNITS_PER_WORKER * side_by_side)
         # byte-balanced at row groups: the big documents' groups are fewer rows each
         # UNITS_PER_WORKER ranges a worker, as the row groups allow (7 of them here): the driver
         # scans from the front while a pool process starts, and each joins for what is left
         assert min(side_by_side + 1, 7) <= len(units) <= 7
         assert units[0].start == 0 and units[-1].stop == 203
         assert all(u.start % GROUP == 0 for u in units)  # cut at row groups
-        joined = shard_mod._joined_scans(
-            [(u.start, shard_mod.shard_scan_unit(u)) for u in reversed(units)]
+        joined = scan_mod._joined_scans(
+            [(u.start, scan_mod.shard_scan_unit(u)) for u in reversed(units)]
         )
         assert joined.keys() == whole.keys()
         for key, value in whole.items():
@@ -234,31 +240,31 @@ def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
     # part
     empty = tmp_path / "empty.parquet"
     write_part(empty, [])
-    many = [path, str(empty)] * shard_mod.UNITS_PER_WORKER
-    assert [(u.start, u.stop) for u in shard_mod._scan_units(many, 0.3, 8)] == [(0, -1)] * len(many)
-    units = shard_mod._scan_units([path, str(empty)], 0.3, 8)
+    many = [path, str(empty)] * encode_mod.UNITS_PER_WORKER
+    assert [(u.start, u.stop) for u in scan_mod._scan_units(many, 0.3, 8)] == [(0, -1)] * len(many)
+    units = scan_mod._scan_units([path, str(empty)], 0.3, 8)
     assert len(units) > 2 and (units[-1].path, units[-1].start, units[-1].stop) == (
         str(empty),
         0,
         -1,
     )
-    assert [(u.start, u.stop) for u in shard_mod._scan_units([str(empty)], 0.3, 8)] == [(0, -1)]
+    assert [(u.start, u.stop) for u in scan_mod._scan_units([str(empty)], 0.3, 8)] == [(0, -1)]
     # a damaged part is named (the driver reads its footer to cut it)
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(path_bytes := Path(path).read_bytes()[:-100])
     assert path_bytes
     with pytest.raises(ShardDataError, match=f"{bad}: not a readable parquet file"):
-        shard_mod._scan_units([str(bad)], 0.3, 8)
+        scan_mod._scan_units([str(bad)], 0.3, 8)
 
 
 def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
     scans = scans_of(tmp_path, [50, 203, 0], val_fraction=0.3)
     files = [str(tmp_path / f"part-{k}.parquet") for k in range(3)]
-    template = shard_mod._EncodeUnit(
+    template = encode_mod.EncodeUnit(
         -1, "", "U", "tok.json", "sha", 0, 1, False, "uint16", 1000, 0.3, "fingerprint"
     )
-    units = shard_mod._encode_units(files, dict(zip(files, scans, strict=True)), 2, template)
+    units = encode_mod.encode_units(files, dict(zip(files, scans, strict=True)), 2, template)
     assert len(units) > 3 and [u.index for u in units] == sorted(u.index for u in units)
     for k, f in enumerate(files):
         mine = [u for u in units if u.path == f]
@@ -266,7 +272,7 @@ def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
         assert all(a.stop == b.start for a, b in zip(mine, mine[1:], strict=False))
         texts = pq.read_table(f).column(0).to_pylist()
         for u in mine:
-            val = sum(shard_mod.split_value(t) < 0.3 for t in texts[u.start : u.stop])
+            val = sum(corpus_mod.split_value(t) < 0.3 for t in texts[u.start : u.stop])
             assert u.documents == {"train": u.stop - u.start - val, "val": val}
     # the empty part is one empty unit; every folder names its part and rows
     assert [(u.start, u.stop) for u in units if u.index == 2] == [(0, 0)]
@@ -276,10 +282,10 @@ def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):
 
 def test_local_workers_share_the_cores():
     cores = executor.cores()
-    assert shard_mod._encoder_threads(Where("local", 2), 8) == max(1, cores // 2)
-    assert shard_mod._encoder_threads(Where("local", 1), 8) == 0  # here: every core
-    assert shard_mod._encoder_threads(Where("local", 2), 1) == 0  # one unit runs here
-    assert shard_mod._encoder_threads(Where("ray", 2), 8) == 0  # Ray's task sets 1
+    assert encode_mod._encoder_threads(Where("local", 2), 8) == max(1, cores // 2)
+    assert encode_mod._encoder_threads(Where("local", 1), 8) == 0  # here: every core
+    assert encode_mod._encoder_threads(Where("local", 2), 1) == 0  # one unit runs here
+    assert encode_mod._encoder_threads(Where("ray", 2), 8) == 0  # Ray's task sets 1
 
 
 def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
@@ -290,6 +296,13 @@ def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
 
 
 # --- the stage -----------------------------------------------------------------------------------
+
+
+def plan_for_slots(monkeypatch, n: int) -> None:
+    """The stage's plan for n slots (units run side by side), whatever runs them: the encode units
+    (shard.py), the scan's row ranges (scan.py) and the write tasks (write.py) are sized by it."""
+    for module in (shard_mod, scan_mod, write_mod):
+        monkeypatch.setattr(module, "slots", lambda where: n)
 
 
 def test_the_default_workers_run_a_small_corpus_here_and_a_big_one_on_every_core(
@@ -314,14 +327,14 @@ def test_one_part_is_cut_for_two_workers_and_gives_the_same_shards(
     tmp_path, corpus, tokenizer_files, monkeypatch, caplog
 ):
     run = make_run(tmp_path, corpus, tokenizer_files, files=1, row_group_size=GROUP)
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)  # the scan of the one part runs here
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 8)  # the scan of the one part runs here
     S = 700
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
     with caplog.at_level(logging.INFO, logger="codex.shard"):
         two = run_shard(make_cfg(run, out=str(tmp_path / "w2"), shard_tokens=S, workers=2))
     # 8 units, the last 2 cut smaller (some of the tail's cuts fall on the same sampled row)
     n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
-    assert 8 < n <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1)
+    assert 8 < n <= 6 + 2 * (encode_mod.TAIL_HALVINGS + 1)
     assert f"encoded {n} of {n} units of 1 parts" in caplog.text
     assert two == one and len(one["shards"]) >= 6
     for e in one["shards"]:
@@ -339,10 +352,10 @@ def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
 ):
     run = make_run(tmp_path, corpus, tokenizer_files, files=2, row_group_size=GROUP)
     ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 8)
     # the plan of 2 workers (8 units, the last 2 cut smaller), run in this process
-    monkeypatch.setattr(shard_mod, "slots", lambda where: 2)
-    encode = shard_mod.shard_encode_unit
+    plan_for_slots(monkeypatch, 2)
+    encode = encode_mod.shard_encode_unit
     seen: list[tuple] = []
 
     def stops_at_the_fourth(u):
@@ -351,7 +364,7 @@ def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
         seen.append((u.index, u.start, u.stop))
         return encode(u)
 
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", stops_at_the_fourth)
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", stops_at_the_fourth)
     cfg = make_cfg(run, shard_tokens=700)
     with pytest.raises(Stopped):
         run_shard(cfg)
@@ -368,7 +381,7 @@ def test_a_stopped_run_of_cut_parts_resumes_its_ranges(
 
     first = list(seen)
     seen.clear()
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
     assert run_shard(cfg) == ref
     redone = [(u.index, u.start, u.stop) for u in seen]
     assert first[0] not in redone and first[1] in redone and first[2] not in redone
@@ -381,9 +394,9 @@ def test_a_rerun_that_cuts_elsewhere_never_takes_another_ranges_files(
 ):
     run = make_run(tmp_path, corpus, tokenizer_files, files=1, row_group_size=GROUP)
     ref = run_shard(make_cfg(run, out=str(tmp_path / "ref"), shard_tokens=700))
-    monkeypatch.setattr(shard_mod, "BLOCK_ROWS", 8)
-    monkeypatch.setattr(shard_mod, "slots", lambda where: 2)
-    encode = shard_mod.shard_encode_unit
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 8)
+    plan_for_slots(monkeypatch, 2)
+    encode = encode_mod.shard_encode_unit
     count = [0]
 
     def stops_at_the_sixth(u):
@@ -392,14 +405,14 @@ def test_a_rerun_that_cuts_elsewhere_never_takes_another_ranges_files(
             raise Stopped
         return encode(u)
 
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", stops_at_the_sixth)
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", stops_at_the_sixth)
     cfg = make_cfg(run, shard_tokens=700)
     with pytest.raises(Stopped):
         run_shard(cfg)
     # the rerun has one worker: the part is one unit, whatever ranges are done
-    monkeypatch.setattr(shard_mod, "slots", lambda where: 1)
+    plan_for_slots(monkeypatch, 1)
     seen = []
-    monkeypatch.setattr(shard_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
+    monkeypatch.setattr(encode_mod, "shard_encode_unit", lambda u: seen.append(u) or encode(u))
     assert run_shard(cfg) == ref
     assert [(u.start, u.stop) for u in seen] == [(0, len(corpus))]
     for e in ref["shards"]:
@@ -419,7 +432,7 @@ def test_ray_cuts_one_part_for_the_clusters_cpus_and_gives_the_same_shards(
         got = run_shard(cfg)
     # two raylets of one CPU each: 4 x 2 units, the last 2 cut smaller (on 64-row blocks)
     n = int(re.search(r"1 parts cut into (\d+) encode units", caplog.text)[1])
-    assert 8 < n <= 6 + 2 * (shard_mod.TAIL_HALVINGS + 1)
+    assert 8 < n <= 6 + 2 * (encode_mod.TAIL_HALVINGS + 1)
     assert "(2 run side by side)" in caplog.text
     assert got == ref and len(ref["shards"]) >= 4
     for e in ref["shards"]:

@@ -64,13 +64,13 @@ def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
     assert where.returncode == 0, where.stderr
     assert all(p.startswith(str(installed)) for p in where.stdout.split()), where.stdout
     # clean's compiled word counter ships in the wheel wherever the checkout's install built it
-    from codex.pipeline.clean import filters
+    from codex.pipeline.clean import words
 
     built = run_installed(
-        installed, tmp_path, "-c", "from codex.pipeline.clean import filters as F; print(F.COUNTER)"
+        installed, tmp_path, "-c", "from codex.pipeline.clean import words as W; print(W.COUNTER)"
     )
     assert built.returncode == 0, built.stderr
-    assert ("Counter" in built.stdout) == (filters.COUNTER is not None), built.stdout
+    assert ("Counter" in built.stdout) == (words.COUNTER is not None), built.stdout
 
     # a user's folder with its own train.py, model.py, eval.py and pipeline.py (a nanoGPT
     # checkout): codex must never import them in place of its packages

@@ -18,7 +18,8 @@ from codex.core import fsio, rundir
 from codex.core.config import CONFIGS_DIR, Config, build_config
 from codex.core.progress import log_to_file
 from codex.pipeline.clean.clean import run_clean
-from codex.pipeline.shard.shard import existing_state, run_shard
+from codex.pipeline.shard.manifest import existing_state
+from codex.pipeline.shard.shard import run_shard
 from codex.pipeline.tokenizer.tokenizer import load_meta, run_tokenizer
 
 log = logging.getLogger("codex.demo")

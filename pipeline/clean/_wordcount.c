@@ -1,7 +1,7 @@
-/* Gopher's word counts of a text, compiled: what pipeline/clean/filters.py's _Pieces.counts
+/* Gopher's word counts of a text, compiled: what pipeline/clean/words.py's _Pieces.counts
  * computes, with the same words. This file does the steps that cost most in Python: splitting
  * the text at white space, looking each piece up in a cache, finding an ASCII piece's words
- * (filters._WORD_FAST_ASCII, written out as C), spaCy's checks on a new piece, and counting each
+ * (words._WORD_FAST_ASCII, written out as C), spaCy's checks on a new piece, and counting each
  * word's characters. Other pieces' words still come from the Python objects it is given (the
  * _WORD_FAST regex, and _piece_words where spaCy's tables may change them).
  *
@@ -13,7 +13,7 @@
  *                          distinct stop words)
  * Counter.forget()
  *
- * Definitions (filters.py holds the reference, tests/test_clean.py holds both to them):
+ * Definitions (words.py holds the reference, tests/test_clean.py holds both to them):
  *   a piece: a run of characters that are not Py_UNICODE_ISSPACE (str.split());
  *   a piece of letters and digits only (Py_UNICODE_ISALNUM each: str.isalnum) is one word,
  *     unless it is in split_alnum ("cannot"); the other pieces' words are findall's, or
@@ -158,7 +158,7 @@ enum {
     C_SYM = 512,       /* [^\w\s] */
 };
 static uint16_t CLS[128];
-/* sha256 of filters._WORD_FAST_PATTERN, the pattern word_end is written for (filters.py uses
+/* sha256 of words._WORD_FAST_PATTERN, the pattern word_end is written for (words.py uses
  * ascii_words only while its pattern still hashes to this) */
 #define PATTERN_SHA256 "b2e753c9e21fa90553339a206e5083c029d277f954fd2063c3e72315a4779d6d"
 static PyObject *ASCII_WORDS; /* the module's ascii_words: a Counter given it uses words_of */
@@ -828,7 +828,7 @@ static PyTypeObject CounterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "codex.pipeline.clean._wordcount.Counter",
     .tp_basicsize = sizeof(Counter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Gopher's word counts of texts, the pieces' rows cached (filters._Pieces.counts).",
+    .tp_doc = "Gopher's word counts of texts, the pieces' rows cached (words._Pieces.counts).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Counter_init,
     .tp_dealloc = (destructor)Counter_dealloc,
@@ -841,7 +841,7 @@ static PyTypeObject CounterType = {
 
 static PyMethodDef module_methods[] = {
     {"ascii_words", (PyCFunction)ascii_words, METH_O,
-     "ascii_words(text) -> list of str: filters._WORD_FAST_ASCII.findall(text), for ASCII text"},
+     "ascii_words(text) -> list of str: words._WORD_FAST_ASCII.findall(text), for ASCII text"},
     {NULL, NULL, 0, NULL},
 };
 

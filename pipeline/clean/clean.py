@@ -41,15 +41,9 @@ from codex.core import fsio, rundir
 from codex.core.config import ConfigError
 from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
-from codex.pipeline.clean import filters
+from codex.pipeline.clean import words
 from codex.pipeline.clean.dedup import dedup_corpus, hash_buckets
-from codex.pipeline.clean.filters import (
-    Doc,
-    active_filters,
-    apply_filters,
-    forget_pieces,
-    normalize,
-)
+from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
 from codex.pipeline.clean.stats import (
     drop_fix,
@@ -60,6 +54,7 @@ from codex.pipeline.clean.stats import (
     whole_files_dropped,
     yield_problem,
 )
+from codex.pipeline.clean.words import forget_pieces
 from codex.pipeline.executor import (
     Where,
     check_executor,
@@ -402,7 +397,7 @@ def run_clean(cfg) -> dict:
             f"(num_tasks={c.num_tasks})"
         )
     check_executor(cfg.data)
-    if filters.COUNTER is None:
+    if words.COUNTER is None:
         log.warning(
             "clean: the compiled word counter (pipeline/clean/_wordcount.c) is not built, so "
             "words are counted in Python at about half the speed; to build it, install a C "

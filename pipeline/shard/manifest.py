@@ -25,6 +25,7 @@ A manifest entry is what train/data/loader.py reads and pipeline/shard/verify.py
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import re
 
 from codex.core import fsio
@@ -117,3 +118,20 @@ def build_manifest(
         "totals": totals,
         "settings": settings,
     }
+
+
+def read_markers(paths: list[str]) -> list[dict | None]:
+    """The JSON of each path (None for one that is unreadable), read concurrently on an object
+    store, where each is a request."""
+
+    def read(path: str) -> dict | None:
+        try:
+            m = fsio.read_json(path)
+        except (ValueError, FileNotFoundError):
+            return None
+        return m if isinstance(m, dict) else None
+
+    if not paths or not fsio.is_remote(paths[0]):
+        return [read(p) for p in paths]
+    with cf.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(read, paths))
