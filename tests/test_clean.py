@@ -889,3 +889,39 @@ def test_part_columns_equal_pyarrows_own():
         got = string_array(values)
         got.validate(full=True)
         assert got.equals(pa.array(values, pa.string())), values
+
+
+@pytest.mark.parametrize("lost", ["part", "hashes"])
+def test_a_marker_whose_files_are_gone_is_cleaned_again(tmp_path, lost, caplog):
+    """A unit's part (or hash file) deleted while its marker stays, after a finished clean: the
+    rerun names the unit, cleans it again, and the output equals an undisturbed run's."""
+    make_corpus(tmp_path / "in", 4, 30)
+    small = "data.clean.chunk_bytes=20000"
+    whole = run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="whole"))
+    run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="hurt"))
+    clean = tmp_path / "hurt" / "clean"
+    gone = sorted(clean.glob("part-*.parquet"))[1]
+    unit = gone.name.split("-")[1]
+    if lost == "hashes":
+        gone = clean / "hashes" / f"{unit}.npy"
+    gone.unlink()
+    with caplog.at_level(logging.WARNING):
+        again = run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="hurt"))
+    assert f"unit {unit}'s marker lists" in caplog.text and "cleaning the unit again" in caplog.text
+    assert again["units_run"] == 1
+    assert snapshot(tmp_path / "hurt") == snapshot(tmp_path / "whole")
+    for k in ("docs_out", "drops", "units"):
+        assert again[k] == whole[k]
+
+
+def test_a_retried_unit_removes_its_marker_before_its_files(tmp_path):
+    """A retry of a unit (a Ray task after its worker died) that is interrupted after removing the
+    old files must not leave the old marker vouching for them: the marker goes first."""
+    from codex.pipeline.clean import clean as C
+
+    make_corpus(tmp_path / "in", 2, 30)
+    run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="r"))
+    out = str(tmp_path / "r" / "clean")
+    (marker,) = (tmp_path / "r" / "clean" / "markers").glob("*.json")
+    C._remove_unit_outputs(out, marker.stem)
+    assert not marker.exists() and not list((tmp_path / "r" / "clean").glob("part-*"))

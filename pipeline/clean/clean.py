@@ -209,8 +209,12 @@ def _sweep_temp_files(out: str) -> int:
 
 
 def _remove_unit_outputs(out: str, name: str) -> None:
-    """Delete what an earlier attempt at this unit may have left: parts (a stale count), its hash
-    file and the temp files of a write that was killed (a Ray retry after the worker died)."""
+    """Delete what an earlier attempt at this unit may have left: its marker first (a marker never
+    outlives the files it lists, whenever this is interrupted), then parts (a stale count), its
+    hash file and the temp files of a write that was killed (a Ray retry after the worker died)."""
+    marker = fsio.join(out, "markers", f"{name}.json")
+    if fsio.exists(marker):
+        fsio.rm(marker)
     for sub in ("", "rejected", "hashes"):
         folder = fsio.join(out, sub) if sub else out
         for pattern in (
@@ -438,6 +442,7 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     fingerprint = _fingerprint(c, files)
     units = plan_units(files, c)
     markers = _read_markers(stage, fingerprint)
+    _drop_markers_without_files(out, markers, dedup="dedup" in filters)
     mine = units[c.task_index :: c.num_tasks]
     todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
     log.info(
@@ -513,6 +518,27 @@ def _refuse_bad_outcome(stats: dict, out: str) -> None:
             f"{out}: {yield_problem(stats)}; if that is right, rerun with --allow-low-yield "
             "(only the dedup pass runs again)"
         )
+
+
+def _drop_markers_without_files(out: str, markers: dict[str, dict], dedup: bool) -> None:
+    """A marker vouches for the files it lists: a unit whose part or hash file is gone (deleted by
+    hand, lost in a copy) loses its marker here and is cleaned again, instead of every later step
+    failing on the missing file. One listing of each folder, whatever the number of units."""
+    parts = {fsio.basename(p) for p in ls_matching(out, "part-*.parquet")}
+    hashes = {fsio.basename(p) for p in ls_matching(fsio.join(out, "hashes"), "*.npy")}
+    for name, m in list(markers.items()):
+        missing = [p for p in m["shards"] if p not in parts]
+        if dedup and f"{name}.npy" not in hashes:
+            missing.append(f"hashes/{name}.npy")
+        if missing:
+            log.warning(
+                "clean: unit %s's marker lists %s, which %s missing: cleaning the unit again",
+                name,
+                ", ".join(missing[:3]),
+                "is" if len(missing) == 1 else "are",
+            )
+            fsio.rm(fsio.join(out, "markers", f"{name}.json"))
+            del markers[name]
 
 
 def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
