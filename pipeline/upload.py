@@ -87,9 +87,31 @@ def _remove_stale_temps(remote: str) -> int:
 IDENTITY = ("clean/stats.json", "tokenizer/tokenizer_meta.json", "shards/manifest.json")
 
 
+# The trained model's config: two runs on the same data are still two runs when their models
+# differ. Only its `model` section counts, so the same run resumed with more steps uploads again.
+TRAIN_CONFIG = "checkpoints/config.yaml"
+
+
+def _model_section(text: str) -> dict:
+    import yaml
+
+    return (yaml.safe_load(text) or {}).get("model", {})
+
+
 def _another_run(local_run: str, remote: str) -> str:
     """Why `remote` holds another run than `local_run` ("" when it holds none, or this one): one of
-    its identity files differs from ours, or it has one we do not (a later stage of another run)."""
+    its identity files differs from ours, its trained model's config differs, or it has one we do
+    not (a later stage of another run)."""
+    dst = fsio.join(remote, TRAIN_CONFIG)
+    if fsio.exists(dst):
+        src = os.path.join(local_run, TRAIN_CONFIG)
+        if not os.path.exists(src):
+            return f"it has {TRAIN_CONFIG} (a trained model) and {local_run} has none"
+        with open(src) as fh:
+            ours, theirs = _model_section(fh.read()), _model_section(fsio.read_text(dst))
+        if ours != theirs:
+            diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            return f"its {TRAIN_CONFIG} trains another model (model.{', model.'.join(diff)})"
     for rel in IDENTITY:
         dst = fsio.join(remote, rel)
         if not fsio.exists(dst):
