@@ -531,6 +531,23 @@ def test_train_refuses_to_resume_under_another_tokenizer(run):
     )
 
 
+def test_resume_after_the_tokenizer_and_shards_were_remade_names_the_tokenizer(run):
+    """Another tokenizer and shards made with it (another window count): the refusal names the
+    tokenizer, which is the cause, not the loader's window count, which is its consequence."""
+    shutil.rmtree(run / "tokenizer")
+    shutil.rmtree(run / "shards")
+    (run / "checkpoints").rename(run.parent / "aside")  # as if copied in from another run
+    invoke(["data", "tokenize", "--run", str(run), "--vocab-size", "280"], 0)
+    invoke(["data", "shard", "--run", str(run), "--val-fraction", "0.1"], 0)
+    (run.parent / "aside").rename(run / "checkpoints")
+    out = invoke(
+        ["train", "--run", str(run), *TRAIN, "--max-steps", "5"],
+        1,
+        "step 3 was trained with another tokenizer",
+    )
+    assert "windows=" not in out
+
+
 def test_a_damaged_only_checkpoint_is_bad_data_for_eval_sample_and_export(run, tmp_path):
     """Exit 1 (bad data), as README promises, not 2 (a usage mistake)."""
     (step,) = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]

@@ -326,18 +326,8 @@ def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict
         )
     if chosen is None:
         return existing, StepState(0, 0), {"loss_sum": 0.0, "since": 0}
-    saved = restore_training(cfg, backend.control, chosen, parts)
+    saved = restore_training(cfg, backend.control, chosen, parts, run.plan.tokenizer_sha)
     step, tokens = saved.step, saved.tokens
-    if (
-        saved.tokenizer_sha
-        and run.plan.tokenizer_sha
-        and saved.tokenizer_sha != run.plan.tokenizer_sha
-    ):
-        raise ValueError(
-            f"{rundir.checkpoints_dir(cfg.run)}: step {step} was trained with another tokenizer "
-            f"({saved.tokenizer_sha[:12]}) than {rundir.tokenizer_dir(cfg.run)} "
-            f"({run.plan.tokenizer_sha[:12]}): its token ids mean other text; use a new --run"
-        )
     if backend.is_main or backend.control.world > 1:
         log.info(
             "%sresumed from step %d (%d tokens) in %s",

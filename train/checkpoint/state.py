@@ -193,13 +193,30 @@ def _check_same_model(cfg, saved_config: dict) -> None:
             )
 
 
-def restore_training(cfg, control, step: int, parts: TrainingParts) -> StepRecord:
+def _check_same_tokenizer(cfg, tree: dict, tokenizer_sha: str) -> None:
+    """First: a retrained tokenizer also changes the vocabulary and the shards, so every later
+    check (the model's vocab_size, the loader's window count) would fail first and name a
+    consequence instead of the cause."""
+    saved = str(tree.get("tokenizer_sha256", ""))
+    if saved and tokenizer_sha and saved != tokenizer_sha:
+        raise ValueError(
+            f"{rundir.checkpoints_dir(cfg.run)}: step {tree['step']} was trained with another "
+            f"tokenizer ({saved[:12]}) than {rundir.tokenizer_dir(cfg.run)} "
+            f"({tokenizer_sha[:12]}): its token ids mean other text; use a new --run"
+        )
+
+
+def restore_training(
+    cfg, control, step: int, parts: TrainingParts, tokenizer_sha: str
+) -> StepRecord:
     """Every rank: load checkpoint `step` into the model, optimizer, loader and this rank's RNGs,
     whatever layout and world size wrote it; returns what the checkpoint records (the step, the
-    tokens, the unfinished log window, and the batch and layout it was trained with)."""
+    tokens, the unfinished log window, and the batch and layout it was trained with). Refused
+    when it was trained with another model or tokenizer (`tokenizer_sha`: the run's)."""
     model, optimizer, loader = parts.model, parts.optimizer, parts.loader
     folder = checkpoint.step_dir(cfg.run, step)
     tree = checkpoint.read_skeleton(folder)
+    _check_same_tokenizer(cfg, tree, tokenizer_sha)
     _check_same_model(cfg, tree["config"])
     opt_parts = optimizer_parts(optimizer)
     if set(opt_parts) != set(tree["optimizer"]):
