@@ -20,7 +20,7 @@ from pathlib import Path
 
 from codex.core.config import build_config
 from codex.train.plan.hardware import format_hardware_table, format_model_fit, get_preset
-from codex.train.plan.memory import plan
+from codex.train.plan.memory import Setting, plan
 
 # prints the peak in bytes
 MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")
@@ -73,7 +73,7 @@ def main() -> None:
     for dtype, B, T, overrides in SETTINGS:
         peak = measured_peak(dtype, B, T, overrides)
         est = plan(
-            build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype
+            build_config(overrides=overrides).model, get_preset("cpu"), B, T, Setting(dtype=dtype)
         ).total
         shape = ", ".join(o.removeprefix("model.") for o in overrides)
         print(

@@ -65,7 +65,7 @@ from codex.train.distributed.fsdp import build_sharded  # noqa: E402
 from codex.train.optim.optimizer import clip_grad_norm, make_optimizer  # noqa: E402
 from codex.train.plan.hardware import get_preset  # noqa: E402
 from codex.train.plan.layout import layout_for  # noqa: E402
-from codex.train.plan.memory import plan  # noqa: E402
+from codex.train.plan.memory import Setting, plan  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -169,18 +169,10 @@ def main() -> None:
     m = cfg.model
     # fsdp: the gathered weights kept to the backward (ZeRO-2) or not, as the memory plan decides
     # for train (train/plan/plan.py: resolve_batch)
-    tokens = B * T * world * accum
-    planned = plan(
-        m,
-        get_preset("cpu"),
-        B,
-        T,
-        layout=layout_name,
-        dtype="fp32",
-        optimizer=optimizer_name,
-        world=world,
-        batch_tokens=tokens,
+    setting = Setting(
+        layout=layout_name, dtype="fp32", optimizer=optimizer_name, world=world, accum=accum
     )
+    planned = plan(m, get_preset("cpu"), B, T, setting)
     layout = replace(
         layout_for(layout_name, 0, world), reshard_after_forward=planned.reshard_after_forward
     )

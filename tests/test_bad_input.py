@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from codex.cli.main import cli
 from codex.core.config import build_config
 from codex.train.plan.hardware import get_preset
-from codex.train.plan.memory import plan
+from codex.train.plan.memory import Setting, plan
 from tests.test_clean import prose
 from tests.test_pipeline import _corpus
 from tests.train_helpers import TINY_MODEL
@@ -424,7 +424,7 @@ def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(run):
     # The default 4x128 model, vocab 32768, 2000 x 256 on the CPU: OOM-killed when not refused.
     m = build_config().model
     m.vocab_size = 32768
-    assert plan(m, get_preset("cpu"), 2000, 256, dtype="fp32").total > 100e9
+    assert plan(m, get_preset("cpu"), 2000, 256, Setting(dtype="fp32")).total > 100e9
 
 
 def test_warmup_longer_than_the_run_warns_and_a_finished_run_has_nothing_to_do(run, caplog):

@@ -179,7 +179,7 @@ def test_train_help_resolves_the_model_hardware_and_overrides():
     hardware = _row(out, "hardware")
     assert f"kind={hw.kind}" in hardware and f"devices={hw.devices}" in hardware
     assert f"hosts={hw.hosts}" in hardware
-    B, T = device_defaults(hw, cfg.model, **setting_for(cfg.train, hw.kind))
+    B, T = device_defaults(hw, cfg.model, setting_for(cfg.train, hw.kind))
     batch = _row(out, "batch")
     assert f"device_batch={B} (the memory plan's" in batch and f"seq_len={T}" in batch
     assert f"batch_tokens={B * T * hw.devices:,} a step" in batch

@@ -206,13 +206,10 @@ def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     assert not layout_for("fsdp", 0, 1).sharded  # one process: nothing to shard
     assert not layout_for("replicate", 0, 4).sharded
     tcfg = build_config(overrides=["train.parallel=fsdp", "train.fsdp_size=2"]).train
-    assert (
-        setting_for(tcfg, "cuda")["layout"] == "fsdp"
-        and setting_for(tcfg, "cuda")["fsdp_size"] == 2
-    )
-    assert setting_for(tcfg, "tpu")["layout"] == "fsdp"  # XLA SPMD (train/xla/sharding.py)
+    assert setting_for(tcfg, "cuda").layout == "fsdp" and setting_for(tcfg, "cuda").fsdp_size == 2
+    assert setting_for(tcfg, "tpu").layout == "fsdp"  # XLA SPMD (train/xla/sharding.py)
     auto = build_config(overrides=[]).train
-    assert setting_for(auto, "tpu")["layout"] == "auto"  # resolved by the memory plan, as on CUDA
+    assert setting_for(auto, "tpu").layout == "auto"  # resolved by the memory plan, as on CUDA
 
 
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):

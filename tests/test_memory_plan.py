@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.core.config import ConfigError, build_config, preset_names
+from codex.train.plan.batch import grad_accum_steps
 from codex.train.plan.hardware import (
     default_seq_len,
     device_defaults,
@@ -25,6 +26,7 @@ from codex.train.plan.hardware import (
 )
 from codex.train.plan.memory import (
     HEADROOM,
+    Setting,
     block_params,
     check_fits,
     choose_layout,
@@ -60,7 +62,7 @@ def test_124m_on_h100_by_hand():
         2 * d + 4 * d + 8 * d + 8 * d + 2 * d + (2 * d + 4 * H) + 2 * d + 2 * d + 4 * d + 8 * h
     )
     assert per_layer == 42_544
-    p = plan(model("124m"), get_preset("h100"), 32, 1024, dtype="bf16")
+    p = plan(model("124m"), get_preset("h100"), 32, 1024, Setting(dtype="bf16"))
     assert (p.params, p.shards, p.attention) == (P, 1, "fused")
     assert p.weights == p.gradients == 4 * P
     assert p.optimizer_state == 8 * P  # AdamW: two fp32 moments
@@ -108,7 +110,7 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     # the cached XLA step (ZeRO-2): every weight gathered in bf16 once before its While, which
     # carries the whole fp32 gradient sums (tests/test_xla_program.py reads both in the HLO)
     gathered = 2 * P
-    p = plan(model("1b"), pod, 1, T, layout="fsdp")
+    p = plan(model("1b"), pod, 1, T, Setting(layout="fsdp"))
     assert p.gradients == 4 * P
     assert (p.shards, p.attention, p.weights, p.optimizer_state) == (
         8,
@@ -123,7 +125,7 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     assert p.total == total and total < HEADROOM * 16 * GB
     assert choose_layout(model("1b"), pod, 1, T) == "fsdp"
     assert choose_layout(model("124m"), pod, 1, T) == "replicate"
-    assert device_defaults(pod, model("1b"), layout="auto") == (1, 1024)
+    assert device_defaults(pod, model("1b"), Setting(layout="auto")) == (1, 1024)
 
 
 def test_parameter_count_matches_the_model_for_every_shape_option():
@@ -143,10 +145,10 @@ def test_parameter_count_matches_the_model_for_every_shape_option():
 def test_muon_state_and_block_remat_by_hand():
     m, h100 = model("124m"), get_preset("h100")
     d, L, matrices = 768, 12, 4 * 768 * 768 + 3 * 768 * 2048  # Muon: the blocks' 2-D weights
-    adamw, muon = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, optimizer="muon")
+    adamw, muon = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, Setting(optimizer="muon"))
     # one moment instead of two
     assert adamw.optimizer_state - muon.optimizer_state == 4 * L * matrices
-    none, block = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, remat="block")
+    none, block = plan(m, h100, 8, 1024), plan(m, h100, 8, 1024, Setting(remat="block"))
     per_layer = none.workspace // (8 * 1024)
     # remat=block keeps every block's (bf16) input and one block's activations, recomputed in
     # backward
@@ -164,14 +166,14 @@ def test_default_batches_are_the_largest_power_of_two_that_fits():
             m = preset_model(name)
             T = default_seq_len(preset, m)
             try:
-                B, _ = device_defaults(preset, m, layout="auto")
+                B, _ = device_defaults(preset, m, Setting(layout="auto"))
             except ConfigError:  # nothing fits (1b on one v5e or v6e chip): tested above
                 continue
             layout = choose_layout(m, preset, B, T)
-            assert plan(m, preset, B, T, layout=layout).fits(), (preset.name, name)
+            assert plan(m, preset, B, T, Setting(layout=layout)).fits(), (preset.name, name)
             cap = preset.defaults[name].get("max_device_batch", 65536 // T)
             assert B & (B - 1) == 0 and (
-                2 * B > cap or not plan(m, preset, 2 * B, T, layout=layout).fits()
+                2 * B > cap or not plan(m, preset, 2 * B, T, Setting(layout=layout)).fits()
             )
             checked += 1
     assert checked > 80
@@ -180,14 +182,44 @@ def test_default_batches_are_the_largest_power_of_two_that_fits():
 def test_a_setting_that_cannot_fit_is_refused_with_the_fixes():
     h100 = get_preset("h100")
     with pytest.raises(ConfigError) as e:
-        check_fits(model("124m"), h100, 128, 1024, dtype="bf16")
+        check_fits(model("124m"), h100, 128, 1024, Setting(dtype="bf16"))
     msg = str(e.value)
     assert (
         "train.device_batch=128 x train.seq_len=1024 needs" in msg
         and "80.0 GB is per device" in msg
     )
     assert "Fix: train.device_batch=64" in msg
-    assert check_fits(model("124m"), h100, 32, 1024, dtype="bf16").device_batch == 32
+    assert check_fits(model("124m"), h100, 32, 1024, Setting(dtype="bf16")).device_batch == 32
+
+
+def test_dtype_auto_and_the_accumulation_are_decided_once_for_the_plan_and_the_run():
+    """train.dtype=auto: the plan counts the dtype the backend autocasts to (compute_dtype, both).
+    The accumulation: the run's (train/plan/batch.py) is what the plan counts, and a remainder is
+    refused with the same message by `codex train` and by its --help preview."""
+    from codex.train.distributed.backend import resolve_dtype
+    from codex.train.plan.hardware import format_train_plan
+    from codex.train.plan.memory import compute_dtype, setting_for
+
+    auto = build_config().train
+    for kind, dtype, torch_dtype in (("cpu", "fp32", None), ("cuda", "bf16", torch.bfloat16)):
+        assert setting_for(auto, kind).dtype == compute_dtype("auto", kind) == dtype
+        assert resolve_dtype("auto", kind) is torch_dtype
+    assert resolve_dtype("fp32", "cuda") is None and resolve_dtype("bf16", "cpu") is torch.bfloat16
+    with pytest.raises(ValueError, match="Setting.dtype must be one of"):
+        Setting(dtype="auto")  # type: ignore[arg-type]
+
+    h100_8 = get_preset("h100-8")
+    given = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
+    cfg = build_config(model="1b", overrides=[*given, f"train.batch_tokens={4 * 2048 * 8 * 4}"])
+    _, _, accum, _, memory, _ = resolve_batch(cfg, h100_8, 8)
+    assert accum == memory.accum == 4 and memory.gradients == 4 * memory.params  # whole
+    odd = build_config(model="1b", overrides=[*given, "train.batch_tokens=100000"])
+    with pytest.raises(ConfigError) as run:
+        resolve_batch(odd, h100_8, 8)
+    with pytest.raises(ConfigError) as preview:
+        format_train_plan(odd)
+    assert str(run.value) == str(preview.value)
+    assert str(run.value).startswith("train.batch_tokens=100000 is not a multiple")
 
 
 def test_codex_hardware_model_prints_where_it_fits():
@@ -236,7 +268,8 @@ def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, o
         cwd=Path(__file__).parent.parent,
     )
     peak = int(out.stdout.strip())
-    est = plan(build_config(overrides=overrides).model, get_preset("cpu"), B, T, dtype=dtype).total
+    m = build_config(overrides=overrides).model
+    est = plan(m, get_preset("cpu"), B, T, Setting(dtype=dtype)).total
     assert 0.75 * peak <= est <= 1.25 * peak, (est, peak)
 
 
@@ -257,7 +290,7 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
         if p.memory_gb <= 0:  # the CPU preset: the machine's free RAM decides
             continue
         cfg = build_config(model=model, overrides=[f"train.hardware={p.name}"])
-        fit = model_fit(preset_model(model), p, dtype="bf16", optimizer=cfg.train.optimizer)
+        fit = model_fit(preset_model(model), p, Setting(optimizer=cfg.train.optimizer))
         if not fit.batch:
             with pytest.raises(ConfigError):
                 resolve_batch(cfg, p, p.devices)
@@ -311,8 +344,8 @@ def test_the_plan_shards_over_the_run_s_world_size_not_the_preset_s_devices():
     assert "fsdp over 8 devices x 4 replicas (HSDP)" in memory.lines()[0]
     # on the CPU the world is the processes: fsdp over 2 gloo ranks halves the state
     m, cpu = model("tiny"), get_preset("cpu")
-    assert plan(m, cpu, 1, 64, layout="fsdp", world=2).shards == 2
-    assert plan(m, cpu, 1, 64, layout="fsdp").layout == "replicate"  # one process
+    assert plan(m, cpu, 1, 64, Setting(layout="fsdp", world=2)).shards == 2
+    assert plan(m, cpu, 1, 64, Setting(layout="fsdp")).layout == "replicate"  # one process
 
 
 def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fits_them():
@@ -323,7 +356,7 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     m, h100_8 = model("1b"), get_preset("h100-8")
     P, blk = param_count(m), block_params(m)
     root = P - m.n_layer * blk
-    zero2 = plan(m, h100_8, 4, 2048, layout="fsdp", world=8)
+    zero2 = plan(m, h100_8, 4, 2048, Setting(layout="fsdp", world=8))
     assert zero2.fits() and not zero2.reshard_after_forward
     assert zero2.compute_weights == 2 * P + (2 + 4) * blk
     assert "gathered weights, ZeRO-2" in "\n".join(zero2.lines())
@@ -332,24 +365,28 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     zero3_total = zero2.total - zero2.compute_weights + zero3_weights
     between = int((zero3_total + zero2.total) / 2 / HEADROOM)
     small = dataclasses.replace(h100_8, memory_gb=between / 1e9)
-    zero3 = plan(m, small, 4, 2048, layout="fsdp", world=8)
+    zero3 = plan(m, small, 4, 2048, Setting(layout="fsdp", world=8))
     assert zero3.reshard_after_forward and zero3.fits()
     assert (zero3.compute_weights, zero3.total) == (zero3_weights, zero3_total)
     assert "gathered weights, ZeRO-3" in "\n".join(zero3.lines())
     # at the edge: ZeRO-2's total is HEADROOM of the device, give or take a byte
     edge = int(zero2.total / HEADROOM)
     for memory, reshard in ((edge + 1, False), (edge - 1, True)):
-        p = plan(m, dataclasses.replace(h100_8, memory_gb=memory / 1e9), 4, 2048, layout="fsdp")
+        p = plan(
+            m, dataclasses.replace(h100_8, memory_gb=memory / 1e9), 4, 2048, Setting(layout="fsdp")
+        )
         assert p.reshard_after_forward is reshard
     # the same choice on every rank: what this process measures (device_memory) never moves it,
     # since ZeRO-2 and ZeRO-3 ranks would run different collectives
     assert not plan(
-        m, h100_8, 4, 2048, layout="fsdp", world=8, device_memory=between
+        m, h100_8, 4, 2048, Setting(layout="fsdp", world=8, device_memory=between)
     ).reshard_after_forward
     # the TPU's cached step always holds every weight gathered (train/xla/step.py)
-    v6e = plan(m, get_preset("v6e-8"), 1, 1024, layout="fsdp", device_memory=1)
+    v6e = plan(m, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp", device_memory=1))
     assert not v6e.reshard_after_forward and v6e.compute_weights == 2 * P
-    assert plan(m, h100_8, 4, 2048, world=8).reshard_after_forward  # replicate: nothing to keep
+    assert plan(
+        m, h100_8, 4, 2048, Setting(world=8)
+    ).reshard_after_forward  # replicate: nothing to keep
 
     fsdp = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
     *_, memory, layout = resolve_batch(build_config(model="1b", overrides=fsdp), h100_8, 8)
@@ -373,8 +410,14 @@ def test_fsdp_accumulation_and_muon_buffers_by_hand():
     M, n = sum(sizes), max(sizes)
     assert (M, n) == (16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192), 2048 * 8192)
     N = 4 * 2048 * 32  # device batch 4 x 2048 x 32 ranks
-    one = plan(m, h100_8, 4, 2048, layout="fsdp", world=32, batch_tokens=N, optimizer="muon")
-    four = plan(m, h100_8, 4, 2048, layout="fsdp", world=32, batch_tokens=4 * N, optimizer="muon")
+    sharded = Setting(layout="fsdp", world=32, optimizer="muon")
+    # the accumulation as the run decides it (train/plan/batch.py), handed to the plan
+    one, four = (
+        plan(
+            m, h100_8, 4, 2048, dataclasses.replace(sharded, accum=grad_accum_steps(t, 4, 2048, 32))
+        )
+        for t in (N, 4 * N)
+    )
     assert (one.accum, four.accum) == (1, 4)
     assert one.gradients == four.step_gradients == -(-4 * P // 32)
     assert four.gradients == 4 * P and round(four.gradients / GB, 2) == 4.16
@@ -388,17 +431,17 @@ def test_fsdp_accumulation_and_muon_buffers_by_hand():
     assert round(four.step_buffers / GB, 2) == 0.25
     # replicated over 32: the largest share w received from every rank, the collective's flat
     # output (W w each), the rank's own updates, their flat copy and the send buffer (3 w)
-    rep = plan(m, h100_8, 4, 2048, world=32, optimizer="muon")
+    rep = plan(m, h100_8, 4, 2048, Setting(world=32, optimizer="muon"))
     w = max(sum(sizes[r::32]) for r in range(32))
     assert rep.step_buffers == 4 * (2 * 32 + 3) * w and round(4 * 32 * w / GB, 1) == 5.4
     # AdamW allocates nothing of note; the replicated reduction's buckets copy every gradient
     # (4 P, 2 P in bf16) and are freed before the optimizer step runs
-    adamw = plan(m, h100_8, 4, 2048, world=32)
+    adamw = plan(m, h100_8, 4, 2048, Setting(world=32))
     assert (adamw.step_buffers, adamw.reduce_buffers) == (0, 4 * P)
     assert adamw.step == adamw.step_gradients + 4 * P
-    assert plan(m, h100_8, 4, 2048, world=32, reduce_dtype="bf16").reduce_buffers == 2 * P
+    assert plan(m, h100_8, 4, 2048, Setting(world=32, reduce_dtype="bf16")).reduce_buffers == 2 * P
     assert rep.step == rep.step_gradients + max(4 * P, rep.step_buffers)
-    assert plan(m, h100_8, 4, 2048, world=1).reduce_buffers == 0
+    assert plan(m, h100_8, 4, 2048, Setting(world=1)).reduce_buffers == 0
 
 
 # bytes counted while steps run (glibc's malloc statistics after every torch operation and every
@@ -441,8 +484,11 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["world"] == 2
     m = build_config(overrides=COUNTED).model
-    setting = dict(layout=layout, dtype="fp32", optimizer="muon")
-    p = plan(m, get_preset("cpu"), B, T, **setting, world=2, batch_tokens=B * T * 2 * accum)
+    setting = Setting(layout=layout, dtype="fp32", optimizer="muon")
+    on_two = dataclasses.replace(
+        setting, world=2, accum=grad_accum_steps(B * T * 2 * accum, B, T, 2)
+    )
+    p = plan(m, get_preset("cpu"), B, T, on_two)
     assert (p.shards, p.accum) == (2 if layout == "fsdp" else 1, accum)
     if layout == "fsdp":  # the bench ran what the plan counts: gathered weights kept (ZeRO-2)
         assert not p.reshard_after_forward and "(ZeRO-2)" in str(got["layout"])
@@ -474,7 +520,7 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
     if layout == "fsdp":
         assert not within(before_state, got["state"] + got["held"])
         assert got["held"] > 1.8 * p.step_gradients  # the whole gradients: twice the sharded
-        one_device = plan(m, get_preset("cpu"), B, T, **setting)  # the cpu preset's 1 device
+        one_device = plan(m, get_preset("cpu"), B, T, setting)  # the cpu preset's 1 device
         assert not within(one_device.weights + one_device.optimizer_state, got["state"])
     else:
         assert not within(before_total, got["peak"])

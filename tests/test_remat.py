@@ -88,7 +88,7 @@ def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
 
     from codex.core.config import build_config
     from codex.train.plan.hardware import get_preset
-    from codex.train.plan.memory import plan
+    from codex.train.plan.memory import Setting, plan
 
     overrides = ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_layer=8"]
     script = (
@@ -122,7 +122,7 @@ def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
     m = build_config(overrides=overrides).model
     planned = {
         remat: plan(
-            m, get_preset("cpu"), 8, 1024, dtype="fp32", optimizer="adamw", remat=remat
+            m, get_preset("cpu"), 8, 1024, Setting(dtype="fp32", optimizer="adamw", remat=remat)
         ).total
         for remat in ("none", "block")
     }

@@ -67,6 +67,7 @@ from codex.train.distributed.fsdp import build_sharded, compile_head, set_grad_s
 from codex.train.distributed.reduce import GradReducer
 from codex.train.plan.hardware import launch_env
 from codex.train.plan.layout import Layout
+from codex.train.plan.memory import compute_dtype
 
 resource: ModuleType | None
 try:
@@ -379,10 +380,10 @@ class TorchBackend:
 
 
 def resolve_dtype(setting: str, device_kind: str) -> torch.dtype | None:
-    """train.dtype -> autocast dtype: auto = bf16 on accelerators, fp32 (None) on the CPU."""
-    if setting == "auto":
-        return None if device_kind == "cpu" else torch.bfloat16
-    return torch.bfloat16 if setting == "bf16" else None  # fp32: no autocast
+    """train.dtype -> autocast dtype: the compute dtype the memory plan counts
+    (train/plan/memory.py: compute_dtype; auto = bf16 on accelerators, fp32 on the CPU), as torch
+    names it; None = fp32, no autocast."""
+    return torch.bfloat16 if compute_dtype(setting, device_kind) == "bf16" else None
 
 
 def _cuda_device(preset, local_rank: int, local_world: int) -> torch.device:

@@ -17,12 +17,28 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
 
 import yaml
 
 from codex.core import fsio
-from codex.core.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
+from codex.core.config import CONFIGS_DIR, Config, ConfigError, preset_names, preset_path
+from codex.core.config.model import ModelConfig
+from codex.train.plan.batch import grad_accum_steps
+from codex.train.plan.memory import (
+    DEFAULT_SETTING,
+    DEFAULT_VOCAB,
+    HEADROOM,
+    LayoutName,
+    Setting,
+    choose_layout,
+    default_batch,
+    fsdp_offered,
+    fsdp_refusal,
+    largest_batch,
+    plan,
+    setting_for,
+)
 
 
 @dataclass
@@ -140,7 +156,7 @@ def list_presets() -> list[HardwarePreset]:
 MAX_DEVICE_TOKENS = 65536
 
 
-def _entry(preset: HardwarePreset, model_cfg) -> tuple[str | None, dict]:
+def _entry(preset: HardwarePreset, model_cfg: ModelConfig) -> tuple[str | None, dict]:
     name = model_cfg.preset or None
     entry_name = name if name in preset.defaults else "default"
     if entry_name not in preset.defaults:
@@ -151,40 +167,45 @@ def _entry(preset: HardwarePreset, model_cfg) -> tuple[str | None, dict]:
     return entry_name, preset.defaults[entry_name]
 
 
-def default_seq_len(preset: HardwarePreset, model_cfg) -> int:
+def default_seq_len(preset: HardwarePreset, model_cfg: ModelConfig) -> int:
     """The sequence length the preset suggests for this model (its model.preset entry, else
     'default')."""
     return int(_entry(preset, model_cfg)[1]["seq_len"])
 
 
 def default_device_batch(
-    preset: HardwarePreset, model_cfg, seq_len: int, **setting
-) -> tuple[int, str]:
+    preset: HardwarePreset,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, LayoutName]:
     """(device batch, layout) the memory plan suggests (train.plan.memory.default_batch) at this
-    seq_len: the largest power of two that fits with headroom, at most MAX_DEVICE_TOKENS / seq_len
-    and the entry's max_device_batch. The CPU preset's memory is the machine's, so there it is the
+    seq_len in `setting` (its layout 'auto' too): the largest power of two that fits with
+    headroom, at most MAX_DEVICE_TOKENS / seq_len and the entry's max_device_batch, accumulating
+    as train.batch_tokens implies. The CPU preset's memory is the machine's, so there it is the
     entry's max_device_batch (chosen for step time; train's check against free RAM still refuses).
     0 = nothing fits."""
-    from codex.train.plan.memory import default_batch
-
     _, entry = _entry(preset, model_cfg)
     cap = min(
         int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len)
     )
     if preset.memory_gb <= 0:
         return cap, "replicate"
-    setting = {"dtype": "bf16", "layout": "replicate", **setting}
-    return default_batch(model_cfg, preset, seq_len, cap, **setting)
+    return default_batch(model_cfg, preset, seq_len, cap, setting, batch_tokens)
 
 
-def device_defaults(preset: HardwarePreset, model_cfg, **setting) -> tuple[int, int]:
-    """(device_batch, seq_len) the preset suggests for this model, or a ConfigError when not even
-    one sequence fits. `setting`: the memory plan's (train.plan.memory.plan) dtype, optimizer,
-    layout ('auto' too), fsdp_size, remat; by default bf16, AdamW, replicated."""
-    from codex.train.plan.memory import fsdp_offered
-
+def device_defaults(
+    preset: HardwarePreset,
+    model_cfg: ModelConfig,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, int]:
+    """(device_batch, seq_len) the preset suggests for this model in `setting` (by default bf16,
+    AdamW, replicated; its layout 'auto' too), or a ConfigError when not even one sequence
+    fits."""
     seq_len = default_seq_len(preset, model_cfg)
-    batch, layout = default_device_batch(preset, model_cfg, seq_len, **setting)
+    batch, layout = default_device_batch(preset, model_cfg, seq_len, setting, batch_tokens)
     if batch <= 0:
         shard = ", or shard the state" if fsdp_offered(preset) and layout != "fsdp" else ""
         raise ConfigError(
@@ -204,7 +225,7 @@ def _render(rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def preset_model(name: str):
+def preset_model(name: str) -> ModelConfig:
     """The ModelConfig of model preset `name` ('default': the defaults), vocab left 0 (the plan
     counts train.plan.memory.DEFAULT_VOCAB)."""
     from codex.core.config import build_config
@@ -241,7 +262,7 @@ def format_hardware_table() -> str:
                 cells.append("?")
                 continue
             T = default_seq_len(p, configs[m])
-            B, layout = default_device_batch(p, configs[m], T, layout="auto")
+            B, layout = default_device_batch(p, configs[m], T, Setting(layout="auto"))
             cells.append("-" if B <= 0 else f"{B}×{T}" + (" fsdp" if layout == "fsdp" else ""))
         rows.append(cells)
     lines = _render(rows)
@@ -270,29 +291,33 @@ class ModelFit:
     total_gb: float  # the plan at that batch and layout
 
 
-def model_fit(m, p: HardwarePreset, **setting) -> ModelFit:
+def model_fit(m: ModelConfig, p: HardwarePreset, setting: Setting = DEFAULT_SETTING) -> ModelFit:
     """The largest device batch (a power of two) that fits with headroom replicated and under
-    fsdp, and what train.parallel=auto picks (train.plan.memory.choose_layout)."""
-    from codex.train.plan.memory import choose_layout, fsdp_offered, largest_batch, plan
-
+    fsdp, and what train.parallel=auto picks (train.plan.memory.choose_layout), in `setting`
+    (its layout aside)."""
     T = default_seq_len(p, m)
     cap = max(1, MAX_DEVICE_TOKENS // T)
-    rep = largest_batch(m, p, T, cap, layout="replicate", **setting)
-    fsdp = largest_batch(m, p, T, cap, layout="fsdp", **setting) if fsdp_offered(p) else 0
+    sharded = dataclasses.replace(setting, layout="fsdp")
+    rep = largest_batch(m, p, T, cap, dataclasses.replace(setting, layout="replicate"))
+    fsdp = largest_batch(m, p, T, cap, sharded) if fsdp_offered(p) else 0
     B = rep or fsdp
-    layout = choose_layout(m, p, B, T, **setting) if B else "-"
-    total = plan(m, p, B, T, layout=layout, **setting).total / 1e9 if B else 0.0
+    if not B:
+        return ModelFit(T, rep, fsdp, B, "-", 0.0)
+    layout = choose_layout(m, p, B, T, setting)
+    total = plan(m, p, B, T, dataclasses.replace(setting, layout=layout)).total / 1e9
     return ModelFit(T, rep, fsdp, B, layout, total)
 
 
-def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") -> str:
+def format_model_fit(
+    model: str,
+    optimizer: Literal["adamw", "muon"] = "adamw",
+    remat: Literal["none", "block"] = "none",
+) -> str:
     """`codex hardware --model NAME`: for every preset, the largest device batch (a power of two)
     that fits with headroom replicated and under fsdp over every device, and the layout
     train.parallel=auto picks (train.plan.memory.choose_layout)."""
-    from codex.train.plan.memory import HEADROOM, plan
-
     m = preset_model(model)
-    setting: dict[str, Any] = {"dtype": "bf16", "optimizer": optimizer, "remat": remat}
+    setting = Setting(dtype="bf16", optimizer=optimizer, remat=remat)
     rows = [
         [
             "preset",
@@ -309,7 +334,7 @@ def format_model_fit(model: str, optimizer: str = "adamw", remat: str = "none") 
         if p.memory_gb <= 0:
             rows.append([p.name, "-", str(p.devices), "-", "-", "?", "-", "the machine's free RAM"])
             continue
-        f = model_fit(m, p, **setting)
+        f = model_fit(m, p, setting)
         T = f.seq_len
         rows.append(
             [
@@ -352,70 +377,67 @@ def _rows(rows: list[tuple[str, str]]) -> list[str]:
     return out
 
 
-def _planned_batch(cfg, processes: int | None) -> dict:
-    """format_train_plan's batch, layout and memory plan, derived as resolve_batch does (same
-    refusals, same ConfigError messages) but without the run's files or torch."""
-    from codex.train.plan.memory import (
-        DEFAULT_VOCAB,
-        choose_layout,
-        fsdp_refusal,
-        plan,
-        setting_for,
-    )
+@dataclass(frozen=True)
+class Batch:
+    """What a run's batch resolves to before anything is built (choose_batch)."""
 
+    device_batch: int  # B: sequences per device per micro-batch
+    seq_len: int  # T
+    # train.* for the memory plan: the world, the layout resolved (never auto), the accumulation
+    setting: Setting
+    device_batch_given: bool  # False: the memory plan's default
+    seq_len_given: bool  # False: the preset's for the model
+
+    @property
+    def world(self) -> int:
+        return self.setting.world
+
+    @property
+    def accum(self) -> int:
+        return self.setting.accum
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one micro-batch over every rank."""
+        return self.device_batch * self.seq_len * self.world
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.micro_tokens * self.accum
+
+
+def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
+    """The device batch, sequence length, layout and accumulation of `cfg` on `preset` over `world`
+    data-parallel ranks, each decided here once: train.device_batch and train.seq_len, else the
+    memory plan's default (device_defaults); train.parallel=auto resolved (choose_layout); the
+    accumulation (train/plan/batch.py: grad_accum_steps). Both the run (train/plan/plan.py:
+    resolve_batch) and `codex train --help` (format_train_plan) take it from here, so they refuse
+    the same settings with the same ConfigError: fsdp where it does not run, a model that fits
+    nowhere, seq_len above model.max_seq_len, batch_tokens that do not divide. Reads no run file
+    and imports no torch."""
     m, t = cfg.model, cfg.train
-    preset = get_preset(t.hardware)
-    world = (processes or 1) if preset.kind == "cpu" else preset.devices
     setting = setting_for(t, preset.kind, world)
     refusal = fsdp_refusal(preset)
-    if setting["layout"] == "fsdp" and refusal and world > 1:
+    if setting.layout == "fsdp" and refusal and world > 1:
         raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
     B, T = t.device_batch, t.seq_len
-    b_from, t_from = "given", "given"
     if B <= 0 or T <= 0:
-        dB, dT = device_defaults(preset, m, **setting)
-        if B <= 0:
-            B, b_from = dB, f"the memory plan's at {DEFAULT_VOCAB // 1024}K vocab"
-            if preset.memory_gb <= 0:
-                b_from = f"{preset.name}'s max_device_batch"
-        if T <= 0:
-            T, t_from = dT, f"{preset.name}'s for {m.preset or 'a custom model'}"
+        dB, dT = device_defaults(preset, m, setting, t.batch_tokens)
+        B = B if B > 0 else dB
+        T = T if T > 0 else dT
     if T > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={T} is longer than model.max_seq_len={m.max_seq_len}; "
             f"lower --seq-len or --set model.max_seq_len={T}"
         )
-    layout = setting["layout"]
-    if layout == "auto":
-        layout = choose_layout(m, preset, B, T, **setting)
-    memory = plan(m, preset, B, T, **(setting | {"layout": layout}))
-    per_micro = B * T * world
-    if t.batch_tokens > 0 and t.batch_tokens % per_micro:
-        raise ConfigError(
-            f"train.batch_tokens={t.batch_tokens} is not a multiple of device_batch * seq_len * "
-            f"world_size = {B} * {T} * {world} = {per_micro} (train refuses it and names the "
-            "nearest valid values)"
-        )
-    accum = t.batch_tokens // per_micro if t.batch_tokens > 0 else 1
-    batch = per_micro * accum
-    steps = -(-t.max_tokens // batch) if t.max_tokens > 0 else t.max_steps
-    return {
-        "B": B,
-        "T": T,
-        "world": world,
-        "per_micro": per_micro,
-        "accum": accum,
-        "batch": batch,
-        "steps": steps,
-        "b_from": b_from,
-        "t_from": t_from,
-        "layout": layout,
-        "setting": setting,
-        "memory": memory,
-    }
+    layout = setting.layout if setting.layout != "auto" else choose_layout(m, preset, B, T, setting)
+    accum = grad_accum_steps(t.batch_tokens, B, T, world)
+    setting = dataclasses.replace(setting, layout=layout, accum=accum)
+    return Batch(B, T, setting, t.device_batch > 0, t.seq_len > 0)
 
 
-def format_train_plan(cfg, processes: int | None = None) -> list[str]:
+def format_train_plan(cfg: Config, processes: int | None = None) -> list[str]:
     """What `codex train` would run with Config `cfg`, derived without the run's files or torch:
     the model shape, the hardware preset, the batch (device batch and sequence length from the
     memory plan where left at 0, as train.plan.plan.resolve_batch decides them), steps, optimizer,
@@ -426,27 +448,21 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
     tokenizer gives the real one, so the device batch train picks may differ for a large vocab."""
     from codex.core.config.model import mlp_hidden
     from codex.core.config.train import DEFAULT_LR
-    from codex.train.plan.memory import DEFAULT_VOCAB
 
     m, t = cfg.model, cfg.train
     preset = get_preset(t.hardware)
-    b = _planned_batch(cfg, processes)
-    B, T, world, per_micro, accum, batch, steps = (
-        b["B"],
-        b["T"],
-        b["world"],
-        b["per_micro"],
-        b["accum"],
-        b["batch"],
-        b["steps"],
-    )
-    b_from, t_from, layout, setting, memory = (
-        b["b_from"],
-        b["t_from"],
-        b["layout"],
-        b["setting"],
-        b["memory"],
-    )
+    world = (processes or 1) if preset.kind == "cpu" else preset.devices
+    b = choose_batch(cfg, preset, world)
+    B, T, accum, batch = b.device_batch, b.seq_len, b.accum, b.batch_tokens
+    memory = plan(m, preset, B, T, b.setting)
+    if b.device_batch_given:
+        b_from = "given"
+    elif preset.memory_gb <= 0:
+        b_from = f"{preset.name}'s max_device_batch"
+    else:
+        b_from = f"the memory plan's at {DEFAULT_VOCAB // 1024}K vocab"
+    t_from = "given" if b.seq_len_given else f"{preset.name}'s for {m.preset or 'a custom model'}"
+    steps = -(-t.max_tokens // batch) if t.max_tokens > 0 else t.max_steps
     vocab = (
         f"vocab_size={m.vocab_size}"
         if m.vocab_size
@@ -472,7 +488,7 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
         (
             "batch",
             f"device_batch={B} ({b_from}) x seq_len={T} ({t_from}) x world={world} = "
-            f"{per_micro:,} tokens a micro-batch; batch_tokens={batch:,} a step (accum {accum}"
+            f"{b.micro_tokens:,} tokens a micro-batch; batch_tokens={batch:,} a step (accum {accum}"
             + ("; train.batch_tokens=0: one micro-batch)" if t.batch_tokens <= 0 else ")"),
         ),
         (
@@ -514,9 +530,9 @@ def format_train_plan(cfg, processes: int | None = None) -> list[str]:
         (
             "parallel",
             f"parallel={t.parallel}"
-            + (f" -> {layout} (the memory plan's choice)" if t.parallel == "auto" else "")
+            + (f" -> {b.setting.layout} (the memory plan's choice)" if t.parallel == "auto" else "")
             + f" fsdp_size={t.fsdp_size} remat={t.remat} dtype={t.dtype}"
-            + (f" -> {setting['dtype']}" if t.dtype == "auto" else "")
+            + (f" -> {b.setting.dtype}" if t.dtype == "auto" else "")
             + f"; memory plan {memory.total / 1e9:.2f} GB per device{memory_of}",
         ),
     ]

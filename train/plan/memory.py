@@ -7,7 +7,7 @@ Per device, P = parameters, M = the blocks' matrices (Muon's), W = the world siz
 WORLD_SIZE; a preset's device count where no run is launched yet), F = devices sharing the state
 (1 replicated; train.fsdp_size, 0 = all W, under fsdp), c = bytes of the compute dtype (2 bf16,
 4 fp32), N = device_batch x seq_len tokens, accum = micro-batches per optimizer step
-(train.batch_tokens / (N x W)):
+(train.batch_tokens / (N x W), decided by train/plan/batch.py and handed in as Setting.accum):
 
     weights          4 P / F     fp32 master weights
     gradients        4 P / F     fp32 (replicated: 4 P, whole for the whole step once accumulation
@@ -66,22 +66,132 @@ up to ~40% at 512 tokens under fsdp): the activation terms are sized by peak RSS
 which is above the bytes the tensors hold.
 A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
 the CUDA context and the XLA runtime take the rest).
+
+Inputs: the ModelConfig, the Device (a hardware preset), the device batch and sequence length, and
+a `Setting` (everything else, typed: train.* resolved for one backend kind by `setting_for`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, Protocol
 
 from codex.core.config import ConfigError
-from codex.core.config.model import has_value_embed, matmul_params, mlp_hidden, padded_vocab
+from codex.core.config.model import (
+    ModelConfig,
+    has_value_embed,
+    matmul_params,
+    mlp_hidden,
+    padded_vocab,
+)
+from codex.core.config.train import TrainConfig
+from codex.train.plan.batch import micro_batches
 
 HEADROOM = 0.9  # a plan fits when its total is at most this share of the device's memory
 # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
 DEFAULT_VOCAB = 32768
 LAYOUTS = ("replicate", "fsdp")
+
+Dtype = Literal["bf16", "fp32"]
+LayoutName = Literal["replicate", "fsdp"]
+
+
+class Device(Protocol):
+    """What the plan reads of a hardware preset (train/plan/hardware.py: HardwarePreset)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...  # "cpu", "cuda" or "tpu"
+    @property
+    def hosts(self) -> int: ...
+    @property
+    def devices(self) -> int: ...
+    @property
+    def memory_gb(self) -> float: ...  # per device; 0 = unknown (the CPU's: the machine's RAM)
+
+
+def compute_dtype(dtype: str, kind: str) -> Dtype:
+    """The compute dtype train.dtype means on a backend of `kind` (cpu, cuda, tpu): auto = bf16 on
+    accelerators, fp32 on the CPU. The one place auto is decided: the memory plan counts it and the
+    backends autocast to it (train/distributed/backend.py: resolve_dtype)."""
+    if dtype == "auto":
+        return "fp32" if kind == "cpu" else "bf16"
+    if dtype == "bf16":
+        return "bf16"
+    if dtype == "fp32":
+        return "fp32"
+    raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything the memory plan reads besides the model, the device and the batch. Made from the
+    config by `setting_for`, or written out for a what-if (`codex hardware`, the default batches,
+    the fixes a refusal offers)."""
+
+    dtype: Dtype = "bf16"  # compute dtype (train.dtype, auto resolved by compute_dtype)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    # train.parallel; plan() takes replicate or fsdp (choose_layout resolves auto)
+    layout: Literal["auto", "replicate", "fsdp"] = "replicate"
+    fsdp_size: int = 0  # fsdp: devices one copy of the state is sharded over; 0 = all
+    remat: Literal["none", "block"] = "none"
+    world: int = 0  # data-parallel ranks (torchrun's WORLD_SIZE); 0 = the preset's devices
+    accum: int = 1  # micro-batches per optimizer step (train/plan/batch.py decides it)
+    reduce_dtype: Dtype = "fp32"  # train.reduce_dtype: the gradient reduction's buffers
+    # bytes per device to judge the plan against: None = the preset's; check_fits passes this
+    # machine's (the GPU's real size, the CPU's free RAM)
+    device_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        # a value outside its Literal (train.dtype=auto unresolved, a typo) would be counted as
+        # some other setting without a word
+        for name, allowed in _choices().items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Setting.{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        if self.accum < 1:
+            raise ValueError(f"Setting.accum must be at least 1, got {self.accum}")
+
+    def ranks(self, preset: Device) -> int:
+        """The data-parallel ranks this setting plans for: world, else the preset's devices."""
+        return self.world if self.world > 0 else max(1, preset.devices)
+
+
+@functools.cache
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Setting's fields typed Literal[...]: {name: the values it takes}."""
+    hints = typing.get_type_hints(Setting)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }
+
+
+DEFAULT_SETTING = Setting()  # bf16, AdamW, replicated: the presets' default batches
+
+
+def setting_for(tcfg: TrainConfig, kind: str, world: int = 0) -> Setting:
+    """The plan's Setting for train.* on a backend of `kind` with `world` data-parallel ranks (the
+    run's world size; 0 = the preset's devices): the one place that reads the config.
+    train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto layout and fsdp_size
+    (auto is resolved by choose_layout), train.dtype onto the compute dtype (compute_dtype). The
+    accumulation is the batch's (train/plan/batch.py), set once the device batch is known."""
+    return Setting(
+        dtype=compute_dtype(tcfg.dtype, kind),
+        optimizer=tcfg.optimizer,
+        layout=tcfg.parallel,
+        fsdp_size=tcfg.fsdp_size,
+        remat=tcfg.remat,
+        world=world,
+        reduce_dtype=tcfg.reduce_dtype,
+    )
 
 
 @dataclass(frozen=True)
@@ -89,14 +199,14 @@ class MemoryPlan:
     """Bytes per device for one setting; `lines()` is the readable breakdown."""
 
     hardware: str
-    layout: str  # replicate | fsdp
+    layout: LayoutName
     shards: int  # devices the weights, gradients and optimizer state are divided over
     device_batch: int
     seq_len: int
-    dtype: str  # compute dtype: bf16 | fp32
-    remat: str  # none | block
-    attention: str  # fused | math
-    optimizer: str  # adamw | muon
+    dtype: Dtype  # compute dtype
+    remat: Literal["none", "block"]
+    attention: str  # fused | math | flash (attention_for)
+    optimizer: Literal["adamw", "muon"]
     params: int
     weights: int
     gradients: int  # during the micro-batches (whole under fsdp with accumulation on CPU/CUDA)
@@ -115,7 +225,7 @@ class MemoryPlan:
     # step
     reduce_buffers: int = 0
     # fsdp: False = ZeRO-2, the gathered weights held from forward to backward (what
-    # compute_weights counts; TPU: always); train/plan/plan.py passes it on in the Layout
+    # compute_weights counts; TPU: always); train/plan/plan.py passes it on in the LayoutName
     reshard_after_forward: bool = True
 
     @property
@@ -187,7 +297,7 @@ class MemoryPlan:
 # --- parameter counts ---------------------------------------------------------------------------
 
 
-def param_count(m) -> int:
+def param_count(m: ModelConfig) -> int:
     """Parameters of model.gpt.GPT for ModelConfig `m`: the matmul weights (output head over the
     padded vocab included), the embedding table when it is not tied to the head, and the value
     embeddings (model.value_embed: a padded vocab x K/V width table on every other layer)."""
@@ -197,12 +307,12 @@ def param_count(m) -> int:
     return matmul_params(m) + padded_vocab(m.vocab_size) * embeddings
 
 
-def block_params(m) -> int:
+def block_params(m: ModelConfig) -> int:
     """One transformer block's parameters (model.gpt.Block)."""
     return (matmul_params(m) - m.n_embd - m.n_embd * padded_vocab(m.vocab_size)) // m.n_layer
 
 
-def hidden_matrices(m) -> list[tuple[int, int]]:
+def hidden_matrices(m: ModelConfig) -> list[tuple[int, int]]:
     """(rows, cols) of every matrix Muon updates (train.optim.muon.is_hidden_matrix: the blocks'
     2-D weights, everything in a block but its norms), in the optimizer's order: model/gpt.py's
     c_q, c_k, c_v, c_proj, w_gate (swiglu), w_up, w_down, block after block."""
@@ -213,12 +323,12 @@ def hidden_matrices(m) -> list[tuple[int, int]]:
     return block * m.n_layer
 
 
-def _muon_params(m) -> int:
+def _muon_params(m: ModelConfig) -> int:
     """M: the entries of Muon's matrices."""
     return sum(r * c for r, c in hidden_matrices(m))
 
 
-def optimizer_bytes(m, optimizer: str) -> int:
+def optimizer_bytes(m: ModelConfig, optimizer: str) -> int:
     """Optimizer state for the whole model: AdamW keeps two fp32 moments per parameter; Muon one
     fp32 momentum per hidden matrix entry, and AdamW's two for everything else."""
     if optimizer == "muon":
@@ -226,7 +336,7 @@ def optimizer_bytes(m, optimizer: str) -> int:
     return 8 * param_count(m)
 
 
-def muon_step_bytes(m, kind: str, layout: str, F: int, W: int, c: int) -> int:
+def muon_step_bytes(m: ModelConfig, kind: str, layout: str, F: int, W: int, c: int) -> int:
     """What Muon's step allocates on top of the state, per device (train/optim/muon.py; counted
     on the CPU by bench/count_step_memory.py). Muon iterates in the compute dtype (c bytes);
     M = the matrices' entries, n = the largest matrix's, F the ranks sharing the state, W the
@@ -264,7 +374,7 @@ def muon_step_bytes(m, kind: str, layout: str, F: int, W: int, c: int) -> int:
 # --- activations ----------------------------------------------------------------------------------
 
 
-def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -> int:
+def layer_bytes_per_token(m: ModelConfig, compute_bytes: int, attention: str, seq_len: int) -> int:
     """Bytes one block keeps for backward per token, read off model/gpt.py's Block.forward.
     fp32 (no autocast): RMSNorm keeps its input and normalised value, QK-norm the same per head.
     bf16 autocast: the residual stream is bf16 (GPT.embed); each norm keeps its bf16 input, x times
@@ -294,7 +404,7 @@ def layer_bytes_per_token(m, compute_bytes: int, attention: str, seq_len: int) -
     return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
 
 
-def head_bytes_per_token(m, compute_bytes: int) -> int:
+def head_bytes_per_token(m: ModelConfig, compute_bytes: int) -> int:
     """The final norm: the last block's output, its scaled (fp32: normalised) value, and the head's
     input; all three in the residual stream's dtype, bf16 under autocast."""
     return 3 * compute_bytes * m.n_embd
@@ -311,12 +421,6 @@ def shards_for(layout: str, fsdp_size: int, devices: int) -> int:
     return 1 if layout == "replicate" else (fsdp_size if fsdp_size > 0 else max(1, devices))
 
 
-def accum_for(batch_tokens: int, device_batch: int, seq_len: int, world: int) -> int:
-    """Micro-batches per optimizer step: train.batch_tokens / (device_batch x seq_len x world);
-    1 when batch_tokens is 0 (train/plan/plan.py: grad_accum_steps refuses a remainder)."""
-    return max(1, batch_tokens // max(1, device_batch * seq_len * world))
-
-
 def attention_for(kind: str, model_attention: str = "sdpa") -> str:
     """The attention implementation a backend of `kind` runs: XLA lowers SDPA to its math form
     (the T x T probabilities in memory) unless model.attention=flash runs the Pallas kernel,
@@ -328,43 +432,35 @@ def attention_for(kind: str, model_attention: str = "sdpa") -> str:
 
 
 def plan(
-    m,
-    preset,
+    m: ModelConfig,
+    preset: Device,
     device_batch: int,
     seq_len: int,
-    *,
-    layout: str = "replicate",
-    fsdp_size: int = 0,
-    dtype: str = "bf16",
-    remat: str = "none",
-    optimizer: str = "adamw",
-    world: int = 0,
-    batch_tokens: int = 0,
-    reduce_dtype: str = "fp32",
-    device_memory: int | None = None,
+    setting: Setting = DEFAULT_SETTING,
 ) -> MemoryPlan:
     """The memory plan for ModelConfig `m` (vocab_size set; 0 counts DEFAULT_VOCAB) on `preset`
-    (a train.plan.hardware.HardwarePreset: kind, devices, memory_gb). world: the data-parallel
-    ranks (torchrun's WORLD_SIZE; 0 = the preset's devices); batch_tokens: train.batch_tokens (the
-    accumulation it implies at this batch). device_memory overrides the preset's memory per device
-    (the GPU's real size, the CPU's free RAM).
-
-    13 parameters: the model, the preset and the batch, then keyword settings with defaults
-    (setting_for's dict, passed as **setting). Long because every term is a line of the module
-    docstring's arithmetic, kept side by side in one place."""
+    at device_batch x seq_len, in `setting` (its layout replicate or fsdp: choose_layout resolves
+    auto first). Long because every term is a line of the module docstring's arithmetic, kept
+    side by side in one place."""
     if m.vocab_size <= 0:
         m = dataclasses.replace(m, vocab_size=DEFAULT_VOCAB)
-    c = 2 if dtype == "bf16" else 4
+    c = 2 if setting.dtype == "bf16" else 4
     attention = attention_for(preset.kind, m.attention)
-    world = world if world > 0 else max(1, preset.devices)
+    world = setting.ranks(preset)
+    layout: LayoutName
     if world == 1:
         layout = "replicate"  # one process is always replicated (train/plan/layout.py)
-    shards = shards_for(layout, fsdp_size, world)
-    accum = accum_for(batch_tokens, device_batch, seq_len, world)
+    elif setting.layout == "auto":
+        raise ValueError("plan() takes layout replicate or fsdp: choose_layout resolves auto")
+    else:
+        layout = setting.layout
+    shards = shards_for(layout, setting.fsdp_size, world)
     P = param_count(m)
     tokens = device_batch * seq_len
     per_layer = layer_bytes_per_token(m, c, attention, seq_len)
-    kept_layers = m.n_layer * per_layer if remat == "none" else m.n_layer * c * m.n_embd + per_layer
+    kept_layers = (
+        m.n_layer * per_layer if setting.remat == "none" else m.n_layer * c * m.n_embd + per_layer
+    )
     if layout == "fsdp" and preset.kind == "tpu":
         # the cached step's While runs per device on the weights gathered once before it, in
         # the compute dtype (train/xla/step.py: ZeRO-2, one reduction after the While)
@@ -374,39 +470,40 @@ def plan(
         compute_weights = c * (2 * block_params(m) + root) + (c + 4) * block_params(m)
     else:
         compute_weights = c * matmul_params(m) if c < 4 else 0
-    if device_memory is None:
-        device_memory = int(preset.memory_gb * 1e9)
+    at_preset = int(preset.memory_gb * 1e9)
     reduced = -(-4 * P // shards)
     # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward;
     # the XLA While carries every device's unreduced fp32 sum, whole, for the whole step
     tpu = preset.kind == "tpu"
-    r = 2 if reduce_dtype == "bf16" else 4
+    r = 2 if setting.reduce_dtype == "bf16" else 4
     # (FSDP2 accumulates the unsharded gradients in its reduce_dtype)
-    held = (4 if tpu else r) * P if layout == "fsdp" and (tpu or accum > 1) else reduced
+    held = (4 if tpu else r) * P if layout == "fsdp" and (tpu or setting.accum > 1) else reduced
     p = MemoryPlan(
         hardware=preset.name,
         layout=layout,
         shards=shards,
         device_batch=device_batch,
         seq_len=seq_len,
-        dtype=dtype,
-        remat=remat,
+        dtype=setting.dtype,
+        remat=setting.remat,
         attention=attention,
-        optimizer=optimizer,
+        optimizer=setting.optimizer,
         params=P,
         weights=-(-4 * P // shards),
         gradients=held,
-        optimizer_state=-(-optimizer_bytes(m, optimizer) // shards),
+        optimizer_state=-(-optimizer_bytes(m, setting.optimizer) // shards),
         compute_weights=compute_weights,
         activations=tokens * (kept_layers + head_bytes_per_token(m, c)),
         logits=3 * 4 * padded_vocab(m.vocab_size) * tokens,
         workspace=tokens * per_layer,
-        device_memory=device_memory,
+        device_memory=at_preset if setting.device_memory is None else setting.device_memory,
         world=world,
-        accum=accum,
+        accum=setting.accum,
         step_gradients=reduced,
         step_buffers=(
-            muon_step_bytes(m, preset.kind, layout, shards, world, c) if optimizer == "muon" else 0
+            muon_step_bytes(m, preset.kind, layout, shards, world, c)
+            if setting.optimizer == "muon"
+            else 0
         ),
         # the replicated reduction's flat buckets (train/distributed/reduce.py), in
         # train.reduce_dtype
@@ -421,20 +518,39 @@ def plan(
         zero2 = dataclasses.replace(p, compute_weights=kept, reshard_after_forward=False)
         # judged at the preset's memory, never this process's measured free memory: every rank
         # must make the same choice (ZeRO-2 and ZeRO-3 run different collectives in the backward)
-        at_preset = dataclasses.replace(zero2, device_memory=int(preset.memory_gb * 1e9))
-        return zero2 if at_preset.fits() else p
+        return zero2 if dataclasses.replace(zero2, device_memory=at_preset).fits() else p
     return p
 
 
-def largest_batch(m, preset, seq_len: int, cap: int, **setting) -> int:
-    """The largest power of two <= cap whose plan fits with headroom; 0 when not even 1 does."""
+def at_batch(
+    setting: Setting, preset: Device, batch_tokens: int, device_batch: int, seq_len: int
+) -> Setting:
+    """`setting` with the accumulation train.batch_tokens implies at device_batch x seq_len
+    (train/plan/batch.py: micro_batches), for the searches that plan batches before one is
+    chosen."""
+    accum = micro_batches(batch_tokens, device_batch, seq_len, setting.ranks(preset))
+    return dataclasses.replace(setting, accum=accum)
+
+
+def largest_batch(
+    m: ModelConfig,
+    preset: Device,
+    seq_len: int,
+    cap: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> int:
+    """The largest power of two <= cap whose plan fits with headroom; 0 when not even 1 does.
+    Each candidate accumulates as train.batch_tokens implies there (0: one micro-batch)."""
     b = 1 << max(0, cap.bit_length() - 1)
-    while b >= 1 and not plan(m, preset, b, seq_len, **setting).fits():
+    while b >= 1:
+        if plan(m, preset, b, seq_len, at_batch(setting, preset, batch_tokens, b, seq_len)).fits():
+            return b
         b //= 2
-    return b if b >= 1 else 0
+    return 0
 
 
-def fsdp_refusal(preset) -> str | None:
+def fsdp_refusal(preset: Device) -> str | None:
     """Why train.parallel=fsdp cannot run on this preset, or None: auto never picks it there,
     `codex hardware` never offers it, and asking for it is refused before anything runs."""
     if preset.kind == "tpu" and preset.hosts > 1:
@@ -445,18 +561,25 @@ def fsdp_refusal(preset) -> str | None:
     return None
 
 
-def fsdp_offered(preset, world: int = 0) -> bool:
+def fsdp_offered(preset: Device, world: int = 0) -> bool:
     """Whether auto and `codex hardware` consider fsdp on this preset: it runs it, over several
     devices (`world` ranks; 0 = the preset's devices): fsdp over one is the replicated layout."""
     return (world if world > 0 else preset.devices) > 1 and fsdp_refusal(preset) is None
 
 
-def choose_layout(m, preset, device_batch: int, seq_len: int, **setting) -> str:
+def choose_layout(
+    m: ModelConfig,
+    preset: Device,
+    device_batch: int,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+) -> LayoutName:
     """train.parallel=auto: replicate when the replicated plan fits with headroom (no gathers, the
-    fastest layout), else fsdp (over train.fsdp_size devices; 0 = all) where the preset runs it."""
-    setting = {k: v for k, v in setting.items() if k != "layout"}
-    fits = plan(m, preset, device_batch, seq_len, layout="replicate", **setting).fits()
-    return "replicate" if fits or not fsdp_offered(preset, setting.get("world", 0)) else "fsdp"
+    fastest layout), else fsdp (over setting.fsdp_size devices; 0 = all) where the preset runs
+    it."""
+    replicated = dataclasses.replace(setting, layout="replicate")
+    fits = plan(m, preset, device_batch, seq_len, replicated).fits()
+    return "replicate" if fits or not fsdp_offered(preset, setting.world) else "fsdp"
 
 
 # --- the refusal ----------------------------------------------------------------------------------
@@ -485,49 +608,59 @@ def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
 
 def _train_key_exists(name: str) -> bool:
     """Whether train.<name> is a setting, so a fix never names a key the config would reject."""
-    from codex.core.config.train import TrainConfig
-
     return name in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
-def fixes(m, preset, p: MemoryPlan, fsdp_size: int = 0, batch_tokens: int = 0) -> list[str]:
-    """The settings that would make `p` fit with headroom, each checked against the plan: a smaller
-    device batch (same layout), the fsdp layout, block rematerialisation."""
-    same: dict[str, Any] = dict(
-        layout=p.layout,
-        fsdp_size=fsdp_size,
-        remat=p.remat,
-        dtype=p.dtype,
-        optimizer=p.optimizer,
-        world=p.world,
-        batch_tokens=batch_tokens,
-        device_memory=p.device_memory,
-    )
+def fixes(
+    m: ModelConfig, preset: Device, p: MemoryPlan, setting: Setting, batch_tokens: int = 0
+) -> list[str]:
+    """The settings that would make `p` (planned in `setting`) fit with headroom, each checked
+    against the plan: a smaller device batch (same layout; train.batch_tokens accumulates the
+    rest), the fsdp layout, block rematerialisation."""
+    same = dataclasses.replace(setting, layout=p.layout, device_memory=p.device_memory)
     out = []
-    b = largest_batch(m, preset, p.seq_len, p.device_batch - 1, **same) if p.device_batch > 1 else 0
+    b = (
+        largest_batch(m, preset, p.seq_len, p.device_batch - 1, same, batch_tokens)
+        if p.device_batch > 1
+        else 0
+    )
     if b:
         out.append(
             f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)"
         )
-    for key, field, value in (("parallel", "layout", "fsdp"), ("remat", "remat", "block")):
+    changes: tuple[tuple[str, Setting], ...] = (
+        ("parallel", dataclasses.replace(same, layout="fsdp")),
+        ("remat", dataclasses.replace(same, remat="block")),
+    )
+    for key, other in changes:
+        value = other.layout if key == "parallel" else other.remat
         if value == "fsdp" and fsdp_refusal(preset):
             continue
-        if _train_key_exists(key) and same[field] != value:
-            q = plan(m, preset, p.device_batch, p.seq_len, **(same | {field: value}))
+        if _train_key_exists(key) and other != same:
+            q = plan(m, preset, p.device_batch, p.seq_len, other)
             if q.fits():
                 out.append(f"train.{key}={value} ({q.total / 1e9:.1f} GB)")
     return out
 
 
-def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryPlan:
+def check_fits(
+    m: ModelConfig,
+    preset: Device,
+    device_batch: int,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> MemoryPlan:
     """The plan for this setting on this machine (the GPU's real memory, the CPU's free RAM), or a
-    ConfigError (exit 2) with the breakdown and the fixes when its total exceeds the device."""
+    ConfigError (exit 2) with the breakdown and the fixes when its total exceeds the device.
+    batch_tokens: train.batch_tokens, for the smaller device batches a fix may offer."""
     avail = available_bytes(preset.kind, preset.memory_gb)
-    p = plan(m, preset, device_batch, seq_len, device_memory=avail or 0, **setting)
+    here = dataclasses.replace(setting, device_memory=avail or 0)
+    p = plan(m, preset, device_batch, seq_len, here)
     if avail is None or p.fits(1.0):
         return p
     where = "available on this machine" if preset.kind == "cpu" else "per device"
-    found = fixes(m, preset, p, setting.get("fsdp_size", 0), setting.get("batch_tokens", 0))
+    found = fixes(m, preset, p, here, batch_tokens)
     fix = (
         "; ".join(found)
         if found
@@ -552,33 +685,21 @@ def check_fits(m, preset, device_batch: int, seq_len: int, **setting) -> MemoryP
 
 
 def default_batch(
-    m, preset, seq_len: int, cap: int, layout: str = "auto", **setting
-) -> tuple[int, str]:
+    m: ModelConfig,
+    preset: Device,
+    seq_len: int,
+    cap: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, LayoutName]:
     """(device batch, layout) a preset suggests: the largest power of two <= cap that fits with
-    headroom, replicated when any batch fits replicated (layout auto), else under fsdp. The batch
-    is 0 when nothing fits."""
-    if layout != "auto":
-        return largest_batch(m, preset, seq_len, cap, layout=layout, **setting), layout
-    b = largest_batch(m, preset, seq_len, cap, layout="replicate", **setting)
-    if b or not fsdp_offered(preset, setting.get("world", 0)):
+    headroom (largest_batch), in setting.layout; under auto replicated when any batch fits
+    replicated, else under fsdp. The batch is 0 when nothing fits."""
+    if setting.layout != "auto":
+        return largest_batch(m, preset, seq_len, cap, setting, batch_tokens), setting.layout
+    replicated = dataclasses.replace(setting, layout="replicate")
+    b = largest_batch(m, preset, seq_len, cap, replicated, batch_tokens)
+    if b or not fsdp_offered(preset, setting.world):
         return b, "replicate"
-    return largest_batch(m, preset, seq_len, cap, layout="fsdp", **setting), "fsdp"
-
-
-def setting_for(tcfg, kind: str, world: int = 0) -> dict:
-    """The plan's setting (plan's keyword arguments) for train.* on a backend of `kind` with
-    `world` data-parallel ranks (the run's world size; 0 = the preset's devices): the one place
-    that reads the config: train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto
-    layout and fsdp_size (auto is resolved by choose_layout), train.remat onto remat,
-    train.batch_tokens onto batch_tokens (the accumulation)."""
-    dtype = tcfg.dtype if tcfg.dtype != "auto" else ("fp32" if kind == "cpu" else "bf16")
-    return {
-        "dtype": dtype,
-        "optimizer": tcfg.optimizer,
-        "layout": tcfg.parallel,
-        "fsdp_size": tcfg.fsdp_size,
-        "remat": tcfg.remat,
-        "world": world,
-        "batch_tokens": tcfg.batch_tokens,
-        "reduce_dtype": tcfg.reduce_dtype,
-    }
+    sharded = dataclasses.replace(setting, layout="fsdp")
+    return largest_batch(m, preset, seq_len, cap, sharded, batch_tokens), "fsdp"

@@ -4,8 +4,10 @@ files (tokenizer, shard manifest), before the first step.
     cfg, plan, token_bytes = make_plan(cfg, preset, world_size)
 
 Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum
-(grad_accum_steps says which values divide); the device batch and sequence length default to the
-memory plan's (train/plan/memory.py), and a setting the plan says cannot fit is refused (exit 2).
+(train/plan/batch.py: grad_accum_steps decides accum, and says which values divide); the device
+batch and sequence length default to the memory plan's (train/plan/memory.py), and a setting the
+plan says cannot fit is refused (exit 2). train/plan/hardware.py: choose_batch decides them, for
+the run and for `codex train --help` alike.
 """
 
 from __future__ import annotations
@@ -17,80 +19,34 @@ import numpy as np
 import torch
 
 from codex.core import fsio, rundir
-from codex.core.config import ConfigError
+from codex.core.config import Config, ConfigError
 from codex.core.config.train import DEFAULT_LR
 from codex.model.gpt import mlp_hidden
 from codex.pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
 from codex.train.data.token_shards import load_manifest
-from codex.train.plan.hardware import device_defaults
+
+# the Plan's accumulation rule, defined in batch.py so that choose_batch (hardware.py) reaches it
+from codex.train.plan.batch import grad_accum_steps as grad_accum_steps
+from codex.train.plan.hardware import HardwarePreset, choose_batch
 from codex.train.plan.layout import Layout, layout_for
-from codex.train.plan.memory import MemoryPlan, check_fits, choose_layout, fsdp_refusal, setting_for
-
-# --- batch arithmetic -------------------------------------------------------------------------
+from codex.train.plan.memory import MemoryPlan, check_fits
 
 
-def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_size: int) -> int:
-    """accum = batch_tokens / (device_batch * seq_len * world_size), or a ConfigError that lists
-    the nearest valid batch_tokens and the device batch sizes that would divide."""
-    per_micro = device_batch * seq_len * world_size
-    if batch_tokens <= 0:
-        return 1
-    if batch_tokens % per_micro == 0:
-        return batch_tokens // per_micro
-    lo = (batch_tokens // per_micro) * per_micro
-    nearest = sorted(
-        (v for v in (lo, lo + per_micro) if v > 0), key=lambda v: (abs(v - batch_tokens), v)
-    )
-    msg = (
-        f"train.batch_tokens={batch_tokens} is not a multiple of "
-        "device_batch * seq_len * world_size = "
-        f"{device_batch} * {seq_len} * {world_size} = {per_micro}. Nearest valid batch_tokens: "
-        + " or ".join(f"{v} (accum {v // per_micro})" for v in nearest)
-    )
-    per_seq = seq_len * world_size
-    if batch_tokens % per_seq == 0:
-        seqs = batch_tokens // per_seq  # sequences per rank per step
-        divisors = [b for b in range(1, seqs + 1) if seqs % b == 0]
-        near = sorted(divisors, key=lambda b: (abs(b - device_batch), -b))[:4]
-        msg += (
-            f"; or keep it and use train.device_batch in {sorted(near)} "
-            f"(accum = {seqs} / device_batch)"
-        )
-    else:
-        msg += (
-            "; no device batch fits: batch_tokens must be a multiple of "
-            f"seq_len * world_size = {per_seq}"
-        )
-    raise ConfigError(msg)
-
-
-def resolve_batch(cfg, preset, world_size: int) -> tuple[int, int, int, int, MemoryPlan, Layout]:
+def resolve_batch(
+    cfg: Config, preset: HardwarePreset, world_size: int
+) -> tuple[int, int, int, int, MemoryPlan, Layout]:
     """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from codex.train.* and the
-    hardware preset defaults (the memory plan's); a setting whose memory plan cannot fit is refused
+    hardware preset defaults (train/plan/hardware.py: choose_batch decides the batch, the layout
+    and the accumulation); a setting whose memory plan cannot fit this machine is refused
     (exit 2)."""
-    B, T = cfg.train.device_batch, cfg.train.seq_len
-    setting = setting_for(cfg.train, preset.kind, world_size)
-    refusal = fsdp_refusal(preset)
-    if setting["layout"] == "fsdp" and refusal and world_size > 1:
-        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
-    if B <= 0 or T <= 0:
-        dB, dT = device_defaults(preset, cfg.model, **setting)
-        B = B if B > 0 else dB
-        T = T if T > 0 else dT
-    if T > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={T} is longer than model.max_seq_len={cfg.model.max_seq_len}; "
-            f"lower --seq-len or --set model.max_seq_len={T}"
-        )
-    if setting["layout"] == "auto":  # train.parallel=auto: the memory plan picks
-        setting["layout"] = choose_layout(cfg.model, preset, B, T, **setting)
-    # over this run's world size, with its accumulation (fsdp holds whole gradients then)
-    memory = check_fits(cfg.model, preset, B, T, **setting)
-    layout = layout_for(setting["layout"], setting["fsdp_size"], world_size)
+    b = choose_batch(cfg, preset, world_size)
+    memory = check_fits(
+        cfg.model, preset, b.device_batch, b.seq_len, b.setting, cfg.train.batch_tokens
+    )
+    layout = layout_for(b.setting.layout, b.setting.fsdp_size, world_size)
     # fsdp: keep the gathered weights from forward to backward (ZeRO-2) where the plan fits them
     layout = replace(layout, reshard_after_forward=memory.reshard_after_forward)
-    accum = grad_accum_steps(cfg.train.batch_tokens, B, T, world_size)
-    return B, T, accum, B * T * world_size * accum, memory, layout
+    return b.device_batch, b.seq_len, b.accum, b.batch_tokens, memory, layout
 
 
 # --- the plan: what the loop derives from the config and the run's files, once -----------------
@@ -110,7 +66,9 @@ class Plan:
     layout: Layout  # replicate or fsdp (train.parallel, resolved; train/plan/layout.py)
 
 
-def make_plan(cfg, preset, world_size: int):
+def make_plan(
+    cfg: Config, preset: HardwarePreset, world_size: int
+) -> tuple[Config, Plan, torch.Tensor | None]:
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
     vocab size, the MLP width (so a later change of the derivation cannot change a saved model's
     shape) and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
@@ -138,7 +96,7 @@ def make_plan(cfg, preset, world_size: int):
 # --- run inputs -------------------------------------------------------------------------------
 
 
-def _read_vocab(cfg) -> tuple[int, torch.Tensor | None, str]:
+def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
     """Vocab size from the run's tokenizer meta (checked against the shard manifest), token_bytes
     for bits per byte (None when absent; validation then says what is missing), and the tokenizer's
     sha256 (recorded in checkpoints, so eval and sample can refuse a retrained tokenizer)."""

@@ -299,7 +299,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         # Before any computation. spawn: one writer per host (the others read), no racing writes.
         readonly = mode == "spawn" and int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) != 0
         xr.initialize_cache(cache_dir(cfg), readonly=readonly)
-    dtype = resolve_dtype(cfg.train.dtype, "tpu")
+    dtype = resolve_dtype(cfg.train.dtype, preset.kind)
     fix = (
         "Fix: use the preset that matches this machine (`codex hardware`)"
         + (", or set CPU_NUM_DEVICES" if platform == "CPU" else "")
