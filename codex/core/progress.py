@@ -331,8 +331,10 @@ class Progress:
         if self._last is None or now - self._last >= (0.2 if self.tty else self.log_every):
             self._last = now
             self._emit(final=False)
-        if self.tty and _file is not None and (
-            self._filed is None or now - self._filed >= self.log_every
+        if (
+            self.tty
+            and _file is not None
+            and (self._filed is None or now - self._filed >= self.log_every)
         ):
             self._filed = now
             self._to_file()
