@@ -441,10 +441,19 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
         return b
 
     monkeypatch.setattr(B, "make_backend", cpu_like_cuda)
-    steps = dict(max_steps=6, save_every=3, eval_every=3)
+    # warmup ends and the decay runs within the 6 steps, with a validation at 3 and 6
+    steps = dict(max_steps=6, save_every=3, eval_every=3, warmup_steps=2)
     eager_run, compiled_run = make_run(tmp_path / "eager"), make_run(tmp_path / "compiled")
     eager = run_train(eager_run, compile=False, **steps)
     compiled = run_train(compiled_run, compile=True, **steps)
+    # the learning rate (warmup, decay) and validation (the uncompiled module) never recompile:
+    # dynamo's graph count, logged on every line, is the same from the first line to the last
+    counts = [
+        json.loads(line).get("compiles")
+        for line in open(Path(compiled_run) / "metrics.jsonl")
+        if '"kind": "train"' in line
+    ]
+    assert counts[0] is not None and len(set(counts)) == 1, counts
 
     def losses(run):
         return [

@@ -228,10 +228,12 @@ class TorchBackend:
             # compile's backward is one graph that hands out every gradient at its end, so the
             # reduction's buckets (train/distributed/reduce.py) could only start once it is over.
             for block in cast(GPT, model).blocks:
-                block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+                block.forward = torch.compile(block.forward, fullgraph=True)  # type: ignore[method-assign]
             compile_head(cast(GPT, model))
         elif self.compile:
-            model = cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule
+            # an OptimizedModule; fullgraph: a graph break fails at once instead of running part
+            # of the step eagerly
+            model = cast(torch.nn.Module, torch.compile(model, fullgraph=True))
             self._compiled.append(model)
         return model
 
@@ -354,7 +356,13 @@ class TorchBackend:
         return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
 
     def compile_count(self) -> int | None:
-        return None  # torch.compile recompiles are not counted here (XLA counts its compiles)
+        """Graphs dynamo has compiled in this process (torch.compile on), else None: a count that
+        grows after the first steps is a recompile, each a stall of seconds."""
+        if not self.compile:
+            return None
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
 
     def close(self, ok: bool = True) -> None:
         """ok: wait for every rank, then tear down (a rank that destroys its gloo group while a peer

@@ -81,7 +81,7 @@ def build_sharded(
         if compile_blocks:
             # The block's forward only: FSDP's hooks stay outside the compiled region, and the
             # parameter names (checkpoint keys) get no '_orig_mod.' (unverified on a GPU here).
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, fullgraph=True)
         # False: ZeRO-2, the plan's choice where it fits; the last block's backward runs first
         reshard = layout.reshard_after_forward and i < last
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -97,7 +97,7 @@ def compile_head(model: GPT) -> None:
     """torch.compile GPT.head_loss (final norm, head, cross-entropy: the fp32 logits fused into the
     loss) on this model only, as an instance attribute: no wrapper module, so the state_dict keys
     get no '_orig_mod.'. The forward calls it inside the root's FSDP2 hooks, on gathered weights."""
-    model.head_loss = torch.compile(model.head_loss)  # type: ignore[method-assign]
+    model.head_loss = torch.compile(model.head_loss, fullgraph=True)  # type: ignore[method-assign]
 
 
 @torch.no_grad()
