@@ -549,3 +549,25 @@ def test_the_loop_turns_gc_off_and_collects_the_young_generations_every_gc_every
     calls.clear()
     run_train(make_run(tmp_path / "automatic"), max_steps=5, gc_every=0)
     assert calls == [] and gc.isenabled()
+
+
+def test_start_up_objects_are_collected_once_then_frozen():
+    """The managed collector ends start-up with one full collection and gc.freeze(): the objects
+    start-up made (torch.compile's tracing above all) are never traversed again, so the first
+    steady collection (step gc_every) has only the steps' own garbage to look at. close() gives
+    the collector back as it was."""
+    import gc
+
+    from codex.train.loop import ManagedGC
+
+    was = gc.isenabled()
+    collector = ManagedGC(50)
+    try:
+        assert not gc.isenabled()
+        start_up = [{"i": i} for i in range(20_000)]  # long-lived objects made during start-up
+        collector.start_up_done()
+        assert gc.get_freeze_count() >= len(start_up)
+        assert gc.get_count()[0] < 1_000
+    finally:
+        collector.close()
+    assert gc.get_freeze_count() == 0 and gc.isenabled() == was

@@ -132,9 +132,20 @@ class ManagedGC:
         if self.every > 0 and step % self.every == 0:
             gc.collect(1)
 
+    def start_up_done(self) -> None:
+        """Start-up (the first step's torch.compile tracing, the first allocations, a checkpoint
+        load) leaves many young, long-lived objects: the first steady collection would traverse
+        them all, a stall at step gc_every. One full collection now, then gc.freeze() keeps them
+        out of every later collection."""
+        if self.every > 0:
+            gc.collect()
+            gc.freeze()
+
     def close(self) -> None:
-        if self.every > 0 and self.was_enabled:
-            gc.enable()
+        if self.every > 0:
+            gc.unfreeze()
+            if self.was_enabled:
+                gc.enable()
 
 
 def due(step: int, every: int, total_steps: int) -> bool:
@@ -276,6 +287,7 @@ def _train(
                 # Start-up is over (checkpoint load, torch.compile, the first step, validation or
                 # save): collectives get train.dist_timeout_s instead of dist_init_timeout_s.
                 backend.first_step_done()
+                collector.start_up_done()
             if stopping:
                 break
         if state.saving is not None:
