@@ -7,9 +7,10 @@ Configurations, each running the `codex` CLI in a fresh process:
   local 1 worker    --workers 1 under `taskset -c 0` (one core, comparable with 1 Ray CPU)
   ray 1 node        a Ray cluster of 1 node with --num-cpus 1 (`--executor ray --ray-address`)
   ray 2 nodes       the same plus a second node of 1 CPU joined to it
-The Ray nodes are started here (`ray start`, RAY_AUTH_MODE=disabled) and stopped between
-configurations (`ray stop --force`: it stops every Ray process of this user on the machine);
-node i is pinned to core i (taskset, unless --no-pin-ray). The codex driver is not pinned and
+The Ray nodes are started here (`ray start`, RAY_AUTH_MODE=disabled), each in a session and
+process group of its own, and ended between configurations by killing those processes (never
+`ray stop`: it ends every Ray process on the machine, other people's included); node i is pinned
+to core i (taskset, unless --no-pin-ray). The codex driver is not pinned and
 also uses CPU (planning, progress, clean's final dedup, shard's scan and write phases): on a
 machine with few cores it competes with the nodes.
 
@@ -39,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -93,13 +95,25 @@ def build_input(folder: Path, mb: float, small_files: int = 8) -> list[int]:
     return sizes
 
 
-def run(cmd: list[str], what: str) -> float:
-    """Run cmd; exit with its stderr tail if it fails. Returns wall seconds."""
+def run(cmd: list[str], what: str, sessions: list[int] | None = None) -> float:
+    """Run cmd; exit with its stderr tail if it fails. Returns wall seconds. With `sessions`: in
+    a session of its own, whose id (its pid) is appended there (a `ray start`: its daemons stay
+    in that session)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=sessions is not None,
+    )
+    if sessions is not None:
+        sessions.append(proc.pid)
+    _, stderr = proc.communicate()
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr.decode()[-3000:]}")
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{stderr.decode()[-3000:]}")
     return dt
 
 
@@ -113,10 +127,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ray(nodes: int, pin: bool) -> tuple[str, str]:
-    """A Ray cluster of `nodes` nodes of 1 CPU on this machine. Returns (address, temp dir)."""
+class Cluster:
+    """A Ray cluster started here: its address, temp dir and the sessions of its nodes."""
+
+    def __init__(self, addr: str, tmp: str):
+        self.addr, self.tmp = addr, tmp
+        self.sessions: list[int] = []
+
+
+def start_ray(nodes: int, pin: bool) -> Cluster:
+    """A Ray cluster of `nodes` nodes of 1 CPU on this machine, each `ray start` in a session of
+    its own."""
     port, tmp = free_port(), tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: socket paths
     addr = f"127.0.0.1:{port}"
+    cluster = Cluster(addr, tmp)
     common = ["--num-cpus", "1", "--disable-usage-stats"]
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     pin = pin and len(cores) >= nodes
@@ -126,9 +150,9 @@ def start_ray(nodes: int, pin: bool) -> tuple[str, str]:
         if pin:
             cmd = ["taskset", "-c", str(sorted(cores)[i]), *cmd]
         try:
-            run(cmd, f"ray start (node {i})")
+            run(cmd, f"ray start (node {i})", cluster.sessions)
         except SystemExit:
-            stop_ray(tmp)
+            stop_ray(cluster)
             raise
     # wait until every node has joined (outside the timings)
     probe = "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
@@ -138,15 +162,40 @@ def start_ray(nodes: int, pin: bool) -> tuple[str, str]:
             [sys.executable, "-c", probe, addr], env=ENV, capture_output=True, text=True
         )
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(nodes)]:
-            return addr, tmp
+            return cluster
         time.sleep(1)
-    stop_ray(tmp)
+    stop_ray(cluster)
     raise SystemExit(f"the Ray cluster at {addr} did not reach {nodes} CPUs")
 
 
-def stop_ray(tmp: str) -> None:
-    subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
-    shutil.rmtree(tmp, ignore_errors=True)
+def session_groups(sessions: list[int]) -> set[int]:
+    """The process groups of the live processes in these sessions: a node's daemons (its own
+    group) and its workers (a group each, in the node's session)."""
+    groups = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) in sessions:
+                groups.add(int(fields[2]))
+    return groups
+
+
+def stop_ray(cluster: Cluster) -> None:
+    """Kill the cluster's processes, by the sessions its nodes were started in; wait until they
+    are gone (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while (groups := session_groups(cluster.sessions)) and time.monotonic() < deadline:
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    shutil.rmtree(cluster.tmp, ignore_errors=True)
 
 
 def digests(folder: Path, patterns: list[str]) -> dict[str, str]:
@@ -183,8 +232,8 @@ def run_config(work: Path, name: str, nodes: int, args) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
     clean_args = [*CLEAN_ARGS, "--set", f"data.clean.chunk_bytes={int(args.chunk_mb * 1e6)}"]
     if nodes:
-        addr, ray_tmp = start_ray(nodes, not args.no_pin_ray)
-        flags = ["--executor", "ray", "--ray-address", addr]
+        cluster = start_ray(nodes, not args.no_pin_ray)
+        flags = ["--executor", "ray", "--ray-address", cluster.addr]
         pre: list[str] = []
     else:
         flags, pre = ["--workers", "1"], ["taskset", "-c", str(first_core())]
@@ -197,13 +246,13 @@ def run_config(work: Path, name: str, nodes: int, args) -> dict:
         shard_s = run(pre + cmd + flags, f"{name}: shard")
     except SystemExit:
         if nodes:  # what Ray's own processes said before they are stopped
-            for log in sorted(Path(ray_tmp).glob("session_latest/logs/*.out")):
+            for log in sorted(Path(cluster.tmp).glob("session_latest/logs/*.out")):
                 tail = log.read_text(errors="replace")[-1500:].strip()
                 print(f"--- {log.name}:\n{tail}" if tail else "", file=sys.stderr)
         raise
     finally:
         if nodes:
-            stop_ray(ray_tmp)
+            stop_ray(cluster)
     out = digests(crun / "clean", ["part-*.parquet", "stats.json"])
     out |= digests(srun / "shards", ["*.npy", "manifest.json"])
     return {"clean_s": clean_s, "shard_s": shard_s, "digests": out}

@@ -23,6 +23,13 @@ process pool's); nothing here is a scheduler.
                        else a Ray runtime started here with `workers` CPUs; on connecting, the
                        driver first has a worker started on every node (so short units spread)
 
+Ray's driver is attached for one stage: a stage that attached it (ray.init) detaches it
+(ray.shutdown) when it ends, whether it finished or failed, so no Ray runtime stays attached to the
+process between stages (a test process outlives a cluster that ends, instead of Ray's core worker
+ending it a minute later). A cluster address where nothing answers is refused at once (ConfigError,
+exit 2); a cluster whose head (GCS) stops answering while its units run ends the stage within
+RAY_LOST_S with one line (RayClusterLost, exit 1), and a rerun runs only the unfinished units.
+
 Progress is the driver's only: it advances as units finish, by what each unit reports (its input
 bytes and documents), across every node. Ray's own logs stay out of the terminal
 unless CODEX_DEBUG=1.
@@ -38,6 +45,8 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import re
+import select
 import socket
 import sys
 import threading
@@ -57,6 +66,12 @@ POOL_START_S = 120.0
 # how long the driver waits for a worker on every node before it gives the cluster units
 RAY_WORKER_START_S = 60.0
 RAY_INSTALL = "pip install 'codex[ray]'  (from a checkout: pip install -e '.[ray]')"
+# how long a connect to the cluster's head (its GCS port) may take before it counts as no answer
+RAY_CONNECT_S = 3.0
+# while units run, how often the driver checks that the head answers, and how long it may not
+# before the stage stops (Ray's own driver would wait 60 s, then end the process with status 1)
+RAY_CHECK_S = 2.0
+RAY_LOST_S = 10.0
 
 U = TypeVar("U")
 
@@ -93,12 +108,13 @@ def auto_workers(input_bytes: int, bytes_per_worker: int) -> int:
 
 
 def check_executor(data_cfg) -> None:
-    """data.executor is local or ray, and Ray is installed for ray: a stage asks before it reads
-    or touches any file."""
+    """data.executor is local or ray, Ray is installed for ray and something answers at the
+    cluster's address: a stage asks before it reads or touches any file."""
     if data_cfg.executor not in ("local", "ray"):
         raise ConfigError(f"data.executor must be local or ray, got {data_cfg.executor!r}")
     if data_cfg.executor == "ray":
         import_ray()
+        check_ray_address(data_cfg.ray_address)
 
 
 def where_for(data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: int = 1) -> Where:
@@ -127,8 +143,12 @@ def slots(where: Where) -> int:
     may cut its work into more units when it has fewer than this)."""
     if where.executor != "ray":
         return where.workers
-    ray = connect_ray(where)
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    try:
+        ray = connect_ray(where)
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    finally:
+        if not _stages:  # not inside a stage (stage_pool): detach now
+            detach_ray()
 
 
 def run_units(
@@ -158,6 +178,8 @@ def run_units(
     finally:
         # a caller that stops early (it raised) stops the units now, not when this is collected
         runner.close()
+        if where.executor == "ray" and not _stages:  # not inside a stage (stage_pool): detach
+            detach_ray()
 
 
 def worker_id() -> str:
@@ -231,8 +253,19 @@ def stage_pool(where: Where, warm: Callable[[], Any] | None = None) -> Iterator[
     """A Where whose run_units calls share one pool of `where.workers - 1` local processes (this
     one is the N-th), started now (each runs `warm`, e.g. loading what its units need, while the
     driver goes on) and closed on exit: a stage of several phases spawns its workers once, not
-    once per phase. Ray and workers=1: `where` itself."""
-    if where.executor == "ray" or where.workers == 1:
+    once per phase. Ray and workers=1: `where` itself; for Ray, the driver attached by the
+    stage's first unit stays attached until the stage ends, then detaches (detach_ray)."""
+    global _stages
+    if where.executor == "ray":
+        _stages += 1
+        try:
+            yield where
+        finally:
+            _stages -= 1
+            if not _stages:
+                detach_ray()
+        return
+    if where.workers == 1:
         yield where
         return
     pool, up = _new_pool(where.workers - 1, warm)
@@ -344,17 +377,250 @@ def import_ray():
 
 
 _connected: str | None = None  # the address this process's Ray driver is attached to
+_stages = 0  # Ray stages (stage_pool) in progress in this process: they keep the driver attached
+_watch: _HeadWatch | None = None  # the check that the attached cluster's head answers
+
+
+class RayClusterLost(RuntimeError):
+    """The cluster's head (GCS) stopped answering while the driver waited for units."""
+
+
+def _ray_address(where_address: str) -> tuple[str | None, str]:
+    """The cluster's address (data.ray_address, else $RAY_ADDRESS, else None: a runtime started
+    here) and where it was set, for messages."""
+    if where_address:
+        return where_address, "data.ray_address (--ray-address)"
+    env = os.environ.get("RAY_ADDRESS")
+    return (env, "$RAY_ADDRESS") if env else (None, "")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a cluster address 'HOST:PORT' or 'ray://HOST:PORT'; None for the others
+    Ray resolves itself ('auto', 'local')."""
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _answers(host_port: tuple[str, int], timeout: float) -> str:
+    """'' when a TCP connect to host_port succeeds within timeout, else why not."""
+    try:
+        with socket.create_connection(host_port, timeout=timeout):
+            return ""
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
+
+
+def check_ray_address(where_address: str) -> None:
+    """A ConfigError (exit 2) at once when nothing answers at the cluster's address: ray.init
+    would retry it for ever, printing Ray's warnings."""
+    address, source = _ray_address(where_address)
+    host_port = _host_port(address) if address else None
+    if host_port is None:
+        return
+    why = _answers(host_port, RAY_CONNECT_S)
+    if why:
+        raise ConfigError(
+            f"{source} is {address}, but no Ray cluster answers there ({why}): start the "
+            f"cluster (ray start --head --port {host_port[1]}) or give the address of its head, "
+            "HOST:PORT (the GCS port, 6379 by default)"
+        )
+
+
+class _HeadWatch:
+    """The driver's check that the cluster's head answers, while it waits for units: a TCP
+    connect to its GCS port at most every RAY_CHECK_S; RayClusterLost once none has answered for
+    RAY_LOST_S. (Ray's driver would wait 60 s, then end the process with its own C++ line; units
+    may meanwhile go on finishing on the other nodes, so the check runs whether or not they do.)"""
+
+    def __init__(self, ray, address: str | None):
+        try:
+            gcs = ray.get_runtime_context().gcs_address
+        except Exception:  # an older Ray, a client connection: the address given
+            gcs = address
+        self.host_port = _host_port(gcs or "")
+        self.address = address or gcs or "local"
+        self.checked = time.monotonic()
+        self.failing_since: float | None = None  # the first check of those that got no answer
+
+    def check(self, now: bool = False) -> bool:
+        """Whether the head answered at the last check (made now, if RAY_CHECK_S has passed
+        since the one before, or `now`); RayClusterLost when none has for RAY_LOST_S."""
+        if self.host_port is None:
+            return True
+        t = time.monotonic()
+        if not now and t - self.checked < RAY_CHECK_S:
+            return self.failing_since is None
+        self.checked = t
+        why = _answers(self.host_port, RAY_CHECK_S)
+        if not why:
+            self.failing_since = None
+            return True
+        if self.failing_since is None:
+            self.failing_since = t
+        if time.monotonic() - self.failing_since >= RAY_LOST_S:
+            raise RayClusterLost(
+                f"lost the Ray cluster at {self.address}: its head (GCS) has not answered for "
+                f"{RAY_LOST_S:g} s ({why}); the finished units are kept: rerun the same command "
+                "once the cluster is back (or with --ray-address of a new one) and it runs only "
+                "the unfinished units"
+            )
+        return False
+
+    def answering(self) -> None:
+        """Return once the head answers (at once, usually); RayClusterLost after RAY_LOST_S
+        without. Before a call that asks the head itself (cluster_resources): with the head gone
+        it would wait for Ray's own timeouts."""
+        while not self.check(now=True):
+            time.sleep(RAY_CHECK_S)
+
+
+def _wait(ray, refs: list, num_returns: int, timeout: float | None, watch: _HeadWatch) -> list:
+    """ray.wait in slices of a second, checking the head (watch) after each: the refs done once
+    num_returns are, or at timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+        done, _ = ray.wait(refs, num_returns=num_returns, timeout=left)
+        watch.check()
+        if len(done) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            return done
+
+
+# Ray's C++ log line: "[2026-11-27 17:57:05,433 E 24641 24661] task_manager.cc:1545: ..."
+_RAY_CPP_LINE = re.compile(rb"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [DIWEF] \d+ \d+\] ")
+# ... and what may be the start of one, until its end arrives
+_RAY_CPP_START = re.compile(rb"\[[\d\- :,]*(?:[DIWEF](?: [\d ]*\]?)?)?")
+
+
+class _RayLinesToLogFile:
+    """While the driver is attached to a cluster: this process's stderr (fd 2) goes through a
+    thread that files Ray's C++ log lines (its core worker writes ERROR and above to stderr, e.g.
+    while the cluster's head is gone) in the log file (RUN/logs/), and passes every other byte on to
+    the stderr it had, unchanged and at once. A terminal stays a terminal: a pty in between, of
+    the terminal's size, so a progress bar is drawn as before."""
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        if os.isatty(self.saved):
+            import fcntl
+            import termios
+            import tty
+
+            self.read_fd, write_fd = os.openpty()
+            tty.setraw(write_fd)  # bytes through as written (no "\n" -> "\r\n")
+            with contextlib.suppress(OSError):
+                size = fcntl.ioctl(self.saved, termios.TIOCGWINSZ, b"\0" * 8)
+                fcntl.ioctl(write_fd, termios.TIOCSWINSZ, size)
+        else:
+            self.read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._pump, name="codex-ray-stderr", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        held = b""  # what may be the start of a Ray line, until its end arrives
+        while True:
+            # a held start of a line goes on after half a second without its end
+            ready = select.select([self.read_fd], [], [], 0.5)[0]
+            try:
+                chunk = os.read(self.read_fd, 1 << 16) if ready else b""
+            except OSError:  # a pty whose other end is closed
+                chunk = b""
+            if not chunk and (self.stop.is_set() or ready):
+                break
+            data, held = held + chunk, b""
+            *lines, tail = data.split(b"\n")
+            through = []
+            for line in lines:
+                # a Ray line may follow a progress bar's (no newline) on the terminal
+                m = _RAY_CPP_LINE.search(line)
+                if m:
+                    through.append(line[: m.start()])
+                    text = line[m.start() :].decode(errors="replace").rstrip()
+                    log.info("ray: %s", text, extra={"file_only": True})
+                else:
+                    through.append(line + b"\n")
+            m = _RAY_CPP_LINE.search(tail)
+            start = m.start() if m else tail.rfind(b"[")
+            if chunk and start >= 0 and (m or _RAY_CPP_START.fullmatch(tail, start)):
+                tail, held = tail[:start], tail[start:]
+            through.append(tail)
+            self._write(b"".join(through))
+        self._write(held)
+
+    def _write(self, data: bytes) -> None:
+        while data:
+            try:
+                data = data[os.write(self.saved, data) :]
+            except OSError:  # the terminal is gone
+                return
+
+    def close(self) -> None:
+        """fd 2 as it was; what the thread has not passed on yet is passed on first."""
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        # first the thread reads what was written: a pty may drop unread output once its
+        # writing end is closed
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and select.select([self.read_fd], [], [], 0)[0]:
+            time.sleep(0.01)
+        os.dup2(self.saved, 2)
+        self.stop.set()
+        self.thread.join(timeout=5)
+        os.close(self.read_fd)
+        os.close(self.saved)
+
+
+_ray_lines: _RayLinesToLogFile | None = None
+
+
+def _close_ray_lines() -> None:
+    global _ray_lines
+    if _ray_lines is not None:
+        _ray_lines.close()
+        _ray_lines = None
+
+
+def detach_ray() -> None:
+    """Detach this process's Ray driver if connect_ray attached it (a runtime the host program
+    started itself is left alone). Its processes no longer watch the cluster: the process goes
+    on when the cluster ends (an attached driver would be ended by Ray 60 s later)."""
+    global _connected, _watch
+    if _connected is None:
+        return
+    _connected = _watch = None
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            t0 = time.monotonic()
+            ray.shutdown()
+            log.debug("ray: detached from the cluster in %.1fs", time.monotonic() - t0)
+    finally:
+        _close_ray_lines()
 
 
 def connect_ray(where: Where):
-    """Attach to the cluster (data.ray_address, else $RAY_ADDRESS) or start a runtime here."""
-    global _connected
+    """Attach to the cluster (data.ray_address, else $RAY_ADDRESS) or start a runtime here; a
+    ConfigError at once when nothing answers at the address."""
+    global _connected, _watch, _ray_lines
     ray = import_ray()
-    address = where.ray_address or os.environ.get("RAY_ADDRESS") or None
+    address, _ = _ray_address(where.ray_address)
     if ray.is_initialized():
         if _connected == (address or "local"):
+            if _watch is not None:  # a later phase of the stage: the head is still there
+                _watch.answering()
             return ray
         ray.shutdown()  # attached elsewhere (another stage of this process asked for another)
+        _connected = _watch = None
+    check_ray_address(where.ray_address)
     debug = bool(os.environ.get("CODEX_DEBUG"))
     # Ray's driver lines go through codex's handlers: INFO to the log file (RUN/logs/), ERROR and
     # above to the terminal (codex/core/progress.py: TERMINAL_LEVELS)
@@ -368,15 +634,27 @@ def connect_ray(where: Where):
     }
     if address is None:
         kwargs["num_cpus"] = where.workers
+    # Ray's C++ lines to the log file: only for a cluster's driver (a runtime started here starts
+    # its processes from this one, and they would inherit the pipe)
+    if address is not None and not debug and _ray_lines is None:
+        try:
+            _ray_lines = _RayLinesToLogFile()
+        except OSError as e:  # no fd 2, no pty: Ray's lines stay on stderr
+            log.debug("ray: its stderr lines stay on stderr (%s)", e)
     try:
         ray.init(address=address, **kwargs)
     except ConnectionError as e:
+        _close_ray_lines()
         raise ConfigError(f"cannot reach the Ray cluster at {address}: {e}") from None
+    except BaseException:
+        _close_ray_lines()
+        raise
     _connected = address or "local"
+    _watch = _HeadWatch(ray, address)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     cpus = int(ray.cluster_resources().get("CPU", 0))
     t0 = time.monotonic()
-    ready = _a_worker_on_every_node(ray, nodes)
+    ready = _a_worker_on_every_node(ray, nodes, _watch)
     log.info(
         "ray: %s, %d node(s), %d CPUs, a worker ready on %d of them in %.1fs",
         f"cluster at {address}" if address else "local runtime",
@@ -388,7 +666,7 @@ def connect_ray(where: Where):
     return ray
 
 
-def _a_worker_on_every_node(ray, nodes: list[str]) -> int:
+def _a_worker_on_every_node(ray, nodes: list[str], watch: _HeadWatch) -> int:
     """Start this job's first worker on every node, waiting up to RAY_WORKER_START_S for them;
     how many started. Ray hands a task queued behind a running one to the worker it already
     leased, so without this short units all run on the first node whose worker is up (the
@@ -403,8 +681,7 @@ def _a_worker_on_every_node(ray, nodes: list[str]) -> int:
         ).remote()
         for node in nodes
     ]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=RAY_WORKER_START_S)
-    return len(done)
+    return len(_wait(ray, refs, len(refs), RAY_WORKER_START_S, watch))
 
 
 def _one_cpu(fn, unit):
@@ -417,6 +694,7 @@ def _one_cpu(fn, unit):
 
 def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
     ray = connect_ray(where)
+    watch = _watch or _HeadWatch(ray, _ray_address(where.ray_address)[0])
     # SPREAD: units go to every node from the start, rather than packing onto the first node until
     # it is saturated (short units could all finish there before another node starts a worker)
     task = ray.remote(
@@ -437,7 +715,7 @@ def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
             while queue and len(running) < limit:
                 u = queue.pop()
                 running[named.remote(fn, u)] = u
-            done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            done = _wait(ray, list(running), 1, None, watch)
             for ref in done:
                 u = running.pop(ref)
                 try:
@@ -446,6 +724,8 @@ def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
                     cause = getattr(e, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else e) from None
                 yield u, result
+    except RayClusterLost:
+        raise  # nothing left to cancel them
     except BaseException:
         for ref in running:
             ray.cancel(ref, force=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -122,7 +124,8 @@ def run_xla(
 
 
 def _nodes_alive(address: str, nodes: int, timeout: float = 120.0) -> None:
-    """Wait until the cluster at `address` has `nodes` nodes alive."""
+    """Wait until the cluster at `address` has `nodes` nodes alive (this process attaches as a
+    Ray driver for that, then detaches)."""
     import ray
 
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -148,54 +151,150 @@ if worker and not os.path.exists(flag):
     time.sleep(5)
 """
 
+RAY_EXE = Path(sys.executable).parent / "ray"
+
+
+def _sessions() -> dict[int, list[tuple[int, int]]]:
+    """Every process on the machine by its session id: [(pid, process group)], zombies left out."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        state, pgid, sid = fields[0], int(fields[2]), int(fields[3])
+        if state != "Z":
+            found.setdefault(sid, []).append((int(entry.name), pgid))
+    return found
+
+
+class RayCluster:
+    """A Ray cluster on this machine, started and ended by its own processes: every node is a
+    `ray start` in a session (and process group) of its own (setsid), and stop() kills those
+    sessions' processes: the node's daemons, in the node's group, and its workers, in groups of
+    their own inside the node's session. Never `ray stop`: it ends every Ray process on the
+    machine, other people's clusters and test runs included (NOTES.md section 7)."""
+
+    def __init__(self, port: int, temp: str):
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.temp = temp
+        self.sessions: list[int] = []  # one a node, the head's first
+
+    @classmethod
+    def start(cls, nodes: int = 2, cold_second: bool = False, prefix: str = "ray") -> RayCluster:
+        """`nodes` nodes (a raylet each) of 1 CPU each; cold_second: the second node's first
+        worker starts 5 s late. Raises RuntimeError with Ray's last line, after ending what it
+        started, when a node cannot start."""
+        # short: Ray's Unix socket paths are limited
+        cluster = cls(_free_port(), tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        # A head started by `ray start` turns on token authentication (Ray >= 2.5x) unless told
+        # not to; a throwaway cluster on 127.0.0.1 needs none, and its nodes and driver agree.
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        common = ["--num-cpus", "1", "--object-store-memory", str(200 << 20)]
+        common += ["--disable-usage-stats"]
+        head = ["--head", "--port", str(cluster.port), "--temp-dir", cluster.temp]
+        head += ["--include-dashboard=false", "--ray-client-server-port", str(_free_port())]
+        cold = Path(cluster.temp) / "cold"
+        cold.mkdir()
+        (cold / "sitecustomize.py").write_text(_COLD_FIRST_WORKER)
+        path = os.pathsep.join(filter(None, [str(cold), os.environ.get("PYTHONPATH")]))
+        for i in range(nodes):
+            args = head if i == 0 else ["--address", cluster.address]
+            node_env = dict(env, PYTHONPATH=path) if cold_second and i == 1 else env
+            proc = subprocess.Popen(
+                [str(RAY_EXE), "start", *args, *common],
+                env=node_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its daemons stay in this session and group
+            )
+            cluster.sessions.append(proc.pid)
+            try:
+                out, _ = proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                out = "`ray start` took over 180 s"
+            if proc.returncode:
+                cluster.stop()
+                last = out.strip().splitlines()[-1:]
+                raise RuntimeError(f"ray start (node {i}): {' '.join(last)}")
+        return cluster
+
+    def processes(self) -> list[int]:
+        """The cluster's live processes (pids)."""
+        found = _sessions()
+        return [pid for sid in self.sessions for pid, _ in found.get(sid, [])]
+
+    def kill(self, node: int = 0) -> None:
+        """SIGKILL one node's processes (0: the head: its GCS, raylet and workers)."""
+        sid = self.sessions[node]
+        for pgid in {pgid for _, pgid in _sessions().get(sid, [])}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Kill every node's processes and wait until none is left; remove its temp dir."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for node in range(len(self.sessions)):
+                self.kill(node)
+            if not self.processes() or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def answers(self) -> bool:
+        """Whether the head's GCS port accepts a connection."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                return True
+        except OSError:
+            return False
+
 
 @pytest.fixture(scope="session")
 def ray_cluster(gcs_emulator):
     """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start`,
     two raylets of 1 CPU each (NOTES.md section 7), the second one slow to start its first
     worker; yields the address. Its workers see the GCS emulator (they inherit
-    STORAGE_EMULATOR_HOST from here). Skips, saying why, only where Ray is
-    not installed or cannot start."""
-    ray_exe = Path(sys.executable).parent / "ray"
-    if not ray_exe.exists():
+    STORAGE_EMULATOR_HOST from here). Ended by its own processes (RayCluster.stop), never
+    `ray stop`. Skips, saying why, only where Ray is not installed or cannot start."""
+    if not RAY_EXE.exists():
         pytest.skip("Ray is not installed in this venv: pip install -e '.[ray]'")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's Unix socket paths are limited
-    port = _free_port()
-    # A head started by `ray start` turns on token authentication (Ray >= 2.5x) unless told not
-    # to; a throwaway cluster on 127.0.0.1 needs none, and its nodes and driver must agree.
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    common = ["--num-cpus", "1", "--object-store-memory", str(200 << 20), "--disable-usage-stats"]
-    starts = [
-        ["--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard=false"],
-        ["--address", f"127.0.0.1:{port}"],
-    ]
-    cold = Path(temp) / "cold"
-    cold.mkdir()
-    (cold / "sitecustomize.py").write_text(_COLD_FIRST_WORKER)
-    path = os.pathsep.join(filter(None, [str(cold), os.environ.get("PYTHONPATH")]))
-    for args, node_env in zip(starts, [env, dict(env, PYTHONPATH=path)], strict=True):
-        res = subprocess.run(
-            [str(ray_exe), "start", *args, *common],
-            env=node_env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        if res.returncode:
-            subprocess.run([str(ray_exe), "stop", "--force"], capture_output=True, timeout=120)
-            last = (res.stderr or res.stdout).strip().splitlines()[-1:]
-            pytest.skip(f"Ray cannot start a cluster here: {' '.join(last)}")
     try:
-        _nodes_alive(f"127.0.0.1:{port}", nodes=2)
-        yield f"127.0.0.1:{port}"
+        cluster = RayCluster.start(nodes=2, cold_second=True)
+    except RuntimeError as e:
+        pytest.skip(f"Ray cannot start a cluster here: {e}")
+    try:
+        _nodes_alive(cluster.address, nodes=2)
+        yield cluster.address
     finally:
+        cluster.stop()
+
+
+def _ray_attached() -> bool:
+    ray = sys.modules.get("ray")
+    is_initialized = getattr(ray, "is_initialized", None)
+    return bool(is_initialized and is_initialized())
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_driver_left_attached():
+    """No Ray runtime stays attached to the test process after a test: a stage detaches the
+    driver it attached (executor.detach_ray). An attached driver ties the whole test process to
+    its cluster: when the cluster's processes end, Ray's core worker ends this process, status 1
+    and no word, a minute later."""
+    yield
+    if _ray_attached():
         import ray
 
-        if ray.is_initialized():
-            ray.shutdown()
-        subprocess.run([str(ray_exe), "stop", "--force"], capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
+        ray.shutdown()
+        pytest.fail("a Ray driver was left attached to the test process after the test")
 
 
 @pytest.fixture(autouse=True)
