@@ -12,12 +12,13 @@ Run in the XLA venv:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import run_xla
-from tests.hlo import Program, bytes_used, manual_inputs, step_programs
+from tests.hlo import Program, arrays, bytes_used, manual_inputs, parse, step_programs
 from tests.test_xla import PRELUDE, overrides, results
 
 pytestmark = pytest.mark.xla
@@ -34,11 +35,12 @@ m = build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model
 emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
 from codex.train.plan.hardware import get_preset
-from codex.train.plan.memory import plan
+from codex.train.plan.batch import grad_accum_steps
+from codex.train.plan.memory import Setting, plan
 t = c.train
+accum = grad_accum_steps(t.batch_tokens, t.device_batch, t.seq_len, 4)
 mp = plan(replace(c.model, vocab_size=VOCAB), get_preset("v6e-4"), t.device_batch, t.seq_len,
-          layout=t.parallel, dtype=t.dtype, optimizer=t.optimizer, world=4,
-          batch_tokens=t.batch_tokens)
+          Setting(layout=t.parallel, dtype=t.dtype, optimizer=t.optimizer, world=4, accum=accum))
 emit("plan", {{"total": mp.total, "gradients": mp.gradients,
                "compute_weights": mp.compute_weights}})
 """
@@ -169,6 +171,100 @@ def test_replicate_program_within_the_memory_plan(replicate):
     info, programs = replicate
     for program in programs:
         assert bytes_used(program) <= info["plan"]["total"], (program.path.name, info["plan"])
+
+
+MUON_UPDATE = """
+import sys
+from collections import Counter
+from codex.train.plan.hardware import set_xla_import_env
+set_xla_import_env()
+import torch_xla
+import torch_xla.runtime as xr
+from codex.model.gpt import build_model
+from codex.train.optim.muon import is_hidden_matrix, wide
+from codex.train.optim.optimizer import make_optimizer
+from codex.train.xla import sharding
+from codex.train.xla.update import CachedUpdate
+xr.use_spmd()
+dev = torch_xla.device()
+c = build_config(model="tiny", overrides=["train.optimizer=muon", "train.lr=0.01",
+                                          "model.vocab_size=300"])
+model = build_model(c.model, seed=0)
+if {layout!r} == "fsdp":
+    sharding.shard_model(model, sharding.make_mesh(1, 4), dev)
+model = model.to(dev)
+g = torch.Generator().manual_seed(0)
+for p in model.parameters():  # gradients as device data: the update is the only program
+    p.grad = torch.randn(p.shape, generator=g).to(dev)
+opt = make_optimizer(model, c.train, "tpu")
+torch_xla.sync()
+update = CachedUpdate(model, opt, 1.0)
+for lr in (1e-3, 2e-3):
+    update(lr)
+    torch_xla.sync()
+groups = Counter(wide(p.shape) for n, p in model.named_parameters() if is_hidden_matrix(n, p))
+emit("groups", [[r, c, n] for (r, c), n in groups.items()])
+emit("ns_steps", opt.optimizers["muon"].param_groups[0]["ns_steps"])
+"""
+
+_DOT = re.compile(r"=\s*\w+\[([\d,]*)\]\{[^}]*\}\s+dot\(")
+
+
+@pytest.fixture(scope="module", params=["replicate", "fsdp"])
+def muon_update(request, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("hlo") / f"dump-muon-{request.param}"
+    proc = run_xla(
+        PRELUDE + MUON_UPDATE.format(layout=request.param),
+        devices=4,
+        env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "OMP_NUM_THREADS": "1"},
+    )
+    programs = [parse(p) for p in sorted(dump.glob("*after_optimizations.txt"))]
+    return results(proc), programs
+
+
+def _dots(program: Program) -> list[tuple[int, int, int]]:
+    """(batch, rows, cols) of every dot's result in `program`; batch 1 where XLA dropped a batch
+    dim of 1."""
+    out = []
+    for lines in program.computations.values():
+        for line in lines:
+            m = _DOT.search(line)
+            if m:
+                dims = [int(d) for d in m.group(1).split(",")]
+                out.append(tuple([1] * (3 - len(dims)) + dims))
+    return out
+
+
+def test_muon_iterates_on_a_quarter_of_each_stack_per_device(muon_update):
+    """Default Muon (train/xla/update.py's cached update) on 4 XLA CPU devices: every dot of the
+    update is one of the Newton-Schulz iteration's three per step and group (X X^T, G G, P X),
+    each device's covers at most ceil(n / 4) of a group's n matrices (read off the dots' batch
+    dims in the optimized, partitioned HLO), and each group's iterated stack is all-gathered whole.
+    Unsplit, every dot would carry all n (the batch dims 4, 4 and 6 of tiny's stacks)."""
+    info, programs = muon_update
+    (program,) = [p for p in programs if _dots(p)]  # the update: the one program with dots
+    steps = info["ns_steps"]
+    # what each group's iteration multiplies, as result shapes: X X^T and G G are [rows, rows],
+    # P X is [rows, cols]; each may hold ceil(n / 4) matrices per device
+    allowed: dict[tuple[int, int], list[int]] = {}
+    for r, c, n in info["groups"]:
+        share = -(-n // 4)
+        assert share < n  # splitting must show
+        allowed.setdefault((r, r), []).extend([share] * 2 * steps)
+        allowed.setdefault((r, c), []).extend([share] * steps)
+    got: dict[tuple[int, int], list[int]] = {}
+    for b, r, c in _dots(program):
+        got.setdefault((r, c), []).append(b)
+    assert {k: len(v) for k, v in got.items()} == {k: len(v) for k, v in allowed.items()}, got
+    for shape, batches in got.items():
+        # shapes shared by groups (tiny's 128 x 128 Grams): some assignment of the dots to the
+        # groups keeps every one within its group's share (sorted pairwise comparison)
+        pairs = zip(sorted(batches), sorted(allowed[shape]), strict=True)
+        assert all(b <= share for b, share in pairs), (shape, batches, allowed[shape])
+    gathered = [arrays(c.shape) for c in program.collectives() if c.op == "all-gather"]
+    for r, c, n in info["groups"]:
+        padded = 4 * -(-n // 4)
+        assert [("f32", padded * r * c)] in gathered, (r, c, n, gathered)
 
 
 if __name__ == "__main__":  # print what a dump holds: python tests/test_xla_program.py DIR

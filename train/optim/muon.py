@@ -12,25 +12,41 @@ tolerates. It is plain tensor algebra, so it runs inside XLA's one graph per ste
 round trip. Embeddings, the output head, norms and scalars are not hidden-layer matrices; they
 keep AdamW at train.lr.
 
+Stacks: a model's matrices come in a few shapes repeated once per block, and one matrix at a time
+leaves an accelerator idle between small kernels. So the matrices are grouped by shape (a tall
+matrix is iterated on its transpose, so (r, c) and (c, r) share a group) and each group runs one
+`newton_schulz` over its [n, rows, cols] stack: three batched matmuls per iteration (bmm,
+baddbmm) whatever n is. `orthogonalize` is the same iteration on one matrix, the readable
+definition the stacked one is checked against. On CUDA the stacked iteration is torch.compile'd
+(train.compile), one program per stack shape.
+
 Dtypes: the iteration runs in bf16 where training computes in bf16 (CUDA, TPU), in fp32 on the
 CPU, so the equivalence tests (1 process = 2 processes = accumulation) hold to 1e-5.
 
-Layouts: with replicated weights (CPU/CUDA processes) every rank holds the all-reduced gradient
-and the whole momentum, but each matrix is orthogonalised once: rank r takes matrices r, r + W,
-r + 2W, ... and one all_gather per step hands every rank every update (modded-nanogpt's scheme), so
-the Newton-Schulz cost per rank falls as 1/W. Ranks apply the same gathered updates, so weights stay
-identical. Under XLA SPMD the step is one graph over replicated tensors and the partitioner places
-the work; `shard_across` is None there. With sharded weights (train.parallel=fsdp, DTensors) each
-matrix is orthogonalised once too, on its owner rank of the shard group (matrix i on rank i mod W):
-one all_to_all sends every rank's row shards of the momentum-blended gradients to the owners (in
-the iteration's dtype, bf16 where training is bf16), and one sends each owner's update back as row
-shards (`_owner_updates`; under HSDP each replica group does the same).
+Sharing the work, each matrix orthogonalised once in the job:
+
+    replicated ranks (CPU/CUDA)   every rank holds the all-reduced gradient and the whole momentum;
+                                  each matrix has an owner rank (`balanced_owners`: largest first,
+                                  each to the least loaded rank, by entries), which iterates its
+                                  share of each group as one stack; one all_gather per step, in
+                                  the iteration's dtype, hands every rank every update
+    fsdp (CPU/CUDA, DTensors)     the same owners within the shard group; one all_to_all sends
+                                  every rank's row shards of the momentum-blended gradients to the
+                                  owners, one sends the updates back as row shards
+                                  (`_owner_updates`; under HSDP each replica group does the same)
+    XLA SPMD                      one graph over all chips: each group's stack is split over the
+                                  devices along the stack (`Muon.place_stack`, set by
+                                  train/xla/update.py while the update is traced), each chip
+                                  iterates on its ceil(n / devices) matrices and the results are
+                                  replicated again (an all-gather the partitioner inserts)
+
+Ranks apply the same updates, so replicated weights stay identical.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -63,11 +79,74 @@ def orthogonalize(
     return x.to(g.dtype)
 
 
+def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """`orthogonalize` over a stack: x [n, rows, cols] with rows <= cols, in the iteration's dtype.
+    x is the caller's scratch: normalised in place, then it and one more stack take turns holding
+    the iteration (its own buffer may be the result), so a step holds two stacks and two
+    [n, rows, rows] products, not a new stack per step while the caller still holds x."""
+    a, b, c = NS_COEFFS
+    x = x.div_(x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    other = torch.empty_like(x)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
+        del gram
+        torch.baddbmm(x, poly, x, beta=a, out=other)  # a X + (b G + c G G) X
+        x, other = other, x
+    return x
+
+
+@functools.cache
+def _compiled_newton_schulz() -> Callable[[torch.Tensor, int], torch.Tensor]:
+    # one program per stack shape (a model has a few); not dynamic: fixed shapes tune best
+    return cast(
+        Callable[[torch.Tensor, int], torch.Tensor],
+        torch.compile(newton_schulz, fullgraph=True, dynamic=False),
+    )
+
+
+def wide(shape: Sequence[int]) -> tuple[int, int]:
+    """The (rows, cols) a matrix of `shape` is iterated in: its own, or its transpose's when tall.
+    Matrices with the same wide shape share a stack."""
+    rows, cols = shape
+    return (rows, cols) if rows <= cols else (cols, rows)
+
+
+def balanced_owners(sizes: Sequence[int], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix (`sizes`: their entries): largest first, each to
+    the rank with the fewest entries so far (the lowest such rank on a tie)."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(world), key=load.__getitem__)
+        load[owner[i]] += sizes[i]
+    return owner
+
+
+@functools.cache
+def _layout(
+    shapes: tuple[tuple[int, int], ...], world: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(the matrices' indices grouped by wide shape, in order of first appearance; each matrix's
+    owner rank), for matrices of `shapes` shared over `world` ranks."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(wide(shape), []).append(i)
+    owners = balanced_owners([r * c for r, c in shapes], world)
+    return tuple(tuple(g) for g in groups.values()), tuple(owners)
+
+
+def _as_wide(m: torch.Tensor) -> torch.Tensor:
+    """`m` in its wide orientation (a transposed view when tall)."""
+    return m.mT if m.size(-2) > m.size(-1) else m
+
+
 class Muon(torch.optim.Optimizer):
     """SGD with Nesterov momentum whose update is orthogonalised (2-D parameters only).
 
-    shard_across=(rank, world): this process orthogonalises only its share of the matrices and
-    gathers the rest from its peers over the default process group (replicated data parallelism)."""
+    shard_across=(rank, world): this process orthogonalises only the matrices it owns and gathers
+    the rest from its peers over the default process group (replicated data parallelism).
+    compiled: the stacked iteration torch.compile'd (CUDA)."""
 
     def __init__(
         self,
@@ -78,12 +157,18 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_dtype: torch.dtype = torch.float32,
         shard_across: tuple[int, int] | None = None,
+        compiled: bool = False,
     ):
-        """7 parameters: the hyperparameters, as every torch.optim constructor takes them."""
+        """8 parameters: the hyperparameters, as every torch.optim constructor takes them, and
+        where and how the iteration runs."""
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps)
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         self.rank, self.world = shard_across or (0, 1)
+        self.compiled = compiled
+        # XLA SPMD: place_stack(stack, split) marks a [n, rows, cols] stack split over the devices
+        # along dim 0 (split) or replicated; train/xla/update.py sets it while it traces the step
+        self.place_stack: Callable[[torch.Tensor, bool], None] | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -91,16 +176,29 @@ class Muon(torch.optim.Optimizer):
                         f"Muon is for 2-D weights; got a parameter of shape {tuple(p.shape)}"
                     )
 
-    def _blended(self, params: list[torch.Tensor], momentum: float, i: int) -> torch.Tensor:
-        """Nesterov: params[i]'s momentum updated in place (every rank keeps and saves the whole
-        momentum, or its shard under fsdp), and the gradient blended with it."""
-        p = params[i]
+    def _momentum(self, p: torch.Tensor, momentum: float) -> torch.Tensor:
+        """p's momentum buffer, updated in place with its gradient (every rank keeps and saves the
+        whole momentum, or its shard under fsdp)."""
         grad = cast(torch.Tensor, p.grad)  # step() passes only parameters with a gradient
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
-        state["momentum_buffer"].lerp_(grad, 1 - momentum)
-        return grad.lerp(state["momentum_buffer"], momentum)
+        return state["momentum_buffer"].lerp_(grad, 1 - momentum)
+
+    def _blended(self, params: list[torch.Tensor], momentum: float, i: int) -> torch.Tensor:
+        """Nesterov: params[i]'s momentum updated, and the gradient blended with it."""
+        buffer = self._momentum(params[i], momentum)
+        return cast(torch.Tensor, params[i].grad).lerp(buffer, momentum)
+
+    def _iterate(self, stack: torch.Tensor, steps: int) -> torch.Tensor:
+        """newton_schulz over one group's stack: compiled on CUDA, split over the chips on XLA."""
+        if self.place_stack is not None:
+            self.place_stack(stack, True)
+        iterate = _compiled_newton_schulz() if self.compiled else newton_schulz
+        out = iterate(stack, steps)
+        if self.place_stack is not None:
+            self.place_stack(out, False)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -108,22 +206,16 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            steps = group["ns_steps"]
-            blended = functools.partial(self._blended, params, group["momentum"])
+            steps, momentum = group["ns_steps"], group["momentum"]
             if isinstance(params[0], DTensor):
-                updates = _owner_updates(cast(list[DTensor], params), blended, steps, self.ns_dtype)
-            else:
-                # one matrix blended at a time; a matrix another rank owns needs only its momentum
-                mine = {}
-                for i in range(len(params)):
-                    b = blended(i)
-                    if i % self.world == self.rank:
-                        mine[i] = orthogonalize(b, steps, self.ns_dtype)
-                updates = (
-                    mine
-                    if self.world == 1
-                    else _gather_updates(mine, params, self.rank, self.world)
+                updates = _owner_updates(
+                    cast(list[DTensor], params),
+                    functools.partial(self._blended, params, momentum),
+                    functools.partial(self._iterate, steps=steps),
+                    self.ns_dtype,
                 )
+            else:
+                updates = self._replicated_updates(params, momentum, steps)
             lr, wd = group["lr"], group["weight_decay"]
             for i, p in enumerate(params):
                 if wd:
@@ -131,29 +223,62 @@ class Muon(torch.optim.Optimizer):
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller
                 # entries.
                 scale = -lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                update = updates[i].to(p.dtype)
                 if isinstance(scale, torch.Tensor):  # a device lr (train/xla/update.py)
-                    p.add_(updates[i] * scale)
+                    p.add_(update * scale)
                 else:
-                    p.add_(updates[i], alpha=scale)
+                    p.add_(update, alpha=scale)
+
+    def _replicated_updates(
+        self, params: list[torch.Tensor], momentum: float, steps: int
+    ) -> dict[int, torch.Tensor]:
+        """Every matrix's update (in the iteration's dtype), each iterated on its owner rank, one
+        stack per group, and all_gathered when several ranks share the work. A matrix another rank
+        owns needs only its momentum updated here."""
+        groups, owner = _layout(tuple((p.size(0), p.size(1)) for p in params), self.world)
+        mine: dict[int, torch.Tensor] = {}
+        for members in groups:
+            own = [i for i in members if owner[i] == self.rank]
+            for i in members:
+                if owner[i] != self.rank:
+                    self._momentum(params[i], momentum)
+            if not own:
+                continue
+            ref = params[own[0]]
+            # filled one blended gradient at a time, so no more than one is alive beside it
+            stack = ref.new_empty((len(own), *wide(ref.shape)), dtype=self.ns_dtype)
+            for j, i in enumerate(own):
+                stack[j].copy_(_as_wide(self._blended(params, momentum, i)))
+            out = self._iterate(stack, steps)
+            del stack
+            for j, i in enumerate(own):
+                mine[i] = out[j].mT if params[i].size(0) > params[i].size(1) else out[j]
+        if self.world == 1:
+            return mine
+        return _gather_updates(mine, params, owner, self.rank, self.world, self.ns_dtype)
 
 
 def _owner_updates(
-    params: list[DTensor], blended: Callable[[int], torch.Tensor], steps: int, dtype: torch.dtype
+    params: list[DTensor],
+    blended: Callable[[int], torch.Tensor],
+    iterate: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
 ) -> dict[int, torch.Tensor]:
-    """Sharded (fsdp) matrices, each orthogonalised once, on its owner rank (matrix i on rank
-    i mod W of the shard group), its update sliced back to every rank. One all_to_all sends every
-    rank's row shards of the momentum-blended gradients (`blended(i)`, called once per matrix)
-    to their owners, in `dtype` (the iteration's own); each owner orthogonalises one matrix at a
-    time and writes the update's row shards over what it received, and a second all_to_all sends
-    that buffer back. Returns {i: update as a DTensor laid out as params[i]}. Under HSDP every
-    replica group does this alike.
+    """Sharded (fsdp) matrices, each orthogonalised once, on its owner rank of the shard group
+    (`balanced_owners`), its update sliced back to every rank. One all_to_all sends every rank's
+    row shards of the momentum-blended gradients (`blended(i)`, called once per matrix) to their
+    owners, in `dtype` (the iteration's own); each owner puts its matrices of a group together as
+    one stack (a tall one transposed), iterates on it once (`iterate`), writes each update's row
+    shards over what it received, and a second all_to_all sends that buffer back. Returns
+    {i: update as a DTensor laid out as params[i]}. Under HSDP every replica group does this alike.
 
-    One function (68 lines) because the two exchanges share its bookkeeping (rows, owners,
-    sizes per rank) and must stay mirror images of each other.
+    One function because the two exchanges share its bookkeeping (rows, owners, offsets per rank)
+    and must stay mirror images of each other.
 
     What it holds (train/plan/memory.py's step buffers): the send and receive buffers during the
-    first exchange, the receive buffer and one whole matrix with its iteration's temporaries
-    while orthogonalising, the receive buffer and the returned shards during the second."""
+    first exchange; while iterating, the receive buffer and one group's stack of this owner's
+    matrices twice over (the stack and the iteration's next value) with two [n, rows, rows] Gram
+    products; the receive buffer and the returned shards during the second exchange."""
     ref = params[0]
     mesh, placements = ref.device_mesh, ref.placements
     shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
@@ -163,9 +288,12 @@ def _owner_updates(
         raise ValueError("Muon under fsdp expects every matrix sharded on dim 0 over one mesh dim")
     group = mesh.get_group(shard_dims[0])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    groups, owner = _layout(tuple((p.shape[0], p.shape[1]) for p in params), world)
     rows = [_row_split(p.shape[0], world) for p in params]
     cols = [p.shape[1] for p in params]
-    owned = [[i for i in range(len(params)) if i % world == q] for q in range(world)]
+    tall = [p.shape[0] > p.shape[1] for p in params]
+    # every owner's matrices, group by group: the order of the exchanged buffers
+    owned = [[i for g in groups for i in g if owner[i] == q] for q in range(world)]
 
     def numel(q: int, holder: int) -> int:
         """Elements of rank `holder`'s row shards of the matrices rank q owns."""
@@ -182,19 +310,36 @@ def _owner_updates(
         offset += n
     received = _all_to_all(send, mine_sizes, theirs_sizes, group)
     del send
-    # received holds, per sender q, its rows of each of my matrices: gather a matrix whole,
-    # orthogonalise it, and put each sender's rows of the update where its rows came from
-    bases = [sum(theirs_sizes[:q]) for q in range(world)]
-    for i in owned[rank]:
-        where = [(bases[q], rows[i][q] * cols[i]) for q in range(world)]
-        whole = torch.cat([received[a : a + n] for a, n in where]).view(-1, cols[i])
-        update = orthogonalize(whole, steps, dtype).reshape(-1)
-        del whole
-        done = 0
-        for q, (a, n) in enumerate(where):
-            received[a : a + n].copy_(update[done : done + n])
-            done += n
-            bases[q] += n
+    # received holds, per sender q, its rows of each of my matrices in `owned[rank]`'s order:
+    # where[i][q] = (offset, first row) of sender q's rows of matrix i
+    where: dict[int, list[tuple[int, int]]] = {i: [] for i in owned[rank]}
+    for q in range(world):
+        offset = sum(theirs_sizes[:q])
+        for i in owned[rank]:
+            where[i].append((offset, sum(rows[i][:q])))
+            offset += rows[i][q] * cols[i]
+
+    def pieces(buffer: torch.Tensor, i: int, whole: torch.Tensor):
+        """(sender q's rows of matrix i in `buffer` (as received), the same rows of `whole`), for
+        every sender q: [rows, cols] views."""
+        for q, (a, first) in enumerate(where[i]):
+            n = rows[i][q]
+            yield buffer[a : a + n * cols[i]].view(n, cols[i]), whole[first : first + n]
+
+    for members in groups:
+        mine = [i for i in members if owner[i] == rank]
+        if not mine:
+            continue
+        stack = received.new_empty((len(mine), *wide(params[mine[0]].shape)))
+        for j, i in enumerate(mine):
+            for got, dst in pieces(received, i, stack[j].mT if tall[i] else stack[j]):
+                dst.copy_(got)
+        out = iterate(stack)
+        del stack
+        for j, i in enumerate(mine):
+            for dst, got in pieces(received, i, out[j].mT if tall[i] else out[j]):
+                dst.copy_(got)
+        del out
     back = _all_to_all(received, theirs_sizes, mine_sizes, group)
     del received
     updates: dict[int, torch.Tensor] = {}
@@ -202,7 +347,7 @@ def _owner_updates(
     for i in (i for q in owned for i in q):
         p = params[i]
         n = rows[i][rank] * cols[i]
-        piece = back[offset : offset + n].view(rows[i][rank], cols[i]).to(p.dtype)
+        piece = back[offset : offset + n].view(rows[i][rank], cols[i])
         offset += n
         updates[i] = DTensor.from_local(
             piece, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -224,14 +369,20 @@ def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
 
 
 def _gather_updates(
-    mine: dict[int, torch.Tensor], params: list[torch.Tensor], rank: int, world: int
+    mine: dict[int, torch.Tensor],
+    params: list[torch.Tensor],
+    owner: Sequence[int],
+    rank: int,
+    world: int,
+    dtype: torch.dtype,
 ) -> dict[int, torch.Tensor]:
-    """Every rank's orthogonalised matrices on every rank: rank r owns params[r::world]; each sends
-    its updates flattened into one buffer padded to the largest share, one all_gather in all."""
-    shares = [list(range(r, len(params), world)) for r in range(world)]
+    """Every rank's updates on every rank: each rank sends its own (`mine`, the matrices `owner`
+    gives it) flattened into one buffer in `dtype` (the iteration's), padded to the largest share;
+    one all_gather in all."""
+    shares = [[i for i in range(len(params)) if owner[i] == r] for r in range(world)]
     width = max(sum(params[i].numel() for i in share) for share in shares)
     ref = params[0]
-    send = torch.zeros(width, dtype=ref.dtype, device=ref.device)
+    send = torch.zeros(width, dtype=dtype, device=ref.device)
     if mine:
         flat = torch.cat([mine[i].reshape(-1) for i in shares[rank]])
         send[: flat.numel()] = flat

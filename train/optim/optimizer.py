@@ -50,8 +50,9 @@ def make_optimizer(
     model: torch.nn.Module, tcfg, hardware: str = "cpu", compute_dtype: torch.dtype | None = None
 ) -> torch.optim.Optimizer | Optimizers:
     """train.optimizer over `model` for a backend of kind `hardware` (cpu, cuda, tpu): AdamW, or
-    Muon for the blocks' matrices (its iteration in `compute_dtype`, fp32 when None) plus AdamW for
-    the rest. The lr set here is replaced every step by set_lr(lr_for(...))."""
+    Muon for the blocks' matrices (its iteration in `compute_dtype`, fp32 when None; compiled on
+    CUDA under train.compile) plus AdamW for the rest. The lr set here is replaced every step by
+    set_lr(lr_for(...))."""
     if tcfg.optimizer == "muon":
         hidden = [
             p for n, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(n, p)
@@ -65,6 +66,8 @@ def make_optimizer(
             shard_across=None
             if any(isinstance(p, DTensor) for p in hidden)
             else _replica_ranks(hardware),
+            # as the model is: the stacked iteration's few shapes each compile once
+            compiled=hardware == "cuda" and tcfg.compile,
         )
         for group in muon.param_groups:
             # set_lr: the schedule scales both peaks alike

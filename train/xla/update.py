@@ -15,6 +15,10 @@ backward are cached (train/xla/step.py), and the chips would wait for the host.
                  its results copied into the same tensors. No optimizer Python runs again, and
                  a run compiles no more programs than with the traced update.
 
+Muon's stacks (one [n, rows, cols] per shape group, train/optim/muon.py) are split over every chip
+along the stack while the update is traced (`_muon_stacks_split`): each chip iterates on
+ceil(n / chips) matrices, not all n, and the partitioner all-gathers the results.
+
 The update must read nothing that changes between steps other than those inputs: the parameters,
 their gradients, the optimizer state tensors and the learning rate (the one Python number the
 loop changes, set_lr). Anything else on the device it reads (betas, eps, weight decay and the
@@ -107,7 +111,11 @@ class CachedUpdate:
         # update gives the traced tensor a new one.
         handles = torch_xla._XLAC._get_tensors_handle([*stand_ins, lr_t])
         where = {h: i for i, h in enumerate(handles[:-1])}
-        with _swapped(params, self.optimizer, stand_ins), _lr_as_tensor(self.optimizer, lr_t):
+        with (
+            _swapped(params, self.optimizer, stand_ins),
+            _lr_as_tensor(self.optimizer, lr_t),
+            _muon_stacks_split(self.optimizer),
+        ):
             norm = clip_grad_norm(self.model, self.max_norm)
             self.optimizer.step()
             # read inside: leaving _swapped gives the parameters their real data back
@@ -281,6 +289,40 @@ def _swapped(params: list[torch.nn.Parameter], optimizer, stand_ins: list[torch.
             p.data, p.grad = d, g
         for state, key, value in states:
             state[key] = value
+
+
+@contextlib.contextmanager
+def _muon_stacks_split(optimizer):
+    """While the update is traced under SPMD on several devices: each of Muon's stacks (one
+    [n, rows, cols] per shape group, train/optim/muon.py) split along dim 0 over every device, so
+    each chip iterates on ceil(n / devices) of the group's matrices instead of all n, and the
+    iterated stack replicated again (the partitioner inserts the all-gather). One device, or
+    spawn mode (a process per chip, no partitioner), leaves the stacks whole."""
+    import torch_xla.runtime as xr
+
+    from codex.train.optim.muon import Muon
+
+    muons = [opt for opt in _optimizers(optimizer) if isinstance(opt, Muon)]
+    devices = xr.global_runtime_device_count() if xr.is_spmd() else 1
+    if not muons or devices == 1:
+        yield
+        return
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    # every device along one axis: whatever the model's (replica, fsdp) mesh, all chips share it
+    mesh = xs.Mesh(np.arange(devices), (devices,), ("stack",))
+
+    def place(stack: torch.Tensor, split: bool) -> None:
+        xs.mark_sharding(stack, mesh, ("stack" if split else None, None, None))
+
+    for opt in muons:
+        opt.place_stack = place
+    try:
+        yield
+    finally:
+        for opt in muons:
+            opt.place_stack = None
 
 
 @contextlib.contextmanager
