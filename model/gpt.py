@@ -3,8 +3,10 @@
     idx -> wte -> [block] * n_layer -> RMSNorm -> lm_head -> logits[..., :vocab_size]
     block: x + attn(norm(x)),  x + mlp(norm(x))
     attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
-           (n_kv_head key/value heads shared by n_head query heads); causal SDPA (flash on CUDA),
-           or torch_xla's Pallas flash kernel on TPU (model.attention=flash, GPT.set_attention)
+           (n_kv_head key/value heads shared by n_head query heads); causal attention by
+           model.attention (model/attention.py: attention_kind): SDPA on CUDA and the CPU, on XLA
+           torch_xla's Pallas flash kernel (installed by the TPU backend, GPT.set_attention) or
+           blockwise attention in XLA ops (never the [B, H, T, T] scores)
     mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
     model.value_embed: every other layer (the last one included) adds ve_i(idx), a learned
            per-token vector, to its values (ResFormer-style value embeddings): extra parameters
@@ -25,10 +27,10 @@ in a buffer preallocated to max_seq_len; decode runs one new token at a device-h
 writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
 (one XLA program for every position) and its cost does not grow with the position.
 
-Everything here must also lower under torch_xla: SDPA with is_causal=True (no explicit mask; XLA
-lowers it to the math decomposition, see sdpa_causal), plain elementwise RoPE (no complex
-numbers), and a tie between wte and lm_head that survives moving the model to a device (see
-GPT._apply).
+Everything here must also lower under torch_xla: causal attention without an explicit mask (SDPA
+with is_causal=True, which XLA lowers to the math decomposition, or blockwise_causal), plain
+elementwise RoPE (no complex numbers), and a tie between wte and lm_head that survives moving the
+model to a device (see GPT._apply).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from codex.core.config.model import (
     mlp_hidden,
     padded_vocab,
 )
+from codex.model.attention import causal_attention
+from codex.model.attention import sdpa_causal as sdpa_causal  # SDPA's causal call, re-exported
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -110,22 +114,12 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def sdpa_causal(q, k, v):
-    """Causal attention of q [B, H, T, D] over k, v [B, n_kv_head, T, D] (model.attention=sdpa).
-    enable_gqa: CUDA's flash kernel reads the n_kv_head shared K/V heads without copies; the math
-    path (the CPU, and torch_xla 2.9, which lowers SDPA to it) repeats K/V per query head and holds
-    the [B, H, T, T] scores. model.attention=flash replaces this on TPU
-    (train/xla/flash.py)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
-    )
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # GPT.set_attention swaps the kernel (same function, other hardware)
-        self.attend = sdpa_causal
+        # model.attention's kernel on the device it runs on; GPT.set_attention swaps in a
+        # backend's (same function, other hardware)
+        self.attend = causal_attention(cfg.attention)
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_q = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
@@ -258,8 +252,8 @@ class GPT(nn.Module):
         return self
 
     def set_attention(self, attend) -> None:
-        """Every block's causal attention through attend(q, k, v) -> [B, H, T, D] instead of SDPA
-        (the backend's kernel for model.attention, e.g. flash on TPU). Generation's decode step
+        """Every block's causal attention through attend(q, k, v) -> [B, H, T, D] instead of
+        model.attention's own (the backend's kernel, e.g. flash on TPU). Generation's decode step
         keeps SDPA: it attends one query over a masked cache."""
         for block in self.blocks:
             cast(Block, block).attn.attend = attend

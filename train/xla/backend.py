@@ -55,7 +55,7 @@ from codex.train.distributed.backend import BackendError, autocast_context, reso
 from codex.train.distributed.control import ControlPlane, control_timeout
 from codex.train.plan.hardware import get_preset, set_xla_import_env
 from codex.train.xla import sharding as xla_sharding
-from codex.train.xla.flash import use_flash_attention
+from codex.train.xla.flash import use_flash_attention, xla_attention
 from codex.train.xla.platform import cache_dir, check_attention, check_platform
 
 log = logging.getLogger("codex.xla")
@@ -87,7 +87,7 @@ class XLABackend:
     lagged_logs: bool = True  # a log step never drains the device (train/loop.py: _log_train)
     max_compiles: int = 0
     mesh: Any = None
-    flash_attention: bool = False  # model.attention=flash, on a TPU (train/xla/flash.py)
+    flash_attention: bool = False  # flash runs (train/xla/flash.py: xla_attention)
     # train.xla_step: cached = micro-batches in one While (train/xla/step.py)
     xla_step: str = "cached"
     kind: str = "tpu"  # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
@@ -332,7 +332,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
             global_values=True,
             max_compiles=cfg.train.max_compiles,
             mesh=mesh,
-            flash_attention=cfg.model.attention == "flash",
+            flash_attention=xla_attention(cfg.model.attention, platform) == "flash",
             xla_step=cfg.train.xla_step,
         )
     else:
@@ -355,7 +355,7 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
             devices_per_loader=1,
             global_values=False,
             max_compiles=cfg.train.max_compiles,
-            flash_attention=cfg.model.attention == "flash",
+            flash_attention=xla_attention(cfg.model.attention, platform) == "flash",
             xla_step=cfg.train.xla_step,
         )
     backend.control = _control_plane(backend.loader_world)

@@ -1,5 +1,6 @@
-"""`model.attention=flash`: torch_xla's Pallas flash-attention kernel for the model's attention on
-TPU.
+"""torch_xla's Pallas flash-attention kernel for the model's attention on TPU
+(model.attention=flash, and the default model.attention=auto on a TPU with JAX), and which
+attention the XLA backend runs (`xla_attention`).
 
 Why: under XLA, SDPA lowers to its math decomposition, which materialises the [B, H, T, T]
 scores (fp32 under autocast) and dominates memory from T ~ 2048. The Pallas kernel
@@ -7,6 +8,16 @@ scores (fp32 under autocast) and dominates memory from T ~ 2048. The Pallas kern
 
     XLABackend.prepare_model -> use_flash_attention(model, mesh)
         every block's attention calls flash_attend(q, k, v) instead of SDPA
+
+Which attention: xla_attention(requested, platform) applies the model's one rule
+(model/attention.py: attention_kind) with what only this side knows, whether the kernel can run
+(a TPU with JAX): auto -> flash there, else blockwise_causal (XLA ops, no T x T scores; the model
+picks it itself on an XLA device, so nothing needs installing).
+
+Block sizes: torch_xla 2.9's flash_attention takes none; it reads the class attribute
+FlashAttention.DEFAULT_BLOCK_SIZES when it traces the kernel (forward and backward), so
+flash_attend writes the chip's sizes there (flash_block_sizes, the table in BLOCK_SIZES) before
+each call: one model per process, so one set of sizes.
 
 SPMD: the kernel runs per chip through shard_map, so it needs the partition spec of q, k, v
 [B, H, T, D] (flash_partition_spec: the batch sharded over the mesh, the rest whole) and the mesh.
@@ -21,16 +32,18 @@ Query head h reads K/V head h // (n_head / n_kv_head), as SDPA's enable_gqa does
 
 Only on a TPU: the kernel is a TPU custom call, so a CPU or CUDA preset, or the XLA path on
 PJRT_DEVICE=CPU, refuses model.attention=flash before the run starts (flash_unavailable).
-Not yet run on a TPU: sdpa stays the default until it has been.
+Not yet run on a TPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import TYPE_CHECKING, cast
 
 import torch
 
+from codex.model.attention import attention_kind
 from codex.train.xla.sharding import tracing_per_device
 
 if TYPE_CHECKING:
@@ -47,8 +60,91 @@ def flash_unavailable(found: str) -> str:
     """The one-line refusal off a TPU; `found` says what this run has instead."""
     return (
         f"{REQUIREMENT}, but {found}. "
-        "Fix: --set model.attention=sdpa (the default), or run on a TPU VM."
+        "Fix: leave model.attention at auto (the default: the backend's kernel), "
+        "or --set model.attention=sdpa, or run on a TPU VM."
     )
+
+
+def pallas_available(platform: str) -> bool:
+    """The Pallas kernel can run: a real TPU (it is a TPU custom call) and JAX installed
+    (torch_xla traces the kernel with it at the first forward)."""
+    return platform == "TPU" and importlib.util.find_spec("jax") is not None
+
+
+def xla_attention(requested: str, platform: str) -> str:
+    """The attention the XLA backend runs on `platform` ("TPU" or "CPU", train/xla/platform.py:
+    check_platform) for model.attention=`requested`: "flash" (installed by use_flash_attention),
+    "blockwise" or "sdpa" (the model's own, model/attention.py)."""
+    return attention_kind(requested, "xla", pallas=pallas_available(platform))
+
+
+# Block sizes of the Pallas kernel (jax.experimental.pallas.ops.tpu.flash_attention.BlockSizes) per
+# chip, as torch_xla's tpu.get_tpu_type names it (the accelerator type's prefix: v6e-4 -> v6e).
+# DEFAULT: torch_xla 2.9's FlashAttention.DEFAULT_BLOCK_SIZES, which it copied from MaxText's
+# flash block sizes (google/maxtext 0fee320, MaxText/layers/attentions.py) for this same kernel;
+# MaxText's benchmark configs (AI-Hypercomputer/maxtext e591f30) keep base.yml's 512 blocks
+# (sa_block_*) on v5e at 2048-token sequences (benchmarks/maxtext_v5e_model_configs.py) and on
+# v5p up to 4096 (maxtext_v5p_model_configs.py; 2048 only at 8192), so v5e, v5p and v4 use these.
+# v6e: MaxText's Trillium dense configs at 2048 tokens (benchmarks/
+# maxtext_trillium_model_configs.py, default-32 and default-64) raise the query blocks to 1024
+# forward and dkv, 2048 for dq, keys at 512 (sa_block_q, sa_block_q_dkv, sa_block_q_dq of its
+# splash kernel; the same roles here).
+DEFAULT_BLOCK_SIZES = {
+    "block_q": 512,
+    "block_k_major": 512,
+    "block_k": 512,
+    "block_b": 2,
+    "block_q_major_dkv": 512,
+    "block_k_major_dkv": 512,
+    "block_q_dkv": 512,
+    "block_k_dkv": 512,
+    "block_q_dq": 1024,
+    "block_k_dq": 256,
+    "block_k_major_dq": 512,
+}
+BLOCK_SIZES = {
+    "v6e": {
+        **DEFAULT_BLOCK_SIZES,
+        "block_q": 1024,
+        "block_q_major_dkv": 1024,
+        "block_q_dkv": 1024,
+        "block_q_dq": 2048,
+    },
+}
+# the kernel's tiles: a key block is a multiple of 128 lanes unless it spans the whole sequence
+LANES = 128
+
+
+def _fit(block: int, seq_len: int) -> int:
+    """The largest of block, block / 2, ... (down to LANES) that divides seq_len; seq_len itself
+    when it is shorter than block or no such multiple of LANES divides it. The kernel tiles the
+    queries without padding them and needs each minor block to divide its major one."""
+    if seq_len <= block:
+        return seq_len
+    b = block
+    while b > LANES and seq_len % b:
+        b //= 2
+    return b if seq_len % b == 0 else seq_len
+
+
+def flash_block_sizes(chip: str, seq_len: int) -> dict[str, int]:
+    """The kernel's block sizes for `chip` (BLOCK_SIZES' keys; others get DEFAULT_BLOCK_SIZES)
+    at `seq_len` positions, each fitted to the sequence (_fit). block_b (sequences per kernel
+    step) is kept: the kernel's grid rounds the batch up to it and torch_xla caps it at the
+    batch."""
+    table = BLOCK_SIZES.get(chip, DEFAULT_BLOCK_SIZES)
+    return {k: b if k == "block_b" else _fit(b, seq_len) for k, b in table.items()}
+
+
+def tpu_chip() -> str:
+    """This TPU VM's chip, as its accelerator type names it (v6e, v5litepod, v5p, v4); "" when
+    torch_xla cannot tell (then DEFAULT_BLOCK_SIZES apply)."""
+    try:
+        from torch_xla._internal import tpu
+
+        return str(tpu.get_tpu_type())
+    except Exception:  # no TPU metadata (not a TPU VM), or torch_xla internals moved
+        return ""
 
 
 def expand_kv_heads(kv: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -71,15 +167,19 @@ def flash_partition_spec(mesh_axis_names: tuple[str, ...] | None) -> tuple | Non
     return (batch, None, None, None)
 
 
-def make_flash_attend(mesh):
-    """attend(q, k, v) -> y [B, H, T, D], causal, through the Pallas kernel (TPU only)."""
-    from torch_xla.experimental.custom_kernel import flash_attention
+def make_flash_attend(mesh, chip: str | None = None):
+    """attend(q, k, v) -> y [B, H, T, D], causal, through the Pallas kernel (TPU only), with the
+    block sizes of `chip` (None: this VM's, tpu_chip)."""
+    from torch_xla.experimental.custom_kernel import FlashAttention, flash_attention
 
     spec = flash_partition_spec(tuple(mesh.axis_names) if mesh is not None else None)
+    chip = tpu_chip() if chip is None else chip
 
     def flash_attend(q, k, v):
         n_head, head_dim = q.shape[1], q.shape[-1]
         k, v = expand_kv_heads(k, n_head), expand_kv_heads(v, n_head)
+        # read by the kernel's tracing, forward and backward (see the module docstring)
+        FlashAttention.DEFAULT_BLOCK_SIZES.update(flash_block_sizes(chip, q.shape[2]))
         local = tracing_per_device()
         # The kernel's default scale is 1.0; SDPA's (and the model's) is 1/sqrt(head_dim).
         return flash_attention(

@@ -1,21 +1,59 @@
 """Before the XLA runtime starts: the no-silent-fallback platform check (a TPU preset needs
-PJRT_DEVICE=TPU and TPU chips; PJRT_DEVICE=CPU only with train.allow_cpu_xla), the flash-attention
-requirements, and where XLA's persistent compilation cache lives. Nothing here starts the runtime.
+PJRT_DEVICE=TPU and TPU chips; PJRT_DEVICE=CPU only with train.allow_cpu_xla), libtpu's flags
+(LIBTPU_INIT_ARGS: async collectives, set on TPU before torch_xla is imported), the
+flash-attention requirements, and where XLA's persistent compilation cache lives. Nothing here
+starts the runtime.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 
 from codex.core import fsio
 from codex.train.distributed.backend import BackendError
 from codex.train.plan.hardware import set_xla_import_env
-from codex.train.xla.flash import flash_unavailable
+from codex.train.xla.flash import flash_unavailable, pallas_available, xla_attention
 
 log = logging.getLogger("codex.xla")
+
+
+# --- libtpu's flags -----------------------------------------------------------------------------
+
+# MaxText's continuation fusion for all-gather and all-reduce (AI-Hypercomputer/maxtext e591f30,
+# benchmarks/xla_flags_library.py: CF_FOR_ALL_REDUCE_AND_ALL_GATHER; the flags are described in
+# src/maxtext/configs/README.md): the all-gathers and all-reduces run asynchronously and are fused
+# into the compute XLA schedules between their start and done, so the fsdp weights' all-gather and
+# the gradients' reduction overlap compute instead of stalling the chip. libtpu reads them once,
+# when the runtime starts.
+LIBTPU_FLAGS = (
+    "--xla_enable_async_all_reduce=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+)
+
+
+def _flag_name(arg: str) -> str:
+    return arg.lstrip("-").split("=", 1)[0]
+
+
+def libtpu_init_args(user: str) -> str:
+    """LIBTPU_INIT_ARGS with LIBTPU_FLAGS: the user's string kept as given, and each of ours
+    appended unless the user's sets that flag (to any value): the user's value wins."""
+    given = {_flag_name(a) for a in user.split()}
+    ours = [f for f in LIBTPU_FLAGS if _flag_name(f) not in given]
+    return " ".join([user.strip(), *ours]).strip()
+
+
+def set_libtpu_flags() -> None:
+    """LIBTPU_INIT_ARGS in this process's environment (inherited by spawn's processes), before
+    torch_xla is imported: the import adds its own defaults to it, and libtpu reads it when the
+    runtime starts."""
+    os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""))
 
 
 # --- the no-silent-fallback check -------------------------------------------------------------
@@ -42,6 +80,8 @@ def check_platform(cfg, preset) -> str:
     pjrt = os.environ.get("PJRT_DEVICE", "")
     # torch_xla reads them once, at import: this is the first import on the XLA path.
     set_xla_import_env()
+    if pjrt == "TPU":
+        set_libtpu_flags()
     try:
         import torch_xla  # noqa: F401
     except ImportError as e:
@@ -89,14 +129,25 @@ def check_platform(cfg, preset) -> str:
 
 def check_attention(cfg, platform: str) -> None:
     """model.attention=flash needs a real TPU (its Pallas kernel is a TPU custom call) and JAX
-    (torch_xla traces the kernel with it at the first forward): refused here, before the run."""
-    if cfg.model.attention != "flash":
+    (torch_xla traces the kernel with it at the first forward): refused here, before the run.
+    auto runs flash where it can (train/xla/flash.py: xla_attention) and says so where a TPU
+    lacks JAX."""
+    requested = cfg.model.attention
+    if requested == "auto":
+        if platform == "TPU" and not pallas_available(platform):
+            log.warning(
+                "model.attention=auto: JAX is not installed, so torch_xla's Pallas flash kernel "
+                "cannot run; attention runs blockwise in XLA ops "
+                "(pip install 'torch_xla[pallas]==2.9.0' for flash)"
+            )
+        log.info("attention: %s", xla_attention(requested, platform))
+    if requested != "flash":
         return
     if platform != "TPU":
         raise BackendError(
             flash_unavailable(f"PJRT_DEVICE={platform} runs the XLA path on the {platform}")
         )
-    if importlib.util.find_spec("jax") is None:
+    if not pallas_available(platform):
         raise BackendError(
             "model.attention=flash traces torch_xla's Pallas kernel with JAX, "
             "which is not installed. "

@@ -31,8 +31,11 @@ class ModelConfig:
         ge=0,
     )
     qk_norm: bool = setting(True, "RMS-normalise queries and keys.")
-    attention: Literal["sdpa", "flash"] = setting(
-        "sdpa", "flash: torch_xla's Pallas kernel, TPU only (train/xla/flash.py)."
+    attention: Literal["auto", "sdpa", "flash", "blockwise"] = setting(
+        "auto",
+        "auto: SDPA on CUDA/CPU; on TPU flash where Pallas runs, else blockwise. "
+        "flash: torch_xla's Pallas kernel, TPU only. "
+        "blockwise: XLA ops, no T x T scores (model/attention.py).",
     )
     tie_embeddings: bool = setting(False, "The output head shares the embedding's weights.")
     rope_theta: float = setting(10_000.0, "Rotary embeddings' base.", gt=0)
