@@ -132,9 +132,21 @@ def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
 @pytest.mark.gcs
 def test_a_gs_run_and_its_resume_print_no_error_gcsfs_handled(gcs_bucket, tmp_path):
     """gcsfs logs the errors it handles itself as warnings, on runs that succeed: every checkpoint
-    on the emulator renames DCP's .metadata.tmp, gcsfs's moveTo call fails (501) and it falls back
-    to copy + delete. They stay out of the terminal, here on a resumed run; CODEX_DEBUG=1 shows
-    them (proof that they happen)."""
+    renames DCP's .metadata.tmp; with the emulator refusing moves (403, tests/gcs_emulator.py)
+    gcsfs's moveTo call fails and it falls back to copy + delete. They stay out of the terminal,
+    here on a resumed run; CODEX_DEBUG=1 shows them (proof that they happen)."""
+    import os
+    import urllib.request
+
+    emulator = os.environ["STORAGE_EMULATOR_HOST"]
+    urllib.request.urlopen(f"{emulator}/_moves?refuse=1").read()
+    try:
+        _gs_run_prints_no_handled_error(gcs_bucket, tmp_path)
+    finally:
+        urllib.request.urlopen(f"{emulator}/_moves?refuse=0").read()
+
+
+def _gs_run_prints_no_handled_error(gcs_bucket, tmp_path) -> None:
     from codex.core import fsio
 
     local = Path(make_run(tmp_path / "local"))
