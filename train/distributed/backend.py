@@ -544,11 +544,30 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# The caching allocator's settings: expandable segments grow one mapping instead of caching
+# blocks of fixed sizes, so memory freed between the forward's activations and the backward's
+# gradients is reused at any size (fragmentation is what the memory plan's headroom pays for).
+# Newer torch reads PYTORCH_ALLOC_CONF first (the CUDA name is its deprecated alias, read only
+# when it is unset, so no warning), older torch only PYTORCH_CUDA_ALLOC_CONF: both are set.
+ALLOCATOR_CONF = "expandable_segments:True"
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def allocator_env(kind: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The allocator variables make_torch_backend sets before the first CUDA allocation (the
+    allocator reads them once): ALLOCATOR_CONF under both names on CUDA, nothing where the user
+    set either name (their settings stand whole) or on another kind."""
+    if kind != "cuda" or any(name in environ for name in ALLOCATOR_ENV):
+        return {}
+    return dict.fromkeys(ALLOCATOR_ENV, ALLOCATOR_CONF)
+
+
 def make_torch_backend(cfg, preset) -> TorchBackend:
     """The backend for a CPU or CUDA preset: one process, or one per device under torchrun."""
     rank, world, local_rank, local_world = launch_env()
     launched = "WORLD_SIZE" in os.environ and world > 1
     if preset.kind == "cuda":
+        os.environ.update(allocator_env(preset.kind, os.environ))  # before CUDA starts
         device, pg_backend = _cuda_device(preset, local_rank, local_world), "nccl"
     elif preset.kind == "cpu":
         device = torch.device("cpu")

@@ -32,11 +32,21 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                                  4 P, whole: the While carries each device's unreduced fp32 sum,
                                  reduced once after it
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
+                     (eager) or `compiled_layer_bytes_per_token` (torch.compile)
                      remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
                      one block's activations recomputed at a time
-    logits           3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient
-    workspace        N x per_layer: the gradients of the block in backward (as large as its saved
-                     activations), the transient that sits on top of the forward's peak
+    logits           eager: 3 x 4 x padded vocab x N: fp32 logits, log-softmax, their gradient.
+                     compiled: c x padded vocab x N: the head's output only (inductor fuses the
+                     fp32 upcast and the cross-entropy into kernels that keep a max and a
+                     log-sum-exp per token, and writes the logits' gradient over them)
+    workspace        eager: N x per_layer: the gradients of the block in backward (as large as its
+                     saved activations), the transient that sits on top of the forward's peak.
+                     compiled: N x c x (the MLP's hidden activations + 2 d): the gradients of one
+                     block's MLP and of the residual stream; the logits are freed before the
+                     first block's backward, so the backward holds the larger of the two
+    runtime          CUDA: the context and the libraries' kernels loaded into it (RUNTIME_CUDA),
+                     and each NCCL communicator's buffers (NCCL_COMMUNICATOR; one over W > 1,
+                     three under HSDP), none of which the caching allocator counts
     reduction        replicate over W > 1 on CPU/CUDA: the gradient reduction's flat buckets,
                      r P (r = 4, or 2 under train.reduce_dtype=bf16), filled during the last
                      backward and freed when all_reduce_grads has copied the sums back
@@ -47,25 +57,43 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                      a time; replicate over W: the all_gather of everyone's updates,
                      ~4 M x (2 + 3 / W))
 
-The peak is the larger of the two phases: weights + optimizer state + max(gradients + compute
-weights + activations + logits + workspace, the reduced gradients + the larger of the reduction's
-buffers and the step buffers, which are never alive together).
+Which gradients the backward holds: with accumulation (accum > 1) every gradient from the
+previous micro-batch (`gradients`); in a step's only micro-batch on CPU/CUDA none when it starts
+(the loop frees them with zero_grad) and the output head's first (4 x padded vocab x d), each
+later one made as the activations it needs are freed, so the step phase (which holds them all)
+counts them. XLA's cached step carries them whole through its While either way.
+
+The peak is the larger of the two phases: weights + optimizer state + runtime + max(held gradients
++ compute weights + activations + logits + workspace (compiled: the larger of logits and
+workspace), the reduced gradients + the larger of the reduction's buffers and the step buffers,
+which are never alive together).
+
+Compiled or eager: train.compile runs torch.compile on CUDA only (train/distributed/backend.py:
+make_backend); `setting_for` says which, and a Setting may say so for another kind (the CPU
+measurements below). What inductor keeps for the backward was read off its forward graph's saved
+outputs (the min-cut partition: every norm's output but not its fp32 intermediates, SwiGLU's
+gate, up and product, QK-norm's input and RoPE's output, no fp32 copy of the logits); TPU runs
+XLA, never torch.compile, and keeps the eager accounting.
 
 The attention matters: SDPA's fused kernels (flash on CUDA, its CPU kernel, GQA included; checked
 on torch 2.13) keep no [T, T] scores, only the output and a log-sum-exp per head; XLA's math
 decomposition keeps the fp32 probabilities [n_head, T] per token and K/V copied to every query head.
 
-Measured on the CPU (tests/test_memory_plan.py): fp32, one process, forward + backward + AdamW step,
-peak RSS from resource.getrusage's ru_maxrss minus the resident size before the model was built, in
-a fresh process: the estimate is within 25% of the peak (see the table in README). On 2 gloo
+Measured on the CPU (tests/test_memory_plan.py, bench/measure_step_memory.py), one process,
+forward + backward + AdamW step in a fresh process. Eager, fp32: peak RSS (VmHWM) minus the
+resident size before the model was built: the estimate is within 25% of the peak. Compiled
+(inductor), fp32 and bf16: the second step's rise in resident size plus the weights and AdamW's
+state: within 15%, at three model sizes; on an H200 (torch.cuda.max_memory_allocated) within 5%
+of compiled runs of 124m and 1b (the tables are in docs/hardware.md). On 2 gloo
 ranks with Muon (fsdp, accumulation 4; replicate, accumulation 2), bytes counted as the step runs
 (bench/count_step_memory.py, a model whose state is most of the peak): the weights + optimizer
 state, the gradients between micro-batches and at the step, the step buffers and the total are each
 within 15% (within 8% when measured). With more tokens the counted peak falls below the plan (by
-up to ~40% at 512 tokens under fsdp): the activation terms are sized by peak RSS (what runs out),
-which is above the bytes the tensors hold.
-A setting fits when the total is at most HEADROOM of the device's memory (allocator fragmentation,
-the CUDA context and the XLA runtime take the rest).
+up to ~40% at 512 tokens under fsdp): the eager activation terms are sized by peak RSS (what runs
+out), which is above the bytes the tensors hold.
+A setting fits when the total is at most HEADROOM of the device's memory: the rest is for the
+caching allocator's blocks reserved but free at the peak (few with expandable segments, which the
+CUDA backend turns on: train/distributed/backend.py), the XLA runtime, and the plan's own error.
 
 Inputs: the ModelConfig, the Device (a hardware preset), the device batch and sequence length, and
 a `Setting` (everything else, typed: train.* resolved for one backend kind by `setting_for`).
@@ -95,6 +123,13 @@ HEADROOM = 0.9  # a plan fits when its total is at most this share of the device
 # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
 DEFAULT_VOCAB = 32768
 LAYOUTS = ("replicate", "fsdp")
+# What a CUDA process holds outside the caching allocator, which torch.cuda.max_memory_allocated
+# never shows: the context (a few hundred MB with lazy module loading) and the kernels of cuBLAS,
+# cuDNN and the compiled step loaded into it
+RUNTIME_CUDA = 750_000_000
+# one NCCL communicator's buffers and proxy state on each GPU: NCCL sizes them per channel and
+# peer, about half a GB per group on NVLink machines
+NCCL_COMMUNICATOR = 600_000_000
 
 Dtype = Literal["bf16", "fp32"]
 LayoutName = Literal["replicate", "fsdp"]
@@ -113,6 +148,13 @@ class Device(Protocol):
     def devices(self) -> int: ...
     @property
     def memory_gb(self) -> float: ...  # per device; 0 = unknown (the CPU's: the machine's RAM)
+
+
+def compiled_on(kind: str, enabled: bool = True) -> bool:
+    """Whether a run on a backend of `kind` (cpu, cuda, tpu) runs torch.compile under
+    train.compile=`enabled`: on CUDA only, as train/distributed/backend.py's make_backend decides
+    (the CPU runs eager; TPU traces its own XLA graph)."""
+    return enabled and kind == "cuda"
 
 
 def compute_dtype(dtype: str, kind: str) -> Dtype:
@@ -143,6 +185,9 @@ class Setting:
     world: int = 0  # data-parallel ranks (torchrun's WORLD_SIZE); 0 = the preset's devices
     accum: int = 1  # micro-batches per optimizer step (train/plan/batch.py decides it)
     reduce_dtype: Dtype = "fp32"  # train.reduce_dtype: the gradient reduction's buffers
+    # the step under torch.compile: None = as train.compile's default runs on the preset's kind
+    # (compiled_on: CUDA compiled, the CPU eager); TPU is never compiled (XLA's own graph)
+    compiled: bool | None = None
     # bytes per device to judge the plan against: None = the preset's; check_fits passes this
     # machine's (the GPU's real size, the CPU's free RAM)
     device_memory: int | None = None
@@ -174,15 +219,16 @@ def _choices() -> dict[str, tuple[str, ...]]:
     }
 
 
-DEFAULT_SETTING = Setting()  # bf16, AdamW, replicated: the presets' default batches
+DEFAULT_SETTING = Setting()  # bf16, AdamW, replicated, compiled as on the kind: the default batches
 
 
 def setting_for(tcfg: TrainConfig, kind: str, world: int = 0) -> Setting:
     """The plan's Setting for train.* on a backend of `kind` with `world` data-parallel ranks (the
     run's world size; 0 = the preset's devices): the one place that reads the config.
     train.parallel (auto | replicate | fsdp) and train.fsdp_size map onto layout and fsdp_size
-    (auto is resolved by choose_layout), train.dtype onto the compute dtype (compute_dtype). The
-    accumulation is the batch's (train/plan/batch.py), set once the device batch is known."""
+    (auto is resolved by choose_layout), train.dtype onto the compute dtype (compute_dtype),
+    train.compile onto whether the step runs compiled (compiled_on). The accumulation is the
+    batch's (train/plan/batch.py), set once the device batch is known."""
     return Setting(
         dtype=compute_dtype(tcfg.dtype, kind),
         optimizer=tcfg.optimizer,
@@ -191,6 +237,7 @@ def setting_for(tcfg: TrainConfig, kind: str, world: int = 0) -> Setting:
         remat=tcfg.remat,
         world=world,
         reduce_dtype=tcfg.reduce_dtype,
+        compiled=compiled_on(kind, tcfg.compile),
     )
 
 
@@ -227,13 +274,20 @@ class MemoryPlan:
     # fsdp: False = ZeRO-2, the gathered weights held from forward to backward (what
     # compute_weights counts; TPU: always); train/plan/plan.py passes it on in the LayoutName
     reshard_after_forward: bool = True
+    compiled: bool = False  # the step under torch.compile (activations, logits, workspace)
+    # gradients alive when a micro-batch's backward starts: `gradients` with accumulation (and on
+    # TPU); otherwise only the output head's, the first the backward makes
+    held_gradients: int = 0
+    runtime: int = 0  # CUDA: the context and NCCL's buffers, outside the caching allocator
 
     @property
     def backward(self) -> int:
-        """Bytes on top of the weights and optimizer state during forward and backward."""
-        return (
-            self.gradients + self.compute_weights + self.activations + self.logits + self.workspace
+        """Bytes on top of the weights and optimizer state during forward and backward. Compiled,
+        the logits are freed before the first block's backward allocates its workspace."""
+        transient = (
+            max(self.logits, self.workspace) if self.compiled else self.logits + self.workspace
         )
+        return self.held_gradients + self.compute_weights + self.activations + transient
 
     @property
     def step(self) -> int:
@@ -244,7 +298,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer_state + max(self.backward, self.step)
+        return self.weights + self.optimizer_state + self.runtime + max(self.backward, self.step)
 
     def fits(self, headroom: float = HEADROOM) -> bool:
         return self.device_memory <= 0 or self.total <= headroom * self.device_memory
@@ -269,11 +323,16 @@ class MemoryPlan:
                 else f"weights in {self.dtype}",
                 self.compute_weights,
             ),
-            (f"activations (remat {self.remat})", self.activations),
-            ("logits (fp32)", self.logits),
+            (
+                f"activations ({'compiled' if self.compiled else 'eager'}"
+                f"{', remat' if self.remat == 'block' else ''})",
+                self.activations,
+            ),
+            (f"logits ({self.dtype if self.compiled else 'fp32'})", self.logits),
             ("workspace", self.workspace),
             ("gradient reduction", self.reduce_buffers),
             ("optimizer step buffers", self.step_buffers),
+            ("CUDA context, NCCL", self.runtime),
         ]
         accum = f", accum {self.accum}" if self.accum > 1 else ""
         head = (
@@ -289,8 +348,8 @@ class MemoryPlan:
         )
         return (
             [head]
-            + [f"  {name:<24}{gb(n)}" for name, n in parts if n]
-            + [f"  {'total':<24}{gb(self.total)}{share}{peak}"]
+            + [f"  {name:<30}{gb(n)}" for name, n in parts if n]
+            + [f"  {'total':<30}{gb(self.total)}{share}{peak}"]
         )
 
 
@@ -404,10 +463,42 @@ def layer_bytes_per_token(m: ModelConfig, compute_bytes: int, attention: str, se
     return norm_in + attn_norm + q + k + v + sdpa + attn_out + mid + mlp_norm + mlp
 
 
+def compiled_layer_bytes_per_token(m: ModelConfig, compute_bytes: int) -> int:
+    """Bytes one block keeps for backward per token under torch.compile (inductor, fused
+    attention): what its forward graph saves, in the compute dtype c (the residual stream's:
+    bf16 under autocast). The block input; each norm's output (the linears read it) and its
+    per-token fp32 statistic, never its fp32 intermediates; q and k after RoPE, and before it with
+    QK-norm (its input, with a statistic per head); v; SDPA's output, its log-sum-exp per head and
+    the [T, H*hd] copy c_proj reads; the residual after attention; SwiGLU's gate, up and their
+    product (ReLU^2: up and the square). The same on the CPU and CUDA: the partition into forward
+    and backward is inductor's, whichever device runs the kernels."""
+    d, c = m.n_embd, compute_bytes
+    hd = d // m.n_head
+    dkv, h = m.n_kv_head * hd, mlp_hidden(m)
+    qk = 2 if m.qk_norm else 1  # QK-norm's input, then RoPE's output
+    saved = d + d + qk * d + qk * dkv + dkv + d + d + d + d  # input .. attn out copy, mid, norm
+    saved += (3 if m.mlp == "swiglu" else 2) * h
+    stats = 4 * (2 + ((m.n_head + m.n_kv_head) if m.qk_norm else 0))  # the norms' rsqrt
+    return c * saved + stats + 4 * m.n_head  # + SDPA's log-sum-exp
+
+
+def compiled_workspace_per_token(m: ModelConfig, compute_bytes: int) -> int:
+    """The largest transient of one block's compiled backward per token: the gradients of its MLP's
+    hidden activations (SwiGLU's gate, up and product; ReLU^2's two) and of the residual stream
+    entering and leaving it, in the compute dtype."""
+    return compute_bytes * ((3 if m.mlp == "swiglu" else 2) * mlp_hidden(m) + 2 * m.n_embd)
+
+
 def head_bytes_per_token(m: ModelConfig, compute_bytes: int) -> int:
     """The final norm: the last block's output, its scaled (fp32: normalised) value, and the head's
     input; all three in the residual stream's dtype, bf16 under autocast."""
     return 3 * compute_bytes * m.n_embd
+
+
+def compiled_head_bytes_per_token(m: ModelConfig, compute_bytes: int) -> int:
+    """The final norm under torch.compile: the last block's output and the head's input, in the
+    compute dtype, and the norm's fp32 statistic."""
+    return 2 * compute_bytes * m.n_embd + 4
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -457,7 +548,22 @@ def plan(
     shards = shards_for(layout, setting.fsdp_size, world)
     P = param_count(m)
     tokens = device_batch * seq_len
-    per_layer = layer_bytes_per_token(m, c, attention, seq_len)
+    tpu = preset.kind == "tpu"
+    compiled = not tpu and (
+        compiled_on(preset.kind) if setting.compiled is None else setting.compiled
+    )
+    V = padded_vocab(m.vocab_size)
+    if compiled:
+        per_layer = compiled_layer_bytes_per_token(m, c)
+        head = compiled_head_bytes_per_token(m, c)
+        # the head's output; its max and log-sum-exp per token in fp32
+        logits = (c * V + 8) * tokens
+        workspace = compiled_workspace_per_token(m, c) * tokens
+    else:
+        per_layer = layer_bytes_per_token(m, c, attention, seq_len)
+        head = head_bytes_per_token(m, c)
+        logits = 3 * 4 * V * tokens
+        workspace = per_layer * tokens
     kept_layers = (
         m.n_layer * per_layer if setting.remat == "none" else m.n_layer * c * m.n_embd + per_layer
     )
@@ -474,10 +580,11 @@ def plan(
     reduced = -(-4 * P // shards)
     # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward;
     # the XLA While carries every device's unreduced fp32 sum, whole, for the whole step
-    tpu = preset.kind == "tpu"
     r = 2 if setting.reduce_dtype == "bf16" else 4
     # (FSDP2 accumulates the unsharded gradients in its reduce_dtype)
     held = (4 if tpu else r) * P if layout == "fsdp" and (tpu or setting.accum > 1) else reduced
+    # NCCL communicators: the world's; under HSDP also the shard and the replica groups'
+    communicators = (3 if layout == "fsdp" and world > shards else 1) if world > 1 else 0
     p = MemoryPlan(
         hardware=preset.name,
         layout=layout,
@@ -493,9 +600,9 @@ def plan(
         gradients=held,
         optimizer_state=-(-optimizer_bytes(m, setting.optimizer) // shards),
         compute_weights=compute_weights,
-        activations=tokens * (kept_layers + head_bytes_per_token(m, c)),
-        logits=3 * 4 * padded_vocab(m.vocab_size) * tokens,
-        workspace=tokens * per_layer,
+        activations=tokens * (kept_layers + head),
+        logits=logits,
+        workspace=workspace,
         device_memory=at_preset if setting.device_memory is None else setting.device_memory,
         world=world,
         accum=setting.accum,
@@ -509,6 +616,11 @@ def plan(
         # train.reduce_dtype
         reduce_buffers=r * P if layout == "replicate" and world > 1 and not tpu else 0,
         reshard_after_forward=not (layout == "fsdp" and tpu),
+        compiled=compiled,
+        # a step's only micro-batch starts its backward with no gradient (zero_grad freed them);
+        # the output head's comes first, made while the logits are still held
+        held_gradients=held if tpu or setting.accum > 1 else 4 * V * m.n_embd,
+        runtime=(RUNTIME_CUDA + communicators * NCCL_COMMUNICATOR if preset.kind == "cuda" else 0),
     )
     if layout == "fsdp" and not tpu:
         # FSDP2 (CPU/CUDA): keep the gathered weights from forward to backward (one all-gather per
@@ -674,6 +786,7 @@ def check_fits(
         f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, "
         "compute copies of the weights and "
         f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}"
+        + (f", CUDA context and NCCL {p.runtime / 1e9:.1f}" if p.runtime else "")
         + (
             f"; at the optimizer step, its buffers {p.step_buffers / 1e9:.1f}"
             if p.step_buffers
