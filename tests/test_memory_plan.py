@@ -40,6 +40,7 @@ from codex.train.plan.memory import (
     plan,
     setting_for,
 )
+from codex.train.plan.owners import balanced_owners
 from codex.train.plan.plan import resolve_batch
 from tests.train_helpers import child_env
 
@@ -579,17 +580,22 @@ def test_fsdp_accumulation_and_muon_buffers_by_hand():
     # one micro-batch: no gradient when the backward starts but the head's (unsharded, fp32)
     assert (four.held_gradients, one.held_gradients) == (4 * P, 4 * 32768 * 2048)
     assert four.total - one.total == 4 * P - 4 * 32768 * 2048
-    s, o = -(-M // 32), max(sum(sizes[q::32]) for q in range(32))  # this rank's rows, an owner's
-    # 112 matrices, 3 or 4 per rank: the busiest owns two 8192 x 2048 and two 2048 x 2048
-    assert (s, o) == (M // 32, 2 * 2048 * 8192 + 2 * 2048 * 2048)
-    phases = (2 * (s + o), 2 * o + 10 * n, (2 + 4) * s)  # all_to_all 1, orthogonalise, 2 + fp32
+    # owners balanced by size (largest first, each to the least-loaded rank): the 48 MLP matrices
+    # (2048 x 8192, iterated wide) go one to each rank, then 16 more to ranks 0-15, which are then
+    # the busiest; the 2048 x 2048 and 512 x 2048 ones all land on ranks 16-31
+    assert balanced_owners(sizes, 32).count(0) == 2
+    s, o = M // 32, 2 * 2048 * 8192  # this rank's rows, the busiest owner's two matrices
+    # iterating them: one stack of 2, the stack and one more (2 x 8192 cols), two 2048 x 2048
+    # products, bf16
+    work = 2 * 2 * 2048 * (2 * 8192 + 2 * 2048)
+    phases = (2 * (s + o), 2 * o + work, (2 + 4) * s)  # all_to_all 1, iterate, 2 + fp32 copy
     assert four.step_buffers == max(phases) == phases[1]
-    assert round(four.step_buffers / GB, 2) == 0.25
-    # replicated over 32: the largest share w received from every rank, the collective's flat
-    # output (W w each), the rank's own updates, their flat copy and the send buffer (3 w)
+    assert round(four.step_buffers / GB, 2) == 0.23
+    # replicated over 32: the busiest share w received from every rank, the collective's flat
+    # output (W w each), the rank's own updates, their flat copy and the send buffer (3 w), all in
+    # the iteration's dtype (bf16)
     rep = plan(m, h100_8, 4, 2048, Setting(world=32, optimizer="muon"))
-    w = max(sum(sizes[r::32]) for r in range(32))
-    assert rep.step_buffers == 4 * (2 * 32 + 3) * w and round(4 * 32 * w / GB, 1) == 5.4
+    assert rep.step_buffers == 2 * (2 * 32 + 3) * o and round(2 * 32 * o / GB, 2) == 2.15
     # AdamW allocates nothing of note; the replicated reduction's buckets copy every gradient
     # (4 P, 2 P in bf16) and are freed before the optimizer step runs
     adamw = plan(m, h100_8, 4, 2048, Setting(world=32))

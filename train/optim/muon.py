@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from codex.train.plan.owners import balanced_owners, wide
+
 # modded-nanogpt's quintic: fast growth of small singular values
 NS_COEFFS = (
     3.4445,
@@ -103,24 +105,6 @@ def _compiled_newton_schulz() -> Callable[[torch.Tensor, int], torch.Tensor]:
         Callable[[torch.Tensor, int], torch.Tensor],
         torch.compile(newton_schulz, fullgraph=True, dynamic=False),
     )
-
-
-def wide(shape: Sequence[int]) -> tuple[int, int]:
-    """The (rows, cols) a matrix of `shape` is iterated in: its own, or its transpose's when tall.
-    Matrices with the same wide shape share a stack."""
-    rows, cols = shape
-    return (rows, cols) if rows <= cols else (cols, rows)
-
-
-def balanced_owners(sizes: Sequence[int], world: int) -> list[int]:
-    """The rank that orthogonalises each matrix (`sizes`: their entries): largest first, each to
-    the rank with the fewest entries so far (the lowest such rank on a tie)."""
-    load = [0] * world
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner[i] = min(range(world), key=load.__getitem__)
-        load[owner[i]] += sizes[i]
-    return owner
 
 
 @functools.cache

@@ -118,6 +118,7 @@ from codex.core.config.model import (
 )
 from codex.core.config.train import TrainConfig
 from codex.train.plan.batch import micro_batches
+from codex.train.plan.owners import balanced_owners, wide
 
 HEADROOM = 0.9  # a plan fits when its total is at most this share of the device's memory
 # `codex hardware` and the preset defaults, for a model whose vocab is not known yet
@@ -397,37 +398,55 @@ def optimizer_bytes(m: ModelConfig, optimizer: str) -> int:
 
 def muon_step_bytes(m: ModelConfig, kind: str, layout: str, F: int, W: int, c: int) -> int:
     """What Muon's step allocates on top of the state, per device (train/optim/muon.py; counted
-    on the CPU by bench/count_step_memory.py). Muon iterates in the compute dtype (c bytes);
-    M = the matrices' entries, n = the largest matrix's, F the ranks sharing the state, W the
-    world:
+    on the CPU by bench/count_step_memory.py). Muon iterates in the compute dtype (c bytes), one
+    stack per shape group on each matrix's owner rank (owners.py: balanced_owners); M = the
+    matrices' entries, F the ranks sharing the state, W the world:
 
-        one process, TPU  every matrix's update, whole (fp32), until they are applied: 4 M, plus
-                          the matrix being orthogonalised (below; TPU: XLA's one graph, assumed)
-        replicate, W > 1  the all_gather of the updates, w = the largest rank's share: its own
-                          updates, the send buffer and their flat copy (3 x 4 w), the W received
-                          (4 W w) and the collective's flat output they are copied out of (4 W w)
+        one process, TPU  every matrix's update until they are applied (c M), plus one group's
+                          stack at work (_stack_work; TPU: XLA's one graph, assumed)
+        replicate, W > 1  the all_gather of the updates in the iteration's dtype, w = the busiest
+                          rank's share: its own updates, the send buffer and their flat copy
+                          (3 c w), the W received (c W w) and the collective's flat output they
+                          are copied out of (c W w)
         fsdp (CPU/CUDA)   the owner-rank exchange (muon.py: _owner_updates), s = this rank's
-                          row shards of every matrix (M / F), o = the entries of the matrices the
-                          busiest owner orthogonalises: the largest of its three phases, the
-                          first all_to_all (send + receive, c (s + o)), orthogonalising (the
-                          receive buffer and one matrix, c o + work), the second all_to_all's
-                          output and, in bf16, its fp32 copy (c s, + 4 s)
+                          row shards of every matrix (M / F), o = the entries an owner iterates:
+                          the largest of its three phases, the first all_to_all (send + receive,
+                          c (s + o)), iterating (the receive buffer and its largest group's stack
+                          at work, c o + work), the second all_to_all's output and, in bf16, its
+                          fp32 copy (c s, + 4 s)
 
-    The matrix being orthogonalised: its blended gradient, its normalised copy and the
-    Newton-Schulz iteration's temporaries, about 5 c bytes x n (20 n in fp32). AdamW's step is
-    not counted (fused on CUDA; on the CPU a few copies of one parameter at a time)."""
-    sizes = [r * cols for r, cols in hidden_matrices(m)]
+    AdamW's step is not counted (fused on CUDA; on the CPU a few copies of one parameter at a
+    time)."""
+    shapes = [wide(shape) for shape in hidden_matrices(m)]
+    sizes = [r * cols for r, cols in shapes]
     if not sizes:
         return 0
-    work = 5 * c * max(sizes)
     if kind == "tpu" or W == 1:
-        return 4 * sum(sizes) + work
+        return c * sum(sizes) + _stack_work(shapes, [0] * len(shapes), c)[0]
     if layout == "fsdp":
         s = -(-sum(sizes) // F)
-        o = max(sum(sizes[q::F]) for q in range(F))
-        return max(c * (s + o), c * o + work, (c + (4 if c != 4 else 0)) * s)
-    width = max(sum(sizes[r::W]) for r in range(W))
-    return 4 * (2 * W + 3) * width
+        owner = balanced_owners(sizes, F)
+        o = [sum(n for n, q in zip(sizes, owner, strict=True) if q == rank) for rank in range(F)]
+        work = _stack_work(shapes, owner, c)
+        iterate = max(c * o[rank] + work[rank] for rank in range(F))
+        return max(c * (s + max(o)), iterate, (c + (4 if c != 4 else 0)) * s)
+    owner = balanced_owners(sizes, W)
+    width = max(sum(n for n, q in zip(sizes, owner, strict=True) if q == r) for r in range(W))
+    return c * (2 * W + 3) * width
+
+
+def _stack_work(shapes: list[tuple[int, int]], owner: list[int], c: int) -> list[int]:
+    """Per rank, the most one shape group's Newton-Schulz holds at once: its k (rows, cols)
+    matrices stacked, the stack and one more taking turns with each step's result, and the two
+    (rows, rows) products, c bytes an entry: c k rows (2 cols + 2 rows)."""
+    work = [0] * (max(owner) + 1)
+    for rank in range(len(work)):
+        k: dict[tuple[int, int], int] = {}
+        for shape, q in zip(shapes, owner, strict=True):
+            if q == rank:
+                k[shape] = k.get(shape, 0) + 1
+        work[rank] = max((c * n * r * (2 * cols + 2 * r) for (r, cols), n in k.items()), default=0)
+    return work
 
 
 # --- activations ----------------------------------------------------------------------------------
