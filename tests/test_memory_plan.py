@@ -203,8 +203,12 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     assert not plan(model("1b"), v5e, 1, 1024).fits(1.0)
     with pytest.raises(ConfigError, match="does not fit on v5litepod-1"):
         device_defaults(v5e, model("1b"))
-    # fsdp over 8 chips, 1 x 1024, XLA's math attention: fp32 probabilities 4 H T and K/V copied to
-    # the 32 query heads 2 x 2d per token and layer instead of the fused kernel's 4 H
+    # fsdp over 8 chips, 1 x 1024, XLA's math attention (model.attention=sdpa; the default is
+    # flash on a TPU): fp32 probabilities 4 H T and K/V copied to the 32 query heads 2 x 2d per
+    # token and layer instead of the fused kernel's 4 H
+    import dataclasses
+
+    sdpa = dataclasses.replace(model("1b"), attention="sdpa")
     pod = get_preset("v5litepod-8")
     N, T = 1024, 1024
     # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T,
@@ -213,7 +217,7 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     # the cached XLA step (ZeRO-2): every weight gathered in bf16 once before its While, which
     # carries the whole fp32 gradient sums (tests/test_xla_program.py reads both in the HLO)
     gathered = 2 * P
-    p = plan(model("1b"), pod, 1, T, Setting(layout="fsdp"))
+    p = plan(sdpa, pod, 1, T, Setting(layout="fsdp"))
     assert p.gradients == 4 * P
     assert (p.shards, p.attention, p.weights, p.optimizer_state) == (
         8,
@@ -226,9 +230,11 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     total = 12 * P // 8 + 4 * P + gathered + N * (L * per_layer + 6 * d) + 12 * V * N
     total += N * per_layer
     assert p.total == total and total < HEADROOM * 16 * GB
-    assert choose_layout(model("1b"), pod, 1, T) == "fsdp"
+    assert choose_layout(sdpa, pod, 1, T) == "fsdp"
     assert choose_layout(model("124m"), pod, 1, T) == "replicate"
-    assert device_defaults(pod, model("1b"), Setting(layout="auto")) == (1, 1024)
+    assert device_defaults(pod, sdpa, Setting(layout="auto")) == (1, 1024)
+    # the default attention (flash) holds no T x T: twice the batch fits
+    assert device_defaults(pod, model("1b"), Setting(layout="auto")) == (2, 1024)
 
 
 def test_parameter_count_matches_the_model_for_every_shape_option():
@@ -330,7 +336,7 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert res.exit_code == 0, res.output
     rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:] if line.strip()}
     assert rows["v5litepod-1"][5:7] == ["no", "-"]
-    assert rows["v5litepod-8"][3:7] == ["-", "1×1024", "yes", "fsdp"]
+    assert rows["v5litepod-8"][3:7] == ["-", "2×1024", "yes", "fsdp"]
     assert rows["h100"][3:7] == ["16×2048", "-", "yes", "replicate"]
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
@@ -457,14 +463,16 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
 
 
 def test_the_plan_counts_flash_attention_on_tpu():
-    """model.attention=flash on a TPU preset holds no T x T attention probabilities: its
-    activations are the fused (CUDA) count, below XLA's math SDPA at the same shape."""
+    """model.attention=flash (and auto, the default, which is flash on a TPU) on a TPU preset
+    holds no T x T attention probabilities: its activations are the fused (CUDA) count, below
+    XLA's math SDPA (model.attention=sdpa) at the same shape."""
     import dataclasses
 
     m = preset_model("124m")
     flash = dataclasses.replace(m, attention="flash")
     tpu, gpu = get_preset("v6e-4"), get_preset("h100")
-    math_sdpa = plan(m, tpu, 4, 2048).activations
+    math_sdpa = plan(dataclasses.replace(m, attention="sdpa"), tpu, 4, 2048).activations
+    assert plan(m, tpu, 4, 2048).activations == plan(flash, tpu, 4, 2048).activations
     eager = Setting(compiled=False)  # TPU is never torch.compiled: CUDA's eager count
     assert (
         plan(flash, tpu, 4, 2048).activations

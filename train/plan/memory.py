@@ -537,7 +537,9 @@ def attention_for(kind: str, model_attention: str = "sdpa") -> str:
     which, like CUDA's fused SDPA, never holds them, but needs K/V repeated to every query head
     under GQA (train/xla/flash.py: expand_kv_heads), a copy the plan counts."""
     if kind == "tpu":
-        return "flash" if model_attention == "flash" else "math"
+        # auto runs flash on a TPU (or blockwise where Pallas cannot: no T x T either); only
+        # sdpa is XLA's math path
+        return "math" if model_attention == "sdpa" else "flash"
     return "fused"
 
 
