@@ -211,3 +211,23 @@ def test_an_io_error_on_the_newest_checkpoint_is_retried_never_a_fallback(tmp_pa
     with pytest.raises(OSError, match="step_00000002: could not read the newest checkpoint"):
         checkpoint.load(run)
     assert checkpoint.complete_steps(run) == [1, 2]  # nothing deleted
+
+
+def test_pinned_staging_works_without_torchs_private_pinning_module(monkeypatch):
+    """torch.cuda._pin_memory_utils is private and new (2.8): where a torch has none, staging pins
+    through the same CUDA runtime calls (here, without a GPU, they fail as CUDA is absent)."""
+    import sys
+
+    import torch.cuda
+
+    from codex.train.checkpoint import dcp
+
+    pin, unpin = dcp._host_pinning()
+    assert pin.__module__ == "torch.cuda._pin_memory_utils"  # this torch has it
+    monkeypatch.delattr(torch.cuda, "_pin_memory_utils", raising=False)
+    monkeypatch.setitem(sys.modules, "torch.cuda._pin_memory_utils", None)
+    pin, unpin = dcp._host_pinning()
+    assert pin.__module__ == dcp.__name__ and unpin.__module__ == dcp.__name__
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            pin(0, 1)

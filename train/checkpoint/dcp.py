@@ -38,6 +38,7 @@ import tempfile
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -362,14 +363,32 @@ class StagingBuffer:
         self.map = mmap.mmap(self.fd, max(nbytes, 1))
         self.pinned = False
         if pin:
-            from torch.cuda import _pin_memory_utils
-
             ptr = torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()
-            _pin_memory_utils.pin_memory(ptr, max(nbytes, 1))
+            pin_memory, unpin_memory = _host_pinning()
+            pin_memory(ptr, max(nbytes, 1))
             self.pinned = True
             # not at exit: CUDA may be gone by then (the process's memory goes anyway)
-            weakref.finalize(self, _pin_memory_utils.unpin_memory, ptr).atexit = False
+            weakref.finalize(self, unpin_memory, ptr).atexit = False
         weakref.finalize(self, os.close, self.fd)
+
+
+def _host_pinning() -> tuple[Callable[[int, int], None], Callable[[int], None]]:
+    """(pin, unpin) of host memory by address: torch's private torch.cuda._pin_memory_utils where
+    this torch has it (2.8 and later), else the same two CUDA runtime calls it makes."""
+    try:
+        from torch.cuda import _pin_memory_utils
+    except ImportError:
+
+        def pin(ptr: int, size: int) -> None:
+            code = torch.cuda.cudart().cudaHostRegister(ptr, size, 1)
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+
+        def unpin(ptr: int) -> None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+        return pin, unpin
+    return _pin_memory_utils.pin_memory, _pin_memory_utils.unpin_memory
 
 
 def buffer_views(buffer: mmap.mmap, slots: tuple[Slot, ...]) -> list[torch.Tensor]:
