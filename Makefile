@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 XLA_VENV := .venv-xla
 
-.PHONY: demo test lint test-main test-xla venv venv-xla
+.PHONY: demo test lint test-main test-xla test-heavy venv venv-xla
 
 venv: $(VENV)/.codex-installed
 venv-xla: $(XLA_VENV)/.codex-installed
@@ -37,7 +37,11 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test-main: venv
-	$(VENV)/bin/python -m pytest -m "not xla" -q
+	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q
+
+# Checks too long for every run (minutes each on 2 cores), e.g. stacked Muon on 7b's shapes.
+test-heavy: venv
+	$(VENV)/bin/python -m pytest -m "heavy" -q
 
 test-xla: venv-xla
 	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -q
