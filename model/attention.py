@@ -133,17 +133,21 @@ def _scores(qi, kj, qs: int, qe: int, ks: int, ke: int, group: int):
     return s.masked_fill(~allowed, float("-inf"))
 
 
+def _grouped(q, k, v):
+    """q as [B, KV, G, T, D] (the G query heads that share each K/V head together), k and v, all
+    in the accumulation dtype: what the forward and the backward both iterate over."""
+    B, H, T, D = q.shape
+    KV, acc_t = k.shape[1], _acc_dtype(q.dtype)
+    return q.to(acc_t).reshape(B, KV, H // KV, T, D), k.to(acc_t), v.to(acc_t)
+
+
 class _BlockwiseCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_q: int, block_k: int):
         B, H, T, D = q.shape
-        KV = k.shape[1]
-        G = H // KV
-        acc_t = _acc_dtype(q.dtype)
-        scale = 1.0 / math.sqrt(D)
+        KV, G, scale = k.shape[1], H // k.shape[1], 1.0 / math.sqrt(D)
         with torch.autocast(q.device.type, enabled=False):
-            qf = q.to(acc_t).reshape(B, KV, G, T, D)
-            kf, vf = k.to(acc_t), v.to(acc_t)
+            qf, kf, vf = _grouped(q, k, v)
             outs, lses = [], []
             for qs, qe in _blocks(T, block_q):
                 n = qe - qs
@@ -177,13 +181,10 @@ class _BlockwiseCausal(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         block_q, block_k = ctx.blocks
         B, H, T, D = q.shape
-        KV = k.shape[1]
-        G = H // KV
+        KV, G, scale = k.shape[1], H // k.shape[1], 1.0 / math.sqrt(D)
         acc_t = _acc_dtype(q.dtype)
-        scale = 1.0 / math.sqrt(D)
         with torch.autocast(q.device.type, enabled=False):
-            qf = q.to(acc_t).reshape(B, KV, G, T, D)
-            kf, vf = k.to(acc_t), v.to(acc_t)
+            qf, kf, vf = _grouped(q, k, v)
             do = dout.to(acc_t).reshape(B, KV, G, T, D)
             # D_i = rowsum(dO * O): the softmax's backward term per query (as flash's backward)
             delta = (do * out.to(acc_t).reshape(B, KV, G, T, D)).sum(-1)
