@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from codex.core import fsio
 from codex.core.config import Config
 from codex.pipeline import executor, readers
 from codex.pipeline.executor import Where
 from codex.pipeline.shard import corpus as corpus_mod
 from codex.pipeline.shard import encode as encode_mod
+from codex.pipeline.shard import manifest as manifest_mod
 from codex.pipeline.shard import scan as scan_mod
 from codex.pipeline.shard import shard as shard_mod
 from codex.pipeline.shard import write as write_mod
@@ -26,6 +29,7 @@ from codex.pipeline.shard.corpus import read_text_rows
 from codex.pipeline.shard.errors import ShardDataError
 from codex.pipeline.shard.shard import run_shard
 from codex.pipeline.shard.verify import verify_shards
+from codex.pipeline.tokenizer import tokenizer as tokenizer_mod
 from tests import test_shard as shard_tests
 from tests.test_shard import Stopped, make_cfg, make_run, npy_sha, reference_shards
 
@@ -255,6 +259,77 @@ def test_a_part_scanned_in_row_ranges_on_several_workers_is_scanned_as_a_whole(
     assert path_bytes
     with pytest.raises(ShardDataError, match=f"{bad}: not a readable parquet file"):
         scan_mod._scan_units([str(bad)], 0.3, 8)
+
+
+def in_flight_together(n: int):
+    """A fake request that returns only once n calls are in flight at once: called one after
+    another, the first waits for the others and fails (BrokenBarrierError)."""
+    barrier = threading.Barrier(n, timeout=20)
+
+    def wait() -> None:
+        barrier.wait()
+
+    return wait
+
+
+def test_the_driver_asks_about_every_part_side_by_side(monkeypatch):
+    """A part's size (shard's plan, tokenize's rerun check) and parquet footer (to cut parts into
+    row ranges) are a request each on an object store: the driver sends them 16 at a time, and
+    each answer lands in its part's place."""
+    paths = [f"gs://bucket/run/clean/part-{i:05d}.parquet" for i in range(8)]
+    wait = in_flight_together(4)
+
+    def size(path: str) -> int:
+        wait()
+        return 1000 + int(path[-13:-8])
+
+    assert manifest_mod.per_path(size, paths) == [1000 + i for i in range(8)]
+    monkeypatch.setattr(fsio, "size", size)
+    wait = in_flight_together(4)
+    assert tokenizer_mod.file_sizes(paths) == [1000 + i for i in range(8)]
+
+    # footers: 3 parts cut for 8 units, the footers read together
+    def footer(path: str) -> tuple[list[int], list[int]]:
+        wait()
+        k = int(path[-13:-8])
+        return [100] * (k + 2), [10] * (k + 2)
+
+    wait = in_flight_together(3)
+    monkeypatch.setattr(scan_mod, "_row_groups", footer)
+    units = scan_mod._scan_units(paths[:3], 0.3, 8)
+    assert [u.path for u in units] == sorted(u.path for u in units)
+    assert [u.stop for u in units if u.path == paths[2]][-1] == 40  # its 4 groups of 10 rows
+
+
+def test_the_scan_samples_the_parts_only_when_encode_cuts_them(tmp_path, monkeypatch):
+    """With enough parts (UNITS_PER_WORKER a slot) each is one encode unit, so its scan sends the
+    counts at its start and end only: a few numbers a part in the driver, not one a block of
+    documents. With fewer, the samples (every BLOCK_ROWS rows) are where encode may cut."""
+    monkeypatch.setattr(scan_mod, "BLOCK_ROWS", 4)
+    files = []
+    for k in range(3):
+        files.append(str(tmp_path / f"part-{k}.parquet"))
+        write_part(Path(files[-1]), texts_of(50 + k, seed=k))
+    monkeypatch.setattr(scan_mod, "run_units", lambda fn, units, where: ((u, fn(u)) for u in units))
+    found_with = {}
+    for n_slots, sampled in ((1, False), (2, True)):
+        monkeypatch.setattr(scan_mod, "slots", lambda where, n=n_slots: n)
+        found = found_with[n_slots] = scan_mod.scan_corpus(files, 0.3, Where("local", n_slots))
+        for k, f in enumerate(files):
+            rows = found[f]["rows_at"].tolist()
+            assert rows == ([*range(0, 50 + k, 4), 50 + k] if sampled else [0, 50 + k])
+            whole = scan_mod.shard_scan_unit(scan_mod._ScanUnit(f, 0.3))
+            assert found[f]["bytes_at"][-1] == whole["bytes_at"][-1]
+            assert found[f]["val_at"][-1] == whole["val_at"][-1]
+    # a scan without samples, then more slots at encode time (a cluster that grew): whole parts,
+    # each with the documents the scan counted
+    template = encode_mod.EncodeUnit(
+        -1, "", "U", "tok.json", "sha", 0, 1, False, "uint16", 1000, 0.3, "fingerprint"
+    )
+    units = encode_mod.encode_units(files, found_with[1], 2, template)
+    assert [(u.start, u.stop) for u in units] == [(0, 50), (0, 51), (0, 52)]
+    assert [u.documents for u in units] == [found_with[2][f]["documents"] for f in files]
+    assert len(encode_mod.encode_units(files, found_with[2], 2, template)) > 3
 
 
 def test_units_count_the_scans_documents_per_range(tmp_path, monkeypatch):

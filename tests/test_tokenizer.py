@@ -378,6 +378,113 @@ def test_unit_scans_merge_to_the_whole_corpus_selection():
     assert cut_inside > 20 and want.heldout_docs == 8 and want.docs_capped == 1
 
 
+def many_files(n_files: int, per_file: int, seed: int) -> dict[str, list]:
+    """n_files small files (fewer documents each than the budget holds): the tokenizer's scan at
+    scale, where a file sends the driver all its keys unless a threshold stops them."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "stone", "river", "東京", "данные", "42", "x"]
+    files: dict[str, list] = {}
+    for f in range(n_files):
+        texts = [
+            f"{f}-{r} " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))
+            for r in range(per_file)
+        ]
+        files[f"f{f:04d}"] = texts
+    # copies across files (same hash): which copy is picked follows (hash, file, row)
+    for _ in range(20):
+        a, b = rng.sample(sorted(files), 2)
+        files[b][rng.randrange(per_file)] = rng.choice(files[a])
+    return files
+
+
+def count_keys(monkeypatch) -> list[int]:
+    """Keys each scan task sends to the driver (kept + held-out candidates), in a list that
+    grows as tasks finish."""
+    sent: list[int] = []
+    run_units = doc_select.run_units
+
+    def spy(fn, units, where, *a, **k):
+        for unit, result in run_units(fn, units, where, *a, **k):
+            if fn is doc_select.scan_file:
+                sent.append(len(result.kept) + len(result.top))
+            yield unit, result
+
+    monkeypatch.setattr(doc_select, "run_units", spy)
+    return sent
+
+
+def test_the_driver_gets_a_budgets_worth_of_keys_not_one_per_document(monkeypatch):
+    """Files smaller than the budget each used to send every key: 20,000 keys from 400 files,
+    80,000 from 1,600. With thresholds the driver gets about MARGIN budgets of keys plus the
+    sample files', flat as the corpus grows 4x, and the same selection as the old scan (every
+    file's whole budget prefix, no threshold) and as the definition."""
+    budget_docs, heldout = 300, 20
+    sent = count_keys(monkeypatch)
+    got = {}
+    for n_files in (400, 1600):
+        by_path = many_files(n_files, 50, seed=n_files)
+
+        def read(path, by_path=by_path):
+            yield by_path[path]
+
+        texts = list(by_path.values())
+        chars = sum(len(t) for f in texts for t in f)
+        budget = chars * budget_docs // (50 * n_files)
+        sent.clear()
+        sel = doc_select.select_documents(list(by_path), budget, 1000, heldout, read)
+        got[n_files] = sum(sent)
+        assert len(sent) == n_files  # one task a file, no second round
+        # the driver's bound: the sample files whole, plus MARGIN x the expected documents
+        # (budget and held out) and MIN_KEYS on each side, with room for chance
+        bound = doc_select.SAMPLE_FILES * (50 + heldout) + 1.5 * (
+            doc_select.MARGIN * (budget_docs + heldout) + 2 * doc_select.MIN_KEYS
+        )
+        assert got[n_files] <= bound < 50 * n_files / 2, (got, bound)
+        # the same documents as the old scan, which sent every key, and as the definition
+        old = [
+            doc_select.scan_file(doc_select.ScanUnit(i, f, budget, 1000, heldout, read))
+            for i, f in enumerate(by_path)
+        ]
+        assert sum(len(s.kept) + len(s.top) for s in old) >= 50 * n_files
+        assert doc_select.merge_scans(old, budget, heldout) == sel
+        assert reference_selection(texts, budget, 1000, heldout) == sel
+        assert sel.heldout_docs == heldout and 0.8 * budget_docs < sel.train_docs < budget_docs
+    assert got[1600] <= 1.5 * got[400], got  # flat in the corpus' size
+
+
+@pytest.mark.parametrize("heldout", [0, 7])
+def test_thresholds_too_tight_scan_again_and_select_the_same(monkeypatch, heldout):
+    """A sample that says nothing useful (MARGIN 0, MIN_KEYS 1: thresholds far too tight) costs
+    more rounds, never another selection: whatever the estimate, the documents are the
+    definition's."""
+    by_path = many_files(40, 30, seed=9)
+    texts = list(by_path.values())
+
+    def read(path):
+        yield by_path[path]
+
+    sent = count_keys(monkeypatch)
+    total = sum(len(t) for f in texts for t in f)
+    want = {b: reference_selection(texts, b, 1000, heldout) for b in (total // 40, total // 3)}
+    monkeypatch.setattr(doc_select, "MARGIN", 0.0)
+    monkeypatch.setattr(doc_select, "MIN_KEYS", 1)
+    for budget, expected in want.items():
+        sent.clear()
+        assert doc_select.select_documents(list(by_path), budget, 1000, heldout, read) == expected
+        assert len(sent) > 2 * len(by_path)  # the first round was short: every file again
+
+
+def test_a_file_that_changed_between_the_passes_is_named():
+    texts = ["a b c", "d e f", "g h"]
+
+    def read(path):
+        yield texts[:2]
+
+    unit = doc_select.TextUnit(0, "p.parquet", (0, 2), (), 1000, read)
+    with pytest.raises(ValueError, match="p.parquet: holds 2 rows now"):
+        doc_select.read_texts(unit)
+
+
 def test_same_tokenizer_whatever_runs_the_scan(tmp_path, monkeypatch):
     docs = make_docs(160, seed=6)
     for i in range(4):
@@ -386,7 +493,7 @@ def test_same_tokenizer_whatever_runs_the_scan(tmp_path, monkeypatch):
     run_units = doc_select.run_units
 
     def spy(fn, units, where, *a, **k):
-        wheres.append(where)
+        wheres.append((fn.__name__, where.workers, where.parallel))
         return run_units(fn, units, where, *a, **k)
 
     monkeypatch.setattr(doc_select, "run_units", spy)
@@ -402,9 +509,41 @@ def test_same_tokenizer_whatever_runs_the_scan(tmp_path, monkeypatch):
             meta["corpus"],
             meta["compression"],
         )
-    assert [w.workers for w in wheres] == [1, 2] and wheres[1].parallel
+    # both passes run where data.tokenizer.workers says: the scan and the reading of the texts
+    assert wheres == [
+        ("scan_file", 1, False),
+        ("read_texts", 1, False),
+        ("scan_file", 2, True),
+        ("read_texts", 2, True),
+    ]
     assert out[1] == out[2]
     assert out[1][1]["heldout_docs"] == 16 and out[1][1]["chars_used"] <= budget
+
+
+def test_ray_tasks_select_and_read_what_a_local_run_does(tmp_path, ray_cluster, monkeypatch):
+    """On a 2-node Ray cluster, thresholds that cut (more files than the sample, a small budget):
+    the same tokenizer.json, selection and compression as in this process, and the driver gets
+    fewer keys than the corpus has documents."""
+    docs = make_docs(600, seed=8)
+    for i in range(40):
+        write_parquet(tmp_path / f"p{i:02d}.parquet", docs[i::40])
+    sent = count_keys(monkeypatch)
+    monkeypatch.setattr(doc_select, "MIN_KEYS", 1)  # the driver's setting: units get bounds
+    budget = sum(map(len, docs)) // 30
+    out = {}
+    for name in ("local", "ray"):
+        cfg = config(tmp_path / name, [tmp_path], vocab=300, max_chars=budget, heldout_docs=5)
+        if name == "ray":
+            cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
+        sent.clear()
+        meta = T.run_tokenizer(cfg)
+        tok = fsio.read_bytes(
+            fsio.join(rundir.tokenizer_dir(str(tmp_path / name)), "tokenizer.json")
+        )
+        out[name] = (tok, meta["corpus"], meta["compression"], sum(sent), len(sent))
+    assert out["ray"] == out["local"]
+    assert out["local"][4] == 40 and out["local"][3] < len(docs) / 2, out["local"][3:]
+    assert out["local"][1]["heldout_docs"] == 5
 
 
 def test_tiny_corpus_records_the_real_vocab_size(tmp_path, caplog):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from codex.core import fsio
 
@@ -37,6 +39,8 @@ UNITS = ".units"  # intermediate files of an unfinished run (see above)
 UNIT_DONE = "done.json"  # a part's marker inside its folder of .units/
 SHARD_MARKERS = "shards"  # the folder of .units/ holding the shards' markers
 SPLITS = ("train", "val")
+
+T = TypeVar("T")
 
 SHARD_NAME = re.compile(r"(train|val)_\d{5,}\.(npy|parquet)")
 
@@ -120,6 +124,16 @@ def build_manifest(
     }
 
 
+def per_path(fn: Callable[[str], T], paths: list[str]) -> list[T]:
+    """fn of each path, in order: 16 at a time on an object store, where each is a request (a
+    part's size, its parquet footer, a marker), so a planning step that asks something of every
+    object costs a sixteenth of the round trips; one after another on a local disk."""
+    if len(paths) < 2 or not fsio.is_remote(paths[0]):
+        return [fn(p) for p in paths]
+    with cf.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(fn, paths))
+
+
 def read_markers(paths: list[str]) -> list[dict | None]:
     """The JSON of each path (None for one that is unreadable), read concurrently on an object
     store, where each is a request."""
@@ -131,7 +145,4 @@ def read_markers(paths: list[str]) -> list[dict | None]:
             return None
         return m if isinstance(m, dict) else None
 
-    if not paths or not fsio.is_remote(paths[0]):
-        return [read(p) for p in paths]
-    with cf.ThreadPoolExecutor(16) as pool:
-        return list(pool.map(read, paths))
+    return per_path(read, paths)

@@ -2,12 +2,15 @@
 encoding, so that an empty corpus or an empty val split fails in seconds (reading + hashing is ~30x
 cheaper than encoding).
 
-A unit reads one part and counts its documents per split; it also samples, every BLOCK_ROWS rows
-and at the end, the UTF-8 bytes and val documents before that row: where encode.py may cut the part
-into encode units (_cuts), and each unit's documents per split. With fewer parts than units wanted
-(a Ray CPU's one, a local worker's UNITS_PER_WORKER: the pool's processes start during the scan) a
-part is scanned in row ranges cut at its row groups, and their counts added up (_scan_units,
-_joined_scans): the same samples, and no core idles.
+A unit reads one part and counts its documents per split. When encode.py will cut the parts into
+encode units (fewer parts than UNITS_PER_WORKER x slots: _cuts) it also samples, every BLOCK_ROWS
+rows and at the end, the UTF-8 bytes and val documents before that row: where a part may be cut,
+and each unit's documents per split. With more parts, only the counts at the part's start and end
+come back: the driver holds a few numbers a part, never one a block of documents. With fewer parts
+than units wanted (a Ray CPU's one, a local worker's UNITS_PER_WORKER: the pool's processes start
+during the scan) a part is scanned in row ranges cut at its row groups, and their counts added up
+(_scan_units, _joined_scans): the same samples, and no core idles. The driver reads those parts'
+parquet footers (to cut them) 16 at a time on an object store (manifest.py: per_path).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from codex.pipeline.executor import Where, run_units, slots
 from codex.pipeline.shard.corpus import read_text_batches, read_text_rows, split_value_bytes
 from codex.pipeline.shard.encode import UNITS_PER_WORKER
 from codex.pipeline.shard.errors import ShardDataError, ShardError
-from codex.pipeline.shard.manifest import SPLITS
+from codex.pipeline.shard.manifest import SPLITS, per_path
 
 log = logging.getLogger("codex.shard")
 
@@ -43,6 +46,7 @@ class _ScanUnit:
     start: int = 0  # rows [start, stop) of the part; stop -1: to its end
     stop: int = -1
     block_rows: int = 0  # the driver's BLOCK_ROWS (a worker process may hold another)
+    samples: bool = True  # sample every block_rows rows; False: only the start and the end
 
 
 def shard_scan_unit(u: _ScanUnit) -> dict:
@@ -70,11 +74,11 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
             n_bytes += len(data)
             n_val += v < u.val_fraction
             row += 1
-            if row % block == 0:
+            if u.samples and row % block == 0:
                 rows_at.append(row)
                 bytes_at.append(n_bytes)
                 val_at.append(n_val)
-    if row % block and row > u.start:
+    if row > rows_at[-1]:
         rows_at.append(row)
         bytes_at.append(n_bytes)
         val_at.append(n_val)
@@ -88,27 +92,35 @@ def shard_scan_unit(u: _ScanUnit) -> dict:
     }
 
 
-def _scan_units(files: list[str], val_fraction: float, want: int) -> list[_ScanUnit]:
+def _row_groups(path: str) -> tuple[list[int], list[int]]:
+    """A part's row groups from its parquet footer: (bytes, rows) of each."""
+    try:
+        with fsio.open(path, "rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+    except Exception as e:
+        raise ShardDataError(f"{path}: not a readable parquet file ({e})") from None
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return [g.total_byte_size for g in groups], [g.num_rows for g in groups]
+
+
+def _scan_units(
+    files: list[str], val_fraction: float, want: int, samples: bool = True
+) -> list[_ScanUnit]:
     """A unit per part; with fewer parts than `want` units, each part is cut at row groups (about
-    equal bytes) into as many as make that up (scan_corpus says how many)."""
+    equal bytes) into as many as make that up (scan_corpus says how many), their footers read
+    side by side (per_path)."""
     if len(files) >= want or not files:
-        return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS) for f in files]
+        return [_ScanUnit(f, val_fraction, block_rows=BLOCK_ROWS, samples=samples) for f in files]
     per_part = -(-want // len(files))
     units = []
-    for f in files:
-        try:
-            with fsio.open(f, "rb") as fh:
-                meta = pq.ParquetFile(fh).metadata
-        except Exception as e:
-            raise ShardDataError(f"{f}: not a readable parquet file ({e})") from None
-        sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
-        rows = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-        at = np.cumsum([0] + sizes)
+    for f, (sizes, n_rows) in zip(files, per_path(_row_groups, files), strict=True):
+        rows = np.cumsum([0, *n_rows])
+        at = np.cumsum([0, *sizes])
         # the row group where each cut's share of the bytes begins
         cuts = np.searchsorted(at, np.linspace(0, at[-1], per_part + 1)[1:-1])
         bounds = sorted({0, *rows[cuts].tolist(), int(rows[-1])})
         ranges = list(itertools.pairwise(bounds)) or [(0, -1)]  # an empty part: one unit
-        units += [_ScanUnit(f, val_fraction, a, b, BLOCK_ROWS) for a, b in ranges]
+        units += [_ScanUnit(f, val_fraction, a, b, BLOCK_ROWS, samples) for a, b in ranges]
     return units
 
 
@@ -145,9 +157,13 @@ def scan_corpus(files: list[str], val_fraction: float, where: Where) -> dict[str
     # processes start (spawn, imports, the encoder) during this phase: this process scans from
     # the front meanwhile, and each pool process joins for what is left once it is up (with one
     # unit a worker, this process's second would have waited for a process still importing).
-    side_by_side = slots(where) if where.parallel else 1
+    n_slots = slots(where)
+    side_by_side = n_slots if where.parallel else 1
     local = where.executor == "local" and side_by_side > 1
-    units = _scan_units(files, val_fraction, side_by_side * (UNITS_PER_WORKER if local else 1))
+    # encode.py's _cuts cuts the parts (at the samples) only when they are fewer than this
+    samples = n_slots > 1 and len(files) < UNITS_PER_WORKER * n_slots
+    want = side_by_side * (UNITS_PER_WORKER if local else 1)
+    units = _scan_units(files, val_fraction, want, samples)
     scans: dict[str, list] = {f: [] for f in files}
     for u, r in run_units(shard_scan_unit, units, where):
         scans[u.path].append((u.start, r))

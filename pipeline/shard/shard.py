@@ -83,6 +83,7 @@ from codex.pipeline.shard.manifest import (
     existing_state,
     file_matches,
     mismatch,
+    per_path,
     remove_temp_files,
 )
 from codex.pipeline.shard.scan import scan_corpus
@@ -259,7 +260,7 @@ def run_shard(cfg: Config) -> dict:
     _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
-    sizes = {f: fsio.size(f) for f in files}  # one stat a part (a request on GCS)
+    sizes = dict(zip(files, per_path(fsio.size, files), strict=True))  # a request a part on GCS
     where = where_for(cfg.data, s.workers, sum(sizes.values()), AUTO_BYTES_PER_WORKER)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(sizes))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]

@@ -1,45 +1,58 @@
-"""Which documents train the tokenizer.
+"""Which documents train the tokenizer, chosen by tasks so that the driver holds a budget's worth.
 
-    pass 1, one unit per input file    scan_file: hash every document of the file, keep its
-                                       smallest hashes up to the character budget (HashBudget)
-                                       and its largest aside as held-out candidates
-    pass 1, the driver                 merge_scans: the corpus' smallest hashes up to the budget
-                                       and its largest as held out, from the units' results
-    pass 2, the driver                 iter_selected: re-read the files, yield the selected texts
+    pass 1, the tasks    scan_file: hash every document of a file; return its smallest keys up to
+                         the character budget that lie below the hash threshold `below`, its
+                         largest keys at or above `above` (held-out candidates), and counters
+    pass 1, the driver   select_documents: a first round scans SAMPLE_FILES files whole (spread
+                         over the list) to estimate the corpus' documents and characters from the
+                         files' sizes; the other files are scanned with thresholds set so that
+                         about MARGIN budgets' worth of keys come back; _Merge merges as results
+                         arrive and says whether a threshold cut the selection short (a round
+                         with wider thresholds then scans every file again)
+    pass 2, the tasks    read_texts: a file's selected texts; the driver streams them into the BPE
+                         trainer as tasks finish (iter_selected)
 
-A unit (ScanUnit: the file's index in the sorted file list, its path and the read settings) runs
-wherever data.executor and data.tokenizer.workers put it (pipeline/executor.py: this process, a
-local process pool or a Ray task); it holds at most a budget's worth of documents plus its
-`heldout_docs` candidates, as a single scan would. Pass 2 and the BPE training run in the driver
-only.
+Units (ScanUnit, TextUnit: the file's index in the sorted file list, its path, the settings) run
+wherever data.executor and data.tokenizer.workers put them (pipeline/executor.py). A scan unit
+holds at most a budget's worth of its documents' keys plus its `heldout_docs` candidates. The
+driver receives about MARGIN x the budget's documents + MIN_KEYS keys from the thresholded files,
+plus the sample files' kept keys, never one key per document of the corpus; it holds one budget's
+worth while merging. The BPE training runs in the driver, on the selected texts only.
 
 Why sample by hash: which documents are used depends only on their text, never on how many shard
 files exist or in what order they are listed, so the same documents always give the same
 tokenizer.json byte for byte. Documents are ordered by (hash, file index, row), a total order, so
 even which copy of a duplicated document is picked does not depend on the order units finish in.
-The BPE trainer's result depends only on the multiset of pre-token counts (merge ties are broken by
-token ids), so documents can be streamed in file order.
+The BPE trainers' result depends only on the multiset of pre-token counts (merge ties are broken by
+token ids), so texts are fed in the order their tasks finish.
 
-Why the merge is exact: the selection is the longest prefix, in that order, of the corpus' documents
-whose characters fit in the budget. A unit's kept set is the same prefix of its own documents, so it
-holds every document of the file that the corpus' prefix holds (their characters fit in the budget
-too); the first document a unit could not keep (its ceiling) does not fit the corpus' prefix
-either, so nothing at or after it does. The corpus' prefix is therefore the budget prefix of the
-union of the units' kept sets below the smallest ceiling (without that bound a small document past
-one unit's ceiling, kept by another unit, could slip into the leftover budget), and the held-out
-documents (the largest keys) are the largest of the units' largest.
+Why the merge is exact: the selection is the longest prefix, in that order, of the corpus'
+documents whose characters fit in the budget. A unit's kept set is the same prefix of its own
+documents below its threshold, so it holds every document of the file below the threshold that
+the corpus' prefix holds; the first document a unit could not keep (its ceiling) does not fit the
+corpus' prefix either, so nothing at or after it does. Let E be the smallest of the units'
+ceilings and thresholds: every document of the corpus below E reached the driver. Their budget
+prefix is the corpus' prefix when it stops before E (a document below E did not fit), or when E is
+a ceiling; when E is a threshold and everything below it fit, documents above E might fit too, and
+the thresholds were too tight. Held out are the `n` largest keys: each unit sends its largest at
+or above its threshold `above`, and the `n` largest of those are the corpus' when the n-th is at
+or above every unit's threshold. Thresholds only decide how much is sent, so the selection is the
+same as a scan without them: the same documents, whatever the estimate was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from codex.core.progress import Progress
 from codex.pipeline.executor import Where, run_units
 from codex.pipeline.readers import iter_text_batches
+
+log = logging.getLogger("codex.tokenizer")
 
 Key = tuple[int, int, int]  # (hash, file index, row): the order documents are selected in
 
@@ -130,6 +143,25 @@ def _keep_largest(top: list[Key], key: Key, n: int) -> None:
 
 TextReader = Callable[[str], Iterator[list]]  # path -> lists of texts (readers.iter_text_batches)
 
+HASH_SPACE = 1 << 128
+# files scanned whole first, spread over the list: their documents and characters per byte of file
+# estimate the corpus' (the thresholds of the other files come from that estimate)
+SAMPLE_FILES = 8
+# thresholds let through about MARGIN x the budget's expected documents (and held-out ones) plus
+# MIN_KEYS: room for an estimate off by MARGIN x and for the chance in which hashes fall below the
+# threshold, before a second round is needed
+MARGIN = 4.0
+MIN_KEYS = 1000
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Which keys a scan unit sends: training candidates with hash < below, held-out candidates
+    with hash >= above; None: no threshold (its whole budget prefix, its whole top)."""
+
+    below: int | None = None
+    above: int | None = None
+
 
 @dataclass(frozen=True)
 class ScanUnit:
@@ -141,32 +173,37 @@ class ScanUnit:
     doc_max_chars: int
     heldout_docs: int
     read: TextReader = iter_text_batches
+    bounds: Bounds = Bounds()
 
 
 @dataclass
 class FileScan:
-    """What a unit found: its budget prefix, where that prefix stopped, its held-out candidates
-    and counters."""
+    """What a unit found: its budget prefix below its threshold, where that prefix stopped, its
+    held-out candidates and counters."""
 
     file: int
     kept: list[tuple[int, int, int, int, int]]  # (hash, chars, file, row, bytes), key order
-    ceiling: Key | None  # the smallest key of the file not kept; None: all kept
-    top: list[Key]  # its `heldout_docs` largest keys
+    ceiling: Key | None  # the smallest key below the threshold not kept; None: all kept
+    top: list[Key]  # its `heldout_docs` largest keys at or above bounds.above
     docs_seen: int = 0
     chars_seen: int = 0
     docs_capped: int = 0
     docs_empty: int = 0
     rows: int = 0  # rows read, empty ones included (progress)
     chars: int = 0  # characters before the cap (progress)
+    bounds: Bounds = Bounds()
 
 
 def scan_file(unit: ScanUnit) -> FileScan:
-    """Pass 1 over one file (runs in a worker): hash every document, keep the file's smallest keys
-    up to the budget and its largest `heldout_docs` keys."""
+    """Pass 1 over one file (runs in a task): hash every document, keep the file's smallest keys
+    below `bounds.below` up to the budget and its largest `heldout_docs` keys at or above
+    `bounds.above`."""
     budget = HashBudget(unit.max_chars)
     top: list[Key] = []
-    s = FileScan(unit.file, [], None, [])
+    s = FileScan(unit.file, [], None, [], bounds=unit.bounds)
     cap, fi = unit.doc_max_chars, unit.file
+    below = HASH_SPACE if unit.bounds.below is None else unit.bounds.below
+    above = 0 if unit.bounds.above is None else unit.bounds.above
     row = 0
     for texts in unit.read(unit.path):
         for text in texts:
@@ -183,54 +220,145 @@ def scan_file(unit: ScanUnit) -> FileScan:
             h = _hash_utf8(data)
             capped = len(text) > cap
             chars = cap if capped else len(text)
-            nbytes = len(text[:cap].encode("utf-8")) if capped else len(data)
             s.docs_capped += capped
             s.docs_seen += 1
             s.chars_seen += chars
             s.chars += len(text)
-            budget.offer(h, chars, fi, r, nbytes)
-            _keep_largest(top, (h, fi, r), unit.heldout_docs)
+            if h < below:
+                nbytes = len(text[:cap].encode("utf-8")) if capped else len(data)
+                budget.offer(h, chars, fi, r, nbytes)
+            if h >= above:
+                _keep_largest(top, (h, fi, r), unit.heldout_docs)
     s.rows = row
     s.kept, s.ceiling, s.top = budget.kept(), budget.ceiling, top
     return s
 
 
-def merge_scans(scans: Iterable[FileScan], max_chars: int, heldout_docs: int) -> Selection:
-    """The corpus' Selection from its files' scans, in any order (runs in the driver; holds a
-    budget's worth of documents plus the scan being merged)."""
-    budget = HashBudget(max_chars)
-    top: list[Key] = []
-    sel = Selection()
-    for s in scans:
-        budget.lower_ceiling(s.ceiling)
+class _Merge:
+    """The corpus' selection from its files' scans, added in any order as they finish (in the
+    driver). Holds a budget's worth of keys, `heldout_docs` candidates and the counters."""
+
+    def __init__(self, max_chars: int, heldout_docs: int):
+        self.budget = HashBudget(max_chars)
+        self.heldout_docs = heldout_docs
+        self.top: list[Key] = []
+        self.below: Key | None = None  # the smallest training threshold of a scan, as a key
+        self.above: Key | None = None  # the largest held-out threshold of a scan, as a key
+        self.sel = Selection()  # the counters so far
+        self.keys = 0  # keys received: the driver's cost
+
+    def add(self, s: FileScan) -> None:
+        if s.bounds.below is not None:
+            # a key (h, file, row) is below (b, -1, -1) exactly when h < b
+            bound = (s.bounds.below, -1, -1)
+            self.below = bound if self.below is None else min(self.below, bound)
+            self.budget.lower_ceiling(bound)
+        if s.bounds.above is not None:
+            bound = (s.bounds.above, -1, -1)
+            self.above = bound if self.above is None else max(self.above, bound)
+        self.budget.lower_ceiling(s.ceiling)
         for entry in s.kept:
-            budget.offer(*entry)
+            self.budget.offer(*entry)
         for key in s.top:
-            _keep_largest(top, key, heldout_docs)
-        sel.docs_seen += s.docs_seen
-        sel.chars_seen += s.chars_seen
-        sel.docs_capped += s.docs_capped
-        sel.docs_empty += s.docs_empty
-    # Hold out at most a tenth of the documents: a tiny corpus still trains on 90% of its text.
-    top.sort(reverse=True)
-    top = top[: min(heldout_docs, sel.docs_seen // 10)]
-    held_hashes = {h for h, _, _ in top}
-    for _, fi, r in top:
-        sel.heldout.setdefault(fi, []).append(r)
-    fp = hashlib.sha256()
-    for h, chars, fi, r, nbytes in budget.kept():
-        if h in held_hashes:  # also drops exact duplicates of a held-out document
-            continue
-        sel.train.setdefault(fi, []).append(r)
-        sel.train_docs += 1
-        sel.train_chars += chars
-        sel.train_bytes += nbytes
-        fp.update(h.to_bytes(16, "big"))
-    for rows in (*sel.train.values(), *sel.heldout.values()):
-        rows.sort()
-    sel.heldout_docs = len(top)
-    sel.fingerprint = fp.hexdigest()
-    return sel
+            _keep_largest(self.top, key, self.heldout_docs)
+        self.keys += len(s.kept) + len(s.top)
+        self.sel.docs_seen += s.docs_seen
+        self.sel.chars_seen += s.chars_seen
+        self.sel.docs_capped += s.docs_capped
+        self.sel.docs_empty += s.docs_empty
+
+    def held_out(self) -> list[Key]:
+        # Hold out at most a tenth of the documents: a tiny corpus still trains on 90% of its
+        # text.
+        return sorted(self.top, reverse=True)[: min(self.heldout_docs, self.sel.docs_seen // 10)]
+
+    def train_short(self) -> bool:
+        """A threshold may have cut the training prefix short: every document below the smallest
+        threshold fit in the budget and no unit's ceiling is below it, so documents above the
+        threshold might fit too."""
+        c = self.budget.ceiling
+        return self.below is not None and (c is None or c >= self.below)
+
+    def heldout_short(self, held: list[Key]) -> bool:
+        """Some of the corpus' largest keys may be above a threshold that kept them back."""
+        n = min(self.heldout_docs, self.sel.docs_seen // 10)
+        return self.above is not None and n > 0 and (len(held) < n or held[-1] < self.above)
+
+    def result(self) -> Selection | None:
+        """The Selection; None when a threshold cut it short (scan again with wider ones)."""
+        held = self.held_out()
+        if self.train_short() or self.heldout_short(held):
+            return None
+        sel = replace(self.sel, train={}, heldout={})
+        held_hashes = {h for h, _, _ in held}
+        for _, fi, r in held:
+            sel.heldout.setdefault(fi, []).append(r)
+        fp = hashlib.sha256()
+        for h, chars, fi, r, nbytes in self.budget.kept():
+            if h in held_hashes:  # also drops exact duplicates of a held-out document
+                continue
+            sel.train.setdefault(fi, []).append(r)
+            sel.train_docs += 1
+            sel.train_chars += chars
+            sel.train_bytes += nbytes
+            fp.update(h.to_bytes(16, "big"))
+        for rows in (*sel.train.values(), *sel.heldout.values()):
+            rows.sort()
+        sel.heldout_docs = len(held)
+        sel.fingerprint = fp.hexdigest()
+        return sel
+
+
+def merge_scans(scans: Iterable[FileScan], max_chars: int, heldout_docs: int) -> Selection | None:
+    """The corpus' Selection from its files' scans, in any order; None when their thresholds cut
+    it short."""
+    merge = _Merge(max_chars, heldout_docs)
+    for s in scans:
+        merge.add(s)
+    return merge.result()
+
+
+def _below(fraction: float) -> int | None:
+    return None if fraction >= 1 else int(fraction * HASH_SPACE)
+
+
+def _above(fraction: float) -> int | None:
+    return None if fraction >= 1 else HASH_SPACE - int(fraction * HASH_SPACE)
+
+
+def _bounds(docs: float, chars: float, max_chars: int, heldout_docs: int) -> Bounds:
+    """Thresholds for a corpus of about `docs` documents and `chars` characters: the fraction of
+    the hash space that holds MARGIN x the budget's documents (and held-out ones), plus
+    MIN_KEYS."""
+    if docs <= 0 or chars <= 0:
+        return Bounds()
+    budget_docs = max_chars * docs / chars
+    return Bounds(
+        _below((MARGIN * budget_docs + MIN_KEYS) / docs),
+        _above((MARGIN * heldout_docs + MIN_KEYS) / docs),
+    )
+
+
+def _wider(b: Bounds, merge: _Merge, max_chars: int) -> Bounds:
+    """The next round's thresholds after `merge` came out short: from the corpus' exact counts
+    (every file was scanned), and at least twice as wide on the side that was short."""
+    exact = _bounds(merge.sel.docs_seen, merge.sel.chars_seen, max_chars, merge.heldout_docs)
+    below, above = b.below, b.above
+    if merge.train_short() and below is not None:
+        wide = exact.below
+        below = None if wide is None else _below(max(2 * below, wide) / HASH_SPACE)
+    if merge.heldout_short(merge.held_out()) and above is not None:
+        wide = exact.above
+        low = HASH_SPACE - 2 * (HASH_SPACE - above)
+        above = None if wide is None or low <= 0 else min(low, wide)
+    return Bounds(below, above)
+
+
+def _sample(n: int) -> list[int]:
+    """The files scanned whole first: SAMPLE_FILES of them, spread over the list (all when there
+    are no more)."""
+    k = min(n, SAMPLE_FILES)
+    return [i * n // k for i in range(k)]
 
 
 def select_documents(
@@ -240,62 +368,141 @@ def select_documents(
     heldout_docs: int,
     read: TextReader = iter_text_batches,
     where: Where | None = None,
+    sizes: list[int] | None = None,
 ) -> Selection:
     """Pass 1: training = smallest keys within max_chars, held out = largest; one unit per file,
-    run where `where` says (default: in this process), merged here.
+    run where `where` says (default: in this process), merged here as they finish. `sizes`: the
+    files' bytes, to estimate the corpus from the sample (default: files of equal size).
 
     Held-out documents (at most a tenth of the corpus) are never trained on, so the reported
     compression is on unseen text.
+
+    7 parameters: the selection's three settings, how to read, where to run and the files' sizes.
     """
-    units = [
-        ScanUnit(fi, path, max_chars, doc_max_chars, heldout_docs, read)
-        for fi, path in enumerate(files)
-    ]
-    with Progress("tokenize: scan", total=len(files), unit="files") as p:
+    where = where or Where()
+    n = len(files)
+    sizes = sizes if sizes is not None and len(sizes) == n else [1] * n
 
-        def finished() -> Iterator[FileScan]:
-            for _, scan in run_units(scan_file, units, where or Where()):
-                p.update(1, docs=scan.rows, chars=scan.chars)
-                yield scan
+    def scan(indices: list[int], bounds: Bounds, merge: _Merge, what: str) -> None:
+        units = [
+            ScanUnit(fi, files[fi], max_chars, doc_max_chars, heldout_docs, read, bounds)
+            for fi in indices
+        ]
+        with Progress(what, total=len(units), unit="files") as p:
+            for _, s in run_units(scan_file, units, where):
+                p.update(1, docs=s.rows, chars=s.chars)
+                merge.add(s)
 
-        return merge_scans(finished(), max_chars, heldout_docs)
+    merge = _Merge(max_chars, heldout_docs)
+    first = _sample(n)
+    scan(first, Bounds(), merge, "tokenize: scan")
+    bounds = Bounds()
+    rest = sorted(set(range(n)) - set(first))
+    if rest:
+        # the sample's documents and characters per byte of file, for the whole corpus
+        sample_bytes = sum(sizes[i] for i in first)
+        scale = sum(sizes) / sample_bytes if sample_bytes else n / len(first)
+        docs, chars = merge.sel.docs_seen * scale, merge.sel.chars_seen * scale
+        bounds = _bounds(docs, chars, max_chars, heldout_docs)
+        log.info(
+            "tokenize: %d sample files hold %d documents; about %.0f in the corpus: the other "
+            "files send keys under %s and over %s of the hash space",
+            len(first),
+            merge.sel.docs_seen,
+            docs,
+            _share(bounds.below, low=True),
+            _share(bounds.above, low=False),
+        )
+        scan(rest, bounds, merge, "tokenize: scan")
+    sel = merge.result()
+    while sel is None:
+        bounds = _wider(bounds, merge, max_chars)
+        log.warning(
+            "tokenize: the estimate from %d sample files was off; every file is scanned again, "
+            "sending keys under %s and over %s of the hash space",
+            len(first),
+            _share(bounds.below, low=True),
+            _share(bounds.above, low=False),
+        )
+        merge = _Merge(max_chars, heldout_docs)
+        scan(list(range(n)), bounds, merge, "tokenize: scan again")
+        sel = merge.result()
+    log.info("tokenize: the scan sent %d keys to the driver from %d files", merge.keys, n)
+    return sel
+
+
+def _share(bound: int | None, low: bool) -> str:
+    if bound is None:
+        return "100%"
+    return f"{100 * (bound if low else HASH_SPACE - bound) / HASH_SPACE:.3g}%"
 
 
 # --- pass 2: read the selected texts --------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TextUnit:
+    """Pass 2 over one input file: the rows selected in it (picklable)."""
+
+    file: int
+    path: str
+    train: tuple[int, ...]  # rows, ascending
+    heldout: tuple[int, ...]
+    doc_max_chars: int
+    read: TextReader = iter_text_batches
+
+
+def read_texts(unit: TextUnit) -> tuple[list[str], list[str]]:
+    """A file's selected texts, capped per document (runs in a task): (training, held out)."""
+    want, held = set(unit.train), set(unit.heldout)
+    last = max(unit.train[-1] if unit.train else -1, unit.heldout[-1] if unit.heldout else -1)
+    train: list[str] = []
+    heldout: list[str] = []
+    row = 0
+    for texts in unit.read(unit.path):
+        for text in texts:
+            if row in want:
+                train.append(text[: unit.doc_max_chars])
+            elif row in held:
+                heldout.append(text[: unit.doc_max_chars])
+            row += 1
+        if row > last:
+            break
+    if len(train) + len(heldout) != len(want) + len(held):
+        raise ValueError(
+            f"{unit.path}: holds {row} rows now, fewer than when it was scanned (row {last} was "
+            "selected): an input file changed during `codex data tokenize`; rerun it"
+        )
+    return train, heldout
+
+
 def iter_selected(
     files: list[str],
-    train_rows: dict[int, list[int]],
-    heldout_rows: dict[int, list[int]],
+    sel: Selection,
     doc_max_chars: int,
     heldout_out: list[str],
-    total_docs: int,
     read: TextReader = iter_text_batches,
+    where: Where | None = None,
 ) -> Iterator[str]:
-    """Training texts one at a time, capped per document; collects held-out texts.
+    """Training texts one at a time, capped per document, read by one task per file (in file
+    order with where's default, this process; else as tasks finish); collects held-out texts.
 
     One document per item, not lists: the Rust trainer was fastest fed single documents (Python
-    lists of documents, small or 4M characters, were slower).
-
-    7 parameters: a generator fed to the BPE trainer cannot return the held-out texts, so it fills
-    `heldout_out`; the rest are the selection's rows and caps."""
-    with Progress("tokenize: train (feeding)", total=total_docs, unit="docs") as p:
-        for fi, path in enumerate(files):
-            want = set(train_rows.get(fi, ()))
-            held = set(heldout_rows.get(fi, ()))
-            if not want and not held:
-                continue
-            row = 0
-            for texts in read(path):
-                n_docs = n_chars = 0
-                for text in texts:
-                    if row in want:
-                        text = text[:doc_max_chars]
-                        n_docs += 1
-                        n_chars += len(text)
-                        yield text
-                    elif row in held:
-                        heldout_out.append(text[:doc_max_chars])
-                    row += 1
-                p.update(n_docs, chars=n_chars)
+    lists of documents, small or 4M characters, were slower). A generator fed to the BPE trainer
+    cannot return the held-out texts, so it fills `heldout_out`."""
+    units = [
+        TextUnit(
+            fi,
+            files[fi],
+            tuple(sel.train.get(fi, ())),
+            tuple(sel.heldout.get(fi, ())),
+            doc_max_chars,
+            read,
+        )
+        for fi in sorted(sel.train.keys() | sel.heldout.keys())
+    ]
+    with Progress("tokenize: train (feeding)", total=sel.train_docs, unit="docs") as p:
+        for _, (train, heldout) in run_units(read_texts, units, where or Where()):
+            heldout_out += heldout
+            yield from train
+            p.update(len(train), chars=sum(map(len, train)))

@@ -1,14 +1,15 @@
 """`codex data tokenize`: train a byte-level BPE tokenizer on the cleaned corpus.
 
     RUN/clean/part-*.parquet (or data.tokenizer.inputs)
-      -> pass 1: hash every document, keep the smallest hashes up to max_chars (and the largest
-                 `heldout_docs` hashes aside to measure compression); one unit per input file,
-                 run by data.executor with data.tokenizer.workers, merged in the driver
-      -> pass 2: the driver re-reads the selected documents and streams them into the BPE trainer
-                 (data.tokenizer.trainer), which runs in the driver too
+      -> pass 1: tasks hash every document and send the driver only keys under a hash threshold:
+                 the smallest hashes up to max_chars (and the largest `heldout_docs` hashes, set
+                 aside to measure compression); one task per input file, run by data.executor
+                 with data.tokenizer.workers, merged in the driver
+      -> pass 2: tasks read the selected documents; the driver streams them into the BPE trainer
+                 (data.tokenizer.trainer), which runs in the driver
       -> RUN/tokenizer/ tokenizer.json, token_bytes.npy, config.yaml, tokenizer_meta.json (last)
 
-Where pass 1 runs (this process, local processes, Ray) changes nothing in the result: the same
+Where the passes run (this process, local processes, Ray) changes nothing in the result: the same
 input files give the same tokenizer.json byte for byte, so workers and executor are not among the
 settings a rerun compares.
 
@@ -21,6 +22,7 @@ pipeline/tokenizer/doc_select.py.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import hashlib
 import io
@@ -35,7 +37,7 @@ from tokenizers import Tokenizer
 from codex.core import fsio, rundir
 from codex.core.config import Config, ConfigError
 from codex.pipeline.encode import token_dtype
-from codex.pipeline.executor import Where, where_for
+from codex.pipeline.executor import Where, stage_pool, where_for
 from codex.pipeline.inputs import input_files
 from codex.pipeline.readers import iter_text_batches
 from codex.pipeline.stage import Stage
@@ -152,6 +154,14 @@ def _up_to_date(out: str, settings: dict, inputs: list[dict], from_clean: bool) 
     return None
 
 
+def file_sizes(paths: list[str]) -> list[int]:
+    """Each file's bytes, in order; on an object store, where each is a request, 16 at a time."""
+    if len(paths) < 2 or not fsio.is_remote(paths[0]):
+        return [fsio.size(p) for p in paths]
+    with cf.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(fsio.size, paths))
+
+
 def _text_reader(cfg: Config) -> TextReader:
     """How to read the training files: the cleaned parts have a "text" column; files named in
     data.tokenizer.inputs are read with the field/column the clean stage would use for them."""
@@ -179,7 +189,8 @@ def run_tokenizer(cfg: Config) -> dict:
         later=(rundir.shards_dir(cfg.run), rundir.checkpoints_dir(cfg.run)),
     )
     files = input_files(cfg)
-    inputs = [{"path": f, "bytes": fsio.size(f)} for f in files]
+    sizes = file_sizes(files)
+    inputs = [{"path": f, "bytes": n} for f, n in zip(files, sizes, strict=True)]
     settings = _settings(cfg)
     done = _up_to_date(stage.out, settings, inputs, from_clean=not t.inputs)
     if done is not None:
@@ -198,19 +209,20 @@ def run_tokenizer(cfg: Config) -> dict:
     )
 
     read = _text_reader(cfg)
-    sel = _select(files, t, read, where)
-    t_scan = time.perf_counter() - t0
-    heldout: list[str] = []
-    # rustbpe's buffer: ~64M characters of documents at a time (memory), at least 64 (parallelism).
-    buffer_docs = max(64, min(8192, 64_000_000 // t.doc_max_chars))
-    tok = train_tokenizer(
-        iter_selected(
-            files, sel.train, sel.heldout, t.doc_max_chars, heldout, sel.train_docs, read
-        ),
-        t.vocab_size,
-        trainer=t.trainer,
-        buffer_docs=buffer_docs,
-    )
+    # one pool of local processes (or one attached Ray driver) for both passes
+    with stage_pool(where) as where:
+        sel = _select(files, t, read, where, sizes)
+        t_scan = time.perf_counter() - t0
+        heldout: list[str] = []
+        # rustbpe's buffer: ~64M characters of documents at a time (memory), at least 64
+        # (parallelism).
+        buffer_docs = max(64, min(8192, 64_000_000 // t.doc_max_chars))
+        tok = train_tokenizer(
+            iter_selected(files, sel, t.doc_max_chars, heldout, read, where),
+            t.vocab_size,
+            trainer=t.trainer,
+            buffer_docs=buffer_docs,
+        )
     t_train = time.perf_counter() - t0 - t_scan
     _check_specials(tok, t.vocab_size)
     tok.encode_special_tokens = True  # compression of plain text: "<|bos|>" in a document is text
@@ -250,7 +262,7 @@ def run_tokenizer(cfg: Config) -> dict:
     return meta
 
 
-def _select(files: list[str], t, read: TextReader, where: Where) -> Selection:
+def _select(files: list[str], t, read: TextReader, where: Where, sizes: list[int]) -> Selection:
     """Pass 1 (which documents train), refusing a selection that cannot train."""
     log.info(
         "tokenize: %d input files, vocab %d, budget %d chars, scan on %s",
@@ -259,7 +271,7 @@ def _select(files: list[str], t, read: TextReader, where: Where) -> Selection:
         t.max_chars,
         "ray" if where.executor == "ray" else f"{where.workers} local process(es)",
     )
-    sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs, read, where)
+    sel = select_documents(files, t.max_chars, t.doc_max_chars, t.heldout_docs, read, where, sizes)
     if sel.train_docs == 0:
         raise ValueError(
             f"no training text: {sel.docs_seen} non-empty documents in {len(files)} files "
@@ -312,7 +324,9 @@ def _measure_compression(
         "tokenize: %d documents, too few to hold any out; compression measured on training text",
         sel.docs_seen,
     )
-    sample = list(iter_selected(files, sel.train, {}, t.doc_max_chars, [], sel.train_docs, read))
+    # read here, in file order: the first training documents, whatever ran the passes
+    train_only = Selection(train=sel.train, train_docs=sel.train_docs)
+    sample = list(iter_selected(files, train_only, t.doc_max_chars, [], read, Where()))
     return {**compression(tok, sample[: t.heldout_docs]), "sample": "training"}
 
 
