@@ -33,6 +33,16 @@ RAY_LOST_S with one line (RayClusterLost, exit 1), and a rerun runs only the unf
 Progress is the driver's only: it advances as units finish, by what each unit reports (its input
 bytes and documents), across every node. Ray's own logs stay out of the terminal
 unless CODEX_DEBUG=1.
+
+Every unit, on either executor, runs as a task (_run_task) under the stage's TaskPolicy
+(data.task.*): a transient I/O error (fsio.is_transient) runs the unit again after a backoff, in
+its task; a unit running past data.task.timeout_s fails (UnitTimeout, naming it);
+data.task.memory_gb is reserved per Ray task (Ray's memory=) and caps the local processes. Its
+log lines go to a file of its own, RUN/logs/<phase>/<unit>.log (e.g. logs/clean_unit/000012.log),
+whoever runs it. When a unit fails for good, no new unit starts, the units in flight finish
+(keeping their markers), and then its exception is raised, one logged line naming the unit. Ray's
+in-flight limit follows the cluster: its CPUs are read again every RAY_RESOURCES_S as nodes join
+and leave.
 """
 
 from __future__ import annotations
@@ -41,22 +51,33 @@ import atexit
 import collections
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
 import re
 import select
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from codex.core import fsio
 from codex.core.config import ConfigError
-from codex.core.progress import Progress, adopt_library_loggers, log_file, setup_logging
+from codex.core.progress import (
+    FILE_LOG_FORMAT,
+    Progress,
+    adopt_library_loggers,
+    log_file,
+    setup_logging,
+)
 
 log = logging.getLogger("codex.executor")
 
@@ -72,17 +93,33 @@ RAY_CONNECT_S = 3.0
 # before the stage stops (Ray's own driver would wait 60 s, then end the process with status 1)
 RAY_CHECK_S = 2.0
 RAY_LOST_S = 10.0
+# how often the driver reads the cluster's CPUs again while units run (nodes join and leave)
+RAY_RESOURCES_S = 2.0
 
 U = TypeVar("U")
 
 
 @dataclass(frozen=True)
+class TaskPolicy:
+    """What every unit's task gets (data.task.*; codex/core/config/data.py: TaskConfig)."""
+
+    memory_bytes: int = 0  # Ray's memory= reservation per task; 0: none
+    timeout_s: float = 0.0  # a unit running longer fails (UnitTimeout); 0: no limit
+    io_retries: int = 4  # attempts more after a transient I/O error
+    ray_pending: int = 16  # Ray: units queued beyond the cluster's CPUs, at least
+
+
+@dataclass(frozen=True)
 class Where:
-    """How a stage runs its units: `data.executor`, `data.ray_address` and the stage's workers."""
+    """How a stage runs its units: `data.executor`, `data.ray_address`, the stage's workers, its
+    tasks' policy (data.task.*) and where their log files go."""
 
     executor: str = "local"  # local | ray
     workers: int = 1
     ray_address: str = ""
+    task: TaskPolicy = TaskPolicy()
+    # the folder of the units' log files (RUN/logs); "": the driver's log file's, if it has one
+    logs: str = ""
     # local workers > 1: the process pool every run_units call uses (stage_pool), else one per call
     pool: cf.ProcessPoolExecutor | None = field(default=None, compare=False, repr=False)
     # ... and its first tasks, one a process: done once every process has started (and warmed)
@@ -117,9 +154,13 @@ def check_executor(data_cfg) -> None:
         check_ray_address(data_cfg.ray_address)
 
 
-def where_for(data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: int = 1) -> Where:
-    """The Where of a stage from the data config (data.executor, data.ray_address); workers 0
-    is auto_workers(input_bytes, bytes_per_worker) (a Ray runtime started here: every core)."""
+def where_for(
+    data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: int = 1, run: str = ""
+) -> Where:
+    """The Where of a stage from the data config (data.executor, data.ray_address, data.task);
+    workers 0 is auto_workers(input_bytes, bytes_per_worker) (a Ray runtime started here: every
+    core); local processes are as many as data.task.memory_gb lets fit in this machine's memory.
+    The units' log files go under RUN/logs (`run`), else beside the driver's log file."""
     check_executor(data_cfg)
     if workers < 0:
         raise ConfigError(
@@ -135,7 +176,47 @@ def where_for(data_cfg, workers: int, input_bytes: int = 0, bytes_per_worker: in
             input_bytes / 1e6,
             cores(),
         )
-    return Where(data_cfg.executor, workers, data_cfg.ray_address)
+    task = task_policy(getattr(data_cfg, "task", None))
+    if data_cfg.executor == "local" and task.memory_bytes:
+        fit = max(1, machine_memory() // task.memory_bytes)
+        if workers > fit:
+            log.warning(
+                "data.task.memory_gb=%g: %d worker(s) fit in this machine's %.1f GB, not %d",
+                task.memory_bytes / 1e9,
+                fit,
+                machine_memory() / 1e9,
+                workers,
+            )
+            workers = fit
+    return Where(
+        data_cfg.executor,
+        workers,
+        data_cfg.ray_address,
+        task,
+        fsio.join(run, "logs") if run else "",
+    )
+
+
+def task_policy(task_cfg) -> TaskPolicy:
+    """The TaskPolicy of data.task (TaskConfig); None: the defaults."""
+    if task_cfg is None:
+        return TaskPolicy()
+    return TaskPolicy(
+        memory_bytes=int(task_cfg.memory_gb * 1e9),
+        timeout_s=float(task_cfg.timeout_s),
+        io_retries=int(task_cfg.io_retries),
+        ray_pending=int(task_cfg.ray_pending),
+    )
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process's machine (or its container's cgroup limit) has."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                total = min(total, int(f.read().strip()))
+    return total
 
 
 def slots(where: Where) -> int:
@@ -158,18 +239,22 @@ def run_units(
     progress: Progress | None = None,
     count: Callable[[U, Any], dict[str, float]] | None = None,
 ) -> Iterator[tuple[U, Any]]:
-    """Run fn on every unit; yield (unit, result) as each finishes. A unit's exception is raised
-    here (after Ray's retries for a dead worker; an exception raised by fn itself is not retried:
-    bad input fails the same way twice). Per finished unit: progress.update(1, **count(unit,
-    result)), e.g. the bytes and documents it read."""
+    """Run fn on every unit, each as a task (_run_task: where.task's retries of transient I/O
+    errors and timeout, a log file of its own); yield (unit, result) as each finishes. When a unit
+    fails for good, no unit starts after it, those in flight finish (and are yielded), then its
+    exception is raised here, one error line naming the unit logged first (an exception raised
+    by fn that is not transient is not retried: bad input fails the same way twice; Ray retries a
+    task whose worker died). Per finished unit: progress.update(1, **count(unit, result)), e.g.
+    the bytes and documents it read."""
     if not units:
         return
+    tasks = _task_specs(fn, units, where)
     if where.executor == "ray":
-        runner = _run_ray(fn, units, where)
+        runner = _run_ray(tasks, units, where)
     elif where.workers == 1 or len(units) == 1:
-        runner = ((u, fn(u)) for u in units)
+        runner = _run_in_order(tasks, units)
     else:
-        runner = _run_pool(fn, units, where)
+        runner = _run_pool(tasks, units, where)
     try:
         for unit, result in runner:
             if progress is not None:
@@ -180,6 +265,193 @@ def run_units(
         runner.close()
         if where.executor == "ray" and not _stages:  # not inside a stage (stage_pool): detach
             detach_ray()
+
+
+# --- a unit's task: retries, timeout, log file -------------------------------------------------
+
+
+class UnitTimeout(RuntimeError):
+    """A unit ran past data.task.timeout_s (not a TimeoutError: that one is retried)."""
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One unit's task: what runs it and how (sent with the unit to the process that runs it)."""
+
+    fn: Callable[[Any], Any]
+    phase: str  # fn's name (clean_unit, dedup_partition, ...): the folder of its units' logs
+    name: str  # the unit's name, for messages and its log file
+    policy: TaskPolicy
+    log_path: str  # "": no log file of its own
+
+
+def unit_name(unit: Any, position: int) -> str:
+    """A unit's name in messages and its log file's name: its `name` (clean's units, through
+    their job's `unit`), `index` (dedup's partitions, shard's parts), split and first shard,
+    file name and first row, the unit itself (a number, a path's file name); else its position
+    in the stage's list. Only [A-Za-z0-9._@-] in it."""
+    if isinstance(unit, (int, str)) and not isinstance(unit, bool):
+        return (
+            re.sub(r"[^A-Za-z0-9._@-]", "_", fsio.basename(str(unit)))[-100:] or f"{position:06d}"
+        )
+    for get in (
+        lambda u: u.name,
+        lambda u: u.unit.name,
+        lambda u: f"{u.index:06d}",
+        lambda u: f"{u.split}-{u.first:06d}",
+        lambda u: fsio.basename(u.path) + (f"@{u.start}" if getattr(u, "start", 0) else ""),
+    ):
+        try:
+            name = get(unit)
+        except (AttributeError, TypeError, ValueError):
+            continue
+        if isinstance(name, str) and name:
+            break
+    else:
+        name = f"{position:06d}"
+    return re.sub(r"[^A-Za-z0-9._@-]", "_", name)[-100:]
+
+
+def _task_specs(fn, units: Sequence, where: Where) -> list[_Task]:
+    logs = where.logs or (os.path.dirname(log_file() or "") if log_file() else "")
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    phase = getattr(inner, "__name__", "unit")
+    tasks = []
+    for i, unit in enumerate(units):
+        name = unit_name(unit, i)
+        path = fsio.join(logs, phase, f"{name}.log") if logs else ""
+        tasks.append(_Task(fn, phase, name, where.task, path))
+    return tasks
+
+
+def _run_task(task: _Task, unit):
+    """task.fn(unit) in the process that runs the unit (this one, a pool process, a Ray worker),
+    its log lines in its own file, run again after a transient I/O error (a unit is idempotent),
+    stopped past its timeout."""
+    with _task_log(task), _deadline(task):
+        return fsio.with_retries(
+            lambda: task.fn(unit),
+            f"{task.phase} {task.name}",
+            attempts=task.policy.io_retries + 1,
+        )
+
+
+@contextlib.contextmanager
+def _deadline(task: _Task) -> Iterator[None]:
+    """UnitTimeout raised in the unit once task.policy.timeout_s has passed (SIGALRM: Python
+    code, and a blocking read or sleep, is interrupted; a call inside a C library that does not
+    return to Python is interrupted when it does). Only on a process's main thread, where units
+    run (this process, a pool process, a Ray worker); elsewhere the unit runs without."""
+    seconds = task.policy.timeout_s
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ring(_signum, _frame):
+        raise UnitTimeout(
+            f"{task.phase} {task.name} ran past data.task.timeout_s={seconds:g}s and was "
+            "stopped; raise the limit, or look at that unit's input"
+        )
+
+    before = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@contextlib.contextmanager
+def _task_log(task: _Task) -> Iterator[None]:
+    """While the unit runs, every log line of this process (codex's at INFO, the libraries' at
+    the level they pass) goes to the unit's log file too, with one line when it starts and one
+    when it ends (its time, or its error and traceback). A local file is appended to as lines
+    come (a retry's lines follow the earlier attempt's); a remote one (gs://) is written once, at
+    the end (an object cannot be appended to)."""
+    if not task.log_path:
+        yield
+        return
+    remote = fsio.is_remote(task.log_path)
+    if remote:
+        fd, path = tempfile.mkstemp(prefix="codex-task-", suffix=".log")
+        os.close(fd)
+    else:
+        path = task.log_path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path, mode="w" if remote else "a", encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter(FILE_LOG_FORMAT))
+    root, codex = logging.getLogger(), logging.getLogger("codex")
+    level = codex.level
+    if codex.getEffectiveLevel() > logging.INFO:  # a Ray worker: the root at WARNING
+        codex.setLevel(logging.INFO)
+    root.addHandler(handler)
+    what = f"{task.phase} {task.name}"
+
+    def line(levelno: int, msg: str, exc_info=None) -> None:
+        # to this file only: the terminal and the command's log file get no line per unit
+        handler.handle(log.makeRecord(log.name, levelno, "", 0, msg, (), exc_info))
+
+    line(logging.INFO, f"{what}: started on {worker_id()}")
+    t0 = time.monotonic()
+    try:
+        yield
+    except BaseException as e:
+        line(
+            logging.ERROR,
+            f"{what}: failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}",
+            sys.exc_info(),
+        )
+        raise
+    else:
+        line(logging.INFO, f"{what}: done in {time.monotonic() - t0:.1f}s")
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        codex.setLevel(level)
+        if remote:
+            try:
+                fsio.upload(path, task.log_path)
+            except Exception as e:  # the unit's own outcome stands; its log is lost
+                log.warning("%s: could not write its log %s: %s", what, task.log_path, e)
+            finally:
+                os.unlink(path)
+
+
+def _report_failures(failed: list[tuple[_Task, BaseException]], finished: int) -> BaseException:
+    """The exception to raise for the units that failed for good (the first one's), after one
+    error line naming them."""
+    task, first = failed[0]
+    names = ", ".join(t.name for t, _ in failed[:5]) + (" ..." if len(failed) > 5 else "")
+    log.error(
+        "%s: unit%s %s failed (%s: %s)%s; a rerun runs only the units without a marker%s",
+        task.phase,
+        "s" if len(failed) > 1 else "",
+        names,
+        type(first).__name__,
+        str(first).strip().splitlines()[0] if str(first).strip() else "",
+        f"; the {finished} other unit(s) in flight finished first" if finished else "",
+        f" (its log: {task.log_path})" if task.log_path else "",
+    )
+    with contextlib.suppress(Exception):
+        first.add_note(f"in {task.phase} unit {task.name}")
+    return first
+
+
+def _run_in_order(tasks: list[_Task], units: Sequence) -> Generator[tuple[Any, Any]]:
+    """Every unit in this process, in order; the first that fails ends the run."""
+    for task, unit in zip(tasks, units, strict=True):
+        failure: Exception | None = None
+        try:
+            result = _here(_run_task, task, unit)
+        except Exception as e:
+            failure = e
+        if failure is not None:
+            raise _report_failures([(task, failure)], 0)
+        yield unit, result
 
 
 def worker_id() -> str:
@@ -277,8 +549,8 @@ def _nothing() -> None:
     pass
 
 
-def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
-    """fn on every unit, on where.workers processes: this one and a pool of the others (the
+def _run_pool(tasks: list[_Task], units: Sequence, where: Where) -> Generator[tuple[Any, Any]]:
+    """Every unit's task, on where.workers processes: this one and a pool of the others (the
     stage's, else one for this call). Each pool process is fed one unit once it has started, and
     the next as it finishes one (done-callbacks, on the pool's thread: no process waits on this
     one); this process runs units too, handing on what the pool finished in between, then waits
@@ -286,13 +558,15 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
     start in the list's order (a stage puts its small units last: the processes run out of work
     together). So this process works from the start (while the others spawn and import), a phase
     shorter than a pool's start runs here whole, and no unit waits queued in the pool while a
-    process idles at the end. (One function, over 60 lines: the callbacks and the loop share
-    todo, running and the lock.)"""
+    process idles at the end. A unit that fails stops the feeding; the units in flight finish
+    and are yielded before its exception is raised. (One function, over 60 lines: the callbacks
+    and the loop share todo, running and the lock.)"""
     n = min(where.workers, len(units))
-    todo = collections.deque(units)
-    running: dict[cf.Future, Any] = {}  # in the pool: future -> unit
+    todo = collections.deque(zip(tasks, units, strict=True))
+    running: dict[cf.Future, tuple[_Task, Any]] = {}  # in the pool: future -> (task, unit)
     finished: queue.SimpleQueue = queue.SimpleQueue()  # futures the pool has finished
     broken: list[BaseException] = []  # the pool could take no unit (a process died)
+    failed: list[tuple[_Task, BaseException]] = []  # units that failed for good
     lock = threading.Lock()  # todo, running and broken, shared with the pool's thread
     pool, started = (where.pool, where.started) if where.pool else _new_pool(n - 1)
     with contextlib.nullcontext(pool) if where.pool else pool:
@@ -301,14 +575,14 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
             with lock:
                 if not todo:
                     return
-                unit = todo.popleft()
+                task, unit = todo.popleft()
                 try:
-                    fut = pool.submit(fn, unit)
+                    fut = pool.submit(_run_task, task, unit)
                 except Exception as e:  # broken, shut down: raised by the loop, unit kept
-                    todo.appendleft(unit)
+                    todo.appendleft((task, unit))
                     broken.append(e)
                     return
-                running[fut] = unit
+                running[fut] = (task, unit)
             fut.add_done_callback(next_unit)
 
         def next_unit(done: cf.Future) -> None:
@@ -316,6 +590,12 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
             if not done.cancelled():
                 feed()
 
+        def fail(task: _Task, e: BaseException) -> None:
+            failed.append((task, e))
+            with lock:
+                todo.clear()  # no new unit; those in flight finish
+
+        done_after = 0  # units that finished after the first failure
         try:
             for first in started[: n - 1]:
                 first.add_done_callback(feed)
@@ -323,17 +603,32 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
                 while not finished.empty():
                     fut = finished.get()
                     with lock:
-                        unit = running.pop(fut)
+                        task, unit = running.pop(fut)
+                    try:
+                        result = fut.result()
+                    except Exception as e:
+                        fail(task, e)
+                        continue
+                    done_after += bool(failed)
                     # popped: the driver holds no result it has already handed on
-                    yield unit, fut.result()  # re-raises the unit's exception
+                    yield unit, result
                 with lock:
                     if broken and not running:
                         raise broken[0]
-                    unit = todo.popleft() if todo else None
+                    item = todo.popleft() if todo else None
                     waiting = bool(running)
-                if unit is not None:
-                    yield unit, _here(fn, unit)
+                if item is not None:
+                    task, unit = item
+                    try:
+                        result = _here(_run_task, task, unit)
+                    except Exception as e:
+                        fail(task, e)
+                        continue
+                    done_after += bool(failed)
+                    yield unit, result
                 elif not waiting:
+                    if failed:
+                        raise _report_failures(failed, done_after)
                     return
                 else:
                     finished.put(finished.get())  # block until the pool finishes one
@@ -349,13 +644,13 @@ def _run_pool(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
             raise
 
 
-def _here(fn, unit):
-    """fn(unit) in this process, its environment as it was after (a unit may set its threads,
+def _here(fn, *args):
+    """fn(*args) in this process, its environment as it was after (a unit may set its threads,
     e.g. shard's RAYON_NUM_THREADS, for the process it runs in; this one goes on after the
     stage)."""
     env = dict(os.environ)
     try:
-        return fn(unit)
+        return fn(*args)
     finally:
         for key in os.environ.keys() - env.keys():
             del os.environ[key]
@@ -684,45 +979,92 @@ def _a_worker_on_every_node(ray, nodes: list[str], watch: _HeadWatch) -> int:
     return len(_wait(ray, refs, len(refs), RAY_WORKER_START_S, watch))
 
 
-def _one_cpu(fn, unit):
-    """A Ray task: fn(unit) on its one CPU. Ray sets OMP_NUM_THREADS to the task's CPUs; the
-    encoder's thread pool (rayon, built on first use in the worker) is held to one thread too."""
+def _ray_task(task: _Task, unit):
+    """A Ray task: the unit's task on its one CPU. Ray sets OMP_NUM_THREADS to the task's CPUs;
+    the encoder's thread pool (rayon, built on first use in the worker) is held to one thread
+    too."""
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return fn(unit)
+    return _run_task(task, unit)
 
 
-def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
+def in_flight_limit(cpus: int, pending: int) -> int:
+    """How many units the driver keeps submitted to a cluster of `cpus` CPUs: one running on
+    each, and as many queued (so every worker has its next unit), but at least `pending` queued:
+    an autoscaler adds nodes for the demand it sees queued, and a cluster whose workers scale up
+    from zero (a 0-CPU head) would otherwise see almost none."""
+    return max(1, cpus + max(cpus, pending))
+
+
+class _Limit:
+    """The in-flight limit of a Ray run, from the cluster's CPUs read again every
+    RAY_RESOURCES_S while units run: it rises as nodes join and falls as they leave (a unit
+    already submitted stays). Each change is logged ("ray: N CPUs ...")."""
+
+    def __init__(self, ray, pending: int, watch: _HeadWatch):
+        self.ray, self.pending, self.watch = ray, pending, watch
+        self.value = 0
+        self.read_at = -math.inf
+        self.read()
+
+    def read(self) -> int:
+        if time.monotonic() - self.read_at < RAY_RESOURCES_S:
+            return self.value
+        self.read_at = time.monotonic()
+        # asked of the head: while it does not answer, the last value stands (and the watch
+        # ends the stage once it has not answered for RAY_LOST_S)
+        if self.value and not self.watch.check(now=True):
+            return self.value
+        cpus = int(self.ray.cluster_resources().get("CPU", 0))
+        value = in_flight_limit(cpus, self.pending)
+        if value != self.value:
+            log.info("ray: %d CPUs in the cluster: up to %d units in flight", cpus, value)
+            self.value = value
+        return value
+
+
+def _run_ray(tasks: list[_Task], units: Sequence, where: Where) -> Generator[tuple[Any, Any]]:
     ray = connect_ray(where)
     watch = _watch or _HeadWatch(ray, _ray_address(where.ray_address)[0])
     # SPREAD: units go to every node from the start, rather than packing onto the first node until
     # it is saturated (short units could all finish there before another node starts a worker)
-    task = ray.remote(
-        num_cpus=1,
-        max_retries=RAY_MAX_RETRIES,
-        retry_exceptions=False,
-        scheduling_strategy="SPREAD",
-    )(_one_cpu)
-    named = task.options(name=fn.__name__)  # `ray::clean_unit` in ps and Ray's state API
-    # A bounded number in flight: the driver holds refs, not results, and a huge plan does not
-    # flood the scheduler; twice the CPUs keeps every worker fed.
-    limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-    queue = list(units)
-    queue.reverse()
-    running: dict[Any, Any] = {}
+    options: dict[str, Any] = {
+        "num_cpus": 1,
+        "max_retries": RAY_MAX_RETRIES,
+        "retry_exceptions": False,
+        "scheduling_strategy": "SPREAD",
+    }
+    if where.task.memory_bytes:
+        options["memory"] = where.task.memory_bytes
+    remote = ray.remote(**options)(_ray_task)
+    named = remote.options(name=tasks[0].phase)  # `ray::clean_unit` in ps and Ray's state API
+    # A bounded number in flight (_Limit): the driver holds refs, not results, and a huge plan
+    # does not flood the scheduler
+    limit = _Limit(ray, where.task.ray_pending, watch)
+    todo = list(zip(tasks, units, strict=True))
+    todo.reverse()
+    running: dict[Any, tuple[_Task, Any]] = {}
+    failed: list[tuple[_Task, BaseException]] = []
+    done_after = 0
     try:
-        while queue or running:
-            while queue and len(running) < limit:
-                u = queue.pop()
-                running[named.remote(fn, u)] = u
-            done = _wait(ray, list(running), 1, None, watch)
+        while (todo and not failed) or running:
+            while todo and not failed and len(running) < limit.read():
+                task, u = todo.pop()
+                running[named.remote(task, u)] = (task, u)
+            done = _wait(ray, list(running), 1, RAY_RESOURCES_S, watch)
             for ref in done:
-                u = running.pop(ref)
+                task, u = running.pop(ref)
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)
-                    raise (cause if isinstance(cause, BaseException) else e) from None
+                    failed.append((task, cause if isinstance(cause, BaseException) else e))
+                    continue
+                except ray.exceptions.RayError as e:  # its worker died RAY_MAX_RETRIES + 1 times
+                    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    failed.append((task, UnitFailed(f"{task.phase} {task.name}: {why}")))
+                    continue
+                done_after += bool(failed)
                 yield u, result
     except RayClusterLost:
         raise  # nothing left to cancel them
@@ -730,3 +1072,9 @@ def _run_ray(fn, units, where: Where) -> Generator[tuple[Any, Any]]:
         for ref in running:
             ray.cancel(ref, force=True)
         raise
+    if failed:
+        raise _report_failures(failed, done_after)
+
+
+class UnitFailed(RuntimeError):
+    """A unit's Ray task failed without an exception of its own (its worker died, every retry)."""

@@ -194,36 +194,45 @@ class RayCluster:
         # A head started by `ray start` turns on token authentication (Ray >= 2.5x) unless told
         # not to; a throwaway cluster on 127.0.0.1 needs none, and its nodes and driver agree.
         os.environ["RAY_AUTH_MODE"] = "disabled"
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        common = ["--num-cpus", "1", "--object-store-memory", str(200 << 20)]
-        common += ["--disable-usage-stats"]
-        head = ["--head", "--port", str(cluster.port), "--temp-dir", cluster.temp]
-        head += ["--include-dashboard=false", "--ray-client-server-port", str(_free_port())]
         cold = Path(cluster.temp) / "cold"
         cold.mkdir()
         (cold / "sitecustomize.py").write_text(_COLD_FIRST_WORKER)
-        path = os.pathsep.join(filter(None, [str(cold), os.environ.get("PYTHONPATH")]))
         for i in range(nodes):
-            args = head if i == 0 else ["--address", cluster.address]
-            node_env = dict(env, PYTHONPATH=path) if cold_second and i == 1 else env
-            proc = subprocess.Popen(
-                [str(RAY_EXE), "start", *args, *common],
-                env=node_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its daemons stay in this session and group
-            )
-            cluster.sessions.append(proc.pid)
-            try:
-                out, _ = proc.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                out = "`ray start` took over 180 s"
-            if proc.returncode:
-                cluster.stop()
-                last = out.strip().splitlines()[-1:]
-                raise RuntimeError(f"ray start (node {i}): {' '.join(last)}")
+            cluster.add_node(cold=cold_second and i == 1)
         return cluster
+
+    def add_node(self, cold: bool = False) -> None:
+        """Start one more node of 1 CPU (the first one: the head); cold: its first worker starts
+        5 s late. Raises RuntimeError with Ray's last line, after ending the whole cluster, when
+        it cannot start."""
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        common = ["--num-cpus", "1", "--object-store-memory", str(200 << 20)]
+        common += ["--disable-usage-stats"]
+        if self.sessions:
+            args = ["--address", self.address]
+        else:
+            args = ["--head", "--port", str(self.port), "--temp-dir", self.temp]
+            args += ["--include-dashboard=false", "--ray-client-server-port", str(_free_port())]
+        if cold:
+            path = [str(Path(self.temp) / "cold"), os.environ.get("PYTHONPATH")]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+        proc = subprocess.Popen(
+            [str(RAY_EXE), "start", *args, *common],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its daemons stay in this session and group
+        )
+        self.sessions.append(proc.pid)
+        try:
+            out, _ = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            out = "`ray start` took over 180 s"
+        if proc.returncode:
+            self.stop()
+            last = out.strip().splitlines()[-1:]
+            raise RuntimeError(f"ray start (node {len(self.sessions) - 1}): {' '.join(last)}")
 
     def processes(self) -> list[int]:
         """The cluster's live processes (pids)."""

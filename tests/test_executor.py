@@ -159,3 +159,175 @@ def test_one_worker_runs_every_unit_here():
     got = [r for _, r in run_units(who, [1, 2], Where(workers=1))]
     assert {pid for _, pid in got} == {os.getpid()}
     assert executor.slots(Where(workers=3)) == 3  # units side by side: the driver counts
+
+
+# --- the failure policy, the tasks' settings and log files (data.task.*) ----------------------
+
+
+def slow_or_bad(folder: str, unit: int) -> int:
+    """Unit 1 fails at once; the others take a moment, then leave a file (their 'marker')."""
+    if unit == 1:
+        raise ValueError(f"bad unit {unit}")
+    time.sleep(0.3)
+    open(os.path.join(folder, f"done-{unit}"), "w").close()
+    return unit
+
+
+def test_a_failing_unit_lets_the_units_in_flight_finish_then_raises_naming_it(tmp_path, caplog):
+    """Unit 0 runs in the pool process when unit 1 fails in this one: unit 0 finishes, is yielded
+    (its marker kept), no later unit starts, and unit 1's own exception is raised after one
+    error line naming it."""
+    fn = functools.partial(slow_or_bad, str(tmp_path))
+    got = []
+    with stage_pool(Where(workers=2)) as where:
+        cf.wait(where.started)
+        with caplog.at_level("ERROR", logger="codex.executor"):
+            with pytest.raises(ValueError, match="bad unit 1"):
+                for unit, _ in run_units(fn, [0, 1, 2, 3, 4], where):
+                    got.append(unit)
+    assert got == [0]  # finished after unit 1 failed, and handed on
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-0"]  # nothing started after
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "slow_or_bad: unit 1 failed (ValueError: bad unit 1)" in line, line
+    assert "1 other unit(s) in flight finished first" in line, line
+
+
+def flaky(folder: str, unit: int) -> int:
+    """Fails with a dropped connection on its first attempt, then succeeds; counts attempts."""
+    tries = os.path.join(folder, f"tries-{unit}")
+    with open(tries, "a") as f:
+        f.write("x")
+    if os.path.getsize(tries) == 1:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    return unit
+
+
+def bad_input(folder: str, unit: int) -> int:
+    with open(os.path.join(folder, f"tries-{unit}"), "a") as f:
+        f.write("x")
+    raise ValueError(f"row 3 of unit {unit}: not valid JSON")
+
+
+def test_a_transient_io_error_runs_the_unit_again_bad_input_does_not(tmp_path):
+    policy = executor.TaskPolicy(io_retries=2)
+    fn = functools.partial(flaky, str(tmp_path))
+    assert [u for u, _ in run_units(fn, [7], Where(task=policy))] == [7]
+    assert (tmp_path / "tries-7").read_text() == "xx"
+    with pytest.raises(ValueError, match="not valid JSON"):
+        list(run_units(functools.partial(bad_input, str(tmp_path)), [8], Where(task=policy)))
+    assert (tmp_path / "tries-8").read_text() == "x"  # once: it would fail the same way again
+    with pytest.raises(ConnectionResetError):  # no retries: the first error stands
+        list(run_units(fn, [9], Where(task=executor.TaskPolicy(io_retries=0))))
+
+
+@pytest.mark.parametrize(
+    "error, transient",
+    [
+        (ConnectionResetError(104, "reset"), True),
+        (TimeoutError("read timed out"), True),
+        (OSError(5, "Input/output error"), True),  # EIO
+        (OSError(28, "No space left on device"), False),
+        (FileNotFoundError(2, "gone"), False),
+        (PermissionError(13, "denied"), False),
+        (ValueError("not valid JSON"), False),
+    ],
+)
+def test_which_errors_are_transient(error, transient):
+    from codex.core import fsio
+
+    assert fsio.is_transient(error) is transient
+
+
+def test_gcsfs_http_errors_429_and_5xx_are_transient_404_is_not():
+    from gcsfs.retry import HttpError
+
+    from codex.core import fsio
+
+    def http(code: int) -> HttpError:
+        return HttpError({"code": code, "message": f"status {code}"})
+
+    assert [fsio.is_transient(http(c)) for c in (429, 500, 503, 404, 403)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    try:  # a reader's error raised from a transient one is transient too
+        raise ValueError("part-00001.parquet: cannot read") from http(503)
+    except ValueError as e:
+        assert fsio.is_transient(e)
+
+
+def sleeper(unit: int) -> int:
+    time.sleep(60)
+    return unit
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_unit_past_its_timeout_is_stopped_and_fails_naming_it(workers):
+    """workers=1: the unit runs in this process; 2: in the pool's (both: their main thread)."""
+    where = Where(workers=workers, task=executor.TaskPolicy(timeout_s=0.5))
+    with stage_pool(where) as where:
+        cf.wait(where.started)
+        with pytest.raises(executor.UnitTimeout, match=r"sleeper [34] ran past .*timeout_s=0.5s"):
+            list(run_units(sleeper, [3, 4], where))
+
+
+def test_the_memory_reservation_caps_the_local_processes(caplog):
+    from codex.core.config import Config
+
+    cfg = Config()
+    assert executor.where_for(cfg.data, 4).workers == 4
+    # a unit reserving 60% of the machine: one process fits
+    cfg.data.task.memory_gb = 0.6 * executor.machine_memory() / 1e9
+    with caplog.at_level("WARNING", logger="codex.executor"):
+        where = executor.where_for(cfg.data, 4)
+    assert where.workers == 1
+    assert where.task.memory_bytes == int(cfg.data.task.memory_gb * 1e9)
+    assert "1 worker(s) fit in this machine's" in caplog.text
+
+
+def warn_and_return(unit: int) -> int:
+    import logging
+
+    logging.getLogger("codex.test").warning("unit %d says hello from %d", unit, os.getpid())
+    logging.getLogger("somelib").warning("a library's warning in unit %d", unit)
+    if unit == 3:
+        raise ValueError("unit 3 is bad")
+    return unit
+
+
+def test_every_unit_leaves_a_log_file_of_its_own(tmp_path):
+    where = Where(workers=2, logs=str(tmp_path / "logs"))
+    with pytest.raises(ValueError, match="unit 3 is bad"):
+        list(run_units(warn_and_return, [1, 2, 3], where))
+    folder = tmp_path / "logs" / "warn_and_return"
+    assert sorted(p.name for p in folder.iterdir()) == ["1.log", "2.log", "3.log"]
+    for unit in (1, 2):
+        text = (folder / f"{unit}.log").read_text()
+        assert f"WARNING codex.test: unit {unit} says hello" in text, text
+        assert f"WARNING somelib: a library's warning in unit {unit}" in text, text
+        assert f"warn_and_return {unit}: done in" in text, text
+        assert f"unit {3 - unit} says" not in text  # its own lines only
+    bad = (folder / "3.log").read_text()
+    assert "warn_and_return 3: failed after" in bad and "ValueError: unit 3 is bad" in bad, bad
+    assert "Traceback" in bad, bad
+
+
+def test_a_units_log_file_on_gcs_is_written_when_it_ends(gcs_bucket):
+    from codex.core import fsio
+
+    logs = f"{gcs_bucket}/run/logs"
+    assert [u for u, _ in run_units(warn_and_return, [2], Where(logs=logs))] == [2]
+    text = fsio.read_text(f"{logs}/warn_and_return/2.log")
+    assert "WARNING codex.test: unit 2 says hello" in text and "done in" in text, text
+
+
+def test_the_ray_in_flight_limit_queues_demand_beyond_the_cpus():
+    """A 0-CPU head with workers scaling from zero still gets `pending` units to show the
+    autoscaler; a big cluster keeps each CPU busy and one unit queued for each."""
+    assert executor.in_flight_limit(0, 16) == 16
+    assert executor.in_flight_limit(4, 16) == 20
+    assert executor.in_flight_limit(500, 16) == 1000
+    assert executor.in_flight_limit(0, 0) == 1  # never none

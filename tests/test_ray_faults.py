@@ -13,6 +13,7 @@ by killing those, never `ray stop`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -21,7 +22,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -308,3 +311,133 @@ def test_a_lost_ray_head_mid_clean_ends_in_one_line_and_a_rerun_resumes(tmp_path
     for name in [*names, "stats.json"]:
         assert (got_dir / name).read_bytes() == (ref_dir / name).read_bytes(), name
     assert not list(got_dir.rglob(".tmp-*"))
+
+
+# --- the failure policy, the tasks' settings and log files on Ray (data.task.*) ----------------
+
+
+def _slow_or_bad(folder: str, unit: int) -> int:
+    """Unit 1 fails at once; the others take a moment, then leave a file (their 'marker')."""
+    if unit == 1:
+        raise ValueError(f"bad unit {unit}")
+    time.sleep(1.0 if unit == 0 else 0.1)
+    Path(folder, f"done-{unit}").touch()
+    return unit
+
+
+def _sleeper(unit: int) -> int:
+    time.sleep(120)
+    return unit
+
+
+def test_on_ray_a_failing_unit_lets_those_in_flight_finish_and_a_slow_one_times_out(
+    tmp_path, ray_cluster, caplog
+):
+    """Two CPUs, no extra units queued (ray_pending 0): 4 units in flight. Unit 1 fails while
+    unit 0 runs: unit 0 (and the other two submitted) finish and are handed on, none after them
+    starts, and unit 1's ValueError is raised after one line naming it. Then a unit past
+    data.task.timeout_s is stopped in its worker and fails naming it (UnitTimeout)."""
+    from codex.pipeline import executor
+
+    where = executor.Where("ray", 2, ray_cluster, executor.TaskPolicy(ray_pending=0))
+    fn = functools.partial(_slow_or_bad, str(tmp_path))
+    got = []
+    with executor.stage_pool(where) as where:
+        with caplog.at_level(logging.INFO, logger="codex.executor"):
+            with pytest.raises(ValueError, match="bad unit 1"):
+                for unit, _ in executor.run_units(fn, list(range(12)), where):
+                    got.append(unit)
+        assert 0 in got, got
+        done = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("done-*"))
+        assert done == sorted(got) and len(done) == 3, done  # 4 in flight, less the bad one
+        assert "ray: 2 CPUs in the cluster: up to 4 units in flight" in caplog.text
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "_slow_or_bad: unit 1 failed (ValueError" in errors[0]
+
+        timed = replace(where, task=executor.TaskPolicy(timeout_s=1.0))
+        with pytest.raises(executor.UnitTimeout, match="_sleeper 5 ran past"):
+            list(executor.run_units(_sleeper, [5], timed))
+
+
+def _report(folder: str, unit: int) -> dict:
+    """Logs a warning; unit 1 fails with a dropped connection on its first attempt; returns the
+    resources Ray gave its task."""
+    import ray
+
+    logging.getLogger("codex.test").warning("unit %d says hello from %d", unit, os.getpid())
+    tries = Path(folder, f"tries-{unit}")
+    with open(tries, "a") as f:
+        f.write("x")
+    if unit == 1 and tries.read_text() == "x":
+        raise ConnectionResetError(104, "Connection reset by peer")
+    return ray.get_runtime_context().get_assigned_resources()
+
+
+def test_on_ray_each_unit_reserves_its_memory_retries_transient_errors_and_logs_to_its_file(
+    tmp_path, ray_cluster
+):
+    from codex.pipeline import executor
+
+    policy = executor.TaskPolicy(memory_bytes=50 << 20, io_retries=1)
+    where = executor.Where("ray", 2, ray_cluster, policy, logs=str(tmp_path / "logs"))
+    fn = functools.partial(_report, str(tmp_path))
+    got = dict(executor.run_units(fn, [0, 1], where))
+    assert got[0] == {"CPU": 1.0, "memory": float(50 << 20)}, got
+    assert (tmp_path / "tries-1").read_text() == "xx"  # run again, in its task
+    folder = tmp_path / "logs" / "_report"
+    assert sorted(p.name for p in folder.iterdir()) == ["0.log", "1.log"]
+    for unit in (0, 1):
+        text = (folder / f"{unit}.log").read_text()
+        assert f"WARNING codex.test: unit {unit} says hello" in text, text
+        assert f"_report {unit}: started on ray-node-" in text, text
+    retried = (folder / "1.log").read_text()
+    assert "transient error (ConnectionResetError" in retried, retried
+
+
+def _wait_for(flag: str, unit: int) -> int:
+    """Runs until the test lets the units go (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return unit
+
+
+@pytest.mark.slow
+def test_the_ray_in_flight_limit_rises_when_a_node_joins_mid_stage(tmp_path, caplog):
+    """A 1-node cluster: 2 units in flight (ray_pending 0). A second node joins while they run:
+    the driver reads the cluster's CPUs again and keeps 4 in flight."""
+    from codex.pipeline import executor
+
+    cluster = RayCluster.start(nodes=1, prefix="rayn")
+    flag = str(tmp_path / "go")
+    rose = threading.Event()
+
+    def add_a_node() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while "up to 2 units in flight" not in caplog.text:  # the driver has started
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.1)
+            cluster.add_node()
+            while time.monotonic() < deadline:
+                if "2 CPUs in the cluster: up to 4 units in flight" in caplog.text:
+                    rose.set()
+                    return
+                time.sleep(0.1)
+        finally:
+            Path(flag).touch()  # the units go on either way
+
+    where = executor.Where("ray", 1, cluster.address, executor.TaskPolicy(ray_pending=0))
+    adder = threading.Thread(target=add_a_node, daemon=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="codex.executor"):
+            adder.start()
+            fn = functools.partial(_wait_for, flag)
+            got = sorted(u for u, _ in executor.run_units(fn, list(range(8)), where))
+        adder.join(timeout=150)
+    finally:
+        cluster.stop()
+    assert got == list(range(8))
+    assert rose.is_set(), caplog.text[-3000:]
+    assert "ray: 1 CPUs in the cluster: up to 2 units in flight" in caplog.text

@@ -106,7 +106,7 @@ def _read_sources(_ctx, _param, path):
 
 
 @data.command("clean", cls=ConfigCommand)
-@with_config("data.clean", "data.executor", "data.ray_address")
+@with_config("data.clean", "data.executor", "data.ray_address", "data.task")
 @key_option("--input", key="data.clean.inputs", multiple=True, metavar="PATH")
 @executor_options
 @key_option("--workers", key="data.clean.workers")
@@ -148,7 +148,7 @@ def data_clean(cfg):
 
 
 @data.command("tokenize", cls=ConfigCommand)
-@with_config("data.tokenizer", "data.executor", "data.ray_address")
+@with_config("data.tokenizer", "data.executor", "data.ray_address", "data.task")
 @key_option("--vocab-size", key="data.tokenizer.vocab_size")
 @key_option("--max-chars", key="data.tokenizer.max_chars")
 @key_option("--doc-max-chars", key="data.tokenizer.doc_max_chars")
@@ -179,7 +179,7 @@ def data_tokenize(cfg):
 
 
 @data.command("shard", cls=ConfigCommand)
-@with_config("data.shard", "data.executor", "data.ray_address")
+@with_config("data.shard", "data.executor", "data.ray_address", "data.task")
 @key_option("--out", key="data.shard.out")
 @key_option("--shard-tokens", key="data.shard.shard_tokens")
 @key_option("--val-fraction", key="data.shard.val_fraction")

@@ -13,6 +13,7 @@ STORAGE_EMULATOR_HOST (see tests/conftest.py); nothing here knows about the emul
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -316,28 +317,69 @@ def download(remote_path: str, local_path: str) -> None:
 # --- retries and hashing --------------------------------------------------------------------------
 
 
-def _is_transient(e: BaseException) -> bool:
+# OSErrors of a connection or a device that a second attempt may not meet (EIO: a FUSE mount's
+# or a network filesystem's read that failed)
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "ECONNREFUSED",
+        "ETIMEDOUT",
+        "EPIPE",
+        "EAGAIN",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENETRESET",
+        "EHOSTUNREACH",
+        "EHOSTDOWN",
+    )
+    if hasattr(errno, name)
+)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether an error may go away on a second attempt: a dropped or timed-out connection, an
+    EIO or ECONNRESET, HTTP 408/429/5xx (gcsfs' HttpError, aiohttp's, requests'), or an error
+    raised from one of those (`raise ... from e`). A missing file, a refused permission or bad
+    data is not: it fails the same way twice."""
+    seen = 0
+    while e is not None and seen < 8:
+        if _transient_here(e):
+            return True
+        e, seen = e.__cause__, seen + 1  # type: ignore[assignment]
+    return False
+
+
+def _transient_here(e: BaseException) -> bool:
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
     code = getattr(e, "code", None) or getattr(e, "status", None)
-    if isinstance(code, int):
-        return code == 429 or code == 408 or code >= 500
-    return type(e).__module__.startswith(("aiohttp", "requests", "urllib3"))
+    if isinstance(code, int) and 100 <= code < 600:  # an HTTP status
+        return code in (408, 429) or code >= 500
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    module = type(e).__module__
+    if module.startswith("gcsfs") and type(e).__name__ == "ChecksumError":
+        return True  # the bytes arrived damaged: fetch them again
+    return module.startswith(("aiohttp", "requests", "urllib3")) and not isinstance(e, ValueError)
 
 
-def with_retries(fn, what: str, attempts: int = RETRIES):
-    """fn() with exponential backoff on transient (network/5xx/429) errors; anything else raises."""
+def with_retries(fn, what: str, attempts: int = RETRIES, backoff_s: float = 1.0):
+    """fn() with exponential backoff (backoff_s, twice that, ... up to 30 s) on transient errors
+    (is_transient); anything else, or the last attempt's error, raises."""
     for i in range(attempts):
         try:
             return fn()
         except Exception as e:
-            if i == attempts - 1 or not _is_transient(e):
+            if i == attempts - 1 or not is_transient(e):
                 raise
-            wait = min(2.0**i, 30.0)
+            wait = min(backoff_s * 2.0**i, 30.0)
             log.warning(
-                "%s: transient error (%s: %s); retry %d/%d in %.0fs",
+                "%s: transient error (%s: %s); retry %d/%d in %.1fs",
                 what,
                 type(e).__name__,
                 e,

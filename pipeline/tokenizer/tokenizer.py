@@ -179,7 +179,7 @@ def run_tokenizer(cfg: Config) -> dict:
     """
     _validate(cfg)
     t = cfg.data.tokenizer
-    where = where_for(cfg.data, t.workers)
+    where = where_for(cfg.data, t.workers, run=cfg.run)
     t0 = time.perf_counter()
     stage = Stage(
         "codex data tokenize",
