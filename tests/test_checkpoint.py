@@ -231,3 +231,50 @@ def test_pinned_staging_works_without_torchs_private_pinning_module(monkeypatch)
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError)):
             pin(0, 1)
+
+
+def test_a_hosts_shards_round_trip_into_any_split(tmp_path):
+    """An XLA SPMD tensor is written as its host's pieces (train/checkpoint/xla_shards.py:
+    HostShards), each a chunk of the global tensor: one process reads it whole, and pieces of
+    another split (another mesh) are filled from the chunks that overlap them. DCP's set-up would
+    replace a HostShards target with None in the caller's tree; the planner keeps it."""
+    from codex.train.checkpoint.xla_shards import HostShards
+
+    run = str(tmp_path / "run")
+    full = torch.arange(40.0).reshape(10, 4)
+    written = HostShards(full.shape, full.dtype, {(0, 0): full[:5].clone(), (5, 0): full[5:]})
+    checkpoint.save(run, _state(1) | {"model": {"w": written}})
+    tree = checkpoint.read_skeleton(checkpoint.step_dir(run, 1))
+    assert tree["model"]["w"] == {"__tensor__": [10, 4], "dtype": "float32"}
+    assert torch.equal(checkpoint.load(run, 1)["model"]["w"], full)
+    split = {(0, 0): torch.empty(3, 4), (3, 0): torch.empty(3, 4), (6, 0): torch.empty(4, 4)}
+    target = HostShards(full.shape, full.dtype, split)
+    targets = {"model": {"w": target}}
+    from codex.train.checkpoint import dcp as dcp_io
+
+    dcp_io.read_tensors(checkpoint.step_dir(run, 1), targets)
+    assert targets["model"]["w"] is target
+    assert torch.equal(torch.cat([split[(0, 0)], split[(3, 0)], split[(6, 0)]]), full)
+
+
+def test_a_hosts_shards_stage_for_a_background_save(tmp_path):
+    """train.async_save copies what this rank writes into its staging buffer (dcp.py: staged) and
+    the writer writes it from there: HostShards pieces too, found by their offsets."""
+    from codex.train.checkpoint import dcp as dcp_io
+    from codex.train.checkpoint.xla_shards import HostShards
+    from codex.train.distributed.control import ControlPlane
+
+    full = torch.arange(24.0).reshape(6, 4)
+    pieces = {(0, 0): full[:3].clone(), (3, 0): full[3:].clone()}
+    tree = {"model": {"w": HostShards(full.shape, full.dtype, pieces), "b": torch.ones(3)}}
+    cache = dcp_io.StagingCache()
+    assert dcp_io.staged(tree, cache, ControlPlane())
+    pieces[(0, 0)].zero_()  # training goes on: the staged copy is what gets written
+    assert cache.plan is not None
+    dcp_io.write_staged(str(tmp_path), cache.plan, cache.views, ControlPlane())
+    target = {"model": {"w": torch.empty(6, 4), "b": torch.empty(3)}}
+    dcp_io.read_tensors(str(tmp_path), target)
+    assert torch.equal(target["model"]["w"], full) and torch.equal(
+        target["model"]["b"], torch.ones(3)
+    )
+    assert not dcp_io.staged(tree, cache, ControlPlane())  # same layout: the plan is kept

@@ -135,3 +135,22 @@ def test_the_xla_environment_is_set_before_anything_imports_torch_xla(
         cli, ["train", "--run", f"{gcs_bucket}/run", "--hardware", "v5p-16"], catch_exceptions=False
     )
     assert seen and set(seen) == {"1"}  # every import attempt, the first included, saw the setting
+
+
+def test_docs_hardware_tables_are_what_codex_hardware_prints():
+    """docs/hardware.md's tables are `codex hardware`, `--model 1b` and `--model 7b --optimizer
+    adamw` as printed now: a change to the plan or a preset that changes them fails here until
+    the tables are regenerated."""
+    from pathlib import Path
+
+    from codex.train.plan.hardware import format_model_fit
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "hardware.md").read_text()
+    blocks = [b.strip("\n") for b in doc.split("```")[1::2]]
+    table = format_hardware_table().split("\n\n")[0]
+    assert table in blocks
+    from codex.core.config.train import TrainConfig
+
+    # `codex hardware --optimizer` defaults to train.optimizer's default
+    assert format_model_fit("1b", optimizer=TrainConfig().optimizer) in blocks
+    assert format_model_fit("7b", optimizer="adamw") in blocks

@@ -214,11 +214,14 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     # bf16: 2d + 4d (norm) + 8d (q) + 8 kv (k) + 2 kv (v) + SDPA 2d + K/V copies 4d + 4 H T,
     # c_proj input 2d, mid 2d, MLP norm 4d, SwiGLU 8h
     per_layer = 28 * d + 10 * kv + 8 * h + 4 * H * T
-    # the cached XLA step (ZeRO-2): every weight gathered in bf16 once before its While, which
-    # carries the whole fp32 gradient sums (tests/test_xla_program.py reads both in the HLO)
-    gathered = 2 * P
+    # the cached XLA step (ZeRO-3 over the stacked blocks): two blocks gathered in bf16 inside
+    # the layer loop, the root (embedding = head, final norm) whole, one block's unsharded
+    # gradient in bf16 and fp32 before its reduce-scatter; the gradients are the sharded fp32
+    # accumulators, 4 P / 8, for the whole step
+    root = P - L * block
+    gathered = 2 * (2 * block + root) + (2 + 4) * block
     p = plan(sdpa, pod, 1, T, Setting(layout="fsdp"))
-    assert p.gradients == 4 * P
+    assert p.gradients == p.step_gradients == 4 * P // 8 and p.reshard_after_forward
     assert (p.shards, p.attention, p.weights, p.optimizer_state) == (
         8,
         "math",
@@ -227,14 +230,15 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
     )
     assert p.compute_weights == gathered
     assert p.activations == N * (L * per_layer + 6 * d) and p.workspace == N * per_layer
-    total = 12 * P // 8 + 4 * P + gathered + N * (L * per_layer + 6 * d) + 12 * V * N
+    # 16 P / F, the gathered blocks, and the forward and backward's own
+    total = 16 * P // 8 + gathered + N * (L * per_layer + 6 * d) + 12 * V * N
     total += N * per_layer
     assert p.total == total and total < HEADROOM * 16 * GB
     assert choose_layout(sdpa, pod, 1, T) == "fsdp"
     assert choose_layout(model("124m"), pod, 1, T) == "replicate"
-    assert device_defaults(pod, sdpa, Setting(layout="auto")) == (1, 1024)
+    assert device_defaults(pod, sdpa, Setting(layout="auto")) == (2, 1024)
     # the default attention (flash) holds no T x T: twice the batch fits
-    assert device_defaults(pod, model("1b"), Setting(layout="auto")) == (2, 1024)
+    assert device_defaults(pod, model("1b"), Setting(layout="auto")) == (4, 1024)
 
 
 def test_parameter_count_matches_the_model_for_every_shape_option():
@@ -336,7 +340,10 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert res.exit_code == 0, res.output
     rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:] if line.strip()}
     assert rows["v5litepod-1"][5:7] == ["no", "-"]
-    assert rows["v5litepod-8"][3:7] == ["-", "2×1024", "yes", "fsdp"]
+    assert rows["v5litepod-8"][3:7] == ["-", "4×1024", "yes", "fsdp"]
+    # multi-host slices shard too (each host checkpoints its own shards)
+    assert rows["v6e-16"][4] == rows["v6e-32"][4] == "4×2048"
+    assert rows["v5litepod-16"][3:7] == ["-", "4×1024", "yes", "fsdp"]
     assert rows["h100"][3:7] == ["16×2048", "-", "yes", "replicate"]
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
@@ -433,8 +440,8 @@ def test_the_compiled_plan_is_within_15_percent_of_a_measured_compiled_cpu_step(
 def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypatch):
     """Every accelerator preset: where `codex hardware --model` says the model fits (and with
     which layout), codex train's batch resolution with train.parallel=auto accepts it with that
-    layout; where it says no, training is refused (exit 2). Multi-host TPU presets never offer
-    fsdp (not built there), and asking for it is refused."""
+    layout; where it says no, training is refused (exit 2). Multi-host TPU presets offer fsdp like
+    any other (each host checkpoints its own shards), and asking for it is accepted."""
     from codex.train.plan import memory
     from codex.train.plan.hardware import model_fit
     from codex.train.plan.plan import resolve_batch
@@ -453,13 +460,12 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
             continue
         B, T, *_, layout = resolve_batch(cfg, p, p.devices)
         assert (layout.parallel, T) == (fit.layout, fit.seq_len), (model, p.name)
-        if p.kind == "tpu" and p.hosts > 1:
-            assert fit.fsdp == 0 and fit.layout == "replicate", (model, p.name)
+        if p.kind == "tpu" and p.hosts > 1 and fit.fsdp:
             fsdp = build_config(
                 model=model, overrides=[f"train.hardware={p.name}", "train.parallel=fsdp"]
             )
-            with pytest.raises(ConfigError, match="fsdp on TPU runs on one host"):
-                resolve_batch(fsdp, p, p.devices)
+            *_, layout = resolve_batch(fsdp, p, p.devices)
+            assert layout.parallel == "fsdp", (model, p.name)
 
 
 def test_the_plan_counts_flash_attention_on_tpu():
@@ -544,9 +550,10 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     assert not plan(
         m, h100_8, 4, 2048, Setting(layout="fsdp", world=8, device_memory=between)
     ).reshard_after_forward
-    # the TPU's cached step always holds every weight gathered (train/xla/step.py)
-    v6e = plan(m, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp", device_memory=1))
-    assert not v6e.reshard_after_forward and v6e.compute_weights == 2 * P
+    # the TPU's cached step gathers one block at a time inside its layer loop (ZeRO-3), whatever
+    # memory is left
+    v6e = plan(m, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp"))
+    assert v6e.reshard_after_forward and v6e.compute_weights < 2 * P / 2  # not every weight
     assert plan(
         m, h100_8, 4, 2048, Setting(world=8)
     ).reshard_after_forward  # replicate: nothing to keep
@@ -739,3 +746,59 @@ def test_cuda_turns_on_expandable_segments_unless_the_user_set_the_allocator(mon
         "max_split_size_mb:512",
         None,
     )
+
+
+def test_zero3_on_tpu_fits_7b_on_v6e_and_v5p_and_1b_at_4_x_2048_on_multi_host_v6e():
+    """fsdp on TPU is ZeRO-3 (train/xla/step.py's layer loop): per chip 16 P / F of state, two
+    gathered blocks and the root, whatever the accumulation. 7b (AdamW) then fits every v6e slice
+    of 8 chips and up and every v5p slice; before, the cached step held 12 P / F + 6 P (every
+    weight gathered in bf16, every gradient whole in fp32), which fits no v6e chip."""
+    from codex.train.plan.hardware import model_fit
+
+    m7 = preset_model("7b")
+    p = plan(m7, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp"))
+    P = p.params
+    assert p.weights + p.gradients + p.optimizer_state == -(-4 * P // 8) * 4
+    blocks = block_params(m7)
+    assert p.compute_weights == 2 * (2 * blocks + P - m7.n_layer * blocks) + 6 * blocks
+    assert 12 * P / 8 + 6 * P > 32 * GB  # ZeRO-2's state alone exceeds a v6e chip
+    for name in ("v6e-8", "v6e-16", "v6e-32", "v5p-8", "v5p-16", "v5p-32", "v5p-64"):
+        preset = get_preset(name)
+        fit = model_fit(m7, preset, Setting(optimizer="adamw"))
+        assert fit.batch >= 1 and fit.layout == "fsdp", (name, fit)
+        assert fit.total_gb <= HEADROOM * preset.memory_gb, (name, fit)
+    for name in ("v6e-4", "v5litepod-8"):  # 16 P / 4 = 29 GB; 16 P / 8 = 14.5 GB > 0.9 x 16
+        assert model_fit(m7, get_preset(name), Setting(optimizer="adamw")).batch == 0, name
+    res = CliRunner().invoke(cli, ["hardware", "--model", "7b", "--optimizer", "adamw"])
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:] if line.strip()}
+    for name in ("v6e-8", "v6e-16", "v6e-32", "v5p-8", "v5p-64"):
+        assert rows[name][5:7] == ["yes", "fsdp"], rows[name]
+    # 1b (Muon, the default) on the multi-host v6e slices: 4 x 2048 per chip sharded
+    for name in ("v6e-16", "v6e-32"):
+        fit = model_fit(preset_model("1b"), get_preset(name), Setting(optimizer="muon"))
+        assert (fit.fsdp, fit.seq_len) == (4, 2048), (name, fit)
+
+
+def test_the_plan_counts_the_resume_load_path():
+    """At resume the state arrives sharded (train/checkpoint/xla_shards.py): a chip holds its
+    shards of the weights and optimizer state plus one tensor's new shard, and a host reads only
+    its chips' pieces, 1/hosts of the state. Loading AdamW's state whole onto every chip (resume
+    before) would need 8 P per chip, 58 GB for 7b."""
+    from codex.train.plan.memory import largest_param
+
+    m7 = model("7b")
+    v6e16 = get_preset("v6e-16")
+    p = plan(m7, v6e16, 1, 1024, Setting(layout="fsdp"))
+    assert p.load_buffers == -(-4 * largest_param(m7) // 16)
+    assert p.weights + p.optimizer_state + p.load_buffers < p.total  # not the peak
+    assert 8 * p.params > 57 * GB and p.weights + 8 * p.params > v6e16.memory_gb * GB
+    state = p.weights + p.optimizer_state
+    assert p.host_load_bytes(v6e16.devices_per_host) == 4 * state  # 1/4 hosts of 12 P
+    assert abs(4 * state - 12 * p.params / v6e16.hosts) < 16
+    # HSDP: two replicas of 4-way shards on one host's 8 chips read 4 distinct pieces
+    hsdp = plan(m7, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp", fsdp_size=4))
+    assert hsdp.host_load_bytes(8) == 4 * (hsdp.weights + hsdp.optimizer_state)
+    # replicated: one copy; the load path holds the largest tensor whole on top
+    rep = plan(model("124m"), v6e16, 1, 1024, Setting())
+    assert rep.host_load_bytes(4) == rep.weights + rep.optimizer_state
+    assert rep.load_buffers == 4 * largest_param(model("124m"))

@@ -17,7 +17,8 @@ exactly what needs that cross-host runtime, and nothing else:
                                           host's chips)
     XLABackend.all_reduce_grads           the gradient mean over the hosts through the control
                                           plane's gloo group (on a slice: the step program's own
-                                          all-reduce, over the chips' interconnect)
+                                          all-reduce, over the chips' interconnect), each mean put
+                                          back with its parameter's sharding (fsdp)
     XLABackend.all_reduce_sum             likewise for validation's sums
 
 Everything else is codex's multi-host path as it runs on a slice: make_xla_backend's multi-host
@@ -25,6 +26,16 @@ branch, the xla:// gloo control plane, one loader per host (loader_rank, loader_
 devices_per_loader), the stop flag, the shared-folder check, DCP checkpoints written by every host,
 resume. The step program itself is one host's, so what only a slice shows (the cross-host
 collectives in the compiled program, their speed) is not simulated.
+
+fsdp: a host's mesh holds its own chips only, so the simulation shards the state within each host
+and replicates it across hosts (train.fsdp_size = chips per host: HSDP, each host one replica).
+What crosses hosts is the checkpoint: each host writes its share of the shards and reads back only
+the pieces its chips hold, whatever mesh wrote them.
+
+With RSS_ENV set, the host records its resident memory around the resume (restore_training) to
+VALUE.INDEX.json: VmRSS before it, and the peak (VmHWM, reset first) until it returned and its
+tensors were on the chips. A host's chips are CPU devices of its process, so that peak counts the
+state the chips receive as well as the host's own load buffers.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import os
 import sys
 
 RECORD_ENV = "CODEX_SIM_RECORD_BATCH"  # save each host's first batch to VALUE.INDEX.pt
+RSS_ENV = "CODEX_SIM_RECORD_RSS"  # record the resume's resident memory to VALUE.INDEX.json
 
 
 def simulate(hosts: int, index: int) -> None:
@@ -87,7 +99,10 @@ def simulate(hosts: int, index: int) -> None:
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         params = [p for p in model.parameters() if p.grad is not None]
         for p, g in zip(params, host_sum([p.grad for p in params]), strict=True):
-            p.grad = g / hosts
+            mean = g / hosts
+            if sharding.sharding_of(p):  # the layout the step program gives it on a slice
+                torch_xla._XLAC._xla_mark_sharding(mean, torch_xla._XLAC._get_xla_op_sharding(p))
+            p.grad = mean
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return host_sum([tensor])[0]
@@ -98,6 +113,9 @@ def simulate(hosts: int, index: int) -> None:
     record = os.environ.get(RECORD_ENV)
     if record:
         _record_first_batch(XLABackend, f"{record}.{index}.pt")
+    rss = os.environ.get(RSS_ENV)
+    if rss:
+        _record_resume_memory(f"{rss}.{index}.json")
 
 
 def _record_first_batch(backend_class, path: str) -> None:
@@ -113,6 +131,35 @@ def _record_first_batch(backend_class, path: str) -> None:
         return to_device(self, batch)
 
     backend_class.to_device = recording
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _record_resume_memory(path: str) -> None:
+    """Wrap the loop's restore_training: VmRSS before, VmHWM (reset before) after its tensors are
+    on the chips, in bytes."""
+    import json
+
+    import torch_xla.core.xla_model as xm
+
+    from codex.train import loop
+
+    restore = loop.restore_training
+
+    def measured(*args, **kwargs):
+        before = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        out = restore(*args, **kwargs)
+        xm.wait_device_ops()
+        with open(path, "w") as f:
+            json.dump({"rss_before": before * 1024, "peak": _status_kb("VmHWM") * 1024}, f)
+        return out
+
+    loop.restore_training = measured
 
 
 def main() -> int:

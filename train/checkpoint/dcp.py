@@ -7,9 +7,11 @@
     records = write_staged(folder, plan, views, control)   # the writer process: write that copy
 
 A state tree is a nested dict. Its tensor leaves go to DCP: every rank writes the tensors it
-holds (its shards of a DTensor; a replicated tensor is written once, by one of the ranks that
-hold it) to its own files `__RANK_N.distcp`, and rank 0 writes DCP's index `.metadata`. DCP reads
-any tensor back into any layout: a DTensor target gets the slice it holds, a plain one the whole.
+holds (its shards of a DTensor, or its host's shards of an XLA SPMD tensor as a HostShards,
+train/checkpoint/xla_shards.py; a replicated tensor or shard is written once, by one of the ranks
+that hold it) to its own files `__RANK_N.distcp`, and rank 0 writes DCP's index `.metadata`. DCP
+reads any tensor back into any layout: a DTensor target gets the slice it holds, a HostShards its
+host's pieces, a plain one the whole.
 
 What is not a tensor stays out of DCP (whose non-tensor values are pickles): `skeleton(tree)`
 is the tree with every tensor replaced by {"__tensor__": shape, "dtype": name}, plain JSON, from
@@ -49,13 +51,17 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
 from codex.core import fsio
+from codex.train.checkpoint.xla_shards import (
+    HostShards,
+    HostShardsLoadPlanner,
+    HostShardsSavePlanner,
+    lookup,
+)
 
 TENSOR = "__tensor__"
 
@@ -202,7 +208,7 @@ def tensors_only(tree: dict) -> dict:
     """The tensor leaves of `tree`, nested as in it (subtrees without tensors dropped)."""
     out: dict = {}
     for k, v in tree.items():
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, (torch.Tensor, HostShards)):
             out[k] = v
         elif isinstance(v, dict):
             sub = tensors_only(v)
@@ -215,8 +221,8 @@ def tensors_only(tree: dict) -> dict:
 
 def skeleton(tree):
     """`tree` as JSON: each tensor becomes {"__tensor__": shape, "dtype": name} (a DTensor its
-    global shape), tuples become lists."""
-    if isinstance(tree, torch.Tensor):
+    global shape, a HostShards too), tuples become lists."""
+    if isinstance(tree, (torch.Tensor, HostShards)):
         return {TENSOR: list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}
     if isinstance(tree, dict):
         return {str(k): skeleton(v) for k, v in tree.items()}
@@ -268,7 +274,7 @@ def _dcp_save(folder: str, state_dict: dict, planner, control) -> dict[str, dict
         dcp.save(
             state_dict,
             storage_writer=writer,
-            planner=planner,
+            planner=planner or HostShardsSavePlanner(),
             process_group=control.group,
             no_dist=control.world == 1,
         )
@@ -321,17 +327,16 @@ class StagedPlan:
 def _layout_key(flat: dict[str, Any]) -> tuple:
     """What this rank's DCP plan depends on, read from the flat {fqn: tensor} in microseconds a
     tensor (DCP's planning takes ~0.1 s for a 350m state): every name, shape, dtype and device,
-    and a DTensor's mesh and placements."""
-    return tuple(
-        (
-            fqn,
-            tuple(t.shape),
-            t.dtype,
-            t.device.type,
-            (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None,
-        )
-        for fqn, t in flat.items()
-    )
+    a DTensor's mesh and placements, a HostShards' pieces."""
+
+    def where(t) -> tuple:
+        if isinstance(t, HostShards):
+            return ("host shards", tuple((o, tuple(p.shape)) for o, p in t.pieces.items()))
+        if isinstance(t, DTensor):
+            return (t.device.type, t.device_mesh, tuple(t.placements))
+        return (t.device.type,)
+
+    return tuple((fqn, tuple(t.shape), t.dtype, where(t)) for fqn, t in flat.items())
 
 
 def _slots(plan: SavePlan) -> tuple[tuple[Slot, ...], int]:
@@ -434,11 +439,11 @@ def staged(tree: dict, cache: StagingCache, control) -> bool:
     if new:
         # dcp.save's own plan for this rank (its default planner, as write_tree uses), before and
         # after deduplication over every rank's
-        planner = DefaultSavePlanner()
+        planner = HostShardsSavePlanner()
         planner.set_up_planner(tensors_only(tree), is_coordinator=control.rank == 0)
         mine = dedup_save_plans(control.gather(planner.create_local_plan()))[control.rank]
         slots, nbytes = _slots(mine)
-        sources = [find_state_dict_object(flat, item.index) for item in mine.items]
+        sources = [lookup(flat, item.index) for item in mine.items]
         # the old buffer goes before the new one is made: two would need twice the memory
         cache.views, cache.buffer = [], None
         cache.buffer = StagingBuffer(nbytes, pin=any(t.is_cuda for t in sources))
@@ -446,7 +451,7 @@ def staged(tree: dict, cache: StagingCache, control) -> bool:
         cache.plan, cache.key = StagedPlan(mine, slots, nbytes), key
     else:
         assert cache.plan is not None
-        sources = [find_state_dict_object(flat, item.index) for item in cache.plan.plan.items]
+        sources = [lookup(flat, item.index) for item in cache.plan.plan.items]
     assert cache.buffer is not None
     with torch.no_grad():
         for slot, view, source in zip(cache.plan.slots, cache.views, sources, strict=True):
@@ -461,7 +466,7 @@ def staged(tree: dict, cache: StagingCache, control) -> bool:
     return new
 
 
-class _StagedPlanner(DefaultSavePlanner):
+class _StagedPlanner(HostShardsSavePlanner):
     """DCP's default planner with this rank's plan given (already deduplicated: planning again
     changes nothing) and its data taken from the staged tensors."""
 
@@ -490,7 +495,8 @@ def write_staged(folder: str, plan: StagedPlan, views: list[torch.Tensor], contr
 
 def read_tensors(folder: str, targets: dict, control=None) -> None:
     """Load the DCP checkpoint in `folder` into the tensors of `targets`, in place (DTensor
-    targets get their own slices). control None: this process alone (eval, sample, export)."""
+    targets get their own slices, HostShards their host's pieces). control None: this process
+    alone (eval, sample, export)."""
     one = control is None or control.world == 1
     reader = _reader(folder)
     # Every rank checks the index itself first: inside dcp.load a refusal would come back wrapped
@@ -499,6 +505,7 @@ def read_tensors(folder: str, targets: dict, control=None) -> None:
     dcp.load(
         tensors_only(targets),
         storage_reader=reader,
+        planner=HostShardsLoadPlanner(),
         process_group=None if one else control.group,
         no_dist=one,
     )

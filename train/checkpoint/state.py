@@ -29,6 +29,7 @@ from codex.core import rundir
 from codex.core.config import ConfigError, to_dict
 from codex.train.checkpoint import dcp as dcp_io
 from codex.train.checkpoint import folders as checkpoint
+from codex.train.checkpoint import xla_shards
 from codex.train.optim.muon import Optimizers
 from codex.train.optim.optimizer import load_optimizer_state
 
@@ -43,15 +44,16 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor | xla_shards.HostShards:
     """A tensor where it is when DCP can write it from there (CPU, CUDA, DTensor shards: DCP copies
-    only what this rank writes to the host); XLA tensors copied to the CPU (sharded ones from their
-    shards)."""
+    only what this rank writes to the host); an XLA tensor sharded on the mesh as this host's
+    shards (never whole: on several hosts no host holds it all), a replicated one copied to the
+    CPU."""
     if isinstance(t, DTensor) or t.device.type in ("cpu", "cuda"):
         return t.detach()
-    from codex.train.xla.sharding import to_cpu
-
-    return to_cpu(t)
+    if xla_shards.is_sharded(t):
+        return xla_shards.host_shards(t)
+    return t.detach().cpu()
 
 
 def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
@@ -131,12 +133,44 @@ def save_training(
     return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, control=control, **keep))
 
 
-def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor:
+def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor | xla_shards.HostShards:
     """Where DCP loads one saved tensor: into a DTensor shaped like its parameter (this rank's
-    slice only), else a full CPU tensor."""
-    if isinstance(like, DTensor) and list(like.shape) == leaf[dcp_io.TENSOR]:
-        return torch.zeros_like(like, dtype=getattr(torch, leaf["dtype"]))
+    slice only), this host's pieces of an XLA tensor sharded like it, else a full CPU tensor."""
+    same_shape = like is not None and list(like.shape) == leaf[dcp_io.TENSOR]
+    dtype = getattr(torch, leaf["dtype"])
+    if isinstance(like, DTensor) and same_shape:
+        return torch.zeros_like(like, dtype=dtype)
+    if like is not None and same_shape and xla_shards.is_sharded(like):
+        return xla_shards.host_targets(like, dtype)
     return dcp_io.empty_like_leaf(leaf)
+
+
+def _on_device(loaded: dict) -> dict:
+    """Loaded optimizer state {fqn: {key: value}} with every HostShards made an XLA tensor sharded
+    like its parameter: the state arrives on the chips sharded, never whole."""
+    return {
+        fqn: {
+            k: xla_shards.to_device(v) if isinstance(v, xla_shards.HostShards) else v
+            for k, v in st.items()
+        }
+        for fqn, st in loaded.items()
+    }
+
+
+def _load_model(model: torch.nn.Module, loaded: dict) -> None:
+    """Put loaded weights into `model`: XLA-sharded ones swapped in shard by shard
+    (xla_shards.place), the rest through load_state_dict."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    placed = {k for k, v in loaded.items() if isinstance(v, xla_shards.HostShards)}
+    for k in placed:
+        xla_shards.place(params[k], loaded[k])
+    rest = {k: v for k, v in loaded.items() if k not in placed}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    if set(missing) != placed or unexpected:
+        raise RuntimeError(
+            f"the checkpoint's model state does not match the model: missing "
+            f"{sorted(set(missing) - placed)}, unexpected {sorted(unexpected)}"
+        )
 
 
 def _optimizer_targets(model: torch.nn.Module, saved: dict) -> dict:
@@ -245,9 +279,11 @@ def restore_training(
             control.rank,
         )
     dcp_io.read_tensors(folder, targets, control)
-    model.load_state_dict(targets["model"])
+    _load_model(model, targets["model"])
     saved = {
-        key: _torch_format(model, opt, tree["optimizer"][key], targets["optimizer"][key]["state"])
+        key: _torch_format(
+            model, opt, tree["optimizer"][key], _on_device(targets["optimizer"][key]["state"])
+        )
         for key, opt in opt_parts.items()
     }
     load_optimizer_state(optimizer, saved if isinstance(optimizer, Optimizers) else saved["adamw"])

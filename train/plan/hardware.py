@@ -34,7 +34,6 @@ from codex.train.plan.memory import (
     choose_layout,
     default_batch,
     fsdp_offered,
-    fsdp_refusal,
     largest_batch,
     plan,
     setting_for,
@@ -413,14 +412,10 @@ def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
     memory plan's default (device_defaults); train.parallel=auto resolved (choose_layout); the
     accumulation (train/plan/batch.py: grad_accum_steps). Both the run (train/plan/plan.py:
     resolve_batch) and `codex train --help` (format_train_plan) take it from here, so they refuse
-    the same settings with the same ConfigError: fsdp where it does not run, a model that fits
-    nowhere, seq_len above model.max_seq_len, batch_tokens that do not divide. Reads no run file
-    and imports no torch."""
+    the same settings with the same ConfigError: a model that fits nowhere, seq_len above
+    model.max_seq_len, batch_tokens that do not divide. Reads no run file and imports no torch."""
     m, t = cfg.model, cfg.train
     setting = setting_for(t, preset.kind, world)
-    refusal = fsdp_refusal(preset)
-    if setting.layout == "fsdp" and refusal and world > 1:
-        raise ConfigError(f"{refusal}: use train.parallel=replicate (or auto)")
     B, T = t.device_batch, t.seq_len
     if B <= 0 or T <= 0:
         dB, dT = device_defaults(preset, m, setting, t.batch_tokens)

@@ -27,10 +27,14 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                                  backward. Else ZeRO-3: two blocks (the one computing and the
                                  next, prefetched) and the root's (embedding, head, final norm,
                                  which FSDP2 keeps gathered between forward and backward)
-                     fsdp (TPU): c P, every weight gathered whole in c once per step before
-                                 the step's While (ZeRO-2, train/xla/step.py); the gradients are
-                                 4 P, whole: the While carries each device's unreduced fp32 sum,
-                                 reduced once after it
+                     fsdp (TPU): ZeRO-3 over the stacked blocks (train/xla/step.py): each
+                                 block's weights are gathered in c inside the layer loop, one
+                                 block at a time (two: the one computing and the next), and its
+                                 gradient (c + 4: the block's unsharded gradient and its fp32 copy)
+                                 reduce-scattered into the sharded fp32 accumulators, so the
+                                 gradients are 4 P / F for the whole step; the root (embedding,
+                                 head, final norm) is gathered whole. Per chip 16 P / F plus
+                                 about two gathered blocks, whatever the accumulation
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
                      (eager) or `compiled_layer_bytes_per_token` (torch.compile)
                      remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
@@ -50,6 +54,11 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
     reduction        replicate over W > 1 on CPU/CUDA: the gradient reduction's flat buckets,
                      r P (r = 4, or 2 under train.reduce_dtype=bf16), filled during the last
                      backward and freed when all_reduce_grads has copied the sums back
+    load buffers     at resume: the state arrives sharded (train/checkpoint/xla_shards.py,
+                     DTensor targets on CUDA), so on top of the weights and optimizer state a
+                     device holds one tensor's new shard while the old one is still alive, 4 x
+                     the largest parameter / F. The host reads its chips' pieces of the state
+                     (`host_load_bytes`), never a whole tensor it does not hold
     step buffers     what the optimizer step allocates (`muon_step_bytes`), after the
                      activations are freed and with the gradients reduced (4 P / F under fsdp):
                      Muon's updates (one process: 4 M; fsdp: the owner-rank exchange's
@@ -61,12 +70,13 @@ Which gradients the backward holds: with accumulation (accum > 1) every gradient
 previous micro-batch (`gradients`); in a step's only micro-batch on CPU/CUDA none when it starts
 (the loop frees them with zero_grad) and the output head's first (4 x padded vocab x d), each
 later one made as the activations it needs are freed, so the step phase (which holds them all)
-counts them. XLA's cached step carries them whole through its While either way.
+counts them. XLA's cached step carries them through its While either way (whole when replicated,
+its shards under fsdp).
 
-The peak is the larger of the two phases: weights + optimizer state + runtime + max(held gradients
+The peak is the largest of three phases: weights + optimizer state + runtime + max(held gradients
 + compute weights + activations + logits + workspace (compiled: the larger of logits and
 workspace), the reduced gradients + the larger of the reduction's buffers and the step buffers,
-which are never alive together).
+which are never alive together, the load buffers at resume).
 
 Compiled or eager: train.compile runs torch.compile on CUDA only (train/distributed/backend.py:
 make_backend); `setting_for` says which, and a Setting may say so for another kind (the CPU
@@ -280,6 +290,9 @@ class MemoryPlan:
     # TPU); otherwise only the output head's, the first the backward makes
     held_gradients: int = 0
     runtime: int = 0  # CUDA: the context and NCCL's buffers, outside the caching allocator
+    # at resume, on top of the state (which arrives sharded): one tensor's shard made while the
+    # old one is alive
+    load_buffers: int = 0
 
     @property
     def backward(self) -> int:
@@ -299,7 +312,15 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer_state + self.runtime + max(self.backward, self.step)
+        phases = max(self.backward, self.step, self.load_buffers)
+        return self.weights + self.optimizer_state + self.runtime + phases
+
+    def host_load_bytes(self, devices_per_host: int) -> int:
+        """Host memory the resume path reads the checkpoint into: the pieces of the weights and
+        the optimizer state this host's chips hold, each distinct shard once (HSDP replicas on one
+        host share theirs), before they go to the chips."""
+        distinct = min(devices_per_host, self.shards) if self.layout == "fsdp" else 1
+        return distinct * (self.weights + self.optimizer_state)
 
     def fits(self, headroom: float = HEADROOM) -> bool:
         return self.device_memory <= 0 or self.total <= headroom * self.device_memory
@@ -342,6 +363,8 @@ class MemoryPlan:
             f"{self.attention} attention"
         )
         peak = " (at the optimizer step)" if self.step > self.backward else ""
+        if self.load_buffers > max(self.step, self.backward):
+            peak = " (at resume)"
         share = (
             f" ({self.total / self.device_memory:.0%} of the device)"
             if self.device_memory > 0
@@ -365,6 +388,12 @@ def param_count(m: ModelConfig) -> int:
     value_tables = sum(has_value_embed(m, i) for i in range(m.n_layer))
     embeddings = (0 if m.tie_embeddings else m.n_embd) + value_tables * kv_width
     return matmul_params(m) + padded_vocab(m.vocab_size) * embeddings
+
+
+def largest_param(m: ModelConfig) -> int:
+    """The entries of the model's largest parameter: the output head (padded vocab x d), or an
+    MLP matrix when it is larger."""
+    return max(padded_vocab(m.vocab_size) * m.n_embd, mlp_hidden(m) * m.n_embd)
 
 
 def block_params(m: ModelConfig) -> int:
@@ -588,22 +617,21 @@ def plan(
     kept_layers = (
         m.n_layer * per_layer if setting.remat == "none" else m.n_layer * c * m.n_embd + per_layer
     )
-    if layout == "fsdp" and preset.kind == "tpu":
-        # the cached step's While runs per device on the weights gathered once before it, in
-        # the compute dtype (train/xla/step.py: ZeRO-2, one reduction after the While)
-        compute_weights = c * P
-    elif layout == "fsdp":
+    if layout == "fsdp":
+        # ZeRO-3: two blocks gathered (the one computing and the next), the root whole, and one
+        # block's unsharded gradient before its reduce-scatter (on TPU the scanned layer loop,
+        # train/xla/step.py; on CPU/CUDA FSDP2, which may keep more: ZeRO-2 below)
         root = P - m.n_layer * block_params(m)
         compute_weights = c * (2 * block_params(m) + root) + (c + 4) * block_params(m)
     else:
         compute_weights = c * matmul_params(m) if c < 4 else 0
     at_preset = int(preset.memory_gb * 1e9)
     reduced = -(-4 * P // shards)
-    # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward;
-    # the XLA While carries every device's unreduced fp32 sum, whole, for the whole step
+    # FSDP2 without gradient sync keeps every block's unsharded gradient until the last backward
+    # (accumulated in its reduce_dtype); XLA's layer loop reduce-scatters each block's gradient
+    # into the sharded fp32 accumulators at once
     r = 2 if setting.reduce_dtype == "bf16" else 4
-    # (FSDP2 accumulates the unsharded gradients in its reduce_dtype)
-    held = (4 if tpu else r) * P if layout == "fsdp" and (tpu or setting.accum > 1) else reduced
+    held = r * P if layout == "fsdp" and not tpu and setting.accum > 1 else reduced
     # NCCL communicators: the world's; under HSDP also the shard and the replica groups'
     communicators = (3 if layout == "fsdp" and world > shards else 1) if world > 1 else 0
     p = MemoryPlan(
@@ -636,12 +664,13 @@ def plan(
         # the replicated reduction's flat buckets (train/distributed/reduce.py), in
         # train.reduce_dtype
         reduce_buffers=r * P if layout == "replicate" and world > 1 and not tpu else 0,
-        reshard_after_forward=not (layout == "fsdp" and tpu),
+        reshard_after_forward=True,
         compiled=compiled,
         # a step's only micro-batch starts its backward with no gradient (zero_grad freed them);
         # the output head's comes first, made while the logits are still held
         held_gradients=held if tpu or setting.accum > 1 else 4 * V * m.n_embd,
         runtime=(RUNTIME_CUDA + communicators * NCCL_COMMUNICATOR if preset.kind == "cuda" else 0),
+        load_buffers=-(-4 * largest_param(m) // shards),
     )
     if layout == "fsdp" and not tpu:
         # FSDP2 (CPU/CUDA): keep the gathered weights from forward to backward (one all-gather per
@@ -683,21 +712,12 @@ def largest_batch(
     return 0
 
 
-def fsdp_refusal(preset: Device) -> str | None:
-    """Why train.parallel=fsdp cannot run on this preset, or None: auto never picks it there,
-    `codex hardware` never offers it, and asking for it is refused before anything runs."""
-    if preset.kind == "tpu" and preset.hosts > 1:
-        return (
-            f"train.parallel=fsdp on TPU runs on one host, and {preset.name} spans {preset.hosts} "
-            "(several hosts need torch_xla's SPMD checkpoint planners, not built)"
-        )
-    return None
-
-
 def fsdp_offered(preset: Device, world: int = 0) -> bool:
-    """Whether auto and `codex hardware` consider fsdp on this preset: it runs it, over several
-    devices (`world` ranks; 0 = the preset's devices): fsdp over one is the replicated layout."""
-    return (world if world > 0 else preset.devices) > 1 and fsdp_refusal(preset) is None
+    """Whether auto and `codex hardware` consider fsdp on this preset: over several devices
+    (`world` ranks; 0 = the preset's devices), multi-host TPU slices included (each host writes
+    and reads its own shards, train/checkpoint/xla_shards.py); fsdp over one device is the
+    replicated layout."""
+    return (world if world > 0 else preset.devices) > 1
 
 
 def choose_layout(
@@ -767,8 +787,6 @@ def fixes(
     )
     for key, other in changes:
         value = other.layout if key == "parallel" else other.remat
-        if value == "fsdp" and fsdp_refusal(preset):
-            continue
         if _train_key_exists(key) and other != same:
             q = plan(m, preset, p.device_batch, p.seq_len, other)
             if q.fits():

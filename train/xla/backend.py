@@ -32,9 +32,9 @@ what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train
 Everything torch_xla-specific lives in this file, train/xla/platform.py, train/xla/sharding.py
 (train.parallel=fsdp), train/xla/step.py and train/xla/update.py (train.xla_step=cached: the step's
 forward + backward and its optimizer update, each traced once), train/xla/flash.py
-(model.attention=flash, installed by prepare_model) and train/remat.py's choice of torch_xla's
-checkpoint: torch_xla is being superseded (RFC pytorch/xla #9684), so the rest of codex only sees
-the Backend interface.
+(model.attention=flash, installed by prepare_model), train/checkpoint/xla_shards.py (each host's
+shards in a checkpoint) and train/remat.py's choice of torch_xla's checkpoint: torch_xla is being
+superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Backend interface.
 """
 
 from __future__ import annotations
@@ -118,11 +118,10 @@ class XLABackend:
         model = build_model(model_cfg, seed=seed)
         if layout is None or not layout.sharded:
             return self.prepare_model(model)
-        if self.mode != "spmd" or self.loader_world > 1:
+        if self.mode != "spmd":
             raise ConfigError(
-                "train.parallel=fsdp on TPU runs under --xla-mode spmd on one host "
-                "(several hosts need torch_xla's SPMD checkpoint planners, not built): "
-                "use train.parallel=replicate"
+                "train.parallel=fsdp on TPU runs under --xla-mode spmd (one process per host "
+                "drives the mesh): use --xla-mode spmd or train.parallel=replicate"
             )
         self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
         xla_sharding.shard_model(model, self.mesh, self.device)
