@@ -17,6 +17,10 @@ Formats (by file name):
   .jsonl / .jsonl.gz / .jsonl.zst: one JSON object a line, text in `data.clean.text_field`
   .parquet: text in `data.clean.text_column`
 
+Metadata: a .jsonl record's other fields / a .parquet row's other columns named by
+`data.clean.metadata` (and the URL field when `data.clean.near_dedup` compares URLs) come with it
+as strings (`Record.meta`; non-string values as JSON); text files have none.
+
 Pieces: a big file is read by several workers, each taking the records that START inside its
 byte range [start, end) (.jsonl lines, delimited text) or its row groups (.parquet); a record that
 crosses `end` is finished by the piece it started in, so every record is read exactly once and the
@@ -103,6 +107,29 @@ class Record:
     id: str
     text: str | None  # None: over max_record_bytes, skipped unread
     nbytes: int  # bytes on disk (UTF-8 bytes for parquet)
+    # the fields of meta_fields(cfg) that the record has, as strings (.jsonl, .parquet)
+    meta: dict[str, str | None] | None = None
+
+
+def meta_fields(cfg) -> list[str]:
+    """The JSONL fields / parquet columns a record carries besides its text (cfg: CleanConfig):
+    data.clean.metadata, and the URL when the near-dedup compares URLs."""
+    fields = list(cfg.metadata)
+    nd = cfg.near_dedup
+    if nd.enabled and nd.url and nd.url_field not in fields:
+        fields.append(nd.url_field)
+    return fields
+
+
+def _meta_value(v) -> str | None:
+    """A metadata value as a part's string column holds it: strings as they are, other values as
+    JSON (a number, a list), null as null."""
+    if v is None or isinstance(v, str):
+        return v
+    try:
+        return json.dumps(v, ensure_ascii=False, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return str(v)
 
 
 @dataclass
@@ -458,6 +485,7 @@ def _read_jsonl(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
     f = piece.file
     limit = cfg.max_record_bytes or (1 << 62)
     key = cfg.text_field
+    fields = meta_fields(cfg)
 
     def malformed(lineno: int, offset: int, why: str) -> None:
         report.malformed_lines += 1
@@ -511,7 +539,8 @@ def _read_jsonl(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
                 )
                 malformed(lineno, at, got)
                 continue
-            yield Record(f"{f.path}@{at}", obj[key], len(line))
+            meta = {k: _meta_value(obj.get(k)) for k in fields} if fields else None
+            yield Record(f"{f.path}@{at}", obj[key], len(line), meta)
 
 
 def parquet_row_groups(path: str) -> list[tuple[int, int]]:
@@ -542,8 +571,10 @@ def _read_parquet(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
             report.empty = True
         groups = range(piece.start, piece.end if piece.end >= 0 else pf.metadata.num_row_groups)
         row = sum(pf.metadata.row_group(i).num_rows for i in range(piece.start))
-        for batch in pf.iter_batches(batch_size=1024, columns=[col], row_groups=groups):
-            for text in batch.column(0).to_pylist():
+        fields = [k for k in meta_fields(cfg) if k in names and k != col]
+        for batch in pf.iter_batches(batch_size=1024, columns=[col, *fields], row_groups=groups):
+            extra = {k: batch.column(1 + j).to_pylist() for j, k in enumerate(fields)}
+            for i, text in enumerate(batch.column(0).to_pylist()):
                 if text is None:
                     report.null_values += 1
                 else:
@@ -551,6 +582,7 @@ def _read_parquet(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
                         f"{f.path}#{row}",
                         text,
                         len(text) if text.isascii() else len(text.encode("utf-8")),
+                        {k: _meta_value(v[i]) for k, v in extra.items()} if fields else None,
                     )
                 row += 1
 
