@@ -342,16 +342,10 @@ def snapshot(run: Path) -> dict[str, bytes]:
 
 def test_one_and_two_workers_give_identical_output(tmp_path):
     make_corpus(tmp_path / "in", 6, 30)
-    s1 = run_clean(cfg_for(tmp_path, [tmp_path / "in"], "data.clean.chunk_bytes=20000", run="w1"))
-    s2 = run_clean(
-        cfg_for(
-            tmp_path,
-            [tmp_path / "in"],
-            "data.clean.chunk_bytes=20000",
-            "data.clean.workers=2",
-            run="w2",
-        )
-    )
+    # parts packed by about 3 units
+    args = ["data.clean.chunk_bytes=20000", "data.clean.part_bytes=12000"]
+    s1 = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="w1"))
+    s2 = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, "data.clean.workers=2", run="w2"))
     assert s1["units"] > 2 and s1["dedup_across_units"] > 0
     assert (
         snapshot(tmp_path / "w1") == snapshot(tmp_path / "w2")
@@ -896,9 +890,9 @@ def test_a_marker_whose_files_are_gone_is_cleaned_again(tmp_path, lost, caplog):
     """A unit's part (or hash file) deleted while its marker stays, after a finished clean: the
     rerun names the unit, cleans it again, and the output equals an undisturbed run's."""
     make_corpus(tmp_path / "in", 4, 30)
-    small = "data.clean.chunk_bytes=20000"
-    whole = run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="whole"))
-    run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="hurt"))
+    small = ["data.clean.chunk_bytes=20000", "data.clean.part_bytes=0"]  # each unit's own parts
+    whole = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *small, run="whole"))
+    run_clean(cfg_for(tmp_path, [tmp_path / "in"], *small, run="hurt"))
     clean = tmp_path / "hurt" / "clean"
     gone = sorted(clean.glob("part-*.parquet"))[1]
     unit = gone.name.split("-")[1]
@@ -906,7 +900,7 @@ def test_a_marker_whose_files_are_gone_is_cleaned_again(tmp_path, lost, caplog):
         gone = clean / "hashes" / f"{unit}.npy"
     gone.unlink()
     with caplog.at_level(logging.WARNING):
-        again = run_clean(cfg_for(tmp_path, [tmp_path / "in"], small, run="hurt"))
+        again = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *small, run="hurt"))
     assert f"unit {unit}'s marker lists" in caplog.text and "cleaning the unit again" in caplog.text
     assert again["units_run"] == 1
     assert snapshot(tmp_path / "hurt") == snapshot(tmp_path / "whole")
@@ -925,3 +919,169 @@ def test_a_retried_unit_removes_its_marker_before_its_files(tmp_path):
     (marker,) = (tmp_path / "r" / "clean" / "markers").glob("*.json")
     C._remove_unit_outputs(out, marker.stem)
     assert not marker.exists() and not list((tmp_path / "r" / "clean").glob("part-*"))
+
+
+def outputs(run: Path) -> dict[str, bytes]:
+    """Every file a clean leaves that later stages or a rerun read: parts, rejected rows, hash
+    files (not markers, stats.json or dedup/: those record who ran what, and when)."""
+    clean = run / "clean"
+    files = [*clean.glob("part-*"), *clean.glob("rejected/*"), *clean.glob("hashes/*")]
+    return {str(p.relative_to(clean)): p.read_bytes() for p in sorted(files)}
+
+
+class Interrupted(BaseException):
+    """The process stopping at an injected point (a kill, as far as the files can tell)."""
+
+
+INTERRUPTED_ARGS = ["data.clean.chunk_bytes=20000", "data.clean.keep_rejected=true"]
+
+
+def interrupt_a_unit(tmp_path, monkeypatch, where: str) -> dict:
+    """An undisturbed run (RUN ref), and a run (RUN hurt) with one unit interrupted `where`: after
+    writing its files and before its marker, or, retried, after removing its marker and before
+    its files. Checks that the unit's files are left without a marker; returns ref's stats."""
+    from codex.pipeline.clean import clean as C
+
+    make_corpus(tmp_path / "in", 4, 30)
+    args = INTERRUPTED_ARGS
+    ref = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
+    assert ref["units"] >= 3
+    clean = tmp_path / "hurt" / "clean"
+    unit = "000001"
+    write_json, rm, read_records = fsio.write_json, fsio.rm, C.read_records
+    if where == "after_removing_the_marker":
+        # the unit's first attempt fails on one of its files: its marker says so, and the next
+        # run cleans it again (a retry)
+        def failing(piece, c, report):  # after its first 10 records: the unit has parts
+            for i, rec in enumerate(read_records(piece, c, report)):
+                if i == 10 and piece.path.endswith("f001.jsonl"):
+                    raise PermissionError(f"{piece.path}: injected")
+                yield rec
+
+        monkeypatch.setattr(C, "read_records", failing)
+        with pytest.raises(CleanError, match="injected"):
+            run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="hurt"))
+        monkeypatch.setattr(C, "read_records", read_records)
+        unit = min(
+            p.stem for p in clean.glob("markers/*.json") if json.loads(p.read_text())["failed"]
+        )
+
+        def stop_after_the_marker(path, recursive=False):
+            if f"part-{unit}-" in path:  # the marker is gone: its files are next
+                raise Interrupted
+            rm(path, recursive)
+
+        monkeypatch.setattr(fsio, "rm", stop_after_the_marker)
+    else:
+
+        def stop_before_the_marker(path, obj):
+            if path.endswith(f"markers/{unit}.json"):
+                raise Interrupted
+            write_json(path, obj)
+
+        monkeypatch.setattr(fsio, "write_json", stop_before_the_marker)
+    with pytest.raises(Interrupted):
+        run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="hurt"))
+    monkeypatch.setattr(fsio, "rm", rm)
+    monkeypatch.setattr(fsio, "write_json", write_json)
+    # its files are there, its marker is not
+    assert not (clean / "markers" / f"{unit}.json").exists()
+    assert list(clean.glob(f"part-{unit}-*.parquet"))
+    assert (clean / "hashes" / f"{unit}.npy").exists()
+    return ref
+
+
+def same_but_units_run(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "units_run"} == {
+        k: v for k, v in b.items() if k != "units_run"
+    }
+
+
+@pytest.mark.parametrize("where", ["before_the_marker", "after_removing_the_marker"])
+def test_an_interrupted_unit_leaves_no_marker_without_its_files_and_a_rerun_matches(
+    tmp_path, monkeypatch, where
+):
+    """A unit interrupted between its files and its marker, either way round: its files are
+    left without a marker, never a marker without its files, and a rerun gives the bytes of an
+    undisturbed run."""
+    ref = interrupt_a_unit(tmp_path, monkeypatch, where)
+    again = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *INTERRUPTED_ARGS, run="hurt"))
+    assert outputs(tmp_path / "hurt") == outputs(tmp_path / "ref") and outputs(tmp_path / "ref")
+    assert same_but_units_run(again, ref) and 0 < again["units_run"] < ref["units"]
+    assert not list((tmp_path / "hurt" / "clean").rglob(".tmp-*"))
+
+
+@pytest.mark.parametrize("where", ["before_the_marker", "after_removing_the_marker"])
+def test_an_interrupted_unit_rerun_on_ray_matches(tmp_path, monkeypatch, where, ray_cluster):
+    """The same, with the rerun on a Ray cluster: its workers clean the interrupted unit again
+    over the files it left, and give the undisturbed run's bytes."""
+    ref = interrupt_a_unit(tmp_path, monkeypatch, where)
+    cfg = cfg_for(tmp_path, [tmp_path / "in"], *INTERRUPTED_ARGS, run="hurt")
+    cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
+    again = run_clean(cfg)
+    assert outputs(tmp_path / "hurt") == outputs(tmp_path / "ref") and outputs(tmp_path / "ref")
+    assert same_but_units_run(again, ref) and 0 < again["units_run"] < ref["units"]
+    assert not list((tmp_path / "hurt" / "clean").rglob(".tmp-*"))
+
+
+def rows_in_order(run: Path, stats: dict) -> list[dict]:
+    """The cleaned corpus's rows, its parts in stats.json's order."""
+    clean = run / "clean"
+    return [r for name in stats["shards"] for r in pq.read_table(clean / name).to_pylist()]
+
+
+def test_parts_are_packed_to_part_bytes_and_a_rerun_resumes(tmp_path, caplog):
+    """Consecutive units' parts are packed into parts of about part_bytes: the same rows in the
+    same order as the units' own parts. A rerun of the finished run does nothing (it removes
+    what an interrupted deletion left); a packed part lost after it cleans its units again and
+    gives the same bytes."""
+    from codex.pipeline.clean import clean as C
+
+    make_corpus(tmp_path / "in", 8, 30)
+    args = ["data.clean.chunk_bytes=20000", "data.clean.row_group_size=7"]
+    own = run_clean(
+        cfg_for(tmp_path, [tmp_path / "in"], *args, "data.clean.part_bytes=0", run="own")
+    )
+    own_markers = (tmp_path / "own" / "clean" / "markers").glob("*.json")
+    target = int(2.5 * max(json.loads(p.read_text())["part_bytes"] for p in own_markers))
+    args.append(f"data.clean.part_bytes={target}")  # 2 or 3 units a part
+    packed = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="packed"))
+    clean = tmp_path / "packed" / "clean"
+    assert packed["packed"] and 1 < len(packed["shards"]) < own["units"] <= len(own["shards"])
+    assert rows_in_order(tmp_path / "packed", packed) == rows_in_order(tmp_path / "own", own)
+    assert sorted(p.name for p in clean.glob("part-*.parquet")) == sorted(packed["shards"])
+    assert clean_parts(str(tmp_path / "packed")) == sorted(str(clean / n) for n in packed["shards"])
+    # each packed part holds units until they reach part_bytes (the last one: what is left)
+    markers = {p.stem: json.loads(p.read_text()) for p in clean.glob("markers/*.json")}
+    groups = C.pack_groups([markers[u] for u in sorted(markers)], target)
+    names = [C.packed_name(f"{a:06d}", f"{b - 1:06d}") for a, b in groups if b - a > 1]
+    assert names and set(names) <= set(packed["shards"])
+    sizes = [sum(markers[f"{u:06d}"]["part_bytes"] for u in range(a, b)) for a, b in groups]
+    assert all(size >= target for size in sizes[:-1]), sizes
+    # row groups of row_group_size rows across the units' (whose last ones are short)
+    meta = max((pq.ParquetFile(clean / n).metadata for n in names), key=lambda m: m.num_rows)
+    rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert meta.num_rows > 30 and set(rows[:-1]) == {7}, rows
+    before = outputs(tmp_path / "packed")
+    # a rerun of the finished run; a unit's part an interrupted deletion left is removed
+    (clean / "part-000001-000.parquet").write_bytes(b"left by a killed deletion")
+    again = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="packed"))
+    assert again == {**packed, "units_run": 0} and outputs(tmp_path / "packed") == before
+    # a packed part lost: its units, and every unit packed away, are cleaned again
+    (clean / packed["shards"][1]).unlink()
+    with caplog.at_level(logging.WARNING):
+        redone = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="packed"))
+    assert "whose parts were packed with them" in caplog.text
+    assert redone["units_run"] > 0 and {**redone, "units_run": 0} == again
+    assert outputs(tmp_path / "packed") == before
+
+
+def test_packed_parts_are_the_same_bytes_on_ray(tmp_path, ray_cluster):
+    make_corpus(tmp_path / "in", 6, 30)
+    args = ["data.clean.chunk_bytes=20000", "data.clean.part_bytes=12000"]
+    local = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="local"))
+    cfg = cfg_for(tmp_path, [tmp_path / "in"], *args, run="ray")
+    cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
+    assert run_clean(cfg) == local and local["packed"]
+    assert snapshot(tmp_path / "ray") == snapshot(tmp_path / "local")
+    assert len(snapshot(tmp_path / "local")) == len(local["shards"]) < local["units"]

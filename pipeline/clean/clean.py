@@ -28,21 +28,28 @@ the job does not look successful.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import hashlib
 import json
 import logging
+import re
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from codex.core import fsio, rundir
 from codex.core.config import ConfigError
 from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
-from codex.pipeline.clean import words
-from codex.pipeline.clean.dedup import dedup_corpus, hash_buckets
+from codex.pipeline.clean import minhash, near_dedup, words
+from codex.pipeline.clean.dedup import dedup_corpus
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
 from codex.pipeline.clean.stats import (
@@ -87,6 +94,10 @@ AUTO_BYTES_PER_WORKER = 8 << 20
 _RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield")
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
 class CleanError(RuntimeError):
     """Some input files could not be used; everything else was cleaned (see stats.json)."""
 
@@ -112,12 +123,11 @@ def _bounds(size: int, chunk_bytes: int, fine_from: int) -> list[int]:
     return sorted(bounds)
 
 
-def _split_file(f: InputFile, bounds: list[int]) -> list[Piece]:
+def _split_file(f: InputFile, bounds: list[int], groups: list[tuple[int, int]]) -> list[Piece]:
     """A splittable file in pieces between these byte offsets (_bounds; a parquet file's at the
-    row groups nearest them)."""
+    row groups nearest them: `groups`, its parquet_row_groups)."""
     if f.kind != "parquet":
         return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    groups = parquet_row_groups(f.path)
     if len(groups) < 2:
         return [Piece(f)]
     # cut before the row group where each bound's share of the (uncompressed) bytes begins
@@ -127,6 +137,29 @@ def _split_file(f: InputFile, bounds: list[int]) -> list[Piece]:
     cuts = [c for c in cuts if 0 < c < len(groups)]
     rows = [0, *cuts, len(groups)]
     return [Piece(f, a, b) for a, b in zip(rows, rows[1:], strict=False)]
+
+
+# Requests the driver has in flight at once for per-object metadata (parquet footers while it
+# plans, unit markers on a rerun): on an object store each is a round trip of tens of ms, so
+# 125,000 of them one after another would take an hour.
+METADATA_THREADS = 64
+
+
+def in_parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """[fn(x) for x in items], on METADATA_THREADS threads when the items are many (fn is one
+    request: the threads wait on the network, not the GIL). Each thread takes a run of items,
+    not one (a future an item would cost more than a local read). The first exception is
+    raised."""
+    threads = min(METADATA_THREADS, len(items))
+    if threads < 2:
+        return [fn(x) for x in items]
+    step = -(-len(items) // (4 * threads))  # 4 runs a thread: a slow run holds up little
+
+    def run(start: int) -> list[R]:
+        return [fn(x) for x in items[start : start + step]]
+
+    with cf.ThreadPoolExecutor(threads) as pool:
+        return [r for rs in pool.map(run, range(0, len(items), step)) for r in rs]
 
 
 # Units start in their list's order (executor.py: _run_pool, _run_ray), so the small ones go last:
@@ -144,11 +177,18 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
     pack: list[Piece] = []
     size = 0
     fine_from = sum(f.size for f in files) - TAIL_CHUNKS * c.chunk_bytes  # in the corpus's bytes
+    cuts = []  # per file: its bounds, and whether it is cut at them
     for f in files:
         bounds = _bounds(f.size, c.chunk_bytes, fine_from)
         fine_from -= f.size  # from here on: in the next file's bytes
-        cut = len(bounds) > 2 and splittable(f, f.delimiter(c))
-        pieces = _split_file(f, bounds) if cut else []
+        cuts.append((bounds, len(bounds) > 2 and splittable(f, f.delimiter(c))))
+    # the footers of the parquet files to cut, read side by side
+    footers = [
+        f.path for f, (_, cut) in zip(files, cuts, strict=True) if cut and f.kind == "parquet"
+    ]
+    groups = dict(zip(footers, in_parallel(parquet_row_groups, footers), strict=True))
+    for f, (bounds, cut) in zip(files, cuts, strict=True):
+        pieces = _split_file(f, bounds, groups.get(f.path, [])) if cut else []
         if len(pieces) > 1:
             if pack:
                 units.append(Unit(len(units), pack))
@@ -201,40 +241,52 @@ def _sweep_temp_files(out: str) -> int:
     hash files, markers, dedup files, stats). Only for a run that is the folder's one writer: the
     tasks of a job array write it together."""
     gone = 0
-    for sub in ("", "rejected", "hashes", "markers", "dedup"):
+    for sub in ("", "rejected", "hashes", "markers", "dedup", "minhash", "near"):
         for path in ls_matching(fsio.join(out, sub) if sub else out, ".tmp-*"):
             fsio.rm(path)
             gone += 1
     return gone
 
 
+def _numbered(folder: str, prefix: str, suffix: str = ".parquet") -> list[str]:
+    """The files folder/PREFIX-000SUFFIX, -001, ... that exist, probed by exact name up to the
+    first missing one: a PartWriter writes them in order, and they are removed last first
+    (_remove_unit_outputs), so what exists is always such a run from 000. One request a file
+    (plus one), never a listing of the folder: that holds every unit's files."""
+    found: list[str] = []
+    while fsio.exists(path := fsio.join(folder, f"{prefix}-{len(found):03d}{suffix}")):
+        found.append(path)
+    return found
+
+
 def _remove_unit_outputs(out: str, name: str) -> None:
-    """Delete what an earlier attempt at this unit may have left: its marker first (a marker never
-    outlives the files it lists, whenever this is interrupted), then parts (a stale count), its
-    hash file and the temp files of a write that was killed (a Ray retry after the worker died)."""
-    marker = fsio.join(out, "markers", f"{name}.json")
-    if fsio.exists(marker):
-        fsio.rm(marker)
-    for sub in ("", "rejected", "hashes"):
-        folder = fsio.join(out, sub) if sub else out
-        for pattern in (
-            f"part-{name}-*.parquet",
-            f"{name}.npy",
-            f".tmp-part-{name}-*",
-            f".tmp-{name}.npy.*",
-        ):
-            for path in ls_matching(folder, pattern):
-                fsio.rm(path)
+    """Delete what an earlier attempt at this unit may have left, by exact names (a few requests
+    whatever the number of units): its marker first (a marker never outlives the files it lists,
+    whenever this is interrupted), then its parts (a stale count) last first, the dedup's
+    rejected rows of each, and its hash file. The temp files of a write that was killed (a Ray
+    retry after the worker died) are swept once per run (_sweep_temp_files)."""
+    fsio.rm(fsio.join(out, "markers", f"{name}.json"))
+    rejected = fsio.join(out, "rejected")
+    parts = _numbered(out, f"part-{name}")
+    for k in range(len(parts)):  # the corpus-wide dedup's rows taken out of part k
+        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-dedup.parquet"))
+        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-near.parquet"))  # near_dedup's
+    for path in reversed(_numbered(rejected, f"part-{name}") + parts):
+        fsio.rm(path)
+    fsio.rm(fsio.join(out, "hashes", f"{name}.npy"))
+    for path in minhash.unit_files(out, name):
+        fsio.rm(path)
 
 
 @dataclass
 class _UnitCleaner:
     """One unit's running state: its part writers, the hashes of kept documents, counters."""
 
-    c: object  # CleanConfig
+    c: CleanConfig
     filters: list[str]
     writer: PartWriter
     rejected: PartWriter | None
+    near: minhash.UnitSignatures | None = None  # data.clean.near_dedup's rows of kept documents
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
@@ -273,6 +325,8 @@ class _UnitCleaner:
             EOFError,
             ValueError,
         ) as e:
+            if fsio.is_transient(e):  # the unit is run again (executor.py), not the file failed
+                raise
             report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
             if f.path not in report.error:
                 report.error = f"{f.path}: {report.error}"
@@ -305,28 +359,35 @@ class _UnitCleaner:
                 return
             self.seen.add(h)
             self.hashes += h + len(data).to_bytes(8, "little")
-        self.writer.add(doc.text, rec.id, source)
+            if self.near is not None:
+                url = rec.meta.get(self.c.near_dedup.url_field) if rec.meta else None
+                self.near.add(doc.text, h, len(data), url)
+        self.writer.add(doc.text, rec.id, source, *self._meta(rec))
         self.stats["docs_kept"] += 1
         self.stats["bytes_kept"] += len(data)
         counts = self.per_file[source]
         counts[2] += 1
         counts[3] += len(data)
 
+    def _meta(self, rec: Record) -> list[str | None]:
+        """The record's data.clean.metadata values, in that order (None: it has none)."""
+        meta = rec.meta or {}
+        return [meta.get(k) for k in self.c.metadata]
+
     def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
         if self.rejected is not None:
-            self.rejected.add(text, rec.id, source, reason)
+            self.rejected.add(text, rec.id, source, *self._meta(rec), reason)
 
 
-def _write_hashes(out: str, name: str, rows: bytearray) -> list[int]:
+def _write_hashes(out: str, name: str, rows: bytearray) -> None:
     """hashes/NAME.npy: the unit's kept documents' rows (16-byte hash + 8-byte length), sorted
-    (the dedup's partitions are row ranges); returns their count per top-byte bucket."""
+    by hash (the dedup's combine merges sorted files)."""
     hashes = np.frombuffer(bytes(rows), dtype=np.uint64).reshape(-1, 3)
     hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]
     with fsio.atomic_open(fsio.join(out, "hashes", f"{name}.npy"), "wb") as fh:
         np.save(fh, hashes)
-    return hash_buckets(hashes)
 
 
 def clean_unit(job: UnitJob) -> dict:
@@ -334,7 +395,10 @@ def clean_unit(job: UnitJob) -> dict:
     unit, c, out = job.unit, job.c, job.out
     started = time.time()
     _remove_unit_outputs(out, unit.name)
-    writer = PartWriter(out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size)
+    meta = tuple(c.metadata)
+    writer = PartWriter(
+        out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size, meta_columns=meta
+    )
     rejected = (
         PartWriter(
             fsio.join(out, "rejected"),
@@ -342,11 +406,14 @@ def clean_unit(job: UnitJob) -> dict:
             c.docs_per_shard,
             c.row_group_size,
             with_reason=True,
+            meta_columns=meta,
         )
         if c.keep_rejected
         else None
     )
     state = _UnitCleaner(c, job.filters, writer, rejected)
+    if c.near_dedup.enabled:
+        state.near = minhash.UnitSignatures(c.near_dedup)
     reports: list[dict] = []
     try:
         for piece in unit.pieces:
@@ -366,16 +433,19 @@ def clean_unit(job: UnitJob) -> dict:
         if rejected is not None:
             rejected.abort()
         raise
-    buckets = _write_hashes(out, unit.name, state.hashes) if "dedup" in job.filters else []
+    if "dedup" in job.filters:
+        _write_hashes(out, unit.name, state.hashes)
+    near = state.near.write(out, unit.name) if state.near is not None else None
     marker = {
         "unit": unit.name,
         "fingerprint": job.fingerprint,
         "pieces": [[p.path, p.start, p.end] for p in unit.pieces],
         "shards": parts,
+        "part_bytes": writer.bytes,  # its parts' size on disk: what pack_groups packs by
         "failed": [r["path"] for r in reports if r["error"]],
         "bad_files": reports,
-        "hash_buckets": buckets,  # kept hashes per top-byte bucket (dedup.HASH_BUCKETS)
         "per_file": state.per_file,
+        **({"near_dedup": near} if near is not None else {}),  # minhash/UNIT.npy's rows
         # who ran it and when: for the log and tests, never part of the output
         "worker": worker_id(),
         "started": started,
@@ -401,6 +471,7 @@ def run_clean(cfg) -> dict:
             f"(num_tasks={c.num_tasks})"
         )
     check_executor(cfg.data)
+    near_dedup.check_config(c)
     if words.COUNTER is None:
         log.warning(
             "clean: the compiled word counter (pipeline/clean/_wordcount.c) is not built, so "
@@ -411,7 +482,11 @@ def run_clean(cfg) -> dict:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     listed = _inputs_and_filters(c)
     where = where_for(
-        cfg.data, c.workers, sum(f.size for f in listed[0]) // c.num_tasks, AUTO_BYTES_PER_WORKER
+        cfg.data,
+        c.workers,
+        sum(f.size for f in listed[0]) // c.num_tasks,
+        AUTO_BYTES_PER_WORKER,
+        run=cfg.run,
     )
     stage = Stage(
         "codex data clean",
@@ -442,9 +517,27 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     fingerprint = _fingerprint(c, files)
     units = plan_units(files, c)
     markers = _read_markers(stage, fingerprint)
-    _drop_markers_without_files(out, markers, dedup="dedup" in filters)
+    packed_away, leftover = _drop_markers_without_files(out, markers, dedup="dedup" in filters)
     mine = units[c.task_index :: c.num_tasks]
     todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
+    if packed_away or leftover:
+        finished = stage.finished()
+        if not todo and len(markers) == len(units) and finished and finished.get("packed"):
+            # done, parts packed: what a deletion left after stats.json, then nothing
+            in_parallel(fsio.rm, [fsio.join(out, p) for p in leftover])
+            return {**finished, "units_run": 0}
+        # the dedups and the packing read every unit's parts: units whose parts were packed
+        # and deleted are cleaned again with the others
+        if packed_away:
+            log.warning(
+                "clean: %d units to clean again, and %d whose parts were packed with them",
+                len(todo),
+                len(packed_away),
+            )
+        in_parallel(fsio.rm, [fsio.join(out, "markers", f"{u}.json") for u in packed_away])
+        for u in packed_away:
+            del markers[u]
+        todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
     log.info(
         "clean: %d files (%.1f MB), %d skipped (unsupported type); %d units%s, %d to do on %s; "
         "filters: %s",
@@ -499,6 +592,12 @@ def _inputs_and_filters(c) -> tuple[list, list, list[str]]:
     return files, skipped, filters
 
 
+def usable(stats: dict) -> bool:
+    """Whether a finished clean's corpus is one later stages take (_refuse_bad_outcome)."""
+    failed = stats["bad_input"]["failed_files"]
+    return not failed and stats["docs_out"] > 0 and not stats.get("low_yield")
+
+
 def _refuse_bad_outcome(stats: dict, out: str) -> None:
     """Exit 1 for a run whose outputs are written but must not pass silently: failed input files,
     nothing kept, or under 1% kept (without --allow-low-yield)."""
@@ -520,16 +619,35 @@ def _refuse_bad_outcome(stats: dict, out: str) -> None:
         )
 
 
-def _drop_markers_without_files(out: str, markers: dict[str, dict], dedup: bool) -> None:
+def _drop_markers_without_files(
+    out: str, markers: dict[str, dict], dedup: bool
+) -> tuple[set[str], list[str]]:
     """A marker vouches for the files it lists: a unit whose part or hash file is gone (deleted by
     hand, lost in a copy) loses its marker here and is cleaned again, instead of every later step
-    failing on the missing file. One listing of each folder, whatever the number of units."""
+    failing on the missing file. A unit whose parts were packed (pack_groups) and deleted keeps
+    its marker. One listing of each folder, whatever the number of units. Returns the units whose
+    parts were packed and deleted, and the packed units' parts still there (a deletion that was
+    interrupted)."""
     parts = {fsio.basename(p) for p in ls_matching(out, "part-*.parquet")}
+    packed = packed_units(parts)
+    packed_away: set[str] = set()
+    leftover: list[str] = []
     hashes = {fsio.basename(p) for p in ls_matching(fsio.join(out, "hashes"), "*.npy")}
+    signed = set()  # data.clean.near_dedup's files
+    if any("near_dedup" in m for m in markers.values()):
+        signed = {fsio.basename(p) for p in ls_matching(fsio.join(out, "minhash"), "*.npy")}
     for name, m in list(markers.items()):
         missing = [p for p in m["shards"] if p not in parts]
+        if name in packed:
+            leftover += [p for p in m["shards"] if p in parts]
+            packed_away.update([name] if missing else [])
+            missing = []
         if dedup and f"{name}.npy" not in hashes:
             missing.append(f"hashes/{name}.npy")
+        if "near_dedup" in m:
+            missing += [
+                f"minhash/{f}" for f in (f"{name}.npy", f"{name}-index.npy") if f not in signed
+            ]
         if missing:
             log.warning(
                 "clean: unit %s's marker lists %s, which %s missing: cleaning the unit again",
@@ -539,12 +657,15 @@ def _drop_markers_without_files(out: str, markers: dict[str, dict], dedup: bool)
             )
             fsio.rm(fsio.join(out, "markers", f"{name}.json"))
             del markers[name]
+    return packed_away, leftover
 
 
 def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
+    """Every unit marker in the folder (one listing, the reads side by side: in_parallel),
+    refused when one was written for other inputs or settings."""
+    paths = ls_matching(fsio.join(stage.out, "markers"), "*.json")
     markers = {}
-    for path in ls_matching(fsio.join(stage.out, "markers"), "*.json"):
-        m = fsio.read_json(path)
+    for path, m in zip(paths, in_parallel(_read_marker, paths), strict=True):
         if m.get("fingerprint") != fingerprint:
             stage.refuse(
                 f"holds output cleaned from other inputs or settings ({path})",
@@ -552,6 +673,22 @@ def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
             )
         markers[m["unit"]] = m
     return markers
+
+
+def _read_marker(path: str) -> dict:
+    return held(fsio.read_json(path))
+
+
+def held(marker: dict) -> dict:
+    """A unit's marker as the driver keeps it until the end: its keys, and those of its counts
+    per drop reason, shared with every other marker's (sys.intern) instead of a copy each (JSON
+    gives every marker its own), about half of what a marker holds; its pieces (the input it
+    read, for people) left out."""
+    m = {sys.intern(k): v for k, v in marker.items() if k != "pieces"}
+    for key in ("drops", "drop_bytes"):
+        if isinstance(m.get(key), dict):
+            m[key] = {sys.intern(k): v for k, v in m[key].items()}
+    return m
 
 
 def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
@@ -566,7 +703,7 @@ def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
             progress,
             count=lambda _, m: {"docs": m["docs_in"], "bytes": m["bytes_in"]},
         ):
-            done.append(marker)
+            done.append(held(marker))
     total = sum(m["bytes_in"] for m in done)
     log.info("clean: processed %.1f MB in %d units", total / 1e6, len(jobs))
     return done
@@ -597,11 +734,24 @@ def _finalize(
         stats["docs_out"] -= cross_docs
         stats["bytes_out"] -= cross_bytes
     stats["dedup_across_units"] = cross_docs
+    if stage.cfg.data.clean.near_dedup.enabled:  # after the exact dedup: it leaves its copies
+        got = near_dedup.near_dedup_corpus(stage.out, ordered, stage.cfg.data.clean, where)
+        near_dedup.add_to_stats(stats, got)
     stats["shards"] = [s for m in ordered for s in m["shards"]]
     c = stage.cfg.data.clean
     if low_yield(stats, c.min_yield) and not c.allow_low_yield:
         stats["low_yield"] = c.min_yield  # clean_parts refuses it until a rerun allows it
+    replaced: list[str] = []
+    # a corpus to use: its units' parts packed. One refused (failed files, low yield, nothing
+    # kept) keeps its units' parts, for the rerun that redoes some units or allows it.
+    if usable(stats):
+        stats["shards"], replaced = _pack(stage, ordered, where)
+        stats["packed"] = bool(replaced)
+    if c.num_tasks == 1:  # what killed unit attempts left (a Ray retry): one listing a folder
+        _sweep_temp_files(stage.out)
     stage.commit(stats)
+    # once stats.json lists the packed parts, the units' own are not needed
+    in_parallel(fsio.rm, [fsio.join(stage.out, p) for p in replaced])
     log.info(
         "clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s",
         stats["docs_in"],
@@ -613,6 +763,107 @@ def _finalize(
     )
     _warn_about(stats, stage.out)
     return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# packing: consecutive units' parts into parts of about data.clean.part_bytes
+
+
+def pack_groups(markers: list[dict], part_bytes: int) -> list[tuple[int, int]]:
+    """Runs [a, b) of consecutive units (markers in corpus order) whose parts hold about
+    part_bytes together: a group ends with the unit that brings it to part_bytes (sizes before
+    the corpus-wide dedups, so the groups depend on the units alone). A unit each for part_bytes
+    0, and for a corpus smaller than one part (its later stages keep a task per unit)."""
+    groups, start, size = [], 0, 0
+    small = sum(m.get("part_bytes", 0) for m in markers) < part_bytes
+    for i, m in enumerate(markers):
+        size += m.get("part_bytes", 0)
+        if not part_bytes or small or size >= part_bytes:
+            groups.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(markers):
+        groups.append((start, len(markers)))
+    return groups
+
+
+def packed_name(first: str, last: str) -> str:
+    """The part that units first..last (names) are packed into."""
+    return f"part-{first}-{last}.parquet"
+
+
+_PACKED = re.compile(r"part-(\d{6,})-(\d{6,})\.parquet")
+
+
+def packed_units(names: set[str]) -> set[str]:
+    """The units (names) whose parts were packed into one of these parts (file names)."""
+    units: set[str] = set()
+    for name in names:
+        m = _PACKED.fullmatch(name)
+        if m:
+            width = len(m[1])
+            units.update(f"{u:0{width}d}" for u in range(int(m[1]), int(m[2]) + 1))
+    return units
+
+
+@dataclass
+class PackJob:
+    """One packed part: the parts of a group of units, in corpus order (picklable)."""
+
+    out: str
+    name: str
+    parts: list[str]
+    row_group_size: int
+
+
+def pack_group(job: PackJob) -> str:
+    """Copy the group's parts, rows in order, into one part (atomic), in row groups of
+    row_group_size rows; one row group in memory at a time."""
+    held: list[pa.Table] = []
+    rows = 0
+    with fsio.atomic_open(fsio.join(job.out, job.name), "wb") as fh:
+        writer: pq.ParquetWriter | None = None
+        for part in job.parts:
+            with fsio.open(fsio.join(job.out, part), "rb") as src:
+                pf = pq.ParquetFile(src)
+                if writer is None:
+                    writer = pq.ParquetWriter(fh, pf.schema_arrow, compression="zstd")
+                for i in range(pf.num_row_groups):
+                    held.append(pf.read_row_group(i))
+                    rows += held[-1].num_rows
+                    if rows >= job.row_group_size:  # whole row groups out, the rest held
+                        table = pa.concat_tables(held)
+                        cut = rows - rows % job.row_group_size
+                        writer.write_table(table.slice(0, cut), row_group_size=job.row_group_size)
+                        held, rows = [table.slice(cut)], rows - cut
+        assert writer is not None  # a group has parts
+        if rows:
+            writer.write_table(pa.concat_tables(held), row_group_size=job.row_group_size)
+        writer.close()
+    return job.name
+
+
+def _pack(stage: Stage, ordered: list[dict], where: Where) -> tuple[list[str], list[str]]:
+    """Pack every group of units (pack_groups) of more than one unit into one part; returns the
+    corpus's parts in order and the units' parts they replace (deleted once stats.json lists the
+    packed ones)."""
+    c = stage.cfg.data.clean
+    final: list[str] = []
+    jobs: list[PackJob] = []
+    replaced: list[str] = []
+    for a, b in pack_groups(ordered, c.part_bytes):
+        parts = [p for m in ordered[a:b] for p in m["shards"]]
+        if b - a == 1 or not parts:
+            final += parts
+            continue
+        name = packed_name(ordered[a]["unit"], ordered[b - 1]["unit"])
+        final.append(name)
+        jobs.append(PackJob(stage.out, name, parts, c.row_group_size))
+        replaced += parts
+    if jobs:
+        for _ in run_units(pack_group, jobs, where):
+            pass
+        log.info("clean: packed %d parts into %d", len(replaced), len(jobs))
+    return final, replaced
 
 
 def _warn_about(stats: dict, out: str) -> None:

@@ -1,5 +1,5 @@
-"""Cleaned documents -> parquet parts (text, id, source [, reason]), each part written
-atomically."""
+"""Cleaned documents -> parquet parts (text, id, source [, metadata columns] [, reason]), each part
+written atomically."""
 
 from __future__ import annotations
 
@@ -46,22 +46,28 @@ class PartWriter:
         docs_per_shard: int,
         row_group_size: int,
         with_reason: bool = False,
+        meta_columns: tuple[str, ...] = (),
     ):
         self.out_dir, self.prefix = out_dir, prefix
         self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
         cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
+        # data.clean.metadata: nullable, so built by pa.array (string_array takes no nulls)
+        self.nullable = set(range(3, 3 + len(meta_columns)))
+        cols += [(name, pa.string()) for name in meta_columns]
         self.schema = pa.schema(cols + ([("reason", pa.string())] if with_reason else []))
         self.rows: list[list] = [[] for _ in self.schema.names]
         self.row_bytes = 0
         self.shards: list[str] = []
         self._ctx: AbstractContextManager[IO[Any]] | None = None
         self._writer: pq.ParquetWriter | None = None
+        self._fh: IO[Any] | None = None
         self._in_shard = 0
+        self.bytes = 0  # of the parts closed so far, on disk
 
-    def add(self, *values: str) -> None:
+    def add(self, *values: str | None) -> None:
         for col, v in zip(self.rows, values, strict=False):
             col.append(v)
-        self.row_bytes += len(values[0])
+        self.row_bytes += len(values[0] or "")
         if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
             self._flush()
 
@@ -71,12 +77,16 @@ class PartWriter:
                 name = f"{self.prefix}-{len(self.shards):03d}.parquet"
                 self.shards.append(name)
                 self._ctx = fsio.atomic_open(fsio.join(self.out_dir, name), "wb")
-                self._writer = pq.ParquetWriter(
-                    self._ctx.__enter__(), self.schema, compression="zstd"
-                )
+                self._fh = self._ctx.__enter__()
+                self._writer = pq.ParquetWriter(self._fh, self.schema, compression="zstd")
                 self._in_shard = 0
             take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
-            columns = [string_array(col[:take]) for col in self.rows]
+            columns = [
+                pa.array(col[:take], pa.string())
+                if i in self.nullable
+                else string_array(col[:take])
+                for i, col in enumerate(self.rows)
+            ]
             table = pa.Table.from_arrays(columns, schema=self.schema)
             self._writer.write_table(table, row_group_size=self.row_group_size)
             self.rows = [col[take:] for col in self.rows]
@@ -86,10 +96,11 @@ class PartWriter:
         self.row_bytes = 0
 
     def _close_shard(self) -> None:
-        assert self._writer is not None and self._ctx is not None  # opened together in _flush
+        assert self._writer is not None and self._ctx is not None and self._fh is not None
         self._writer.close()
+        self.bytes += self._fh.tell()  # the file's size: the writer wrote it from 0, in order
         self._ctx.__exit__(None, None, None)
-        self._writer = self._ctx = None
+        self._writer = self._ctx = self._fh = None
 
     def close(self) -> list[str]:
         self._flush()

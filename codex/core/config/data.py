@@ -109,10 +109,35 @@ class CodeFilterConfig:
 @dataclass
 class DedupConfig:
     enabled: bool = setting(True, "Exact dedup on the normalised text, across the whole corpus.")
-    # 24 bytes a kept document: the number of hash partitions is chosen so that none is bigger,
-    # whatever the corpus size
+    # 32 bytes a kept document in the shuffle: the number of hash partitions (and the groups of
+    # units a combine task reads) are chosen so that none is bigger, whatever the corpus size
     partition_bytes: int = setting(
-        256 << 20, "Bytes of hashes one reduce task of the dedup holds.", ge=1
+        256 << 20, "Bytes of hashes one combine or reduce task of the dedup holds.", ge=1
+    )
+
+
+@dataclass
+class NearDedupConfig:
+    enabled: bool = setting(
+        False,
+        "MinHash near-dedup across the corpus (datatrove's parameters), after the exact dedup; "
+        "needs dedup.enabled.",
+    )
+    url: bool = setting(
+        True,
+        "With enabled: documents with an equal normalised URL are duplicates; the longest is kept.",
+    )
+    url_field: str = setting("url", "The JSONL field / parquet column holding a document's URL.")
+    n_grams: int = setting(5, "Words per shingle.", ge=1)
+    num_buckets: int = setting(
+        14, "LSH bands: documents sharing one band's hashes are a pair.", ge=1
+    )
+    hashes_per_bucket: int = setting(8, "MinHash values per band.", ge=1)
+    seed: int = setting(1, "Seed of the MinHash permutations (datatrove's is 1).", ge=0)
+    # 48 bytes a signed document per band: the partitions per band are chosen so that none is
+    # bigger (up to 4096 a band); the units are combined in groups whose band is no bigger either
+    partition_bytes: int = setting(
+        256 << 20, "Bytes of signature rows one reduce task of the near-dedup holds.", ge=1
     )
 
 
@@ -151,7 +176,15 @@ class CleanConfig:
         0.01, "A clean keeping under this fraction of its input bytes exits 1.", ge=0, le=1
     )
     allow_low_yield: bool = setting(False, "Keep a corpus even under min_yield.")
-    docs_per_shard: int = setting(20_000, "Rows per output parquet file.", ge=1)
+    docs_per_shard: int = setting(20_000, "Rows per parquet file a unit writes.", ge=1)
+    # a unit of chunk_bytes keeps a few MB: parts that small make every later stage run a task
+    # per few MB, so consecutive units' parts are packed (pipeline/clean/clean.py: pack_groups)
+    part_bytes: int = setting(
+        128 << 20,
+        "Bytes of a cleaned parquet part: consecutive units' parts are packed into one part of "
+        "about this size (on disk); 0 = each unit's own parts.",
+        ge=0,
+    )
     row_group_size: int = setting(2_000, "Rows per parquet row group.", ge=1)
     text_extensions: list[str] = setting(
         [
@@ -199,6 +232,13 @@ class CleanConfig:
     fineweb: FineWebFilterConfig = field(default_factory=FineWebFilterConfig)
     code: CodeFilterConfig = field(default_factory=CodeFilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
+    # names, not "every field": a part's columns are fixed before its first row is read
+    metadata: list[str] = setting(
+        [],
+        "JSONL fields / parquet columns carried into the cleaned parts as string columns "
+        "(e.g. [url, dump]; null where a document has none).",
+    )
 
 
 @dataclass
@@ -239,6 +279,36 @@ class ShardConfig:
 
 
 @dataclass
+class TaskConfig:
+    """What every unit of work of clean, the tokenizer's scan and shard gets, on either executor
+    (pipeline/executor.py)."""
+
+    memory_gb: float = setting(
+        0.0,
+        "Memory a unit reserves: Ray's memory= option; local: no more processes than fit; "
+        "0 = no reservation.",
+        ge=0,
+    )
+    timeout_s: float = setting(
+        0.0, "A unit running longer is stopped and fails, naming it; 0 = no limit.", ge=0
+    )
+    io_retries: int = setting(
+        4,
+        "Attempts more for a unit that hit a transient I/O error (network, EIO, HTTP 429/5xx), "
+        "after 1, 2, 4, ... s.",
+        ge=0,
+        le=20,
+    )
+    ray_pending: int = setting(
+        16,
+        "Ray: units queued beyond the cluster's CPUs, at least (an autoscaler adds nodes "
+        "for them).",
+        ge=0,
+        le=1_000_000,
+    )
+
+
+@dataclass
 class DataConfig:
     executor: Literal["local", "ray"] = setting(
         "local",
@@ -251,3 +321,4 @@ class DataConfig:
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
