@@ -261,9 +261,7 @@ def run_shard(cfg: Config) -> dict:
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
     files = clean_parts(cfg.run)
     sizes = dict(zip(files, per_path(fsio.size, files), strict=True))  # a request a part on GCS
-    where = where_for(
-        cfg.data, s.workers, sum(sizes.values()), AUTO_BYTES_PER_WORKER, run=cfg.run
-    )
+    where = where_for(cfg.data, s.workers, sum(sizes.values()), AUTO_BYTES_PER_WORKER, run=cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(sizes))
     formats: list[str] = ["npy", "parquet"] if s.format == "both" else [s.format]
     _refuse_other_settings(stage, settings)
