@@ -36,6 +36,7 @@ model to a device (see GPT._apply).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -217,6 +218,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
     rope_sin: torch.Tensor
+    # runner(model, x, cos, sin, idx) -> the last block's output, in place of the Python loop over
+    # the blocks: XLA fsdp's one scanned layer over stacked weights (train/xla/step.py)
+    blocks_runner: Callable | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -299,12 +303,19 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         if targets is not None and reduction not in ("mean", "none"):
             raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        x = self.embed(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, self.value_embedding(i, idx))
+        x = self.run_blocks(self.embed(idx), cos, sin, idx)
         if targets is None:
             return self.logits(x)
         return self.head_loss(x, targets, reduction)
+
+    def run_blocks(self, x, cos, sin, idx):
+        """x through every block in order (their value embeddings of idx added), or through
+        blocks_runner when a backend set one."""
+        if self.blocks_runner is not None:
+            return self.blocks_runner(self, x, cos, sin, idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, self.value_embedding(i, idx))
+        return x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
         """The final norm, the head and the cross-entropy of the last block's output x [B, T, d]

@@ -14,6 +14,7 @@ from pathlib import Path
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY_TEXT = re.compile(r"\b(?:pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[[\d,]*\]")
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
 
 
@@ -22,6 +23,7 @@ class Collective:
     op: str  # one of COLLECTIVES
     shape: str  # the result's shape text, e.g. "f32[64,64]{1,0}" or a tuple of them
     in_loop: bool  # inside a While's body (or something it calls)
+    computation: str = ""  # the computation holding it
 
     @property
     def elements(self) -> int:
@@ -36,18 +38,7 @@ class Program:
 
     def loop_computations(self) -> set[str]:
         """Every computation a While body runs, transitively."""
-        todo = [m for line in self.whiles for m in re.findall(r"body=%?([\w.\-]+)", line)]
-        seen: set[str] = set()
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in self.computations:
-                continue
-            seen.add(name)
-            for line in self.computations[name]:
-                todo += _CALLED.findall(line)
-                for group in _BRANCHES.findall(line):
-                    todo += [b.strip().lstrip("%") for b in group.split(",")]
-        return seen
+        return set().union(set(), *(self.reachable(_body(line)) for line in self.whiles))
 
     def collectives(self) -> list[Collective]:
         inside = self.loop_computations()
@@ -57,12 +48,59 @@ class Program:
                 for op in COLLECTIVES:
                     m = re.search(rf"=\s*(.+?)\s{op}(?:-start)?\(", line)
                     if m:
-                        out.append(Collective(op, m.group(1), name in inside))
+                        out.append(Collective(op, m.group(1), name in inside, name))
+        return out
+
+    def reachable(self, name: str) -> set[str]:
+        """`name` and every computation it calls, transitively."""
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n not in self.computations:
+                continue
+            seen.add(n)
+            for line in self.computations[n]:
+                todo += _CALLED.findall(line)
+                for group in _BRANCHES.findall(line):
+                    todo += [b.strip().lstrip("%") for b in group.split(",")]
+        return seen
+
+    def loops(self) -> list[Loop]:
+        """Every While, with the computations its body runs itself (nested Whiles' bodies
+        excluded) and the Whiles nested in it."""
+        out = []
+        for line in self.whiles:
+            runs = self.reachable(_body(line))
+            inner = [w for w in self.whiles if w is not line and _body(w) in runs]
+            nested = set().union(*(self.reachable(_body(w)) for w in inner)) if inner else set()
+            out.append(Loop(line, runs - nested, inner))
         return out
 
     def while_carry(self) -> list[tuple[str, int]]:
         """(dtype, elements) of every array in the Whiles' loop-carried tuples."""
         return [a for line in self.whiles for a in arrays(line.split(" while(")[0])]
+
+    def collectives_in(self, computations: set[str]) -> list[Collective]:
+        return [c for c in self.collectives() if c.computation in computations]
+
+
+@dataclass
+class Loop:
+    line: str  # the `while(` instruction
+    computations: set[str]  # what its body runs, nested Whiles' bodies excluded
+    nested: list[str]  # the `while(` lines of the Whiles inside it (at any depth)
+
+    def carry(self) -> list[tuple[str, int]]:
+        """(dtype, elements) of every array of its loop-carried tuple."""
+        return arrays(self.line.split(" while(")[0])
+
+    def carry_shapes(self) -> list[str]:
+        """Every array of its loop-carried tuple as text without layout, e.g. 'f32[3,16,64]'."""
+        return _ARRAY_TEXT.findall(self.line.split(" while(")[0])
+
+
+def _body(while_line: str) -> str:
+    return re.findall(r"body=%?([\w.\-]+)", while_line)[0]
 
 
 def arrays(shape: str) -> list[tuple[str, int]]:
@@ -103,18 +141,13 @@ def step_programs(dump: Path) -> list[Program]:
     return [p for p in programs if p.whiles]
 
 
-def manual_inputs(program: Program) -> list[tuple[str, int]]:
-    """(dtype, elements) of every value entering a manual-sharding region
-    (SPMDFullToShardShape), read from the program as codex emitted it, before XLA's passes
-    (which on the CPU widen bf16 to f32)."""
-    before = Path(
-        re.sub(r"\.\w+_after_optimizations\.txt$", ".before_optimizations.txt", str(program.path))
-    )
-    out = []
-    for line in before.read_text().splitlines():
-        if 'custom_call_target="SPMDFullToShardShape"' in line:
-            out += arrays(line.split(" custom-call(")[0])
-    return out
+def partitioned(program: Program) -> Program:
+    """`program` right after the SPMD partitioner (dumped with
+    --xla_dump_hlo_pass_re=spmd-partitioning), before XLA's later passes (which on the CPU widen
+    every bf16 value, collectives included, to f32)."""
+    prefix = re.sub(r"\.\w+_after_optimizations\.txt$", ".", program.path.name)
+    (path,) = program.path.parent.glob(prefix + "*after_spmd-partitioning*.txt")
+    return parse(path)
 
 
 def bytes_used(program: Program) -> int:

@@ -203,16 +203,14 @@ def test_xla_fsdp_checkpoint_resumes_on_eager_and_back(runs):
     # XLA fsdp step 5 -> eager CPU to step 10: the uninterrupted eager run's parameters.
     assert runs["resume_eager"]["step"] == 10
     assert max_diff(model_at(d["resume_eager"], 10), model_at(d["eager"], 10)) < 1e-4
-    # eager step 5 -> XLA fsdp=4 to step 10; the loaded optimizer state (replicated by
-    # load_state_dict) was re-marked before the first step and every tensor is sharded again.
+    # eager step 5 -> XLA fsdp=4 to step 10; the loaded optimizer state arrives sharded (the
+    # checkpoint load puts each tensor on the devices with its parameter's sharding, never whole),
+    # so the step hooks find nothing to re-mark, and every tensor is sharded as planned.
     assert runs["resume_xla"]["step"] == 10
     assert max_diff(model_at(d["resume_xla"], 10), model_at(d["eager"], 10)) < 1e-4
     layout = runs["resume_xla_layout"]
-    n = check_layout(layout, 4)
-    # Each loaded state tensor marked exactly once, all of them in the first step's pre-hooks (the
-    # hooks run before and after each of Muon's and AdamW's steps: 4 calls a step).
-    marks = layout["marks"]
-    assert sum(marks[:4]) == sum(marks) == n, marks
+    assert check_layout(layout, 4) > 0
+    assert sum(layout["marks"]) == 0, layout["marks"]
 
 
 def test_export_gives_the_live_sharded_models_logits(runs, tmp_path):
@@ -251,8 +249,7 @@ def test_xla_fsdp_compiles_what_replicate_compiles(runs):
 
 def test_auto_picks_fsdp_on_tpu_and_refusals():
     """train.parallel=auto on a TPU preset where the replicated state does not fit gives fsdp over
-    the slice; fsdp under --xla-mode spawn or on several hosts is refused (exit 2), before any
-    device work."""
+    the slice; fsdp under --xla-mode spawn is refused (exit 2), before any device work."""
     from codex.core.config import ConfigError, build_config
     from codex.core.config.model import ModelConfig
     from codex.train.plan.hardware import get_preset
@@ -280,9 +277,6 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
         devices_per_loader=4,
         global_values=True,
     )
-    for mode, hosts in (("spawn", 1), ("spmd", 2)):
-        backend = XLABackend(mode=mode, loader_world=hosts, **base)
-        with pytest.raises(
-            ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd on one host"
-        ):
-            backend.build_model(tiny, 0, Layout("fsdp", shard=4, replicas=1))
+    backend = XLABackend(mode="spawn", loader_world=1, **base)
+    with pytest.raises(ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd"):
+        backend.build_model(tiny, 0, Layout("fsdp", shard=4, replicas=1))

@@ -3,7 +3,9 @@
 
 Parity of final parameters cannot see where a collective runs (a gradient all-reduce once per
 micro-batch gives the same numbers as one per step), so these tests count collectives inside the
-step's While (once per micro-batch) and after it (once per step), and read the carried buffers.
+step's While (once per micro-batch), inside the fsdp layer loops nested in it (once per layer)
+and after it (once per step), and read the carried buffers. Each layout runs 4 steps at
+accumulation 2, with AdamW and with Muon, on a 3-layer model of width 64.
 
 Run in the XLA venv:
     PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -m xla tests/test_xla_program.py
@@ -12,18 +14,25 @@ Run in the XLA venv:
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from codex.train.xla.sharding import param_spec
 from tests.conftest import run_xla
-from tests.hlo import Program, arrays, bytes_used, manual_inputs, parse, step_programs
-from tests.test_xla import PRELUDE, overrides, results
+from tests.hlo import Loop, Program, arrays, bytes_used, parse, partitioned, step_programs
+from tests.test_xla import PRELUDE, max_diff, model_at, overrides, results
 
 pytestmark = pytest.mark.xla
 
-ACCUM = 4
+ACCUM = 2
+STEPS = 4
+SEQ = 24  # local tokens (2 rows x 24) differ from every weight dim: shapes in the HLO tell apart
+# a small model whose every block weight has a dim 4 devices divide (head dim 16)
+MODEL = ["model.n_layer=3", "model.n_embd=64"]
 
 CHILD = """
 from dataclasses import replace
@@ -34,11 +43,14 @@ emit("loss", train(c, evaluate)["loss"])
 m = build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model)), seed=0)
 emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
+emit("block_shapes", [list(p.shape) for p in m.blocks[0].parameters()])
+emit("n_layer", len(m.blocks))
 from codex.train.plan.hardware import get_preset
 from codex.train.plan.batch import grad_accum_steps
 from codex.train.plan.memory import Setting, plan
 t = c.train
 accum = grad_accum_steps(t.batch_tokens, t.device_batch, t.seq_len, 4)
+emit("accum", accum)
 mp = plan(replace(c.model, vocab_size=VOCAB), get_preset("v6e-4"), t.device_batch, t.seq_len,
           Setting(layout=t.parallel, dtype=t.dtype, optimizer=t.optimizer, world=4, accum=accum))
 emit("plan", {{"total": mp.total, "gradients": mp.gradients,
@@ -46,35 +58,62 @@ emit("plan", {{"total": mp.total, "gradients": mp.gradients,
 """
 
 
-def _run(tmp: Path, name: str, **extra) -> tuple[dict, list[Program]]:
+def _run(tmp: Path, name: str, flags: str = "", **extra) -> tuple[dict, list[Program], str]:
     dump = tmp / f"dump-{name}"
-    ov = overrides("v6e-4", 2, 2, eval_every=0, batch_tokens=2 * 32 * 4 * ACCUM, **extra)
+    run = tmp / f"run-{name}"
+    ov = overrides(
+        "v6e-4",
+        2,
+        STEPS,
+        eval_every=0,
+        save_every=STEPS,
+        seq_len=SEQ,
+        batch_tokens=2 * SEQ * 4 * ACCUM,
+        **extra,
+    )
     proc = run_xla(
-        PRELUDE + CHILD.format(run=str(tmp / f"run-{name}"), ov=ov),
+        PRELUDE + CHILD.format(run=str(run), ov=ov + MODEL),
         devices=4,
-        env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"},
+        env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text {flags}"},
     )
     programs = step_programs(dump)
     assert programs, f"no compiled program with a While in {dump}"
-    return results(proc), programs
+    info = results(proc)
+    assert info["accum"] == ACCUM
+    return info, programs, str(run)
+
+
+@pytest.fixture(scope="module", params=["adamw", "muon"])
+def optimizer(request):
+    return request.param
+
+
+_RUNS: dict[str, tuple[dict, list[Program], str]] = {}
+
+
+def _once(factory, layout: str, optimizer: str) -> tuple[dict, list[Program], str]:
+    """The run of `layout` with `optimizer`, made on first use (the bf16 test reads fsdp-adamw
+    too)."""
+    name = f"{layout}-{optimizer}"
+    if name not in _RUNS:
+        _RUNS[name] = _run(factory.mktemp("hlo"), name, parallel=layout, optimizer=optimizer)
+    return _RUNS[name]
 
 
 @pytest.fixture(scope="module")
-def replicate(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("hlo"), "replicate", parallel="replicate")
+def replicate(tmp_path_factory, optimizer):
+    return _once(tmp_path_factory, "replicate", optimizer)
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    # AdamW: Muon's own gathers at the optimizer step would mix with the step's gradient
-    # reduction in the counts below
-    return _run(tmp_path_factory.mktemp("hlo"), "fsdp", parallel="fsdp", optimizer="adamw")
+def fsdp(tmp_path_factory, optimizer):
+    return _once(tmp_path_factory, "fsdp", optimizer)
 
 
 def test_replicate_reduces_once_after_the_while(replicate):
     """No gradient all-reduce inside the While; after it, every gradient element reduced exactly
     once per step (the buckets the combiner forms may differ; their sizes add up)."""
-    info, programs = replicate
+    info, programs, _ = replicate
     for program in programs:
         collectives = program.collectives()
         inside = [c for c in collectives if c.in_loop]
@@ -91,50 +130,127 @@ def test_replicate_reduces_once_after_the_while(replicate):
 def test_replicate_carries_unreduced_per_device_accumulators(replicate):
     """The While carries one fp32 accumulator per parameter, each the parameter's full shape
     (every device sums its own rows' gradient), and the batch as one device's rows."""
-    info, programs = replicate
+    info, programs, _ = replicate
     for program in programs:
         carried = [n for dtype, n in program.while_carry() if dtype == "f32"]
         for shape in info["param_shapes"]:
-            n = 1
-            for d in shape:
-                n *= d
-            assert n in carried, (shape, program.path.name)
+            assert math.prod(shape) in carried, (shape, program.path.name)
         s64 = [n for dtype, n in program.while_carry() if dtype == "s64"]
-        # [rows per device = 2, accum, T = 32] token ids: one device's quarter of the 8 rows
-        assert 2 * ACCUM * 32 in s64 and 8 * ACCUM * 32 not in s64, s64
+        # [rows per device = 2, accum, T] token ids: one device's quarter of the 8 rows
+        assert 2 * ACCUM * SEQ in s64 and 8 * ACCUM * SEQ not in s64, s64
 
 
-def test_fsdp_gathers_once_before_the_while_and_reduces_once_after(fsdp):
-    """fsdp on TPU is ZeRO-2 (train/xla/step.py): every sharded weight all-gathered once per step
-    before the While, nothing inside it, and every gradient element reduced once after it
-    (all-reduce + dynamic-slice on the CPU pipeline; a TPU pipeline may fuse it into a
-    reduce-scatter, which carries the same elements)."""
-    info, programs = fsdp
-    P = info["param_elements"]
+def _shape(dims) -> str:
+    return "f32[" + ",".join(str(d) for d in dims) + "]"
+
+
+def _local(shape: list[int]) -> list[int]:
+    """A weight's shape on one of the 4 devices (train/xla/sharding.py: param_spec)."""
+    spec = param_spec(tuple(shape), 4)
+    return [d // 4 if axis else d for d, axis in zip(shape, spec, strict=True)]
+
+
+def _fsdp_loops(program: Program) -> tuple[Loop, list[Loop], list[Loop]]:
+    """(the micro-batch While, its forward layer loops, its backward layer loops): the layer
+    loops are the Whiles nested in the micro-batch one; a backward one reduces gradients."""
+    loops = program.loops()
+    (outer,) = [loop for loop in loops if loop.nested]
+    inner = [loop for loop in loops if loop.line in outer.nested]
+    reducing = [
+        loop
+        for loop in inner
+        if any(c.op in REDUCTIONS for c in program.collectives_in(loop.computations))
+    ]
+    forward = [loop for loop in inner if loop not in reducing]
+    assert forward and reducing, (program.path.name, len(inner))
+    return outer, forward, reducing
+
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop(fsdp):
+    """ZeRO-3 (train/xla/step.py): the blocks run as a While over their stacked weights inside
+    the micro-batch While. Each layer loop's body (forward, and backward again) all-gathers every
+    block weight once, each one layer's weight in size; the loop carries the stacked weights
+    sharded (a quarter of each, for all layers); outside the layer loops no block weight is
+    gathered, whole or stacked (only the root: embedding, head, final norm)."""
+    info, programs, _ = fsdp
+    blocks, n_layer = info["block_shapes"], info["n_layer"]
+    whole = sorted(math.prod(s) for s in blocks)
     for program in programs:
-        collectives = program.collectives()
-        inside = [c for c in collectives if c.in_loop]
-        assert not inside, f"{program.path.name}: {len(inside)} collectives in the While: {inside}"
-        gathered = sum(c.elements for c in collectives if c.op == "all-gather")
-        reduced = sum(c.elements for c in collectives if c.op in ("all-reduce", "reduce-scatter"))
-        # the 1-D weights fsdp cannot split (not divisible) stay replicated: nothing to gather
-        assert 0.95 * P <= gathered <= P, (program.path.name, gathered, P)
-        # + scalars: the loss, and the clip's partial norm of each sharded gradient
-        assert P <= reduced <= P + 2 * len(info["param_shapes"]), (program.path.name, reduced, P)
+        outer, forward, backward = _fsdp_loops(program)
+        for loop in forward + backward:
+            gathers = [c for c in program.collectives_in(loop.computations) if c.op == "all-gather"]
+            assert sorted(c.elements for c in gathers) == whole, (program.path.name, gathers)
+            stacks = Counter(_shape([n_layer, *_local(s)]) for s in blocks)
+            assert not stacks - Counter(loop.carry_shapes()), (stacks, loop.line[:300])
+        layer = set().union(*(loop.computations for loop in forward + backward))
+        outside = [
+            c for c in program.collectives() if c.op == "all-gather" and c.computation not in layer
+        ]
+        quarters = {tuple(_local(s)) for s in blocks}  # a whole shape may equal a quarter
+        for shape in blocks:
+            if len(shape) == 2 and tuple(shape) not in quarters:
+                for dims in (shape, [n_layer, *shape]):
+                    assert not [c for c in outside if c.shape.startswith(_shape(dims))], (
+                        shape,
+                        outside,
+                    )
 
 
-def test_fsdp_while_carries_what_the_memory_plan_counts(fsdp):
-    """The While's fp32 carry is the gathered weights and the unreduced gradient sums, each whole
-    (2 x 4 P bytes), which the plan counts as its gathered weights + gradients terms; the
-    compiled program's buffers (XLA's memory report) stay within the plan's total."""
-    info, programs = fsdp
-    P, plan = info["param_elements"], info["plan"]
-    assert plan["gradients"] == plan["compute_weights"] == 4 * P
+def test_fsdp_reduces_each_layer_gradient_to_a_quarter_inside_the_layer_loop(fsdp):
+    """Each block gradient is reduced inside the backward layer loop, once per layer and
+    micro-batch, to its weight's quarter. The CPU pipeline emits it as an all-reduce of the
+    layer's whole gradient followed by the dynamic-slice of this device's quarter (the pattern a
+    TPU pipeline turns into a reduce-scatter); read either way: a reduce-scatter of the quarter or
+    an all-reduce of the whole, per block weight, and the loop carries the stacked gradient as
+    quarters (each block weight's [layers, quarter] array twice: the stacked weight and its
+    gradient)."""
+    info, programs, _ = fsdp
+    blocks, n_layer = info["block_shapes"], info["n_layer"]
     for program in programs:
-        f32 = sum(n for dtype, n in program.while_carry() if dtype == "f32")
-        # beyond the 2 P: the RoPE tables and the loss, captured by the body
-        assert 2 * P <= f32 <= 2.05 * P, (program.path.name, f32, P)
+        _, _, backward = _fsdp_loops(program)
+        for loop in backward:
+            reductions = [
+                c for c in program.collectives_in(loop.computations) if c.op in REDUCTIONS
+            ]
+            expected = sorted(math.prod(s) for s in blocks)
+            got = sorted(c.elements * (4 if c.op == "reduce-scatter" else 1) for c in reductions)
+            assert got == expected, (program.path.name, reductions)
+            # the stacked weights and the stacked gradient: the multiset of quarters, twice
+            stacks = Counter(_shape([n_layer, *_local(s)]) for s in blocks)
+            assert not stacks + stacks - Counter(loop.carry_shapes()), loop.line[:300]
+
+
+def test_fsdp_carries_no_whole_gradient_and_fits_the_plan(fsdp):
+    """No fp32 buffer of P or more elements is carried by any While. The micro-batch While
+    carries every parameter's fp32 gradient accumulator as its quarter and the stacked block
+    weights as quarters, and less than P fp32 elements in all (with the root gathered whole and
+    the RoPE tables; ZeRO-2 carried 2 P, replicate carries 2 P). The compiled program's buffers
+    (XLA's memory report) stay within the plan's total."""
+    info, programs, _ = fsdp
+    P, plan, n_layer = info["param_elements"], info["plan"], info["n_layer"]
+    assert plan["gradients"] == -(-4 * P // 4)
+    expected = Counter(_shape(_local(s)) for s in info["param_shapes"])  # the accumulators
+    expected.update(_shape([n_layer, *_local(s)]) for s in info["block_shapes"])  # the stacks
+    for program in programs:
+        for loop in program.loops():
+            assert max(n for dtype, n in loop.carry() if dtype == "f32") < P, loop.line[:200]
+        outer, _, _ = _fsdp_loops(program)
+        f32 = sum(n for dtype, n in outer.carry() if dtype == "f32")
+        assert f32 < P, (program.path.name, f32, P)
+        carried = Counter(outer.carry_shapes())
+        assert not expected - carried, (expected - carried, program.path.name)
         assert bytes_used(program) <= plan["total"], (program.path.name, plan)
+
+
+def test_fsdp_trains_as_replicate(fsdp, replicate):
+    """The same weights after 4 steps (accumulation 2) under fsdp (ZeRO-3, scanned layers) as
+    under replicate (per-device While, one all-reduce), within 1e-5, for AdamW and Muon."""
+    diff = max_diff(model_at(fsdp[2], STEPS), model_at(replicate[2], STEPS))
+    assert diff < 1e-5, diff
+    assert abs(fsdp[0]["loss"] - replicate[0]["loss"]) < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -142,33 +258,42 @@ def fsdp_bf16(tmp_path_factory):
     return _run(
         tmp_path_factory.mktemp("hlo"),
         "fsdp-bf16",
+        "--xla_dump_hlo_pass_re=spmd-partitioning",
         parallel="fsdp",
         optimizer="adamw",
         dtype="bf16",
     )
 
 
-def test_fsdp_gathers_in_bf16_under_bf16(fsdp_bf16, fsdp):
-    """Under bf16 the sharded weights are cast on their shards and enter the per-device While in
-    bf16 (read in the program as codex emits it: the CPU pipeline then widens every bf16 value,
-    collectives included, to f32, which a TPU does not); the run trains as the fp32 one does."""
-    info, programs = fsdp_bf16
-    P = info["param_elements"]
+def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
+    """Under bf16 each layer's weights are cast on their shards and gathered in bf16 inside the
+    layer loops (read right after the SPMD partitioner: the CPU pipeline then widens every bf16
+    value, collectives included, to f32, which a TPU does not), the loops carry no whole weight
+    in either dtype, and the run trains as the fp32 one does."""
+    info, programs, _ = fsdp_bf16
+    blocks, n_layer = info["block_shapes"], info["n_layer"]
     for program in programs:
-        entering = manual_inputs(program)
-        # the sharded weights (all but the 1-D ones fsdp cannot split) in bf16, nothing in f32
-        # beyond the replicated leftovers and the captured tables
-        assert 0.95 * P <= sum(n for dtype, n in entering if dtype == "bf16") <= P, entering
-        assert sum(n for dtype, n in entering if dtype == "f32") <= 0.05 * P, entering
-    _, fp32_programs = fsdp
-    for program in fp32_programs:
-        assert not [a for a in manual_inputs(program) if a[0] == "bf16"]
+        split = partitioned(program)
+        _, forward, backward = _fsdp_loops(split)
+        for loop in forward + backward:
+            gathers = [c for c in split.collectives_in(loop.computations) if c.op == "all-gather"]
+            assert sorted(arrays(c.shape)[0] for c in gathers) == sorted(
+                ("bf16", math.prod(s)) for s in blocks
+            ), (program.path.name, gathers)
+            carried = set(loop.carry_shapes())
+            quarters = {tuple(_local(s)) for s in blocks}  # a whole shape may equal a quarter
+            for shape in blocks:
+                if len(shape) == 2 and tuple(shape) not in quarters:
+                    for dtype in ("f32", "bf16"):
+                        text = _shape([n_layer, *shape]).replace("f32", dtype)
+                        assert text not in carried, (shape, dtype, loop.line[:300])
     # the same data and init: bf16 autocast moves the loss by well under 2%
-    assert abs(info["loss"] - fsdp[0]["loss"]) < 0.02 * fsdp[0]["loss"]
+    fp32 = _once(tmp_path_factory, "fsdp", "adamw")[0]["loss"]
+    assert abs(info["loss"] - fp32) < 0.02 * fp32
 
 
 def test_replicate_program_within_the_memory_plan(replicate):
-    info, programs = replicate
+    info, programs, _ = replicate
     for program in programs:
         assert bytes_used(program) <= info["plan"]["total"], (program.path.name, info["plan"])
 

@@ -77,6 +77,26 @@ def tracing_per_device() -> bool:
     return _PER_DEVICE.get()
 
 
+_FAKE = contextvars.ContextVar("codex_xla_fake_trace", default=False)
+
+
+@contextlib.contextmanager
+def fake_trace():
+    """Inside: the model runs on fake tensors (AOTAutograd tracing one scanned layer,
+    train/xla/step.py), which carry no sharding: the output constraints below stand aside."""
+    token = _FAKE.set(True)
+    try:
+        yield
+    finally:
+        _FAKE.reset(token)
+
+
+def planned_spec(p: torch.Tensor) -> tuple | None:
+    """The partition spec shard_model gave parameter `p`, or None (not planned)."""
+    planned = _PLANNED.get(p)
+    return None if planned is None else planned[1]
+
+
 def make_mesh(replicas: int, shard: int):
     """The (replica, fsdp) mesh over every device of the slice, device ids row by row."""
     import torch_xla.distributed.spmd as xs
@@ -193,7 +213,7 @@ def _constrain_output(mesh):
     import torch_xla.distributed.spmd as xs
 
     def hook(_module, _args, out):
-        if not tracing_per_device():
+        if not (tracing_per_device() or _FAKE.get()):
             xs.mark_sharding(out, mesh, batch_spec(out.dim()))
 
     return hook
