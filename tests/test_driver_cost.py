@@ -20,8 +20,8 @@ import dataclasses
 import gc
 import io
 import json
+import multiprocessing
 import os
-import pickle
 import re
 import threading
 import time
@@ -250,26 +250,48 @@ def _measure(run: Callable[[], dict]) -> dict:
     }
 
 
-def _in_child(fn: Callable[[], dict]) -> dict:
-    """fn() in a forked copy of this process, its result back: each measurement starts from the
-    same memory, not from what an earlier run left in the allocator's free lists."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 1
-        try:
-            os.close(read)
-            with os.fdopen(write, "wb") as f:
-                f.write(pickle.dumps(fn()))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and data, f"the measuring child failed (status {status})"
-    return pickle.loads(data)
+def _in_child(files: int, phase: str) -> dict:
+    """_run_in_child(files, phase) in a fresh interpreter (multiprocessing's spawn), its result
+    back. Fresh, not forked: a forked child reuses the free memory the test process's earlier
+    tests left in Python's allocator, which hides a small run's growth."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_run_in_child, (files, phase))
+
+
+def _run_in_child(files: int, phase: str) -> dict:
+    """In the measuring child: the store, the stand-ins for the tasks, a warm-up run (imports and
+    caches), then the measured run_clean of `files` inputs, fresh or a rerun of finished units."""
+    fsspec.register_implementation(PROTOCOL, CountingFS, clobber=True)
+    C.clean_unit = done_unit
+    C.pack_group = done_pack
+    where_for = C.where_for
+    # and no log file a unit: the process that runs a unit writes it (a Ray worker), here this
+    # one (workers=1)
+    C.where_for = lambda *a, **k: dataclasses.replace(where_for(*a, **k), logs="")
+    _store(100)
+    C.run_clean(_cfg_for("warm"))
+    CountingFS.reset()
+    _store(files)
+    if phase == "rerun":  # every unit done, as its task left it
+        c = _cfg_for(phase).data.clean
+        inputs, _, filters = C._inputs_and_filters(c)
+        out, fingerprint = f"{PROTOCOL}://{phase}/clean", C._fingerprint(c, inputs)
+        for unit in C.plan_units(inputs, c):
+            done_unit(C.UnitJob(unit, c, out, filters, fingerprint))
+    return _measure(lambda: C.run_clean(_cfg_for(phase)))
+
+
+def _store(files: int) -> None:
+    for i in range(files):
+        CountingFS.add(f"in/doc-{i:07d}.jsonl", CHUNK)
+
+
+def _cfg_for(run: str):
+    overrides = ["data.clean.workers=1", "data.clean.dedup.enabled=false"]
+    cfg = build_config(overrides=overrides, run=f"{PROTOCOL}://{run}")
+    cfg.data.clean.inputs = [f"{PROTOCOL}://in"]
+    return cfg
 
 
 @pytest.fixture
@@ -283,27 +305,8 @@ def counting_fs():
 def _cost(files: int) -> dict[str, dict]:
     """The driver's cost per unit, over `files` inputs of one unit each: a fresh run (every unit
     to do), and a rerun after every unit finished (every marker read)."""
-    CountingFS.reset()
-    for i in range(files):
-        CountingFS.add(f"in/doc-{i:07d}.jsonl", CHUNK)
-
-    def cfg_for(run: str):
-        overrides = ["data.clean.workers=1", "data.clean.dedup.enabled=false"]
-        cfg = build_config(overrides=overrides, run=f"{PROTOCOL}://{run}")
-        cfg.data.clean.inputs = [f"{PROTOCOL}://in"]
-        return cfg
-
-    # the rerun's folder: every unit done, as its task left it
-    done = cfg_for("done")
-    c = done.data.clean
-    inputs, _, filters = C._inputs_and_filters(c)
-    out, fingerprint = f"{PROTOCOL}://done/clean", C._fingerprint(c, inputs)
-    for unit in C.plan_units(inputs, c):
-        done_unit(C.UnitJob(unit, c, out, filters, fingerprint))
-    got = {
-        "fresh": _in_child(lambda: _measure(lambda: C.run_clean(cfg_for("fresh")))),
-        "rerun": _in_child(lambda: _measure(lambda: C.run_clean(done))),
-    }
+    got = {phase: _in_child(files, phase) for phase in ("fresh", "rerun")}
+    c = _cfg_for("any").data.clean
     units = got["fresh"]["units"]
     assert got["fresh"]["units_run"] == units >= files and got["rerun"]["units"] == units
     assert got["rerun"]["units_run"] == 0
@@ -318,18 +321,8 @@ def _cost(files: int) -> dict[str, dict]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
-def test_the_clean_drivers_cost_per_unit_is_flat_from_1k_to_100k_units(counting_fs, monkeypatch):
-    monkeypatch.setattr(C, "clean_unit", done_unit)
-    monkeypatch.setattr(C, "pack_group", done_pack)
-    # and no log file a unit: the process that runs a unit writes it (a Ray worker), here this
-    # one (workers=1)
-    where_for = C.where_for
-
-    def no_unit_logs(*args, **kwargs):
-        return dataclasses.replace(where_for(*args, **kwargs), logs="")
-
-    monkeypatch.setattr(C, "where_for", no_unit_logs)
-    _cost(100)  # the imports and caches a first run loads
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
+def test_the_clean_drivers_cost_per_unit_is_flat_from_1k_to_100k_units():
     sizes = (1_000, 10_000, 100_000)
     got = {n: _cost(n) for n in sizes}
     for phase in ("fresh", "rerun"):
