@@ -138,9 +138,9 @@ def test_the_xla_environment_is_set_before_anything_imports_torch_xla(
 
 
 def test_docs_hardware_tables_are_what_codex_hardware_prints():
-    """docs/hardware.md's tables are `codex hardware`, `--model 1b` and `--model 7b --optimizer
-    adamw` as printed now: a change to the plan or a preset that changes them fails here until
-    the tables are regenerated."""
+    """docs/hardware.md's tables are `codex hardware`, `--model 1b`, `--model 7b` and `--model 7b
+    --optimizer adamw` as printed now: a change to the plan or a preset that changes them fails
+    here until the tables are regenerated."""
     from pathlib import Path
 
     from codex.train.plan.hardware import format_model_fit
@@ -154,3 +154,4 @@ def test_docs_hardware_tables_are_what_codex_hardware_prints():
     # `codex hardware --optimizer` defaults to train.optimizer's default
     assert format_model_fit("1b", optimizer=TrainConfig().optimizer) in blocks
     assert format_model_fit("7b", optimizer="adamw") in blocks
+    assert format_model_fit("7b", optimizer="muon") in blocks

@@ -36,6 +36,7 @@ from codex.train.plan.memory import (
     choose_layout,
     compiled_layer_bytes_per_token,
     hidden_matrices,
+    muon_step_bytes,
     param_count,
     plan,
     setting_for,
@@ -229,9 +230,12 @@ def test_1b_does_not_fit_replicated_on_v5e_and_fits_sharded_on_v5litepod_8():
         8 * P // 8,
     )
     assert p.compute_weights == gathered
+    # the layer loop's stacked fp32 block weights and the backward loop's stacked fp32 gradient,
+    # both sharded: 4 x 16 blocks / 8 each
+    assert p.stacked == 2 * 4 * L * block // 8
     assert p.activations == N * (L * per_layer + 6 * d) and p.workspace == N * per_layer
-    # 16 P / F, the gathered blocks, and the forward and backward's own
-    total = 16 * P // 8 + gathered + N * (L * per_layer + 6 * d) + 12 * V * N
+    # 16 P / F, the stacks, the gathered blocks, and the forward and backward's own
+    total = 16 * P // 8 + p.stacked + gathered + N * (L * per_layer + 6 * d) + 12 * V * N
     total += N * per_layer
     assert p.total == total and total < HEADROOM * 16 * GB
     assert choose_layout(sdpa, pod, 1, T) == "fsdp"
@@ -440,8 +444,9 @@ def test_the_compiled_plan_is_within_15_percent_of_a_measured_compiled_cpu_step(
 def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypatch):
     """Every accelerator preset: where `codex hardware --model` says the model fits (and with
     which layout), codex train's batch resolution with train.parallel=auto accepts it with that
-    layout; where it says no, training is refused (exit 2). Multi-host TPU presets offer fsdp like
-    any other (each host checkpoints its own shards), and asking for it is accepted."""
+    layout (and remat, where it fits only with train.remat=block: without it training is refused
+    naming remat); where it says no, training is refused (exit 2). Multi-host TPU presets offer
+    fsdp like any other (each host checkpoints its own shards), and asking for it is accepted."""
     from codex.train.plan import memory
     from codex.train.plan.hardware import model_fit
     from codex.train.plan.plan import resolve_batch
@@ -454,15 +459,18 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
             continue
         cfg = build_config(model=model, overrides=[f"train.hardware={p.name}"])
         fit = model_fit(preset_model(model), p, Setting(optimizer=cfg.train.optimizer))
-        if not fit.batch:
-            with pytest.raises(ConfigError):
+        if not fit.batch or fit.remat == "block":  # without remat it does not fit
+            with pytest.raises(ConfigError, match="remat" if fit.batch else ""):
                 resolve_batch(cfg, p, p.devices)
+        if not fit.batch:
             continue
+        remat = f"train.remat={fit.remat}"
+        cfg = build_config(model=model, overrides=[f"train.hardware={p.name}", remat])
         B, T, *_, layout = resolve_batch(cfg, p, p.devices)
         assert (layout.parallel, T) == (fit.layout, fit.seq_len), (model, p.name)
         if p.kind == "tpu" and p.hosts > 1 and fit.fsdp:
             fsdp = build_config(
-                model=model, overrides=[f"train.hardware={p.name}", "train.parallel=fsdp"]
+                model=model, overrides=[f"train.hardware={p.name}", "train.parallel=fsdp", remat]
             )
             *_, layout = resolve_batch(fsdp, p, p.devices)
             assert layout.parallel == "fsdp", (model, p.name)
@@ -749,10 +757,15 @@ def test_cuda_turns_on_expandable_segments_unless_the_user_set_the_allocator(mon
 
 
 def test_zero3_on_tpu_fits_7b_on_v6e_and_v5p_and_1b_at_4_x_2048_on_multi_host_v6e():
-    """fsdp on TPU is ZeRO-3 (train/xla/step.py's layer loop): per chip 16 P / F of state, two
-    gathered blocks and the root, whatever the accumulation. 7b (AdamW) then fits every v6e slice
-    of 8 chips and up and every v5p slice; before, the cached step held 12 P / F + 6 P (every
-    weight gathered in bf16, every gradient whole in fp32), which fits no v6e chip."""
+    """fsdp on TPU is ZeRO-3 (train/xla/step.py's layer loop): per chip 16 P / F of state, the
+    layer loop's stacked fp32 block weights and the backward loop's stacked fp32 gradient (8 B / F
+    for the blocks' B parameters, read off the compiled HLO), two gathered blocks and the root,
+    whatever the accumulation. 7b then fits v6e-16, v6e-32 and every v5p slice, with AdamW and
+    with Muon; on v6e-8 only with train.remat=block, which `codex hardware` then offers (without it
+    1 x 1024 needs 29.2 GB per chip
+    with Muon, 32.7 with AdamW: the activations, 7.9 GB, on top of 21 GB of state and stacks).
+    Before ZeRO-3 the cached step held 12 P / F + 6 P (every weight gathered in bf16, every
+    gradient whole in fp32), which fits no v6e chip."""
     from codex.train.plan.hardware import model_fit
 
     m7 = preset_model("7b")
@@ -761,22 +774,58 @@ def test_zero3_on_tpu_fits_7b_on_v6e_and_v5p_and_1b_at_4_x_2048_on_multi_host_v6
     assert p.weights + p.gradients + p.optimizer_state == -(-4 * P // 8) * 4
     blocks = block_params(m7)
     assert p.compute_weights == 2 * (2 * blocks + P - m7.n_layer * blocks) + 6 * blocks
+    assert p.stacked == 2 * 4 * m7.n_layer * blocks // 8
     assert 12 * P / 8 + 6 * P > 32 * GB  # ZeRO-2's state alone exceeds a v6e chip
-    for name in ("v6e-8", "v6e-16", "v6e-32", "v5p-8", "v5p-16", "v5p-32", "v5p-64"):
-        preset = get_preset(name)
-        fit = model_fit(m7, preset, Setting(optimizer="adamw"))
-        assert fit.batch >= 1 and fit.layout == "fsdp", (name, fit)
-        assert fit.total_gb <= HEADROOM * preset.memory_gb, (name, fit)
+    for optimizer in ("adamw", "muon"):
+        for name in ("v6e-16", "v6e-32", "v5p-8", "v5p-16", "v5p-32", "v5p-64"):
+            preset = get_preset(name)
+            fit = model_fit(m7, preset, Setting(optimizer=optimizer))
+            assert fit.batch >= 1 and fit.layout == "fsdp", (name, optimizer, fit)
+            assert fit.total_gb <= HEADROOM * preset.memory_gb, (name, fit)
+        v6e8 = get_preset("v6e-8")
+        fit = model_fit(m7, v6e8, Setting(optimizer=optimizer))  # fits only with remat
+        assert fit.batch >= 1 and (fit.layout, fit.remat) == ("fsdp", "block"), (optimizer, fit)
+        assert fit.total_gb <= HEADROOM * v6e8.memory_gb, fit
+        whole = plan(m7, v6e8, 1, 1024, Setting(layout="fsdp", optimizer=optimizer))
+        remat = plan(m7, v6e8, 1, 1024, Setting(layout="fsdp", optimizer=optimizer, remat="block"))
+        assert not whole.fits() and remat.fits(), (whole.total, remat.total)
+        assert model_fit(m7, v6e8, Setting(optimizer=optimizer, remat="block")).batch >= 1
     for name in ("v6e-4", "v5litepod-8"):  # 16 P / 4 = 29 GB; 16 P / 8 = 14.5 GB > 0.9 x 16
         assert model_fit(m7, get_preset(name), Setting(optimizer="adamw")).batch == 0, name
-    res = CliRunner().invoke(cli, ["hardware", "--model", "7b", "--optimizer", "adamw"])
-    rows = {line.split()[0]: line.split() for line in res.output.splitlines()[3:] if line.strip()}
-    for name in ("v6e-8", "v6e-16", "v6e-32", "v5p-8", "v5p-64"):
-        assert rows[name][5:7] == ["yes", "fsdp"], rows[name]
+    for flags in ([], ["--optimizer", "adamw"]):
+        res = CliRunner().invoke(cli, ["hardware", "--model", "7b", *flags])
+        lines = res.output.splitlines()[3:]
+        rows = {line.split()[0]: line.split() for line in lines if line.strip()}
+        for name in ("v6e-16", "v6e-32", "v5p-8", "v5p-64"):
+            assert rows[name][5:7] == ["yes", "fsdp"], rows[name]
+        assert rows["v6e-8"][5:8] == ["yes", "fsdp", "block"], rows["v6e-8"]
+        assert rows["v6e-16"][7] == "none", rows["v6e-16"]
     # 1b (Muon, the default) on the multi-host v6e slices: 4 x 2048 per chip sharded
     for name in ("v6e-16", "v6e-32"):
         fit = model_fit(preset_model("1b"), get_preset(name), Setting(optimizer="muon"))
         assert (fit.fsdp, fit.seq_len) == (4, 2048), (name, fit)
+
+
+def test_muon_on_tpu_fsdp_holds_its_rows_of_the_updates():
+    """Muon's step on TPU under fsdp (train/xla/update.py): each group's stack split over the W
+    chips, ceil(n / W) matrices iterated per chip, the results sent to row shards, never gathered
+    whole: c M / F of updates and one group's share at work. Replicated on TPU, every chip holds
+    every update (c M) and a whole group's stack at work. 7b (bf16) on v6e-8: 5.4 GB against
+    43 GB."""
+    m7 = preset_model("7b")
+    M = sum(r * c for r, c in hidden_matrices(m7))
+    # 7b: 64 of 4096 x 4096, 64 of 1024 x 4096, 96 MLP matrices iterated wide (4096 x 14336)
+    d, h = 4096, 14336
+    assert M == 32 * (2 * d * d + 2 * 1024 * d + 3 * d * h)
+    # the MLP group's share on each of 8 chips: 12 matrices, the stack and one more (2 h cols)
+    # and two d x d products, bf16
+    work = 2 * 12 * d * (2 * h + 2 * d)
+    fsdp = plan(m7, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp", optimizer="muon"))
+    assert fsdp.step_buffers == 2 * M // 8 + work
+    assert round(fsdp.step_buffers / GB, 1) == 5.4
+    whole = 2 * M + 2 * 96 * d * (2 * h + 2 * d)  # replicated: unchanged
+    assert muon_step_bytes(m7, "tpu", "replicate", 1, 8, 2) == whole
+    assert round(whole / GB) == 43
 
 
 def test_the_plan_counts_the_resume_load_path():

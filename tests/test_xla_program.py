@@ -330,6 +330,7 @@ for lr in (1e-3, 2e-3):
 groups = Counter(wide(p.shape) for n, p in model.named_parameters() if is_hidden_matrix(n, p))
 emit("groups", [[r, c, n] for (r, c), n in groups.items()])
 emit("ns_steps", opt.optimizers["muon"].param_groups[0]["ns_steps"])
+emit("layout", {layout!r})
 """
 
 _DOT = re.compile(r"=\s*\w+\[([\d,]*)\]\{[^}]*\}\s+dot\(")
@@ -389,7 +390,60 @@ def test_muon_iterates_on_a_quarter_of_each_stack_per_device(muon_update):
     gathered = [arrays(c.shape) for c in program.collectives() if c.op == "all-gather"]
     for r, c, n in info["groups"]:
         padded = 4 * -(-n // 4)
-        assert [("f32", padded * r * c)] in gathered, (r, c, n, gathered)
+        # replicated weights need every update whole: the iterated stack is gathered whole
+        # (test_muon_under_fsdp_gathers_no_stack: fsdp's is not)
+        assert ([("f32", padded * r * c)] in gathered) == (info["layout"] == "replicate"), (
+            r,
+            c,
+            n,
+            gathered,
+        )
+
+
+_STACK = re.compile(r"\w+\[(\d+),(\d+),(\d+)\]")
+
+
+def _whole_stack_gathers(program: Program, groups: list[list[int]]) -> list:
+    """The all-gathers in `program` whose output is a stack [k, rows, cols] of one shape group's
+    matrices with more of them than a device iterates (k > ceil(n / 4) of the group's n)."""
+    out = []
+    for c in program.collectives():
+        if c.op != "all-gather":
+            continue
+        for k, r, cols in (tuple(map(int, m)) for m in _STACK.findall(c.shape)):
+            out += [(c.shape, g) for g in groups if (r, cols) == tuple(g[:2]) and k > -(-g[2] // 4)]
+    return out
+
+
+def test_muon_under_fsdp_gathers_no_stack(muon_update):
+    """Under fsdp each chip needs only its weights' rows of every update: the iterated stacks go
+    to row shards (an all-to-all), never gathered whole (replicate's all-gather of each group's
+    [n, rows, cols]), so a chip holds ~1 / 4 of the updates (what train/plan/memory.py's
+    muon_step_bytes counts). The weights still train as replicate's
+    (test_fsdp_trains_as_replicate, Muon)."""
+    info, programs = muon_update
+    (program,) = [p for p in programs if _dots(p)]
+    whole = _whole_stack_gathers(program, info["groups"])
+    if info["layout"] == "replicate":
+        assert whole, "replicate gathers every group's stack"  # the check can see one
+        return
+    assert not whole, whole
+    moved = sum(c.elements for c in program.collectives() if c.op == "all-to-all")
+    assert moved >= sum(r * c * n for r, c, n in info["groups"]) // 4, moved
+
+
+def test_muon_under_fsdp_trains_without_gathering_a_stack(fsdp, optimizer):
+    """The training run's compiled programs (fsdp, Muon, 3 layers): no all-gather holds more of
+    a shape group's matrices than one device iterates."""
+    if optimizer != "muon":
+        pytest.skip("Muon's stacks")
+    info, programs, run = fsdp
+    shapes = Counter(tuple(sorted(s)) for s in info["block_shapes"] if len(s) == 2)  # wide
+    groups = [[r, c, n * info["n_layer"]] for (r, c), n in shapes.items()]
+    programs = [parse(p) for p in sorted(Path(run).parent.glob("dump-*/*after_optimizations.txt"))]
+    assert programs
+    for program in programs:
+        assert not _whole_stack_gathers(program, groups), program.path.name
 
 
 if __name__ == "__main__":  # print what a dump holds: python tests/test_xla_program.py DIR

@@ -37,8 +37,12 @@ Sharing the work, each matrix orthogonalised once in the job:
     XLA SPMD                      one graph over all chips: each group's stack is split over the
                                   devices along the stack (`Muon.place_stack`, set by
                                   train/xla/update.py while the update is traced), each chip
-                                  iterates on its ceil(n / devices) matrices and the results are
-                                  replicated again (an all-gather the partitioner inserts)
+                                  iterates on its ceil(n / devices) matrices. Replicated weights:
+                                  the results are replicated again (an all-gather the partitioner
+                                  inserts). fsdp: the results go to row shards instead (an
+                                  all-to-all) and each update takes its weight's sharding
+                                  (`Muon.place_update`), so a chip holds ~1 / devices of the
+                                  updates, never a whole group's stack
 
 Ranks apply the same updates, so replicated weights stay identical.
 """
@@ -151,8 +155,11 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world = shard_across or (0, 1)
         self.compiled = compiled
         # XLA SPMD: place_stack(stack, split) marks a [n, rows, cols] stack split over the devices
-        # along dim 0 (split) or replicated; train/xla/update.py sets it while it traces the step
+        # along dim 0 (split), or as the iterated result is to be held (replicated; under fsdp
+        # split along its rows); place_update(update, p) gives an update p's sharding (fsdp).
+        # train/xla/update.py sets them while it traces the step
         self.place_stack: Callable[[torch.Tensor, bool], None] | None = None
+        self.place_update: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -207,6 +214,8 @@ class Muon(torch.optim.Optimizer):
                 # Same RMS update size whatever the aspect ratio: a tall matrix's U V^T has smaller
                 # entries.
                 scale = -lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                if self.place_update is not None:
+                    self.place_update(updates[i], p)
                 update = updates[i].to(p.dtype)
                 if isinstance(scale, torch.Tensor):  # a device lr (train/xla/update.py)
                     p.add_(update * scale)

@@ -207,6 +207,10 @@ def device_defaults(
     batch, layout = default_device_batch(preset, model_cfg, seq_len, setting, batch_tokens)
     if batch <= 0:
         shard = ", or shard the state" if fsdp_offered(preset) and layout != "fsdp" else ""
+        if setting.remat == "none":
+            remat = dataclasses.replace(setting, remat="block")
+            if default_device_batch(preset, model_cfg, seq_len, remat, batch_tokens)[0] > 0:
+                shard += ", or recompute the blocks (train.remat=block: it fits then)"
         raise ConfigError(
             f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} "
             f"({preset.memory_gb:g} GB per device, {layout}) even at train.device_batch=1 x "
@@ -288,12 +292,23 @@ class ModelFit:
     batch: int  # the device batch train.parallel=auto would use (0: the model does not fit)
     layout: str  # the layout auto picks, "-" when nothing fits
     total_gb: float  # the plan at that batch and layout
+    remat: str = "none"  # "block" when the model fits only with train.remat=block
 
 
 def model_fit(m: ModelConfig, p: HardwarePreset, setting: Setting = DEFAULT_SETTING) -> ModelFit:
     """The largest device batch (a power of two) that fits with headroom replicated and under
     fsdp, and what train.parallel=auto picks (train.plan.memory.choose_layout), in `setting`
-    (its layout aside)."""
+    (its layout aside). A model that fits in neither without remat is planned again with
+    train.remat=block, as MaxText's recipes recompute to fit a large model on a small slice."""
+    fit = _fit(m, p, setting)
+    if not fit.batch and setting.remat == "none":
+        again = _fit(m, p, dataclasses.replace(setting, remat="block"))
+        if again.batch:
+            return dataclasses.replace(again, remat="block")
+    return fit
+
+
+def _fit(m: ModelConfig, p: HardwarePreset, setting: Setting) -> ModelFit:
     T = default_seq_len(p, m)
     cap = max(1, MAX_DEVICE_TOKENS // T)
     sharded = dataclasses.replace(setting, layout="fsdp")
@@ -326,12 +341,15 @@ def format_model_fit(
             "fsdp",
             "fits",
             "layout",
+            "remat",
             "plan at B (GB)",
         ]
     ]
     for p in list_presets():
         if p.memory_gb <= 0:
-            rows.append([p.name, "-", str(p.devices), "-", "-", "?", "-", "the machine's free RAM"])
+            rows.append(
+                [p.name, "-", str(p.devices), "-", "-", "?", "-", "-", "the machine's free RAM"]
+            )
             continue
         f = model_fit(m, p, setting)
         T = f.seq_len
@@ -344,6 +362,7 @@ def format_model_fit(
                 f"{f.fsdp}×{T}" if f.fsdp else "-",
                 "yes" if f.batch else "no",
                 f.layout,
+                f.remat if f.batch else "-",
                 f"{f.total_gb:.1f}" if f.batch else "-",
             ]
         )
@@ -351,7 +370,8 @@ def format_model_fit(
     return "\n".join(
         [
             f"model {model}: {n / 1e6:.0f}M parameters (32K vocab), bf16, {optimizer}, "
-            f"remat {remat}; fits = at most {HEADROOM:.0%} of a device's memory by the plan "
+            f"remat {remat} (block where only that fits); fits = at most {HEADROOM:.0%} of a "
+            "device's memory by the plan "
             "(train/plan/memory.py), "
             f"device batch at most {MAX_DEVICE_TOKENS} tokens"
         ]

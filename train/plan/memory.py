@@ -32,9 +32,18 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                                  block at a time (two: the one computing and the next), and its
                                  gradient (c + 4: the block's unsharded gradient and its fp32 copy)
                                  reduce-scattered into the sharded fp32 accumulators, so the
-                                 gradients are 4 P / F for the whole step; the root (embedding,
-                                 head, final norm) is gathered whole. Per chip 16 P / F plus
-                                 about two gathered blocks, whatever the accumulation
+                                 gradients are 4 P / F for the whole step; the root R (embedding,
+                                 head, final norm) is gathered whole in c once a step (hoisted out
+                                 of the micro-batch While) and held through it, c R
+    stacked blocks   fsdp (TPU):  8 B / F, B = the blocks' parameters (P less the root): the layer
+                                 loop runs over a stacked fp32 copy of the block weights (sharded;
+                                 stacked once a step before the micro-batch While and carried
+                                 through it, 4 B / F) and the backward loop's stacked sharded fp32
+                                 gradient of the micro-batch (4 B / F, alive from that loop's
+                                 start until it is added into the accumulators), both read off
+                                 the compiled HLO's loop carries (tests/test_xla_program.py). With
+                                 AdamW a chip holds about 24 P / F of fp32 state and stacks, plus
+                                 two gathered blocks and the root, whatever the accumulation
     activations      N x (n_layer x per_layer + head), per_layer from `layer_bytes_per_token`
                      (eager) or `compiled_layer_bytes_per_token` (torch.compile)
                      remat=block: N x (n_layer x c d + per_layer + head): the block inputs, and
@@ -64,7 +73,9 @@ WORLD_SIZE; a preset's device count where no run is launched yet), F = devices s
                      Muon's updates (one process: 4 M; fsdp: the owner-rank exchange's
                      buffers, about c x 2 M / F, each owner orthogonalising one whole matrix at
                      a time; replicate over W: the all_gather of everyone's updates,
-                     ~4 M x (2 + 3 / W))
+                     ~4 M x (2 + 3 / W); TPU replicated: every update, c M, and a whole group's
+                     stack at work; TPU fsdp: this chip's rows of every update, c M / F, and
+                     ceil(n / W) of a group's n matrices at work)
 
 Which gradients the backward holds: with accumulation (accum > 1) every gradient from the
 previous micro-batch (`gradients`); in a step's only micro-batch on CPU/CUDA none when it starts
@@ -74,9 +85,9 @@ counts them. XLA's cached step carries them through its While either way (whole 
 its shards under fsdp).
 
 The peak is the largest of three phases: weights + optimizer state + runtime + max(held gradients
-+ compute weights + activations + logits + workspace (compiled: the larger of logits and
-workspace), the reduced gradients + the larger of the reduction's buffers and the step buffers,
-which are never alive together, the load buffers at resume).
++ stacked blocks + compute weights + activations + logits + workspace (compiled: the larger of
+logits and workspace), the reduced gradients + the larger of the reduction's buffers and the step
+buffers, which are never alive together, the load buffers at resume).
 
 Compiled or eager: train.compile runs torch.compile on CUDA only (train/distributed/backend.py:
 make_backend); `setting_for` says which, and a Setting may say so for another kind (the CPU
@@ -293,6 +304,10 @@ class MemoryPlan:
     # at resume, on top of the state (which arrives sharded): one tensor's shard made while the
     # old one is alive
     load_buffers: int = 0
+    # TPU fsdp: the layer loop's stacked block weights (fp32, sharded; made once a step before the
+    # micro-batch While and carried through it) and the backward loop's stacked sharded gradient
+    # of one micro-batch before it is added into the accumulators
+    stacked: int = 0
 
     @property
     def backward(self) -> int:
@@ -301,7 +316,8 @@ class MemoryPlan:
         transient = (
             max(self.logits, self.workspace) if self.compiled else self.logits + self.workspace
         )
-        return self.held_gradients + self.compute_weights + self.activations + transient
+        held = self.held_gradients + self.stacked + self.compute_weights
+        return held + self.activations + transient
 
     @property
     def step(self) -> int:
@@ -345,6 +361,7 @@ class MemoryPlan:
                 else f"weights in {self.dtype}",
                 self.compute_weights,
             ),
+            ("stacked blocks (fp32, sharded)", self.stacked),
             (
                 f"activations ({'compiled' if self.compiled else 'eager'}"
                 f"{', remat' if self.remat == 'block' else ''})",
@@ -432,7 +449,11 @@ def muon_step_bytes(m: ModelConfig, kind: str, layout: str, F: int, W: int, c: i
     matrices' entries, F the ranks sharing the state, W the world:
 
         one process, TPU  every matrix's update until they are applied (c M), plus one group's
-                          stack at work (_stack_work; TPU: XLA's one graph, assumed)
+        (replicated)      stack at work (_stack_work; TPU: XLA's one graph, assumed)
+        fsdp (TPU)        each group's stack split over the W chips (train/xla/update.py), each
+                          iterating ceil(n / W) of its n matrices, the results sent to row shards
+                          (an all-to-all), never gathered whole: this chip's rows of every update
+                          (c M / F) and the largest group's share at work
         replicate, W > 1  the all_gather of the updates in the iteration's dtype, w = the busiest
                           rank's share: its own updates, the send buffer and their flat copy
                           (3 c w), the W received (c W w) and the collective's flat output they
@@ -450,6 +471,12 @@ def muon_step_bytes(m: ModelConfig, kind: str, layout: str, F: int, W: int, c: i
     sizes = [r * cols for r, cols in shapes]
     if not sizes:
         return 0
+    if kind == "tpu" and layout == "fsdp" and W > 1:
+        groups: dict[tuple[int, int], int] = {}
+        for shape in shapes:
+            groups[shape] = groups.get(shape, 0) + 1
+        share = [shape for shape, n in groups.items() for _ in range(-(-n // W))]
+        return c * -(-sum(sizes) // F) + _stack_work(share, [0] * len(share), c)[0]
     if kind == "tpu" or W == 1:
         return c * sum(sizes) + _stack_work(shapes, [0] * len(shapes), c)[0]
     if layout == "fsdp":
@@ -671,6 +698,11 @@ def plan(
         held_gradients=held if tpu or setting.accum > 1 else 4 * V * m.n_embd,
         runtime=(RUNTIME_CUDA + communicators * NCCL_COMMUNICATOR if preset.kind == "cuda" else 0),
         load_buffers=-(-4 * largest_param(m) // shards),
+        # ZeRO-3's layer loop (train/xla/step.py: scanned_blocks): the stacked block weights and
+        # the stacked gradient of a micro-batch, both fp32 and sharded like the weights
+        stacked=2 * -(-4 * m.n_layer * block_params(m) // shards)
+        if tpu and layout == "fsdp"
+        else 0,
     )
     if layout == "fsdp" and not tpu:
         # FSDP2 (CPU/CUDA): keep the gathered weights from forward to backward (one all-gather per
@@ -824,7 +856,7 @@ def check_fits(
         f"optimizer {p.optimizer_state / 1e9:.1f}, "
         f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, "
         "compute copies of the weights and "
-        f"workspace {(p.compute_weights + p.workspace) / 1e9:.1f}"
+        f"workspace {(p.compute_weights + p.stacked + p.workspace) / 1e9:.1f}"
         + (f", CUDA context and NCCL {p.runtime / 1e9:.1f}" if p.runtime else "")
         + (
             f"; at the optimizer step, its buffers {p.step_buffers / 1e9:.1f}"

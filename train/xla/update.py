@@ -17,7 +17,8 @@ backward are cached (train/xla/step.py), and the chips would wait for the host.
 
 Muon's stacks (one [n, rows, cols] per shape group, train/optim/muon.py) are split over every chip
 along the stack while the update is traced (`_muon_stacks_split`): each chip iterates on
-ceil(n / chips) matrices, not all n, and the partitioner all-gathers the results.
+ceil(n / chips) matrices, not all n; the partitioner all-gathers the results for replicated
+weights, and under fsdp sends each chip only its weights' rows of them (an all-to-all).
 
 The update must read nothing that changes between steps other than those inputs: the parameters,
 their gradients, the optimizer state tensors and the learning rate (the one Python number the
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from codex.train.optim.optimizer import clip_grad_norm
-from codex.train.xla.sharding import shard_optimizer_state
+from codex.train.xla.sharding import planned_spec, shard_optimizer_state
 
 
 @dataclass
@@ -295,9 +296,15 @@ def _swapped(params: list[torch.nn.Parameter], optimizer, stand_ins: list[torch.
 def _muon_stacks_split(optimizer):
     """While the update is traced under SPMD on several devices: each of Muon's stacks (one
     [n, rows, cols] per shape group, train/optim/muon.py) split along dim 0 over every device, so
-    each chip iterates on ceil(n / devices) of the group's matrices instead of all n, and the
-    iterated stack replicated again (the partitioner inserts the all-gather). One device, or
-    spawn mode (a process per chip, no partitioner), leaves the stacks whole."""
+    each chip iterates on ceil(n / devices) of the group's matrices instead of all n. Where the
+    iterated stack goes: replicated weights need every update whole on every chip, so it is
+    replicated again (the partitioner inserts the all-gather). Sharded weights (fsdp) need only
+    their shards' rows: it is split along its rows instead (an all-to-all) and each update is
+    given its weight's sharding (a wide one's rows are that already; a tall one, iterated
+    transposed, is resharded by itself), so a chip holds about 1 / devices of every group's
+    updates and never a whole stack. One device, or spawn mode (a process per chip, no
+    partitioner), leaves the stacks whole."""
+    import torch_xla
     import torch_xla.runtime as xr
 
     from codex.train.optim.muon import Muon
@@ -312,17 +319,33 @@ def _muon_stacks_split(optimizer):
 
     # every device along one axis: whatever the model's (replica, fsdp) mesh, all chips share it
     mesh = xs.Mesh(np.arange(devices), (devices,), ("stack",))
+    sharded = any(
+        any(planned_spec(p) or ())
+        for opt in muons
+        for group in opt.param_groups
+        for p in group["params"]
+    )
+    held = (None, "stack", None) if sharded else (None, None, None)
 
     def place(stack: torch.Tensor, split: bool) -> None:
-        xs.mark_sharding(stack, mesh, ("stack" if split else None, None, None))
+        xs.mark_sharding(stack, mesh, ("stack", None, None) if split else held)
+
+    def place_update(update: torch.Tensor, p: torch.Tensor) -> None:
+        if any(planned_spec(p) or ()):
+            sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+            if sharding is None:  # the trace's stand-in lost its parameter's sharding
+                raise RuntimeError(f"Muon's update of a {tuple(p.shape)} weight has no sharding")
+            torch_xla._XLAC._xla_annotate_custom_sharding(update, sharding)
 
     for opt in muons:
         opt.place_stack = place
+        opt.place_update = place_update if sharded else None
     try:
         yield
     finally:
         for opt in muons:
             opt.place_stack = None
+            opt.place_update = None
 
 
 @contextlib.contextmanager
