@@ -38,11 +38,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from codex.core import fsio
 from codex.core.config import ConfigError
-from codex.pipeline.clean.parts import bool_array, string_array
+from codex.pipeline.clean.parts import rewrite_part
 from codex.pipeline.executor import Where, run_units
 from codex.pipeline.readers import read_part
 
@@ -350,29 +349,14 @@ def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> in
     """Rewrite a unit's parts without the rows whose text hash is in `drop` (idempotent)."""
     rewritten = 0
     for name in parts:
-        path = fsio.join(out, name)
-        table = read_part(path)
-        texts = table.column("text").to_pylist()
-        keep = [
-            hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() not in drop for t in texts
+        table = read_part(fsio.join(out, name))
+        reasons = [
+            "dedup:duplicate"
+            if hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() in drop
+            else None
+            for t in table.column("text").to_pylist()
         ]
-        if all(keep):
-            continue
-        if c.keep_rejected:
-            gone = table.filter(bool_array([not k for k in keep]))
-            gone = gone.append_column("reason", string_array(["dedup:duplicate"] * len(gone)))
-            with fsio.atomic_open(
-                fsio.join(out, "rejected", name.replace(".parquet", "-dedup.parquet")), "wb"
-            ) as fh:
-                pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
-        with fsio.atomic_open(path, "wb") as fh:
-            pq.write_table(
-                table.filter(bool_array(keep)),
-                fh,
-                compression="zstd",
-                row_group_size=c.row_group_size,
-            )
-        rewritten += 1
+        rewritten += rewrite_part(out, name, table, reasons, "dedup", c)
     return rewritten
 
 

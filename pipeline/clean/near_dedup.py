@@ -57,12 +57,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from codex.core import fsio
 from codex.core.config import ConfigError
 from codex.pipeline.clean.minhash import index_path, signatures_path
-from codex.pipeline.clean.parts import bool_array, string_array
+from codex.pipeline.clean.parts import rewrite_part
 from codex.pipeline.executor import Where, run_units
 from codex.pipeline.readers import read_part
 
@@ -473,30 +472,12 @@ def rewrite_group(job: RewriteJob) -> int:
 def _rewrite_parts(out: str, parts: list[str], drop: dict[bytes, str], c) -> int:
     rewritten = 0
     for name in parts:
-        path = fsio.join(out, name)
-        table = read_part(path)
+        table = read_part(fsio.join(out, name))
         reasons = [
             drop.get(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest())
             for t in table.column("text").to_pylist()
         ]
-        keep = [r is None for r in reasons]
-        if all(keep):
-            continue
-        if c.keep_rejected:
-            gone = table.filter(bool_array([not k for k in keep]))
-            gone = gone.append_column("reason", string_array([r for r in reasons if r is not None]))
-            with fsio.atomic_open(
-                fsio.join(out, "rejected", name.replace(".parquet", "-near.parquet")), "wb"
-            ) as fh:
-                pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
-        with fsio.atomic_open(path, "wb") as fh:
-            pq.write_table(
-                table.filter(bool_array(keep)),
-                fh,
-                compression="zstd",
-                row_group_size=c.row_group_size,
-            )
-        rewritten += 1
+        rewritten += rewrite_part(out, name, table, reasons, "near", c)
     return rewritten
 
 

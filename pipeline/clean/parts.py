@@ -116,3 +116,24 @@ class PartWriter:
             finally:
                 # removes the temp file
                 self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+def rewrite_part(out: str, name: str, table: pa.Table, reasons: list, suffix: str, c) -> bool:
+    """Rewrite part `name` (its rows in `table`, `reasons` one per row: None keeps it) without the
+    rows that have a reason; with c.keep_rejected those go to rejected/NAME-SUFFIX.parquet with
+    their reason. Both atomic, so a rewrite killed midway runs again to the same bytes. Returns
+    whether the part changed."""
+    if all(r is None for r in reasons):
+        return False
+    keep = [r is None for r in reasons]
+    if c.keep_rejected:
+        gone = table.filter(bool_array([not k for k in keep]))
+        gone = gone.append_column("reason", string_array([r for r in reasons if r is not None]))
+        rejected = fsio.join(out, "rejected", name.replace(".parquet", f"-{suffix}.parquet"))
+        with fsio.atomic_open(rejected, "wb") as fh:
+            pq.write_table(gone, fh, compression="zstd", row_group_size=c.row_group_size)
+    with fsio.atomic_open(fsio.join(out, name), "wb") as fh:
+        pq.write_table(
+            table.filter(bool_array(keep)), fh, compression="zstd", row_group_size=c.row_group_size
+        )
+    return True
