@@ -28,7 +28,6 @@ the job does not look successful.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,6 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,7 +47,7 @@ from codex.core.config import ConfigError
 from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
 from codex.pipeline.clean import minhash, near_dedup, words
-from codex.pipeline.clean.dedup import dedup_corpus
+from codex.pipeline.clean.dedup import dedup_corpus, text_hash
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
 from codex.pipeline.clean.stats import (
@@ -145,23 +143,6 @@ def _split_file(f: InputFile, bounds: list[int], groups: list[tuple[int, int]]) 
 METADATA_THREADS = 64
 
 
-def in_parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    """[fn(x) for x in items], on METADATA_THREADS threads when the items are many (fn is one
-    request: the threads wait on the network, not the GIL). Each thread takes a run of items,
-    not one (a future an item would cost more than a local read). The first exception is
-    raised."""
-    threads = min(METADATA_THREADS, len(items))
-    if threads < 2:
-        return [fn(x) for x in items]
-    step = -(-len(items) // (4 * threads))  # 4 runs a thread: a slow run holds up little
-
-    def run(start: int) -> list[R]:
-        return [fn(x) for x in items[start : start + step]]
-
-    with cf.ThreadPoolExecutor(threads) as pool:
-        return [r for rs in pool.map(run, range(0, len(items), step)) for r in rs]
-
-
 # Units start in their list's order (executor.py: _run_pool, _run_ray), so the small ones go last:
 # the corpus's last TAIL_CHUNKS x chunk_bytes go in units 1/TAIL_SPLIT that size, and the workers
 # run out of work together instead of one finishing a big unit while the others idle.
@@ -186,7 +167,9 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
     footers = [
         f.path for f, (_, cut) in zip(files, cuts, strict=True) if cut and f.kind == "parquet"
     ]
-    groups = dict(zip(footers, in_parallel(parquet_row_groups, footers), strict=True))
+    groups = dict(
+        zip(footers, fsio.map_requests(parquet_row_groups, footers, METADATA_THREADS), strict=True)
+    )
     for f, (bounds, cut) in zip(files, cuts, strict=True):
         pieces = _split_file(f, bounds, groups.get(f.path, [])) if cut else []
         if len(pieces) > 1:
@@ -353,7 +336,7 @@ class _UnitCleaner:
             return
         data = doc.text.encode("utf-8")
         if "dedup" in self.filters:
-            h = hashlib.blake2b(data, digest_size=16).digest()
+            h = text_hash(data)
             if h in self.seen:
                 self._drop("dedup:duplicate", rec, doc.text, source)
                 return
@@ -524,7 +507,7 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
         finished = stage.finished()
         if not todo and len(markers) == len(units) and finished and finished.get("packed"):
             # done, parts packed: what a deletion left after stats.json, then nothing
-            in_parallel(fsio.rm, [fsio.join(out, p) for p in leftover])
+            fsio.map_requests(fsio.rm, [fsio.join(out, p) for p in leftover], METADATA_THREADS)
             return {**finished, "units_run": 0}
         # the dedups and the packing read every unit's parts: units whose parts were packed
         # and deleted are cleaned again with the others
@@ -534,7 +517,11 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
                 len(todo),
                 len(packed_away),
             )
-        in_parallel(fsio.rm, [fsio.join(out, "markers", f"{u}.json") for u in packed_away])
+        fsio.map_requests(
+            fsio.rm,
+            [fsio.join(out, "markers", f"{u}.json") for u in packed_away],
+            METADATA_THREADS,
+        )
         for u in packed_away:
             del markers[u]
         todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
@@ -661,11 +648,13 @@ def _drop_markers_without_files(
 
 
 def _read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
-    """Every unit marker in the folder (one listing, the reads side by side: in_parallel),
+    """Every unit marker in the folder (one listing, the reads side by side: fsio.map_requests),
     refused when one was written for other inputs or settings."""
     paths = ls_matching(fsio.join(stage.out, "markers"), "*.json")
     markers = {}
-    for path, m in zip(paths, in_parallel(_read_marker, paths), strict=True):
+    for path, m in zip(
+        paths, fsio.map_requests(_read_marker, paths, METADATA_THREADS), strict=True
+    ):
         if m.get("fingerprint") != fingerprint:
             stage.refuse(
                 f"holds output cleaned from other inputs or settings ({path})",
@@ -751,7 +740,7 @@ def _finalize(
         _sweep_temp_files(stage.out)
     stage.commit(stats)
     # once stats.json lists the packed parts, the units' own are not needed
-    in_parallel(fsio.rm, [fsio.join(stage.out, p) for p in replaced])
+    fsio.map_requests(fsio.rm, [fsio.join(stage.out, p) for p in replaced], METADATA_THREADS)
     log.info(
         "clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s",
         stats["docs_in"],

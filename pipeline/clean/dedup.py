@@ -31,7 +31,6 @@ hash), so parts rewritten before lose nothing more.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import logging
 import math
@@ -56,12 +55,16 @@ MAX_PARTITIONS = 1 << 16
 # What a combine or reduce task holds, over its rows (ROW_BYTES each): the rows read, their
 # concatenation, the sort's index and keys. partition_bytes x this is the stated memory bound.
 MEMORY_FACTOR = 3
-# Reads in flight inside one task: an object store answers each after tens of milliseconds.
-READ_THREADS = 16
 # How far past a range read an object store's file reads ahead (fsspec's default is 5 MB): a
 # reduce reads a small range of each of many files.
 RANGE_READAHEAD = 64 << 10
 PLAN_VERSION = 2  # the layout of dedup/: a plan of another version starts over
+
+
+def text_hash(data: bytes) -> bytes:
+    """The key exact dedup goes by: 16 bytes of BLAKE2b over a document's normalised UTF-8 text.
+    clean's units hash what they keep with it and the rewrites find the rows to drop by it."""
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def partitions_for(total_docs: int, partition_bytes: int) -> int:
@@ -187,12 +190,11 @@ def read_indexed(path: str, entries: int, i: int) -> np.ndarray:
 
 
 def _read_all(read, args: list) -> list:
-    """read(*a) for every a in args (a[0] a path), in order: READ_THREADS at a time from an
-    object store, one after another from local files (no wait to overlap)."""
-    if len(args) <= 1 or not fsio.is_remote(args[0][0]):
-        return [read(*a) for a in args]
-    with cf.ThreadPoolExecutor(min(READ_THREADS, len(args))) as pool:
-        return list(pool.map(lambda a: read(*a), args))
+    """read(*a) for every a in args (a[0] a path), in order: 16 at a time from an object store,
+    one after another from local files (fsio.request_threads)."""
+    return fsio.map_requests(
+        lambda a: read(*a), args, fsio.request_threads([a[0] for a in args[:1]])
+    )
 
 
 def _repeats(h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
@@ -351,9 +353,7 @@ def rewrite_without(out: str, parts: list[str], drop: dict[bytes, int], c) -> in
     for name in parts:
         table = read_part(fsio.join(out, name))
         reasons = [
-            "dedup:duplicate"
-            if hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest() in drop
-            else None
+            "dedup:duplicate" if text_hash(t.encode("utf-8")) in drop else None
             for t in table.column("text").to_pylist()
         ]
         rewritten += rewrite_part(out, name, table, reasons, "dedup", c)

@@ -50,8 +50,6 @@ same result.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -60,6 +58,7 @@ import numpy as np
 
 from codex.core import fsio
 from codex.core.config import ConfigError
+from codex.pipeline.clean.dedup import text_hash
 from codex.pipeline.clean.minhash import index_path, signatures_path
 from codex.pipeline.clean.parts import rewrite_part
 from codex.pipeline.executor import Where, run_units
@@ -145,13 +144,6 @@ def group_index_path(out: str, group: int) -> str:
     return fsio.join(out, "near", f"group-{group:06d}-index.npy")
 
 
-def _in_threads(fn, items: list) -> list:
-    if len(items) < 2:
-        return [fn(x) for x in items]
-    with cf.ThreadPoolExecutor(min(READ_THREADS, len(items))) as pool:
-        return list(pool.map(fn, items))
-
-
 def _rows6(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.uint64) if parts else np.zeros((0, 6), np.uint64)
 
@@ -162,7 +154,9 @@ def combine_group(job: CombineJob) -> int:
     one range of each group's file, not of each unit's. Holds one block of the group at a time.
     Returns its rows."""
     units = list(range(*job.units))
-    indexes = _in_threads(lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units)
+    indexes = fsio.map_requests(
+        lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units, READ_THREADS
+    )
     total = sum(int(ix[b, -1] - ix[b, 0]) for ix in indexes for b in range(job.blocks))
     index = np.zeros((job.blocks, GROUP_BINS + 1), dtype=np.uint64)
     header: dict[str, object] = {
@@ -181,7 +175,7 @@ def combine_group(job: CombineJob) -> int:
                 node = (np.uint64(units[k]) << np.uint64(32)) | (rows[:, 2] >> np.uint64(32))
                 return np.column_stack([rows, node]).astype(np.uint64).reshape(-1, 6)
 
-            block = _rows6(_in_threads(read, list(range(len(units)))))
+            block = _rows6(fsio.map_requests(read, range(len(units)), READ_THREADS))
             block = block[np.lexsort((block[:, 5], block[:, 1], block[:, 0]))]
             top = (block[:, 0] >> np.uint64(64 - GROUP_BITS)).astype(np.int64)
             index[b, 1:] = np.cumsum(np.bincount(top, minlength=GROUP_BINS))
@@ -239,7 +233,7 @@ def _gather(job: ReduceJob) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = int(at[job.part * step]), int(at[(job.part + 1) * step])
         return read_rows(group_path(job.out, g), lo, hi) if hi > lo else np.zeros((0, 6), np.uint64)
 
-    got = _rows6(_in_threads(read, list(range(job.groups))))
+    got = _rows6(fsio.map_requests(read, range(job.groups), READ_THREADS))
     return got[:, :5], got[:, 5]
 
 
@@ -473,10 +467,7 @@ def _rewrite_parts(out: str, parts: list[str], drop: dict[bytes, str], c) -> int
     rewritten = 0
     for name in parts:
         table = read_part(fsio.join(out, name))
-        reasons = [
-            drop.get(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest())
-            for t in table.column("text").to_pylist()
-        ]
+        reasons = [drop.get(text_hash(t.encode("utf-8"))) for t in table.column("text").to_pylist()]
         rewritten += rewrite_part(out, name, table, reasons, "near", c)
     return rewritten
 

@@ -25,7 +25,6 @@ A manifest entry is what train/data/loader.py reads and pipeline/shard/verify.py
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import re
 from collections.abc import Callable
 from typing import TypeVar
@@ -128,10 +127,7 @@ def per_path(fn: Callable[[str], T], paths: list[str]) -> list[T]:
     """fn of each path, in order: 16 at a time on an object store, where each is a request (a
     part's size, its parquet footer, a marker), so a planning step that asks something of every
     object costs a sixteenth of the round trips; one after another on a local disk."""
-    if len(paths) < 2 or not fsio.is_remote(paths[0]):
-        return [fn(p) for p in paths]
-    with cf.ThreadPoolExecutor(16) as pool:
-        return list(pool.map(fn, paths))
+    return fsio.map_requests(fn, paths, fsio.request_threads(paths))
 
 
 def read_markers(paths: list[str]) -> list[dict | None]:

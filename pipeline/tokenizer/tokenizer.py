@@ -22,7 +22,6 @@ pipeline/tokenizer/doc_select.py.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import hashlib
 import io
@@ -156,10 +155,7 @@ def _up_to_date(out: str, settings: dict, inputs: list[dict], from_clean: bool) 
 
 def file_sizes(paths: list[str]) -> list[int]:
     """Each file's bytes, in order; on an object store, where each is a request, 16 at a time."""
-    if len(paths) < 2 or not fsio.is_remote(paths[0]):
-        return [fsio.size(p) for p in paths]
-    with cf.ThreadPoolExecutor(16) as pool:
-        return list(pool.map(fsio.size, paths))
+    return fsio.map_requests(fsio.size, paths, fsio.request_threads(paths))
 
 
 def _text_reader(cfg: Config) -> TextReader:
