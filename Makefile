@@ -16,11 +16,12 @@ $(VENV)/.codex-installed: pyproject.toml pipeline/clean/_wordcount.c
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,hf,tasks,ray]'
 	touch $@
 
-# XLA venv: torch_xla 2.9.0 needs torch 2.9.0 exactly; runs the real XLA path with PJRT_DEVICE=CPU.
+# XLA venv: torch_xla 2.9.0 needs torch 2.9.0 exactly; runs the real XLA path with PJRT_DEVICE=CPU,
+# and libtpu's TPU compiler in compile-only mode (tpu-aot: codex train --compile-only).
 $(XLA_VENV)/.codex-installed: pyproject.toml pipeline/clean/_wordcount.c
 	test -x $(XLA_VENV)/bin/python || $(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.9.0 torch_xla==2.9.0
-	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,tpu-aot]'
 	touch $@
 
 demo: venv

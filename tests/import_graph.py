@@ -30,6 +30,7 @@ TRAIN_LAYERS = (
     "metrics",
     "remat",
     "launch",
+    "compile_only",
     "loop",
 )
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from codex.train.xla.hlo import Program, bytes_used, parse, step_programs
 from tests.conftest import run_xla
-from tests.hlo import Program, bytes_used, parse, step_programs
 from tests.test_xla import PRELUDE, overrides, results
 
 pytestmark = pytest.mark.xla

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from codex.train.xla.hlo import Loop, Program, arrays, bytes_used, parse, partitioned, step_programs
 from codex.train.xla.sharding import param_spec
 from tests.conftest import run_xla
-from tests.hlo import Loop, Program, arrays, bytes_used, parse, partitioned, step_programs
 from tests.test_xla import PRELUDE, max_diff, model_at, overrides, results
 
 pytestmark = pytest.mark.xla

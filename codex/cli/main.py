@@ -326,7 +326,17 @@ def _describe_train(cfg, params) -> list[str]:
     "processes on a CPU preset). Across machines, run torchrun yourself (see README). "
     "Default: this one process.",
 )
-def train_cmd(cfg, nproc_per_node):
+@click.option(
+    "--compile-only",
+    is_flag=True,
+    default=False,
+    help="Compile the step for the --hardware TPU slice with libtpu's TPU compiler on this "
+    "machine (no TPU needed, nothing trained, no run files needed) and print per-chip HBM "
+    "beside the plan, the TPU program's collectives, FLOPs, a modelled step time and MFU, and "
+    "the compile time. Exit 1 when the step does not fit. Needs pip install 'codex[tpu-aot]' "
+    "beside torch_xla (docs/tpu.md).",
+)
+def train_cmd(cfg, nproc_per_node, compile_only):
     """Train a model on RUN/shards; checkpoints in RUN/checkpoints, metrics in RUN/metrics.jsonl.
 
     --help after other options also prints what they resolve to ("Resolved for this command
@@ -340,7 +350,11 @@ def train_cmd(cfg, nproc_per_node):
       codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
       codex train --run runs/web --hardware h100-8 --model 124m --nproc-per-node 8
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
+      codex train --hardware v6e-8 --model 7b --compile-only
     """
+    if compile_only:
+        _compile_only(cfg)
+        return
     if nproc_per_node is not None and nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         _exec_torchrun(nproc_per_node)
     # a multi-host slice on a local path: refused before any host writes
@@ -360,6 +374,17 @@ def train_cmd(cfg, nproc_per_node):
             spawn_train(cfg, functools.partial(train, evaluate=evaluate, plot=plot_loss))
         else:
             train(cfg, evaluate, plot=plot_loss)
+
+
+def _compile_only(cfg) -> None:
+    """`codex train --compile-only` (train/compile_only.py): the report on stdout, exit 1 when
+    the step does not fit the slice's chips."""
+    from codex.train.compile_only import compile_only
+
+    report = compile_only(cfg)
+    click.echo("\n".join(report.lines()))
+    if not report.fits:
+        sys.exit(1)
 
 
 # --- codex eval / sample ------------------------------------------------------------------------

@@ -67,13 +67,17 @@ class Plan:
 
 
 def make_plan(
-    cfg: Config, preset: HardwarePreset, world_size: int
+    cfg: Config, preset: HardwarePreset, world_size: int, vocab: int | None = None
 ) -> tuple[Config, Plan, torch.Tensor | None]:
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
     vocab size, the MLP width (so a later change of the derivation cannot change a saved model's
     shape) and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
-    record and what eval rebuilds the model from."""
-    vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
+    record and what eval rebuilds the model from. vocab: given, no run files are read (a compile
+    of the step before any data exists, train/compile_only.py)."""
+    if vocab is None:
+        vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
+    else:
+        token_bytes, tokenizer_sha = None, ""
     cfg = replace(
         cfg,
         model=replace(cfg.model, vocab_size=vocab, mlp_hidden=mlp_hidden(cfg.model)),

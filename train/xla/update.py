@@ -106,7 +106,9 @@ class CachedUpdate:
         _own_buffers(self.optimizer)
         real = _tensors(params, self.optimizer)
         n = len(params)
-        stand_ins = [_zeros_like(t) if n <= i < 2 * n else _alias(t) for i, t in enumerate(real)]
+        stand_ins = [
+            _zeros_like(t) if n <= i < 2 * n else buffer_alias(t) for i, t in enumerate(real)
+        ]
         lr_t = _lr_on_device(0.5, params[0].device)
         # Inputs are told apart by their device buffer: a tensor id would not do, an in-place
         # update gives the traced tensor a new one.
@@ -120,7 +122,7 @@ class CachedUpdate:
             norm = clip_grad_norm(self.model, self.max_norm)
             self.optimizer.step()
             # read inside: leaving _swapped gives the parameters their real data back
-            outputs = [norm, *(p.data for p in params), *_state_tensors(self.optimizer)]
+            outputs = [norm, *(p.data for p in params), *state_tensors(self.optimizer)]
         _, values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
         sources = [
             ("lr", 0) if h == handles[-1] else ("tensor", where[h]) if h in where else ("fixed", v)
@@ -159,19 +161,19 @@ def _state_entries(optimizer) -> list[tuple[dict, str, torch.Tensor]]:
     return out
 
 
-def _state_tensors(optimizer) -> list[torch.Tensor]:
+def state_tensors(optimizer) -> list[torch.Tensor]:
     return [v for _, _, v in _state_entries(optimizer)]
 
 
 def _tensors(params: list[torch.nn.Parameter], optimizer) -> list[torch.Tensor]:
     """What the update reads: parameters, their gradients, the optimizer state."""
     grads = [p.grad for p in params if p.grad is not None]
-    return [*params, *grads, *_state_tensors(optimizer)]
+    return [*params, *grads, *state_tensors(optimizer)]
 
 
 def _updated(params: list[torch.nn.Parameter], optimizer) -> list[torch.Tensor]:
     """What the update writes: parameters and optimizer state."""
-    return [*params, *_state_tensors(optimizer)]
+    return [*params, *state_tensors(optimizer)]
 
 
 def _signature(tensors: list[torch.Tensor]) -> tuple:
@@ -190,7 +192,7 @@ def _lr_on_device(lr: float, device: torch.device) -> torch.Tensor:
     return _upload(torch.tensor(lr, dtype=torch.float32), device)
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
+def buffer_alias(t: torch.Tensor) -> torch.Tensor:
     """A new tensor on `t`'s device buffer (no copy): in-place updates to it leave `t` as it is.
     Dropped before any sync, so XLA never donates the shared buffer."""
     import torch_xla
@@ -206,9 +208,9 @@ def _reown(params: list[torch.nn.Parameter], optimizer) -> None:
     this the first step's program would donate nothing and hold every parameter and state
     tensor twice."""
     for p in params:
-        p.data = _alias(p)
+        p.data = buffer_alias(p)
     for state, key, t in _state_entries(optimizer):
-        state[key] = _alias(t)
+        state[key] = buffer_alias(t)
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:

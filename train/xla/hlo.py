@@ -32,9 +32,10 @@ class Collective:
 
 @dataclass
 class Program:
-    path: Path
+    path: Path | None
     computations: dict[str, list[str]]
     whiles: list[str]  # the `while(` instruction lines of every computation
+    entry: str = ""  # the ENTRY computation's name
 
     def loop_computations(self) -> set[str]:
         """Every computation a While body runs, transitively."""
@@ -115,15 +116,22 @@ def arrays(shape: str) -> list[tuple[str, int]]:
 
 
 def parse(path: Path) -> Program:
+    return parse_text(path.read_text(), path)
+
+
+def parse_text(text: str, path: Path | None = None) -> Program:
     computations: dict[str, list[str]] = {}
     whiles = []
     current = None
-    for line in path.read_text().splitlines():
+    entry = ""
+    for line in text.splitlines():
         if not line.startswith(" ") and line.rstrip().endswith("{"):
             m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s", line)
             current = m.group(1) if m else None
             if current:
                 computations[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
             continue
         if line.strip() == "}":
             current = None
@@ -132,7 +140,7 @@ def parse(path: Path) -> Program:
             computations[current].append(line)
             if " while(" in line:
                 whiles.append(line)
-    return Program(path, computations, whiles)
+    return Program(path, computations, whiles, entry)
 
 
 def step_programs(dump: Path) -> list[Program]:
@@ -145,6 +153,7 @@ def partitioned(program: Program) -> Program:
     """`program` right after the SPMD partitioner (dumped with
     --xla_dump_hlo_pass_re=spmd-partitioning), before XLA's later passes (which on the CPU widen
     every bf16 value, collectives included, to f32)."""
+    assert program.path is not None
     prefix = re.sub(r"\.\w+_after_optimizations\.txt$", ".", program.path.name)
     (path,) = program.path.parent.glob(prefix + "*after_spmd-partitioning*.txt")
     return parse(path)

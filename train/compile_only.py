@@ -1,0 +1,397 @@
+"""`codex train --compile-only`: the TPU step compiled by the TPU compiler, on any machine.
+
+    trace    the run's plan, model, optimizer and step, built by the code a TPU run uses, on as
+             many XLA CPU devices as the slice has chips (one global mesh, every host's share in
+             it); each program a run compiles (the step: micro-batch While + optimizer update;
+             validation's forward) is handed to XLA once, compiled and never run
+             (torch_xla's warm-up compile), and XLA dumps it as an HLO proto with its shardings
+    compile  libtpu's compile-only client compiles each proto for the slice's topology with
+             codex's libtpu flags (train/xla/tpu_compile.py, its own interpreter)
+    report   per chip: HBM from the compiler beside the plan and the chip, the TPU program's
+             collectives (train/xla/tpu_program.py), FLOPs and bytes, a modelled step time and
+             MFU, the compile time; exit 1 when the step does not fit
+
+The trace holds the model's real weights and optimizer state in this machine's memory (the XLA
+CPU devices are this host's RAM): a model that does not fit here is refused before the trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from codex.core.config import Config, ConfigError
+from codex.train.distributed.backend import BackendError, unwrap
+from codex.train.launch import make_backend
+from codex.train.optim.optimizer import make_optimizer
+from codex.train.optim.schedule import lr_for, set_lr
+from codex.train.plan.hardware import HardwarePreset, get_preset
+from codex.train.plan.plan import Plan, make_plan
+from codex.train.remat import apply_remat
+from codex.train.xla.platform import libtpu_init_args
+from codex.train.xla.tpu_compile import EXTRA, missing_packages
+from codex.train.xla.tpu_program import TpuProgram, read_program
+from codex.train.xla.update import buffer_alias, state_tensors
+
+log = logging.getLogger("codex.train")
+
+# libtpu's topology names (JAX's get_topology_desc) of each TPU family's slices, by chip count:
+# v4 and v5p name a 3-D torus (chips x x y x z), v5e and v6e a 2-D one.
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 256: "16x16"}
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
+_TOPOLOGY_FAMILY = {"v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
+
+# Per chip, from the Cloud TPU system-architecture pages: HBM bandwidth (GB/s) and ICI bandwidth
+# (GB/s, all links of one chip together), for the modelled step time.
+CHIP_BANDWIDTH = {
+    "v4": {"hbm": 1200.0, "ici": 300.0},
+    "v5e": {"hbm": 819.0, "ici": 200.0},
+    "v5p": {"hbm": 2765.0, "ici": 600.0},
+    "v6e": {"hbm": 1640.0, "ici": 448.0},
+}
+
+
+def topology_name(preset: HardwarePreset) -> str:
+    """libtpu's name for the preset's slice, e.g. v6e-16 -> "v6e:4x4"."""
+    shapes = _SHAPES_3D if preset.family in ("v4", "v5p") else _SHAPES_2D
+    family = _TOPOLOGY_FAMILY.get(preset.family)
+    if preset.kind != "tpu" or family is None or preset.devices not in shapes:
+        raise ConfigError(
+            f"--compile-only compiles for a TPU slice, and hardware preset '{preset.name}' "
+            f"({preset.kind}, {preset.devices} devices) has no TPU topology; "
+            "pick a TPU preset (`codex hardware`)"
+        )
+    return f"{family}:{shapes[preset.devices]}"
+
+
+@dataclass
+class CompiledProgram:
+    name: str  # "step" (forward + backward + optimizer update) or "validation"
+    compiled: dict  # train/xla/tpu_compile.py's record: memory, cost, compile seconds
+    program: TpuProgram  # the TPU program's collectives
+
+    donated: int = 0  # per chip: outputs that replace an argument in a run (weights, state)
+
+    @property
+    def new_output_bytes(self) -> int:
+        """Outputs that need memory of their own. torch_xla's warm-up compile aliases nothing; a
+        run's sync donates the weights' and the optimizer state's buffers to their updates."""
+        c = self.compiled
+        return max(0, c["output_bytes"] - c["alias_bytes"] - self.donated)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Per chip: arguments + outputs of their own + temporaries + generated code."""
+        c = self.compiled
+        return c["argument_bytes"] + self.new_output_bytes + c["temp_bytes"] + c["code_bytes"]
+
+
+@dataclass
+class CompileReport:
+    preset: HardwarePreset
+    topology: str
+    plan: Plan
+    step_tokens: int  # tokens per optimizer step
+    flops_per_token: float  # the model's training FLOPs per token (MFU's numerator)
+    libtpu_args: str
+    state_bytes: int = 0  # the whole slice's weights and optimizer state (each chip: its share)
+    programs: list[CompiledProgram] = field(default_factory=list)
+
+    @property
+    def step(self) -> CompiledProgram:
+        return self.programs[0]
+
+    @property
+    def fits(self) -> bool:
+        return all(p.hbm_bytes <= self.preset.memory_gb * 1e9 for p in self.programs)
+
+    def modelled_step_s(self) -> dict[str, float]:
+        """The step's time on the slice, modelled: compute at the chip's bf16 peak, HBM traffic at
+        its bandwidth, collective bytes at its ICI bandwidth, each on its own (a lower bound
+        where they overlap, the sum where none does)."""
+        bw = CHIP_BANDWIDTH[self.preset.family]
+        c = self.step.compiled
+        return {
+            "compute": c["flops"] / self.preset.peak_flops,
+            "hbm": c["bytes_accessed"] / (bw["hbm"] * 1e9),
+            "ici": self.step.program.collective_bytes() / (bw["ici"] * 1e9),
+        }
+
+    def modelled_mfu(self) -> float:
+        """MaxText's convention: the model's training FLOPs per step (6 N + attention, per token)
+        over the slice's peak times the modelled step time (the slowest of the three terms)."""
+        seconds = max(self.modelled_step_s().values())
+        peak = self.preset.peak_flops * self.preset.devices
+        return self.flops_per_token * self.step_tokens / (peak * seconds) if seconds else 0.0
+
+    def lines(self) -> list[str]:
+        gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+        p, chip = self.plan, self.preset.memory_gb * 1e9
+        out = [
+            f"compiled for {self.preset.name} ({self.topology}, {self.preset.devices} chips, "
+            f"{self.preset.hosts} host(s)) by libtpu's TPU compiler",
+            f"batch: {p.device_batch} x {p.seq_len} per chip, accum {p.accum}, "
+            f"{self.step_tokens:,} tokens a step, {p.layout.describe()}",
+        ]
+        for prog in self.programs:
+            c = prog.compiled
+            out.append(
+                f"{prog.name}: HBM per chip {gb(prog.hbm_bytes)} of {gb(chip)} "
+                f"(arguments {gb(c['argument_bytes'])}, temporaries {gb(c['temp_bytes'])}, "
+                f"outputs {gb(prog.new_output_bytes)} beside the donated, "
+                f"code {gb(c['code_bytes'])}); compiled in {c['compile_s']:.1f} s"
+            )
+        out.append(f"the plan's figure for the step: {gb(p.memory.total)} per chip")
+        out += ["step collectives (kind, place, count, bytes per chip each, async):"]
+        out += ["  " + line for line in self.step.program.summary_lines()]
+        t = self.modelled_step_s()
+        c = self.step.compiled
+        out.append(
+            f"step cost: {c['flops'] / 1e12:.3f} TFLOP and {gb(c['bytes_accessed'])} of HBM "
+            f"traffic per chip; modelled {max(t.values()) * 1e3:.1f} ms a step "
+            f"(compute {t['compute'] * 1e3:.1f}, HBM {t['hbm'] * 1e3:.1f}, "
+            f"ICI {t['ici'] * 1e3:.1f} ms), MFU {self.modelled_mfu():.1%}"
+        )
+        if not self.fits:
+            worst = max(self.programs, key=lambda q: q.hbm_bytes)
+            out.append(
+                f"does not fit: the {worst.name} program needs {gb(worst.hbm_bytes)} per chip, "
+                f"{gb(worst.hbm_bytes - chip)} more than a {self.preset.device_name} chip's "
+                f"{gb(chip)}"
+            )
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "hardware": self.preset.name,
+            "topology": self.topology,
+            "device_batch": self.plan.device_batch,
+            "seq_len": self.plan.seq_len,
+            "accum": self.plan.accum,
+            "layout": self.plan.layout.describe(),
+            "planned_bytes": self.plan.memory.total,
+            "state_bytes": self.state_bytes,
+            "libtpu_args": self.libtpu_args,
+            "fits": self.fits,
+            "modelled_step_s": self.modelled_step_s(),
+            "modelled_mfu": self.modelled_mfu(),
+            "programs": [
+                {
+                    "name": p.name,
+                    "hbm_bytes": p.hbm_bytes,
+                    **p.compiled,
+                    "collectives": [c.to_dict() for c in p.program.collectives],
+                }
+                for p in self.programs
+            ],
+        }
+
+
+# --- the three phases -------------------------------------------------------------------------
+
+
+def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
+    """Trace, compile and report (module doc). libtpu_flags=False compiles without codex's
+    LIBTPU_INIT_ARGS (the user's own still apply), to see what the flags change."""
+    preset = get_preset(cfg.train.hardware)
+    topology = topology_name(preset)
+    missing = missing_packages()
+    if missing:
+        raise BackendError(
+            f"--compile-only needs JAX and libtpu for the TPU compiler, and {', '.join(missing)} "
+            f"is not installed. Fix: pip install 'codex[{EXTRA}]' (in a checkout: "
+            f"pip install -e '.[{EXTRA}]')"
+        )
+    work = Path(tempfile.mkdtemp(prefix="codex-compile-"))
+    protos = _trace(cfg, preset, work)
+    user = os.environ.get("LIBTPU_INIT_ARGS", "")
+    args = libtpu_init_args(user) if libtpu_flags else user
+    compiled = _compile(topology, [path for _, path in protos], args, work)
+    report = CompileReport(
+        preset,
+        topology,
+        protos.plan,
+        protos.step_tokens,
+        protos.flops_per_token,
+        args,
+        protos.state_bytes,
+    )
+    for (name, _), record in zip(protos, compiled, strict=True):
+        program = read_program(Path(record["text"]).read_text(), protos.scanned_layers)
+        donated = protos.donated if name == "step" else 0
+        report.programs.append(CompiledProgram(name, record, program, donated))
+    return report
+
+
+class _Traced(list):
+    """[(program name, HLO proto path)], with what the report needs of the trace."""
+
+    plan: Plan
+    step_tokens: int
+    flops_per_token: float
+    scanned_layers: int  # fsdp's scanned blocks: the layer loops' trip count; 0 when not scanned
+    donated: int  # per chip: the step's updated weights and optimizer state
+    state_bytes: int  # the whole slice's fp32 weights and optimizer state
+
+
+def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
+    """Build and compile (for XLA:CPU, never run) the step and validation programs on
+    preset.devices XLA CPU devices; XLA dumps each as an HLO proto under work/dump."""
+    if "torch_xla" in sys.modules:
+        raise BackendError(
+            "--compile-only sets up torch_xla's CPU devices before it is imported, "
+            "but torch_xla is already imported in this process"
+        )
+    dump = work / "dump"
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(preset.devices)
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}", "--xla_dump_hlo_as_proto"]
+    ).strip()
+    cfg = replace(
+        cfg,
+        train=replace(
+            cfg.train,
+            allow_cpu_xla=True,
+            xla_mode="spmd",
+            xla_step="cached",
+            xla_cache=str(work / "cache"),  # empty: every program is compiled, so dumped
+        ),
+    )
+    _check_host_memory(cfg, preset)
+    from codex.model.gpt import flops_per_token
+
+    # Never closed cleanly: a clean close runs what is pending, and the step must not run here.
+    backend = make_backend(cfg)
+    try:
+        vocab = None if _has_tokenizer(cfg) else cfg.data.tokenizer.vocab_size
+        cfg, plan, _ = make_plan(cfg, preset, backend.world_size, vocab=vocab)
+        tcfg = cfg.train
+        model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
+        model = apply_remat(model, tcfg.remat, backend.kind)
+        raw = unwrap(model)
+        optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
+        accumulate = backend.device_accumulation(model, plan.accum)
+        update = backend.cached_update(raw, optimizer, tcfg.grad_clip)
+        if accumulate is None or update is None:
+            raise ConfigError("--compile-only compiles train.xla_step=cached's step")
+        rows = plan.device_batch * backend.devices_per_loader
+        batch = torch.zeros(rows, plan.seq_len, dtype=torch.int64)
+
+        out = _Traced()
+        # the step: every micro-batch in one While, then clip + the optimizer's update
+        loss = accumulate(itertools.repeat((batch, batch)))
+        # the weights' device buffers, for validation once the step has made the weights its
+        # pending outputs (taken after the While's trace, which maps the buffers it reads to the
+        # parameters; a run validates on weights the step computed, here nothing runs)
+        weights = {name: buffer_alias(p) for name, p in raw.named_parameters()}
+        grad_norm = update(set_lr(optimizer, lr_for(0, tcfg, plan.total_steps)))
+        optimizer.zero_grad(set_to_none=True)
+        state = state_tensors(optimizer)
+        updated = [*raw.parameters(), *state]
+        out.append(("step", _warm_up([loss, grad_norm, *updated], dump)))
+        out.donated = sum(_per_chip_bytes(t) for t in updated)
+        out.state_bytes = sum(t.numel() * t.element_size() for t in updated)
+
+        # validation: per-token losses of one device batch, as eval/evaluate.py computes them
+        with torch.no_grad(), backend.autocast():
+            x, y = backend.to_device((batch, batch))
+            kwargs = {"targets": y, "reduction": "none"}
+            losses = torch.func.functional_call(raw, weights, (x,), kwargs, tie_weights=False)
+        validation = _warm_up([losses.sum()], dump)
+        out.append(("validation", validation))
+        out.plan = plan
+        out.scanned_layers = (
+            cfg.model.n_layer if plan.layout.sharded and plan.layout.shard > 1 else 0
+        )
+        out.step_tokens = plan.batch_tokens
+        out.flops_per_token = flops_per_token(cfg.model, plan.seq_len)
+        return out
+    finally:
+        backend.close(ok=False)
+
+
+def _warm_up(tensors: list[torch.Tensor], dump: Path) -> str:
+    """Compile (without running) the graph that computes `tensors`; the path of the HLO proto XLA
+    dumped for it."""
+    import torch_xla
+
+    before = set(dump.glob("*before_optimizations.hlo.pb")) if dump.exists() else set()
+    torch_xla._XLAC._xla_warm_up_cache(tensors, [])
+    new = sorted(set(dump.glob("*before_optimizations.hlo.pb")) - before)
+    if not new:
+        raise BackendError(f"XLA compiled no new program (nothing dumped to {dump})")
+    return str(new[-1])
+
+
+def _compile(topology: str, protos: list[str], libtpu_args: str, work: Path) -> list[dict]:
+    """train/xla/tpu_compile.py in its own interpreter: one record per proto."""
+    request = work / "request.json"
+    request.write_text(json.dumps({"topology": topology, "protos": protos}))
+    env = {**os.environ, "LIBTPU_INIT_ARGS": libtpu_args}
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS"):
+        env.pop(key, None)  # those were the trace's; libtpu reads its own flags
+    proc = subprocess.run(
+        [sys.executable, "-m", "codex.train.xla.tpu_compile", str(request)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    records = [
+        json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("CODEX_TPU_PROGRAM ")
+    ]
+    if proc.returncode != 0 or len(records) != len(protos):
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BackendError(f"the TPU compiler failed for {topology}: {tail}")
+    return records
+
+
+def _per_chip_bytes(t: torch.Tensor) -> int:
+    """The bytes of `t` one chip holds, from its sharding ("{devices=[4,1]0,1,2,3}": a quarter;
+    "last_tile_dim_replicate": the last tile dim copies, not splits)."""
+    from codex.train.xla.sharding import sharding_of
+
+    spec = sharding_of(t)
+    tiles = (
+        [int(n) for n in re.findall(r"devices=\[([\d,]+)\]", spec)[0].split(",")]
+        if ("devices=[" in spec)
+        else [1]
+    )
+    if "last_tile_dim_replicate" in spec:
+        tiles = tiles[:-1]
+    return t.numel() * t.element_size() // math.prod(tiles)
+
+
+def _has_tokenizer(cfg: Config) -> bool:
+    from codex.core import fsio, rundir
+
+    return fsio.exists(fsio.join(rundir.tokenizer_dir(cfg.run), "meta.json"))
+
+
+def _check_host_memory(cfg: Config, preset: HardwarePreset) -> None:
+    """The trace keeps the fp32 weights, their gradients and the optimizer's state on the XLA CPU
+    devices, i.e. in this machine's memory: refuse a model that cannot fit here."""
+    from codex.core.config.model import matmul_params
+
+    params = matmul_params(replace(cfg.model, vocab_size=cfg.model.vocab_size or 32768))
+    need = params * 4 * 5  # weights, host copy at build, gradients, two optimizer moments
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > available:
+        raise BackendError(
+            f"--compile-only traces the step with the model's real weights in this machine's "
+            f"memory: {need / 1e9:.0f} GB for ~{params / 1e9:.1f}B parameters, and "
+            f"{available / 1e9:.0f} GB is free here. Run it on a machine with more memory"
+        )
