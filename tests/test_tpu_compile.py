@@ -119,7 +119,7 @@ def test_replicate_reduces_every_gradient_once_after_the_loops(tmp_path_factory,
     for kind in ("all-reduce", "reduce-scatter"):
         inside = [c for c in _where(step, kind) if c["place"] != "step"]
         assert not inside, f"{kind} inside a loop: {inside}"
-    weights = report["state_bytes"] // (3 if optimizer == "adamw" else 2)
+    weights = report["weight_bytes"]
     reduced = sum(c["bytes"] for c in _where(step, "all-reduce", "step"))
     assert weights * 0.9 <= reduced <= weights * 1.1 + 4096, (reduced, weights)
     assert report["fits"]

@@ -106,6 +106,7 @@ class CompileReport:
     flops_per_token: float  # the model's training FLOPs per token (MFU's numerator)
     libtpu_args: str
     state_bytes: int = 0  # the whole slice's weights and optimizer state (each chip: its share)
+    weight_bytes: int = 0  # of which the weights
     programs: list[CompiledProgram] = field(default_factory=list)
 
     @property
@@ -182,6 +183,7 @@ class CompileReport:
             "layout": self.plan.layout.describe(),
             "planned_bytes": self.plan.memory.total,
             "state_bytes": self.state_bytes,
+            "weight_bytes": self.weight_bytes,
             "libtpu_args": self.libtpu_args,
             "fits": self.fits,
             "modelled_step_s": self.modelled_step_s(),
@@ -226,6 +228,7 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
         protos.flops_per_token,
         args,
         protos.state_bytes,
+        protos.weight_bytes,
     )
     for (name, _), record in zip(protos, compiled, strict=True):
         program = read_program(Path(record["text"]).read_text(), protos.scanned_layers)
@@ -243,6 +246,7 @@ class _Traced(list):
     scanned_layers: int  # fsdp's scanned blocks: the layer loops' trip count; 0 when not scanned
     donated: int  # per chip: the step's updated weights and optimizer state
     state_bytes: int  # the whole slice's fp32 weights and optimizer state
+    weight_bytes: int  # of which the weights
 
 
 def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
@@ -303,6 +307,7 @@ def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
         out.append(("step", _warm_up([loss, grad_norm, *updated], dump)))
         out.donated = sum(_per_chip_bytes(t) for t in updated)
         out.state_bytes = sum(t.numel() * t.element_size() for t in updated)
+        out.weight_bytes = sum(p.numel() * p.element_size() for p in raw.parameters())
 
         # validation: per-token losses of one device batch, as eval/evaluate.py computes them
         with torch.no_grad(), backend.autocast():
