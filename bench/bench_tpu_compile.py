@@ -60,7 +60,8 @@ def row_line(r: dict) -> str:
         f"{r['device_batch']} x {r['seq_len']} x accum {r['accum']} | "
         f"{r['planned_bytes'] / 1e9:.2f} | {step['hbm_bytes'] / 1e9:.2f} | "
         f"{step['hbm_bytes'] / r['planned_bytes']:.2f} | {', '.join(kinds) or '-'} | "
-        f"{r['modelled_mfu']:.1%} | {step['compile_s']:.0f} s (trace + compile {r['wall_s']:.0f} s) |"
+        f"{r['modelled_mfu']:.1%} | {step['compile_s']:.0f} s "
+        f"(trace + compile {r['wall_s']:.0f} s) |"
     )
 
 
