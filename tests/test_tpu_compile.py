@@ -27,7 +27,7 @@ SETTINGS = [
     "model.n_layer=3",
     "model.n_embd=64",
     "data.tokenizer.vocab_size=512",
-    "train.seq_len=64",
+    "train.seq_len=128",  # the flash kernel's key blocks are 128 wide
     "train.device_batch=2",
 ]
 FLAGS_OFF = (
@@ -58,7 +58,7 @@ def _compile(tmp: Path, hardware: str, parallel: str, optimizer: str, extra=()) 
         f"train.hardware={hardware}",
         f"train.parallel={parallel}",
         f"train.optimizer={optimizer}",
-        f"train.batch_tokens={2 * 64 * chips * 2}",
+        f"train.batch_tokens={2 * 128 * chips * 2}",
     ]
     script = CHILD.format(overrides=overrides, run=str(tmp / "run"))
     child_env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -139,6 +139,18 @@ def test_fsdp_layer_loop_gathers_async_and_reduce_scatters(tmp_path_factory, opt
     assert _where(step, "reduce-scatter", "layer loop") or _where(
         step, "reduce-scatter", "micro-batch loop"
     ), step["collectives"]
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_flash_kernels_compiled_inside_the_layer_loop(tmp_path_factory):
+    """model.attention=auto takes the TPU's path: torch_xla's Pallas flash kernels (forward and
+    the two backward ones) are tpu_custom_calls the TPU compiler compiles inside fsdp's layer
+    loops; replicate runs them in the micro-batch loop's per-device body."""
+    fsdp = _step(_report(tmp_path_factory, "v6e-4", "fsdp", "adamw"))
+    assert fsdp["kernels"].count("layer loop") >= 3, fsdp["kernels"]
+    replicate = _step(_report(tmp_path_factory, "v6e-4", "replicate", "adamw"))
+    assert len(replicate["kernels"]) >= 3, replicate["kernels"]
 
 
 @pytest.mark.xla

@@ -3,8 +3,8 @@
     trace    the run's plan, model, optimizer and step, built by the code a TPU run uses, on as
              many XLA CPU devices as the slice has chips (one global mesh, every host's share in
              it); each program a run compiles (the step: micro-batch While + optimizer update;
-             validation's forward) is handed to XLA once, compiled and never run
-             (torch_xla's warm-up compile), and XLA dumps it as an HLO proto with its shardings
+             validation's forward) lowered to an HLO module with its shardings, as torch_xla
+             hands it to XLA at the step's sync, never compiled for XLA:CPU nor run
     compile  libtpu's compile-only client compiles each proto for the slice's topology with
              codex's libtpu flags (train/xla/tpu_compile.py, its own interpreter)
     report   per chip: HBM from the compiler beside the plan and the chip, the TPU program's
@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from codex.core.config import Config, ConfigError
+from codex.core.config import Config, ConfigError, from_dict, to_dict
+from codex.core.progress import setup_logging
+from codex.model.gpt import flops_per_token
 from codex.train.distributed.backend import BackendError, unwrap
-from codex.train.launch import make_backend
 from codex.train.optim.optimizer import make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
 from codex.train.plan.hardware import HardwarePreset, get_preset
 from codex.train.plan.plan import Plan, make_plan
 from codex.train.remat import apply_remat
+from codex.train.xla.flash import lower_pallas_for_tpu, xla_attention
 from codex.train.xla.platform import libtpu_init_args
 from codex.train.xla.tpu_compile import EXTRA, missing_packages
 from codex.train.xla.tpu_program import TpuProgram, read_program
@@ -194,6 +196,7 @@ class CompileReport:
                     "hbm_bytes": p.hbm_bytes,
                     **p.compiled,
                     "collectives": [c.to_dict() for c in p.program.collectives],
+                    "kernels": p.program.kernels,
                 }
                 for p in self.programs
             ],
@@ -204,8 +207,10 @@ class CompileReport:
 
 
 def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
-    """Trace, compile and report (module doc). libtpu_flags=False compiles without codex's
-    LIBTPU_INIT_ARGS (the user's own still apply), to see what the flags change."""
+    """Trace, compile and report (module doc), each phase in its own interpreter: the trace's
+    runtime needs the slice's CPU devices set before torch_xla starts, and its memory is given
+    back before the compiler runs. libtpu_flags=False compiles without codex's LIBTPU_INIT_ARGS
+    (the user's own still apply), to see what the flags change."""
     preset = get_preset(cfg.train.hardware)
     topology = topology_name(preset)
     missing = missing_packages()
@@ -215,54 +220,71 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
             f"is not installed. Fix: pip install 'codex[{EXTRA}]' (in a checkout: "
             f"pip install -e '.[{EXTRA}]')"
         )
+    _check_host_memory(cfg)
+    vocab = None if _has_tokenizer(cfg) else cfg.data.tokenizer.vocab_size
+    resolved, plan, _ = make_plan(cfg, preset, preset.devices, vocab=vocab)
     work = Path(tempfile.mkdtemp(prefix="codex-compile-"))
-    protos = _trace(cfg, preset, work)
+    trace = _trace_in_child(resolved, preset, work)
     user = os.environ.get("LIBTPU_INIT_ARGS", "")
     args = libtpu_init_args(user) if libtpu_flags else user
-    compiled = _compile(topology, [path for _, path in protos], args, work)
+    compiled = _compile(topology, [path for _, path in trace["programs"]], args, work)
     report = CompileReport(
         preset,
         topology,
-        protos.plan,
-        protos.step_tokens,
-        protos.flops_per_token,
+        plan,
+        plan.batch_tokens,
+        flops_per_token(resolved.model, plan.seq_len),
         args,
-        protos.state_bytes,
-        protos.weight_bytes,
+        trace["state_bytes"],
+        trace["weight_bytes"],
     )
-    for (name, _), record in zip(protos, compiled, strict=True):
-        program = read_program(Path(record["text"]).read_text(), protos.scanned_layers)
-        donated = protos.donated if name == "step" else 0
+    scanned = resolved.model.n_layer if plan.layout.sharded and plan.layout.shard > 1 else 0
+    for (name, _), record in zip(trace["programs"], compiled, strict=True):
+        program = read_program(Path(record["text"]).read_text(), scanned)
+        donated = trace["donated"] if name == "step" else 0
         report.programs.append(CompiledProgram(name, record, program, donated))
     return report
 
 
-class _Traced(list):
-    """[(program name, HLO proto path)], with what the report needs of the trace."""
-
-    plan: Plan
-    step_tokens: int
-    flops_per_token: float
-    scanned_layers: int  # fsdp's scanned blocks: the layer loops' trip count; 0 when not scanned
-    donated: int  # per chip: the step's updated weights and optimizer state
-    state_bytes: int  # the whole slice's fp32 weights and optimizer state
-    weight_bytes: int  # of which the weights
-
-
-def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
-    """Build and compile (for XLA:CPU, never run) the step and validation programs on
-    preset.devices XLA CPU devices; XLA dumps each as an HLO proto under work/dump."""
-    if "torch_xla" in sys.modules:
+def _trace_in_child(cfg: Config, preset: HardwarePreset, work: Path) -> dict:
+    """`python -m codex.train.compile_only WORK` on preset.devices XLA CPU devices: trace.json."""
+    (work / "config.json").write_text(json.dumps(to_dict(cfg)))
+    env = {
+        **os.environ,
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(preset.devices),
+        # JAX (the flash kernel's tracer) on its CPU backend: libtpu must not load beside
+        # torch_xla's runtime (both hold an XLA; the process crashes)
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "codex.train.compile_only", str(work)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    result = work / "trace.json"
+    if proc.returncode != 0 or not result.exists():
+        lines = [x for x in proc.stderr.splitlines() if re.match(_FAILURE, x)]
         raise BackendError(
-            "--compile-only sets up torch_xla's CPU devices before it is imported, "
-            "but torch_xla is already imported in this process"
+            f"tracing the step for {preset.name} failed: "
+            f"{(lines or proc.stderr.strip().splitlines() or ['(no output)'])[-1]}"
         )
-    dump = work / "dump"
-    os.environ["PJRT_DEVICE"] = "CPU"
-    os.environ["CPU_NUM_DEVICES"] = str(preset.devices)
-    os.environ["XLA_FLAGS"] = " ".join(
-        [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}", "--xla_dump_hlo_as_proto"]
-    ).strip()
+    return json.loads(result.read_text())
+
+
+# the line of a child's stderr that says why it failed: a Python exception, a failed XLA check,
+# a fatal signal
+_FAILURE = r"^(?:[\w.]+(?:Error|Exception): |F\d{4} .*Check failed|\*\*\* SIG)"
+
+
+def trace(work: Path) -> None:
+    """The child's side: build the step and validation as a TPU run builds them on this process's
+    XLA CPU devices, lower each to an HLO module without compiling or running it, and write
+    work/trace.json."""
+    setup_logging()
+    cfg = from_dict(json.loads((work / "config.json").read_text()))
+    preset = get_preset(cfg.train.hardware)
     cfg = replace(
         cfg,
         train=replace(
@@ -270,17 +292,23 @@ def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
             allow_cpu_xla=True,
             xla_mode="spmd",
             xla_step="cached",
-            xla_cache=str(work / "cache"),  # empty: every program is compiled, so dumped
+            xla_cache=str(work / "cache"),
         ),
     )
-    _check_host_memory(cfg, preset)
-    from codex.model.gpt import flops_per_token
+    # the TPU's attention (flash where JAX is installed): the backend on XLA:CPU would run
+    # blockwise, and refuses model.attention=flash off a TPU
+    attention = xla_attention(cfg.model.attention, "TPU")
+    if cfg.model.attention == "flash":
+        cfg = replace(cfg, model=replace(cfg.model, attention="auto"))
+    from codex.train.xla.backend import make_xla_backend  # imports torch_xla
 
     # Never closed cleanly: a clean close runs what is pending, and the step must not run here.
-    backend = make_backend(cfg)
+    backend = make_xla_backend(cfg, preset)
     try:
-        vocab = None if _has_tokenizer(cfg) else cfg.data.tokenizer.vocab_size
-        cfg, plan, _ = make_plan(cfg, preset, backend.world_size, vocab=vocab)
+        if attention == "flash":
+            lower_pallas_for_tpu()
+            backend.flash_attention, backend.flash_chip = True, preset.family
+        _, plan, _ = make_plan(cfg, preset, backend.world_size, vocab=cfg.model.vocab_size)
         tcfg = cfg.train
         model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
         model = apply_remat(model, tcfg.remat, backend.kind)
@@ -293,7 +321,6 @@ def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
         rows = plan.device_batch * backend.devices_per_loader
         batch = torch.zeros(rows, plan.seq_len, dtype=torch.int64)
 
-        out = _Traced()
         # the step: every micro-batch in one While, then clip + the optimizer's update
         loss = accumulate(itertools.repeat((batch, batch)))
         # the weights' device buffers, for validation once the step has made the weights its
@@ -302,42 +329,34 @@ def _trace(cfg: Config, preset: HardwarePreset, work: Path) -> _Traced:
         weights = {name: buffer_alias(p) for name, p in raw.named_parameters()}
         grad_norm = update(set_lr(optimizer, lr_for(0, tcfg, plan.total_steps)))
         optimizer.zero_grad(set_to_none=True)
-        state = state_tensors(optimizer)
-        updated = [*raw.parameters(), *state]
-        out.append(("step", _warm_up([loss, grad_norm, *updated], dump)))
-        out.donated = sum(_per_chip_bytes(t) for t in updated)
-        out.state_bytes = sum(t.numel() * t.element_size() for t in updated)
-        out.weight_bytes = sum(p.numel() * p.element_size() for p in raw.parameters())
+        updated = [*raw.parameters(), *state_tensors(optimizer)]
+        step = _lowered([loss, grad_norm, *updated], work / "step.hlo_module.pb")
 
         # validation: per-token losses of one device batch, as eval/evaluate.py computes them
         with torch.no_grad(), backend.autocast():
             x, y = backend.to_device((batch, batch))
             kwargs = {"targets": y, "reduction": "none"}
             losses = torch.func.functional_call(raw, weights, (x,), kwargs, tie_weights=False)
-        validation = _warm_up([losses.sum()], dump)
-        out.append(("validation", validation))
-        out.plan = plan
-        out.scanned_layers = (
-            cfg.model.n_layer if plan.layout.sharded and plan.layout.shard > 1 else 0
-        )
-        out.step_tokens = plan.batch_tokens
-        out.flops_per_token = flops_per_token(cfg.model, plan.seq_len)
-        return out
+        validation = _lowered([losses.sum()], work / "validation.hlo_module.pb")
+        result = {
+            "programs": [("step", step), ("validation", validation)],
+            "donated": sum(_per_chip_bytes(t) for t in updated),
+            "state_bytes": sum(t.numel() * t.element_size() for t in updated),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in raw.parameters()),
+        }
+        (work / "trace.json").write_text(json.dumps(result))
     finally:
         backend.close(ok=False)
 
 
-def _warm_up(tensors: list[torch.Tensor], dump: Path) -> str:
-    """Compile (without running) the graph that computes `tensors`; the path of the HLO proto XLA
-    dumped for it."""
+def _lowered(tensors: list[torch.Tensor], path: Path) -> str:
+    """The program computing `tensors` as XLA would be handed it at the step's sync, lowered
+    with its SPMD shardings and never compiled for XLA:CPU (which cannot compile the flash
+    kernel's TPU custom call): a serialized HloModuleProto at `path`."""
     import torch_xla
 
-    before = set(dump.glob("*before_optimizations.hlo.pb")) if dump.exists() else set()
-    torch_xla._XLAC._xla_warm_up_cache(tensors, [])
-    new = sorted(set(dump.glob("*before_optimizations.hlo.pb")) - before)
-    if not new:
-        raise BackendError(f"XLA compiled no new program (nothing dumped to {dump})")
-    return str(new[-1])
+    path.write_bytes(torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors))
+    return str(path)
 
 
 def _compile(topology: str, protos: list[str], libtpu_args: str, work: Path) -> list[dict]:
@@ -386,7 +405,7 @@ def _has_tokenizer(cfg: Config) -> bool:
     return fsio.exists(fsio.join(rundir.tokenizer_dir(cfg.run), "meta.json"))
 
 
-def _check_host_memory(cfg: Config, preset: HardwarePreset) -> None:
+def _check_host_memory(cfg: Config) -> None:
     """The trace keeps the fp32 weights, their gradients and the optimizer's state on the XLA CPU
     devices, i.e. in this machine's memory: refuse a model that cannot fit here."""
     from codex.core.config.model import matmul_params
@@ -400,3 +419,7 @@ def _check_host_memory(cfg: Config, preset: HardwarePreset) -> None:
             f"memory: {need / 1e9:.0f} GB for ~{params / 1e9:.1f}B parameters, and "
             f"{available / 1e9:.0f} GB is free here. Run it on a machine with more memory"
         )
+
+
+if __name__ == "__main__":
+    trace(Path(sys.argv[1]))

@@ -88,6 +88,7 @@ class XLABackend:
     max_compiles: int = 0
     mesh: Any = None
     flash_attention: bool = False  # flash runs (train/xla/flash.py: xla_attention)
+    flash_chip: str | None = None  # the chip whose flash block sizes apply; None: this VM's
     # train.xla_step: cached = micro-batches in one While (train/xla/step.py)
     xla_step: str = "cached"
     kind: str = "tpu"  # the preset's kind; the device type is "xla" (also on PJRT_DEVICE=CPU)
@@ -107,7 +108,7 @@ class XLABackend:
         # Under SPMD an unannotated tensor is replicated on every chip: the data-parallel layout.
         model = model.to(self.device)
         if self.flash_attention:
-            use_flash_attention(unwrap(model), self.mesh)
+            use_flash_attention(unwrap(model), self.mesh, self.flash_chip)
         return model
 
     def build_model(self, model_cfg, seed: int, layout=None) -> torch.nn.Module:

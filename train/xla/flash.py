@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from codex.model.attention import attention_kind
+from codex.model.attention import attention_kind, blockwise_causal
 from codex.train.xla.sharding import tracing_per_device
 
 if TYPE_CHECKING:
@@ -176,6 +176,10 @@ def make_flash_attend(mesh, chip: str | None = None):
     chip = tpu_chip() if chip is None else chip
 
     def flash_attend(q, k, v):
+        if q.shape[2] < LANES:
+            # the kernel tiles keys in blocks of LANES: a shorter sequence fails its trace (seen
+            # compiling for v6e at T = 64: "sub got incompatible shapes (64, 64), (64, 0)")
+            return blockwise_causal(q, k, v)
         n_head, head_dim = q.shape[1], q.shape[-1]
         k, v = expand_kv_heads(k, n_head), expand_kv_heads(v, n_head)
         # read by the kernel's tracing, forward and backward (see the module docstring)
@@ -195,6 +199,41 @@ def make_flash_attend(mesh, chip: str | None = None):
     return flash_attend
 
 
-def use_flash_attention(model: torch.nn.Module, mesh) -> None:
-    """Every block's attention of `model` (a GPT, on its XLA device) through the flash kernel."""
-    cast("GPT", model).set_attention(make_flash_attend(mesh))
+def use_flash_attention(model: torch.nn.Module, mesh, chip: str | None = None) -> None:
+    """Every block's attention of `model` (a GPT, on its XLA device) through the flash kernel,
+    with the block sizes of `chip` (None: this VM's)."""
+    cast("GPT", model).set_attention(make_flash_attend(mesh, chip))
+
+
+# The newest Mosaic IR libtpu 0.0.21 (torch_xla 2.9's tpu extra, pinned by tpu-aot) deserializes:
+# JAX 0.7.1 writes 8 unless told, and that libtpu refuses it ("expected <= 7 but got 8").
+MOSAIC_IR_VERSION = 7
+
+
+def lower_pallas_for_tpu() -> None:
+    """Have torch_xla trace its Pallas kernels for the TPU on a host without one (`codex train
+    --compile-only`). torch_xla 2.9's trace_pallas lowers the kernel with JAX's default backend,
+    the CPU there, where Pallas only interprets ("Only interpret mode is supported on CPU
+    backend"); the same lowering asked for the "tpu" platform gives the kernel's tpu_custom_call,
+    whose payload torch_xla puts in the graph as it does on a TPU. Replaces
+    custom_kernel.trace_pallas (which its kernels call by that name) for this process."""
+    import jax
+    from jax._src import tpu_custom_call
+    from jax.experimental.pallas import tpu  # noqa: F401  (Pallas' TPU lowering, in import order)
+    from torch_xla.experimental import custom_kernel
+
+    # JAX serializes the kernel in the newest Mosaic IR unless a TPU backend says its libtpu is
+    # older; here there is none, and the compiler that reads it is tpu-aot's libtpu
+    tpu_custom_call.get_ir_version = lambda _ctx: MOSAIC_IR_VERSION
+
+    def trace_pallas(kernel, *args, static_argnums=None, static_argnames=None, **kwargs):
+        kwargs.pop("use_cache", None)
+        jax_args = [
+            custom_kernel.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a for a in args
+        ]
+        jitted = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames)
+        lowered = jitted.trace(*jax_args, **kwargs).lower(lowering_platforms=("tpu",))
+        payload = custom_kernel._extract_backend_config(lowered.compiler_ir())
+        return payload, [a for a in args if torch.is_tensor(a)]
+
+    custom_kernel.trace_pallas = trace_pallas

@@ -51,8 +51,9 @@ def _hlo_module(hlo_proto: bytes) -> bytes:
 
 
 def compile_programs(topology: str, protos: list[str]) -> list[dict]:
-    """Compile each HLO proto for `topology` (e.g. "v6e:2x2") with libtpu; each program's TPU
-    text is written to PROTO + ".tpu.txt"."""
+    """Compile each HLO proto for `topology` (e.g. "v6e:2x2") with libtpu: an HloModuleProto
+    (*.hlo_module.pb) or an HloProto as XLA dumps it; each program's TPU text is written to
+    PROTO + ".tpu.txt"."""
     import jax
 
     # torch_xla's modules carry GSPMD shardings (mhlo.sharding); Shardy would ignore them.
@@ -67,7 +68,9 @@ def compile_programs(topology: str, protos: list[str]) -> list[dict]:
     devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     out = []
     for path in protos:
-        stablehlo = _jax.mlir.hlo_to_stablehlo(_hlo_module(Path(path).read_bytes()))
+        data = Path(path).read_bytes()
+        module_proto = data if path.endswith(".hlo_module.pb") else _hlo_module(data)
+        stablehlo = _jax.mlir.hlo_to_stablehlo(module_proto)
         with mlir.make_ir_context():
             module = ir.Module.parse(stablehlo)
             options = compiler.get_compile_options(

@@ -44,6 +44,7 @@ class TpuCollective:
 @dataclass
 class TpuProgram:
     collectives: list[TpuCollective]
+    kernels: list[str]  # the place of each Pallas kernel (tpu_custom_call), e.g. the flash kernels
 
     def collective_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
@@ -68,7 +69,13 @@ class TpuProgram:
                 f"async, >= {overlap} compute op(s) between start and done" if is_async else "sync"
             )
             out.append(f"{kind:18} {place:16} x{len(cs):<4} {size:>19}  {how}")
-        return out or ["(none)"]
+        out = out or ["(none)"]
+        if self.kernels:
+            places = ", ".join(
+                f"{self.kernels.count(p)} in the {p}" for p in sorted(set(self.kernels))
+            )
+            out.append(f"Pallas kernels (tpu_custom_call): {places}")
+        return out
 
 
 def _size(n: int) -> str:
@@ -89,8 +96,13 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
     callers = _callers(program)
     loops = _loops(program, n_layer)  # body computation -> "layer loop" | "micro-batch loop"
     schedule = _schedule_index(program)
-    out = []
+    out, kernels = [], []
     for name, lines in program.computations.items():
+        kernels += [
+            loops.get(_scheduled_in(name, callers, schedule)[0], "step")
+            for line in lines
+            if 'custom_call_target="tpu_custom_call"' in line
+        ]
         if name.startswith("async_collective_fusion"):
             continue  # a started collective's continuation steps, fused into compute: not a new one
         for line in lines:
@@ -103,7 +115,7 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
             place = loops.get(scheduled, "step")
             is_async, overlapped = _async(program, name, scheduled, call)
             out.append(TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name))
-    return TpuProgram(out)
+    return TpuProgram(out, kernels)
 
 
 def _collective_kind(line: str, computation: str) -> str | None:
