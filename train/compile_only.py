@@ -124,14 +124,17 @@ class CompileReport:
         return all(p.hbm_bytes <= self.preset.memory_gb * 1e9 for p in self.programs)
 
     def modelled_step_s(self) -> dict[str, float]:
-        """The step's time on the slice, modelled: compute at the chip's bf16 peak, HBM traffic at
-        its bandwidth, collective bytes at its ICI bandwidth, each on its own (a lower bound
-        where they overlap, the sum where none does)."""
+        """The step's time on the slice, modelled, each term on its own (the step takes the
+        slowest: a lower bound where they overlap): compute, the model's training FLOPs per chip
+        at the chip's bf16 peak; HBM, the compiler's bytes accessed at the chip's bandwidth;
+        ICI, the bytes of the step's collectives (each as often as its loops run it) at the
+        chip's ICI bandwidth. libtpu's cost analysis counts a While's body once, so its FLOPs
+        are not used and its bytes are a lower bound wherever the step loops."""
         bw = CHIP_BANDWIDTH[self.preset.family]
-        c = self.step.compiled
+        flops = self.flops_per_token * self.step_tokens / self.preset.devices
         return {
-            "compute": c["flops"] / self.preset.peak_flops,
-            "hbm": c["bytes_accessed"] / (bw["hbm"] * 1e9),
+            "compute": flops / self.preset.peak_flops,
+            "hbm": self.step.compiled["bytes_accessed"] / (bw["hbm"] * 1e9),
             "ici": self.step.program.collective_bytes() / (bw["ici"] * 1e9),
         }
 
@@ -169,8 +172,9 @@ class CompileReport:
         t = self.modelled_step_s()
         c = self.step.compiled
         out.append(
-            f"step cost: {c['flops'] / 1e12:.3f} TFLOP and {gb(c['bytes_accessed'])} of HBM "
-            f"traffic per chip; modelled {max(t.values()) * 1e3:.1f} ms a step "
+            f"step cost (libtpu, each loop body once): {c['flops'] / 1e12:.3f} TFLOP and "
+            f"{gb(c['bytes_accessed'])} of HBM traffic per chip; "
+            f"modelled {max(t.values()) * 1e3:.1f} ms a step "
             f"(compute {t['compute'] * 1e3:.1f}, HBM {t['hbm'] * 1e3:.1f}, "
             f"ICI {t['ici'] * 1e3:.1f} ms), MFU {self.modelled_mfu():.1%}"
         )
@@ -393,8 +397,9 @@ def _compile(topology: str, protos: list[str], libtpu_args: str, work: Path) -> 
         if line.startswith("CODEX_TPU_PROGRAM ")
     ]
     if proc.returncode != 0 or len(records) != len(protos):
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise BackendError(f"the TPU compiler failed for {topology}: {tail}")
+        lines = [x for x in proc.stderr.splitlines() if re.match(_FAILURE, x)]
+        why = (lines or [f"exit status {proc.returncode}"])[-1]
+        raise BackendError(f"the TPU compiler failed for {topology}: {why}")
     return records
 
 

@@ -36,6 +36,7 @@ class TpuCollective:
     is_async: bool  # a start/done pair in the schedule
     overlapped: int  # compute instructions scheduled between its start and done (0: sync)
     computation: str  # the computation holding it
+    runs: int = 1  # times a step runs it: the trip counts of the loops around it multiplied
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +48,8 @@ class TpuProgram:
     kernels: list[str]  # the place of each Pallas kernel (tpu_custom_call), e.g. the flash kernels
 
     def collective_bytes(self) -> int:
-        return sum(c.bytes for c in self.collectives)
+        """Bytes a chip's collectives move in a step (each as often as its loops run it)."""
+        return sum(c.bytes * c.runs for c in self.collectives)
 
     def where(self, kind: str | None = None, place: str | None = None) -> list[TpuCollective]:
         return [
@@ -114,7 +116,8 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
             scheduled, call = _scheduled_in(name, callers, schedule)
             place = loops.get(scheduled, "step")
             is_async, overlapped = _async(program, name, scheduled, call)
-            out.append(TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name))
+            runs = _runs(program, scheduled, callers, schedule)
+            out.append(TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name, runs))
     return TpuProgram(out, kernels)
 
 
@@ -165,6 +168,22 @@ def _loops(program: Program, n_layer: int) -> dict[str, str]:
         layer = n_layer > 0 and trips == n_layer and not holds_loop
         out[body] = "layer loop" if layer else "micro-batch loop"
     return out
+
+
+def _runs(program: Program, scheduled: str, callers: dict, schedule: set[str]) -> int:
+    """How often a step runs the scheduled computation `scheduled`: the trip counts of the Whiles
+    around it multiplied (1 for the entry; an unknown trip count counts once)."""
+    runs, seen = 1, set()
+    while scheduled != program.entry and scheduled not in seen:
+        seen.add(scheduled)
+        line = next((w for w in program.whiles if f"body=%{scheduled}" in w), None)
+        if line is None:
+            break
+        (condition,) = re.findall(r"condition=%?([\w.\-]+)", line)
+        runs *= max(1, _trip_count(program.computations.get(condition, [])))
+        holder = next(n for n, lines in program.computations.items() if line in lines)
+        scheduled = _scheduled_in(holder, callers, schedule)[0]
+    return runs
 
 
 def _trip_count(condition: list[str]) -> int:
