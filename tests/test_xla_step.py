@@ -125,13 +125,17 @@ def test_flash_kernel_gets_no_mesh_inside_the_per_device_trace(monkeypatch):
 
     mesh = Mesh()
     attend = make_flash_attend(mesh)
-    q = torch.zeros(2, 4, 8, 16)
+    q = torch.zeros(2, 4, 128, 16)
     attend(q, q, q)
     with per_device_trace():
         attend(q, q, q)
     attend(q, q, q)
     spec = (("replica", "fsdp"), None, None, None)
     assert calls == [(spec, mesh), (None, None), (spec, mesh)]
+    # below 128 positions the kernel's trace fails: blockwise attention runs instead
+    short = torch.randn(2, 4, 8, 16)
+    out = attend(short, short, short)
+    assert len(calls) == 3 and out.shape == short.shape
 
 
 UPDATE_SCRIPT = """
