@@ -111,6 +111,7 @@ class CompileReport:
     libtpu_args: str
     state_bytes: int = 0  # the whole slice's weights and optimizer state (each chip: its share)
     weight_bytes: int = 0  # of which the weights
+    work_dir: str = ""  # the HLO modules and TPU programs (the caller removes it)
     trace_s: float = 0.0  # the trace's wall time (its process: start-up, model, step, lowering)
     peak_host_bytes: int = 0  # the trace process's peak resident memory
     programs: list[CompiledProgram] = field(default_factory=list)
@@ -238,9 +239,21 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
     resolved, plan, _ = make_plan(cfg, preset, preset.devices, vocab=vocab)
     _check_host_memory(resolved, plan, preset)
     work = Path(tempfile.mkdtemp(prefix="codex-compile-"))
+    log.info(
+        "compile-only: tracing the step for %s on %d XLA CPU devices (%s)",
+        preset.name,
+        preset.devices,
+        work,
+    )
     start = time.perf_counter()
     trace = _trace_in_child(resolved, preset, work)
     trace["trace_s"] = time.perf_counter() - start
+    log.info(
+        "compile-only: traced in %.0f s; compiling the step and validation for %s with libtpu "
+        "(minutes for a large model)",
+        trace["trace_s"],
+        topology,
+    )
     user = os.environ.get("LIBTPU_INIT_ARGS", "")
     args = libtpu_init_args(user) if libtpu_flags else user
     compiled = _compile(topology, [path for _, path in trace["programs"]], args, work)
@@ -253,6 +266,7 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
         args,
         trace["state_bytes"],
         trace["weight_bytes"],
+        str(work),
         trace["trace_s"],
         trace["peak_host_bytes"],
     )

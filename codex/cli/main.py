@@ -379,9 +379,13 @@ def train_cmd(cfg, nproc_per_node, compile_only):
 def _compile_only(cfg) -> None:
     """`codex train --compile-only` (train/compile_only.py): the report on stdout, exit 1 when
     the step does not fit the slice's chips."""
+    import shutil
+
     from codex.train.compile_only import compile_only
 
+    setup_logging()
     report = compile_only(cfg)
+    shutil.rmtree(report.work_dir, ignore_errors=True)
     click.echo("\n".join(report.lines()))
     if not report.fits:
         sys.exit(1)
