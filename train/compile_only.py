@@ -54,7 +54,6 @@ log = logging.getLogger("codex.train")
 # v4 and v5p name a 3-D torus (chips x x y x z), v5e and v6e a 2-D one.
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 256: "16x16"}
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
-_TOPOLOGY_FAMILY = {"v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
 
 # Per chip, from the Cloud TPU system-architecture pages: HBM bandwidth (GB/s) and ICI bandwidth
 # (GB/s, all links of one chip together), for the modelled step time.
@@ -69,14 +68,13 @@ CHIP_BANDWIDTH = {
 def topology_name(preset: HardwarePreset) -> str:
     """libtpu's name for the preset's slice, e.g. v6e-16 -> "v6e:4x4"."""
     shapes = _SHAPES_3D if preset.family in ("v4", "v5p") else _SHAPES_2D
-    family = _TOPOLOGY_FAMILY.get(preset.family)
-    if preset.kind != "tpu" or family is None or preset.devices not in shapes:
+    if preset.family not in CHIP_BANDWIDTH or preset.devices not in shapes:
         raise ConfigError(
             f"--compile-only compiles for a TPU slice, and hardware preset '{preset.name}' "
             f"({preset.kind}, {preset.devices} devices) has no TPU topology; "
             "pick a TPU preset (`codex hardware`)"
         )
-    return f"{family}:{shapes[preset.devices]}"
+    return f"{preset.family}:{shapes[preset.devices]}"
 
 
 @dataclass
@@ -89,8 +87,8 @@ class CompiledProgram:
 
     @property
     def new_output_bytes(self) -> int:
-        """Outputs that need memory of their own. torch_xla's warm-up compile aliases nothing; a
-        run's sync donates the weights' and the optimizer state's buffers to their updates."""
+        """Outputs that need memory of their own. The lowered module aliases nothing; a run's
+        sync donates the weights' and the optimizer state's buffers to their updates."""
         c = self.compiled
         return max(0, c["output_bytes"] - c["alias_bytes"] - self.donated)
 
@@ -258,17 +256,17 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
     args = libtpu_init_args(user) if libtpu_flags else user
     compiled = _compile(topology, [path for _, path in trace["programs"]], args, work)
     report = CompileReport(
-        preset,
-        topology,
-        plan,
-        plan.batch_tokens,
-        flops_per_token(resolved.model, plan.seq_len),
-        args,
-        trace["state_bytes"],
-        trace["weight_bytes"],
-        str(work),
-        trace["trace_s"],
-        trace["peak_host_bytes"],
+        preset=preset,
+        topology=topology,
+        plan=plan,
+        step_tokens=plan.batch_tokens,
+        flops_per_token=flops_per_token(resolved.model, plan.seq_len),
+        libtpu_args=args,
+        state_bytes=trace["state_bytes"],
+        weight_bytes=trace["weight_bytes"],
+        work_dir=str(work),
+        trace_s=trace["trace_s"],
+        peak_host_bytes=trace["peak_host_bytes"],
     )
     scanned = resolved.model.n_layer if plan.layout.sharded and plan.layout.shard > 1 else 0
     for (name, _), record in zip(trace["programs"], compiled, strict=True):
@@ -297,11 +295,7 @@ def _trace_in_child(cfg: Config, preset: HardwarePreset, work: Path) -> dict:
     )
     result = work / "trace.json"
     if proc.returncode != 0 or not result.exists():
-        lines = [x for x in proc.stderr.splitlines() if re.match(_FAILURE, x)]
-        raise BackendError(
-            f"tracing the step for {preset.name} failed: "
-            f"{(lines or proc.stderr.strip().splitlines() or ['(no output)'])[-1]}"
-        )
+        raise BackendError(f"tracing the step for {preset.name} failed: {_why(proc)}")
     return json.loads(result.read_text())
 
 
@@ -310,28 +304,18 @@ def _trace_in_child(cfg: Config, preset: HardwarePreset, work: Path) -> dict:
 _FAILURE = r"^(?:[\w.]+(?:Error|Exception): |F\d{4} .*Check failed|\*\*\* SIG)"
 
 
+def _why(proc: subprocess.CompletedProcess) -> str:
+    lines = [x for x in proc.stderr.splitlines() if re.match(_FAILURE, x)]
+    return (lines or [f"exit status {proc.returncode}"])[-1]
+
+
 def trace(work: Path) -> None:
     """The child's side: build the step and validation as a TPU run builds them on this process's
     XLA CPU devices, lower each to an HLO module without compiling or running it, and write
     work/trace.json."""
     setup_logging()
-    cfg = from_dict(json.loads((work / "config.json").read_text()))
+    cfg, attention = _trace_config(work)
     preset = get_preset(cfg.train.hardware)
-    cfg = replace(
-        cfg,
-        train=replace(
-            cfg.train,
-            allow_cpu_xla=True,
-            xla_mode="spmd",
-            xla_step="cached",
-            xla_cache=str(work / "cache"),
-        ),
-    )
-    # the TPU's attention (flash where JAX is installed): the backend on XLA:CPU would run
-    # blockwise, and refuses model.attention=flash off a TPU
-    attention = xla_attention(cfg.model.attention, "TPU")
-    if cfg.model.attention == "flash":
-        cfg = replace(cfg, model=replace(cfg.model, attention="auto"))
     from codex.train.xla.backend import make_xla_backend  # imports torch_xla
 
     # Never closed cleanly: a clean close runs what is pending, and the step must not run here.
@@ -382,6 +366,27 @@ def trace(work: Path) -> None:
         backend.close(ok=False)
 
 
+def _trace_config(work: Path) -> tuple[Config, str]:
+    """The run's config as the trace runs it on XLA:CPU, and the attention a TPU would run."""
+    cfg = from_dict(json.loads((work / "config.json").read_text()))
+    cfg = replace(
+        cfg,
+        train=replace(
+            cfg.train,
+            allow_cpu_xla=True,
+            xla_mode="spmd",
+            xla_step="cached",
+            xla_cache=str(work / "cache"),  # the backend starts a cache: not in the run folder
+        ),
+    )
+    # the TPU's attention (flash where JAX is installed): the backend on XLA:CPU would run
+    # blockwise, and refuses model.attention=flash off a TPU
+    attention = xla_attention(cfg.model.attention, "TPU")
+    if cfg.model.attention == "flash":
+        cfg = replace(cfg, model=replace(cfg.model, attention="auto"))
+    return cfg, attention
+
+
 def _lowered(tensors: list[torch.Tensor], path: Path) -> str:
     """The program computing `tensors` as XLA would be handed it at the step's sync, lowered
     with its SPMD shardings and never compiled for XLA:CPU (which cannot compile the flash
@@ -411,9 +416,7 @@ def _compile(topology: str, protos: list[str], libtpu_args: str, work: Path) -> 
         if line.startswith("CODEX_TPU_PROGRAM ")
     ]
     if proc.returncode != 0 or len(records) != len(protos):
-        lines = [x for x in proc.stderr.splitlines() if re.match(_FAILURE, x)]
-        why = (lines or [f"exit status {proc.returncode}"])[-1]
-        raise BackendError(f"the TPU compiler failed for {topology}: {why}")
+        raise BackendError(f"the TPU compiler failed for {topology}: {_why(proc)}")
     return records
 
 

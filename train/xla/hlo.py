@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
+# an instruction's called computations (fusions, calls, reductions, While bodies and conditions)
+CALLED = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _ARRAY_TEXT = re.compile(r"\b(?:pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[[\d,]*\]")
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
@@ -61,7 +62,7 @@ class Program:
                 continue
             seen.add(n)
             for line in self.computations[n]:
-                todo += _CALLED.findall(line)
+                todo += CALLED.findall(line)
                 for group in _BRANCHES.findall(line):
                     todo += [b.strip().lstrip("%") for b in group.split(",")]
         return seen

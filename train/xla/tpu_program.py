@@ -20,10 +20,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from codex.train.xla.hlo import COLLECTIVES, Program, arrays, parse_text
+from codex.train.xla.hlo import CALLED, COLLECTIVES, Program, arrays, parse_text
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
-_CALLS = re.compile(r"(?:calls|to_apply|body|called_computations)=\{?%?([\w.\-]+)")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
 _COMPUTE = re.compile(r"\b(?:fusion|convolution|dot|custom-call)\(")
 
@@ -135,7 +134,7 @@ def _callers(program: Program) -> dict[str, list[tuple[str, str]]]:
     out: dict[str, list[tuple[str, str]]] = {}
     for name, lines in program.computations.items():
         for line in lines:
-            for called in _CALLS.findall(line):
+            for called in CALLED.findall(line):
                 out.setdefault(called, []).append((name, line))
     return out
 
@@ -210,7 +209,7 @@ def _async(program: Program, computation: str, scheduled: str, call: str) -> tup
     between = 0
     for name, line in zip(names[i + 1 :], lines[i + 1 :], strict=True):
         uses = set(re.findall(r"%([\w.\-]+)", line.split("=", 1)[1])) & started
-        called = _CALLS.findall(line)
+        called = CALLED.findall(line)
         if uses and any(
             'custom_call_target="AsyncCollectiveDone"' in x
             for c in called
