@@ -143,3 +143,34 @@ def test_no_function_takes_more_than_six_parameters_without_a_reason():
             if len(params) > MAX_PARAMETERS and f"{len(params)} parameters:" not in doc:
                 offenders.append(f"{name}.{node.name} ({len(params)})")
     assert not offenders, offenders
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_runs_over_eighty_lines_without_a_reason():
+    """A longer function says why in its docstring, in one line starting 'Long: '."""
+    offenders = []
+    for name, f in module_files().items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            doc = ast.get_docstring(node) or ""
+            if length > MAX_FUNCTION_LINES and "Long: " not in doc:
+                offenders.append(f"{name}.{node.name} ({length} lines)")
+    assert not offenders, offenders
+
+
+MAX_MODULE_LINES = 600
+GENERATED = {"codex.pipeline.clean.spacy_en"}
+
+
+def test_no_module_runs_over_six_hundred_lines():
+    """A module past the limit holds more than one concept: cut it along its seams."""
+    offenders = [
+        f"{name} ({n})"
+        for name, f in module_files().items()
+        if name not in GENERATED and (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not offenders, offenders
