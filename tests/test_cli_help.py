@@ -4,6 +4,7 @@ line resolves to (codex/cli/command.py: ResolvedHelp; train/plan/hardware.py: fo
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -83,16 +84,16 @@ def test_key_options_show_the_configs_default():
 
 
 def test_every_config_field_reaches_help_with_its_default_help_and_range():
-    """Each field of the config tree (codex/core/config/setting.py) is a `--section.key` option of
-    the commands that read it, its --help record made from the field alone: the help text, the
-    default and the range. A field added to a dataclass appears with no edit under codex/cli/."""
+    """Each field of the config tree (codex/core/config/setting.py) is listed in the --help of the
+    commands that read it, as `section.key=TYPE`, its record made from the field alone: the help
+    text, the default and the range. A field added to a dataclass appears with no edit under
+    codex/cli/."""
     top = click.Context(cli, info_name="codex", **cli.context_settings)
-    records: dict[str, list[str]] = {}
+    helps = []
     for ctx, cmd in _commands(cli, top):
-        for p in cmd.get_params(ctx):
-            record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
-            if record:
-                records.setdefault(record[0].split()[0], []).append(record[1])
+        ctx.max_content_width = ctx.terminal_width = 100_000
+        helps.append(cmd.get_help(ctx))
+    text = "\n".join(helps)
     missing = []
     for leaf in leaves(Config):
         if leaf.key == "run":  # --run, on every command
@@ -101,13 +102,30 @@ def test_every_config_field_reaches_help_with_its_default_help_and_range():
         shown = "none" if default in ("", []) else _shown(default)
         bounds = f"; {leaf.range.as_inequality()}" if leaf.range else ""
         want = f"{leaf.help}  [default: {shown}{bounds}]"
-        if not leaf.help or want not in records.get(f"--{leaf.key}", []):
+        row = re.search(rf"^  {re.escape(leaf.key)}=\S+(?: +|\n +)(.*)$", text, re.M)
+        if not leaf.help or not row or want not in row.group(1):
             missing.append(leaf.key)
     assert missing == []
-    # and --help prints them
+    # and --help prints them, under a heading that says how to set them
     out = CliRunner().invoke(cli, ["data", "clean", "--help"], terminal_width=200).output
-    assert "--data.clean.gopher_quality.min_doc_words" in out
+    assert "Config keys (--set KEY=VALUE, or a --config file)" in out
+    assert "data.clean.gopher_quality.min_doc_words=INT" in out
     assert "Fewest words a document may have.  [default: 50; x>=0]" in out
+
+
+def test_a_key_is_set_three_ways_at_most():
+    """A short flag where the command has one, --set, --config: no `--section.key` option."""
+    top = click.Context(cli, info_name="codex", **cli.context_settings)
+    dotted = [
+        f"{ctx.command_path} {opt}"
+        for ctx, cmd in _commands(cli, top)
+        for p in cmd.get_params(ctx)
+        for opt in getattr(p, "opts", [])
+        if re.fullmatch(r"--\w+\.[\w.]+", opt)
+    ]
+    assert dotted == []
+    bad = CliRunner().invoke(cli, ["train", "--train.lr", "0.002"])
+    assert bad.exit_code == 2 and "No such option '--train.lr'" in bad.output
 
 
 def test_every_number_has_a_range():
@@ -137,12 +155,12 @@ def test_the_cli_defines_no_default_range_or_help_of_a_config_key():
     assert restated == []
 
 
-def test_a_config_key_option_is_the_same_as_set():
+def test_set_reaches_the_resolved_help_and_the_range_check():
     runner = CliRunner()
-    args = ["train", "--train.lr", "0.002", "--set", "model.n_layer=3", "--help"]
+    args = ["train", "--set", "train.lr=0.002", "--set", "model.n_layer=3", "--help"]
     resolved = runner.invoke(cli, args, terminal_width=200).output.split(RESOLVED, 1)[1]
     assert "train.lr=0.002" in resolved and "model.n_layer=3" in resolved
-    bad = runner.invoke(cli, ["data", "clean", "--data.clean.dedup.partition_bytes", "0"])
+    bad = runner.invoke(cli, ["data", "clean", "--set", "data.clean.dedup.partition_bytes=0"])
     assert bad.exit_code == 2
     assert "data.clean.dedup.partition_bytes=0 is out of range: expected >= 1" in bad.output
 

@@ -1,5 +1,5 @@
-"""How a `codex` command is built: its config options (--run/--config/--set and the key options
-that are shortcuts for config keys), its one-line errors and exit codes, and the run lock it
+"""How a `codex` command is built: its config options (--run/--config/--set and the short flags
+that set config keys), its one-line errors and exit codes, and the run lock it
 holds while it writes. The commands themselves are in codex/cli/main.py.
 """
 
@@ -135,9 +135,9 @@ def config_options(fn):
 
 # --- options generated from the config's fields ------------------------------------------------
 # A config field (codex/core/config/setting.py) carries its type, default, help and range. Every
-# option that sets a config key takes all four from it: the short flags a command names
-# (key_option) and the `--section.key VALUE` option of every key the command reads (with_config),
-# which is `--set section.key=VALUE` by another name. Nothing here repeats a default or a range.
+# short flag that sets a config key takes all four from it (key_option), and --help lists every key
+# a command reads with the same four (ConfigCommand). A key is set three ways: its short flag where
+# the command has one, --set KEY=VALUE, a --config file. Nothing here repeats a default or a range.
 
 
 @functools.cache
@@ -189,51 +189,22 @@ def key_option(*decls, key: str, **kwargs):
     return click.option(*decls, key.replace(".", "__"), default=None, **kwargs)
 
 
-class KeyOption(click.Option):
-    """`--section.key VALUE`: one config key, as `--set section.key=VALUE` (YAML-parsed and
-    checked like it). ConfigCommand lists these apart from the command's own options."""
-
-
-def _key_options(prefixes: tuple[str, ...]):
-    """A KeyOption for every config key under `prefixes` ('train' takes train.*)."""
-
-    def under(key: str) -> bool:
-        return any(key == p or key.startswith(p + ".") for p in prefixes)
-
-    def add(fn):
-        for leaf in reversed([v for k, v in _leaves().items() if under(k)]):
-            click.option(
-                f"--{leaf.key}",
-                SET_PREFIX + leaf.key.replace(".", "__"),
-                cls=KeyOption,
-                default=None,
-                metavar=_metavar(leaf),
-                help=key_help(leaf.key),
-            )(fn)
-        return fn
-
-    return add
-
-
-SET_PREFIX = "set__"
-
-
 class ConfigCommand(click.Command):
     """A command that builds a Config: its --help lists the command's own options, then every
-    config key it reads as `--section.key`, each with the field's help, default and range."""
+    config key it reads (with_config's sections), each with the field's help, default and range,
+    to set with --set KEY=VALUE or a --config file."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        own: list[tuple[str, str]] = []
-        keys: list[tuple[str, str]] = []
-        for p in self.get_params(ctx):
-            record = p.get_help_record(ctx)
-            if record:
-                (keys if isinstance(p, KeyOption) else own).append(record)
-        with formatter.section("Options"):
-            formatter.write_dl(own)
-        if keys:
-            with formatter.section("Config keys (each is also --set KEY=VALUE)"):
-                formatter.write_dl(keys)
+        super().format_options(ctx, formatter)
+        sections = getattr(self.callback, "config_sections", ())
+        rows = [
+            (f"{leaf.key}={_metavar(leaf)}", key_help(leaf.key))
+            for key, leaf in _leaves().items()
+            if any(key == p or key.startswith(p + ".") for p in sections)
+        ]
+        if rows:
+            with formatter.section("Config keys (--set KEY=VALUE, or a --config file)"):
+                formatter.write_dl(rows)
 
 
 @functools.cache
@@ -249,10 +220,9 @@ def config_default(key: str):
 
 def with_config(*sections: str):
     """A command body that takes the built Config, reading the config keys under `sections`
-    (each becomes a `--section.key` option): --run/--config/--set (and --model, where the command
-    has it), the key options' typed values and the `--section.key` values go to build_config; the
-    body gets `cfg` and its other options. Runs under `stage`. The command's class must be
-    ConfigCommand (or a subclass)."""
+    (listed in its --help): --run/--config/--set (and --model, where the command has it) and the
+    key options' typed values go to build_config; the body gets `cfg` and its other options.
+    Runs under `stage`. The command's class must be ConfigCommand (or a subclass)."""
 
     def decorate(fn):
         @functools.wraps(fn)
@@ -261,30 +231,25 @@ def with_config(*sections: str):
             fsio.require_bucket(cfg.run)
             return fn(cfg, **rest)
 
-        return config_options(_key_options(sections)(stage(wrapper)))
+        wrapper.config_sections = sections  # type: ignore[attr-defined]
+        return config_options(stage(wrapper))
 
     return decorate
 
 
 def config_from_params(params: dict) -> tuple[Config, dict]:
     """(the Config, the command's other parameters) from a with_config command's parsed click
-    parameters: --run/--config/--set, --model where the command has it, the key options (None
-    or an empty repeat = not given) and the `--section.key` options (before --set). The one path
+    parameters: --run/--config/--set, --model where the command has it and the key options (None
+    or an empty repeat = not given). The one path
     from a command line to its Config: the command body and its --help's resolved section
     (ResolvedHelp) both take it."""
     rest = dict(params)
     run, config_file, overrides = rest.pop("run"), rest.pop("config_file"), rest.pop("overrides")
     model = rest.pop("model", None)
-    keyed = [
-        f"{name.removeprefix(SET_PREFIX).replace('__', '.')}={rest.pop(name)}"
-        for name in list(rest)
-        if name.startswith(SET_PREFIX)
-    ]
-    keyed = [k for k in keyed if not k.endswith("=None")]
     values = {name.replace("__", "."): rest.pop(name) for name in list(rest) if "__" in name}
     # repeatable
     values = {k: (list(v) or None) if isinstance(v, tuple) else v for k, v in values.items()}
-    overrides = [*keyed, *(overrides or ())]
+    overrides = list(overrides or ())
     cfg = build_config(config_file, overrides, model=model, run=run, values=values)
     return cfg, rest
 
@@ -344,11 +309,7 @@ class ResolvedHelp(ConfigCommand):
             if not isinstance(p, click.Option) or p.name in ("run", "config_file", "overrides"):
                 continue
             flag = max(p.opts, key=len)
-            if isinstance(p, KeyOption):  # listed where given: --set's row says the rest
-                if params.get(p.name or "") is not None:
-                    key = flag.removeprefix("--")
-                    rows.append((flag, f"{key}={_shown(get_value(cfg, key))}"))
-            elif p.name and "__" in p.name:
+            if p.name and "__" in p.name:
                 key = p.name.replace("__", ".")
                 rows.append((flag, f"{key}={_shown(get_value(cfg, key))}"))
             elif p.name == "model":
