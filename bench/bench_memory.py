@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 from codex.core.config import build_config
-from codex.train.plan.hardware import format_hardware_table, format_model_fit, get_preset
 from codex.train.plan.memory import Setting, plan
+from codex.train.plan.presets import get_preset
+from codex.train.plan.report import format_hardware_table, format_model_fit
 
 # prints the peak in bytes
 MEASURE = str(Path(__file__).resolve().parent / "measure_step_memory.py")

@@ -5,7 +5,7 @@ compiler's, with the layer loop's collectives, the modelled MFU and the compile 
     .venv-xla/bin/python bench/bench_tpu_compile.py [--rows 124m:v6e-4,1b:v6e-8] [--out FILE]
         [--depths 2,4]
 
-Each row is `codex hardware`'s for the model and slice (train/plan/hardware.py: model_fit: the
+Each row is `codex hardware`'s for the model and slice (train/plan/report.py: model_fit: the
 device batch, sequence length, layout and remat it offers), AdamW, bf16, the default vocabulary
 (32768), accumulation 1.
 
@@ -43,8 +43,9 @@ print("REPORT " + json.dumps(compile_only(cfg).to_dict()), flush=True)
 
 def offered(model: str, hardware: str) -> list[str]:
     """`codex hardware`'s row for the model on the slice, as settings (AdamW, bf16)."""
-    from codex.train.plan.hardware import get_preset, model_fit, preset_model
     from codex.train.plan.memory import Setting
+    from codex.train.plan.presets import get_preset, preset_model
+    from codex.train.plan.report import model_fit
 
     preset = get_preset(hardware)
     fit = model_fit(preset_model(model), preset, Setting(dtype="bf16", optimizer="adamw"))
@@ -79,8 +80,8 @@ def run_row(model: str, hardware: str, work: Path, extra: tuple[str, ...] = ()) 
 def extrapolated(model: str, hardware: str, work: Path, depths: list[int]) -> dict:
     """The row compiled at `depths` layers (same width, batch, layout), its step's per-chip
     figures extrapolated linearly to the model's depth; the plan is the full model's."""
-    from codex.train.plan.hardware import get_preset, preset_model
     from codex.train.plan.memory import Setting, plan
+    from codex.train.plan.presets import get_preset, preset_model
 
     m = preset_model(model)
     runs = [run_row(model, hardware, work, (f"model.n_layer={d}",)) for d in depths]

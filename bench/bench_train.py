@@ -43,8 +43,9 @@ from codex.eval.evaluate import evaluate  # noqa: E402
 from codex.model.gpt import build_model, flops_per_token  # noqa: E402
 from codex.train.loop import train  # noqa: E402
 from codex.train.optim.optimizer import make_optimizer  # noqa: E402
-from codex.train.plan.hardware import device_defaults, get_preset  # noqa: E402
+from codex.train.plan.batch import device_defaults  # noqa: E402
 from codex.train.plan.memory import setting_for  # noqa: E402
+from codex.train.plan.presets import get_preset  # noqa: E402
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"  # the shared data
 

@@ -53,8 +53,8 @@ import torch
 from codex.core.config import build_config
 from codex.model.gpt import mlp_hidden
 from codex.train.distributed.backend import unwrap
-from codex.train.plan.hardware import get_preset
-from codex.train.plan.plan import resolve_batch
+from codex.train.plan.presets import get_preset
+from codex.train.plan.plan import make_plan
 from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
 from codex.train.optim.schedule import set_lr
 from codex.train.xla.backend import make_xla_backend
@@ -70,7 +70,8 @@ if name == "1b":   # see the module docstring
 cfg = replace(cfg, model=replace(m, mlp_hidden=mlp_hidden(m)))
 preset = get_preset("v6e-4")
 backend = make_xla_backend(cfg, preset)
-default_B, default_T, _, _, _, layout = resolve_batch(cfg, preset, backend.world_size)
+planned = make_plan(cfg, preset, backend.world_size, vocab=cfg.model.vocab_size)[1]
+default_B, default_T, layout = planned.device_batch, planned.seq_len, planned.layout
 B, T = 1, 64
 model = backend.build_model(cfg.model, 0, layout)
 raw = unwrap(model)

@@ -63,9 +63,9 @@ from codex.model.gpt import build_model  # noqa: E402
 from codex.train.distributed.backend import TorchBackend  # noqa: E402
 from codex.train.distributed.fsdp import build_sharded  # noqa: E402
 from codex.train.optim.optimizer import clip_grad_norm, make_optimizer  # noqa: E402
-from codex.train.plan.hardware import get_preset  # noqa: E402
 from codex.train.plan.layout import layout_for  # noqa: E402
 from codex.train.plan.memory import Setting, plan  # noqa: E402
+from codex.train.plan.presets import get_preset  # noqa: E402
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -168,7 +168,7 @@ def main() -> None:
     cfg = build_config(overrides=[*overrides, f"train.optimizer={optimizer_name}", "train.lr=1e-3"])
     m = cfg.model
     # fsdp: the gathered weights kept to the backward (ZeRO-2) or not, as the memory plan decides
-    # for train (train/plan/plan.py: resolve_batch)
+    # for train (train/plan/plan.py: make_plan)
     setting = Setting(
         layout=layout_name, dtype="fp32", optimizer=optimizer_name, world=world, accum=accum
     )

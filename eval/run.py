@@ -25,7 +25,8 @@ from codex.train.data.loader import val_batches
 from codex.train.data.token_shards import load_split
 from codex.train.distributed.backend import loader_layout, unwrap
 from codex.train.launch import open_backend
-from codex.train.plan.hardware import default_seq_len, device_defaults, get_preset
+from codex.train.plan.batch import default_seq_len, device_defaults
+from codex.train.plan.presets import get_preset
 
 log = logging.getLogger("codex.eval")
 

@@ -39,7 +39,7 @@ from codex.core.progress import adopt_library_loggers
 from codex.model.export_hf import export_hf
 from codex.train.checkpoint.read import load_model
 from codex.train.distributed.backend import BackendError
-from codex.train.plan.hardware import get_preset
+from codex.train.plan.presets import get_preset
 
 log = logging.getLogger("codex.eval")
 

@@ -24,7 +24,7 @@ from codex.core.config.model import ModelConfig
 from codex.model.attention import attention_kind, blockwise_causal, default_block
 from codex.model.gpt import build_model, sdpa_causal
 from codex.train.distributed.backend import BackendError
-from codex.train.plan.hardware import get_preset
+from codex.train.plan.presets import get_preset
 from codex.train.xla import flash, platform
 from codex.train.xla.flash import (
     BLOCK_SIZES,

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.core.config import build_config
-from codex.train.plan.hardware import get_preset
 from codex.train.plan.memory import Setting, plan
+from codex.train.plan.presets import get_preset
 from tests.test_clean import prose
 from tests.test_pipeline import _corpus
 from tests.train_helpers import TINY_MODEL

@@ -1,5 +1,5 @@
 """--help says every option's default, and `codex train --help` says what the rest of its command
-line resolves to (codex/cli/command.py: ResolvedHelp; train/plan/hardware.py: format_train_plan)."""
+line resolves to (codex/cli/command.py: ResolvedHelp; train/plan/report.py: format_train_plan)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from codex.cli.main import cli
 from codex.core.config import Config, build_config, load_yaml, preset_path
 from codex.core.config.setting import leaves
 from codex.core.config.train import DEFAULT_LR
-from codex.train.plan.hardware import device_defaults, get_preset
+from codex.train.plan.batch import device_defaults
 from codex.train.plan.memory import setting_for
+from codex.train.plan.presets import get_preset
 from tests.import_graph import ROOT
 
 RESOLVED = "\nResolved for this command line:\n"  # the section, not the docstring naming it

@@ -17,7 +17,9 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.core.config import ConfigError, build_config
-from codex.train.plan.hardware import format_hardware_table, get_preset, require_shared_run_dir
+from codex.train.plan.presets import get_preset
+from codex.train.plan.report import format_hardware_table
+from codex.train.plan.world import require_shared_run_dir
 
 # name -> (chips, hosts, family, per-chip bf16 TFLOP/s, HBM GB per chip)
 MULTI_HOST = {
@@ -143,7 +145,7 @@ def test_docs_hardware_tables_are_what_codex_hardware_prints():
     here until the tables are regenerated."""
     from pathlib import Path
 
-    from codex.train.plan.hardware import format_model_fit
+    from codex.train.plan.report import format_model_fit
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "hardware.md").read_text()
     blocks = [b.strip("\n") for b in doc.split("```")[1::2]]

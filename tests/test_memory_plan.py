@@ -16,34 +16,28 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.core.config import ConfigError, build_config, preset_names
-from codex.train.plan.batch import grad_accum_steps
-from codex.train.plan.hardware import (
+from codex.train.plan.activations import compiled_layer_bytes_per_token
+from codex.train.plan.batch import (
+    check_fits,
     choose_batch,
+    choose_layout,
     default_seq_len,
     device_defaults,
-    format_train_plan,
-    get_preset,
-    list_presets,
-    preset_model,
+    grad_accum_steps,
 )
 from codex.train.plan.memory import (
     HEADROOM,
     NCCL_COMMUNICATOR,
     RUNTIME_CUDA,
     Setting,
-    block_params,
-    check_fits,
-    choose_layout,
-    compiled_layer_bytes_per_token,
-    hidden_matrices,
-    muon_step_bytes,
-    param_count,
     plan,
     setting_for,
 )
 from codex.train.plan.owners import balanced_owners
-from codex.train.plan.plan import resolve_batch
-from tests.train_helpers import child_env
+from codex.train.plan.params import block_params, hidden_matrices, muon_step_bytes, param_count
+from codex.train.plan.presets import get_preset, list_presets, preset_model
+from codex.train.plan.report import format_train_plan, memory_lines
+from tests.train_helpers import child_env, plan_without_run
 
 GB = 1e9
 
@@ -162,7 +156,7 @@ def test_the_h200_run_of_issue_46_plans_what_it_measured():
         True,
     )
     p = plan(cfg.model, h200, b.device_batch, b.seq_len, b.setting)
-    assert 21 * GB <= p.total <= 28.5 * GB, p.lines()
+    assert 21 * GB <= p.total <= 28.5 * GB, memory_lines(p)
     assert f"memory plan {p.total / GB:.2f} GB per device" in " ".join(format_train_plan(cfg))
     # without the CUDA context (which the allocator's peak does not show): within 5% of it
     assert abs(p.total - p.runtime - 24.8 * GB) <= 0.05 * 24.8 * GB
@@ -314,8 +308,8 @@ def test_dtype_auto_and_the_accumulation_are_decided_once_for_the_plan_and_the_r
     The accumulation: the run's (train/plan/batch.py) is what the plan counts, and a remainder is
     refused with the same message by `codex train` and by its --help preview."""
     from codex.train.distributed.backend import resolve_dtype
-    from codex.train.plan.hardware import format_train_plan
     from codex.train.plan.memory import compute_dtype, setting_for
+    from codex.train.plan.report import format_train_plan
 
     auto = build_config().train
     for kind, dtype, torch_dtype in (("cpu", "fp32", None), ("cuda", "bf16", torch.bfloat16)):
@@ -328,11 +322,12 @@ def test_dtype_auto_and_the_accumulation_are_decided_once_for_the_plan_and_the_r
     h100_8 = get_preset("h100-8")
     given = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
     cfg = build_config(model="1b", overrides=[*given, f"train.batch_tokens={4 * 2048 * 8 * 4}"])
-    _, _, accum, _, memory, _ = resolve_batch(cfg, h100_8, 8)
+    p8 = plan_without_run(cfg, h100_8, 8)
+    accum, memory = p8.accum, p8.memory
     assert accum == memory.accum == 4 and memory.gradients == 4 * memory.params  # whole
     odd = build_config(model="1b", overrides=[*given, "train.batch_tokens=100000"])
     with pytest.raises(ConfigError) as run:
-        resolve_batch(odd, h100_8, 8)
+        plan_without_run(odd, h100_8, 8)
     with pytest.raises(ConfigError) as preview:
         format_train_plan(odd)
     assert str(run.value) == str(preview.value)
@@ -447,12 +442,11 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
     layout (and remat, where it fits only with train.remat=block: without it training is refused
     naming remat); where it says no, training is refused (exit 2). Multi-host TPU presets offer
     fsdp like any other (each host checkpoints its own shards), and asking for it is accepted."""
-    from codex.train.plan import memory
-    from codex.train.plan.hardware import model_fit
-    from codex.train.plan.plan import resolve_batch
+    from codex.train.plan import batch
+    from codex.train.plan.report import model_fit
 
     # Both sides plan with the preset's memory, also on a machine whose own GPU differs.
-    monkeypatch.setattr(memory, "available_bytes", lambda kind, gb: int(gb * 1e9) if gb else None)
+    monkeypatch.setattr(batch, "available_bytes", lambda kind, gb: int(gb * 1e9) if gb else None)
 
     for p in list_presets():
         if p.memory_gb <= 0:  # the CPU preset: the machine's free RAM decides
@@ -461,18 +455,19 @@ def test_codex_hardware_offers_exactly_what_codex_train_accepts(model, monkeypat
         fit = model_fit(preset_model(model), p, Setting(optimizer=cfg.train.optimizer))
         if not fit.batch or fit.remat == "block":  # without remat it does not fit
             with pytest.raises(ConfigError, match="remat" if fit.batch else ""):
-                resolve_batch(cfg, p, p.devices)
+                plan_without_run(cfg, p, p.devices)
         if not fit.batch:
             continue
         remat = f"train.remat={fit.remat}"
         cfg = build_config(model=model, overrides=[f"train.hardware={p.name}", remat])
-        B, T, *_, layout = resolve_batch(cfg, p, p.devices)
+        fitted = plan_without_run(cfg, p, p.devices)
+        T, layout = fitted.seq_len, fitted.layout
         assert (layout.parallel, T) == (fit.layout, fit.seq_len), (model, p.name)
         if p.kind == "tpu" and p.hosts > 1 and fit.fsdp:
             fsdp = build_config(
                 model=model, overrides=[f"train.hardware={p.name}", "train.parallel=fsdp", remat]
             )
-            *_, layout = resolve_batch(fsdp, p, p.devices)
+            _, layout = _memory_layout(fsdp, p, p.devices)
             assert layout.parallel == "fsdp", (model, p.name)
 
 
@@ -511,14 +506,14 @@ def test_the_plan_shards_over_the_run_s_world_size_not_the_preset_s_devices():
     state by 32 and says so in the line train logs; fsdp_size=8 is HSDP with 4 replicas."""
     h100_8 = get_preset("h100-8")
     fsdp = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
-    *_, memory, layout = resolve_batch(build_config(model="1b", overrides=fsdp), h100_8, 32)
+    memory, layout = _memory_layout(build_config(model="1b", overrides=fsdp), h100_8, 32)
     assert (memory.shards, memory.world, layout.shard) == (32, 32, 32)
-    assert "fsdp over 32 devices," in memory.lines()[0]
+    assert "fsdp over 32 devices," in memory_lines(memory)[0]
     assert memory.weights == -(-4 * memory.params // 32)
     hsdp = build_config(model="1b", overrides=[*fsdp, "train.fsdp_size=8"])
-    *_, memory, layout = resolve_batch(hsdp, h100_8, 32)
+    memory, layout = _memory_layout(hsdp, h100_8, 32)
     assert (memory.shards, layout.replicas) == (8, 4)
-    assert "fsdp over 8 devices x 4 replicas (HSDP)" in memory.lines()[0]
+    assert "fsdp over 8 devices x 4 replicas (HSDP)" in memory_lines(memory)[0]
     # on the CPU the world is the processes: fsdp over 2 gloo ranks halves the state
     m, cpu = model("tiny"), get_preset("cpu")
     assert plan(m, cpu, 1, 64, Setting(layout="fsdp", world=2)).shards == 2
@@ -529,14 +524,14 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     """1b, fsdp over 8 H100s, bf16: ZeRO-2 (FSDP2's reshard_after_forward=False, no all-gather in
     the backward) where its plan fits with headroom, counting every gathered weight (2 P) and one
     block's unsharded gradient; on a device too small for that, ZeRO-3 (two blocks and the root
-    gathered), which fits. resolve_batch hands the choice to the Layout build_sharded reads."""
+    gathered), which fits. make_plan hands the choice to the Layout build_sharded reads."""
     m, h100_8 = model("1b"), get_preset("h100-8")
     P, blk = param_count(m), block_params(m)
     root = P - m.n_layer * blk
     zero2 = plan(m, h100_8, 4, 2048, Setting(layout="fsdp", world=8))
     assert zero2.fits() and not zero2.reshard_after_forward
     assert zero2.compute_weights == 2 * P + (2 + 4) * blk
-    assert "gathered weights, ZeRO-2" in "\n".join(zero2.lines())
+    assert "gathered weights, ZeRO-2" in "\n".join(memory_lines(zero2))
     zero3_weights = 2 * (2 * blk + root) + (2 + 4) * blk
     assert zero2.backward > zero2.step  # the forward's peak holds the gathered weights
     zero3_total = zero2.total - zero2.compute_weights + zero3_weights
@@ -545,7 +540,7 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     zero3 = plan(m, small, 4, 2048, Setting(layout="fsdp", world=8))
     assert zero3.reshard_after_forward and zero3.fits()
     assert (zero3.compute_weights, zero3.total) == (zero3_weights, zero3_total)
-    assert "gathered weights, ZeRO-3" in "\n".join(zero3.lines())
+    assert "gathered weights, ZeRO-3" in "\n".join(memory_lines(zero3))
     # at the edge: ZeRO-2's total is HEADROOM of the device, give or take a byte
     edge = int(zero2.total / HEADROOM)
     for memory, reshard in ((edge + 1, False), (edge - 1, True)):
@@ -567,12 +562,12 @@ def test_fsdp_keeps_the_gathered_weights_to_the_backward_only_where_the_plan_fit
     ).reshard_after_forward  # replicate: nothing to keep
 
     fsdp = ["train.hardware=h100-8", "train.parallel=fsdp", "train.device_batch=4"]
-    *_, memory, layout = resolve_batch(build_config(model="1b", overrides=fsdp), h100_8, 8)
+    memory, layout = _memory_layout(build_config(model="1b", overrides=fsdp), h100_8, 8)
     assert not memory.reshard_after_forward and not layout.reshard_after_forward
     assert layout.describe() == (
         "fsdp over 8, gathered weights kept from forward to backward (ZeRO-2)"
     )
-    *_, layout = resolve_batch(build_config(model="1b", overrides=fsdp[:1]), h100_8, 8)
+    _, layout = _memory_layout(build_config(model="1b", overrides=fsdp[:1]), h100_8, 8)
     assert not layout.sharded and layout.reshard_after_forward
 
 
@@ -599,7 +594,7 @@ def test_fsdp_accumulation_and_muon_buffers_by_hand():
     assert (one.accum, four.accum) == (1, 4)
     assert one.gradients == four.step_gradients == -(-4 * P // 32)
     assert four.gradients == 4 * P and round(four.gradients / GB, 2) == 4.16
-    assert "gradients (fp32, whole)" in "\n".join(four.lines())
+    assert "gradients (fp32, whole)" in "\n".join(memory_lines(four))
     # one micro-batch: no gradient when the backward starts but the head's (unsharded, fp32)
     assert (four.held_gradients, one.held_gradients) == (4 * P, 4 * 32768 * 2048)
     assert four.total - one.total == 4 * P - 4 * 32768 * 2048
@@ -766,7 +761,7 @@ def test_zero3_on_tpu_fits_7b_on_v6e_and_v5p_and_1b_at_4_x_2048_on_multi_host_v6
     with Muon, 32.7 with AdamW: the activations, 7.9 GB, on top of 21 GB of state and stacks).
     Before ZeRO-3 the cached step held 12 P / F + 6 P (every weight gathered in bf16, every
     gradient whole in fp32), which fits no v6e chip."""
-    from codex.train.plan.hardware import model_fit
+    from codex.train.plan.report import model_fit
 
     m7 = preset_model("7b")
     p = plan(m7, get_preset("v6e-8"), 1, 1024, Setting(layout="fsdp"))
@@ -833,7 +828,7 @@ def test_the_plan_counts_the_resume_load_path():
     shards of the weights and optimizer state plus one tensor's new shard, and a host reads only
     its chips' pieces, 1/hosts of the state. Loading AdamW's state whole onto every chip (resume
     before) would need 8 P per chip, 58 GB for 7b."""
-    from codex.train.plan.memory import largest_param
+    from codex.train.plan.params import largest_param
 
     m7 = model("7b")
     v6e16 = get_preset("v6e-16")
@@ -851,3 +846,8 @@ def test_the_plan_counts_the_resume_load_path():
     rep = plan(model("124m"), v6e16, 1, 1024, Setting())
     assert rep.host_load_bytes(4) == rep.weights + rep.optimizer_state
     assert rep.load_buffers == 4 * largest_param(model("124m"))
+
+
+def _memory_layout(cfg, preset, world):
+    p = plan_without_run(cfg, preset, world)
+    return p.memory, p.layout

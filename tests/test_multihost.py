@@ -473,7 +473,7 @@ def test_one_gpu_per_process_runs_on_its_cuda_0(monkeypatch):
     import torch
 
     from codex.train.distributed.backend import BackendError, _cuda_device
-    from codex.train.plan.hardware import get_preset
+    from codex.train.plan.presets import get_preset
 
     count = {"n": 1}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

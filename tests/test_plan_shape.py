@@ -16,7 +16,7 @@ from codex.core.config import build_config, preset_names
 from codex.core.config.model import ModelConfig, matmul_params, mlp_hidden
 from codex.model.gpt import GPT
 from codex.train.optim.muon import is_hidden_matrix
-from codex.train.plan.memory import block_params, hidden_matrices, param_count
+from codex.train.plan.params import block_params, hidden_matrices, param_count
 
 VOCAB = 4096  # small, and a multiple of 128 like the run's tokenizers; the plan pads as GPT does
 

@@ -87,8 +87,8 @@ def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
     from pathlib import Path
 
     from codex.core.config import build_config
-    from codex.train.plan.hardware import get_preset
     from codex.train.plan.memory import Setting, plan
+    from codex.train.plan.presets import get_preset
 
     overrides = ["model.vocab_size=256", "model.max_seq_len=1024", "model.n_layer=8"]
     script = (

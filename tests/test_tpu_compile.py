@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from codex.core.config import ConfigError
-from codex.train.plan.hardware import get_preset
+from codex.train.plan.presets import get_preset
 from tests.conftest import ROOT
 
 # a 3-layer model whose every weight a 16-chip fsdp divides; accumulation 2, so the step holds

@@ -19,7 +19,7 @@ from codex.core.config import ConfigError, build_config
 from codex.eval.evaluate import evaluate
 from codex.train.checkpoint import folders as checkpoint
 from codex.train.loop import train
-from codex.train.plan.plan import grad_accum_steps
+from codex.train.plan.batch import grad_accum_steps
 from tests.train_helpers import base_overrides, child_env, make_run, optimizer_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -373,7 +373,8 @@ def test_no_weight_decay_on_norms_embeddings_and_vectors():
 
 
 def test_hardware_presets_and_table():
-    from codex.train.plan.hardware import format_hardware_table, get_preset
+    from codex.train.plan.presets import get_preset
+    from codex.train.plan.report import format_hardware_table
 
     table = format_hardware_table()
     for name in (
@@ -409,7 +410,8 @@ def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
 
 
 def test_default_batch_comes_from_the_preset(tmp_path):
-    from codex.train.plan.hardware import device_defaults, get_preset
+    from codex.train.plan.batch import device_defaults
+    from codex.train.plan.presets import get_preset
 
     cfg = build_config(model="124m")
     assert device_defaults(get_preset("h200-8"), cfg.model) == (64, 1024)

@@ -252,19 +252,19 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
     the slice; fsdp under --xla-mode spawn is refused (exit 2), before any device work."""
     from codex.core.config import ConfigError, build_config
     from codex.core.config.model import ModelConfig
-    from codex.train.plan.hardware import get_preset
     from codex.train.plan.layout import Layout
-    from codex.train.plan.plan import resolve_batch
+    from codex.train.plan.presets import get_preset
     from codex.train.xla.backend import XLABackend
+    from tests.train_helpers import plan_without_run
 
     preset = get_preset("v5litepod-4")
-    *_, layout = resolve_batch(
+    layout = plan_without_run(
         build_config(model="1b", overrides=["train.hardware=v5litepod-4"]), preset, 4
-    )
+    ).layout
     assert (layout.parallel, layout.shard, layout.replicas) == ("fsdp", 4, 1)
-    *_, layout = resolve_batch(
+    layout = plan_without_run(
         build_config(model="tiny", overrides=["train.hardware=v5litepod-4"]), preset, 4
-    )
+    ).layout
     assert layout.parallel == "replicate"
     tiny = ModelConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=32, vocab_size=64, max_seq_len=16)
     base = dict(

@@ -237,8 +237,8 @@ def test_the_resume_holds_the_state_sharded_within_the_plan(runs):
     each). Loading the optimizer state whole onto every chip, as resume did before, adds 4 chips x
     8 bytes a parameter and fails this bound."""
     from codex.core.config import build_config
-    from codex.train.plan.hardware import get_preset
     from codex.train.plan.memory import Setting, plan
+    from codex.train.plan.presets import get_preset
 
     cfg = build_config(overrides=[*base_overrides(), *MODEL, "model.vocab_size=300"])
     preset = get_preset("v4-16")

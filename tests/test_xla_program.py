@@ -45,7 +45,7 @@ emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
 emit("block_shapes", [list(p.shape) for p in m.blocks[0].parameters()])
 emit("n_layer", len(m.blocks))
-from codex.train.plan.hardware import get_preset
+from codex.train.plan.presets import get_preset
 from codex.train.plan.batch import grad_accum_steps
 from codex.train.plan.memory import Setting, plan
 t = c.train
@@ -301,7 +301,7 @@ def test_replicate_program_within_the_memory_plan(replicate):
 MUON_UPDATE = """
 import sys
 from collections import Counter
-from codex.train.plan.hardware import set_xla_import_env
+from codex.train.plan.world import set_xla_import_env
 set_xla_import_env()
 import torch_xla
 import torch_xla.runtime as xr

@@ -142,7 +142,7 @@ UPDATE_SCRIPT = """
 import json
 import torch
 torch.set_num_threads(1)
-from codex.train.plan.hardware import set_xla_import_env
+from codex.train.plan.world import set_xla_import_env
 set_xla_import_env()
 import torch_xla
 import torch_xla.debug.metrics as met

@@ -121,3 +121,12 @@ def optimizer_tensors(saved: dict) -> dict[tuple, torch.Tensor]:
         for name, t in st.items()
         if isinstance(t, torch.Tensor)
     }
+
+
+def plan_without_run(cfg, preset, world: int):
+    """make_plan without the run's files (the vocab: model.vocab_size, else
+    data.tokenizer.vocab_size), as `codex train --help` plans."""
+    from codex.train.plan.plan import make_plan
+
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
+    return make_plan(cfg, preset, world, vocab=vocab)[1]

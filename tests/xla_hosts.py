@@ -50,7 +50,7 @@ RSS_ENV = "CODEX_SIM_RECORD_RSS"  # record the resume's resident memory to VALUE
 def simulate(hosts: int, index: int) -> None:
     """Patch torch_xla's runtime queries and codex's mesh and cross-host sums (module doc)."""
     from codex.core.progress import setup_logging
-    from codex.train.plan.hardware import set_xla_import_env
+    from codex.train.plan.world import set_xla_import_env
 
     # before torch_xla's first import, as codex's CLI does: its import logs through the root
     # logger, which would otherwise get logging's default handler in place of codex's

@@ -39,8 +39,8 @@ from codex.model.gpt import flops_per_token
 from codex.train.distributed.backend import BackendError, unwrap
 from codex.train.optim.optimizer import make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
-from codex.train.plan.hardware import HardwarePreset, get_preset
 from codex.train.plan.plan import Plan, make_plan
+from codex.train.plan.presets import HardwarePreset, get_preset
 from codex.train.remat import apply_remat
 from codex.train.xla.flash import lower_pallas_for_tpu, xla_attention
 from codex.train.xla.platform import libtpu_init_args
@@ -446,7 +446,7 @@ def _check_host_memory(cfg: Config, plan: Plan, preset: HardwarePreset) -> None:
     """The trace keeps the fp32 weights and the optimizer's state on the XLA CPU devices, i.e.
     in this machine's memory, once in all when sharded and once per device when replicated, with
     the host copy the weights are built in: refuse a model that cannot fit here."""
-    from codex.train.plan.memory import optimizer_bytes, param_count
+    from codex.train.plan.params import optimizer_bytes, param_count
 
     params = param_count(cfg.model)
     state = 4 * params + optimizer_bytes(cfg.model, cfg.train.optimizer)

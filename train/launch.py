@@ -13,8 +13,9 @@ import contextlib
 import logging
 
 from codex.train.distributed.backend import Backend, BackendError, make_torch_backend
-from codex.train.plan.hardware import get_preset, launch_env
+from codex.train.plan.presets import get_preset
 from codex.train.plan.threads import apply_threads
+from codex.train.plan.world import launch_env
 from codex.train.xla.flash import flash_unavailable
 
 

@@ -56,8 +56,9 @@ from codex.train.launch import open_backend
 from codex.train.metrics import LossWindow, MetricsLogger, StepTimer, make_logger
 from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
-from codex.train.plan.hardware import HardwarePreset, get_preset
 from codex.train.plan.plan import Plan, make_plan
+from codex.train.plan.presets import HardwarePreset, get_preset
+from codex.train.plan.report import memory_lines
 from codex.train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
@@ -424,7 +425,7 @@ def _start_run(
         plan.total_steps,
         plan.layout.describe(),
     )
-    log.info("\n".join(plan.memory.lines()))
+    log.info("\n".join(memory_lines(plan.memory)))
     return metrics, progress
 
 

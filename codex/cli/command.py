@@ -100,7 +100,7 @@ def run_lock(cfg, command: str):
 def preset_hosts(cfg) -> int:
     """How many hosts cfg.train.hardware spans (the run lock asks a multi-host TPU slice which
     worker this is)."""
-    from codex.train.plan.hardware import get_preset
+    from codex.train.plan.presets import get_preset
 
     return get_preset(cfg.train.hardware).hosts
 

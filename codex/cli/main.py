@@ -30,14 +30,9 @@ from codex.core import fsio, rundir, runlock
 from codex.core.config import build_config, yaml_error
 from codex.core.config.train import TrainConfig
 from codex.core.progress import log_to_file, setup_logging
-from codex.train.plan.hardware import (
-    format_hardware_table,
-    format_model_fit,
-    format_train_plan,
-    get_preset,
-    require_shared_run_dir,
-    set_xla_import_env,
-)
+from codex.train.plan.presets import get_preset
+from codex.train.plan.report import format_hardware_table, format_model_fit, format_train_plan
+from codex.train.plan.world import require_shared_run_dir, set_xla_import_env
 
 checkpoint_option = key_option("--checkpoint", key="eval.checkpoint")
 
@@ -165,7 +160,7 @@ def data_tokenize(cfg):
 
     \b
     Example:
-      codex data tokenize --run runs/web --vocab-size 32768
+      codex data tokenize --run runs/web --vocab-size 16384
       codex data tokenize --run runs/web --vocab-size 65536 --max-chars 1000000000
       codex data tokenize --run runs/web --max-chars 4000000000 --trainer hf
     """

@@ -65,9 +65,9 @@ from codex.model.gpt import GPT, build_model
 from codex.train.distributed.control import ControlPlane, control_timeout
 from codex.train.distributed.fsdp import build_sharded, compile_head, set_grad_sync
 from codex.train.distributed.reduce import GradReducer
-from codex.train.plan.hardware import launch_env
 from codex.train.plan.layout import Layout
 from codex.train.plan.memory import compute_dtype
+from codex.train.plan.world import launch_env
 
 resource: ModuleType | None
 try:

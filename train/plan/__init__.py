@@ -1,8 +1,7 @@
-"""What a run will be, decided before anything is built: hardware presets (hardware.py, and
-choose_batch: the batch, layout and accumulation a config resolves to), the memory plan
-(memory.py: a typed Setting in, bytes per device out; the auto layout, the default batch), the
-batch arithmetic (batch.py: gradient accumulation), the layout (layout.py: replicate or fsdp x
-replicas) and the run's plan (plan.py: vocab, B, T, accum, steps).
+"""What a run will be, decided before anything is built, in one pass (plan.py: make_plan): the
+hardware preset (presets.py), the batch chosen and checked (batch.py), the bytes per device it
+needs (memory.py, summing params.py and activations.py), the layout (layout.py), the steps; then
+formatted for people (report.py).
 
-Imports data/ (the shard manifest) only; no device code.
+Imports data/ (the shard manifest, when make_plan reads the run's files) only; no device code.
 """

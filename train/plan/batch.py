@@ -1,13 +1,29 @@
-"""The batch arithmetic: train.batch_tokens = device_batch x seq_len x world x accum, the tokens
-of one optimizer step. The one place gradient accumulation is decided: `grad_accum_steps` for the
-run (train/plan/hardware.py: choose_batch, for `Plan` and `codex train --help` alike), refusing a
-remainder; `micro_batches` for the memory plan's search of a default device batch, which plans
-candidate batches before one is chosen. Imports nothing of train/, so every planner may use it.
-"""
+"""The batch: train.batch_tokens = device_batch x seq_len x world x accum, the tokens of one
+optimizer step. Chosen here (`choose_batch`: the device batch and sequence length, given or the
+memory plan's largest that fits, the layout train.parallel=auto resolves to, the accumulation) and
+checked here (`check_fits`: refused with the fixes that fit, exit 2). Asks memory.py for plans;
+reads no run file and imports no torch."""
 
 from __future__ import annotations
 
-from codex.core.config import ConfigError
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+from codex.core.config import Config, ConfigError
+from codex.core.config.model import ModelConfig
+from codex.core.config.train import TrainConfig
+from codex.train.plan.memory import (
+    DEFAULT_SETTING,
+    Device,
+    LayoutName,
+    MemoryPlan,
+    Setting,
+    plan,
+    setting_for,
+)
+from codex.train.plan.presets import HardwarePreset
 
 
 def micro_batches(batch_tokens: int, device_batch: int, seq_len: int, world: int) -> int:
@@ -50,3 +66,311 @@ def grad_accum_steps(batch_tokens: int, device_batch: int, seq_len: int, world_s
             f"seq_len * world_size = {per_seq}"
         )
     raise ConfigError(msg)
+
+
+# --- the default device batch: the largest that fits --------------------------------------------
+
+
+# The most tokens one device's micro-batch holds by default (B x T): the largest any preset used
+# (h200, 124m: 64 x 1024). The default token batch is B x T x devices, so a small model that
+# memory would let take 1M tokens per device would silently train with a far larger batch than
+# the presets' learning rates were set for; past ~64K tokens a bigger micro-batch buys no speed.
+MAX_DEVICE_TOKENS = 65536
+
+
+def _entry(preset: HardwarePreset, model_cfg: ModelConfig) -> tuple[str | None, dict]:
+    name = model_cfg.preset or None
+    entry_name = name if name in preset.defaults else "default"
+    if entry_name not in preset.defaults:
+        raise ConfigError(
+            f"configs/hardware/{preset.name}.yaml has no defaults for model '{name}' "
+            "nor a 'default' entry; set train.device_batch and train.seq_len"
+        )
+    return entry_name, preset.defaults[entry_name]
+
+
+def default_seq_len(preset: HardwarePreset, model_cfg: ModelConfig) -> int:
+    """The sequence length the preset suggests for this model (its model.preset entry, else
+    'default')."""
+    return int(_entry(preset, model_cfg)[1]["seq_len"])
+
+
+def default_device_batch(
+    preset: HardwarePreset,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, LayoutName]:
+    """(device batch, layout) the memory plan suggests (default_batch) at this
+    seq_len in `setting` (its layout 'auto' too): the largest power of two that fits with
+    headroom, at most MAX_DEVICE_TOKENS / seq_len and the entry's max_device_batch, accumulating
+    as train.batch_tokens implies. The CPU preset's memory is the machine's, so there it is the
+    entry's max_device_batch (chosen for step time; train's check against free RAM still refuses).
+    0 = nothing fits."""
+    _, entry = _entry(preset, model_cfg)
+    cap = min(
+        int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len)
+    )
+    if preset.memory_gb <= 0:
+        return cap, "replicate"
+    return default_batch(model_cfg, preset, seq_len, cap, setting, batch_tokens)
+
+
+def device_defaults(
+    preset: HardwarePreset,
+    model_cfg: ModelConfig,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, int]:
+    """(device_batch, seq_len) the preset suggests for this model in `setting` (by default bf16,
+    AdamW, replicated; its layout 'auto' too), or a ConfigError when not even one sequence
+    fits."""
+    seq_len = default_seq_len(preset, model_cfg)
+    batch, layout = default_device_batch(preset, model_cfg, seq_len, setting, batch_tokens)
+    if batch <= 0:
+        shard = ", or shard the state" if fsdp_offered(preset) and layout != "fsdp" else ""
+        if setting.remat == "none":
+            remat = dataclasses.replace(setting, remat="block")
+            if default_device_batch(preset, model_cfg, seq_len, remat, batch_tokens)[0] > 0:
+                shard += ", or recompute the blocks (train.remat=block: it fits then)"
+        raise ConfigError(
+            f"model '{model_cfg.preset or 'custom'}' does not fit on {preset.name} "
+            f"({preset.memory_gb:g} GB per device, {layout}) even at train.device_batch=1 x "
+            f"train.seq_len={seq_len} by the memory plan; pick hardware with more memory "
+            f"or a shorter train.seq_len{shard} "
+            "(`codex hardware --model NAME` shows what fits where)"
+        )
+    return batch, seq_len
+
+
+def at_batch(
+    setting: Setting, preset: Device, batch_tokens: int, device_batch: int, seq_len: int
+) -> Setting:
+    """`setting` with the accumulation train.batch_tokens implies at device_batch x seq_len
+    (train/plan/batch.py: micro_batches), for the searches that plan batches before one is
+    chosen."""
+    accum = micro_batches(batch_tokens, device_batch, seq_len, setting.ranks(preset))
+    return dataclasses.replace(setting, accum=accum)
+
+
+def largest_batch(
+    m: ModelConfig,
+    preset: Device,
+    seq_len: int,
+    cap: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> int:
+    """The largest power of two <= cap whose plan fits with headroom; 0 when not even 1 does.
+    Each candidate accumulates as train.batch_tokens implies there (0: one micro-batch)."""
+    b = 1 << max(0, cap.bit_length() - 1)
+    while b >= 1:
+        if plan(m, preset, b, seq_len, at_batch(setting, preset, batch_tokens, b, seq_len)).fits():
+            return b
+        b //= 2
+    return 0
+
+
+def default_batch(
+    m: ModelConfig,
+    preset: Device,
+    seq_len: int,
+    cap: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> tuple[int, LayoutName]:
+    """(device batch, layout) a preset suggests: the largest power of two <= cap that fits with
+    headroom (largest_batch), in setting.layout; under auto replicated when any batch fits
+    replicated, else under fsdp. The batch is 0 when nothing fits."""
+    if setting.layout != "auto":
+        return largest_batch(m, preset, seq_len, cap, setting, batch_tokens), setting.layout
+    replicated = dataclasses.replace(setting, layout="replicate")
+    b = largest_batch(m, preset, seq_len, cap, replicated, batch_tokens)
+    if b or not fsdp_offered(preset, setting.world):
+        return b, "replicate"
+    sharded = dataclasses.replace(setting, layout="fsdp")
+    return largest_batch(m, preset, seq_len, cap, sharded, batch_tokens), "fsdp"
+
+
+def fsdp_offered(preset: Device, world: int = 0) -> bool:
+    """Whether auto and `codex hardware` consider fsdp on this preset: over several devices
+    (`world` ranks; 0 = the preset's devices), multi-host TPU slices included (each host writes
+    and reads its own shards, train/checkpoint/xla_shards.py); fsdp over one device is the
+    replicated layout."""
+    return (world if world > 0 else preset.devices) > 1
+
+
+def choose_layout(
+    m: ModelConfig,
+    preset: Device,
+    device_batch: int,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+) -> LayoutName:
+    """train.parallel=auto: replicate when the replicated plan fits with headroom (no gathers, the
+    fastest layout), else fsdp (over setting.fsdp_size devices; 0 = all) where the preset runs
+    it."""
+    replicated = dataclasses.replace(setting, layout="replicate")
+    fits = plan(m, preset, device_batch, seq_len, replicated).fits()
+    return "replicate" if fits or not fsdp_offered(preset, setting.world) else "fsdp"
+
+
+# --- the choice ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a run's batch resolves to before anything is built (choose_batch)."""
+
+    device_batch: int  # B: sequences per device per micro-batch
+    seq_len: int  # T
+    # train.* for the memory plan: the world, the layout resolved (never auto), the accumulation
+    setting: Setting
+    device_batch_given: bool  # False: the memory plan's default
+    seq_len_given: bool  # False: the preset's for the model
+    memory: MemoryPlan  # bytes per device at this batch, checked against this machine
+
+    @property
+    def world(self) -> int:
+        return self.setting.world
+
+    @property
+    def accum(self) -> int:
+        return self.setting.accum
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one micro-batch over every rank."""
+        return self.device_batch * self.seq_len * self.world
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.micro_tokens * self.accum
+
+
+def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
+    """The device batch, sequence length, layout and accumulation of `cfg` on `preset` over `world`
+    data-parallel ranks, each decided here once (train.device_batch and train.seq_len, else the
+    memory plan's default; train.parallel=auto resolved; the accumulation), and the memory plan
+    at that batch checked against this machine. The run and `codex train --help` both reach it
+    through train/plan/plan.py: make_plan, so they refuse the same settings with the same
+    ConfigError."""
+    m, t = cfg.model, cfg.train
+    setting = setting_for(t, preset.kind, world)
+    B, T = t.device_batch, t.seq_len
+    if B <= 0 or T <= 0:
+        dB, dT = device_defaults(preset, m, setting, t.batch_tokens)
+        B = B if B > 0 else dB
+        T = T if T > 0 else dT
+    if T > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={T} is longer than model.max_seq_len={m.max_seq_len}; "
+            f"lower --seq-len or --set model.max_seq_len={T}"
+        )
+    layout = setting.layout if setting.layout != "auto" else choose_layout(m, preset, B, T, setting)
+    accum = grad_accum_steps(t.batch_tokens, B, T, world)
+    setting = dataclasses.replace(setting, layout=layout, accum=accum)
+    memory = check_fits(m, preset, B, T, setting, t.batch_tokens)
+    return Batch(B, T, setting, t.device_batch > 0, t.seq_len > 0, memory)
+
+
+# --- the refusal ---------------------------------------------------------------------------------
+
+
+def available_bytes(kind: str, preset_memory_gb: float) -> int | None:
+    """Memory one process may use: the GPU's own total memory when CUDA is up in this process (an
+    A100 may have 40 or 80 GB), else the preset's device memory on accelerators; on the CPU
+    MemAvailable divided by the processes on this host; None when unknown."""
+    torch = sys.modules.get("torch")  # a run has imported it; --help never imports torch
+    if kind == "cuda" and torch is not None:
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if kind in ("cuda", "tpu"):
+        return int(preset_memory_gb * 1e9) if preset_memory_gb > 0 else None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        return (
+            int(info["MemAvailable"]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _train_key_exists(name: str) -> bool:
+    """Whether train.<name> is a setting, so a fix never names a key the config would reject."""
+    return name in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def fixes(
+    m: ModelConfig, preset: Device, p: MemoryPlan, setting: Setting, batch_tokens: int = 0
+) -> list[str]:
+    """The settings that would make `p` (planned in `setting`) fit with headroom, each checked
+    against the plan: a smaller device batch (same layout; train.batch_tokens accumulates the
+    rest), the fsdp layout, block rematerialisation."""
+    same = dataclasses.replace(setting, layout=p.layout, device_memory=p.device_memory)
+    out = []
+    b = (
+        largest_batch(m, preset, p.seq_len, p.device_batch - 1, same, batch_tokens)
+        if p.device_batch > 1
+        else 0
+    )
+    if b:
+        out.append(
+            f"train.device_batch={b} (keep --batch-tokens: gradient accumulation makes up the rest)"
+        )
+    changes: tuple[tuple[str, Setting], ...] = (
+        ("parallel", dataclasses.replace(same, layout="fsdp")),
+        ("remat", dataclasses.replace(same, remat="block")),
+    )
+    for key, other in changes:
+        value = other.layout if key == "parallel" else other.remat
+        if _train_key_exists(key) and other != same:
+            q = plan(m, preset, p.device_batch, p.seq_len, other)
+            if q.fits():
+                out.append(f"train.{key}={value} ({q.total / 1e9:.1f} GB)")
+    return out
+
+
+def check_fits(
+    m: ModelConfig,
+    preset: Device,
+    device_batch: int,
+    seq_len: int,
+    setting: Setting = DEFAULT_SETTING,
+    batch_tokens: int = 0,
+) -> MemoryPlan:
+    """The plan for this setting on this machine (the GPU's real memory, the CPU's free RAM), or a
+    ConfigError (exit 2) with the breakdown and the fixes when its total exceeds the device.
+    batch_tokens: train.batch_tokens, for the smaller device batches a fix may offer."""
+    avail = available_bytes(preset.kind, preset.memory_gb)
+    here = dataclasses.replace(setting, device_memory=avail or 0)
+    p = plan(m, preset, device_batch, seq_len, here)
+    if avail is None or p.fits(1.0):
+        return p
+    where = "available on this machine" if preset.kind == "cpu" else "per device"
+    found = fixes(m, preset, p, here, batch_tokens)
+    fix = (
+        "; ".join(found)
+        if found
+        else "a smaller model, hardware with more memory or a shorter train.seq_len"
+    )
+    raise ConfigError(
+        f"train.device_batch={device_batch} x train.seq_len={seq_len} needs "
+        f"{p.total / 1e9:.1f} GB per device "
+        f"(weights {p.weights / 1e9:.1f}, gradients {p.gradients / 1e9:.1f}, "
+        f"optimizer {p.optimizer_state / 1e9:.1f}, "
+        f"activations {p.activations / 1e9:.1f}, logits {p.logits / 1e9:.1f}, "
+        "compute copies of the weights and "
+        f"workspace {(p.compute_weights + p.stacked + p.workspace) / 1e9:.1f}"
+        + (f", CUDA context and NCCL {p.runtime / 1e9:.1f}" if p.runtime else "")
+        + (
+            f"; at the optimizer step, its buffers {p.step_buffers / 1e9:.1f}"
+            if p.step_buffers
+            else ""
+        )
+        + ") "
+        f"but {avail / 1e9:.1f} GB is {where}. Fix: {fix}"
+    )

@@ -21,7 +21,7 @@ class Layout:
     # fsdp: True frees each block's gathered weights after its forward and gathers them again in
     # its backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2: one all-gather
     # per block a micro-batch instead of two). Decided by the memory plan (MemoryPlan's field of
-    # the same name, train/plan/plan.py: resolve_batch); read by train/distributed/fsdp.py.
+    # the same name, train/plan/plan.py: make_plan); read by train/distributed/fsdp.py.
     reshard_after_forward: bool = True
 
     @property

@@ -1,55 +1,28 @@
 """The run's plan: what training derives once from the config, the hardware preset and the run's
-files (tokenizer, shard manifest), before the first step.
+files (tokenizer, shard manifest), before the first step. One pass, each number decided once:
+the vocabulary, the learning rate, the batch (train/plan/batch.py, which asks memory.py), the
+layout (layout.py), the steps. `codex train --help` formats the same Plan (report.py).
 
     cfg, plan, token_bytes = make_plan(cfg, preset, world_size)
-
-Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum
-(train/plan/batch.py: grad_accum_steps decides accum, and says which values divide); the device
-batch and sequence length default to the memory plan's (train/plan/memory.py), and a setting the
-plan says cannot fit is refused (exit 2). train/plan/hardware.py: choose_batch decides them, for
-the run and for `codex train --help` alike.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from codex.core import fsio, rundir
 from codex.core.config import Config, ConfigError
-from codex.core.config.train import DEFAULT_LR
-from codex.model.gpt import mlp_hidden
-from codex.pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
-from codex.train.data.token_shards import load_manifest
-
-# the Plan's accumulation rule, defined in batch.py so that choose_batch (hardware.py) reaches it
-from codex.train.plan.batch import grad_accum_steps as grad_accum_steps
-from codex.train.plan.hardware import HardwarePreset, choose_batch
+from codex.core.config.model import mlp_hidden
+from codex.core.config.train import DEFAULT_LR, TrainConfig
+from codex.train.plan.batch import choose_batch
 from codex.train.plan.layout import Layout, layout_for
-from codex.train.plan.memory import MemoryPlan, check_fits
+from codex.train.plan.memory import MemoryPlan
+from codex.train.plan.presets import HardwarePreset
 
-
-def resolve_batch(
-    cfg: Config, preset: HardwarePreset, world_size: int
-) -> tuple[int, int, int, int, MemoryPlan, Layout]:
-    """(device_batch, seq_len, accum, batch_tokens, memory plan, layout) from codex.train.* and the
-    hardware preset defaults (train/plan/hardware.py: choose_batch decides the batch, the layout
-    and the accumulation); a setting whose memory plan cannot fit this machine is refused
-    (exit 2)."""
-    b = choose_batch(cfg, preset, world_size)
-    memory = check_fits(
-        cfg.model, preset, b.device_batch, b.seq_len, b.setting, cfg.train.batch_tokens
-    )
-    layout = layout_for(b.setting.layout, b.setting.fsdp_size, world_size)
-    # fsdp: keep the gathered weights from forward to backward (ZeRO-2) where the plan fits them
-    layout = replace(layout, reshard_after_forward=memory.reshard_after_forward)
-    return b.device_batch, b.seq_len, b.accum, b.batch_tokens, memory, layout
-
-
-# --- the plan: what the loop derives from the config and the run's files, once -----------------
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -64,6 +37,23 @@ class Plan:
     tokenizer_sha: str  # recorded in checkpoints: eval and sample refuse a retrained tokenizer
     memory: MemoryPlan  # bytes per device (train/plan/memory.py), logged at start
     layout: Layout  # replicate or fsdp (train.parallel, resolved; train/plan/layout.py)
+    preset: HardwarePreset
+    device_batch_given: bool = True  # False: the memory plan's default
+    seq_len_given: bool = True  # False: the preset's for the model
+
+
+def learning_rate(t: TrainConfig) -> float:
+    """train.lr, or the optimizer's default when it is 0."""
+    return t.lr or DEFAULT_LR[t.optimizer]
+
+
+def total_steps(t: TrainConfig, batch_tokens: int) -> int:
+    """Optimizer steps: train.max_tokens over batch_tokens, rounded up, when a token budget is set,
+    else train.max_steps."""
+    steps = math.ceil(t.max_tokens / batch_tokens) if t.max_tokens > 0 else t.max_steps
+    if steps <= 0:
+        raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
+    return steps
 
 
 def make_plan(
@@ -71,9 +61,8 @@ def make_plan(
 ) -> tuple[Config, Plan, torch.Tensor | None]:
     """(the resolved config, the Plan, token_bytes). The resolved config carries the tokenizer's
     vocab size, the MLP width (so a later change of the derivation cannot change a saved model's
-    shape) and the learning rate (train.lr 0 = the optimizer's default): it is what checkpoints
-    record and what eval rebuilds the model from. vocab: given, no run files are read (a compile
-    of the step before any data exists, train/compile_only.py)."""
+    shape) and the learning rate: it is what checkpoints record and what eval rebuilds the model
+    from. vocab: given, no run file is read (`--help`, a compile before any data exists)."""
     if vocab is None:
         vocab, token_bytes, tokenizer_sha = _read_vocab(cfg)
     else:
@@ -81,18 +70,26 @@ def make_plan(
     cfg = replace(
         cfg,
         model=replace(cfg.model, vocab_size=vocab, mlp_hidden=mlp_hidden(cfg.model)),
-        train=replace(cfg.train, lr=cfg.train.lr or DEFAULT_LR[cfg.train.optimizer]),
+        train=replace(cfg.train, lr=learning_rate(cfg.train)),
     )
-    B, T, accum, batch_tokens, memory, layout = resolve_batch(cfg, preset, world_size)
-    total_steps = (
-        math.ceil(cfg.train.max_tokens / batch_tokens)
-        if cfg.train.max_tokens > 0
-        else cfg.train.max_steps
-    )
-    if total_steps <= 0:
-        raise ConfigError("train.max_steps (or train.max_tokens) must be positive")
+    b = choose_batch(cfg, preset, world_size)
+    layout = layout_for(b.setting.layout, b.setting.fsdp_size, world_size)
+    # fsdp: keep the gathered weights from forward to backward (ZeRO-2) where the plan fits them
+    layout = replace(layout, reshard_after_forward=b.memory.reshard_after_forward)
     plan = Plan(
-        vocab, B, T, accum, batch_tokens, total_steps, world_size, tokenizer_sha, memory, layout
+        vocab=vocab,
+        device_batch=b.device_batch,
+        seq_len=b.seq_len,
+        accum=b.accum,
+        batch_tokens=b.batch_tokens,
+        total_steps=total_steps(cfg.train, b.batch_tokens),
+        world_size=world_size,
+        tokenizer_sha=tokenizer_sha,
+        memory=b.memory,
+        layout=layout,
+        preset=preset,
+        device_batch_given=b.device_batch_given,
+        seq_len_given=b.seq_len_given,
     )
     return cfg, plan, token_bytes
 
@@ -104,6 +101,13 @@ def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
     """Vocab size from the run's tokenizer meta (checked against the shard manifest), token_bytes
     for bits per byte (None when absent; validation then says what is missing), and the tokenizer's
     sha256 (recorded in checkpoints, so eval and sample can refuse a retrained tokenizer)."""
+    # imported here: `codex train --help` plans without torch or the run's files
+    import numpy as np
+    import torch
+
+    from codex.pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
+    from codex.train.data.token_shards import load_manifest
+
     tok_dir = rundir.tokenizer_dir(cfg.run)
     meta = load_meta(tok_dir)
     vocab = int(meta["vocab_size"])

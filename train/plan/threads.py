@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from codex.train.plan.hardware import launch_env
+from codex.train.plan.world import launch_env
 
 
 @dataclass(frozen=True)

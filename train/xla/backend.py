@@ -53,7 +53,8 @@ import torch.distributed as dist
 from codex.core.config import ConfigError, from_dict, to_dict
 from codex.train.distributed.backend import BackendError, autocast_context, resolve_dtype, unwrap
 from codex.train.distributed.control import ControlPlane, control_timeout
-from codex.train.plan.hardware import get_preset, set_xla_import_env
+from codex.train.plan.presets import get_preset
+from codex.train.plan.world import set_xla_import_env
 from codex.train.xla import sharding as xla_sharding
 from codex.train.xla.flash import use_flash_attention, xla_attention
 from codex.train.xla.platform import cache_dir, check_attention, check_platform

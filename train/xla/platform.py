@@ -13,7 +13,7 @@ import os
 
 from codex.core import fsio
 from codex.train.distributed.backend import BackendError
-from codex.train.plan.hardware import set_xla_import_env
+from codex.train.plan.world import set_xla_import_env
 from codex.train.xla.flash import flash_unavailable, pallas_available, xla_attention
 
 log = logging.getLogger("codex.xla")
