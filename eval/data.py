@@ -16,8 +16,8 @@ from codex.pipeline.clean.filters import normalize
 from codex.pipeline.encode import Encoder, token_dtype
 from codex.pipeline.inputs import list_inputs
 from codex.pipeline.readers import FileReport, read_records
-from codex.pipeline.shard.manifest import FORMAT_VERSION, MANIFEST, shard_entry, shard_name
-from codex.pipeline.shard.write import write_npy
+from codex.pipeline.shard.manifest import FORMAT_VERSION, MANIFEST
+from codex.pipeline.shard.write import write_shard
 from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 
 log = logging.getLogger("codex.eval")
@@ -34,8 +34,9 @@ def tokenize_to_shard(
     dropping empty documents, not its quality filters: the user chose this held-out text, and a
     number on a filtered subset of it would not be the number they asked for. Documents are encoded
     by `codex data shard`'s Encoder (<|bos|> + tokens (+ <|eos|> when the run's shards have it)) and
-    written by its shard writer and manifest code. Every rank tokenizes the same text
-    (deterministic) and keeps its own copy. Returns (shards_dir, TemporaryDirectory, documents).
+    the shard file is written by the stage's own write_shard (pipeline/shard/write.py). Every rank
+    tokenizes the same text (deterministic) and keeps its own copy. Returns (shards_dir,
+    TemporaryDirectory, documents).
 
     7 parameters: what run_eval has resolved for it (both configs, the tokenizer folder, the paths,
     the token budget, the length, the backend); its one caller."""
@@ -79,18 +80,15 @@ def tokenize_to_shard(
             f"one window of seq_len + 1 = {seq_len + 1} tokens"
         )
     tmp = tempfile.TemporaryDirectory(prefix="codex-eval-data-")
-    name = shard_name("val", 0, "npy")
-    sha, _ = write_npy(fsio.join(tmp.name, name), tokens)
-    entry = shard_entry(
-        "val", name, "npy", len(tokens), int(np.count_nonzero(tokens == encoder.bos)), sha
-    )
+    bos_count = int(np.count_nonzero(tokens == encoder.bos))
+    entries = write_shard(tmp.name, "val", 0, tokens, bos_count, ["npy"])
     fsio.write_json(
         fsio.join(tmp.name, MANIFEST),
         {
             "format_version": FORMAT_VERSION,
             "dtype": dtype,
             "append_eos": append_eos,
-            "shards": [entry],
+            "shards": entries,
         },
     )
     return tmp.name, tmp, documents

@@ -14,7 +14,9 @@ cut the graph and stall every batch):
     bytes  = UTF-8 bytes of the target tokens, token_bytes[y] (special tokens count 0)
 The three sums are all-reduced across ranks once at the end (backend.all_reduce_sum), then
     loss = nats / tokens,  perplexity = exp(loss),  bits_per_byte = nats / (ln 2 * bytes)
-Perplexity depends on the tokenizer, bits per byte does not (NOTES.md section 5): report both.
+Perplexity depends on the tokenizer (its nats are per token, and a token covers more or fewer bytes
+under another vocabulary); bits per byte does not, so it compares models across tokenizers.
+Report both.
 
 A batch is (x, y) or (x, y, mask): `mask` is a per-row bool [B] for fixed-shape final batches
 (XLA compiles one graph per shape, so the last partial batch is padded with rows that count 0).

@@ -1,35 +1,12 @@
 """The model's causal attention: which kernel runs (`attention_kind`, the one rule for
-model.attention) and blockwise attention in plain tensor ops (`blockwise_causal`).
+model.attention: auto, sdpa, flash or blockwise) and blockwise attention in plain tensor ops
+(`blockwise_causal`).
 
-model.attention:
-    auto       (default) SDPA on CUDA and the CPU, whose fused kernels (flash / cuDNN on CUDA, the
-               CPU's flash kernel) never hold the [B, H, T, T] scores; on XLA, torch_xla's Pallas
-               flash kernel where it can run (a TPU with JAX, installed by the XLA backend:
-               train/xla/flash.py), else blockwise
-    sdpa       F.scaled_dot_product_attention everywhere (on XLA: the math decomposition, with the
-               fp32 [B, H, T, T] probabilities)
-    flash      the Pallas kernel; TPU only (refused elsewhere before the run starts)
-    blockwise  blockwise_causal on any device
-
-Why blockwise: XLA lowers SDPA to its math form, whose fp32 [B, H, T, T] probabilities dominate a
-step's memory from T ~ 1024; where the Pallas kernel cannot run (the XLA CPU backend of the tests,
-a TPU VM without JAX) blockwise_causal computes the same function in XLA ops without them.
-
-    queries in blocks of block_q; for query block i only the key blocks that start at or before
-    its last query (the blocks above the diagonal are all masked: skipped, never computed);
-    online softmax as flash does: a running max m and sum l [B, H, Bq] and an fp32 accumulator
-    [B, H, Bq, D] per query block, rescaled as each key block arrives.
-
-Its backward is flash's too (a custom autograd.Function): the forward keeps q, k, v, the output
-and the log-sum-exp per query [B, H, T], and the backward recomputes each block's probabilities
-from them. Left to autograd, the loop would keep every block's probabilities for the backward:
-half of the T x T scores, only cut into pieces.
-
-GQA: the n_head / n_kv_head query heads that share a K/V head are stacked as rows of one matrix
-([B, n_kv_head, group * Bq, D]), so K and V are never repeated per query head.
-
-Precision: the scores, the softmax and the accumulators are fp32 for bf16/fp16 inputs (as SDPA's
-math path computes them), fp64 for fp64 inputs (gradcheck); the output has the input's dtype.
+Blockwise is for XLA where the Pallas flash kernel cannot run: XLA lowers SDPA to its math form,
+whose fp32 [B, H, T, T] probabilities dominate a step's memory from T ~ 1024. It computes the same
+function as flash does (query blocks, online softmax, its own backward that recomputes each block),
+never repeats K/V for GQA, and accumulates in fp32. The kinds and the algorithm: docs/tpu.md,
+"Flash attention on TPU".
 """
 
 from __future__ import annotations
@@ -100,7 +77,7 @@ def blockwise_causal(
 ) -> torch.Tensor:
     """Causal attention of q [B, H, T, D] over k, v [B, n_kv_head, T, D] (H a multiple of
     n_kv_head, query head h reading K/V head h // (H / n_kv_head), as SDPA's enable_gqa), scale
-    1/sqrt(D), without any [.., T, T] tensor (module docstring). block_q, block_k: the query and
+    1/sqrt(D), without any [.., T, T] tensor (docs/tpu.md). block_q, block_k: the query and
     key block sizes; 0 = default_block(T). They need not divide T (the last block is shorter)."""
     T = q.shape[2]
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:

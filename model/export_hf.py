@@ -1,45 +1,11 @@
 """A codex checkpoint as a standard Hugging Face model directory (`codex export --format hf`).
 
-codex's block maps exactly onto two architectures transformers, vLLM and lm-eval-harness load
-with no custom code:
-
-    qk_norm=true   -> Qwen3ForCausalLM  (per-head RMSNorm on q and k over head_dim, before RoPE)
-    qk_norm=false  -> LlamaForCausalLM  (attention_bias=false, mlp_bias=false)
-
-    codex                       Hugging Face
-    wte                         model.embed_tokens
-    blocks.i.attn_norm          model.layers.i.input_layernorm
-                                (RMSNorm with weight, eps = norm_eps)
-    blocks.i.attn.c_q/k/v       model.layers.i.self_attn.q/k/v_proj   (head_dim = n_embd // n_head)
-    blocks.i.attn.q/k_norm      model.layers.i.self_attn.q/k_norm     (Qwen3 only)
-    blocks.i.attn.c_proj        model.layers.i.self_attn.o_proj
-    blocks.i.mlp_norm           model.layers.i.post_attention_layernorm
-    blocks.i.mlp.w_gate/up/down model.layers.i.mlp.gate/up/down_proj
-                                (SwiGLU: down(silu(gate x) * up x))
-    norm_f                      model.norm
-    lm_head                     lm_head
-                                (tie_word_embeddings = tie_embeddings)
-
-Both sides: RoPE on rotated halves (HF's rotate_half), rope_theta, attention scale 1/sqrt(head_dim),
-GQA with num_key_value_heads = n_kv_head, no biases, RMSNorm statistics in fp32. The weights are
-written in fp32, where the two agree to rounding (tests/test_export_hf.py: logits within 1e-4). Two
-differences of rounding only: HF computes the RoPE angles in fp32 (codex in fp64, then rounds), and
-in bf16 HF rounds the normalised activations before the weight multiply (codex after).
-
-Padded vocabulary: codex pads wte and lm_head to a multiple of 128 rows and slices the logits back
-to model.vocab_size. The export DROPS the padding rows: vocab_size in config.json equals the
-tokenizer's size, so every logit a HF model returns is codex's logit for a real token and
-generation can never pick a padding id.
-
-The tokenizer is the run's tokenizer.json as a PreTrainedTokenizerFast: <|bos|> 0, <|eos|> 1,
-<|pad|> 2, and a post-processor that puts <|bos|> in front of every encoding, since every codex
-training document starts with it (codex sample does the same). A literal "<|bos|>" in text is
-encoded as text, as in codex (split_special_tokens). generation_config.json stops at <|eos|> and at
-<|bos|> (the start of a new document), as codex sample does.
-
-Every model.* option either maps exactly or makes export refuse with a ConfigError naming it:
-model.mlp=relu2 (no standard architecture has a non-gated ReLU^2 MLP), and any option this module
-does not know about set to a value other than its default.
+codex's block is Qwen3ForCausalLM's (qk_norm=true) or LlamaForCausalLM's (qk_norm=false), which
+transformers, vLLM and lm-eval-harness load with no custom code. The weights are renamed one to one
+and written in fp32 without the vocabulary's padding rows; the run's tokenizer.json becomes a
+PreTrainedTokenizerFast that puts <|bos|> first. An option no standard architecture has
+(model.mlp=relu2, ...) makes the export refuse with a ConfigError naming it. The weight map and
+the numerics: docs/export.md.
 """
 
 from __future__ import annotations
@@ -198,8 +164,8 @@ def build_hf_model(model, m: ModelConfig):
 
 
 def hf_tokenizer(run: str, max_seq_len: int):
-    """RUN/tokenizer/tokenizer.json as a PreTrainedTokenizerFast that puts <|bos|> first (see the
-    module docstring)."""
+    """RUN/tokenizer/tokenizer.json as a PreTrainedTokenizerFast that puts <|bos|> first, as every
+    training document starts with it (docs/export.md, "The tokenizer")."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast  # optional dependency: only export needs it

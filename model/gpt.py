@@ -2,35 +2,11 @@
 
     idx -> wte -> [block] * n_layer -> RMSNorm -> lm_head -> logits[..., :vocab_size]
     block: x + attn(norm(x)),  x + mlp(norm(x))
-    attn:  q, k, v projections; QK-norm; rotary position embeddings; grouped-query attention
-           (n_kv_head key/value heads shared by n_head query heads); causal attention by
-           model.attention (model/attention.py: attention_kind): SDPA on CUDA and the CPU, on XLA
-           torch_xla's Pallas flash kernel (installed by the TPU backend, GPT.set_attention) or
-           blockwise attention in XLA ops (never the [B, H, T, T] scores)
-    mlp:   SwiGLU (w_down(silu(w_gate x) * w_up x)) or ReLU^2 (w_down(relu(w_up x)^2))
-    model.value_embed: every other layer (the last one included) adds ve_i(idx), a learned
-           per-token vector, to its values (ResFormer-style value embeddings): extra parameters
-           but almost no FLOPs. No standard Hugging Face architecture has them (export refuses).
 
-Precision: parameters are fp32 (the master weights). Under autocast the linears run in bf16 and
-the residual stream stays in bf16 too (GPT.embed casts the embeddings); RMSNorm accumulates its
-statistics in fp32 and returns bf16, and the loss is computed in fp32. Without autocast
-(fp32 on the CPU) everything is fp32.
-
-No biases anywhere. The embedding table and the output head are padded to a multiple of 128 rows
-(matmul-friendly shapes on GPU and TPU); the logits are sliced back to the real vocab before the
-loss, so the padding rows never receive probability mass.
-
-Generation uses a KV cache (KVCache, prefill, decode at the end of this file): prefill runs the
-prompt through the same attention as training and keeps every layer's K/V (after QK-norm and RoPE)
-in a buffer preallocated to max_seq_len; decode runs one new token at a device-held position,
-writes its K/V there and attends over the whole buffer under a mask, so its shapes never change
-(one XLA program for every position) and its cost does not grow with the position.
-
-Everything here must also lower under torch_xla: causal attention without an explicit mask (SDPA
-with is_causal=True, which XLA lowers to the math decomposition, or blockwise_causal), plain
-elementwise RoPE (no complex numbers), and a tie between wte and lm_head that survives moving the
-model to a device (see GPT._apply).
+attn: QK-norm, RoPE, GQA, causal attention by model.attention (model/attention.py); mlp: SwiGLU or
+ReLU^2; optional value embeddings. Generation keeps a KV cache of fixed shapes (KVCache, prefill,
+decode), and everything here also lowers under torch_xla. Precision, padding, the KV cache and
+what XLA needs: docs/training.md, "The network".
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from codex.core.config import build_config
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import filters as F
 from codex.pipeline.clean import words as W
-from codex.pipeline.clean.clean import CleanError, run_clean
+from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.clean.finalize import CleanError
 from codex.pipeline.inputs import clean_parts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -911,13 +912,13 @@ def test_a_marker_whose_files_are_gone_is_cleaned_again(tmp_path, lost, caplog):
 def test_a_retried_unit_removes_its_marker_before_its_files(tmp_path):
     """A retry of a unit (a Ray task after its worker died) that is interrupted after removing the
     old files must not leave the old marker vouching for them: the marker goes first."""
-    from codex.pipeline.clean import clean as C
+    from codex.pipeline.clean import unit as U
 
     make_corpus(tmp_path / "in", 2, 30)
     run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="r"))
     out = str(tmp_path / "r" / "clean")
     (marker,) = (tmp_path / "r" / "clean" / "markers").glob("*.json")
-    C._remove_unit_outputs(out, marker.stem)
+    U.remove_unit_outputs(out, marker.stem)
     assert not marker.exists() and not list((tmp_path / "r" / "clean").glob("part-*"))
 
 
@@ -940,7 +941,7 @@ def interrupt_a_unit(tmp_path, monkeypatch, where: str) -> dict:
     """An undisturbed run (RUN ref), and a run (RUN hurt) with one unit interrupted `where`: after
     writing its files and before its marker, or, retried, after removing its marker and before
     its files. Checks that the unit's files are left without a marker; returns ref's stats."""
-    from codex.pipeline.clean import clean as C
+    from codex.pipeline.clean import unit as U
 
     make_corpus(tmp_path / "in", 4, 30)
     args = INTERRUPTED_ARGS
@@ -948,7 +949,7 @@ def interrupt_a_unit(tmp_path, monkeypatch, where: str) -> dict:
     assert ref["units"] >= 3
     clean = tmp_path / "hurt" / "clean"
     unit = "000001"
-    write_json, rm, read_records = fsio.write_json, fsio.rm, C.read_records
+    write_json, rm, read_records = fsio.write_json, fsio.rm, U.read_records
     if where == "after_removing_the_marker":
         # the unit's first attempt fails on one of its files: its marker says so, and the next
         # run cleans it again (a retry)
@@ -958,10 +959,10 @@ def interrupt_a_unit(tmp_path, monkeypatch, where: str) -> dict:
                     raise PermissionError(f"{piece.path}: injected")
                 yield rec
 
-        monkeypatch.setattr(C, "read_records", failing)
+        monkeypatch.setattr(U, "read_records", failing)
         with pytest.raises(CleanError, match="injected"):
             run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="hurt"))
-        monkeypatch.setattr(C, "read_records", read_records)
+        monkeypatch.setattr(U, "read_records", read_records)
         unit = min(
             p.stem for p in clean.glob("markers/*.json") if json.loads(p.read_text())["failed"]
         )
@@ -1035,7 +1036,7 @@ def test_parts_are_packed_to_part_bytes_and_a_rerun_resumes(tmp_path, caplog):
     same order as the units' own parts. A rerun of the finished run does nothing (it removes
     what an interrupted deletion left); a packed part lost after it cleans its units again and
     gives the same bytes."""
-    from codex.pipeline.clean import clean as C
+    from codex.pipeline.clean import pack as P
 
     make_corpus(tmp_path / "in", 8, 30)
     args = ["data.clean.chunk_bytes=20000", "data.clean.row_group_size=7"]
@@ -1053,8 +1054,8 @@ def test_parts_are_packed_to_part_bytes_and_a_rerun_resumes(tmp_path, caplog):
     assert clean_parts(str(tmp_path / "packed")) == sorted(str(clean / n) for n in packed["shards"])
     # each packed part holds units until they reach part_bytes (the last one: what is left)
     markers = {p.stem: json.loads(p.read_text()) for p in clean.glob("markers/*.json")}
-    groups = C.pack_groups([markers[u] for u in sorted(markers)], target)
-    names = [C.packed_name(f"{a:06d}", f"{b - 1:06d}") for a, b in groups if b - a > 1]
+    groups = P.pack_groups([markers[u] for u in sorted(markers)], target)
+    names = [P.packed_name(f"{a:06d}", f"{b - 1:06d}") for a, b in groups if b - a > 1]
     assert names and set(names) <= set(packed["shards"])
     sizes = [sum(markers[f"{u:06d}"]["part_bytes"] for u in range(a, b)) for a, b in groups]
     assert all(size >= target for size in sizes[:-1]), sizes

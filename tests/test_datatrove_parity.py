@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import filters as F
+from codex.pipeline.clean import spacy_en
 from codex.pipeline.clean import words as W
+from codex.pipeline.clean.make_spacy_en import TABLES_FILE, tables_json
 
 _spec = importlib.util.spec_from_file_location(
     "bench_datatrove_parity",
@@ -40,7 +43,7 @@ def test_words_follow_spacy_rules():
 
 
 def test_words_take_spacys_special_cases_and_url_match():
-    # spaCy's tables (pipeline/clean/spacy_en.py): special cases, whole or as a piece's word,
+    # spaCy's tables (pipeline/clean/spacy_en.json): special cases, whole or as a piece's word,
     # letters and digits only too ("cannot"); its URL match between symbols; + after a digit
     text = "I don't (cannot) go at 10am, GPL-2+ C++ see bar-foo.deb (me@x.org). e.g. :-)"
     assert W.split_words(text) == [
@@ -51,6 +54,12 @@ def test_words_take_spacys_special_cases_and_url_match():
     assert n == 23
     # word_counts corrects a special case of letters and digits counted as one word by this
     assert W.STOP_WORDS.isdisjoint(W._SPLIT_ALNUM) and all(map(W._has_letter, W._SPLIT_ALNUM))
+    # the tables as loaded are what make_spacy_en.py writes to spacy_en.json, byte for byte
+    path = Path(spacy_en.__file__).with_name(TABLES_FILE)
+    text = path.read_text(encoding="utf-8")
+    version = json.loads(text)["spacy_version"]
+    assert tables_json(spacy_en.SPECIAL_CASES, spacy_en.URL_PATTERN, version) == text
+    assert len(spacy_en.SPECIAL_CASES) == 1347 and spacy_en.SPECIAL_CASES["don't"] == ("do", "n't")
 
 
 def test_repetition_blank_lines_are_not_duplicate_lines():

@@ -33,6 +33,8 @@ from fsspec.spec import AbstractFileSystem
 
 from codex.core.config import build_config
 from codex.pipeline.clean import clean as C
+from codex.pipeline.clean import pack, plan
+from codex.pipeline.clean.unit import UnitJob, remove_unit_outputs
 
 PROTOCOL = "drivercost"
 CHUNK = 8_000_000  # data.clean.chunk_bytes's default: one input file a unit
@@ -189,7 +191,7 @@ MARKER = {
 }
 
 
-def done_unit(job: C.UnitJob) -> dict:
+def done_unit(job: UnitJob) -> dict:
     """A unit task whose work was done before: its part and marker appear under their names
     (written into the store directly: a task's requests are not the driver's), and it returns
     the marker, as a real unit does."""
@@ -206,7 +208,7 @@ def done_unit(job: C.UnitJob) -> dict:
 MARKER_JSON = json.dumps(MARKER, indent=2, sort_keys=True) + "\n"
 
 
-def done_pack(job: C.PackJob) -> str:
+def done_pack(job: pack.PackJob) -> str:
     """A packing task whose work was done before: its part appears under its name."""
     CountingFS.add(f"{job.out.split('://', 1)[1]}/{job.name}", PART)
     return job.name
@@ -264,7 +266,7 @@ def _run_in_child(files: int, phase: str) -> dict:
     caches), then the measured run_clean of `files` inputs, fresh or a rerun of finished units."""
     fsspec.register_implementation(PROTOCOL, CountingFS, clobber=True)
     C.clean_unit = done_unit
-    C.pack_group = done_pack
+    pack.pack_group = done_pack
     where_for = C.where_for
     # and no log file a unit: the process that runs a unit writes it (a Ray worker), here this
     # one (workers=1)
@@ -275,10 +277,10 @@ def _run_in_child(files: int, phase: str) -> dict:
     _store(files)
     if phase == "rerun":  # every unit done, as its task left it
         c = _cfg_for(phase).data.clean
-        inputs, _, filters = C._inputs_and_filters(c)
-        out, fingerprint = f"{PROTOCOL}://{phase}/clean", C._fingerprint(c, inputs)
-        for unit in C.plan_units(inputs, c):
-            done_unit(C.UnitJob(unit, c, out, filters, fingerprint))
+        inputs, _, filters = plan.inputs_and_filters(c)
+        out, fingerprint = f"{PROTOCOL}://{phase}/clean", plan.plan_fingerprint(c, inputs)
+        for unit in plan.plan_units(inputs, c):
+            done_unit(UnitJob(unit, c, out, filters, fingerprint))
     return _measure(lambda: C.run_clean(_cfg_for(phase)))
 
 
@@ -311,7 +313,7 @@ def _cost(files: int) -> dict[str, dict]:
     assert got["fresh"]["units_run"] == units >= files and got["rerun"]["units"] == units
     assert got["rerun"]["units_run"] == 0
     # about 135 units a part (100 units are less than one part: a part each)
-    packs = len(C.pack_groups([MARKER] * units, c.part_bytes))
+    packs = len(pack.pack_groups([MARKER] * units, c.part_bytes))
     assert got["fresh"]["parts"] == got["rerun"]["parts"] == packs
     assert packs < units or units * MARKER["part_bytes"] < c.part_bytes
     return {
@@ -369,7 +371,7 @@ def test_removing_a_units_old_outputs_lists_nothing(counting_fs):
         CountingFS.add(f"run{others}/clean/part-000003-001.parquet", PART)
         CountingFS.add(f"run{others}/clean/rejected/part-000003-000-dedup.parquet", PART)
         CountingFS.calls.clear()
-        C._remove_unit_outputs(out, "000003")
+        remove_unit_outputs(out, "000003")
         costs.append(dict(CountingFS.calls))
         left = {p.rsplit("/", 1)[-1] for p in CountingFS.data if "000003" in p}
         assert not left, left
@@ -380,7 +382,7 @@ def test_removing_a_units_old_outputs_lists_nothing(counting_fs):
 def test_a_reruns_marker_reads_overlap(counting_fs, monkeypatch):
     """On a rerun the driver reads every unit's marker: side by side (an object store answers each
     after tens of ms; 125,000 in a row would take an hour), not one after another."""
-    monkeypatch.setattr(C, "pack_group", done_pack)
+    monkeypatch.setattr(pack, "pack_group", done_pack)
     inputs = [f"in/doc-{i:07d}.jsonl" for i in range(200)]
     for path in inputs:
         CountingFS.add(path, CHUNK)
@@ -388,9 +390,11 @@ def test_a_reruns_marker_reads_overlap(counting_fs, monkeypatch):
     cfg.run = f"{PROTOCOL}://run"
     cfg.data.clean.inputs = [f"{PROTOCOL}://in"]
     c = cfg.data.clean
-    files, _, filters = C._inputs_and_filters(c)
-    for unit in C.plan_units(files, c):
-        done_unit(C.UnitJob(unit, c, f"{PROTOCOL}://run/clean", filters, C._fingerprint(c, files)))
+    files, _, filters = plan.inputs_and_filters(c)
+    for unit in plan.plan_units(files, c):
+        done_unit(
+            UnitJob(unit, c, f"{PROTOCOL}://run/clean", filters, plan.plan_fingerprint(c, files))
+        )
     CountingFS.read_s = 0.005
     stats = C.run_clean(cfg)
     assert stats["units_run"] == 0 and stats["units"] >= 200

@@ -82,7 +82,8 @@ def test_a_clean_worker_runs_without_importing_fsspec(tmp_path):
     code = f"""
 import sys
 from codex.core.config import Config
-from codex.pipeline.clean.clean import UnitJob, clean_unit, plan_units
+from codex.pipeline.clean.plan import plan_units
+from codex.pipeline.clean.unit import UnitJob, clean_unit
 from codex.pipeline.readers import InputFile
 c = Config().data.clean
 f = InputFile({str(tmp_path / "in.jsonl")!r}, {(tmp_path / "in.jsonl").stat().st_size}, "jsonl")

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from codex.core.config import build_config
-from codex.pipeline.clean import clean as clean_mod
-from codex.pipeline.clean.clean import plan_units
+from codex.pipeline.clean import plan as clean_plan
+from codex.pipeline.clean.plan import plan_units
 from codex.pipeline.readers import FileReport, InputFile, Piece, read_records
 
 
@@ -115,7 +115,7 @@ def test_plan_cuts_big_files_and_packs_small_ones(tmp_path):
     bounds = [units[2].pieces[0].start] + [u.pieces[0].end for u in units[2:]]
     assert bounds[0] == 0 and bounds[-1] == size and bounds == sorted(set(bounds))
     lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    assert clean_mod.TAIL_CHUNKS == 2 and (size - 40000) in bounds
+    assert clean_plan.TAIL_CHUNKS == 2 and (size - 40000) in bounds
     assert len(lengths) == -(-(size - 40000) // 20000) + 8
     assert all(x <= 20000 for x in lengths) and all(x <= 5000 for x in lengths[-8:])
     assert [u.index for u in units] == list(range(len(units)))

@@ -71,6 +71,16 @@ def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
     )
     assert built.returncode == 0, built.stderr
     assert ("Counter" in built.stdout) == (words.COUNTER is not None), built.stdout
+    # spaCy's tables for the word splitter ship as package data (pipeline/clean/spacy_en.json)
+    tables = run_installed(
+        installed,
+        tmp_path,
+        "-c",
+        "from codex.pipeline.clean import spacy_en as S; print(S.__file__, len(S.SPECIAL_CASES))",
+    )
+    assert tables.returncode == 0, tables.stderr
+    path, cases = tables.stdout.split()
+    assert path.startswith(str(installed)) and int(cases) == len(words.SPECIAL_CASES), tables.stdout
 
     # a user's folder with its own train.py, model.py, eval.py and pipeline.py (a nanoGPT
     # checkout): codex must never import them in place of its packages

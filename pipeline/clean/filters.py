@@ -10,7 +10,8 @@ them from the papers), and written next to each function below.
 
 Which filters run: `FILTERS` in order, each only if `enabled` and named by the preset
 (`PRESETS`): "web" = prose rules, "code" = source-code rules, "all" = every enabled filter.
-Exact dedup is not here: it needs the whole corpus and is done by pipeline/clean/clean.py.
+Exact dedup is not here: it is done within a unit by pipeline/clean/unit.py and across the corpus
+by pipeline/clean/dedup.py.
 
 Words: a document's words and Gopher's counts over them are pipeline/clean/words.py's (one regex
 that copies the main rules of spaCy's tokenizer, which datatrove uses, and spaCy's own tables),

@@ -4,7 +4,7 @@ over them (word_counts), as datatrove finds them with spaCy's English tokenizer,
 Words: datatrove splits English words with spaCy's tokenizer (slow); we use one regex (`_WORD`)
 that copies its main rules: symbols split off words one character at a time ("===" is three
 tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like e.g. and
-contraction suffixes ('s) kept whole; and spaCy's own tables (pipeline/clean/spacy_en.py: its
+contraction suffixes ('s) kept whole; and spaCy's own tables (pipeline/clean/spacy_en.json: its
 special cases: "don't" is do n't; its URL match: foo-bar.deb is one word), see _piece_words. An
 approximation: bench/bench_datatrove_parity.py measures how often the filters' decisions still
 agree with datatrove's.
@@ -127,7 +127,7 @@ else:
 # ----------------------------------------------------------------------------------------------
 # spaCy's tables
 
-# spaCy's own tables (pipeline/clean/spacy_en.py), used as they are: its special cases ("don't"
+# spaCy's own tables (pipeline/clean/spacy_en.json), used as they are: its special cases ("don't"
 # is do n't, "cannot" can not, "10am" 10 am) and its URL match, which it tries on what is left
 # of a piece once the prefix and suffix symbols are off (e-mail addresses and names like
 # foo-bar.deb or howto.html stay one token). See _piece_words.

@@ -75,6 +75,21 @@ def write_parquet(path: str, tokens: np.ndarray) -> tuple[str, int]:
     return fsio.with_retries(attempt, path)
 
 
+def write_shard(
+    out: str, split: str, index: int, tokens: np.ndarray, documents: int, formats: list[str]
+) -> list[dict]:
+    """Shard `index` of `split` in `out`: its file in each format (atomically), and their manifest
+    entries. Every shard file is written here: the stage's write tasks, and `codex eval --data`'s
+    one temporary shard (eval/data.py)."""
+    entries = []
+    for fmt in formats:
+        name = shard_name(split, index, fmt)
+        writer = write_npy if fmt == "npy" else write_parquet
+        sha, _ = writer(fsio.join(out, name), tokens)
+        entries.append(shard_entry(split, name, fmt, len(tokens), documents, sha))
+    return entries
+
+
 # --- write tasks ----------------------------------------------------------------------------------
 
 
@@ -205,14 +220,8 @@ def shard_write_unit(t: _WriteTask) -> dict:
                     continue
             else:
                 a, b = k * w.shard_tokens, min((k + 1) * w.shard_tokens, t.total)
-                tokens = reader.tokens(a, b)
-                documents = reader.documents(a, b)
-                done[k] = []
-                for fmt in w.formats:
-                    name = shard_name(t.split, k, fmt)
-                    writer = write_npy if fmt == "npy" else write_parquet
-                    sha, _ = writer(fsio.join(w.out, name), tokens)
-                    done[k].append(shard_entry(t.split, name, fmt, b - a, documents, sha))
+                tokens, documents = reader.tokens(a, b), reader.documents(a, b)
+                done[k] = write_shard(w.out, t.split, k, tokens, documents, w.formats)
                 written += 1
             _write_marker(
                 _shard_marker(w.markers_dir, t.split, k),

@@ -239,12 +239,20 @@ def run_tokenizer(cfg: Config) -> dict:
             "total": round(time.perf_counter() - t0, 2),
         },
     )
+    _write_tokenizer(stage, tok, text, meta)
+    return meta
+
+
+def _write_tokenizer(stage: Stage, tok: Tokenizer, text: str, meta: dict) -> None:
+    """RUN/tokenizer/: tokenizer.json (text), token_bytes.npy, then tokenizer_meta.json (the
+    stage's commit); logs the result."""
     stage.start()
     fsio.write_text(fsio.join(stage.out, TOKENIZER_FILE), text)
     buf = io.BytesIO()
     np.save(buf, token_bytes_of(tok))
     fsio.write_bytes(fsio.join(stage.out, TOKEN_BYTES_FILE), buf.getvalue())
     stage.commit(meta)
+    comp = meta["compression"]
     log.info(
         "tokenize: vocab %d, %.2f bytes/token on %d %s docs, peak RSS %.0f MB, %.1fs -> %s",
         meta["vocab_size"],
@@ -255,7 +263,6 @@ def run_tokenizer(cfg: Config) -> dict:
         meta["seconds"]["total"],
         stage.out,
     )
-    return meta
 
 
 def _select(files: list[str], t, read: TextReader, where: Where, sizes: list[int]) -> Selection:

@@ -178,7 +178,7 @@ class CleanConfig:
     allow_low_yield: bool = setting(False, "Keep a corpus even under min_yield.")
     docs_per_shard: int = setting(20_000, "Rows per parquet file a unit writes.", ge=1)
     # a unit of chunk_bytes keeps a few MB: parts that small make every later stage run a task
-    # per few MB, so consecutive units' parts are packed (pipeline/clean/clean.py: pack_groups)
+    # per few MB, so consecutive units' parts are packed (pipeline/clean/pack.py: pack_groups)
     part_bytes: int = setting(
         128 << 20,
         "Bytes of a cleaned parquet part: consecutive units' parts are packed into one part of "

@@ -1,0 +1,253 @@
+"""Cleaning one unit, in a worker (this process, a pool process or a Ray task): read its pieces,
+normalise, filter and deduplicate inside the unit, then write its parts, its hash file and, last,
+its marker. A retried unit first removes what an earlier attempt left (remove_unit_outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from codex.core import fsio
+from codex.core.config.data import CleanConfig
+from codex.pipeline.clean import minhash
+from codex.pipeline.clean.dedup import text_hash
+from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
+from codex.pipeline.clean.parts import PartWriter
+from codex.pipeline.clean.plan import Unit
+from codex.pipeline.executor import worker_id
+from codex.pipeline.readers import (
+    BadInputFile,
+    FileReport,
+    InputFile,
+    Piece,
+    Record,
+    read_records,
+)
+
+log = logging.getLogger("codex.clean")
+
+
+@dataclass
+class UnitJob:
+    """What a worker needs to clean one unit (picklable)."""
+
+    unit: Unit
+    c: CleanConfig
+    out: str
+    filters: list[str]
+    fingerprint: str
+
+
+def _numbered(folder: str, prefix: str, suffix: str = ".parquet") -> list[str]:
+    """The files folder/PREFIX-000SUFFIX, -001, ... that exist, probed by exact name up to the
+    first missing one: a PartWriter writes them in order, and they are removed last first
+    (remove_unit_outputs), so what exists is always such a run from 000. One request a file
+    (plus one), never a listing of the folder: that holds every unit's files."""
+    found: list[str] = []
+    while fsio.exists(path := fsio.join(folder, f"{prefix}-{len(found):03d}{suffix}")):
+        found.append(path)
+    return found
+
+
+def remove_unit_outputs(out: str, name: str) -> None:
+    """Delete what an earlier attempt at this unit may have left, by exact names (a few requests
+    whatever the number of units): its marker first (a marker never outlives the files it lists,
+    whenever this is interrupted), then its parts (a stale count) last first, the dedup's
+    rejected rows of each, and its hash file. The temp files of a write that was killed (a Ray
+    retry after the worker died) are swept once per run (finalize.py:
+    sweep_temp_files)."""
+    fsio.rm(fsio.join(out, "markers", f"{name}.json"))
+    rejected = fsio.join(out, "rejected")
+    parts = _numbered(out, f"part-{name}")
+    for k in range(len(parts)):  # the corpus-wide dedup's rows taken out of part k
+        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-dedup.parquet"))
+        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-near.parquet"))  # near_dedup's
+    for path in reversed(_numbered(rejected, f"part-{name}") + parts):
+        fsio.rm(path)
+    fsio.rm(fsio.join(out, "hashes", f"{name}.npy"))
+    for path in minhash.unit_files(out, name):
+        fsio.rm(path)
+
+
+@dataclass
+class _UnitCleaner:
+    """One unit's running state: its part writers, the hashes of kept documents, counters."""
+
+    c: CleanConfig
+    filters: list[str]
+    writer: PartWriter
+    rejected: PartWriter | None
+    near: minhash.UnitSignatures | None = None  # data.clean.near_dedup's rows of kept documents
+    seen: set = dataclasses.field(default_factory=set)
+    # 16-byte hash + 8-byte length each
+    hashes: bytearray = dataclasses.field(default_factory=bytearray)
+    # per input file: [documents in, bytes in, documents kept, bytes kept] (before the corpus-wide
+    # dedup)
+    per_file: dict = dataclasses.field(default_factory=dict)
+    stats: dict = dataclasses.field(
+        default_factory=lambda: {
+            "docs_in": 0,
+            "bytes_in": 0,
+            "docs_kept": 0,
+            "bytes_kept": 0,
+            "drops": {},
+            "drop_bytes": {},  # input bytes per drop reason (what a low yield is made of)
+        }
+    )
+
+    def clean_piece(self, piece: Piece) -> FileReport:
+        """Clean every record of one piece; a file that cannot be read is reported, not raised."""
+        f = piece.file
+        self.filters = active_filters(self.c, f.preset)  # its source's preset, else the run's
+        report = FileReport(f.path)
+        counts = self.per_file.setdefault(f.path, [0, 0, 0, 0])
+        try:
+            for rec in read_records(piece, self.c, report):
+                report.records += 1
+                self.stats["docs_in"] += 1
+                self.stats["bytes_in"] += rec.nbytes
+                counts[0] += 1
+                counts[1] += rec.nbytes
+                self._clean_record(rec, f, report)
+        # ValueError: pyarrow decode errors
+        except (
+            BadInputFile,
+            OSError,
+            EOFError,
+            ValueError,
+        ) as e:
+            if fsio.is_transient(e):  # the unit is run again (executor.py), not the file failed
+                raise
+            report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
+            if f.path not in report.error:
+                report.error = f"{f.path}: {report.error}"
+            log.error("clean: file failed, continuing with the others: %s", report.error)
+        return report
+
+    def _clean_record(self, rec: Record, f: InputFile, report: FileReport) -> None:
+        source = f.path
+        # the file is this one record (no delimiter, or none matched)
+        whole = f.kind != "parquet" and rec.nbytes >= f.size
+        if rec.text is None:
+            self._drop("length:too_long", rec, "", source)
+            if whole:
+                report.dropped_whole = "length:too_long"
+            return
+        text, nuls = normalize(rec.text)
+        report.nul_chars += nuls
+        doc = Doc(text)
+        reason = apply_filters(doc, self.c, self.filters)
+        if reason is not None:
+            self._drop(reason, rec, doc.text, source)
+            if whole and reason == "length:too_long":
+                report.dropped_whole = reason  # a whole file, likely a corpus in one document
+            return
+        data = doc.text.encode("utf-8")
+        if "dedup" in self.filters:
+            h = text_hash(data)
+            if h in self.seen:
+                self._drop("dedup:duplicate", rec, doc.text, source)
+                return
+            self.seen.add(h)
+            self.hashes += h + len(data).to_bytes(8, "little")
+            if self.near is not None:
+                url = rec.meta.get(self.c.near_dedup.url_field) if rec.meta else None
+                self.near.add(doc.text, h, len(data), url)
+        self.writer.add(doc.text, rec.id, source, *self._meta(rec))
+        self.stats["docs_kept"] += 1
+        self.stats["bytes_kept"] += len(data)
+        counts = self.per_file[source]
+        counts[2] += 1
+        counts[3] += len(data)
+
+    def _meta(self, rec: Record) -> list[str | None]:
+        """The record's data.clean.metadata values, in that order (None: it has none)."""
+        meta = rec.meta or {}
+        return [meta.get(k) for k in self.c.metadata]
+
+    def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
+        self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
+        self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
+        if self.rejected is not None:
+            self.rejected.add(text, rec.id, source, *self._meta(rec), reason)
+
+
+def _write_hashes(out: str, name: str, rows: bytearray) -> None:
+    """hashes/NAME.npy: the unit's kept documents' rows (16-byte hash + 8-byte length), sorted
+    by hash (the dedup's combine merges sorted files)."""
+    hashes = np.frombuffer(bytes(rows), dtype=np.uint64).reshape(-1, 3)
+    hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]
+    with fsio.atomic_open(fsio.join(out, "hashes", f"{name}.npy"), "wb") as fh:
+        np.save(fh, hashes)
+
+
+def clean_unit(job: UnitJob) -> dict:
+    """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
+    unit, c, out = job.unit, job.c, job.out
+    started = time.time()
+    remove_unit_outputs(out, unit.name)
+    meta = tuple(c.metadata)
+    writer = PartWriter(
+        out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size, meta_columns=meta
+    )
+    rejected = (
+        PartWriter(
+            fsio.join(out, "rejected"),
+            f"part-{unit.name}",
+            c.docs_per_shard,
+            c.row_group_size,
+            with_reason=True,
+            meta_columns=meta,
+        )
+        if c.keep_rejected
+        else None
+    )
+    state = _UnitCleaner(c, job.filters, writer, rejected)
+    if c.near_dedup.enabled:
+        state.near = minhash.UnitSignatures(c.near_dedup)
+    reports: list[dict] = []
+    try:
+        for piece in unit.pieces:
+            report = state.clean_piece(piece)
+            if report.bad():
+                reports.append(dataclasses.asdict(report))
+                # empty files are common (__init__.py): summarised at the end instead
+                if not report.error:
+                    (log.debug if report.empty else log.warning)(
+                        "clean: bad input in %s: %s", piece.path, report.describe()
+                    )
+        parts = writer.close()
+        if rejected is not None:
+            rejected.close()
+    except BaseException:
+        writer.abort()
+        if rejected is not None:
+            rejected.abort()
+        raise
+    if "dedup" in job.filters:
+        _write_hashes(out, unit.name, state.hashes)
+    near = state.near.write(out, unit.name) if state.near is not None else None
+    marker = {
+        "unit": unit.name,
+        "fingerprint": job.fingerprint,
+        "pieces": [[p.path, p.start, p.end] for p in unit.pieces],
+        "shards": parts,
+        "part_bytes": writer.bytes,  # its parts' size on disk: what pack_groups packs by
+        "failed": [r["path"] for r in reports if r["error"]],
+        "bad_files": reports,
+        "per_file": state.per_file,
+        **({"near_dedup": near} if near is not None else {}),  # minhash/UNIT.npy's rows
+        # who ran it and when: for the log and tests, never part of the output
+        "worker": worker_id(),
+        "started": started,
+        "finished": time.time(),
+        **state.stats,
+    }
+    # last: the unit is done
+    fsio.write_json(fsio.join(out, "markers", f"{unit.name}.json"), marker)
+    return marker
