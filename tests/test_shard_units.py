@@ -18,7 +18,7 @@ import pytest
 from codex.core import fsio
 from codex.core.config import Config
 from codex.pipeline import executor, readers
-from codex.pipeline.executor import Where
+from codex.pipeline.executor import Where, policy
 from codex.pipeline.shard import corpus as corpus_mod
 from codex.pipeline.shard import encode as encode_mod
 from codex.pipeline.shard import manifest as manifest_mod
@@ -365,7 +365,7 @@ def test_local_workers_share_the_cores():
 
 def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
     per = 1000
-    monkeypatch.setattr(executor, "cores", lambda: 4)
+    monkeypatch.setattr(policy, "cores", lambda: 4)
     sizes = (0, per - 1, 2 * per, 3 * per + 1, 100 * per)
     assert [executor.auto_workers(n, per) for n in sizes] == [1, 1, 2, 3, 4]
 
@@ -390,7 +390,7 @@ def test_the_default_workers_run_a_small_corpus_here_and_a_big_one_on_every_core
     assert "--workers 0: 1 worker(s) for" in caplog.text
     caplog.clear()
     monkeypatch.setattr(shard_mod, "AUTO_BYTES_PER_WORKER", 1)  # the same corpus made "big"
-    monkeypatch.setattr(executor, "cores", lambda: 2)
+    monkeypatch.setattr(policy, "cores", lambda: 2)
     with caplog.at_level(logging.INFO):
         big = run_shard(make_cfg(run, out=str(tmp_path / "big")))
     assert "--workers 0: 2 worker(s) for" in caplog.text

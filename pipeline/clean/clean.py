@@ -12,7 +12,7 @@
                         then each group of units rewrites its parts without the later copies
                     --> config.yaml, stats.json (last)
 
-Units of work: a unit is processed by one worker start to finish (pipeline/executor.py: this
+Units of work: a unit is processed by one worker start to finish (pipeline/executor/: this
 process, --workers processes, or Ray tasks) and writes its own parts, so any executor gives
 byte-identical output, and a killed run redoes only the units without a marker. The plan depends
 only on the inputs and settings (not on --workers or the executor). A job array (num_tasks) is
@@ -143,7 +143,7 @@ def _split_file(f: InputFile, bounds: list[int], groups: list[tuple[int, int]]) 
 METADATA_THREADS = 64
 
 
-# Units start in their list's order (executor.py: _run_pool, _run_ray), so the small ones go last:
+# Units start in their list's order (executor/: run_pool, run_ray), so the small ones go last:
 # the corpus's last TAIL_CHUNKS x chunk_bytes go in units 1/TAIL_SPLIT that size, and the workers
 # run out of work together instead of one finishing a big unit while the others idle.
 TAIL_CHUNKS = 2
@@ -308,7 +308,7 @@ class _UnitCleaner:
             EOFError,
             ValueError,
         ) as e:
-            if fsio.is_transient(e):  # the unit is run again (executor.py), not the file failed
+            if fsio.is_transient(e):  # the unit is run again (executor/), not the file failed
                 raise
             report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
             if f.path not in report.error:
