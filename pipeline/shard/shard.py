@@ -296,7 +296,7 @@ def run_shard(cfg: Config) -> dict:
             s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint
         )
         shards = write_phase(units, markers, w, previous, where)
-    forget_row_group()  # this process's last row group (readers.py), up to 64 MB
+    forget_row_group()  # this process's last row group (readers/parquet.py), up to 64 MB
     docs = {sp: sum(m["documents"][sp] for m in markers) for sp in SPLITS}
     manifest = build_manifest(shards, settings, meta, dtype, s, docs)
     remove_temp_files(out)  # a write task retried after its worker died may have left one
