@@ -1,5 +1,5 @@
 """Which files a stage reads: input discovery (paths, globs, directories, local or gs://) and the
-cleaned corpus's file list. Nothing here opens a document; pipeline/readers.py does.
+cleaned corpus's file list. Nothing here opens a document; pipeline/readers/ does.
 
     list_inputs(inputs, text_extensions)  `codex data clean` and `codex eval --data`
     clean_inputs(clean_cfg)               `codex data clean`: inputs and sources (each file with

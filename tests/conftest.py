@@ -142,7 +142,7 @@ def _nodes_alive(address: str, nodes: int, timeout: float = 120.0) -> None:
 
 # The second node's first Python worker takes 5 s more to start, as on a cold machine (CI): a
 # driver that gave the cluster its units before every node had a worker would run short units all
-# on the head (executor._a_worker_on_every_node).
+# on the head (pipeline/executor/ray_cluster.py: _a_worker_on_every_node).
 _COLD_FIRST_WORKER = """import os, sys, time
 flag = os.path.join(os.path.dirname(__file__), "started")
 worker = any(a.endswith("default_worker.py") for a in getattr(sys, "argv", []))
@@ -295,9 +295,9 @@ def _ray_attached() -> bool:
 @pytest.fixture(autouse=True)
 def _no_ray_driver_left_attached():
     """No Ray runtime stays attached to the test process after a test: a stage detaches the
-    driver it attached (executor.detach_ray). An attached driver ties the whole test process to
-    its cluster: when the cluster's processes end, Ray's core worker ends this process, status 1
-    and no word, a minute later."""
+    driver it attached (pipeline/executor/ray_cluster.py: detach_ray). An attached driver ties the
+    whole test process to its cluster: when the cluster's processes end, Ray's core worker ends
+    this process, status 1 and no word, a minute later."""
     yield
     if _ray_attached():
         import ray

@@ -1,4 +1,4 @@
-"""pipeline/executor.py, local processes: --workers N runs units in this process and N-1 pool
+"""pipeline/executor/, local processes: --workers N runs units in this process and N-1 pool
 processes; every process takes the next unit from the front of the list (units start in order)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 
 from codex.pipeline import executor
 from codex.pipeline.executor import Where, run_units, stage_pool
+from codex.pipeline.executor.policy import in_flight_limit, machine_memory
 
 
 def who(unit: int) -> tuple[int, int]:
@@ -280,7 +281,7 @@ def test_the_memory_reservation_caps_the_local_processes(caplog):
     cfg = Config()
     assert executor.where_for(cfg.data, 4).workers == 4
     # a unit reserving 60% of the machine: one process fits
-    cfg.data.task.memory_gb = 0.6 * executor.machine_memory() / 1e9
+    cfg.data.task.memory_gb = 0.6 * machine_memory() / 1e9
     with caplog.at_level("WARNING", logger="codex.executor"):
         where = executor.where_for(cfg.data, 4)
     assert where.workers == 1
@@ -327,7 +328,7 @@ def test_a_units_log_file_on_gcs_is_written_when_it_ends(gcs_bucket):
 def test_the_ray_in_flight_limit_queues_demand_beyond_the_cpus():
     """A 0-CPU head with workers scaling from zero still gets `pending` units to show the
     autoscaler; a big cluster keeps each CPU busy and one unit queued for each."""
-    assert executor.in_flight_limit(0, 16) == 16
-    assert executor.in_flight_limit(4, 16) == 20
-    assert executor.in_flight_limit(500, 16) == 1000
-    assert executor.in_flight_limit(0, 0) == 1  # never none
+    assert in_flight_limit(0, 16) == 16
+    assert in_flight_limit(4, 16) == 20
+    assert in_flight_limit(500, 16) == 1000
+    assert in_flight_limit(0, 0) == 1  # never none

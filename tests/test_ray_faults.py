@@ -104,14 +104,14 @@ def test_nothing_at_the_ray_address_exits_2_at_once_naming_it(tmp_path, how):
 
 
 def test_rays_own_stderr_lines_go_to_the_log_file_the_rest_through_unchanged(capfd, caplog):
-    """While the driver is attached, fd 2 goes through executor._RayLinesToLogFile: Ray's C++ lines
+    """While the driver is attached, fd 2 goes through logs.RayLinesToLogFile: Ray's C++ lines
     (its core worker writes its errors to stderr) are filed in the log, whole even when written in
     pieces or after a progress bar's line; every other byte reaches stderr as written."""
-    from codex.pipeline import executor
+    from codex.pipeline.executor import logs
 
     ray_line = b"[2026-11-27 17:57:05,433 E 24641 24661] task_manager.cc:1545: Failed to push"
     with caplog.at_level(logging.INFO, logger="codex.executor"):
-        lines = executor._RayLinesToLogFile()
+        lines = logs.RayLinesToLogFile()
         try:
             os.write(2, b"12:00:00 INFO codex: a line\n")
             os.write(2, b"\r\x1b[2Kclean:  10% 1/10 units" + ray_line + b"\n")

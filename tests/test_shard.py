@@ -19,8 +19,8 @@ import pytest
 
 from codex.core import fsio
 from codex.core.config import Config
-from codex.pipeline import readers
 from codex.pipeline.encode import split_long_text
+from codex.pipeline.readers import parquet as parquet_mod
 from codex.pipeline.shard import encode as encode_mod
 from codex.pipeline.shard import write as write_mod
 from codex.pipeline.shard.shard import run_shard
@@ -292,7 +292,7 @@ def test_same_shards_for_any_workers_and_the_reference_layout(
     run = make_run(tmp_path, corpus, tokenizer_files, files=5)
     S = 700
     one = run_shard(make_cfg(run, out=str(tmp_path / "w1"), shard_tokens=S))
-    assert readers._last_group == []  # the stage's reads keep no row group after it
+    assert parquet_mod._last_group == []  # the stage's reads keep no row group after it
     monkeypatch.setattr(write_mod, "WRITE_TASK_TOKENS", 3 * S)  # several write tasks
     tasks: list[int] = []  # shards per write task
     run_units = write_mod.run_units

@@ -17,8 +17,9 @@ import pytest
 
 from codex.core import fsio
 from codex.core.config import Config
-from codex.pipeline import executor, readers
-from codex.pipeline.executor import Where
+from codex.pipeline import executor
+from codex.pipeline.executor import Where, policy
+from codex.pipeline.readers import parquet as parquet_mod
 from codex.pipeline.shard import corpus as corpus_mod
 from codex.pipeline.shard import encode as encode_mod
 from codex.pipeline.shard import manifest as manifest_mod
@@ -76,7 +77,7 @@ def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch, cached):
     """Decoded whole and kept (groups up to ROW_GROUP_CACHE_BYTES) or streamed: only the row groups
     that hold the range are read, and exactly its rows come out."""
     if not cached:
-        monkeypatch.setattr(readers, "ROW_GROUP_CACHE_BYTES", 0)
+        monkeypatch.setattr(parquet_mod, "ROW_GROUP_CACHE_BYTES", 0)
     texts = texts_of(100)
     path = tmp_path / "part.parquet"
     write_part(path, texts)  # row groups of 30, 30, 30, 10 rows
@@ -96,7 +97,7 @@ def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch, cached):
         (0, 1, [0]),
         (99, 100, [3]),
     ]:
-        readers._last_group.clear()
+        parquet_mod._last_group.clear()
         decoded.clear()
         got = [t for batch in read_text_rows(str(path), a, b) for t in batch]
         assert got == texts[a:b], (a, b)
@@ -104,7 +105,7 @@ def test_a_row_range_reads_exactly_its_rows(tmp_path, monkeypatch, cached):
         assert all(len(batch) <= 7 for batch in read_text_rows(str(path), a, b))
     decoded.clear()
     assert list(read_text_rows(str(path), 40, 40)) == [] and decoded == []
-    assert bool(readers._last_group) == cached
+    assert bool(parquet_mod._last_group) == cached
 
 
 def test_consecutive_ranges_decode_a_row_group_once(tmp_path, monkeypatch):
@@ -114,7 +115,7 @@ def test_consecutive_ranges_decode_a_row_group_once(tmp_path, monkeypatch):
     path = tmp_path / "part.parquet"
     write_part(path, texts)
     decoded = spy_on_decoding(monkeypatch)
-    readers._last_group.clear()
+    parquet_mod._last_group.clear()
     got = []
     for a in range(0, 100, 8):
         got += [t for batch in read_text_rows(str(path), a, min(a + 8, 100)) for t in batch]
@@ -365,7 +366,7 @@ def test_local_workers_share_the_cores():
 
 def test_workers_0_is_one_per_core_as_the_input_allows(monkeypatch):
     per = 1000
-    monkeypatch.setattr(executor, "cores", lambda: 4)
+    monkeypatch.setattr(policy, "cores", lambda: 4)
     sizes = (0, per - 1, 2 * per, 3 * per + 1, 100 * per)
     assert [executor.auto_workers(n, per) for n in sizes] == [1, 1, 2, 3, 4]
 
@@ -390,7 +391,7 @@ def test_the_default_workers_run_a_small_corpus_here_and_a_big_one_on_every_core
     assert "--workers 0: 1 worker(s) for" in caplog.text
     caplog.clear()
     monkeypatch.setattr(shard_mod, "AUTO_BYTES_PER_WORKER", 1)  # the same corpus made "big"
-    monkeypatch.setattr(executor, "cores", lambda: 2)
+    monkeypatch.setattr(policy, "cores", lambda: 2)
     with caplog.at_level(logging.INFO):
         big = run_shard(make_cfg(run, out=str(tmp_path / "big")))
     assert "--workers 0: 2 worker(s) for" in caplog.text

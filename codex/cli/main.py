@@ -75,7 +75,7 @@ def data():
 
 
 def executor_options(fn):
-    """--executor and --ray-address: where a data stage's units run (pipeline/executor.py)."""
+    """--executor and --ray-address: where a data stage's units run (pipeline/executor/)."""
     fn = key_option("--ray-address", key="data.ray_address", metavar="ADDR")(fn)
     return key_option("--executor", key="data.executor")(fn)
 

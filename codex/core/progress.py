@@ -55,7 +55,7 @@ FILE_LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 # gcsfs logs the errors it handles itself (a 501 it retries, a copy fallback) with their tracebacks,
 # on runs that then succeed; an error it does not handle reaches codex as an exception and is
 # reported as one line. Ray's driver warnings (resources, deprecations) are not the user's concern
-# (pipeline/executor.py ran Ray's logger at ERROR before it went to the file).
+# (pipeline/executor/ray_cluster.py ran Ray's logger at ERROR before it went to the file).
 TERMINAL_LEVELS = {"gcsfs": logging.CRITICAL, "ray": logging.ERROR}
 
 # Libraries that print on a stderr handler of their own (and transformers and ray do not pass
@@ -253,8 +253,8 @@ def adopt_library_loggers() -> None:
     huggingface_hub, evaluate, ray) through codex's handlers, and add the log file to those
     whose lines never reach the root logger (wandb). A library configures its logger when it is
     imported, so this runs again after such an import (eval/tasks.py, train/metrics.py,
-    pipeline/executor.py): it does nothing twice. Nothing happens unless codex installed a handler
-    (a program that imports codex keeps its own logging)."""
+    pipeline/executor/ray_cluster.py): it does nothing twice. Nothing happens unless codex
+    installed a handler (a program that imports codex keeps its own logging)."""
     if _terminal is None and _file is None:
         return
     for name, env in _OWN_HANDLERS.items():

@@ -1,7 +1,7 @@
 """`codex data clean`: raw text -> normalised, filtered, exactly deduplicated parquet parts.
 
 This module is the stage from top to bottom (run_clean): plan the units (plan.py), clean those not
-done yet (unit.py: one a worker, through pipeline/executor.py), then, once every unit is, the
+done yet (unit.py: one a worker, through pipeline/executor/), then, once every unit is, the
 corpus-wide dedup, stats.json and packing (finalize.py, pack.py). Bad input is counted per file and
 never stops the run; a file that cannot be used fails the run at the end, after the rest is
 cleaned. The flow, the resume and the job array are in docs/stages.md ("clean").

@@ -1,39 +1,10 @@
 """MinHash signatures and normalised URLs of documents, as datatrove computes them, and what a clean
 unit writes for the corpus-wide near-dedup (pipeline/clean/near_dedup.py).
 
-Signature (datatrove.pipeline.dedup.minhash, MinhashConfig defaults: 5-grams, 14 buckets x 8
-hashes, seed 1, 64-bit hashes):
-
-    text --simplify--> lowercase, digit runs -> "0", punctuation -> " ", white space runs -> " ",
-                       diacritics dropped (NFD, no Mn)       (datatrove.utils.text.simplify_text)
-         --words-----> spaCy's English tokenizer rules        (pipeline/clean/words.py)
-         --shingles--> every run of n_grams words, joined by " ", hashed: the first 8 bytes of its
-                       SHA-1, little-endian (datatrove's HashConfig(hash_fc="sha1"); its default is
-                       xxhash, which codex does not depend on)
-         --minhash---> min over shingles of (shingle * a + b) mod (2^61 - 1) in uint64 arithmetic
-                       (its wrap-around included), for num_buckets x hashes_per_bucket (a, b) drawn
-                       from numpy's RandomState(seed) as datatrove draws them
-    A document with fewer than n_grams words has no signature and is never a near-duplicate.
-
-Two documents are a pair when every hash of one bucket (band) is equal. A unit stores each band as
-two uint64 (`band_keys`): a 64-bit BLAKE2b digest of its hashes (uniform: the near-dedup partitions
-by its top bits) and the band's first MinHash value, by which datatrove orders a band's signatures
-and so its pairs (pipeline/clean/near_dedup.py replays that order). Equal keys are equal bands: a
-false match needs a 64-bit digest collision of two bands whose first values are also equal. A row
-is 40 bytes whatever hashes_per_bucket is.
-
-URL (`normalize_url`): surrounding white space removed; scheme and host lowercased; the default port
-(:80 for http, :443 for https) and the fragment (#...) dropped; an empty path is "/", and one
-trailing "/" is dropped from any other path ("/a/" is "/a"); the query is kept as it is. http and
-https stay different URLs.
-
-A unit's file, minhash/UNIT.npy, holds uint64 rows of 5 columns (key_a, key_b, doc << 32 | bytes,
-text_hash_a, text_hash_b): first every signed document's row for band 0, then band 1, ..., then one
-row per document with a URL, in the order kept. The key is band_keys' two, or the URL's 128-bit
-hash. doc is the document's position among the unit's kept documents, bytes its UTF-8 length,
-text_hash its exact-dedup hash.
-minhash/UNIT-index.npy gives each block's first and end row (num_buckets + 1 rows of 2), so the
-near-dedup's combine reads one block of a unit at a time.
+signature: datatrove's MinHash (by default 5-grams, 14 bands of 8 hashes) over the simplified
+text's words; band_keys: a band as two uint64 (a digest and its first value); normalize_url: the
+URL that URL dedup compares; UnitSignatures: a unit's rows in minhash/UNIT.npy and its block
+index. Each step and the file's columns: docs/stages.md (clean's near-dedup).
 """
 
 from __future__ import annotations

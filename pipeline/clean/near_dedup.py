@@ -1,51 +1,11 @@
 """URL dedup and MinHash near-dedup across the whole corpus (`data.clean.near_dedup`): the step of
 `codex data clean` after the exact dedup (pipeline/clean/dedup.py), a shuffle of the rows every unit
-wrote to minhash/UNIT.npy (pipeline/clean/minhash.py).
+wrote to minhash/UNIT.npy (pipeline/clean/minhash.py) in five kinds of task: combine, url reduce,
+band reduce, cluster, rewrite.
 
-    combine       one task per group of consecutive units (at most ceil(sqrt(units)), fewer where
-                  a block would pass partition_bytes): the group's files in one, each block sorted
-                  by key, with a row index -> near/group-GGGGGG.npy
-    url reduce    one task per hash range of URL keys: of the documents with one normalised URL,
-                  the longest is kept (ties: the first in corpus order) -> near/url-PPPP.npy
-    band reduce   one task per (band, hash range): rows of the URL losers left out, documents with
-                  an equal band are pairs, each linked to the band's first document in corpus order
-                  -> near/pairs-BB-PPPP.npy
-    cluster       one task: datatrove's MinhashDedupCluster over every pair, in datatrove's order
-                  (`roots`): the root of each component is kept, the rest dropped
-                  -> near/remove.npy, sorted by unit
-    rewrite       one task per group of units: each part holding a dropped document is rewritten
-                  without it (matched by its text hash, as the exact dedup does)
-
-Every task runs through the executor's run_units, so the local and Ray runs give the same bytes:
-each decision is taken on sorted arrays, never in the order tasks finish.
-
-Which document of a component is kept is datatrove's rule, so that both drop the same documents.
-datatrove's bucket stage sorts a band's signatures by their hashes, and a signature's documents by
-position, and writes each one with the one before it as a pair. Its cluster stage reads the bands
-in order and unions each pair: union by size, the pair's first document's set winning a tie. It
-keeps each set's root. Its pairs are replayed here in that order, a band's signatures sorted by
-their first hash, then by digest where datatrove compares the next hashes. That tie is the one
-place the orders can differ; removing it would need all of a band's hashes in each row (88 bytes,
-not 40). Linking each document to its signature's first document, not to the one before, gives
-the same unions. Of two documents, the first is kept. In a bigger cluster the root depends on the
-order of its pairs, not on position: deterministic, but not the first document.
-
-The exact dedup already dropped later copies of a text; here a document that is a later exact copy
-of an earlier one (same text hash) is left to it and not counted again. A root is never such a
-copy of a document in the graph: the two share every band and the earlier one comes first in each.
-Where a root is a later copy of a URL loser, the component keeps its first document that the exact
-dedup keeps. URL dedup runs first and its losers are not part of the MinHash graph, so a
-near-duplicate is never dropped in favour of a URL loser. A URL loser whose text is also a later
-copy under another URL is counted under both reasons in stats.json (the output holds neither).
-
-Memory: a combine holds one block of its group (48 bytes a row, partition_bytes at most); a reduce
-task its rows (partition_bytes at most, for up to GROUP_BINS partitions a band) plus the URL
-losers; the cluster task the pairs and URL losers, and two dict entries per node of a component
-of more than two.
-Fan-in: a combine reads its units' files (ceil(sqrt(units)) at most, 16 reads in flight), a reduce
-task two byte ranges of each group's file (about sqrt(units) groups), the cluster task one file
-per band and partition. Every write is atomic; a rerun redoes the whole near-dedup and gets the
-same result.
+Every task runs through the executor's run_units and decides on sorted arrays, so the local and Ray
+runs give the same bytes. Which document of a component is kept is datatrove's rule. The tasks, the
+rule, memory and fan-in: docs/stages.md (clean's near-dedup).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def read_text_batches(files: list[str]):
 
 
 def read_text_rows(path: str, start: int, stop: int) -> Iterator[list[str]]:
-    """Lists of the texts of rows [start, stop) of one cleaned part, in order (readers.py:
+    """Lists of the texts of rows [start, stop) of one cleaned part, in order (readers/parquet.py:
     parquet_text_rows reads only the row groups that hold them). A null text or an unreadable
     file is a ShardDataError naming it (and the row)."""
     yield from _checked(path, parquet_text_rows(path, start, stop, batch_rows=READ_ROWS), start)

@@ -1,55 +1,12 @@
 """`codex data shard`: the cleaned corpus -> fixed-size token shards + manifest.json (the commit
 marker).
 
-    RUN/clean/part-*.parquet (sorted, rows in order: the corpus order)
-      --> split per document: blake2b(text) < val_fraction -> val, else train (pinned, never leaks)
-      --> each document = <|bos|> + tokens (+ <|eos|>); documents longer than chunk_chars are cut
-          at line/space boundaries first (BPE on one huge string is quadratic)
-      --> per split, the corpus's token stream cut into shards of exactly shard_tokens (the last
-          may be short): train_00000.npy, ..., val_00000.npy (+ .parquet with --format
-          parquet|both)
-      --> manifest.json last
-
 This module is the stage: its settings and checks (the tokenizer, an output made with other
-settings, a finished output whose shards all still match), its three phases, and the manifest.
-Each phase runs its units through pipeline/executor.py (this process, --workers processes sharing
-one pool for the whole stage, or one Ray task each); this process plans, adds up and writes the
-manifest:
-
-    scan     (scan.py) a unit counts one part's documents per split (or a row range's), so an
-             empty corpus or an empty val split fails in seconds, before any encoding
-    encode   (encode.py) a unit is rows [start, stop) of one part (the parts cut into ranges of
-             about equal bytes when they are fewer than the workers can take), encoded into its
-             folder of .units/: per split its token stream and tokens per document, then its marker
-    write    (write.py) a task writes consecutive shards of a split, reading only the slices of
-             the units' token files they cover, each shard's files, then its marker
-
-The documents are read, and each one's split decided, in corpus.py; the stage's errors are in
-errors.py.
-
-Determinism: the shards depend only on the clean files, the tokenizer and the shard settings,
-never on --workers, the executor, where the parts were cut or the order in which units finish
-(each split's stream is the units' streams in corpus order, and a document is encoded alone,
-whatever batch it is in). Threads: with --workers 1 (or one unit left) the units are encoded here on
-the encoder's own threads (every core); N local processes share the cores (cores // N threads
-each, tiktoken's included: pipeline/encode.py: _threads), a Ray task has one.
-
-Resume: an encode unit first removes what an earlier attempt of it left (its folder of .units/),
-so a task Ray retries after its worker died leaves no partial file; temp files of shard writes are
-swept before the manifest is written. A rerun skips the units whose marker matches the settings,
-part and rows (a rerun with other --workers may cut the parts elsewhere: a range it does not find
-is encoded again) and the shards whose marker's sha256 still matches the file. Once the manifest
-is written, .units/ is removed; a rerun then re-checks every shard's sha256 and does nothing when
-all match, else encodes the corpus again and rewrites only the shards that do not match. An output
-folder made with other settings is refused.
-
-Memory: an encode task holds one batch (~BATCH_CHARS of text and its tokens) and its unit's
-document lengths, a write task one shard (shard_tokens x 2 or 4 bytes). Disk: until the manifest is
-written, .units/ holds a second copy of the corpus's tokens.
-
-Elsewhere: the encoding (pipeline/encode.py), the folder's file names, manifest and settings file
-(pipeline/shard/manifest.py), the checks of `codex data verify` (pipeline/shard/verify.py), when
-the stage may skip or overwrite (pipeline/stage.py), where units run (pipeline/executor.py).
+settings, a finished output whose shards all still match), its three phases (scan.py, encode.py,
+write.py, each run through pipeline/executor/), and the manifest. The documents and their splits
+are read in corpus.py; the stage's errors are in errors.py. The shards depend only on the clean
+files, the tokenizer and the shard settings. The phases, determinism, resume, memory:
+docs/stages.md (shard).
 """
 
 from __future__ import annotations
@@ -296,7 +253,7 @@ def run_shard(cfg: Config) -> dict:
             s.shard_tokens, dtype, formats, out, fsio.join(units_dir, SHARD_MARKERS), fingerprint
         )
         shards = write_phase(units, markers, w, previous, where)
-    forget_row_group()  # this process's last row group (readers.py), up to 64 MB
+    forget_row_group()  # this process's last row group (readers/parquet.py), up to 64 MB
     docs = {sp: sum(m["documents"][sp] for m in markers) for sp in SPLITS}
     manifest = build_manifest(shards, settings, meta, dtype, s, docs)
     remove_temp_files(out)  # a write task retried after its worker died may have left one

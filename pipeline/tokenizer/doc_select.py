@@ -1,43 +1,12 @@
 """Which documents train the tokenizer, chosen by tasks so that the driver holds a budget's worth.
 
-    pass 1, the tasks    scan_file: hash every document of a file; return its smallest keys up to
-                         the character budget that lie below the hash threshold `below`, its
-                         largest keys at or above `above` (held-out candidates), and counters
-    pass 1, the driver   select_documents: a first round scans SAMPLE_FILES files whole (spread
-                         over the list) to estimate the corpus' documents and characters from the
-                         files' sizes; the other files are scanned with thresholds set so that
-                         about MARGIN budgets' worth of keys come back; _Merge merges as results
-                         arrive and says whether a threshold cut the selection short (a round
-                         with wider thresholds then scans every file again)
-    pass 2, the tasks    read_texts: a file's selected texts; the driver streams them into the BPE
-                         trainer as tasks finish (iter_selected)
+    pass 1, the tasks    scan_file: a file's smallest keys under the budget below a hash threshold
+    pass 1, the driver   select_documents: a sample round sets the thresholds; _Merge merges
+    pass 2, the tasks    read_texts: a file's selected texts, streamed into the BPE trainer
 
-Units (ScanUnit, TextUnit: the file's index in the sorted file list, its path, the settings) run
-wherever data.executor and data.tokenizer.workers put them (pipeline/executor.py). A scan unit
-holds at most a budget's worth of its documents' keys plus its `heldout_docs` candidates. The
-driver receives about MARGIN x the budget's documents + MIN_KEYS keys from the thresholded files,
-plus the sample files' kept keys, never one key per document of the corpus; it holds one budget's
-worth while merging. The BPE training runs in the driver, on the selected texts only.
-
-Why sample by hash: which documents are used depends only on their text, never on how many shard
-files exist or in what order they are listed, so the same documents always give the same
-tokenizer.json byte for byte. Documents are ordered by (hash, file index, row), a total order, so
-even which copy of a duplicated document is picked does not depend on the order units finish in.
-The BPE trainers' result depends only on the multiset of pre-token counts (merge ties are broken by
-token ids), so texts are fed in the order their tasks finish.
-
-Why the merge is exact: the selection is the longest prefix, in that order, of the corpus'
-documents whose characters fit in the budget. A unit's kept set is the same prefix of its own
-documents below its threshold, so it holds every document of the file below the threshold that
-the corpus' prefix holds; the first document a unit could not keep (its ceiling) does not fit the
-corpus' prefix either, so nothing at or after it does. Let E be the smallest of the units'
-ceilings and thresholds: every document of the corpus below E reached the driver. Their budget
-prefix is the corpus' prefix when it stops before E (a document below E did not fit), or when E is
-a ceiling; when E is a threshold and everything below it fit, documents above E might fit too, and
-the thresholds were too tight. Held out are the `n` largest keys: each unit sends its largest at
-or above its threshold `above`, and the `n` largest of those are the corpus' when the n-th is at
-or above every unit's threshold. Thresholds only decide how much is sent, so the selection is the
-same as a scan without them: the same documents, whatever the estimate was.
+Units run wherever data.executor and data.tokenizer.workers put them (pipeline/executor/). The
+selection depends only on the documents' text, so the same documents always give the same
+tokenizer.json. Each step, and why the merge is exact: docs/stages.md (tokenize).
 """
 
 from __future__ import annotations

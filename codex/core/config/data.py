@@ -281,7 +281,7 @@ class ShardConfig:
 @dataclass
 class TaskConfig:
     """What every unit of work of clean, the tokenizer's scan and shard gets, on either executor
-    (pipeline/executor.py)."""
+    (pipeline/executor/)."""
 
     memory_gb: float = setting(
         0.0,
