@@ -1,6 +1,7 @@
 """Bytes alive during CPU training steps, counted while the step runs, in a layout (fsdp: FSDP2
 over gloo; replicate) with gradient accumulation: what the memory plan's per-device terms
-(train/plan/memory.py) are checked against by tests/test_memory_plan.py. Prints one JSON line
+(train/plan/memory.py) are checked against by tests/train/plan/test_memory_plan.py. Prints one JSON
+line
 (rank 0's counts; the ranks hold the same amounts).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\

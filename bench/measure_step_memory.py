@@ -1,5 +1,6 @@
 """Peak memory of one CPU training step, printed in bytes: what the memory plan
-(train/plan/memory.py) is checked against by bench/bench_memory.py and tests/test_memory_plan.py.
+(train/plan/memory.py) is checked against by bench/bench_memory.py and
+tests/train/plan/test_memory_plan.py.
 
     python bench/measure_step_memory.py [--compile] DTYPE B T [model overrides ...]  # fresh process
 

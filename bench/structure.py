@@ -3,7 +3,7 @@
     python bench/structure.py
 
 - import circles (file level) and arrows running back up (between folders, and between train's
-  parts), by tests/import_graph.py: both must be empty;
+  parts), by tests/fixtures/import_graph.py: both must be empty;
 - for each part of train/ and pipeline/, the modules outside it that import it: who a change to
   that part's interface must touch;
 - files, lines, lines over 100 characters, the longest files, functions over 6 parameters.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.import_graph import (  # noqa: E402
+from tests.fixtures.import_graph import (  # noqa: E402
     ROOT,
     cycles,
     import_graph,

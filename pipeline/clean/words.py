@@ -12,7 +12,7 @@ agree with datatrove's.
 Counts (Gopher's, per document): words, real words (not punctuation only: PUNCTUATION), the
 characters in them, words with a letter, distinct STOP_WORDS.
 
-Speed, with the same words and counts (tests/test_clean.py holds each fast path to its plain
+Speed, with the same words and counts (tests/pipeline/clean/test_clean.py holds each fast path to its plain
 definition): _WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches
 its pieces), in a form written for Python's regex engine (_WORD_FAST), compiled to C for ASCII
 pieces (_ascii_words); Gopher's counts come from per-piece rows summed in numpy, or from the
@@ -76,7 +76,7 @@ _WORD = re.compile(
 )
 
 
-# _WORD written for the regex engine (the same words, fewer steps; tests/test_clean.py holds them
+# _WORD written for the regex engine (the same words, fewer steps; tests/pipeline/clean/test_clean.py holds them
 # equal on random and adversarial text): possessive repeats where giving back characters cannot
 # lead to a match (what follows them cannot start with what they take), (?:...|) for an
 # optional group, and each alternative starting with a character or class where it can (the
@@ -114,7 +114,7 @@ _WORD_FAST_ASCII = re.compile(_WORD_FAST.pattern, re.X | re.ASCII)
 # ... and its findall compiled (pipeline/clean/_wordcount.c's ascii_words: the alternatives in
 # the regex's order, each as the engine runs it), where the package was built with it and the C
 # was written for this very pattern (its sha256, PATTERN_SHA256 there): an edited pattern falls
-# back to the regex engine until the C follows (tests/test_clean.py fails meanwhile)
+# back to the regex engine until the C follows (tests/pipeline/clean/test_clean.py fails meanwhile)
 _ascii_words: Callable[[str], list[str]] = _WORD_FAST_ASCII.findall
 try:
     from codex.pipeline.clean import _wordcount

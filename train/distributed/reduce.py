@@ -17,7 +17,7 @@ the same order), while the backward goes on computing the rest. `finish` issues 
 backward did not (hooks not armed, a parameter without a gradient), waits for each, copies the sum
 back into .grad (in the gradient's dtype) and divides by the world size: the gradient of the mean
 loss over the global batch. Each gradient element is reduced exactly once per optimizer step
-(tests/test_reduce.py counts the collectives on 2 gloo ranks).
+(tests/train/distributed/test_reduce.py counts the collectives on 2 gloo ranks).
 
 The hooks sit on the parameters of the plain module, so torch.compile (whose compiled backward
 hands each parameter its gradient through autograd's AccumulateGrad, where the hook runs) and

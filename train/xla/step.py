@@ -37,7 +37,7 @@ batch and the parameters enter it through manual sharding (`enable_manual_shardi
 sees its own rows and the whole, replicated, parameters), the body is traced at the local shapes
 and holds no collective, the carry holds each device's unreduced fp32 gradient sum, and after
 the While one sum over the devices (`disable_manual_sharding` to [devices, ...], then sum(0))
-is the one all-reduce per gradient of the step. tests/test_xla_program.py reads it in the
+is the one all-reduce per gradient of the step. tests/train/xla/test_xla_program.py reads it in the
 compiled HLO.
 
 fsdp is ZeRO-3, MaxText's: the While is written for the global batch and the partitioner
