@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 XLA_VENV := .venv-xla
 
-.PHONY: demo test lint test-main test-xla test-heavy venv venv-xla
+.PHONY: demo test test-fast lint test-main test-xla test-heavy venv venv-xla
 
 venv: $(VENV)/.codex-installed
 venv-xla: $(XLA_VENV)/.codex-installed
@@ -28,8 +28,15 @@ demo: venv
 	$(VENV)/bin/codex demo
 
 # pytest exits 5 when it collects no test: that fails `make test` on purpose (a suite that runs
-# nothing must not pass).
-test: lint test-main test-xla
+# nothing must not pass). The main and XLA suites run side by side: most of their time is spent
+# waiting on subprocesses, so two suites share 2 cores well (and on a fresh machine the XLA venv
+# installs while the main suite runs).
+test: lint
+	$(MAKE) -j2 --output-sync=target test-main test-xla
+
+# Under 5 minutes on 2 cores: no slow, heavy or XLA test (no subprocess job, no Ray cluster).
+test-fast: venv
+	$(VENV)/bin/python -m pytest -m "not slow and not heavy and not xla" -q
 
 # ruff (lint + format, pinned in pyproject.toml) on the whole tree, mypy on the packages.
 lint: venv

@@ -142,3 +142,11 @@ def _no_log_file_left_open():
     from codex.core import progress
 
     progress.close_log_file()
+
+
+def pytest_collection_modifyitems(items):
+    """A test on the Ray cluster is slow whatever it measures: the cluster takes seconds to start,
+    and `make test-fast` never starts one."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

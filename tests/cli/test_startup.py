@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.runs import base_overrides, child_env, make_run
 
 HEAVY = ("torch", "ray", "rustbpe", "zstandard", "transformers", "lm_eval")
@@ -43,6 +45,7 @@ def test_help_imports_no_heavy_library(tmp_path):
     assert "codex" in imported("--help", cwd=tmp_path)  # the reading itself works
 
 
+@pytest.mark.slow
 def test_train_runs_without_rustbpe_and_zstandard(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

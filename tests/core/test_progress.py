@@ -195,6 +195,7 @@ time.monotonic = lambda: _mono() - _mono0 + 5.0
 """
 
 
+@pytest.mark.slow
 def test_the_timer_tests_pass_on_a_machine_booted_5_s_ago(tmp_path):
     """The progress and metrics tests, in a Python whose perf_counter and monotonic read as on a
     machine booted 5 s ago (a sitecustomize), as on a fresh CI machine."""

@@ -68,6 +68,7 @@ def sigkill(proc: subprocess.Popen) -> None:
 # --- the CLI, across processes -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_second_trainer_exits_2_and_a_sigkilled_trainers_lease_is_taken_over(tmp_path):
     run = make_run(tmp_path / "run")
     lease = Path(run) / runlock.LEASE_NAME
@@ -135,6 +136,7 @@ cli(sys.argv[2:], prog_name="codex")
 """
 
 
+@pytest.mark.slow
 def test_second_shard_exits_2_and_a_sigkilled_shards_lease_is_taken_over(tmp_path):
     run = tmp_path / "run"
     docs = make_docs(60)

@@ -9,6 +9,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.import_graph import (
     LAYERS,
     ROOT,
@@ -28,6 +30,7 @@ def test_no_import_circle():
     assert cycles(import_graph()) == []
 
 
+@pytest.mark.slow
 def test_no_arrow_runs_back_up():
     assert upward_arrows(import_graph()) == []
 

@@ -1332,6 +1332,7 @@ def test_an_offline_task_fails_fast_naming_the_task(run, tmp_path, monkeypatch, 
 # --- orphans -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("armed", [True, False])
 def test_a_rank_dies_with_its_killed_launcher(tmp_path, armed):
     """A SIGKILL of the torchrun agent alone: a rank that armed die_with_launcher (as every rank

@@ -44,6 +44,7 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_one_top_level_name(installed):
     (top,) = installed.glob("codex-*.dist-info/top_level.txt")
     assert top.read_text().split() == ["codex"]
@@ -53,6 +54,7 @@ def test_the_wheel_installs_one_top_level_name(installed):
     ]
 
 
+@pytest.mark.slow
 def test_the_wheel_runs_outside_the_checkout(installed, tmp_path):
     where = run_installed(
         installed,

@@ -23,7 +23,7 @@ from tests.fixtures.evaluation import (  # noqa: F401
     eval_cfg,
     make_eval_run,
     make_tokenizer,
-    read_metrics,
+    write_metrics,
     tiny_cfg,
     token_bytes_of,
     windows,
@@ -206,6 +206,7 @@ def _launch(world: int, port: int, run: str) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_world_size_1_and_2_give_the_same_numbers(tmp_path):
     from codex.eval.run import run_eval
     from tests.fixtures.procs import free_port
@@ -236,7 +237,7 @@ def test_cli_eval_and_sample(tmp_path):
     from codex.cli.main import cli
 
     run, tok, model = make_eval_run(tmp_path)
-    read_metrics(
+    write_metrics(
         Path(run),
         [
             '{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',
@@ -272,6 +273,7 @@ def test_cli_eval_and_sample(tmp_path):
     assert r.exit_code == 2 and "step_00000003" in r.output
 
 
+@pytest.mark.slow
 def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     """train/loop.py validates with the same evaluate(): its last val loss is what `codex eval`
     reports for the final checkpoint, and the trained model beats the untrained one."""
@@ -301,13 +303,14 @@ def test_training_loop_validation_equals_codex_eval_of_its_checkpoint(tmp_path):
     assert Path(run, "eval", "loss.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 def test_run_eval_and_plot_on_gcs(tmp_path, gcs_bucket):
     from codex.core import fsio
     from codex.eval.run import run_eval
 
     local, _, _ = make_eval_run(tmp_path, T=8)
-    read_metrics(
+    write_metrics(
         Path(local),
         [
             '{"kind": "train", "step": 1, "tokens": 16, "loss": 5.7}',

@@ -78,6 +78,7 @@ def codex_choice(model, tok, context: str, choices: list[str]) -> int:
     return max(range(len(choices)), key=lambda i: scores[i])
 
 
+@pytest.mark.slow
 def test_eval_tasks_accuracy_matches_hand_computation(tmp_path):
     from click.testing import CliRunner
 
@@ -122,6 +123,7 @@ def test_eval_tasks_accuracy_matches_hand_computation(tmp_path):
     assert "codex_local_mc" in r.output
 
 
+@pytest.mark.slow
 def test_eval_tasks_missing_dataset_and_unknown_task(tmp_path):
     from click.testing import CliRunner
 

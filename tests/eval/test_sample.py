@@ -14,7 +14,7 @@ from tests.fixtures.evaluation import (
     eval_cfg,
     make_eval_run,
     make_tokenizer,
-    read_metrics,
+    write_metrics,
     tiny_cfg,
 )
 
@@ -77,7 +77,7 @@ def test_plot_loss_writes_a_png_and_dedups_resumed_steps(tmp_path):
         {"kind": "train", "step": 10, "tokens": 10000, "loss": 3.5},  # a resumed run redoes step 10
         {"kind": "val", "step": 10, "tokens": 10000, "loss": 4.2},
     ]
-    read_metrics(run, [json.dumps(r) for r in rows] + ['{"kind": "train", "ste'])  # torn last line
+    write_metrics(run, [json.dumps(r) for r in rows] + ['{"kind": "train", "ste'])  # torn last line
     curves = loss_curves(read_metrics(str(run / "metrics.jsonl")))
     assert len(curves["train"]) == 10 and curves["train"][-1] == (10000.0, 3.5)
     assert curves["val"] == [(5000.0, 4.9), (10000.0, 4.2)]
@@ -91,7 +91,7 @@ def test_plot_loss_errors_name_the_file_and_line(tmp_path):
     from codex.eval.plot import plot_loss
 
     run = tmp_path / "run"
-    read_metrics(run, ['{"kind": "train", "step": 1, "tokens": 10, "loss": 3}', "not json", "{}"])
+    write_metrics(run, ['{"kind": "train", "step": 1, "tokens": 10, "loss": 3}', "not json", "{}"])
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2"):
         plot_loss(str(run))
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):

@@ -97,6 +97,7 @@ def test_set_attention_routes_every_block_through_the_kernel():
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 def test_flash_on_a_cpu_preset_exits_2_naming_the_requirement(tmp_path):
     run = make_run(tmp_path / "run")
     args = ["--run", run]

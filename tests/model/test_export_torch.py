@@ -17,6 +17,7 @@ from codex.train.loop import train
 from tests.fixtures.runs import VOCAB, base_overrides, make_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_exported_file_loads_with_weights_only_and_gives_the_checkpoints_logits(tmp_path, tied):
     run = make_run(tmp_path / "run")

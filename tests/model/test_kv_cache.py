@@ -48,6 +48,7 @@ def test_decode_logits_equal_the_full_forward(n_head, n_kv_head, qk_norm):
             assert (logits - model(ids[:, : t + 1])[:, -1]).abs().max() < 1e-5, t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_head,n_kv_head,qk_norm", VARIANTS)
 def test_greedy_tokens_with_the_cache_equal_those_without(n_head, n_kv_head, qk_norm):
     """40+ tokens from prompts of several lengths; max_seq_len 24, so every generation crosses it

@@ -112,6 +112,7 @@ def test_same_ids_on_prose_code_and_tricky_text(tok_json):
     assert_same_ids(tok_json, PROSE + make_docs(200, seed=7) + TRICKY + stdlib_sources())
 
 
+@pytest.mark.slow
 def test_same_ids_on_random_unicode(tok_json):
     assert_same_ids(tok_json, random_unicode(3000, seed=3) + random_strings(500, seed=4))
 
@@ -125,6 +126,7 @@ def test_same_ids_on_random_bytes_decoded_with_replace(tok_json):
     assert_same_ids(tok_json, texts)
 
 
+@pytest.mark.slow
 def test_same_ids_for_every_code_point():
     """The split regex engines (tiktoken: fancy-regex; HF: Oniguruma) class every code point
     alike (letter, number, space, other): every code point after a space, and those of the BMP

@@ -28,6 +28,7 @@ def cut(f: InputFile, points: list[int]) -> list[Piece]:
     return [Piece(f, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delim", ["\\n\\n", "\n", "abab", "<|endoftext|>", "aa"])
 def test_delimited_text_pieces_equal_one_reader(tmp_path, delim):
     cfg = build_config(overrides=[f"data.clean.txt_delimiter={delim}"]).data.clean

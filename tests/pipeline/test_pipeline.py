@@ -7,6 +7,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from codex.cli.main import cli
@@ -19,6 +20,7 @@ def _invoke(args):
     return res
 
 
+@pytest.mark.slow
 def test_stages_chain_through_the_run_directory(tmp_path):
     pipeline_corpus(tmp_path / "src")
     run = str(tmp_path / "run")

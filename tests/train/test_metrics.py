@@ -43,6 +43,7 @@ def read_wandb_history(path: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -63,6 +64,7 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     assert [r["tokens"] for r in rows] == [64, 128, 192]
 
 
+@pytest.mark.slow
 def test_wandb_prints_nothing_on_the_terminal(tmp_path, monkeypatch, capfd, caplog):
     """wandb's own `wandb: ...` lines (~25 of them) stay off the terminal, without WANDB_SILENT:
     one codex line says where the offline run is."""
@@ -87,6 +89,7 @@ def test_wandb_prints_nothing_on_the_terminal(tmp_path, monkeypatch, capfd, capl
     assert line.startswith(f"wandb offline run: {Path(run) / 'wandb'}")
 
 
+@pytest.mark.slow
 def test_wandb_failure_never_stops_training(tmp_path, monkeypatch):
     import wandb
 

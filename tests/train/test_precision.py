@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from codex.core.config import build_config
@@ -61,6 +62,7 @@ def losses(run: str) -> list[float]:
     return [r["loss"] for r in recs if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_bf16_training_follows_the_fp32_loss_curve_within_2_percent(tmp_path):
     curves = {}
     for dtype in ("fp32", "bf16"):

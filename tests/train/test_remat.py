@@ -49,6 +49,7 @@ def test_remat_leaves_parameter_names_and_no_grad_forward_alone():
         apply_remat(plain, "auto", "cpu")
 
 
+@pytest.mark.slow
 def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, monkeypatch):
     """The loop applies train.remat (train/loop.py -> apply_remat): three optimizer steps on the
     CPU end with the same weights either way, and the block run did go through the checkpoint."""
@@ -77,6 +78,7 @@ def test_training_loop_with_remat_block_ends_where_it_does_without(tmp_path, mon
         assert (value - finals["block"][name]).abs().max().item() <= 1e-6, name
 
 
+@pytest.mark.slow
 def test_memory_floor_counts_remat_and_stays_below_a_measured_step():
     """train/plan/memory.py's plan with train.remat=block (block inputs + one block's activations)
     is below the plan without remat, and so is the peak RSS of a real remat step (forward, backward,

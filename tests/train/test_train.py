@@ -148,6 +148,7 @@ def _train_loss_at(run: str, step: int) -> float:
     return next(r["loss"] for r in lines if r["kind"] == "train" and r["step"] == step)
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_accumulation_logs_the_loss_an_uninterrupted_run_logs(tmp_path):
     """The loss window at a checkpoint is a sum of micro-batch losses (2 a step here); resumed at
     4 micro-batches a step (device_batch 4 -> 2, the same 8 rows a step), the line at step 6
@@ -162,6 +163,7 @@ def test_a_resume_with_another_accumulation_logs_the_loss_an_uninterrupted_run_l
     assert abs(_train_loss_at(split, 6) - _train_loss_at(full, 6)) < 1e-4 * _train_loss_at(full, 6)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     # accum 2
     steps = dict(max_steps=8, save_every=2, eval_every=4, device_batch=4, batch_tokens=128)
@@ -232,6 +234,7 @@ def sigterm_after_three_steps(proc: subprocess.Popen, metrics: Path, timeout: fl
     return proc.communicate(timeout=timeout)[1]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path):
     run = make_run(tmp_path / "run")
     proc = subprocess.Popen(
@@ -370,6 +373,7 @@ def test_cuda_preset_without_cuda_fails_naming_the_fix(tmp_path):
     assert "needs CUDA" in str(e.value) and "--hardware cpu" in str(e.value)
 
 
+@pytest.mark.slow
 def test_default_batch_comes_from_the_preset(tmp_path):
     from codex.train.plan.batch import device_defaults
     from codex.train.plan.presets import get_preset
@@ -448,6 +452,7 @@ def test_compiled_bf16_training_matches_eager_and_resumes(tmp_path, monkeypatch)
     assert_close(final["model"], checkpoint.load(compiled_run, "latest")["model"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     """The loss logged after a resume averages the same window as the uninterrupted run: the
     partial window (loss sum and its first step) travels in the checkpoint."""
@@ -472,6 +477,7 @@ def test_resumed_loss_curve_equals_the_uninterrupted_one(tmp_path):
     assert again["step"] == 10 and not again["stopped"]
 
 
+@pytest.mark.slow
 def test_train_threads_sets_the_threads_a_cpu_run_uses(tmp_path):
     """train.threads=2 overrides OMP_NUM_THREADS=1 (set in the child), and the start-up lines say
     how many threads the run uses and why."""

@@ -701,6 +701,7 @@ def _reference_repetition(text: str, words: list[str], cfg) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_ngrams_equal_a_python_reference():
     """NGrams (n-gram ids by one stable sort a level; the walk of find_all_duplicate through
     the repeated positions only) gives what a Python step per n-gram gives: the most frequent
@@ -749,6 +750,7 @@ def test_ngrams_equal_a_python_reference():
     assert len(reasons) >= 6, reasons  # the thresholds decide, not one rule every time
 
 
+@pytest.mark.slow
 def test_compiled_counter_errors_keep_no_half_learnt_piece():
     """A regex error while the compiled counter learns a document's new pieces raises it, and
     the pieces met in that document are forgotten: the next count is still the right one. A
@@ -965,6 +967,7 @@ def test_an_interrupted_unit_leaves_no_marker_without_its_files_and_a_rerun_matc
     assert not list((tmp_path / "hurt" / "clean").rglob(".tmp-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["before_the_marker", "after_removing_the_marker"])
 def test_an_interrupted_unit_rerun_on_ray_matches(tmp_path, monkeypatch, where, ray_cluster):
     """The same, with the rerun on a Ray cluster: its workers clean the interrupted unit again
@@ -1030,6 +1033,7 @@ def test_parts_are_packed_to_part_bytes_and_a_rerun_resumes(tmp_path, caplog):
     assert outputs(tmp_path / "packed") == before
 
 
+@pytest.mark.slow
 def test_packed_parts_are_the_same_bytes_on_ray(tmp_path, ray_cluster):
     make_corpus(tmp_path / "in", 6, 30)
     args = ["data.clean.chunk_bytes=20000", "data.clean.part_bytes=12000"]

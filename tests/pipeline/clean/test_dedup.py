@@ -144,6 +144,7 @@ def test_every_dedup_task_reads_a_bounded_number_of_files():
     assert dedup.ceil_sqrt(n) == 317
 
 
+@pytest.mark.slow
 def test_a_real_shuffle_opens_what_the_plan_says(tmp_path, monkeypatch):
     """2,000 tiny units (about 3 documents each, drawn from 2,000, so most are copies): each task
     opens exactly files_read(job) files, at most ceil(sqrt(2,000)) = 45, and the documents dropped
@@ -189,6 +190,7 @@ class Killed(Exception):
     """Stands for the process dying in the middle of the dedup."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["reduce_partition", "rewrite_group"])
 def test_a_killed_dedup_reruns_only_its_unfinished_tasks(tmp_path, monkeypatch, level):
     """Units in groups of 2 and 8 hash partitions; the run dies in the 4th reduce (or rewrite)
@@ -269,6 +271,7 @@ def test_a_unit_cleaned_again_starts_the_dedup_over(tmp_path, monkeypatch):
     assert again == ref
 
 
+@pytest.mark.slow
 def test_the_shuffle_on_gcs_keeps_what_it_keeps_locally(tmp_path, gcs_bucket):
     """Groups and partitions on gs://: ranges read on threads, markers, a rerun that finds
     every marker: the same documents and drops as the local run."""
@@ -292,6 +295,7 @@ def test_the_shuffle_on_gcs_keeps_what_it_keeps_locally(tmp_path, gcs_bucket):
     assert run_clean(cfg) == {**remote, "units_run": 0}
 
 
+@pytest.mark.slow
 def test_ray_executor_without_ray_installed_says_how_to_install_it(tmp_path):
     make_corpus(tmp_path / "in", 1, 5)
     code = (

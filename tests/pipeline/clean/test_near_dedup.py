@@ -321,6 +321,7 @@ def test_a_rerun_of_the_near_dedup_gives_the_same_bytes(tmp_path):
 # --- the same bytes on a two-node Ray cluster --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ray_gives_the_same_bytes_as_local(tmp_path, ray_cluster):
     docs, _ = generated_corpus(originals=80, every=4)
     urls = [{"text": d, "url": f"https://a.org/{i % 70}"} for i, d in enumerate(docs)]
@@ -358,6 +359,7 @@ def test_a_reduce_reads_a_bounded_number_of_files_at_100000_units():
     assert max(b - a for a, b in small) == 10
 
 
+@pytest.mark.slow
 def test_partitions_and_groups_do_not_change_the_output(tmp_path):
     docs, _ = generated_corpus(originals=80, every=4)
     rows = [{"text": d, "url": f"https://a.org/{i % 70}"} for i, d in enumerate(docs)]

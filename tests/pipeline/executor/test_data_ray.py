@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from codex.core import fsio
@@ -71,6 +72,7 @@ def markers(run: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((run / "clean" / "markers").glob("*.json"))]
 
 
+@pytest.mark.slow
 def test_every_executor_gives_the_same_bytes(tmp_path, ray_cluster):
     ray_corpus(tmp_path / "in")
     runs = {
@@ -96,6 +98,7 @@ def test_every_executor_gives_the_same_bytes(tmp_path, ray_cluster):
     assert all(n.startswith("ray-node-") for n in nodes)
 
 
+@pytest.mark.slow
 def test_a_200mb_file_is_cut_into_units_that_run_in_parallel(tmp_path, ray_cluster):
     """A single 200 MB .jsonl: lines over max_record_bytes are skipped unread (cheap), with 20 real
     documents between two of them (about 30 MB of work for the filters); 40 MB units cut it into
@@ -153,6 +156,7 @@ def _kill_first_worker(title: str, after: float) -> tuple[threading.Thread, list
     return killer, killed
 
 
+@pytest.mark.slow
 def test_a_killed_ray_worker_is_retried_and_the_output_is_unchanged(tmp_path, ray_cluster):
     ray_corpus(tmp_path / "in", big_docs=3000, small_files=0)
     args = ["data.clean.chunk_bytes=200000"]
@@ -174,6 +178,7 @@ def test_a_killed_ray_worker_is_retried_and_the_output_is_unchanged(tmp_path, ra
     assert not list(ray_dir.rglob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_a_killed_driver_then_a_rerun_does_only_the_rest(tmp_path, ray_cluster):
     ray_corpus(tmp_path / "in", big_docs=3000, small_files=0)
     args = ["--set", "data.clean.chunk_bytes=100000"]
@@ -205,6 +210,7 @@ def test_a_killed_driver_then_a_rerun_does_only_the_rest(tmp_path, ray_cluster):
     assert not list((run / "clean").rglob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_gcs_in_and_out_from_every_ray_worker(tmp_path, ray_cluster, gcs_bucket):
     ray_corpus(tmp_path / "in", big_docs=200, small_files=2)
     for p in (tmp_path / "in").iterdir():
@@ -237,6 +243,7 @@ def test_gcs_in_and_out_from_every_ray_worker(tmp_path, ray_cluster, gcs_bucket)
         assert texts[0] == texts[1], n
 
 
+@pytest.mark.slow
 def test_a_killed_ray_worker_during_shard_is_retried_and_the_shards_are_unchanged(
     tmp_path, ray_cluster
 ):

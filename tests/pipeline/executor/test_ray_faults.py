@@ -71,6 +71,7 @@ RAY_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--ray-address", "RAY_ADDRESS"])
 def test_nothing_at_the_ray_address_exits_2_at_once_naming_it(tmp_path, how):
     ray_corpus(tmp_path / "in", big_docs=20, small_files=1)
@@ -102,6 +103,7 @@ def test_nothing_at_the_ray_address_exits_2_at_once_naming_it(tmp_path, how):
     assert not (tmp_path / "run" / "clean").exists()  # refused before it touched anything
 
 
+@pytest.mark.slow
 def test_rays_own_stderr_lines_go_to_the_log_file_the_rest_through_unchanged(capfd, caplog):
     """While the driver is attached, fd 2 goes through logs.RayLinesToLogFile: Ray's C++ lines
     (its core worker writes its errors to stderr) are filed in the log, whole even when written in
@@ -132,6 +134,7 @@ def test_rays_own_stderr_lines_go_to_the_log_file_the_rest_through_unchanged(cap
     assert all(getattr(r, "file_only", False) for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_ray_stage_leaves_no_driver_attached(tmp_path, ray_cluster):
     """The stage's ray.init is undone when the stage ends: nothing ties this process to the
     cluster between stages (conftest's _no_ray_driver_left_attached checks it after every test)."""
@@ -329,6 +332,7 @@ def _sleeper(unit: int) -> int:
     return unit
 
 
+@pytest.mark.slow
 def test_on_ray_a_failing_unit_lets_those_in_flight_finish_and_a_slow_one_times_out(
     tmp_path, ray_cluster, caplog
 ):
@@ -372,6 +376,7 @@ def _report(folder: str, unit: int) -> dict:
     return ray.get_runtime_context().get_assigned_resources()
 
 
+@pytest.mark.slow
 def test_on_ray_each_unit_reserves_its_memory_retries_transient_errors_and_logs_to_its_file(
     tmp_path, ray_cluster
 ):

@@ -270,6 +270,7 @@ shard.run_shard(make_cfg(sys.argv[1], shard_tokens=700))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["encode", "write"])
 def test_sigkill_mid_run_then_rerun_gives_same_manifest(
     tmp_path, corpus, tokenizer_files, where, monkeypatch
@@ -387,6 +388,7 @@ def test_transient_write_errors_are_retried(tmp_path, corpus, tokenizer_files, m
 # --- GCS (emulator) -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 def test_gcs_write_upload_verify_and_corruption(tmp_path, corpus, tokenizer_files, gcs_bucket):
     run = make_run(tmp_path, corpus, tokenizer_files)
@@ -490,6 +492,7 @@ def test_cli_shard_verify_upload(tmp_path, corpus, tokenizer_files):
     ).read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 def test_upload_refuses_a_target_that_holds_another_run(
     tmp_path, corpus, tokenizer_files, gcs_bucket

@@ -491,6 +491,7 @@ def test_a_rerun_that_cuts_elsewhere_never_takes_another_ranges_files(
         assert npy_sha(got) == e["sha256"]
 
 
+@pytest.mark.slow
 def test_ray_cuts_one_part_for_the_clusters_cpus_and_gives_the_same_shards(
     tmp_path, tokenizer_files, ray_cluster, caplog
 ):

@@ -310,6 +310,7 @@ def count_keys(monkeypatch) -> list[int]:
     return sent
 
 
+@pytest.mark.slow
 def test_the_driver_gets_a_budgets_worth_of_keys_not_one_per_document(monkeypatch):
     """Files smaller than the budget each used to send every key: 20,000 keys from 400 files,
     80,000 from 1,600. With thresholds the driver gets about MARGIN budgets of keys plus the
@@ -417,6 +418,7 @@ def test_same_tokenizer_whatever_runs_the_scan(tmp_path, monkeypatch):
     assert out[1][1]["heldout_docs"] == 16 and out[1][1]["chars_used"] <= budget
 
 
+@pytest.mark.slow
 def test_ray_tasks_select_and_read_what_a_local_run_does(tmp_path, ray_cluster, monkeypatch):
     """On a 2-node Ray cluster, thresholds that cut (more files than the sample, a small budget):
     the same tokenizer.json, selection and compression as in this process, and the driver gets

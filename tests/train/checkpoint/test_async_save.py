@@ -33,6 +33,7 @@ def tiny_state(step: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_background_save_reuses_its_buffer_and_writes_in_another_process(tmp_path):
     run = str(tmp_path / "run")
     writer = checkpoint.BackgroundWriter()
@@ -69,6 +70,7 @@ def test_background_save_reuses_its_buffer_and_writes_in_another_process(tmp_pat
     assert writer._link is not None and writer._link.process.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_is_raised_by_wait(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -137,6 +139,7 @@ def _two_ranks(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_each_rank_stages_only_what_it_writes(tmp_path):
     """2 ranks: DCP writes a replicated tensor once (its deduplication gives each to one rank, the
     less loaded), and each rank stages exactly those it was given plus its own DTensor shard:
@@ -186,6 +189,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # the job dies while its background save i
 """
 
 
+@pytest.mark.slow
 def test_a_job_killed_during_a_background_save_keeps_the_previous_checkpoint(tmp_path):
     run = str(tmp_path / "run")
     proc = subprocess.run(

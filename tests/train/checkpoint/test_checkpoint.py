@@ -108,6 +108,7 @@ def test_checkpoint_round_trip_on_gcs(gcs_bucket):
     assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((64,), 2.0))
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
     """A gs:// run: shards read through the loader's cache, checkpoints and metrics.jsonl on GCS."""
@@ -128,6 +129,7 @@ def test_train_and_resume_on_a_gcs_run(gcs_bucket, tmp_path):
     assert steps == [1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 def test_a_gs_run_and_its_resume_print_no_error_gcsfs_handled(gcs_bucket, tmp_path):
     """gcsfs logs the errors it handles itself as warnings, on runs that succeed: every checkpoint

@@ -96,6 +96,7 @@ def run_ranks(args: dict, world: int) -> list[dict]:
     return [json.load(open(args["out"] % r)) for r in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.gcs
 # block shuffle with a cache of 2K = 2; full shuffle
 @pytest.mark.parametrize("K,steps", [(1, 200), (0, 30)])

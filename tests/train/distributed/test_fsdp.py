@@ -83,6 +83,7 @@ def test_fsdp_replicate_and_one_process_agree_and_each_rank_holds_half(tmp_path)
     )
 
 
+@pytest.mark.slow
 def test_fsdp_with_accumulation_and_muon_matches_one_process(tmp_path):
     """Two micro-batches per step (one reduce-scatter, in the last backward) and Muon on sharded
     matrices (orthogonalised whole) against one process with the same 8-row global batch."""
@@ -200,6 +201,7 @@ def test_a_damaged_shard_in_the_newest_checkpoint_makes_every_rank_use_the_previ
     assert checkpoint.complete_steps(run) == [2, 4, 6]  # step 4 rewritten by the resumed run
 
 
+@pytest.mark.slow
 def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     from codex.core.config import ConfigError, build_config
     from codex.train.plan.layout import layout_for
@@ -219,6 +221,7 @@ def test_fsdp_size_must_divide_the_world_and_every_kind_takes_fsdp():
     assert setting_for(auto, "tpu").layout == "auto"  # resolved by the memory plan, as on CUDA
 
 
+@pytest.mark.slow
 def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
     """train.async_save on 2 fsdp ranks: the periodic checkpoints are written by each rank's
     writer process (its own gloo group) while training goes on, from a copy taken at the step:
@@ -245,6 +248,7 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
 # --- FSDP2's precision, ZeRO-2 / ZeRO-3 and the compiled head, on 2 gloo ranks in-process -------
 
 
+@pytest.mark.slow
 def test_the_fsdp_backend_computes_without_autocast_when_the_policy_casts():
     """Under fsdp the MixedPrecisionPolicy casts (bf16 weights and block inputs): autocast on top
     would cast again, so the backend's context is a null one; replicate keeps bf16 autocast."""

@@ -85,6 +85,7 @@ def train_steps(metrics: Path) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_host_stops_both_at_one_step_and_both_resume_there(tmp_path):
     run = make_run(tmp_path / "run")
     metrics = Path(run) / "metrics.jsonl"
@@ -127,6 +128,7 @@ def _checkpoints_at(run: str, steps: list[int]) -> None:
     assert checkpoint.complete_steps(run) == steps
 
 
+@pytest.mark.slow
 def test_a_read_fault_on_one_rank_never_splits_the_resume_step(tmp_path):
     """Rank 1 cannot open the newest checkpoint (step 4): rank 0 chose step 4, so the job fails on
     both ranks naming rank 1 and the path, instead of rank 1 falling back to step 2 alone."""
@@ -144,6 +146,7 @@ def test_a_read_fault_on_one_rank_never_splits_the_resume_step(tmp_path):
     assert checkpoint.complete_steps(run) == [2, 4]  # nothing was trained or pruned
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_job_non_zero_within_60s(tmp_path):
     run = make_run(tmp_path / "run")
     t0 = time.time()
@@ -176,6 +179,7 @@ def wait_for_steps(procs: list[subprocess.Popen], metrics: Path, n: int, timeout
     assert metrics.exists() and len(train_steps(metrics)) >= n, f"the job never reached step {n}"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60s(tmp_path):
     """SIGKILL of host 1's worker while both train (no Python unwinds there, no close): host 0's
     rank is in the step's gradient all-reduce or the stop flag, sees the dead peer's sockets
@@ -226,6 +230,7 @@ def test_a_hung_rank_ends_the_job_after_dist_timeout_s_but_start_up_may_take_lon
     assert elapsed < 12, f"host 0 took {elapsed:.0f} s to end while its peer hung"
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_refuse_to_start(tmp_path):
     run = make_run(tmp_path / "run")
     procs = start_hosts(run, per_rank={1: ["train.lr=0.02"]}, max_steps=2)
@@ -237,6 +242,7 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path):
     assert not (Path(run) / "checkpoints").exists() or not checkpoint.complete_steps(run)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_a_local_run_directory_are_refused_unless_it_is_shared(tmp_path):
     """torchrun over 2 nodes (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1) with a local --run: each node
     would see its own folder, so both exit 2 naming the fix; with train.shared_run_dir=true they
@@ -275,6 +281,7 @@ def _check_shared_dir(rank: int, world: int, port: int, folders: list[str], out:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_that_see_different_folders_fail_the_shared_folder_check(tmp_path):
     """Two gloo ranks whose run directory is a different folder each (a node-local disk): rank 1
     cannot read rank 0's proof file, and both ranks raise naming rank 1; one folder passes."""
@@ -293,6 +300,7 @@ def test_ranks_that_see_different_folders_fail_the_shared_folder_check(tmp_path)
     assert not list((tmp_path / "one").iterdir())
 
 
+@pytest.mark.slow
 def test_a_killed_torchrun_agent_takes_its_rank_down_and_the_job_stops(tmp_path):
     """SIGKILL of host 1's torchrun agent alone (not its worker): the worker gets the parent-death
     signal (SIGTERM), both ranks stop at one step, rank 0 saves it and the run lock is let go."""
@@ -323,6 +331,7 @@ def test_a_killed_torchrun_agent_takes_its_rank_down_and_the_job_stops(tmp_path)
 # --- below the process group, without a GPU -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_flight_recorder_is_set_for_cuda_where_unset_with_its_dump_in_the_run_dir(tmp_path):
     from codex.train.distributed.backend import process_group_env
 
@@ -360,6 +369,7 @@ def _local_ipv4_interfaces() -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_socket_interface_is_the_one_that_reaches_master_addr(tmp_path):
     """route_interface: the interface whose address the kernel sends from to MASTER_ADDR (lo for
     127.0.0.1; this machine's own address is held by its interface). process_group_env sets
@@ -390,6 +400,7 @@ def test_the_socket_interface_is_the_one_that_reaches_master_addr(tmp_path):
     assert process_group_env("cpu", str(tmp_path), mine) == {}
 
 
+@pytest.mark.slow
 def test_a_failed_cuda_rank_aborts_its_process_groups_without_waiting(monkeypatch):
     """close(ok=False) on CUDA: ncclCommAbort on every group (c10d._abort_process_group), no
     clean-exit barrier; gloo (CPU) destroys its group, which closes the sockets."""
@@ -420,6 +431,7 @@ def test_a_failed_cuda_rank_aborts_its_process_groups_without_waiting(monkeypatc
         assert calls == want, (kind, ok, calls)
 
 
+@pytest.mark.slow
 def test_one_gpu_per_process_runs_on_its_cuda_0(monkeypatch):
     """Slurm --gpus-per-task=1: each of 8 processes on a host sees one GPU (CUDA_VISIBLE_DEVICES
     names one), so local rank 3 runs on cuda:0; without that binding one GPU for 8 processes is
@@ -486,6 +498,7 @@ def _first_step_timeouts(rank: int, world: int, port: int, out: str) -> None:
     backend.close(ok=True)
 
 
+@pytest.mark.slow
 def test_after_the_first_step_every_group_but_the_control_planes_gets_dist_timeout_s(tmp_path):
     """first_step_done: the default group and any other (an FSDP mesh dimension) get
     train.dist_timeout_s; the control plane's group keeps its own (it waits for checkpoint

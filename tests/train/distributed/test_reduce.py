@@ -83,6 +83,7 @@ def _steps(events: list) -> tuple[int, list[list]]:
     return params, steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum,remat,dtype", [(1, "none", "bf16"), (4, "block", "fp32")])
 def test_one_reduction_per_step_issued_inside_the_last_backward(tmp_path, accum, remat, dtype):
     """2 gloo ranks under torchrun, `codex train` with train.parallel=replicate: each optimizer
@@ -273,6 +274,7 @@ def _unused_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_parameter_without_a_gradient_on_one_rank_gets_the_same_gradient_on_every_rank(tmp_path):
     """As DDP: rank 1 computed no gradient for the second layer, rank 0 did; both end with rank
     0's gradient / 2 there (else the replicas' optimizers step apart), and the same elsewhere."""

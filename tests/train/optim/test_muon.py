@@ -106,6 +106,7 @@ def test_muon_one_process_two_processes_and_accumulation_agree(tmp_path):
     assert_close(m_big, m_ddp, 1e-5)
 
 
+@pytest.mark.slow
 def test_muon_sigkill_then_resume_is_bitwise_identical(tmp_path):
     steps = dict(max_steps=6, save_every=2, device_batch=4, batch_tokens=128, **MUON)  # accum 2
     ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
@@ -216,6 +217,7 @@ def _check_against_reference(shapes, monkeypatch, steps: int = 2) -> None:
         assert diff <= 1e-5, (s, diff)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "preset,per_group", [("tiny", None), ("124m", 2), ("350m", 1)], ids=["tiny", "124m-2", "350m-1"]
 )
@@ -361,6 +363,7 @@ def _which_matrices(stack: torch.Tensor, grads: list[torch.Tensor]) -> list[int]
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["replicate", "fsdp"])
 def test_ranks_orthogonalise_each_matrix_once_on_its_owner_and_match_one_process(tmp_path, layout):
     """On 2 gloo ranks, replicated (every rank holds the whole gradient; the updates all_gathered)

@@ -351,6 +351,7 @@ def test_codex_hardware_model_prints_where_it_fits():
 MEASURE = str(Path(__file__).resolve().parents[3] / "bench" / "measure_step_memory.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,B,T,overrides",
     [
@@ -638,6 +639,7 @@ COUNTED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="counts with glibc's mallinfo2")
 @pytest.mark.parametrize("layout,accum", [("fsdp", 4), ("replicate", 2)])
 def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layout, accum):
