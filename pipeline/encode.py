@@ -194,7 +194,8 @@ def _threads() -> int:
 # inside t's span is the run on t alone, which is the run with the lower ids followed by t's merge),
 # so every merge tiktoken makes is a merge of the list, with the same order: it is HF's run step for
 # step. The split regex: tiktoken's engine (fancy-regex) and HF's (Oniguruma) class every code
-# point alike (tests/pipeline/test_encode.py encodes all 1.1M of them in context on both), and the pattern
+# point alike (tests/pipeline/test_encode.py encodes all 1.1M of them in context on both), and the
+# pattern
 # leaves no gap between matches (tiktoken drops what no match covers; every character is a letter,
 # a number, a space or none of these, and each has its branch).
 

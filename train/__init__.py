@@ -12,6 +12,7 @@
     checkpoint/    checkpoint folders, DCP I/O, the training state, resume, reading one
 
 Sub-packages import only those below them in this order: data, plan, optim, dist, xla,
-checkpoint, then metrics, remat, launch, loop (tests/core/test_structure.py holds it). train/ imports
+checkpoint, then metrics, remat, launch, loop (tests/core/test_structure.py holds it). train/
+imports
 codex/ (config, I/O), model/ and pipeline/ (the tokenizer's artifact); never eval/.
 """

@@ -40,7 +40,8 @@ _DEFAULT_MODEL = config_default("model")
 
 
 # show_default: every option with a default says it in --help (key_option adds the config's own
-# default, as its click default stays None: "not given"); tests/cli/test_cli_help.py checks each one.
+# default, as its click default stays None: "not given"); tests/cli/test_cli_help.py checks each
+# one.
 @click.group(
     context_settings={
         "help_option_names": ["-h", "--help"],

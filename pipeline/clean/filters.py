@@ -19,7 +19,8 @@ made once per document (Doc). Sentences (C4) are counted as runs of . ! ? follow
 or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are approximations;
 bench/bench_datatrove_parity.py measures how often the decisions still agree.
 
-Speed, with the same decisions (tests/pipeline/clean/test_clean.py holds each fast path to its plain definition):
+Speed, with the same decisions (tests/pipeline/clean/test_clean.py holds each fast path to its
+plain definition):
 each distinct piece of text is split and counted once (words.py), the repetition filter's n-grams
 are integer ids ranked by numpy (NGrams), and no filter takes a Python step per word or per n-gram.
 """

@@ -12,7 +12,8 @@ agree with datatrove's.
 Counts (Gopher's, per document): words, real words (not punctuation only: PUNCTUATION), the
 characters in them, words with a letter, distinct STOP_WORDS.
 
-Speed, with the same words and counts (tests/pipeline/clean/test_clean.py holds each fast path to its plain
+Speed, with the same words and counts (tests/pipeline/clean/test_clean.py holds each fast path to
+its plain
 definition): _WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches
 its pieces), in a form written for Python's regex engine (_WORD_FAST), compiled to C for ASCII
 pieces (_ascii_words); Gopher's counts come from per-piece rows summed in numpy, or from the
@@ -76,7 +77,8 @@ _WORD = re.compile(
 )
 
 
-# _WORD written for the regex engine (the same words, fewer steps; tests/pipeline/clean/test_clean.py holds them
+# _WORD written for the regex engine (the same words, fewer steps;
+# tests/pipeline/clean/test_clean.py holds them
 # equal on random and adversarial text): possessive repeats where giving back characters cannot
 # lead to a match (what follows them cannot start with what they take), (?:...|) for an
 # optional group, and each alternative starting with a character or class where it can (the

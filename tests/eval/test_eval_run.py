@@ -23,10 +23,10 @@ from tests.fixtures.evaluation import (  # noqa: F401
     eval_cfg,
     make_eval_run,
     make_tokenizer,
-    write_metrics,
     tiny_cfg,
     token_bytes_of,
     windows,
+    write_metrics,
 )
 
 torch.set_num_threads(1)

@@ -14,8 +14,8 @@ from tests.fixtures.evaluation import (
     eval_cfg,
     make_eval_run,
     make_tokenizer,
-    write_metrics,
     tiny_cfg,
+    write_metrics,
 )
 
 torch.set_num_threads(1)

@@ -22,7 +22,8 @@ last micro-batch, whose backward issues each bucket's async all-reduce as soon a
 are final; `all_reduce_grads` is still the one place to find, time and test it (it issues what
 the backward did not, waits, and writes the result into .grad). Gradients are summed in buckets
 (fp32, or bf16 under train.reduce_dtype=bf16) and divided by the world size, so the result is the
-gradient of the mean loss over every token of the global batch; tests/train/distributed/test_reduce.py counts one
+gradient of the mean loss over every token of the global batch;
+tests/train/distributed/test_reduce.py counts one
 reduction of every gradient element per step.
 
 Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for

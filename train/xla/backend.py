@@ -20,7 +20,8 @@ step (a log step reads the previous log step's values, lagged_logs). A Python sc
 learning rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla
 is first imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so
 its step count and bias corrections stay on the device (train/optim/optimizer.py). A run compiles a
-fixed number of programs (4 for 1,000 steps without validation, tests/train/xla/test_xla.py); compile_count()
+fixed number of programs (4 for 1,000 steps without validation, tests/train/xla/test_xla.py);
+compile_count()
 is logged with every train metrics line, and train.max_compiles > 0 fails at the first step that
 ends above it. XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back
 on TPU (pytorch/xla #9094), so every process still compiles its programs once.
