@@ -1,4 +1,5 @@
-"""Shared fixtures: a real GCS emulator, small corpora, and the XLA subprocess runner."""
+"""Shared fixtures: a real GCS emulator, a finished tiny run (built once a session), small corpora,
+and the XLA subprocess runner."""
 
 from __future__ import annotations
 
@@ -92,6 +93,24 @@ def gcs_bucket(gcs_emulator):
     fs.mkdir(name)
     gcsfs.GCSFileSystem.clear_instance_cache()
     yield f"gs://{name}"
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory) -> Path:
+    """A finished tiny run made with the real CLI (tests/fixtures/bad_input.py:
+    build_finished_run), built once for the session on first use; never changed: a test that
+    changes a run takes `run`."""
+    from tests.fixtures.bad_input import build_finished_run
+
+    return build_finished_run(tmp_path_factory.mktemp("finished_run"))
+
+
+@pytest.fixture
+def run(base_run, tmp_path) -> Path:
+    """A private copy of the finished run (cases may damage it)."""
+    dst = tmp_path / "run"
+    shutil.copytree(base_run, dst)
+    return dst
 
 
 @pytest.fixture(scope="session")
