@@ -33,7 +33,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 # gcsfs reads this at import: without it every bucket access waits 60 s on a gRPC probe the
-# emulator cannot answer (NOTES.md section 4).
+# emulator cannot answer.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 
@@ -116,7 +116,7 @@ def run(base_run, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def ray_cluster(gcs_emulator):
     """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start`,
-    two raylets of 1 CPU each (NOTES.md section 7), the second one slow to start its first
+    two raylets of 1 CPU each, the second one slow to start its first
     worker; yields the address. Its workers see the GCS emulator (they inherit
     STORAGE_EMULATOR_HOST from here). Ended by its own processes (RayCluster.stop), never
     `ray stop`. Skips, saying why, only where Ray is not installed or cannot start."""

@@ -170,3 +170,48 @@ def test_sentences_are_short():
         if average > MAX_WORDS_PER_SENTENCE:
             too_long[str(page.relative_to(ROOT))] = round(average, 1)
     assert too_long == {}, f"average words per sentence above {MAX_WORDS_PER_SENTENCE}"
+
+
+# A repository path named in code: a top-level folder of the repository and a file under it, or
+# one of the top-level documents. Placeholders (RUN/..., NAME.yaml) are not paths.
+_CODE_REF = re.compile(
+    r"(?<![\w./-])((?:codex|pipeline|model|train|eval|configs|tests|bench|docs|\.ci)/[\w./-]*"
+    r"\.(?:py|md|yaml|c|json|toml)|(?:NOTES|README|ARCHITECTURE)\.md)\b"
+)
+
+
+def code_references(path: Path) -> list[tuple[int, str]]:
+    """(line, path) of every repository file a comment or string of `path` names."""
+    import io
+    import tokenize
+
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            for ref in _CODE_REF.findall(tok.string):
+                if not re.search(r"(^|/)[A-Z_]+[./]", ref) or ref.endswith(".md"):
+                    found.append((tok.start[0], ref))
+    return found
+
+
+def test_code_names_only_files_that_exist():
+    """A comment or docstring that names a file of the repository names one that exists."""
+    sources = [
+        p
+        for d in ("codex/cli", "codex/core", "pipeline", "model", "train", "eval", "bench", "tests")
+        for p in (ROOT / d).rglob("*.py")
+        if p.name != "test_docs.py"  # its own examples
+    ]
+    missing = [
+        f"{p.relative_to(ROOT)}:{line}: {ref}"
+        for p in sources
+        for line, ref in code_references(p)
+        if not (ROOT / ref).exists()
+    ]
+    assert not missing, missing
+
+
+def test_the_code_reference_check_can_fail(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""See NOTES.md and train/plan/hardware.py; RUN/eval/step_N.json."""\n')
+    assert [ref for _, ref in code_references(f)] == ["NOTES.md", "train/plan/hardware.py"]
