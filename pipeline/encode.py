@@ -4,16 +4,9 @@
              --encode--> ids of each piece, concatenated (decodes back to the document)
              --frame--> <|bos|> + ids (+ <|eos|>)
 
-The ids are always those of the run's tokenizer.json (HF tokenizers' `encode`, with
-encode_special_tokens=True: a "<|bos|>" typed in a document is text). Who computes them
-(`Encoder.backend`): "auto" (default) encodes with a tiktoken Encoding built from the same
-merges, several times faster per core, where `exact_encoding` can prove it gives exactly
-those ids, and otherwise with HF tokenizers' encode_batch_fast, saying why in one log line; "hf"
-always uses HF tokenizers.
-
-Token ids are stored in the smallest unsigned dtype that holds the vocabulary (`token_dtype`).
-An Encoder is picklable (the tokenizer as JSON), so a worker process or Ray task can rebuild it;
-where documents are encoded and in what order is the caller's (pipeline/shard/encode.py).
+The ids are always those of the run's tokenizer.json. `Encoder.backend` "auto" computes them with
+tiktoken where `exact_encoding` proves it exact, else with HF tokenizers; "hf" always uses HF.
+docs/stages.md, "The encoder", has the details.
 """
 
 from __future__ import annotations
@@ -336,7 +329,7 @@ def _bpe_below(token: bytes, below: int, ranks: dict[bytes, int]) -> list[bytes]
 
 def exact_encoding(tokenizer_json: str):
     """(tiktoken.Encoding giving exactly tokenizer.json's ids for every string, None) or
-    (None, why not). Every check is in the module docstring."""
+    (None, why not). docs/stages.md, "The encoder", lists what must hold."""
     try:
         import tiktoken
     except ImportError:

@@ -1,17 +1,10 @@
 """The run-directory contract of a data stage (clean, tokenize, shard), owned in one place.
 
-Every stage writes one folder of RUN (codex/core/rundir.py) and follows the same rules:
-
-    finished()            the stage's completion marker, if its last run got that far
-    refuse(holds, fix)    its folder holds output it must not mix with or overwrite: exit 2 with one
-                          line saying what is there and how to start over
-    refuse_if_built_on()  the stage would rewrite output that later stages (its `later` folders)
-                          were built from: exit 2 (their data would silently mean something else)
-    start()               remove the old marker first (un-commit), so a killed run is never "done"
-    commit(marker)        config.yaml (the resolved config it ran with), then the marker, last
-
-What is "done" below the marker (clean's unit markers, shard's markers under .units/) and how a
-killed run resumes stay with each stage; the decisions above are made here.
+Every stage writes one folder of RUN (codex/core/rundir.py) through a `Stage`: finished() (its
+completion marker), refuse() and refuse_if_built_on() (exit 2 with one line saying how to start
+over), start() (remove the old marker first, so a killed run is never "done") and commit()
+(config.yaml, then the marker, last). What is "done" below the marker and how a killed run
+resumes stay with each stage. ARCHITECTURE.md, "Data stages", has the details.
 """
 
 from __future__ import annotations

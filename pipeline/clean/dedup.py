@@ -1,32 +1,10 @@
-"""Exact dedup across the whole corpus: the last step of `codex data clean`, a shuffle in three
-levels whose every task reads a bounded number of files and holds a bounded number of hashes.
+"""Exact dedup across the whole corpus: the last step of `codex data clean`.
 
-Each unit already dropped the copies inside itself and wrote the 128-bit BLAKE2b hash (+ byte
-length) of every document it kept to hashes/UNIT.npy, sorted by hash. Then, in dedup/:
-
-    combine   one task per group of consecutive units (at most ceil(sqrt(units)) of them, and
-              at most partition_bytes of rows): reads the group's hash files, keeps the first
-              copy of each hash in corpus order, writes firsts-GGGGGG.npy (sorted by hash, indexed
-              by hash partition) and copies-GGGGGG.npy (the group's later copies)
-    reduce    one task per hash partition: reads that partition's rows of every group's firsts
-              file, keeps the first copy (the earliest group's), writes drops-PPPPPP.npy (the
-              later copies, sorted by unit, indexed by group)
-    rewrite   one task per group: reads its copies file and its rows of every drops file,
-              rewrites each part that holds a later copy without it
-
-So a combine reads at most ceil(sqrt(N)) files for N units, a reduce one per group (about
-sqrt(N), more only where partition_bytes cuts groups), and a rewrite one per partition plus one.
-The number of partitions is the smallest power of two that keeps a partition's rows under
-data.clean.dedup.partition_bytes, up to MAX_PARTITIONS (far above what 10 TB needs, see
-MAX_PARTITIONS). A combine or reduce task holds its rows and its sort's working copies, under
-MEMORY_FACTOR x partition_bytes. The driver's plan is O(units + groups + partitions).
-
-Decisions are those of a single pass over the corpus in order: the first copy is kept. Every task
-writes its files atomically, then its marker (combine-, reduce- or rewrite-NNNNNN.json) last, so
-a rerun after a kill runs only the tasks without a marker. plan.json ties the markers to the
-units' markers they were made from (each attempt at a unit has its own start and finish times):
-when a unit was cleaned again, the dedup starts over. A rewrite is idempotent (it removes rows by
-hash), so parts rewritten before lose nothing more.
+Each unit already dropped the copies inside itself and wrote its kept documents' hashes to
+hashes/UNIT.npy. Here a shuffle in three levels (combine, reduce, rewrite) keeps the first copy of
+each text, as one pass over the corpus in order would. Every task reads a bounded number of files,
+holds a bounded number of hashes and writes its marker last, so a rerun after a kill runs only the
+tasks without one. docs/stages.md, "clean's exact dedup", has the details.
 """
 
 from __future__ import annotations

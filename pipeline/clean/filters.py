@@ -1,28 +1,11 @@
 """Text normalisation and the document filters of `codex data clean`.
 
 Every filter is a plain function `f(doc: Doc, cfg) -> str | None`: None keeps the document, a
-string is the drop reason (e.g. "short_doc"). The stage records it as "<filter>:<reason>" in
-stats.json, so every dropped document says which rule dropped it. A filter may also rewrite
-`doc.text` (C4 removes lines). Thresholds live in the filter's settings dataclass in
-codex/core/config/data.py; the defaults are the published ones, copied from datatrove 0.10 (which
-copies
-them from the papers), and written next to each function below.
-
-Which filters run: `FILTERS` in order, each only if `enabled` and named by the preset
-(`PRESETS`): "web" = prose rules, "code" = source-code rules, "all" = every enabled filter.
-Exact dedup is not here: it is done within a unit by pipeline/clean/unit.py and across the corpus
-by pipeline/clean/dedup.py.
-
-Words: a document's words and Gopher's counts over them are pipeline/clean/words.py's (one regex
-that copies the main rules of spaCy's tokenizer, which datatrove uses, and spaCy's own tables),
-made once per document (Doc). Sentences (C4) are counted as runs of . ! ? followed by whitespace
-or the end, not after an abbreviation, instead of spaCy's sentencizer. Both are approximations;
-bench/bench_datatrove_parity.py measures how often the decisions still agree.
-
-Speed, with the same decisions (tests/pipeline/clean/test_clean.py holds each fast path to its
-plain definition):
-each distinct piece of text is split and counted once (words.py), the repetition filter's n-grams
-are integer ids ranked by numpy (NGrams), and no filter takes a Python step per word or per n-gram.
+string is the drop reason, recorded as "<filter>:<reason>" in stats.json. `FILTERS` holds them in
+order and a preset (`PRESETS`) picks which run. Thresholds live in each filter's settings
+dataclass (codex/core/config/data.py); the defaults are datatrove 0.10's published ones. Words
+and Gopher's counts come from pipeline/clean/words.py; exact dedup is not here.
+docs/stages.md, "The filters", has the details.
 """
 
 from __future__ import annotations

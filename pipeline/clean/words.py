@@ -1,24 +1,11 @@
 """The words of `codex data clean`'s filters: a document's words (split_words) and Gopher's counts
 over them (word_counts), as datatrove finds them with spaCy's English tokenizer, without spaCy.
 
-Words: datatrove splits English words with spaCy's tokenizer (slow); we use one regex (`_WORD`)
-that copies its main rules: symbols split off words one character at a time ("===" is three
-tokens), URLs, e-mail addresses, numbers like 3.5 and 1,000, abbreviations like e.g. and
-contraction suffixes ('s) kept whole; and spaCy's own tables (pipeline/clean/spacy_en.json: its
-special cases: "don't" is do n't; its URL match: foo-bar.deb is one word), see _piece_words. An
-approximation: bench/bench_datatrove_parity.py measures how often the filters' decisions still
-agree with datatrove's.
-
-Counts (Gopher's, per document): words, real words (not punctuation only: PUNCTUATION), the
-characters in them, words with a letter, distinct STOP_WORDS.
-
-Speed, with the same words and counts (tests/pipeline/clean/test_clean.py holds each fast path to
-its plain
-definition): _WORD runs once per distinct piece of text (_Pieces, a bounded cache, as spaCy caches
-its pieces), in a form written for Python's regex engine (_WORD_FAST), compiled to C for ASCII
-pieces (_ascii_words); Gopher's counts come from per-piece rows summed in numpy, or from the
-compiled counter where the package was built with it (COUNTER: pipeline/clean/_wordcount.c, the
-same words from the same regex and tables, and the same counts).
+One regex (`_WORD`) copies the tokenizer's main rules, and spaCy's own tables
+(pipeline/clean/spacy_en.json) add its special cases. It is an approximation:
+bench/bench_datatrove_parity.py measures how often the filters' decisions still agree. Each
+distinct piece of text is split once; the counts come from numpy or from the compiled counter
+(COUNTER, pipeline/clean/_wordcount.c). docs/stages.md, "Words and counts", has the details.
 """
 
 from __future__ import annotations

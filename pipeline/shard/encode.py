@@ -1,18 +1,12 @@
 """The shard stage's second phase, encode: the cleaned parts -> each encode unit's token streams in
 .units/ (the folder's layout: manifest.py).
 
-A unit is rows [start, stop) of one part. With at least UNITS_PER_WORKER x slots parts (slots: local
-workers, or the Ray cluster's CPUs) each part is one unit; with fewer (one 20,000-document part, a
-few parts) the parts are cut at the scan's sampled rows into about that many ranges of about equal
-bytes, the last ones smaller and smaller, so that no core idles (_cuts). A unit reads only the row
-groups holding its rows (corpus.py: read_text_rows; a process keeps the last one it decoded for its
-next unit, which usually starts in it), encodes them in batches of ~BATCH_CHARS into its folder of
-.units/ (the folder's name holds the part and rows): per split its token stream and tokens per
-document, then its marker (part, rows, counts). Its documents per split must be what the scan
-counted in those rows. A rerun skips the units whose marker matches (_encoded).
-
-The encoding of a document (-> its ids) is pipeline/encode.py's; here, which documents, in what
-order, on how many threads (_encoder_threads).
+A unit is rows [start, stop) of one part. With fewer than UNITS_PER_WORKER x slots parts, the
+parts are cut at the scan's sampled rows into ranges of about equal bytes, so that no core idles
+(_cuts). A unit writes per split its token stream and tokens per document, then its marker; a
+rerun skips the units whose marker matches (_encoded). How a document is encoded is
+pipeline/encode.py's; here, which documents, in what order, on how many threads.
+docs/stages.md, "An encode unit", has the details.
 """
 
 from __future__ import annotations

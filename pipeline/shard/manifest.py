@@ -1,26 +1,11 @@
 """The shard folder's files: names, manifest.json (the commit marker), the settings of a started run
 and the intermediate files of an unfinished one.
 
-    RUN/shards/train_00000.npy ...   shards, each written atomically
-    RUN/shards/shard_progress.json   the settings of the run that started writing here, written
-                                     before anything else; kept after the manifest so that a rerun
-                                     with other settings is refused even while the manifest is
-                                     absent (a killed run, a rerun that is repairing a shard)
-    RUN/shards/.units/               what an unfinished run has done; removed once the manifest
-                                     is written
-        NNNNN-PART-rows-A-B/            one encode unit, rows [A, B) of a cleaned part (NNNNN:
-                                        its place in corpus order):
-            SPLIT.tokens                its token ids of that split, in corpus order (a raw array
-                                        of the shard dtype)
-            SPLIT.lens                  tokens per document of that split (raw int64)
-            done.json                   last: the part and its rows, documents, tokens and bytes
-                                        per split, and the fingerprint of the settings
-        shards/SPLIT_NNNNN.json         a shard's manifest entries, after its files
-    RUN/shards/manifest.json         last: every shard's entry (split, path, format, tokens,
-                                     documents, sha256), totals, and the settings they were
-                                     made with
-
-A manifest entry is what train/data/loader.py reads and pipeline/shard/verify.py checks.
+shard_progress.json (the settings) is written before anything else and kept, so a rerun with other
+settings is refused even while the manifest is absent. .units/ holds what an unfinished run has
+done: each encode unit's token streams and marker, each shard's manifest entries. manifest.json,
+written last, lists every shard; train/data/loader.py reads its entries and
+pipeline/shard/verify.py checks them. docs/stages.md, "The shard folder", has the layout.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The shard stage's first phase, scan: each cleaned part's documents per split, counted before any
-encoding, so that an empty corpus or an empty val split fails in seconds (reading + hashing is ~30x
-cheaper than encoding).
+encoding, so that an empty corpus or an empty val split fails in seconds.
 
-A unit reads one part and counts its documents per split. When encode.py will cut the parts into
-encode units (fewer parts than UNITS_PER_WORKER x slots: _cuts) it also samples, every BLOCK_ROWS
-rows and at the end, the UTF-8 bytes and val documents before that row: where a part may be cut,
-and each unit's documents per split. With more parts, only the counts at the part's start and end
-come back: the driver holds a few numbers a part, never one a block of documents. With fewer parts
-than units wanted (a Ray CPU's one, a local worker's UNITS_PER_WORKER: the pool's processes start
-during the scan) a part is scanned in row ranges cut at its row groups, and their counts added up
-(_scan_units, _joined_scans): the same samples, and no core idles. The driver reads those parts'
-parquet footers (to cut them) 16 at a time on an object store (manifest.py: per_path).
+When encode.py will cut the parts into encode units (_cuts), a unit also samples, every BLOCK_ROWS
+rows, the UTF-8 bytes and val documents before that row: where a part may be cut. With fewer
+parts than units wanted, a part is scanned in row ranges cut at its row groups and their counts
+added up (_scan_units, _joined_scans). docs/stages.md, "A scan unit", has the details.
 """
 
 from __future__ import annotations

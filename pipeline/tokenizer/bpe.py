@@ -1,29 +1,11 @@
 """Byte-level BPE: the tokenizer codex trains, and the two trainers that make it.
 
-The tokenizer (see ARCHITECTURE.md, "Tokenizer contract"):
-- byte-level BPE: the 256 byte symbols are always in the vocabulary, so every string encodes and
-  there is no unknown token; no normalizer, so decode(encode(x)) == x for every string x;
-- specials take the first ids: <|bos|> = 0, <|eos|> = 1, <|pad|> = 2, then the 256 bytes (rustbpe:
-  byte b = id 3 + b), then merged tokens in merge order;
-- pre-tokenized with the GPT-4 (cl100k) split regex, digits grouped as \\p{N}{1,3}: a run of digits
-  is cut left to right into pieces of at most 3 ("1234567" -> "123" "456" "7"), so no token spans
-  more than 3 digits and a number costs at least one token per 3 digits (as GPT-4; nanochat uses
-  1-2 for very small vocabularies). The regex also keeps every pre-token small, which is what keeps
-  the trainer's memory bounded (tokenizers #1345, #1546);
-- a corpus too small to support `vocab_size` tokens gives fewer: the meta records the real size
-  (`vocab_size`) next to `vocab_size_requested`, and a warning is logged.
-
-Two trainers, one artifact (an HF `tokenizers` tokenizer.json, loaded and used the same way):
-- "rustbpe" (default): nanochat's rustbpe trains; its merges are rebuilt into an HF BPE model
-  (`_merge_pairs`, `tokenizer_from_merges`), which encodes exactly as rustbpe does (tested). On
-  2 cores it trains 32K tokens on 100 MB in 17 s where HF's BpeTrainer takes 28-31 s and
-  sentencepiece 23 s (bench/bench_tokenizer.py): HF spends most of its time building per-byte
-  alignment tables for each pre-token, which a trainer never needs. Counts are int32, so it
-  refuses more than 2^31-1 bytes of training text (clear error; use "hf").
-- "hf": HF tokenizers' BpeTrainer, 64-bit counts, for larger budgets.
-Both train byte-level BPE on the same regex and break merge ties by pair ids, so both are
-deterministic functions of the documents; they differ only in tie-breaks (same compression to
-3 decimals on the bench corpus).
+The 256 bytes are always in the vocabulary and there is no normalizer, so every string encodes
+and decode(encode(x)) == x. The specials take the first ids, then the bytes, then the merges. The
+split regex is GPT-4's, with digits in groups of at most 3. Two trainers make the same kind of
+tokenizer.json: "rustbpe" (the default, int32 counts) and "hf" (HF's BpeTrainer, 64-bit counts).
+Both break merge ties by pair ids, so both are deterministic functions of the documents.
+docs/stages.md, "tokenize", has the details.
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ from codex.core.config import ConfigError
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 SPECIAL_IDS = {"bos": 0, "eos": 1, "pad": 2}
-# GPT-4 (cl100k_base) split pattern. Digits: \p{N}{1,3}, see the module docstring.
+# GPT-4 (cl100k_base) split pattern. Digits: \p{N}{1,3} (docs/stages.md, "The tokenizer").
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""

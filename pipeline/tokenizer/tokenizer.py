@@ -1,23 +1,14 @@
 """`codex data tokenize`: train a byte-level BPE tokenizer on the cleaned corpus.
 
-    RUN/clean/part-*.parquet (or data.tokenizer.inputs)
-      -> pass 1: tasks hash every document and send the driver only keys under a hash threshold:
-                 the smallest hashes up to max_chars (and the largest `heldout_docs` hashes, set
-                 aside to measure compression); one task per input file, run by data.executor
-                 with data.tokenizer.workers, merged in the driver
+    RUN/clean/part-*.parquet
+      -> pass 1: tasks hash every document and send the driver only keys under a hash threshold
       -> pass 2: tasks read the selected documents; the driver streams them into the BPE trainer
-                 (data.tokenizer.trainer), which runs in the driver
       -> RUN/tokenizer/ tokenizer.json, token_bytes.npy, config.yaml, tokenizer_meta.json (last)
 
-Where the passes run (this process, local processes, Ray) changes nothing in the result: the same
-input files give the same tokenizer.json byte for byte, so workers and executor are not among the
-settings a rerun compares.
-
-Compression (bytes/token) is measured on held-out documents: the `heldout_docs` largest hashes
-(at most a tenth of the corpus), never trained on, encoded up to 2M characters.
-
-The tokenizer itself and its trainers: pipeline/tokenizer/bpe.py; which documents it is trained on:
-pipeline/tokenizer/doc_select.py.
+Where the passes run changes nothing: the same input files give the same tokenizer.json byte for
+byte. Compression is measured on held-out documents, never trained on. The tokenizer and its
+trainers: pipeline/tokenizer/bpe.py; which documents: pipeline/tokenizer/doc_select.py.
+docs/stages.md, "tokenize", has the details.
 """
 
 from __future__ import annotations
