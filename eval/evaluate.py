@@ -4,26 +4,10 @@
     # {"loss": 3.1, "perplexity": 22.2, "bits_per_byte": 1.05, "tokens": 1048576, "bytes": 4300000}
 
 `evaluate` is the one function behind both `codex eval` and the training loop's periodic
-validation, so the two can never disagree on what "val loss" means.
-
-What is summed, per rank, on the device (no host transfer inside the loop, which on XLA would
-cut the graph and stall every batch):
-    nats   = sum of per-token cross-entropy losses (fp32 from the model, accumulated in fp64
-             where the device has it; XLA/TPU has no fast fp64, so fp32 there)
-    tokens = number of target tokens
-    bytes  = UTF-8 bytes of the target tokens, token_bytes[y] (special tokens count 0)
-The three sums are all-reduced across ranks once at the end (backend.all_reduce_sum), then
-    loss = nats / tokens,  perplexity = exp(loss),  bits_per_byte = nats / (ln 2 * bytes)
-Perplexity depends on the tokenizer (its nats are per token, and a token covers more or fewer bytes
-under another vocabulary); bits per byte does not, so it compares models across tokenizers.
-Report both.
-
-A batch is (x, y) or (x, y, mask): `mask` is a per-row bool [B] for fixed-shape final batches
-(XLA compiles one graph per shape, so the last partial batch is padded with rows that count 0).
-
-The `codex eval` command around it is eval/run.py (checkpoint -> model -> val split or --data
-text -> RUN/eval/step_N.json); train/checkpoint/read.py loads a checkpoint's model, eval/data.py
-turns --data text into a temporary val shard.
+validation, so the two can never disagree on what "val loss" means. The sums stay on the device
+and are all-reduced once at the end; a batch may carry a per-row mask (x, y, mask) for XLA's
+fixed-shape final batches. docs/eval.md, "Validation loss, perplexity, bits per byte", has the
+details.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Generate text from a model: `codex sample --run DIR --prompt TEXT`, on the run's hardware.
 
-With the KV cache (model/gpt.py prefill / decode, the default) the prompt is run once and each
-new token costs one decode step over a preallocated cache, so the cost per token does not grow
-with its position. Without it (use_cache=False, nanoGPT's `generate`) every token re-runs the
-model on the last max_seq_len tokens: O(n^2) in the length, obviously correct, kept as the
-reference the cache is tested against.
-
-Past max_seq_len both paths do the same thing: the next token is predicted from a sliding window
-of the last max_seq_len tokens at positions 0..max_seq_len-1. The window's RoPE positions shift
-by one with every token, so cached keys are stale: with the cache, each such token is a fresh
-prefill of the window (a full forward per token, as without the cache; one fixed shape on XLA).
-
-Sampling (temperature, top-k, the seeded draw) runs on the CPU from the fp32 logits, so a seed
-gives the same text on every device up to the device's numerics. The prompt starts with <|bos|>
-because every training document does.
+With the KV cache (model/gpt.py prefill / decode, the default) each new token costs one decode
+step. Without it (use_cache=False) every token re-runs the model on the last max_seq_len tokens:
+the reference the cache is tested against. Past max_seq_len both predict from a sliding window of
+the last max_seq_len tokens, a fresh prefill per token with the cache. Sampling runs on the CPU
+from the fp32 logits, so a seed gives the same text on every device up to its numerics.
+docs/eval.md, "Sampling", has the details.
 """
 
 from __future__ import annotations

@@ -4,15 +4,8 @@
     -> lm_eval.simple_evaluate(model="hf", ...) on the named tasks
     -> RUN/eval/step_N.tasks-<hash>.json, beside the bits-per-byte records of eval/run.py
 
-The exported tokenizer puts <|bos|> first and lm-eval is told add_bos_token=True, so every scored
-context starts with <|bos|>, as every training document did. A task whose dataset is not on this
-machine (no network, never downloaded) fails with one line naming it and how to get it. Extra task
-YAMLs (a local JSON dataset, say) come from codex.eval.tasks_path, lm-eval's include_path;
-configs/tasks
-ships one that runs offline (codex_example).
-
 lm-eval and transformers are optional dependencies (pip install 'codex[hf,tasks]'), imported
-here only.
+here only. docs/eval.md, "Downstream tasks", has the details.
 """
 
 from __future__ import annotations

@@ -2,20 +2,11 @@
 weights and the model config, nothing else, loadable with torch.load(weights_only=True) (no pickled
 code):
 
-    {"model":        the state dict of model.gpt.GPT, fp32 CPU tensors (full, whatever layout
-                     trained it),
-     "model_config": dataclasses.asdict(ModelConfig): str, int, float and bool only,
-     "step": int, "tokenizer_sha256": str}
-
-    import torch
-    from codex.core.config.model import ModelConfig
-    from codex.model.gpt import GPT
     saved = torch.load("model.pt", weights_only=True)
     model = GPT(ModelConfig(**saved["model_config"]))
     model.load_state_dict(saved["model"])
 
-The padded vocabulary rows stay (the state dict is exactly GPT's); GPT.logits slices them off.
-With tied embeddings wte.weight and lm_head.weight are one tensor, stored once.
+docs/export.md, "One torch file", has the file's keys and what its state dict holds.
 """
 
 from __future__ import annotations
