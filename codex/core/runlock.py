@@ -1,25 +1,11 @@
 """One writer per run directory: a lease file, RUN/.codex-lock.json, local or on gs://.
 
-Why: two `codex train` on one run directory would resume from each other's checkpoints and
-overwrite each other's step_* folders and metrics, and both exit 0. Every command that writes a run
-holds the lease while it runs; a second writer is refused (LockHeld, a ConfigError: exit 2) with a
-line naming the holder.
-
-The lease is JSON: host, pid, command, argv, start time and a heartbeat (epoch seconds) that a
-daemon thread refreshes every HEARTBEAT_S. A lease is stale, and the next writer takes it over with
-a warning, when its pid is dead on this host (SIGKILL, OOM kill) or its heartbeat is older than
-STALE_AFTER_S (a dead host, a killed container). Every change is atomic and conditional:
-
-- local: all reads and changes run under fcntl.flock on a guard file beside the lease (removed with
-  it on release); create is O_CREAT|O_EXCL, takeover and heartbeat write a temp file and
-  os.replace it;
-- gs://: the lease is one object written through the JSON API with an object-generation
-  precondition: ifGenerationMatch=0 creates it only when absent, ifGenerationMatch=<the generation
-  read> replaces or deletes it only when nobody changed it since (GCS answers 412 otherwise).
-
-A holder whose lease was taken over (it stalled for longer than STALE_AFTER_S) finds out at its next
-heartbeat and exits at once: two writers must never both continue. Only process 0 of a job holds the
-lease (torchrun's RANK, a TPU slice's worker id); the others rely on it.
+Two `codex train` on one run directory would resume from each other's checkpoints, overwrite each
+other's files and both exit 0. So every command that writes a run holds the lease while it runs;
+a second writer is refused (LockHeld, a ConfigError: exit 2) with a line naming the holder. A
+stale lease (its pid dead on this host, or its heartbeat older than STALE_AFTER_S) is taken over
+with a warning. Every change is atomic and conditional: flock locally, generation preconditions
+on gs://. docs/bad-input.md, "One writer per run directory", has the details.
 """
 
 from __future__ import annotations

@@ -6,12 +6,9 @@
       train                                      codex/core/config/train.py
       eval                                       codex/core/config/eval.py
 
-Built in this order, later wins: dataclass defaults -> `--model NAME` preset
-(configs/model/NAME.yaml) -> `--config FILE` (YAML, same nesting) -> a command's own options (typed
-values, e.g. `--max-steps 100`) -> each `--set a.b.c=value` (parsed as YAML).
-An unknown key anywhere is a ConfigError naming it and suggesting the nearest valid key; a value
-of the wrong type names the key and the type it needs. The resolved config is saved (YAML) next to
-every artifact a stage writes, so a run directory says how it was made.
+Built in this order, later wins: defaults -> `--model NAME` -> `--config FILE` -> a command's own
+options -> each `--set a.b.c=value`. An unknown key or a wrongly typed value is a ConfigError
+naming the key. docs/cli.md, "Config files and `--set`", has the details.
 """
 
 from __future__ import annotations
