@@ -60,30 +60,10 @@ def optimizer_bytes(m: ModelConfig, optimizer: str) -> int:
 
 
 def muon_step_bytes(m: ModelConfig, kind: str, layout: str, F: int, W: int, c: int) -> int:
-    """What Muon's step allocates on top of the state, per device (train/optim/muon.py; counted
-    on the CPU by bench/count_step_memory.py). Muon iterates in the compute dtype (c bytes), one
-    stack per shape group on each matrix's owner rank (owners.py: balanced_owners); M = the
-    matrices' entries, F the ranks sharing the state, W the world:
-
-        one process, TPU  every matrix's update until they are applied (c M), plus one group's
-        (replicated)      stack at work (_stack_work; TPU: XLA's one graph, assumed)
-        fsdp (TPU)        each group's stack split over the W chips (train/xla/update.py), each
-                          iterating ceil(n / W) of its n matrices, the results sent to row shards
-                          (an all-to-all), never gathered whole: this chip's rows of every update
-                          (c M / F) and the largest group's share at work
-        replicate, W > 1  the all_gather of the updates in the iteration's dtype, w = the busiest
-                          rank's share: its own updates, the send buffer and their flat copy
-                          (3 c w), the W received (c W w) and the collective's flat output they
-                          are copied out of (c W w)
-        fsdp (CPU/CUDA)   the owner-rank exchange (muon.py: _owner_updates), s = this rank's
-                          row shards of every matrix (M / F), o = the entries an owner iterates:
-                          the largest of its three phases, the first all_to_all (send + receive,
-                          c (s + o)), iterating (the receive buffer and its largest group's stack
-                          at work, c o + work), the second all_to_all's output and, in bf16, its
-                          fp32 copy (c s, + 4 s)
-
-    AdamW's step is not counted (fused on CUDA; on the CPU a few copies of one parameter at a
-    time)."""
+    """What Muon's step allocates on top of the state, per device, in bytes (train/optim/muon.py;
+    counted on the CPU by bench/count_step_memory.py). c is the compute dtype's bytes, F the ranks
+    sharing the state, W the world; `kind` and `layout` pick the case. AdamW's step is not counted.
+    docs/hardware.md, "The arithmetic, term by term", has each case's arithmetic."""
     shapes = [wide(shape) for shape in hidden_matrices(m)]
     sizes = [r * cols for r, cols in shapes]
     if not sizes:
