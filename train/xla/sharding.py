@@ -83,7 +83,7 @@ _FAKE = contextvars.ContextVar("codex_xla_fake_trace", default=False)
 @contextlib.contextmanager
 def fake_trace():
     """Inside: the model runs on fake tensors (AOTAutograd tracing one scanned layer,
-    train/xla/step.py), which carry no sharding: the output constraints below stand aside."""
+    train/xla/layer_scan.py), which carry no sharding: the output constraints below stand aside."""
     token = _FAKE.set(True)
     try:
         yield
@@ -95,6 +95,13 @@ def planned_spec(p: torch.Tensor) -> tuple | None:
     """The partition spec shard_model gave parameter `p`, or None (not planned)."""
     planned = _PLANNED.get(p)
     return None if planned is None else planned[1]
+
+
+def annotate(t: torch.Tensor, mesh, spec: tuple) -> None:
+    """A sharding constraint on `t`'s value (a Sharding custom-call in the HLO), in place."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding(spec))
 
 
 def make_mesh(replicas: int, shard: int):
