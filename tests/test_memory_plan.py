@@ -716,7 +716,7 @@ def test_cuda_turns_on_expandable_segments_unless_the_user_set_the_allocator(mon
     allocation, under both names torch reads (PYTORCH_ALLOC_CONF, and older torch's
     PYTORCH_CUDA_ALLOC_CONF); a value the user set under either name stands, and the other is
     left unset so it cannot override theirs. Nothing on the CPU."""
-    from codex.train.distributed.backend import allocator_env
+    from codex.train.distributed.process_env import allocator_env
 
     both = {
         "PYTORCH_ALLOC_CONF": "expandable_segments:True",
