@@ -24,7 +24,7 @@ from codex.core.config import Config, ConfigError, save_config, to_dict
 from codex.core.progress import Progress, setup_logging
 from codex.model.gpt import flops_per_token, num_params
 from codex.train.checkpoint import folders as checkpoint
-from codex.train.checkpoint.folders import BackgroundWriter, PendingSave
+from codex.train.checkpoint.async_save import BackgroundWriter, PendingSave
 from codex.train.checkpoint.resume import resume
 from codex.train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
 from codex.train.data.loader import TrainLoader, val_batches
