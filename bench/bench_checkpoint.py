@@ -110,6 +110,7 @@ def worker(vocab: int, folder: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from codex.model.gpt import GPT
+    from codex.train.checkpoint import async_save
     from codex.train.checkpoint import folders as checkpoint
     from codex.train.distributed.control import ControlPlane
     from codex.train.distributed.fsdp import make_mesh
@@ -137,13 +138,13 @@ def worker(vocab: int, folder: str, out: str) -> None:
     # train.async_save: the loop is blocked only while the state is copied; then the writer
     # process writes it. The first save makes the buffer and starts the writer; later ones reuse
     # both (the steady state a training run is in).
-    writer = checkpoint.BackgroundWriter(control)
+    writer = async_save.BackgroundWriter(control)
     blocked, total = [], []
     for step in (2, 3, 4):
         control.barrier()
         state["step"] = step
         t = time.perf_counter()
-        pending = checkpoint.save_in_background(
+        pending = async_save.save_in_background(
             os.path.join(folder, "dcp2"), state, writer, keep_last=1
         )
         blocked.append(time.perf_counter() - t)

@@ -195,7 +195,7 @@ class GPT(nn.Module):
     rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
     rope_sin: torch.Tensor
     # runner(model, x, cos, sin, idx) -> the last block's output, in place of the Python loop over
-    # the blocks: XLA fsdp's one scanned layer over stacked weights (train/xla/step.py)
+    # the blocks: XLA fsdp's one scanned layer over stacked weights (train/xla/layer_scan.py)
     blocks_runner: Callable | None = None
 
     def __init__(self, cfg: ModelConfig):

@@ -1,34 +1,12 @@
 """The training loop, top to bottom: `train(cfg, evaluate) -> dict`.
 
-    backend -> tokenizer meta (vocab size) -> model -> optimizer -> loader -> resume
+    backend -> plan -> model -> optimizer -> loader -> resume
     for step in range(start, total):
-        lr = lr_for(step)
-        for micro-batch in range(accum):   # no communication but in the last backward (fsdp:
-                                           #   reduce-scatters; replicate: starts the buckets'
-                                           #   all-reduces; XLA: one While traced once,
-                                           #   train/xla/step.py)
-            loss = model(x, y) / accum; loss.backward()
-        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step (replicate:
-                                           #   waits for the buckets; fsdp: done in backward)
-        clip (on the all-reduced gradient); optimizer.step(); backend.step_boundary()
-        every log_every: loss, tokens/s, MFU, memory (XLA: the previous log step's line, so the
-                         host never waits for the device)  every eval_every: val loss + bpb
-        every save_every (and on SIGTERM/SIGINT and at the end): checkpoint, every rank its own part
-
-Batch: train.batch_tokens tokens per optimizer step = device_batch * seq_len * world * accum
-(train/plan/plan.py). Every micro-batch holds B*T tokens and every rank the same number of
-micro-batches, so dividing each micro-batch's mean loss by accum and averaging gradients over ranks
-gives exactly the gradient of the mean loss over every token of the step, the same as one big
-batch.
-
-Exit paths: the end of training, or SIGTERM/SIGINT (a spot VM gets ~30 s): the current step
-finishes, a checkpoint is written, train() returns {"stopped": True} and the process exits 0.
-Running the same command again resumes from the newest intact checkpoint (train.resume=auto):
-rank 0 picks it and every rank loads that step (train/checkpoint/resume.py). A rank that raises
-skips the clean-exit barrier, so the whole job ends non-zero within seconds instead of hanging.
+        lr; the micro-batches' forward + backward (XLA: one While); THE gradient all-reduce;
+        clip; optimizer.step(); log, validate, save when due (and on SIGTERM, and at the end)
 
 `evaluate` is eval/evaluate.py's function, passed in by the caller (`codex train`, the demo) so
-that train/ never imports eval/, which sits above it.
+that train/ never imports eval/, which sits above it. The batch, the exit paths: docs/training.md.
 """
 
 from __future__ import annotations
@@ -46,14 +24,14 @@ from codex.core.config import Config, ConfigError, save_config, to_dict
 from codex.core.progress import Progress, setup_logging
 from codex.model.gpt import flops_per_token, num_params
 from codex.train.checkpoint import folders as checkpoint
-from codex.train.checkpoint.folders import BackgroundWriter, PendingSave
+from codex.train.checkpoint.async_save import BackgroundWriter, PendingSave
 from codex.train.checkpoint.resume import resume
 from codex.train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
 from codex.train.data.loader import TrainLoader, val_batches
 from codex.train.distributed.backend import Backend, loader_layout, unwrap
 from codex.train.distributed.control import StopFlag, injected_step_fault, rank_tag
 from codex.train.launch import open_backend
-from codex.train.metrics import LossWindow, MetricsLogger, StepTimer, make_logger
+from codex.train.metrics import LossWindow, Meters, StepTimer, TrainLine, make_logger
 from codex.train.optim.optimizer import clip_grad_norm, make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
 from codex.train.plan.plan import Plan, make_plan
@@ -93,27 +71,9 @@ class StepState:
     saving: PendingSave | None = None  # the checkpoint being written (train.async_save)
     writer: BackgroundWriter | None = None  # train.async_save: this rank's writer process
 
-
-@dataclass
-class TrainLine:
-    """A log step's values, still on the device until the line is written."""
-
-    step: int
-    tokens: int
-    lr: float
-    loss: torch.Tensor  # the mean loss since the last line
-    grad_norm: torch.Tensor
-
-
-@dataclass
-class Meters:
-    """Where the loop's measurements go: the loss window, the timer, the log, the progress bar."""
-
-    window: LossWindow
-    timer: StepTimer
-    metrics: MetricsLogger
-    progress: Progress
-    pending: TrainLine | None = None  # lagged_logs: the line the next log step writes
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # after an error: abandons a save still in flight
 
 
 class ManagedGC:
@@ -202,34 +162,25 @@ def train(
 def _train(
     cfg: Config, backend: Backend, evaluate: Evaluate, plot: Callable[[str], object] | None
 ) -> dict:
-    """The loop, top to bottom in one function on purpose (as nanoGPT's train.py): each section
-    is a few calls to the helpers below, and reading it in order is reading a step."""
+    """The loop, top to bottom on purpose (as nanoGPT's train.py): reading it is reading a step."""
     # --- plan, model, optimizer, data ---
-    preset = get_preset(cfg.train.hardware)
-    backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
-    backend.control.check_shared_dir(cfg.run)  # and every rank reads and writes one run folder
-    cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
-    run = Run(cfg, backend, plan, preset, evaluate, token_bytes, plot)
-    tcfg = cfg.train
-    # build_model's weights, placed (sharded)
-    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
+    run = _make_run(cfg, backend, evaluate, plot)
+    cfg, plan, tcfg = run.cfg, run.plan, run.cfg.train
+    model = backend.build_model(cfg.model, tcfg.seed, plan.layout)  # placed (sharded)
     model = apply_remat(model, tcfg.remat, backend.kind)  # train.remat: checkpoint every block
     raw = unwrap(model)  # without a torch.compile wrapper
     optimizer = make_optimizer(raw, tcfg, backend.kind, backend.autocast_dtype)
     parts = TrainingParts(raw, optimizer, _make_loader(run))
-    # None: the Python micro-batch loop below
+    # XLA: the micro-batches and clip + optimizer.step, each traced once; None: Python below
     accumulate = backend.device_accumulation(model, plan.accum)
-    # None: clip + optimizer.step below; XLA: both traced once (train/xla/update.py)
     update = backend.cached_update(raw, optimizer, tcfg.grad_clip)
 
     # --- resume: rank 0 picks the newest intact checkpoint, every rank loads exactly it ---
     existing, state, log_window = _resume(run, parts)
     if _nothing_to_do(run, state.step):
         return _summary(plan, state)
-    metrics, progress = _start_run(run, num_params(raw), state, existing)
+    meters = _start_run(run, num_params(raw), state, existing, log_window)
     stop = StopFlag().install()
-    window = LossWindow(backend, plan.accum, log_window)
-    meters = Meters(window, StepTimer(backend, state.step, state.tokens), metrics, progress)
     model.train()
     first_step = state.step  # this process's first step (0, or the step resumed from)
     collector = ManagedGC(tcfg.gc_every)
@@ -238,8 +189,7 @@ def _train(
             # --- one optimizer step ---
             injected_step_fault(backend.control, state.step)
             lr = set_lr(optimizer, lr_for(state.step, tcfg, plan.total_steps))
-            # XLA: every micro-batch in one While, traced once (train/xla/step.py)
-            if accumulate is not None:
+            if accumulate is not None:  # XLA: every micro-batch in one While, traced once
                 meters.window.add(accumulate(parts.loader))
             for micro in range(plan.accum if accumulate is None else 0):
                 # reduce in the last backward only (fsdp: reduce-scatter; replicate: buckets)
@@ -247,28 +197,21 @@ def _train(
                 x, y = backend.to_device(next(parts.loader))
                 with backend.autocast():
                     loss = model(x, y)
-                # Mean over the step's tokens: each micro-batch has B*T tokens, so /accum here
-                # and the average over ranks in all_reduce_grads give the global token mean.
+                # /accum, then all_reduce_grads' mean over ranks: the mean over the step's tokens
                 (loss / plan.accum).backward()
                 meters.window.add(loss)
             backend.all_reduce_grads(raw)  # THE gradient all-reduce (once per step)
-            # the global gradient: after the all-reduce
-            if update is not None:
-                grad_norm = update(lr)
-            else:
-                grad_norm = clip_grad_norm(raw, tcfg.grad_clip)
-                optimizer.step()
+            # clip the global gradient (after the all-reduce), then step; XLA: one traced program
+            grad_norm = update(lr) if update is not None else _clip_and_step(parts, tcfg.grad_clip)
             optimizer.zero_grad(set_to_none=True)
-            # A log step's mean loss goes into this step's program (XLA: no program of its own,
-            # and with lagged_logs read at the next log step, long done)
+            # a log step's mean loss, in this step's program (XLA: read at the next log step)
             logs = due(state.step + 1, tcfg.log_every, plan.total_steps)
             mean_loss = meters.window.take(state.step + 1) if logs else None
             backend.step_boundary()
             state.step += 1
             state.tokens += plan.batch_tokens
             collector.step(state.step)
-            # steps and ETA only: the one tokens/s figure is the metrics line's, after a sync
-            meters.progress.update(1)
+            meters.progress.update(1)  # steps and ETA only; tokens/s is the metrics line's
 
             # --- log, validate, save ---
             if mean_loss is not None:
@@ -280,33 +223,37 @@ def _train(
             stopping = backend.any_flag(stop.is_set)  # every rank stops at the same step
             last = state.step == plan.total_steps
             if stopping or last or due(state.step, tcfg.save_every, plan.total_steps):
+                reason = "preempted" if stopping else "final" if last else "periodic"
                 with _paused(run, meters, state):
-                    reason = "preempted" if stopping else "final" if last else "periodic"
                     state.saving = _save(run, meters, parts, state, reason)
                 state.saved_at = state.step
-            if state.step == first_step + 1:
-                # Start-up is over (checkpoint load, torch.compile, the first step, validation or
-                # save): collectives get train.dist_timeout_s instead of dist_init_timeout_s.
-                backend.first_step_done()
+            if state.step == first_step + 1:  # start-up is over (load, compile, first step)
+                backend.first_step_done()  # collectives: train.dist_timeout_s from here
                 collector.start_up_done()
             if stopping:
                 break
         if state.saving is not None:
             state.saving.wait()  # the final and SIGTERM saves are synchronous; this is a no-op then
-    finally:
-        collector.close()
-        if state.writer is not None:
-            state.writer.close()  # after an error: abandons a save still in flight
-        stop.restore()
-        parts.loader.close()
-        meters.progress.close()
-        meters.metrics.close()
-    if state.step < plan.total_steps:
-        _log_stopped(run, stop, state)
+    finally:  # in this order, after an error too
+        for close in (collector.close, state.close, stop.restore, parts.loader.close, meters.close):
+            close()
+    _log_stopped(run, stop, state)
     return _summary(plan, state)
 
 
 # --- the loop's parts, in the order they run ---------------------------------------------------
+
+
+def _make_run(
+    cfg: Config, backend: Backend, evaluate: Evaluate, plot: Callable[[str], object] | None
+) -> Run:
+    """The run's plan and its resolved config, once every host has been found to run the same
+    command on the same files."""
+    preset = get_preset(cfg.train.hardware)
+    backend.control.check_same_config(to_dict(cfg))  # every host got the same command and files
+    backend.control.check_shared_dir(cfg.run)  # and every rank reads and writes one run folder
+    cfg, plan, token_bytes = make_plan(cfg, preset, backend.world_size)
+    return Run(cfg, backend, plan, preset, evaluate, token_bytes, plot)
 
 
 def _make_loader(run: Run) -> TrainLoader:
@@ -325,6 +272,13 @@ def _make_loader(run: Run) -> TrainLoader:
         device=backend.pinned_copy_device,
         bos_aligned=cfg.train.bos_aligned,
     )
+
+
+def _clip_and_step(parts: TrainingParts, max_norm: float) -> torch.Tensor:
+    """Clip the (all-reduced) gradient, then the optimizer step (CPU/CUDA); the norm."""
+    grad_norm = clip_grad_norm(parts.model, max_norm)
+    parts.optimizer.step()
+    return grad_norm
 
 
 def _resume(run: Run, parts: TrainingParts) -> tuple[int | None, StepState, dict]:
@@ -381,9 +335,10 @@ def _nothing_to_do(run: Run, step: int) -> bool:
 
 
 def _start_run(
-    run: Run, n_params: int, state: StepState, existing: int | None
-) -> tuple[MetricsLogger, Progress]:
-    """Log what this run does and save its resolved config; returns (metrics log, progress bar)."""
+    run: Run, n_params: int, state: StepState, existing: int | None, log_window: dict
+) -> Meters:
+    """Where the loop's measurements go, the loss window going on from `log_window` (a
+    checkpoint's, or empty); the main process logs what this run does and saves its config."""
     cfg, backend, plan = run.cfg, run.backend, run.plan
     step = state.step
     metrics = make_logger(
@@ -399,8 +354,15 @@ def _start_run(
         unit="steps",
         enabled=backend.is_main,
     )
-    if not backend.is_main:
-        return metrics, progress
+    if backend.is_main:
+        _log_start(run, n_params)
+    window = LossWindow(backend, plan.accum, log_window)
+    return Meters(window, StepTimer(backend, state.step, state.tokens), metrics, progress)
+
+
+def _log_start(run: Run, n_params: int) -> None:
+    """The run's resolved config saved beside its checkpoints, and its start-up lines."""
+    cfg, backend, plan = run.cfg, run.backend, run.plan
     if cfg.train.warmup_steps >= plan.total_steps:
         log.warning(
             "train.warmup_steps=%d covers the whole run (%d steps): "
@@ -426,7 +388,6 @@ def _start_run(
         plan.layout.describe(),
     )
     log.info("\n".join(memory_lines(plan.memory)))
-    return metrics, progress
 
 
 def _cpu_threads() -> str:
@@ -578,6 +539,9 @@ def _save(
 
 
 def _log_stopped(run: Run, stop: StopFlag, state: StepState) -> None:
+    """A run stopped before its last step (a signal) says so, and how to resume."""
+    if state.step >= run.plan.total_steps:
+        return
     if not run.backend.is_main:
         log.info("%sstopped at step %d", rank_tag(run.backend.control), state.step)
         return

@@ -38,12 +38,13 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
 
 from codex.core import fsio, rundir
-from codex.core.progress import adopt_library_loggers
+from codex.core.progress import Progress, adopt_library_loggers
 from codex.train.distributed.backend import Backend, replica_mean
 
 
@@ -317,3 +318,29 @@ def make_logger(cfg, is_main: bool, resume_step: int | None, config_dict: dict) 
     return MetricsLogger(
         cfg.run, enabled=True, wandb_run=start_wandb(cfg, config_dict), resume_step=resume_step
     )
+
+
+@dataclass
+class TrainLine:
+    """A log step's values, still on the device until the line is written."""
+
+    step: int
+    tokens: int
+    lr: float
+    loss: torch.Tensor  # the mean loss since the last line
+    grad_norm: torch.Tensor
+
+
+@dataclass
+class Meters:
+    """Where the loop's measurements go: the loss window, the timer, the log, the progress bar."""
+
+    window: LossWindow
+    timer: StepTimer
+    metrics: MetricsLogger
+    progress: Progress
+    pending: TrainLine | None = None  # lagged_logs: the line the next log step writes
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

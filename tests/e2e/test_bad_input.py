@@ -134,7 +134,7 @@ def test_a_rank_dies_with_its_killed_launcher(tmp_path, armed):
 
     pid_file = tmp_path / "rank.pid"
     arm = (
-        "from codex.train.distributed.backend import die_with_launcher; die_with_launcher(); "
+        "from codex.train.distributed.process_env import die_with_launcher; die_with_launcher(); "
         if armed
         else ""
     )

@@ -17,7 +17,7 @@ What is not a tensor stays out of DCP (whose non-tensor values are pickles): `sk
 is the tree with every tensor replaced by {"__tensor__": shape, "dtype": name}, plain JSON, from
 which `targets_from_skeleton` makes the empty tensors a one-process reader loads into.
 
-A background save (folders.py: save_in_background) writes a copy: `staged` copies, now, only the
+A background save (async_save.py: save_in_background) writes a copy: `staged` copies, now, only the
 tensors this rank will write (its DTensor shards; of the replicated tensors, those DCP's
 deduplication gives this rank: one copy of each, spread over the ranks by size) into one
 shared-memory buffer kept in `StagingCache` across saves (pinned when a tensor is on a GPU), and

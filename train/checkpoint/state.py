@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 import codex
 from codex.core import rundir
 from codex.core.config import ConfigError, to_dict
+from codex.train.checkpoint import async_save, xla_shards
 from codex.train.checkpoint import dcp as dcp_io
 from codex.train.checkpoint import folders as checkpoint
-from codex.train.checkpoint import xla_shards
 from codex.train.optim.muon import Optimizers
 from codex.train.optim.optimizer import load_optimizer_state
 
@@ -107,8 +107,8 @@ def save_training(
     control,
     parts: TrainingParts,
     record: StepRecord,
-    writer: checkpoint.BackgroundWriter | None = None,
-) -> checkpoint.PendingSave:
+    writer: async_save.BackgroundWriter | None = None,
+) -> async_save.PendingSave:
     """Every rank: write everything a resumed run needs to continue exactly. writer (this rank's
     BackgroundWriter, train.async_save): copy the state now and write it in the writer's process
     while training goes on; wait() on the result."""
@@ -129,8 +129,8 @@ def save_training(
     }
     keep = dict(keep_last=cfg.train.keep_last, keep_every=cfg.train.keep_every)
     if writer is not None:
-        return checkpoint.save_in_background(cfg.run, state, writer, **keep)
-    return checkpoint.PendingSave.done(checkpoint.save(cfg.run, state, control=control, **keep))
+        return async_save.save_in_background(cfg.run, state, writer, **keep)
+    return async_save.PendingSave.done(checkpoint.save(cfg.run, state, control=control, **keep))
 
 
 def _target(leaf: dict, like: torch.Tensor | None) -> torch.Tensor | xla_shards.HostShards:

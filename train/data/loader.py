@@ -1,41 +1,10 @@
 """The rank-strided token loader: exact, resumable, never the bottleneck.
 
-Contract (ARCHITECTURE.md, "Loader contract"):
-
-- A split is its npy shards in manifest order. A shard of n tokens gives (n - 1) // T windows;
-  window j is shard[j*T : j*T + T + 1] (x = first T, y = last T). Windows are numbered globally.
-- Training order: per epoch, a seeded permutation of all window ids (numpy default_rng([seed,
-  epoch])). The epochs are laid end to end as one infinite stream; stream position
-  s = epoch * windows_per_epoch + position.
-- Rank r of W, with a global position p, takes stream positions p + r, p + r + W, ... (B of them);
-  one step covers [p, p + B*W) for all ranks together. A batch that runs past the end of an epoch
-  simply continues into the next epoch's permutation: every batch is full, nothing is padded or
-  dropped, and every window is seen exactly once per epoch.
-- State: {"epoch", "position"} (global, identical on every rank) plus a few fingerprint keys that
-  make a resume on different data or a different seq_len an error rather than a silent change.
-  Resuming with another W (or B) continues the same global stream.
-
-The state always describes what the consumer has received, never what the background thread has
-read ahead: each prefetched batch carries the state after it, and the loader adopts that state
-when it hands the batch out.
-
-Speed: one batch is a handful of numpy fancy-index gathers (one per shard touched) from a strided
-(windows, T+1) view of each memory-mapped shard straight into int64 buffers (pinned on CUDA); no
-Python loop over windows. bench/bench_loader.py measures it.
-
-gs:// shards are streamed into the host's local cache (train/data/shard_cache.py: one folder for all
-local ranks, one download per shard per host, flock so that no process deletes a file another
-one holds). Each rank fetches only the shards its own windows touch, in the blocks of its current
-batch and the block after (double buffering), and lets go of a shard after its last window. With
-the default full shuffle a block is the whole epoch, so the cache holds all shards;
-`shuffle_shards=K` makes the permutation block-structured instead (the shard order is shuffled
-per epoch, then windows are shuffled within each group of K shards), so about 2*K shards per host
-are on local disk at a time (3*K while ranks straddle a block boundary). K is part of the state:
-changing it changes the order, so a resume with another K is refused.
-
-`bos_aligned` (train.bos_aligned) moves each training window to the first document start (<|bos|>)
-inside its grid cell when the window still fits there (token_shards.bos_aligned_starts); the window
-ids and the order are the same, so resuming stays exact. Validation keeps the fixed grid.
+Each epoch is a seeded permutation of every window of the split's shards; rank r of W takes the
+global positions p + r, p + r + W, ... . The state (epoch, global position, fingerprints) is what
+the consumer has received, so a resume is exact, and on another W continues the same stream.
+gs:// shards stream through one cache folder per host (shard_cache.py). The contract:
+ARCHITECTURE.md, "Loader contract"; the rest: docs/training.md, "The data loader".
 """
 
 from __future__ import annotations

@@ -1,58 +1,21 @@
-"""The backend interface: everything the training loop needs from a device, in one small place.
+"""The Backend protocol: everything the training loop and eval need from a device, and its
+CPU/CUDA implementation, TorchBackend (one process, or one per device under torchrun: gloo on the
+CPU, NCCL on CUDA). TPUs: train/xla/backend.py.
 
-    backend = make_backend(cfg)            # train/launch.py: CPU/CUDA here, TPU in train/xla/
-    model = backend.prepare_model(model)   # move (and torch.compile on CUDA)
-    for each optimizer step:
-        for each micro-batch:
-            backend.set_grad_sync(model, last)  # reduce in the step's last backward only
-            x, y = backend.to_device(batch)
-            with backend.autocast():
-                loss = model(x, y) / accum
-            loss.backward()                     # last: the gradient buckets' all-reduces start
-        backend.all_reduce_grads(model)    # THE gradient all-reduce, once per step: finished here
-        clip, optimizer.step()
-        backend.step_boundary()            # XLA: cut the graph; CPU/CUDA: nothing
+    backend.set_grad_sync(model, last)  # before each micro-batch: reduce in the last backward only
+    backend.all_reduce_grads(model)     # THE gradient all-reduce, once per optimizer step
+    backend.step_boundary()             # XLA: cut the graph; CPU/CUDA: nothing
 
-Why not DistributedDataParallel: DDP all-reduces inside every backward unless each micro-batch
-but the last is wrapped in no_sync(), and hides where the communication happens. Here the one
-all-reduce per optimizer step is ours (train/distributed/reduce.py, owned by TorchBackend),
-overlapped
-with the backward as DDP's is: set_grad_sync(model, last) arms per-parameter hooks for the step's
-last micro-batch, whose backward issues each bucket's async all-reduce as soon as its gradients
-are final; `all_reduce_grads` is still the one place to find, time and test it (it issues what
-the backward did not, waits, and writes the result into .grad). Gradients are summed in buckets
-(fp32, or bf16 under train.reduce_dtype=bf16) and divided by the world size, so the result is the
-gradient of the mean loss over every token of the global batch;
-tests/train/distributed/test_reduce.py counts one
-reduction of every gradient element per step.
-
-Launch: one process, or `torchrun --nproc_per_node=N -m codex.cli -- train ...` (and --nnodes for
-several machines). torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; we use gloo on the CPU and NCCL
-on CUDA. There is no silent fallback: a CUDA preset without CUDA, or a device count that does not
-match the launch, is an error that says what was found and how to fix it. One GPU per process
-(Slurm's --gpus-per-task=1: CUDA_VISIBLE_DEVICES names one device) runs on that process's cuda:0.
-
-Failure handling, as torchtitan does it (`process_group_env`, `TorchBackend.first_step_done`,
-`TorchBackend.close`): before the process group exists, the NCCL flight recorder is switched on
-(dumped on a watchdog timeout, under RUN/logs/ for a local run) and GLOO_SOCKET_IFNAME /
-NCCL_SOCKET_IFNAME name the interface that reaches MASTER_ADDR, each only where the user left it
-unset; collectives wait train.dist_init_timeout_s until this process's first step is done, then
-train.dist_timeout_s; a rank that raises aborts its process groups instead of waiting for peers.
+Why not DDP, the launch and the failure handling: docs/training.md and docs/cuda.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
-import ipaddress
 import logging
 import os
-import signal
-import socket
-import struct
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol, cast
@@ -60,11 +23,15 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from codex.core import fsio
 from codex.core.config import ConfigError
 from codex.model.gpt import GPT, build_model
 from codex.train.distributed.control import ControlPlane, control_timeout
 from codex.train.distributed.fsdp import build_sharded, compile_head, set_grad_sync
+from codex.train.distributed.process_env import (
+    allocator_env,
+    die_with_launcher,
+    set_process_group_env,
+)
 from codex.train.distributed.reduce import GradReducer
 from codex.train.plan.layout import Layout
 from codex.train.plan.memory import compute_dtype
@@ -440,129 +407,6 @@ def visible_devices() -> list[str]:
     return [] if value is None else [d for d in value.split(",") if d.strip()]
 
 
-# NCCL's flight recorder (torchtitan's settings): the last collectives of each rank in a ring,
-# written to DUMP_FILE + rank when the watchdog sees a timeout, so a hang names the rank and the
-# collective that never arrived (`python -m torch.distributed.flight_recorder.fr_trace`).
-# The TORCH_NCCL_* names are the ones every torch >= 2.5 reads; newer torch prefers TORCH_FR_*.
-FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-FLIGHT_RECORDER_ALIASES = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE",
-}
-DUMP_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
-
-
-def process_group_env(kind: str, run: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables make_torch_backend sets before the process group exists, each only where
-    `environ` (and its newer alias) leaves it unset: on CUDA the flight recorder (its dump under
-    RUN/logs/ for a local run, else torch's /tmp default); on several hosts (MASTER_ADDR not a
-    loopback address) GLOO_SOCKET_IFNAME, and on CUDA NCCL_SOCKET_IFNAME, set to the interface that
-    reaches MASTER_ADDR (gloo otherwise picks the one its hostname resolves to, which on many
-    clusters is not the one the nodes reach each other by)."""
-
-    def unset(name: str) -> bool:
-        alias = FLIGHT_RECORDER_ALIASES.get(name)
-        return name not in environ and (alias is None or alias not in environ)
-
-    wanted = dict(FLIGHT_RECORDER) if kind == "cuda" else {}
-    if kind == "cuda" and not fsio.is_remote(run):
-        wanted[DUMP_FILE] = os.path.join(os.path.abspath(run), "logs", "nccl_trace_rank_")
-    names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if kind == "cuda" else [])
-    master = environ.get("MASTER_ADDR", "")
-    if master and any(unset(n) for n in names) and not is_loopback(master):
-        interface = route_interface(master)
-        if interface:
-            wanted |= dict.fromkeys(names, interface)
-    return {k: v for k, v in wanted.items() if unset(k)}
-
-
-def is_loopback(host: str) -> bool:
-    """True when `host` (a name or an address) resolves to a loopback address (one host)."""
-    try:
-        return all(
-            ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
-            for info in socket.getaddrinfo(host, None)
-        )
-    except (OSError, ValueError):
-        return False
-
-
-def route_interface(host: str) -> str | None:
-    """The network interface (e.g. "eth0", "lo") whose address this machine sends from to reach
-    `host`: a UDP socket connected to it (no packet is sent) gives the source address the kernel's
-    routing picks, then the interface that holds that address. None when unknown."""
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(sockaddr)
-            local = str(s.getsockname()[0]).split("%")[0]
-    except OSError:
-        return None
-    return interface_with_address(local)
-
-
-def interface_with_address(address: str) -> str | None:
-    """The interface that holds `address` (Linux: SIOCGIFADDR for IPv4, /proc/net/if_inet6 for
-    IPv6; the standard library has no getifaddrs)."""
-    ip = ipaddress.ip_address(address)
-    if ip.version == 6:
-        try:
-            with open("/proc/net/if_inet6") as f:
-                for line in f:  # address (32 hex digits), index, prefix, scope, flags, name
-                    fields = line.split()
-                    if len(fields) == 6 and ipaddress.ip_address(int(fields[0], 16)) == ip:
-                        return fields[5]
-        except OSError:
-            return None
-        return None
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not a POSIX system
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
-            except OSError:  # no IPv4 address on this interface
-                continue
-            if got == address:
-                return name
-    return None
-
-
-def die_with_launcher() -> None:
-    """A rank torchrun started gets SIGTERM when its agent dies (Linux's parent-death signal): a
-    SIGKILL of the agent alone would otherwise leave it training and holding the run lock. SIGTERM
-    stops it as a preemption does (the step ends, every rank stops there, a checkpoint is saved)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-    if os.getppid() != parent:  # the agent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-# The caching allocator's settings: expandable segments grow one mapping instead of caching
-# blocks of fixed sizes, so memory freed between the forward's activations and the backward's
-# gradients is reused at any size (fragmentation is what the memory plan's headroom pays for).
-# Newer torch reads PYTORCH_ALLOC_CONF first (the CUDA name is its deprecated alias, read only
-# when it is unset, so no warning), older torch only PYTORCH_CUDA_ALLOC_CONF: both are set.
-ALLOCATOR_CONF = "expandable_segments:True"
-ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-
-
-def allocator_env(kind: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The allocator variables make_torch_backend sets before the first CUDA allocation (the
-    allocator reads them once): ALLOCATOR_CONF under both names on CUDA, nothing where the user
-    set either name (their settings stand whole) or on another kind."""
-    if kind != "cuda" or any(name in environ for name in ALLOCATOR_ENV):
-        return {}
-    return dict.fromkeys(ALLOCATOR_ENV, ALLOCATOR_CONF)
-
-
 def make_torch_backend(cfg, preset) -> TorchBackend:
     """The backend for a CPU or CUDA preset: one process, or one per device under torchrun."""
     rank, world, local_rank, local_world = launch_env()
@@ -613,15 +457,3 @@ def make_torch_backend(cfg, preset) -> TorchBackend:
         step_timeout_s=cfg.train.dist_timeout_s,
         control=control,
     )
-
-
-def set_process_group_env(kind: str, run: str, rank: int) -> None:
-    """process_group_env(...) into os.environ (NCCL and gloo read it when the process group is
-    made), the flight recorder's folder made, and the choice logged once."""
-    env = process_group_env(kind, run, os.environ)
-    os.environ.update(env)
-    if DUMP_FILE in env:
-        with contextlib.suppress(OSError):  # no folder: NCCL's dump fails, training does not
-            os.makedirs(os.path.dirname(env[DUMP_FILE]), exist_ok=True)
-    if env and rank == 0:
-        log.info("process group environment: %s", " ".join(f"{k}={v}" for k, v in env.items()))

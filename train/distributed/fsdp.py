@@ -3,33 +3,10 @@
     layout = layout_for("fsdp", fsdp_size, world_size)   # train/plan/layout.py
     model = build_sharded(cfg.model, seed, layout, device, compute_dtype, compile)
 
-Weights, gradients and optimizer state are DTensors sharded on dim 0 over `shard` ranks
-(`fully_shard` per transformer block, then the root: wte, norm_f, lm_head). With replicas > 1
-the mesh is 2-D (replicas x shard): HSDP, the state replicated across groups of `shard` ranks.
-Each block's full weights exist only between its all-gather and its reshard: after its forward
-(`layout.reshard_after_forward`, ZeRO-3) or, where the memory plan fits them
-(train/plan/memory.py chose False, ZeRO-2), after its backward, so that the backward gathers
-nothing. The last block always keeps its weights to the backward (torchtitan does the same: the
-backward would gather it again at once); the root keeps its weights too (FSDP2's default for it).
-
-The model is built on the meta device, sharded, then materialised with to_empty and initialised
-one parameter at a time: the full tensor of that one parameter is drawn on the CPU from the same
-generator stream as model/gpt.py's build_model (model.gpt.init_parameter, same order), and each
-rank keeps its slice. So the sharded model holds exactly the weights of the replicated one
-(bitwise), and no process ever holds more than one full parameter.
-
-Precision: under bf16 the MixedPrecisionPolicy gathers bf16 copies of the fp32 master shards and
-casts each block's floating-point inputs to bf16, so the model computes in bf16 without autocast
-(TorchBackend.autocast is a null context under fsdp, as torchtitan's maybe_enable_amp). The ops
-torch's autocast would run in fp32 get bf16 inputs either way: the residual stream is bf16 under
-autocast too (GPT.embed), RMSNorm accumulates in fp32 itself and the cross-entropy upcasts the
-logits. With train.compile (CUDA) each block's forward and GPT.head_loss (the final norm, the head
-and the cross-entropy) are compiled, each as one function inside FSDP2's hooks.
-
-Gradient reduction: FSDP2 reduce-scatters (averages) each block's gradient inside backward. Under
-gradient accumulation `set_grad_sync(model, last)` turns that off for all but the last
-micro-batch, so there is still one gradient reduction per optimizer step (the unsharded
-gradients accumulate locally in between).
+`fully_shard` per block, then the root (wte, norm_f, lm_head); replicas > 1: HSDP over a 2-D
+mesh. The model is built on the meta device and initialised one parameter at a time, each rank
+keeping its slice: bitwise the replicated weights. ZeRO-2 or ZeRO-3, the precision policy, the
+compiled head and the one reduction per step: docs/cuda.md.
 """
 
 from __future__ import annotations

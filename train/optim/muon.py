@@ -3,55 +3,18 @@
     update = orthogonalize(nesterov_momentum(grad))      # ~ U V^T of the momentum's SVD
     W -= lr * sqrt(max(1, rows / cols)) * update
 
-Muon (Keller Jordan, 2024; modded-nanogpt's record log, nanochat) replaces a matrix's update by
-the nearest semi-orthogonal matrix: every direction of the momentum moves the weights by the same
-amount, so rare directions are not drowned by the dominant ones. The orthogonalisation is a
-quintic Newton-Schulz iteration (5 steps, coefficients tuned for speed, not convergence): the
-singular values of the result land in about [0.7, 1.2] instead of exactly 1, which the method
-tolerates. It is plain tensor algebra, so it runs inside XLA's one graph per step with no host
-round trip. Embeddings, the output head, norms and scalars are not hidden-layer matrices; they
-keep AdamW at train.lr.
-
-Stacks: a model's matrices come in a few shapes repeated once per block, and one matrix at a time
-leaves an accelerator idle between small kernels. So the matrices are grouped by shape (a tall
-matrix is iterated on its transpose, so (r, c) and (c, r) share a group) and each group runs one
-`newton_schulz` over its [n, rows, cols] stack: three batched matmuls per iteration (bmm,
-baddbmm) whatever n is. `orthogonalize` is the same iteration on one matrix, the readable
-definition the stacked one is checked against. On CUDA the stacked iteration is torch.compile'd
-(train.compile), one program per stack shape.
-
-Dtypes: the iteration runs in bf16 where training computes in bf16 (CUDA, TPU), in fp32 on the
-CPU, so the equivalence tests (1 process = 2 processes = accumulation) hold to 1e-5.
-
-Sharing the work, each matrix orthogonalised once in the job:
-
-    replicated ranks (CPU/CUDA)   every rank holds the all-reduced gradient and the whole momentum;
-                                  each matrix has an owner rank (`balanced_owners`: largest first,
-                                  each to the least loaded rank, by entries), which iterates its
-                                  share of each group as one stack; one all_gather per step, in
-                                  the iteration's dtype, hands every rank every update
-    fsdp (CPU/CUDA, DTensors)     the same owners within the shard group; one all_to_all sends
-                                  every rank's row shards of the momentum-blended gradients to the
-                                  owners, one sends the updates back as row shards
-                                  (`_owner_updates`; under HSDP each replica group does the same)
-    XLA SPMD                      one graph over all chips: each group's stack is split over the
-                                  devices along the stack (`Muon.place_stack`, set by
-                                  train/xla/update.py while the update is traced), each chip
-                                  iterates on its ceil(n / devices) matrices. Replicated weights:
-                                  the results are replicated again (an all-gather the partitioner
-                                  inserts). fsdp: the results go to row shards instead (an
-                                  all-to-all) and each update takes its weight's sharding
-                                  (`Muon.place_update`), so a chip holds ~1 / devices of the
-                                  updates, never a whole group's stack
-
-Ranks apply the same updates, so replicated weights stay identical.
+Every direction of the momentum moves the weights by the same amount, so rare directions are not
+drowned by the dominant ones. The matrices are grouped by shape, each group one stacked
+Newton-Schulz iteration, and each matrix is orthogonalised once in the job: on its owner rank, or
+split over the chips under XLA SPMD. How, and why: docs/training.md, "How Muon runs".
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -264,88 +227,125 @@ def _owner_updates(
     one stack (a tall one transposed), iterates on it once (`iterate`), writes each update's row
     shards over what it received, and a second all_to_all sends that buffer back. Returns
     {i: update as a DTensor laid out as params[i]}. Under HSDP every replica group does this alike.
-
-    One function because the two exchanges share its bookkeeping (rows, owners, offsets per rank)
-    and must stay mirror images of each other.
+    The two exchanges share their bookkeeping (_RowExchange), so they stay mirror images.
 
     What it holds (train/plan/memory.py's step buffers): the send and receive buffers during the
     first exchange; while iterating, the receive buffer and one group's stack of this owner's
     matrices twice over (the stack and the iteration's next value) with two [n, rows, rows] Gram
     products; the receive buffer and the returned shards during the second exchange."""
+    exchange = _RowExchange.of(params, _shard_group(params))
+    tall = [p.shape[0] > p.shape[1] for p in params]
+    send = exchange.pack(blended, dtype, params[0].to_local().device)
+    received = _all_to_all(send, exchange.mine_sizes, exchange.theirs_sizes, exchange.group)
+    del send
+    for members in exchange.groups:
+        mine = [i for i in members if exchange.owner[i] == exchange.rank]
+        if not mine:
+            continue
+        stack = received.new_empty((len(mine), *wide(params[mine[0]].shape)))
+        for j, i in enumerate(mine):
+            for got, dst in exchange.pieces(received, i, stack[j].mT if tall[i] else stack[j]):
+                dst.copy_(got)
+        out = iterate(stack)
+        del stack
+        for j, i in enumerate(mine):
+            for dst, got in exchange.pieces(received, i, out[j].mT if tall[i] else out[j]):
+                dst.copy_(got)
+        del out
+    back = _all_to_all(received, exchange.theirs_sizes, exchange.mine_sizes, exchange.group)
+    del received
+    return exchange.unpack(back, params)
+
+
+def _shard_group(params: list[DTensor]):
+    """The process group fsdp shards the matrices' rows over (one mesh dim, Shard(0) each)."""
     ref = params[0]
-    mesh, placements = ref.device_mesh, ref.placements
+    placements = ref.placements
     shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
     if len(shard_dims) != 1 or any(
         p.placements != placements or p.placements[shard_dims[0]] != Shard(0) for p in params
     ):
         raise ValueError("Muon under fsdp expects every matrix sharded on dim 0 over one mesh dim")
-    group = mesh.get_group(shard_dims[0])
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    groups, owner = _layout(tuple((p.shape[0], p.shape[1]) for p in params), world)
-    rows = [_row_split(p.shape[0], world) for p in params]
-    cols = [p.shape[1] for p in params]
-    tall = [p.shape[0] > p.shape[1] for p in params]
-    # every owner's matrices, group by group: the order of the exchanged buffers
-    owned = [[i for g in groups for i in g if owner[i] == q] for q in range(world)]
+    return ref.device_mesh.get_group(shard_dims[0])
 
-    def numel(q: int, holder: int) -> int:
-        """Elements of rank `holder`'s row shards of the matrices rank q owns."""
-        return sum(rows[i][holder] * cols[i] for i in owned[q])
 
-    mine_sizes = [numel(q, rank) for q in range(world)]  # my shards, per owner q
-    theirs_sizes = [numel(rank, q) for q in range(world)]  # rank q's shards of my matrices
-    # to the owners: this rank's row shards of the blended gradients, grouped by owner
-    send = torch.empty(sum(mine_sizes), dtype=dtype, device=ref.to_local().device)
-    offset = 0
-    for i in (i for q in owned for i in q):
-        n = rows[i][rank] * cols[i]
-        send[offset : offset + n].copy_(cast(DTensor, blended(i)).to_local().reshape(-1))
-        offset += n
-    received = _all_to_all(send, mine_sizes, theirs_sizes, group)
-    del send
-    # received holds, per sender q, its rows of each of my matrices in `owned[rank]`'s order:
-    # where[i][q] = (offset, first row) of sender q's rows of matrix i
-    where: dict[int, list[tuple[int, int]]] = {i: [] for i in owned[rank]}
-    for q in range(world):
-        offset = sum(theirs_sizes[:q])
-        for i in owned[rank]:
-            where[i].append((offset, sum(rows[i][:q])))
-            offset += rows[i][q] * cols[i]
+@dataclass(frozen=True)
+class _RowExchange:
+    """Where every rank's row shards of the matrices sit in _owner_updates' two exchanges: to
+    the owners (each rank's shards, grouped by owner) and back (the same buffer, mirrored)."""
 
-    def pieces(buffer: torch.Tensor, i: int, whole: torch.Tensor):
+    group: Any  # the shard group
+    rank: int
+    world: int
+    groups: tuple[tuple[int, ...], ...]  # the matrices' indices by wide shape
+    owner: tuple[int, ...]  # each matrix's owner rank
+    rows: list[list[int]]  # rows[i][q]: rank q's rows of matrix i
+    cols: list[int]
+    owned: list[list[int]]  # every owner's matrices, group by group: the buffers' order
+    mine_sizes: list[int]  # my shards, per owner q
+    theirs_sizes: list[int]  # rank q's shards of my matrices
+    # where[i][q] = (offset, first row) of sender q's rows of my matrix i, in the received buffer
+    where: dict[int, list[tuple[int, int]]]
+
+    @classmethod
+    def of(cls, params: list[DTensor], group) -> _RowExchange:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        groups, owner = _layout(tuple((p.shape[0], p.shape[1]) for p in params), world)
+        rows = [_row_split(p.shape[0], world) for p in params]
+        cols = [p.shape[1] for p in params]
+        owned = [[i for g in groups for i in g if owner[i] == q] for q in range(world)]
+
+        def numel(q: int, holder: int) -> int:
+            """Elements of rank `holder`'s row shards of the matrices rank q owns."""
+            return sum(rows[i][holder] * cols[i] for i in owned[q])
+
+        theirs_sizes = [numel(rank, q) for q in range(world)]
+        # the received buffer holds, per sender q, its rows of each of my matrices in order
+        where: dict[int, list[tuple[int, int]]] = {i: [] for i in owned[rank]}
+        for q in range(world):
+            offset = sum(theirs_sizes[:q])
+            for i in owned[rank]:
+                where[i].append((offset, sum(rows[i][:q])))
+                offset += rows[i][q] * cols[i]
+        mine_sizes = [numel(q, rank) for q in range(world)]
+        return cls(
+            group, rank, world, groups, owner, rows, cols, owned, mine_sizes, theirs_sizes, where
+        )
+
+    def pack(
+        self, blended: Callable[[int], torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """To the owners: this rank's row shards of the blended gradients, grouped by owner."""
+        send = torch.empty(sum(self.mine_sizes), dtype=dtype, device=device)
+        offset = 0
+        for i in (i for q in self.owned for i in q):
+            n = self.rows[i][self.rank] * self.cols[i]
+            send[offset : offset + n].copy_(cast(DTensor, blended(i)).to_local().reshape(-1))
+            offset += n
+        return send
+
+    def pieces(self, buffer: torch.Tensor, i: int, whole: torch.Tensor):
         """(sender q's rows of matrix i in `buffer` (as received), the same rows of `whole`), for
         every sender q: [rows, cols] views."""
-        for q, (a, first) in enumerate(where[i]):
-            n = rows[i][q]
-            yield buffer[a : a + n * cols[i]].view(n, cols[i]), whole[first : first + n]
+        for q, (a, first) in enumerate(self.where[i]):
+            n = self.rows[i][q]
+            yield buffer[a : a + n * self.cols[i]].view(n, self.cols[i]), whole[first : first + n]
 
-    for members in groups:
-        mine = [i for i in members if owner[i] == rank]
-        if not mine:
-            continue
-        stack = received.new_empty((len(mine), *wide(params[mine[0]].shape)))
-        for j, i in enumerate(mine):
-            for got, dst in pieces(received, i, stack[j].mT if tall[i] else stack[j]):
-                dst.copy_(got)
-        out = iterate(stack)
-        del stack
-        for j, i in enumerate(mine):
-            for dst, got in pieces(received, i, out[j].mT if tall[i] else out[j]):
-                dst.copy_(got)
-        del out
-    back = _all_to_all(received, theirs_sizes, mine_sizes, group)
-    del received
-    updates: dict[int, torch.Tensor] = {}
-    offset = 0
-    for i in (i for q in owned for i in q):
-        p = params[i]
-        n = rows[i][rank] * cols[i]
-        piece = back[offset : offset + n].view(rows[i][rank], cols[i])
-        offset += n
-        updates[i] = DTensor.from_local(
-            piece, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return updates
+    def unpack(self, back: torch.Tensor, params: list[DTensor]) -> dict[int, torch.Tensor]:
+        """The updates sent back, each as a DTensor laid out as its parameter."""
+        ref = params[0]
+        mesh, placements = ref.device_mesh, ref.placements
+        updates: dict[int, torch.Tensor] = {}
+        offset = 0
+        for i in (i for q in self.owned for i in q):
+            p = params[i]
+            n = self.rows[i][self.rank] * self.cols[i]
+            piece = back[offset : offset + n].view(self.rows[i][self.rank], self.cols[i])
+            offset += n
+            updates[i] = DTensor.from_local(
+                piece, mesh, placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        return updates
 
 
 def _row_split(n: int, world: int) -> list[int]:

@@ -1,45 +1,18 @@
-"""TPU training on PyTorch/XLA: the Backend of train/distributed/backend.py for XLA devices.
+"""TPU training on PyTorch/XLA: the Backend (train/distributed/backend.py) on XLA devices.
 
-Two modes (train.xla_mode, `--xla-mode`):
+spmd (the default): one process per host drives all its chips as one program over a ("replica",
+"fsdp") mesh, and the partitioner inserts the gradient reduction. spawn: one process per chip
+(spawn_train), with one xm.all_reduce a step. A run compiles a fixed number of programs: fixed
+shapes, one graph cut a step, nothing read back inside a step.
 
-spmd (default)  One process per host drives all its chips as one program: xr.use_spmd(), a mesh
-                ("replica", "fsdp") over the slice's chips, each batch sharded on dim 0 over all;
-                state replicated, or sharded on fsdp (train/xla/sharding.py). The program is written
-                for the global batch, so the SPMD partitioner inserts the gradient all-reduce
-                itself and all_reduce_grads is a no-op. The host's loader loads
-                device_batch * local chips rows per micro-batch; hosts split the data by process
-                index (loader_rank / loader_world / devices_per_loader, see
-                train/distributed/backend.py).
-spawn           One process per chip through torch_xla's launcher (spawn_train). Each process has
-                its own batch; all_reduce_grads is an explicit xm.all_reduce(SUM, scale=1/W) once
-                per optimizer step.
-
-No recompilation: shapes are fixed (full batches, masked validation batches), the graph is cut once
-per optimizer step (step_boundary = torch_xla.sync()), nothing is read back to the host inside a
-step (a log step reads the previous log step's values, lagged_logs). A Python scalar such as the
-learning rate is device data, not a graph constant; XLA_NO_SPECIAL_SCALARS=1 (set before torch_xla
-is first imported) extends that to the special values 0 and 1, and AdamW is capturable on XLA, so
-its step count and bias corrections stay on the device (train/optim/optimizer.py). A run compiles a
-fixed number of programs (4 for 1,000 steps without validation, tests/train/xla/test_xla.py);
-compile_count()
-is logged with every train metrics line, and train.max_compiles > 0 fails at the first step that
-ends above it. XLA writes its persistent cache to cache_dir(), but torch_xla 2.9 cannot load it back
-on TPU (pytorch/xla #9094), so every process still compiles its programs once.
-
-No silent fallback: a TPU preset without PJRT_DEVICE=TPU and TPU chips is an error that says
-what was found; the XLA path on the CPU (PJRT_DEVICE=CPU, the tests) needs train.allow_cpu_xla
-(train/xla/platform.py, checked before the runtime starts).
-
-Everything torch_xla-specific lives in this file, train/xla/platform.py, train/xla/sharding.py
-(train.parallel=fsdp), train/xla/step.py and train/xla/update.py (train.xla_step=cached: the step's
-forward + backward and its optimizer update, each traced once), train/xla/flash.py
-(model.attention=flash, installed by prepare_model), train/checkpoint/xla_shards.py (each host's
-shards in a checkpoint) and train/remat.py's choice of torch_xla's checkpoint: torch_xla is being
-superseded (RFC pytorch/xla #9684), so the rest of codex only sees the Backend interface.
+torch_xla is being superseded (RFC pytorch/xla #9684), so it stays inside train/xla/,
+train/checkpoint/xla_shards.py and train/remat.py: the rest of codex sees only the Backend. The
+modes, the compile count and the cache: docs/tpu.md.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -281,9 +254,8 @@ class XLABackend:
 
 def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
     """The XLA backend for a TPU preset (called by train.launch.make_backend); `spawned`: this
-    process was started by spawn_train (train.xla_mode=spawn). One function, top to bottom: the
-    checks, the runtime start and the two modes' fields read in order, as the runtime must see
-    them (split, the order would hide in the calls)."""
+    process was started by spawn_train (train.xla_mode=spawn). The checks, the runtime start, then
+    the mode's fields (_spmd_backend, _spawn_backend), in the order the runtime must see them."""
     mode = cfg.train.xla_mode
     platform = check_platform(cfg, preset)
     check_attention(cfg, platform)
@@ -301,65 +273,23 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
         # Before any computation. spawn: one writer per host (the others read), no racing writes.
         readonly = mode == "spawn" and int(os.environ.get("PJRT_LOCAL_PROCESS_RANK", "0")) != 0
         xr.initialize_cache(cache_dir(cfg), readonly=readonly)
-    dtype = resolve_dtype(cfg.train.dtype, preset.kind)
+    make = functools.partial(
+        XLABackend,
+        mode=mode,
+        autocast_dtype=resolve_dtype(cfg.train.dtype, preset.kind),
+        max_compiles=cfg.train.max_compiles,
+        flash_attention=xla_attention(cfg.model.attention, platform) == "flash",
+        xla_step=cfg.train.xla_step,
+    )
     fix = (
         "Fix: use the preset that matches this machine (`codex hardware`)"
         + (", or set CPU_NUM_DEVICES" if platform == "CPU" else "")
         + "."
     )
-
     if mode == "spmd":
-        xr.use_spmd()
-        n = xr.global_runtime_device_count()
-        local = xr.addressable_runtime_device_count()
-        hosts, host = xr.process_count(), xr.process_index()
-        if n != preset.devices or (platform == "TPU" and hosts != preset.hosts):
-            raise BackendError(
-                f"hardware preset '{preset.name}' has {preset.devices} chips on "
-                f"{preset.hosts} host(s), "
-                f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
-                f"({xr.device_type()}). {fix}"
-            )
-        mesh = xla_sharding.make_mesh(n, 1)  # replicate; build_model reshapes it under fsdp
-        backend = XLABackend(
-            device=torch_xla.device(),
-            mode=mode,
-            rank=host,
-            world_size=n,
-            local_rank=0,
-            autocast_dtype=dtype,
-            loader_rank=host,
-            loader_world=hosts,
-            devices_per_loader=local,
-            global_values=True,
-            max_compiles=cfg.train.max_compiles,
-            mesh=mesh,
-            flash_attention=xla_attention(cfg.model.attention, platform) == "flash",
-            xla_step=cfg.train.xla_step,
-        )
+        backend = _spmd_backend(make, preset, platform, fix)
     else:
-        world, rank = xr.world_size(), xr.global_ordinal()
-        if world != preset.devices:
-            raise BackendError(
-                f"hardware preset '{preset.name}' has {preset.devices} chips, "
-                "but torch_xla's launcher "
-                f"started {world} process(es) on PJRT_DEVICE={platform}. {fix}"
-            )
-        backend = XLABackend(
-            device=torch_xla.device(),
-            mode=mode,
-            rank=rank,
-            world_size=world,
-            local_rank=xr.local_ordinal(),
-            autocast_dtype=dtype,
-            loader_rank=rank,
-            loader_world=world,
-            devices_per_loader=1,
-            global_values=False,
-            max_compiles=cfg.train.max_compiles,
-            flash_attention=xla_attention(cfg.model.attention, platform) == "flash",
-            xla_step=cfg.train.xla_step,
-        )
+        backend = _spawn_backend(make, preset, platform, fix)
     backend.control = _control_plane(backend.loader_world)
     if backend.is_main:
         log.info(
@@ -371,6 +301,61 @@ def make_xla_backend(cfg, preset, spawned: bool = False) -> XLABackend:
             os.environ.get("XLA_PERSISTENT_CACHE_PATH"),
         )
     return backend
+
+
+def _spmd_backend(make: Callable[..., XLABackend], preset, platform: str, fix: str) -> XLABackend:
+    """SPMD: one process per host drives all its chips as one program, over a mesh of the slice's
+    chips (replicate; build_model reshapes it under fsdp)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    local = xr.addressable_runtime_device_count()
+    hosts, host = xr.process_count(), xr.process_index()
+    if n != preset.devices or (platform == "TPU" and hosts != preset.hosts):
+        raise BackendError(
+            f"hardware preset '{preset.name}' has {preset.devices} chips on "
+            f"{preset.hosts} host(s), "
+            f"but PJRT_DEVICE={platform} found {n} devices on {hosts} process(es) "
+            f"({xr.device_type()}). {fix}"
+        )
+    mesh = xla_sharding.make_mesh(n, 1)  # replicate; build_model reshapes it under fsdp
+    return make(
+        device=torch_xla.device(),
+        rank=host,
+        world_size=n,
+        local_rank=0,
+        loader_rank=host,
+        loader_world=hosts,
+        devices_per_loader=local,
+        global_values=True,
+        mesh=mesh,
+    )
+
+
+def _spawn_backend(make: Callable[..., XLABackend], preset, platform: str, fix: str) -> XLABackend:
+    """spawn: this process is one chip's, started by torch_xla's launcher."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    world, rank = xr.world_size(), xr.global_ordinal()
+    if world != preset.devices:
+        raise BackendError(
+            f"hardware preset '{preset.name}' has {preset.devices} chips, "
+            "but torch_xla's launcher "
+            f"started {world} process(es) on PJRT_DEVICE={platform}. {fix}"
+        )
+    return make(
+        device=torch_xla.device(),
+        rank=rank,
+        world_size=world,
+        local_rank=xr.local_ordinal(),
+        loader_rank=rank,
+        loader_world=world,
+        devices_per_loader=1,
+        global_values=False,
+    )
 
 
 def _control_plane(processes: int) -> ControlPlane:

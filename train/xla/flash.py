@@ -1,38 +1,11 @@
 """torch_xla's Pallas flash-attention kernel for the model's attention on TPU
-(model.attention=flash, and the default model.attention=auto on a TPU with JAX), and which
-attention the XLA backend runs (`xla_attention`).
+(model.attention=flash, and auto on a TPU with JAX), and which attention the XLA backend runs
+(`xla_attention`).
 
-Why: under XLA, SDPA lowers to its math decomposition, which materialises the [B, H, T, T]
-scores (fp32 under autocast) and dominates memory from T ~ 2048. The Pallas kernel
-(torch_xla.experimental.custom_kernel.flash_attention) streams K/V blocks through VMEM instead.
-
-    XLABackend.prepare_model -> use_flash_attention(model, mesh)
-        every block's attention calls flash_attend(q, k, v) instead of SDPA
-
-Which attention: xla_attention(requested, platform) applies the model's one rule
-(model/attention.py: attention_kind) with what only this side knows, whether the kernel can run
-(a TPU with JAX): auto -> flash there, else blockwise_causal (XLA ops, no T x T scores; the model
-picks it itself on an XLA device, so nothing needs installing).
-
-Block sizes: torch_xla 2.9's flash_attention takes none; it reads the class attribute
-FlashAttention.DEFAULT_BLOCK_SIZES when it traces the kernel (forward and backward), so
-flash_attend writes the chip's sizes there (flash_block_sizes, the table in BLOCK_SIZES) before
-each call: one model per process, so one set of sizes.
-
-SPMD: the kernel runs per chip through shard_map, so it needs the partition spec of q, k, v
-[B, H, T, D] (flash_partition_spec: the batch sharded over the mesh, the rest whole) and the mesh.
-spawn (one process per chip), and the cached step's per-device While under replicate
-(train/xla/step.py traces its body inside `per_device_trace()`): no mesh, no spec, q, k, v are
-already one chip's.
-
-GQA: the kernel indexes K/V with the query's head index, so it needs as many K/V heads as query
-heads; grouped K/V heads are repeated to n_head on this path only (expand_kv_heads: a [B, H, T, D]
-copy per layer in the compute dtype, far smaller than the [B, H, T, T] scores it replaces).
-Query head h reads K/V head h // (n_head / n_kv_head), as SDPA's enable_gqa does.
-
-Only on a TPU: the kernel is a TPU custom call, so a CPU or CUDA preset, or the XLA path on
-PJRT_DEVICE=CPU, refuses model.attention=flash before the run starts (flash_unavailable).
-Not yet run on a TPU.
+Under XLA, SDPA lowers to its math form, whose [B, H, T, T] scores dominate memory from
+T ~ 2048; the kernel streams K/V blocks through VMEM instead. XLABackend.prepare_model installs
+it (use_flash_attention): every block's attention then calls flash_attend. The block sizes per
+chip, SPMD, GQA and where it is refused: docs/tpu.md, "Flash attention on TPU".
 """
 
 from __future__ import annotations

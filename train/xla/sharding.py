@@ -3,41 +3,10 @@
     mesh = make_mesh(layout.replicas, layout.shard)        # 2-D: ("replica", "fsdp")
     model = shard_model(build_model(cfg, seed), mesh, device)
 
-The mesh is (replica, fsdp): one copy of the state is sharded over the `fsdp` devices of a row
-(train.fsdp_size, 0 = all), and the rows hold copies (HSDP when replica > 1). Device ids are laid
-out row by row, so the batch spec (dim 0 over ("replica", "fsdp")) gives device i the same rows
-whatever the mesh's shape: the loader is the same as under replicate.
-
-Which dim of a parameter is sharded (`param_spec`): dim 0 when the fsdp size divides it
-(embeddings [vocab, d], linear weights [out, in], norm gains [d]), else the first other dim it
-divides, else the tensor is replicated (a scalar, or a shape no dim of which divides). Every
-parameter is marked, replicated ones explicitly, so its sharding string is known and checkable.
-
-Parameters go to the devices already sharded: each matrix is sent with its ShardingSpec, so a
-device receives its slice only (the full model exists once, on the host, where build_model draws
-it); 1-D ones (norm gains) are sent whole and marked.
-
-The optimizer state takes its parameter's sharding: AdamW's exp_avg / exp_avg_sq and Muon's
-momentum_buffer are created inside the first step's graph (and load_state_dict puts loaded state
-back replicated), so a global optimizer step pre- and post-hook (`shard_optimizer_state`) marks
-every state tensor shaped like its parameter with the parameter's spec where it differs: once after
-the first step creates it, once before the first step after a checkpoint load, then never again
-(a checked tensor is remembered). Each mark is asserted: the sharding string read back from the
-runtime must be the parameter's.
-
-Activations: the output of every Linear and Embedding ([B, T, features]) is constrained to the
-batch sharding (torch_xla's SpmdFullyShardedDataParallel does it per wrapped module, shard_output),
-so the partitioner all-gathers a weight (FSDP) instead of keeping a matmul's output sharded on the
-weight's features and resharding it later (with only the blocks' outputs constrained, XLA warns of
-"involuntary full rematerialization" under fsdp=2 x replica=2). The partitioner inserts the
-all-gathers and the gradient reduce-scatters itself.
-
-Checkpoints: train/checkpoint/state.py reads full CPU tensors
-(`to_cpu`: put together from the shards on the host, no device program); model.load_state_dict
-copies into the sharded parameters, which keep their sharding (a load post-hook re-marks and
-asserts it). Several hosts would need torch_xla's SPMD save/load
-planners (each host writing its own shards): not built, so the backend refuses fsdp on more than
-one host.
+Each parameter is sharded on its first dim the fsdp size divides (`param_spec`) and sent to the
+devices already sharded; the optimizer state takes its parameter's sharding (global step hooks);
+every Linear/Embedding output is constrained to the batch sharding. Each mark is asserted. The
+layout and why: docs/tpu.md, "Sharded training on TPU".
 """
 
 from __future__ import annotations
@@ -83,7 +52,7 @@ _FAKE = contextvars.ContextVar("codex_xla_fake_trace", default=False)
 @contextlib.contextmanager
 def fake_trace():
     """Inside: the model runs on fake tensors (AOTAutograd tracing one scanned layer,
-    train/xla/step.py), which carry no sharding: the output constraints below stand aside."""
+    train/xla/layer_scan.py), which carry no sharding: the output constraints below stand aside."""
     token = _FAKE.set(True)
     try:
         yield
@@ -95,6 +64,13 @@ def planned_spec(p: torch.Tensor) -> tuple | None:
     """The partition spec shard_model gave parameter `p`, or None (not planned)."""
     planned = _PLANNED.get(p)
     return None if planned is None else planned[1]
+
+
+def annotate(t: torch.Tensor, mesh, spec: tuple) -> None:
+    """A sharding constraint on `t`'s value (a Sharding custom-call in the HLO), in place."""
+    import torch_xla
+
+    torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding(spec))
 
 
 def make_mesh(replicas: int, shard: int):

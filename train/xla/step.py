@@ -1,62 +1,13 @@
-"""The XLA step's micro-batches as one XLA while loop, traced once per run
-(train.xla_step=cached).
+"""The XLA step's micro-batches as one XLA While, traced once per run (train.xla_step=cached).
 
-Why: PyTorch/XLA builds its graph by running the Python code every step (lazy tracing). The
-plain loop (train.xla_step=traced) re-traces forward + backward once per micro-batch and hands
-XLA an unrolled graph of `accum` copies: host time per optimizer step grows with accum x depth
-(124m at accum 8: ~1.5 s of tracing on a CPU core against ~34 ms of v6e work per micro-batch),
-and so does the compile time. Here:
-
-    first step   trace one micro-batch's forward + backward on the real tensors, lower it to an
-                 HLO computation, wrap it in a While over the accum micro-batches that sums the
-                 loss and the gradients, and keep that computation and its input mapping
-    every step   one user-computation node on the lazy graph: (stacked micro-batches, parameters,
-                 zero gradients) -> (loss sum, gradient sums). No Python runs the model again.
-
-So the host cost of forward + backward no longer depends on accum or on depth, and XLA compiles
-one loop body instead of accum copies of it. The optimizer step after it is cached the same way
-(train/xla/update.py).
-
-The body is assumed pure: the model reads only its parameters, its buffers and the batch (no
-dropout or other randomness, no state updated in the forward). Tensors the body reads that are
-neither the batch nor a parameter (the RoPE tables, constants) are captured at the first trace
-and reused; that is right only because they never change during training. It is the same
-construction as torch_xla.experimental.gradient_accumulation (an XLA While over a traced body),
-which re-traces and re-lowers the body and waits for the device on every call; caching the
-computation is what removes the per-step host cost (measured in bench/bench_xla.py).
-
-Batches: the loader's `accum` micro-batches are stacked on dim 1, [rows, accum, T], so dim 0
-stays the batch dim the mesh shards (and the per-host minibatch transfer works unchanged); the
-loop slices [:, i] inside the While.
-
-Where the gradient is reduced (SPMD, a mesh of several devices). Written for the global batch,
-the SPMD partitioner puts each gradient's all-reduce where the gradient is produced: inside the
-While, once per micro-batch (a TPU pipeline may hoist it, the CPU one does not; codex does not
-count on either). So under replicate the While runs per device, as MaxText's scan does: the
-batch and the parameters enter it through manual sharding (`enable_manual_sharding`: each device
-sees its own rows and the whole, replicated, parameters), the body is traced at the local shapes
-and holds no collective, the carry holds each device's unreduced fp32 gradient sum, and after
-the While one sum over the devices (`disable_manual_sharding` to [devices, ...], then sum(0))
-is the one all-reduce per gradient of the step. tests/train/xla/test_xla_program.py reads it in the
-compiled HLO.
-
-fsdp is ZeRO-3, MaxText's: the While is written for the global batch and the partitioner
-places the collectives, steered by sharding annotations. Inside the micro-batch body the blocks
-run as one scanned layer (`scanned_blocks`: torch_xla's scan construction, a While over the
-layers): each block weight is stacked over the layers ([n_layer, ...], sharded as the weight),
-the loop slices one layer's weights per iteration and all-gathers them there (in the compute
-dtype under bf16, cast on the shard), once in the forward loop and once again in the backward
-one; the slice is loop-variant, so no loop-invariant pass can hoist the gathers out. Each
-layer's gradient is reduced inside the backward loop to the weight's sharding (the CPU pipeline
-emits all-reduce + dynamic-slice; a TPU one, a reduce-scatter) and the micro-batch While
-accumulates it in fp32 accumulators sharded as the weights: 4 P / F bytes per chip, never a
-whole gradient. The root (embedding, head, final norm) is gathered whole, once per step (the
-partitioner hoists that gather out of the micro-batch While). Per chip: the sharded weights,
-gradients and optimizer state, the stacked copy of the block weights (sharded, made once a step
-before the micro-batch While) and the backward loop's stacked sharded gradient of the
-micro-batch, a gathered layer or two (the one computing; XLA's scheduler may prefetch the next),
-the gathered root and the activations (train/plan/memory.py's plan). The stacking is
-inside the traced step: the model, its state_dict and the checkpoints stay per layer.
+PyTorch/XLA re-runs the Python of every step to build its graph; a Python micro-batch loop hands
+XLA `accum` unrolled copies of forward + backward. Here the first step traces one micro-batch,
+lowers it to an HLO computation and wraps it in a While over the stacked micro-batches
+([rows, accum, T]) that sums the loss and the gradients; every later step puts that one
+computation on the lazy graph. Under SPMD replicate the While runs per device and the gradients
+are reduced once after it; under fsdp the blocks run as one scanned layer
+(train/xla/layer_scan.py). The why and what the HLO shows: docs/tpu.md, "The step's host cost"
+and "Where the step's collectives run".
 """
 
 from __future__ import annotations
@@ -69,12 +20,12 @@ from typing import Any
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from codex.train.xla.layer_scan import ScannedBlocks
 from codex.train.xla.sharding import (
     AXES,
+    annotate,
     batch_spec,
-    fake_trace,
     per_device_trace,
     planned_spec,
     sharding_of,
@@ -98,11 +49,11 @@ class DeviceAccumulation:
 
     mesh: the SPMD mesh of several devices. With an fsdp axis over several devices and a model
     whose blocks can be scanned (a GPT: blocks_runner), ZeRO-3: the While written for the global
-    batch, the blocks one scanned layer gathered a layer at a time (in gather_dtype when given)
-    and the gradients reduced into sharded accumulators (module doc). Else the While runs per
-    device on its rows, the weights whole (another model's sharded weight gathered once before
-    it, ZeRO-2) and the gradients reduced once after it. None (one device, or one process per
-    chip): the While is the program as written."""
+    batch, the blocks one scanned layer gathered a layer at a time (in gather_dtype when given,
+    train/xla/layer_scan.py) and the gradients reduced into sharded accumulators. Else the While
+    runs per device on its rows, the weights whole (another model's sharded weight gathered once
+    before it, ZeRO-2) and the gradients reduced once after it. None (one device, or one process
+    per chip): the While is the program as written."""
 
     model: torch.nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,7 +68,7 @@ class DeviceAccumulation:
     @property
     def scanned(self) -> bool:
         """fsdp (a mesh with an fsdp axis over several devices) on a model whose blocks can run
-        as one scanned layer: ZeRO-3, the While written for the global batch (module doc)."""
+        as one scanned layer: ZeRO-3, the While written for the global batch."""
         if self.mesh is None or not hasattr(self.model, "blocks_runner"):
             return False
         return self.mesh.mesh_shape[AXES.index("fsdp")] > 1
@@ -215,7 +166,7 @@ class DeviceAccumulation:
             for p, g in zip(params, grads, strict=True):
                 spec = planned_spec(p)
                 if spec is not None:
-                    _annotate(g, self.mesh, spec)
+                    annotate(g, self.mesh, spec)
         outputs = [loss.detach(), *grads]
         ids, values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs, body_inputs)
         if torch_xla._XLAC._get_seed_info_id() in ids:
@@ -390,252 +341,10 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
 
 @contextlib.contextmanager
 def _blocks_scanned(model, mesh, dtype: torch.dtype | None):
-    """While the body is traced: model's blocks run as one scanned layer (scanned_blocks), their
+    """While the body is traced: model's blocks run as one scanned layer (ScannedBlocks), their
     weights gathered in `dtype` (autocast's) when given."""
-    model.blocks_runner = functools.partial(scanned_blocks, mesh=mesh, dtype=dtype)
+    model.blocks_runner = ScannedBlocks(mesh, dtype)
     try:
         yield
     finally:
         model.blocks_runner = None
-
-
-def scanned_blocks(model, x, cos, sin, idx, mesh, dtype: torch.dtype | None = None):
-    """The GPT's blocks as one layer scanned over their stacked weights (a While over the layers,
-    torch_xla's scan construction), for fsdp under SPMD: the stack of each weight keeps the
-    weight's sharding on a new leading layer dim, and inside the scan the layer's slice is
-    annotated with that sharding again, so the partitioner gathers one layer's weights per
-    iteration (the slice is loop-variant: no pass can hoist the gather out), cast to `dtype` on
-    its shard first when given, and each layer's gradient is annotated whole, then sharded, so it
-    is summed over the batch and cut to this device's part inside the backward scan (all-reduce +
-    dynamic-slice, which a TPU pipeline makes a reduce-scatter). The backward gathers the layer's
-    weights again (ZeRO-3: nothing gathered is kept from the forward).
-
-    7 parameters: GPT.blocks_runner's five, then the mesh and the gather dtype bound to them.
-
-    A layer without a value embedding adds zeros (the same sum). torch_xla's own Scan is not used:
-    its SPMD backward pins shardings through JAX (shard_alike), which codex does not install."""
-    from torch_xla.experimental.scan import value_and_grad_partitioned
-
-    blocks = list(model.blocks)
-    per_layer = [dict(b.named_parameters()) for b in blocks]
-    specs = {n: planned_spec(w) for n, w in per_layer[0].items()}
-    stacked = {}
-    for name, spec in specs.items():
-        stacked[name] = torch.stack([layer[name] for layer in per_layer])
-        if spec is not None:
-            _annotate(stacked[name], mesh, (None, *spec))
-    n = len(blocks)
-    xs: dict = {"params": stacked, "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))}
-    ves = [model.value_embedding(i, idx) for i in range(n)]
-    like = next((v for v in ves if v is not None), None)
-    if like is not None:
-        xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
-    template = blocks[0]
-    # train.remat=block replaced each block's forward by a checkpointed one; under the scan the
-    # partitioner of the layer's forward and backward graphs rematerialises instead
-    remat = "forward" in vars(template)
-
-    def one_layer(h, layer):
-        with _reparametrize_module(template, layer["params"]):
-            out = type(template).forward(template, h, *layer["rope"], layer.get("ve"))
-        return out, None
-
-    # The min-cut partitioner (torch.compile's): the backward recomputes what is cheap from the
-    # layer's inputs (the weights' transposes, which saved would be whole gathered weights of
-    # every layer); remat: a zero activation budget, it recomputes all it can
-    budget = 0.0 if remat else 1.0
-    with fake_trace(), torch._functorch.config.patch(activation_memory_budget=budget):
-        forward, alias_input, backward = value_and_grad_partitioned(
-            one_layer, x, xs, partition_fn=_partition_saving_inputs
-        )
-    activation = batch_spec(x.dim())
-    # which of the backward's saved activations are the layer's weights (torch_xla's scan saves
-    # its inputs by reference): {index: weight name}, learnt when the forward runs
-    saved_weights: dict[int, str] = {}
-
-    def gathered(t: torch.Tensor, spec) -> torch.Tensor:
-        """A weight slice: sharded as its parameter, cast to the compute dtype on the shard, then
-        whole (the layer's all-gather here). Under autocast the layer casts every weight to that
-        dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
-        if spec is None:
-            return t
-        _annotate(t, mesh, spec)
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        _annotate(t, mesh, (None,) * t.dim())
-        return t
-
-    def forward_pinned(h, layer):
-        params = {name: gathered(t, specs[name]) for name, t in layer["params"].items()}
-        layer = {**layer, "params": params}
-        if "ve" in layer:
-            _annotate(layer["ve"], mesh, activation)
-        _annotate(h, mesh, activation)
-        h, y = forward(h, layer)
-        _annotate(h, mesh, activation)
-        return h, y
-
-    def backward_pinned(grad_h, saved):
-        grad_y, activations = saved
-        activations = list(activations)
-        for i, name in saved_weights.items():
-            activations[i] = gathered(activations[i], specs[name])
-        _annotate(grad_h, mesh, activation)
-        grad_h, grad_layer = backward(grad_h, (grad_y, activations))
-        _annotate(grad_h, mesh, activation)
-        for name, g in grad_layer["params"].items():
-            if specs[name] is not None:  # the whole gradient summed over the batch, then sharded
-                _annotate(g, mesh, (None,) * g.dim())
-                _annotate(g, mesh, specs[name])
-        if grad_layer.get("ve") is not None:
-            _annotate(grad_layer["ve"], mesh, activation)
-        return grad_h, grad_layer
-
-    def remember(activations):
-        leaves = {id(t): name for name, t in stacked.items()}
-        saved_weights.update(
-            {i: leaves[id(a)] for i, a in enumerate(activations) if id(a) in leaves}
-        )
-
-    out, _ = _LayerScan.apply(forward_pinned, alias_input, backward_pinned, remember, x, xs)
-    return out
-
-
-def _partition_saving_inputs(joint, inputs, **kwargs):
-    """min_cut_rematerialization_partition, then every saved activation that is only a view or
-    a cast of a layer input (a weight's transpose transposed back, t(t(W)); its bf16 copy under
-    autocast) saved as that input instead, the views and casts redone in the backward. Why:
-    torch_xla's scan stacks every saved activation over the layers, and tells a saved input
-    (kept by reference: the stacked sharded weight) by identity only; a view of a weight would be
-    stacked as the whole gathered weight of every layer."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kwargs)
-    n_out = kwargs["num_fwd_outputs"]
-    (output,) = [n for n in fwd.graph.nodes if n.op == "output"]
-    outs = list(output.args[0])
-    places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-    saved = dict(zip(outs[n_out:], places, strict=False))  # fwd node -> its bwd placeholder
-    by_input = {n: place for n, place in saved.items() if n.op == "placeholder"}
-    changed = False
-    for node, place in list(saved.items()):
-        chain, src = [], node
-        while src.op == "call_function" and src.target in _views():
-            chain.append(src)
-            src = src.args[0]
-        if not chain or src.op != "placeholder":
-            continue
-        drop = src in by_input  # the input is saved already: this entry goes
-        if drop:
-            base = by_input[src]
-            outs.remove(node)
-        else:  # the input saved in this entry's place
-            outs[outs.index(node)] = src
-            by_input[src] = base = place
-        value, anchor, views = base, places[-1], []
-        for view in reversed(chain):
-            with bwd.graph.inserting_after(anchor):
-                value = anchor = bwd.graph.call_function(
-                    view.target, (value, *view.args[1:]), dict(view.kwargs)
-                )
-            views.append(value)
-        place.replace_all_uses_with(value, delete_user_cb=lambda user, v=views: user not in v)
-        if drop:
-            bwd.graph.erase_node(place)
-        changed = True
-    if changed:
-        # torch_xla's scan pairs the saved inputs with its inputs in order: save them in order
-        order = {n: i for i, n in enumerate(n for n in fwd.graph.nodes if n.op == "placeholder")}
-        places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-        pairs = list(zip(outs[n_out:], places, strict=False))  # the tangents come last
-        slots = [i for i, (n, _) in enumerate(pairs) if n in order]
-        ordered = sorted((pairs[i] for i in slots), key=lambda q: order[q[0]])
-        for i, pair in zip(slots, ordered, strict=True):
-            pairs[i] = pair
-        outs[n_out:] = [n for n, _ in pairs]
-        anchor = next(iter(bwd.graph.nodes))
-        anchor.prepend(pairs[0][1])
-        for _, place in pairs:  # the bwd's saved-value placeholders in the same order
-            if place is not pairs[0][1]:
-                anchor.append(place)
-            anchor = place
-        output.args = (tuple(outs),)
-        fwd.graph.lint()
-        bwd.graph.lint()
-        fwd.recompile()
-        bwd.recompile()
-    return fwd, bwd
-
-
-@functools.cache
-def _views() -> frozenset:
-    """The aten ops that only view or cast their first argument (what _partition_saving_inputs
-    replays in the backward instead of saving their result)."""
-    aten = torch.ops.aten
-    return frozenset(
-        {
-            aten.t.default,
-            aten.transpose.int,
-            aten.permute.default,
-            aten.view.default,
-            aten._unsafe_view.default,
-            aten.reshape.default,
-            aten.expand.default,
-            aten.detach.default,
-            aten.alias.default,
-            aten._to_copy.default,  # autocast's cast of a weight to the compute dtype
-        }
-    )
-
-
-def _annotate(t: torch.Tensor, mesh, spec: tuple) -> None:
-    """A sharding constraint on `t`'s value (a Sharding custom-call in the HLO), in place."""
-    import torch_xla
-
-    torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding(spec))
-
-
-def _layer_scan_class():
-    """torch_xla's Scan autograd Function without its SPMD backward wrapper (which imports JAX):
-    the forward scan keeps its activations, the backward scans the gradients in reverse."""
-    from torch_xla.experimental.pytreeify import pytreeify
-    from torch_xla.experimental.scan import _scan_impl_pytree
-
-    @pytreeify
-    class LayerScan(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, forward, alias_input, backward, remember, init, xs):
-            """7 parameters: an autograd Function's inputs, passed positionally by apply."""
-            with torch.no_grad():
-                carry, (ys, partial) = _scan_impl_pytree(forward, init, xs)
-            activations = alias_input(partial, xs)
-            remember(activations)
-            ctx.backward_fn = backward
-            flat, ctx.spec = tree_flatten(activations)
-            ctx.save_for_backward(*flat)
-            return carry, ys
-
-        @staticmethod
-        def backward(ctx, grad_carry, grad_ys):
-            activations = tree_unflatten(list(ctx.saved_tensors), ctx.spec)
-            with torch.no_grad():
-                grad_init, grad_xs = _scan_impl_pytree(
-                    ctx.backward_fn, grad_carry, (grad_ys, activations), reverse=True
-                )
-            return None, None, None, None, grad_init, grad_xs
-
-    return LayerScan
-
-
-class _Lazy:
-    """_LayerScan.apply, the class built on first use (torch_xla is imported late)."""
-
-    @functools.cached_property
-    def cls(self):
-        return _layer_scan_class()
-
-    def apply(self, *args):
-        return self.cls.apply(*args)
-
-
-_LayerScan = _Lazy()

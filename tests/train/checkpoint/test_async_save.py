@@ -1,4 +1,4 @@
-"""train.async_save's writer (train/checkpoint/folders.py: BackgroundWriter): the state is staged
+"""train.async_save's writer (train/checkpoint/async_save.py: BackgroundWriter): the state is staged
 into one buffer kept across saves, only the part this rank writes, and written by a process of
 its own; the checkpoint protocol (DONE last, retention) is the blocking save's. The loop's use of
 it, on 2 fsdp ranks, is tests/train/distributed/test_fsdp.py:
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from codex.train.checkpoint import async_save
 from codex.train.checkpoint import folders as checkpoint
 from tests.fixtures.runs import child_env
 
@@ -36,10 +37,10 @@ def tiny_state(step: int) -> dict:
 @pytest.mark.slow
 def test_background_save_reuses_its_buffer_and_writes_in_another_process(tmp_path):
     run = str(tmp_path / "run")
-    writer = checkpoint.BackgroundWriter()
+    writer = async_save.BackgroundWriter()
     try:
         state = tiny_state(1)
-        pending = checkpoint.save_in_background(run, state, writer, keep_last=2)
+        pending = async_save.save_in_background(run, state, writer, keep_last=2)
         ptrs = [v.data_ptr() for v in writer.cache.views]
         expected = state["model"]["w"].clone()
         state["model"]["w"].add_(1.0)  # training goes on: the checkpoint holds the staged copy
@@ -49,7 +50,7 @@ def test_background_save_reuses_its_buffer_and_writes_in_another_process(tmp_pat
 
         for step in (2, 3):
             state["step"] = step
-            pending = checkpoint.save_in_background(run, state, writer, keep_last=2)
+            pending = async_save.save_in_background(run, state, writer, keep_last=2)
             assert [v.data_ptr() for v in writer.cache.views] == ptrs  # the same buffer, no new one
             pending.wait()
         assert torch.equal(checkpoint.load(run, 3)["model"]["w"], state["model"]["w"])
@@ -59,7 +60,7 @@ def test_background_save_reuses_its_buffer_and_writes_in_another_process(tmp_pat
         state = tiny_state(4)
         state["model"]["extra"] = torch.arange(10.0)
         pid = writer.pid
-        checkpoint.save_in_background(run, state, writer, keep_last=2).wait()
+        async_save.save_in_background(run, state, writer, keep_last=2).wait()
         assert writer.pid == pid
         loaded = checkpoint.load(run, 4)
         for k, t in state["model"].items():
@@ -75,9 +76,9 @@ def test_a_failed_background_save_is_raised_by_wait(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("a file where the checkpoints folder goes")
-    writer = checkpoint.BackgroundWriter()
+    writer = async_save.BackgroundWriter()
     try:
-        pending = checkpoint.save_in_background(str(run), tiny_state(1), writer)
+        pending = async_save.save_in_background(str(run), tiny_state(1), writer)
         with pytest.raises(OSError):
             pending.wait()
         with pytest.raises(OSError):
@@ -114,13 +115,13 @@ def _two_ranks(rank: int, world: int, port: int, out: str) -> None:
         "rng": {f"rank_{rank}": torch.tensor([rank])},
         "step": 1,
     }
-    writer = checkpoint.BackgroundWriter(control)
+    writer = async_save.BackgroundWriter(control)
     try:
-        pending = checkpoint.save_in_background(out, state, writer)
+        pending = async_save.save_in_background(out, state, writer)
         ptrs = [v.data_ptr() for v in writer.cache.views]
         pending.wait()
         state["step"] = 2
-        checkpoint.save_in_background(out, state, writer).wait()
+        async_save.save_in_background(out, state, writer).wait()
         assert writer.cache.plan is not None
         staged = [[s.key[0], list(s.shape)] for s in writer.cache.plan.slots]
         Path(out, f"rank{rank}.json").write_text(
@@ -175,14 +176,15 @@ def test_each_rank_stages_only_what_it_writes(tmp_path):
 _KILLED = """
 import os, signal, sys, time
 import torch
+from codex.train.checkpoint import async_save
 from codex.train.checkpoint import folders as checkpoint
 
 run = sys.argv[1]
 state = {"model": {"w": torch.ones(256, 256)}, "step": 1}
 checkpoint.save(run, state)
-writer = checkpoint.BackgroundWriter()
+writer = async_save.BackgroundWriter()
 state["step"] = 2
-checkpoint.save_in_background(run, state, writer)
+async_save.save_in_background(run, state, writer)
 print(writer.pid, flush=True)
 time.sleep(0.5)  # the request is with the writer, which is still starting
 os.kill(os.getpid(), signal.SIGKILL)  # the job dies while its background save is in flight

@@ -333,7 +333,7 @@ def test_a_killed_torchrun_agent_takes_its_rank_down_and_the_job_stops(tmp_path)
 
 @pytest.mark.slow
 def test_the_flight_recorder_is_set_for_cuda_where_unset_with_its_dump_in_the_run_dir(tmp_path):
-    from codex.train.distributed.backend import process_group_env
+    from codex.train.distributed.process_env import process_group_env
 
     run = str(tmp_path / "run")
     one_host = {"MASTER_ADDR": "127.0.0.1"}
@@ -375,7 +375,7 @@ def test_the_socket_interface_is_the_one_that_reaches_master_addr(tmp_path):
     127.0.0.1; this machine's own address is held by its interface). process_group_env sets
     GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on CUDA) from it only for a MASTER_ADDR that is not
     loopback (several hosts) and only where unset."""
-    from codex.train.distributed.backend import process_group_env, route_interface
+    from codex.train.distributed.process_env import process_group_env, route_interface
 
     assert route_interface("127.0.0.1") == "lo"
     assert route_interface("localhost") == "lo"

@@ -713,7 +713,7 @@ def test_cuda_turns_on_expandable_segments_unless_the_user_set_the_allocator(mon
     allocation, under both names torch reads (PYTORCH_ALLOC_CONF, and older torch's
     PYTORCH_CUDA_ALLOC_CONF); a value the user set under either name stands, and the other is
     left unset so it cannot override theirs. Nothing on the CPU."""
-    from codex.train.distributed.backend import allocator_env
+    from codex.train.distributed.process_env import allocator_env
 
     both = {
         "PYTORCH_ALLOC_CONF": "expandable_segments:True",
@@ -754,7 +754,7 @@ def test_cuda_turns_on_expandable_segments_unless_the_user_set_the_allocator(mon
 
 
 def test_zero3_on_tpu_fits_7b_on_v6e_and_v5p_and_1b_at_4_x_2048_on_multi_host_v6e():
-    """fsdp on TPU is ZeRO-3 (train/xla/step.py's layer loop): per chip 16 P / F of state, the
+    """fsdp on TPU is ZeRO-3 (train/xla/layer_scan.py's layer loop): per chip 16 P / F of state, the
     layer loop's stacked fp32 block weights and the backward loop's stacked fp32 gradient (8 B / F
     for the blocks' B parameters, read off the compiled HLO), two gathered blocks and the root,
     whatever the accumulation. 7b then fits v6e-16, v6e-32 and every v5p slice, with AdamW and

@@ -170,7 +170,7 @@ REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
 def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop(fsdp):
-    """ZeRO-3 (train/xla/step.py): the blocks run as a While over their stacked weights inside
+    """ZeRO-3 (train/xla/layer_scan.py): the blocks run as a While over their stacked weights inside
     the micro-batch While. Each layer loop's body (forward, and backward again) all-gathers every
     block weight once, each one layer's weight in size; the loop carries the stacked weights
     sharded (a quarter of each, for all layers); outside the layer loops no block weight is

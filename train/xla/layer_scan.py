@@ -1,0 +1,286 @@
+"""fsdp's layer loop under XLA SPMD (ZeRO-3): the GPT's blocks as one layer scanned over their
+stacked weights (torch_xla's scan construction, a While over the layers), each layer's weights
+gathered inside the loop and its gradient reduced there.
+
+The cached step (train/xla/step.py) sets `ScannedBlocks` as GPT.blocks_runner while it traces its
+body; the model, its state_dict and the checkpoints stay per layer. torch_xla's own Scan is not
+used: its SPMD backward pins shardings through JAX (shard_alike), which codex does not install.
+The collectives this places: docs/tpu.md, "Where the step's collectives run".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from codex.train.xla.sharding import annotate, batch_spec, fake_trace, planned_spec
+
+
+@dataclass(frozen=True)
+class ScannedBlocks:
+    """GPT.blocks_runner for fsdp under SPMD: the blocks as one layer scanned over their stacked
+    weights. The stack of each weight keeps the weight's sharding on a new leading layer dim, and
+    inside the scan the layer's slice is annotated with that sharding again, so the partitioner
+    gathers one layer's weights per iteration (the slice is loop-variant: no pass can hoist the
+    gather out), cast to `dtype` on its shard first when given, and each layer's gradient is
+    annotated whole, then sharded, so it is summed over the batch and cut to this device's part
+    inside the backward scan (all-reduce + dynamic-slice, which a TPU pipeline makes a
+    reduce-scatter). The backward gathers the layer's weights again (ZeRO-3: nothing gathered is
+    kept from the forward). A layer without a value embedding adds zeros (the same sum)."""
+
+    mesh: Any
+    dtype: torch.dtype | None = None  # gather the weights in it (autocast's compute dtype)
+
+    def __call__(
+        self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        """GPT.blocks_runner's call: the blocks' output for input `x` (see GPT.blocks)."""
+        from torch_xla.experimental.scan import value_and_grad_partitioned
+
+        blocks = list(model.blocks)
+        specs, stacked = self._stacked_weights(blocks)
+        n = len(blocks)
+        xs: dict = {
+            "params": stacked,
+            "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
+        }
+        ves = [model.value_embedding(i, idx) for i in range(n)]
+        like = next((v for v in ves if v is not None), None)
+        if like is not None:
+            xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
+        template = blocks[0]
+        # train.remat=block replaced each block's forward by a checkpointed one; under the scan the
+        # partitioner of the layer's forward and backward graphs rematerialises instead
+        remat = "forward" in vars(template)
+
+        def one_layer(h, layer):
+            with _reparametrize_module(template, layer["params"]):
+                out = type(template).forward(template, h, *layer["rope"], layer.get("ve"))
+            return out, None
+
+        # The min-cut partitioner (torch.compile's): the backward recomputes what is cheap from the
+        # layer's inputs (the weights' transposes, which saved would be whole gathered weights of
+        # every layer); remat: a zero activation budget, it recomputes all it can
+        budget = 0.0 if remat else 1.0
+        with fake_trace(), torch._functorch.config.patch(activation_memory_budget=budget):
+            forward, alias_input, backward = value_and_grad_partitioned(
+                one_layer, x, xs, partition_fn=_partition_saving_inputs
+            )
+        layer = _PinnedLayer(self, specs, stacked, batch_spec(x.dim()), forward, backward)
+        out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
+        return out
+
+    def _stacked_weights(self, blocks: list) -> tuple[dict, dict]:
+        """({weight name: its partition spec}, {weight name: [n_layer, ...] stack}): each stack
+        sharded as its weight, on a new leading layer dim."""
+        per_layer = [dict(b.named_parameters()) for b in blocks]
+        specs = {n: planned_spec(w) for n, w in per_layer[0].items()}
+        stacked = {}
+        for name, spec in specs.items():
+            stacked[name] = torch.stack([layer[name] for layer in per_layer])
+            if spec is not None:
+                annotate(stacked[name], self.mesh, (None, *spec))
+        return specs, stacked
+
+
+@dataclass
+class _PinnedLayer:
+    """One scanned layer's partitioned forward and backward with their shardings pinned: the
+    activations to the batch sharding, each weight slice gathered in the layer, each weight
+    gradient reduced to its weight's sharding."""
+
+    scan: ScannedBlocks
+    specs: dict  # weight name -> its parameter's partition spec (None: replicated)
+    stacked: dict  # weight name -> its [n_layer, ...] stack
+    activation: tuple  # an activation's partition spec: the batch sharding
+    partitioned_forward: Callable
+    partitioned_backward: Callable
+    # which of the backward's saved activations are the layer's weights (torch_xla's scan saves
+    # its inputs by reference): {index: weight name}, learnt when the forward runs
+    saved_weights: dict[int, str] = field(default_factory=dict)
+
+    def gathered(self, t: torch.Tensor, spec) -> torch.Tensor:
+        """A weight slice: sharded as its parameter, cast to the compute dtype on the shard, then
+        whole (the layer's all-gather here). Under autocast the layer casts every weight to that
+        dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
+        if spec is None:
+            return t
+        mesh, dtype = self.scan.mesh, self.scan.dtype
+        annotate(t, mesh, spec)
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        annotate(t, mesh, (None,) * t.dim())
+        return t
+
+    def forward(self, h, layer):
+        mesh, activation = self.scan.mesh, self.activation
+        params = {name: self.gathered(t, self.specs[name]) for name, t in layer["params"].items()}
+        layer = {**layer, "params": params}
+        if "ve" in layer:
+            annotate(layer["ve"], mesh, activation)
+        annotate(h, mesh, activation)
+        h, y = self.partitioned_forward(h, layer)
+        annotate(h, mesh, activation)
+        return h, y
+
+    def backward(self, grad_h, saved):
+        mesh, activation, specs = self.scan.mesh, self.activation, self.specs
+        grad_y, activations = saved
+        activations = list(activations)
+        for i, name in self.saved_weights.items():
+            activations[i] = self.gathered(activations[i], specs[name])
+        annotate(grad_h, mesh, activation)
+        grad_h, grad_layer = self.partitioned_backward(grad_h, (grad_y, activations))
+        annotate(grad_h, mesh, activation)
+        for name, g in grad_layer["params"].items():
+            if specs[name] is not None:  # the whole gradient summed over the batch, then sharded
+                annotate(g, mesh, (None,) * g.dim())
+                annotate(g, mesh, specs[name])
+        if grad_layer.get("ve") is not None:
+            annotate(grad_layer["ve"], mesh, activation)
+        return grad_h, grad_layer
+
+    def remember(self, activations):
+        leaves = {id(t): name for name, t in self.stacked.items()}
+        self.saved_weights.update(
+            {i: leaves[id(a)] for i, a in enumerate(activations) if id(a) in leaves}
+        )
+
+
+def _partition_saving_inputs(joint, inputs, **kwargs):
+    """min_cut_rematerialization_partition, then every saved activation that is only a view or
+    a cast of a layer input (a weight's transpose transposed back, t(t(W)); its bf16 copy under
+    autocast) saved as that input instead, the views and casts redone in the backward. Why:
+    torch_xla's scan stacks every saved activation over the layers, and tells a saved input
+    (kept by reference: the stacked sharded weight) by identity only; a view of a weight would be
+    stacked as the whole gathered weight of every layer."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+    n_out = kwargs["num_fwd_outputs"]
+    (output,) = [n for n in fwd.graph.nodes if n.op == "output"]
+    outs = list(output.args[0])
+    places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    saved = dict(zip(outs[n_out:], places, strict=False))  # fwd node -> its bwd placeholder
+    by_input = {n: place for n, place in saved.items() if n.op == "placeholder"}
+    changed = False
+    for node, place in list(saved.items()):
+        chain, src = [], node
+        while src.op == "call_function" and src.target in _views():
+            chain.append(src)
+            src = src.args[0]
+        if not chain or src.op != "placeholder":
+            continue
+        drop = src in by_input  # the input is saved already: this entry goes
+        if drop:
+            base = by_input[src]
+            outs.remove(node)
+        else:  # the input saved in this entry's place
+            outs[outs.index(node)] = src
+            by_input[src] = base = place
+        value, anchor, views = base, places[-1], []
+        for view in reversed(chain):
+            with bwd.graph.inserting_after(anchor):
+                value = anchor = bwd.graph.call_function(
+                    view.target, (value, *view.args[1:]), dict(view.kwargs)
+                )
+            views.append(value)
+        place.replace_all_uses_with(value, delete_user_cb=lambda user, v=views: user not in v)
+        if drop:
+            bwd.graph.erase_node(place)
+        changed = True
+    if changed:
+        # torch_xla's scan pairs the saved inputs with its inputs in order: save them in order
+        order = {n: i for i, n in enumerate(n for n in fwd.graph.nodes if n.op == "placeholder")}
+        places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+        pairs = list(zip(outs[n_out:], places, strict=False))  # the tangents come last
+        slots = [i for i, (n, _) in enumerate(pairs) if n in order]
+        ordered = sorted((pairs[i] for i in slots), key=lambda q: order[q[0]])
+        for i, pair in zip(slots, ordered, strict=True):
+            pairs[i] = pair
+        outs[n_out:] = [n for n, _ in pairs]
+        anchor = next(iter(bwd.graph.nodes))
+        anchor.prepend(pairs[0][1])
+        for _, place in pairs:  # the bwd's saved-value placeholders in the same order
+            if place is not pairs[0][1]:
+                anchor.append(place)
+            anchor = place
+        output.args = (tuple(outs),)
+        fwd.graph.lint()
+        bwd.graph.lint()
+        fwd.recompile()
+        bwd.recompile()
+    return fwd, bwd
+
+
+@functools.cache
+def _views() -> frozenset:
+    """The aten ops that only view or cast their first argument (what _partition_saving_inputs
+    replays in the backward instead of saving their result)."""
+    aten = torch.ops.aten
+    return frozenset(
+        {
+            aten.t.default,
+            aten.transpose.int,
+            aten.permute.default,
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.reshape.default,
+            aten.expand.default,
+            aten.detach.default,
+            aten.alias.default,
+            aten._to_copy.default,  # autocast's cast of a weight to the compute dtype
+        }
+    )
+
+
+def _layer_scan_class():
+    """torch_xla's Scan autograd Function without its SPMD backward wrapper (which imports JAX):
+    the forward scan keeps its activations, the backward scans the gradients in reverse."""
+    from torch_xla.experimental.pytreeify import pytreeify
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    @pytreeify
+    class LayerScan(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, forward, alias_input, backward, remember, init, xs):
+            """7 parameters: an autograd Function's inputs, passed positionally by apply."""
+            with torch.no_grad():
+                carry, (ys, partial) = _scan_impl_pytree(forward, init, xs)
+            activations = alias_input(partial, xs)
+            remember(activations)
+            ctx.backward_fn = backward
+            flat, ctx.spec = tree_flatten(activations)
+            ctx.save_for_backward(*flat)
+            return carry, ys
+
+        @staticmethod
+        def backward(ctx, grad_carry, grad_ys):
+            activations = tree_unflatten(list(ctx.saved_tensors), ctx.spec)
+            with torch.no_grad():
+                grad_init, grad_xs = _scan_impl_pytree(
+                    ctx.backward_fn, grad_carry, (grad_ys, activations), reverse=True
+                )
+            return None, None, None, None, grad_init, grad_xs
+
+    return LayerScan
+
+
+class _Lazy:
+    """_LayerScan.apply, the class built on first use (torch_xla is imported late)."""
+
+    @functools.cached_property
+    def cls(self):
+        return _layer_scan_class()
+
+    def apply(self, *args):
+        return self.cls.apply(*args)
+
+
+_LayerScan = _Lazy()
