@@ -1,18 +1,11 @@
 """`codex train --compile-only`: the TPU step compiled by the TPU compiler, on any machine.
 
-    trace    the run's plan, model, optimizer and step, built by the code a TPU run uses, on as
-             many XLA CPU devices as the slice has chips (one global mesh, every host's share in
-             it); each program a run compiles (the step: micro-batch While + optimizer update;
-             validation's forward) lowered to an HLO module with its shardings, as torch_xla
-             hands it to XLA at the step's sync, never compiled for XLA:CPU nor run
-    compile  libtpu's compile-only client compiles each proto for the slice's topology with
-             codex's libtpu flags (train/xla/tpu_compile.py, its own interpreter)
-    report   per chip: HBM from the compiler beside the plan and the chip, the TPU program's
-             collectives (train/xla/tpu_program.py), FLOPs and bytes, a modelled step time and
-             MFU, the compile time; exit 1 when the step does not fit
-
-The trace holds the model's real weights and optimizer state in this machine's memory (the XLA
-CPU devices are this host's RAM): a model that does not fit here is refused before the trace.
+The run's programs (the step, validation's forward) are traced by the code a TPU run uses, on as
+many XLA CPU devices as the slice has chips, and lowered to HLO, never run. libtpu's compile-only
+client compiles them for the slice (train/xla/tpu_compile.py). The report, per chip: HBM beside
+the plan, collectives (train/xla/tpu_program.py), cost, modelled step time and MFU; exit 1 when
+the step does not fit. The trace holds real weights in host RAM, so a model that does not fit
+here is refused first. The three steps and what they showed: docs/tpu.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
-"""Training metrics: what a log line measures (the loss window, the throughput) and where it goes
-(RUN/metrics.jsonl on rank 0, and wandb).
+"""Training metrics: what a log line measures and where it goes (RUN/metrics.jsonl, wandb).
 
     window = LossWindow(backend, accum, saved)   # saved: a checkpoint's log_window (exact resume)
     timer = StepTimer(backend, step, tokens)
-    ... window.add(loss) every micro-batch ...
-    with timer.pause(): validate or save          # left out of tokens/s, kept in the wall time
-    loss = window.mean(step); rates = timer.lap(step, tokens); window.reset(step)
+    window.add(loss)                             # every micro-batch: summed on the device
+    with timer.pause(): validate or save         # left out of tokens/s, kept in the wall time
+    loss = window.take(step); rates = timer.lap(step, tokens)    # a log step: mean, new window
+    logger = make_logger(cfg, is_main, resume_step, config_dict); logger.log("train", step, ...)
 
-Nothing here reads the device inside a step: the loss is summed on the device and read every
-log_every steps only, after a blocking sync, so tokens/s counts finished work.
-
-    logger = make_logger(cfg, is_main=backend.is_main, resume_step=step)
-    logger.log("train", step, tokens, loss=..., lr=...)
-    logger.close()
-
-metrics.jsonl holds one JSON object a line: {"kind": "train"|"val", "step", "tokens", ...}. On
-resume, lines from steps after the checkpoint (written by the run that was killed) are dropped so
-the file reads like one uninterrupted run. On gs:// (objects cannot be appended to) new lines are
-buffered and appended in chunks: a chunk object is uploaded and composed onto metrics.jsonl (GCS
-compose, server-side), so a flush costs the chunk, not the file. A flush happens every FLUSH_LINES
-lines or FLUSH_SECONDS, at close, and before every checkpoint (flush()), so a resume never misses
-lines older than its checkpoint.
-
-wandb: train.wandb = auto (online when WANDB_API_KEY is set or WANDB_MODE=online, else offline),
-online, offline, or off. Any wandb exception is logged once and wandb is switched off; training
-goes on. Only rank 0 logs anything. wandb prints nothing itself (Settings(silent=True): its lines
-go to its debug.log and RUN/logs/train.log); one codex line says where the run is (CODEX_DEBUG=1:
-wandb's own lines).
+Nothing here reads the device inside a step, so tokens/s counts finished work (docs/training.md).
 """
 
 from __future__ import annotations

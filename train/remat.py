@@ -1,20 +1,10 @@
 """Rematerialisation (activation checkpointing), `train.remat`: none or block.
 
 block: every transformer block keeps only its input for the backward pass and recomputes its
-activations there, so a step holds one block's activations instead of n_layer blocks' (about a
-third more compute for the forward recomputed in the backward).
-
-Applied from outside the model, as torchtitan does: `apply_remat` wraps each block's forward in
-a checkpoint before the backend moves or compiles the model. The model file stays the readable
-network, its parameter names (checkpoints, the Hugging Face export) do not change, and eval and
-generation, which build their own model, never pay for it.
-
-Which checkpoint: on XLA, torch_xla.utils.checkpoint. Plain torch.utils.checkpoint records the
-recomputation in the same lazy graph as the forward, and XLA's common-subexpression elimination
-merges the two copies back into one, keeping every activation alive (the saving undone);
-torch_xla's version puts an optimization barrier in front of the recomputation so XLA cannot
-merge them. It is reentrant-only (torch_xla 2.9). Elsewhere torch.utils.checkpoint with
-use_reentrant=False (the variant PyTorch recommends, and the one torch.compile traces).
+activations there, so a step holds one block's activations instead of n_layer blocks'. It is
+applied from outside the model (`apply_remat`), so the model file, its parameter names, eval and
+generation stay as they are. On XLA it is torch_xla's checkpoint, whose optimization barrier keeps
+XLA from merging the recomputation back into the forward. Why, and what it saves: docs/hardware.md.
 """
 
 from __future__ import annotations

@@ -176,3 +176,16 @@ def test_no_module_runs_over_six_hundred_lines():
         if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not offenders, offenders
+
+
+MAX_MODULE_DOCSTRING_LINES = 13
+
+
+def test_module_docstrings_are_a_few_lines():
+    """A module says what it is and why in a few lines; the long explanations live in docs/."""
+    offenders = []
+    for name, f in module_files().items():
+        doc = ast.get_docstring(ast.parse(f.read_text())) or ""
+        if len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
+            offenders.append(f"{name} ({len(doc.splitlines())} lines)")
+    assert not offenders, offenders

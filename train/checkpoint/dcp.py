@@ -6,27 +6,8 @@
     new = staged(tree, cache, control)            # every rank, collective: copy its share now
     records = write_staged(folder, plan, views, control)   # the writer process: write that copy
 
-A state tree is a nested dict. Its tensor leaves go to DCP: every rank writes the tensors it
-holds (its shards of a DTensor, or its host's shards of an XLA SPMD tensor as a HostShards,
-train/checkpoint/xla_shards.py; a replicated tensor or shard is written once, by one of the ranks
-that hold it) to its own files `__RANK_N.distcp`, and rank 0 writes DCP's index `.metadata`. DCP
-reads any tensor back into any layout: a DTensor target gets the slice it holds, a HostShards its
-host's pieces, a plain one the whole.
-
-What is not a tensor stays out of DCP (whose non-tensor values are pickles): `skeleton(tree)`
-is the tree with every tensor replaced by {"__tensor__": shape, "dtype": name}, plain JSON, from
-which `targets_from_skeleton` makes the empty tensors a one-process reader loads into.
-
-A background save (async_save.py: save_in_background) writes a copy: `staged` copies, now, only the
-tensors this rank will write (its DTensor shards; of the replicated tensors, those DCP's
-deduplication gives this rank: one copy of each, spread over the ranks by size) into one
-shared-memory buffer kept in `StagingCache` across saves (pinned when a tensor is on a GPU), and
-the writer process maps the same buffer and writes it with `write_staged`: the same plan and
-files dcp.save would make.
-
-Every file is hashed while it is written (`HashingFileSystem`): write_tree returns this rank's
-{file: {"bytes", "sha256"}}, so damage found later (a truncated or overwritten file) is told
-apart from a read error without trusting DCP to notice.
+Tensors go to DCP, the rest to JSON (`skeleton`); every file is hashed as it is written. How a
+folder's files are written, read back and staged: docs/checkpoints.md.
 """
 
 from __future__ import annotations

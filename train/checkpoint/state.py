@@ -1,18 +1,9 @@
 """The whole training state in a checkpoint (train/checkpoint/folders.py): built by `save_training`
 on every rank, put back by `restore_training` on every rank, so the loop never touches its keys.
 
-    {"model":     {fqn: tensor},                          DTensor shards under fsdp
-     "optimizer": {"adamw"|"muon": {"state": {fqn: {name: tensor}}, "param_groups": [...]}},
-     "rng":       {"rank_R": {"torch", "cuda"}},          per rank: each rank writes its own
-     "step", "tokens", "loader", "log_window", "config", "codex_version", "world_size",
-     "batch_tokens", "tokenizer_sha256", "parallel"}
-
-The optimizer state is keyed by parameter name (fqn), not by torch's positional ids, so it loads
-into any layout: restore_training makes each state tensor's target like its parameter (a DTensor
-slice under fsdp, a full CPU tensor otherwise) and DCP fills it. (torch's
-get/set_optimizer_state_dict would do the same for fsdp, but set_ runs a dummy optimizer step to
-create the state first: one more XLA program, and a Muon step with collectives; naming the state by
-fqn here is a few lines.)
+The tree holds the model, the optimizer state keyed by parameter name (fqn: it loads into any
+layout), each rank's RNG, the counters, the loader, the config and what a resume checks. The tree
+in full, and why not torch's get/set_optimizer_state_dict: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -6,22 +6,8 @@ as torch_xla's SPMDSavePlanner and SPMDLoadPlanner do, inside codex's DCP folder
     t = to_device(target)              # a new XLA tensor with like's sharding, built from them
     place(param, target)               # the same, swapped into a parameter (param.data)
 
-A `HostShards` is one tensor as this host sees it: the global shape, and one CPU piece per distinct
-shard index its chips hold (two chips holding the same index, HSDP on one host, give one piece).
-DCP writes each piece as a chunk of the global tensor (WriteItemType.SHARD), so the index in
-.metadata describes every tensor whole and any layout reads it back: one process reads full
-tensors (eval, export), another mesh reads its own chunks. Across hosts, DCP's deduplication gives
-a chunk several hosts hold (HSDP's replicas) to the one with the least to write so far, so each
-host writes about 1/hosts of the state.
-
-Loading never makes a tensor whole, on the host or on a chip: DCP fills each host's pieces from
-the chunks that overlap them, and `to_device` sends each chip only its own piece
-(_global_tensor_from_cpu_shards with the parameter's sharding). The optimizer state is created
-that way, sharded like its parameter, before the first step: before, torch's load_state_dict put
-it on every chip whole and the first step's hook re-sharded it (58 GB per chip for 7b AdamW).
-
-`HostShardsSavePlanner` and `HostShardsLoadPlanner` are DCP's default planners that find a
-HostShards' piece by its offset (DCP's lookup finds chunks of torch.Tensor subclasses only).
+Loading never makes a tensor whole, on a host or a chip. How pieces become DCP chunks, and why
+the planners find a piece by its offset: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The host's local cache of gs:// shards: one folder shared by every process on the host.
 
-Every local rank (and the val reader) uses the same folder, so each shard is downloaded once per
-host however many ranks read it, and no process may delete a file another one is about to open.
-The protocol is fcntl.flock on two lock files per shard in CACHE/locks/, NAME.lock and NAME.dl:
-
-- A process holds a shared lock on NAME.lock from before it looks for the file until it no
-  longer reads it. The kernel drops the lock when the process exits, however it exits, so a
-  crashed rank pins nothing.
-- Eviction takes NAME.lock exclusively without waiting (LOCK_NB), so a file that any process
-  holds is never deleted; least recently used (mtime, touched on every acquire) go first. Only
-  files of the same split count against that split's bound, so the train and val readers share
-  the folder. The bound is soft: files in use are kept even when there are more of them.
-- A missing shard is downloaded under the exclusive NAME.dl lock (with NAME.lock still held
-  shared, so the new file cannot be evicted before its reader opens it): one download per host,
-  the other processes that want it wait for that download only, then find the file. Download
-  to a hidden temp name, sha256 check, rename: a file under its final name is complete and
-  verified. NAME.lock is only ever held exclusively for the instant of an eviction, so a
-  process that holds a shard never makes another wait (ranks that wait for each other in a
-  collective cannot deadlock on the cache).
-
-Cached names carry the manifest's sha256 prefix, so a file left by an earlier `codex data shard`
-with other contents is never taken for the current one.
+Each shard is downloaded once per host however many ranks read it, and no process deletes a file
+another one is about to open. fcntl.flock on two lock files per shard (CACHE/locks/NAME.lock and
+NAME.dl) does both, and the kernel drops a crashed rank's locks. Cached names carry the manifest's
+sha256 prefix, so a file with other contents is never taken for the current one. The protocol,
+step by step: docs/training.md.
 """
 
 from __future__ import annotations

@@ -6,18 +6,8 @@
     control.check_same_config(to_dict(cfg))      # all ranks run the same resolved config
     stop = StopFlag().install()                  # SIGTERM/SIGINT: finish the step, save, return
 
-The group: CPU uses its default gloo group; CUDA a gloo group beside NCCL; XLA (SPMD, several
-hosts) `dist.init_process_group("gloo", init_method="xla://")`, as torch_xla's distributed
-checkpoint docs do (under SPMD xr.world_size() is 1, so xm.rendezvous synchronises nothing across
-hosts). Its ranks are processes (hosts under SPMD), not chips. Everything here runs on the host:
-no device value is read back, so a per-step stop check does not drain an accelerator's pipeline.
-
-Timeouts: the control group waits CONTROL_TIMEOUT_S (env CODEX_CONTROL_TIMEOUT_S, default 600 s)
-in any collective: long enough for rank 0 to write a large checkpoint to gs:// while the others
-wait in the barrier after it. It keeps it when the CPU/CUDA backend shortens every other group's
-to train.dist_timeout_s after the first step (`groups()`, TorchBackend.first_step_done). A dead
-peer is not waited for: gloo sees its sockets close and the collective raises at once; the timeout
-catches a hung peer.
+It runs on the host and reads no device value, so a per-step stop check never drains an
+accelerator. Its group on each backend, and its timeouts: docs/cuda.md.
 """
 
 from __future__ import annotations

@@ -7,26 +7,7 @@ with the backward of the step's last micro-batch.
         loss.backward()              # last: each bucket's all-reduce starts when its grads are done
     reducer.finish()                 # TorchBackend.all_reduce_grads: wait, mean back into .grad
 
-Buckets: the module's parameters in reverse order (roughly the order the backward finishes their
-gradients: head first, embedding last), cut every `bucket_bytes` of gradient, fixed when the
-reducer is made (the first step) and the same on every rank. A post-accumulate-grad hook on each
-parameter counts its bucket's gradients in the last micro-batch's backward only; a full bucket is
-flattened into one buffer (cast to `reduce_dtype`) and its SUM all-reduce is issued asynchronously,
-in bucket order (a bucket waits for the ones before it, so every rank issues the same collectives in
-the same order), while the backward goes on computing the rest. `finish` issues any bucket the
-backward did not (hooks not armed, a parameter without a gradient), waits for each, copies the sum
-back into .grad (in the gradient's dtype) and divides by the world size: the gradient of the mean
-loss over the global batch. Each gradient element is reduced exactly once per optimizer step
-(tests/train/distributed/test_reduce.py counts the collectives on 2 gloo ranks).
-
-The hooks sit on the parameters of the plain module, so torch.compile (whose compiled backward
-hands each parameter its gradient through autograd's AccumulateGrad, where the hook runs) and
-activation checkpointing (train/remat.py: the recomputed block's gradients still accumulate once
-per backward) need nothing else. Under bf16 (train.reduce_dtype=bf16) the buffer holds bf16
-copies: half the bytes on the wire, the per-rank gradients rounded to bf16 before the sum, which is
-cast back into the fp32 gradients. A parameter without a gradient on this rank contributes zeros
-and gets the reduced gradient like every other rank (as DDP does), so the replicas never step
-apart.
+Each gradient element is reduced once a step. Buckets, hooks and bf16: docs/training.md.
 """
 
 from __future__ import annotations
@@ -49,7 +30,7 @@ class Bucket:
 
 class GradReducer:
     """Bucketed SUM all-reduce of `module`'s gradients over the default process group, issued from
-    the backward (see the module docstring)."""
+    the backward (docs/training.md)."""
 
     def __init__(
         self,

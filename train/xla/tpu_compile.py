@@ -1,15 +1,10 @@
 """The TPU compiler on a machine without a TPU: libtpu's compile-only client compiles HLO modules
 for a named slice topology (as MaxText's train_compile.py does for JAX).
 
-Runs in its own interpreter, `python -m codex.train.xla.tpu_compile REQUEST.json`, importing
-JAX and libtpu but never torch_xla (both bundle XLA; one process each keeps them apart). The
-request names the topology and the HLO protos torch_xla dumped; for each it writes the TPU
-program's text beside the proto and prints one JSON line per program: per-chip memory, cost
-analysis, compile seconds.
-
-The entry points are JAX's private ones (jax._src.compiler, jaxlib's hlo_to_stablehlo), pinned
-by the `tpu-aot` extra to the JAX that torch_xla 2.9's own `pallas` extra pins (0.7.1) and the
-libtpu of its `tpu` extra (0.0.21): the compiler a torch_xla 2.9 user runs on the pod.
+Runs in its own interpreter, `python -m codex.train.xla.tpu_compile REQUEST.json`, with JAX and
+libtpu but never torch_xla: both bundle XLA, so each gets a process of its own. It prints one JSON
+line per program: per-chip memory, cost analysis, compile seconds. The request, and the private
+JAX entry points the `tpu-aot` extra pins: docs/tpu.md.
 """
 
 from __future__ import annotations

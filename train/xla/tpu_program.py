@@ -1,18 +1,9 @@
 """Reading a compiled TPU program (the text libtpu's compiler returns, train/xla/tpu_compile.py):
 its collectives by kind, size and place, and whether each runs asynchronously.
 
-What the TPU compiler writes, and how it is read here:
-- A collective sits in a fusion computation that a scheduled computation (the entry, or a While's
-  body) calls. Its place is where that call is scheduled: "layer loop" (inside the While whose
-  trip count is the model's depth, fsdp's scanned blocks), "micro-batch loop" (inside another
-  While: train/xla/step.py's accumulation), or "step" (outside every While: once a step).
-- A reduce-scatter is an all-reduce fused with its dynamic slice: the all-reduce inside a
-  computation named all-reduce-scatter*.
-- An async collective is a pair of fusions in the schedule: one whose computation ends in the
-  custom call AsyncCollectiveStart (the collective's operand, its start), one that ends in
-  AsyncCollectiveDone; the instructions scheduled between them are the compute it overlaps. With
-  libtpu's continuation fusion the collective also proceeds in steps fused into that compute
-  (computations named async_collective_fusion*): those steps are not new collectives.
+A collective's place is where the computation holding it is scheduled: the layer loop, the
+micro-batch loop, or the step. What the TPU compiler writes (fused reduce-scatters, async
+start/done pairs, continuation fusion) and how each is read: docs/tpu.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """The optimizer update (gradient clipping + optimizer.step) traced once per run on XLA
 (train.xla_step=cached).
 
-Why: lazy tracing runs the optimizer's Python every step. For Muon + AdamW that is a few
-hundred tensor operations per parameter group (Newton-Schulz over every matrix, AdamW per tensor
-because torch picks no foreach path on XLA): the bulk of the host time of a step once forward +
-backward are cached (train/xla/step.py), and the chips would wait for the host.
-
-    first step   create any missing optimizer state (zeros, as torch would), run clip + step
-                 once on stand-ins of the parameters, gradients and state, with the learning rate
-                 as a device scalar, and lower what it computed (the new parameters, the new
-                 state, the gradient norm) to one HLO computation, kept with its input mapping
-    every step   (the first included) one user-computation node on the lazy graph: (parameters,
-                 gradients, optimizer state, lr) -> (parameters, optimizer state, gradient norm),
-                 its results copied into the same tensors. No optimizer Python runs again, and
-                 a run compiles no more programs than with the traced update.
-
-Muon's stacks (one [n, rows, cols] per shape group, train/optim/muon.py) are split over every chip
-along the stack while the update is traced (`_muon_stacks_split`): each chip iterates on
-ceil(n / chips) matrices, not all n; the partitioner all-gathers the results for replicated
-weights, and under fsdp sends each chip only its weights' rows of them (an all-to-all).
-
-The update must read nothing that changes between steps other than those inputs: the parameters,
-their gradients, the optimizer state tensors and the learning rate (the one Python number the
-loop changes, set_lr). Anything else on the device it reads (betas, eps, weight decay and the
-Newton-Schulz coefficients as device scalars) is captured at the trace as a constant; an input
-the trace loses track of is an error, never a silent constant. AdamW's step count is optimizer
-state (capturable on XLA), so its bias corrections stay correct. A resume loads state of the same
-shapes, so the computation is kept; state of other shapes is traced again.
+Lazy tracing would run the optimizer's Python every step: a few hundred tensor operations per
+parameter group, the bulk of a step's host time once forward + backward are cached
+(train/xla/step.py). So the first step lowers clip + step to one HLO computation, and every step
+puts that one computation on the lazy graph: (parameters, gradients, optimizer state, lr) ->
+(parameters, optimizer state, gradient norm). How it is traced, Muon's split stacks, and what the
+update may read: docs/tpu.md.
 """
 
 from __future__ import annotations
