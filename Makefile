@@ -45,11 +45,11 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test-main: venv
-	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q
+	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q --durations=15
 
 # Checks too long for every run (minutes each on 2 cores), e.g. stacked Muon on 7b's shapes.
 test-heavy: venv
 	$(VENV)/bin/python -m pytest -m "heavy" -q
 
 test-xla: venv-xla
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -q
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -q --durations=15

@@ -97,6 +97,19 @@ def in_use() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
+def settled() -> int:
+    """in_use() once gloo's threads have let go of a collective's buffers: two reads 50 ms apart
+    agree (a fixed wait is too short on a loaded machine), or after 2 s."""
+    last = in_use()
+    for _ in range(40):
+        time.sleep(0.05)
+        now = in_use()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 class Meter(TorchDispatchMode):
     """The most bytes in use since `reset()`: read after every torch operation (forward and
     backward), and by a thread every 0.1 ms, which sees what lives only inside an operation (the
@@ -211,12 +224,10 @@ def main() -> None:
             for bucket in reducer.buckets if reducer is not None else []:
                 if bucket.work is not None:
                     bucket.work.wait()
-            time.sleep(0.05)
-            sharded = in_use()
+            sharded = settled()
             backward = meter.most
             backend.all_reduce_grads(model)
-            time.sleep(0.05)
-            reduced = in_use()
+            reduced = settled()
             before = meter.reset()
             clip_grad_norm(model, 1.0)
             optimizer.step()
