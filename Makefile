@@ -48,8 +48,9 @@ test-main: venv
 	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q --durations=15
 
 # Checks too long for every run (minutes each on 2 cores), e.g. stacked Muon on 7b's shapes.
-test-heavy: venv
-	$(VENV)/bin/python -m pytest -m "heavy" -q
+test-heavy: venv venv-xla
+	$(VENV)/bin/python -m pytest -m "heavy and not xla" -q
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m "heavy and xla" -q
 
 test-xla: venv-xla
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla -q --durations=15
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m "xla and not heavy" -q --durations=15

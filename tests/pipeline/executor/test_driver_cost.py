@@ -322,8 +322,7 @@ def _cost(files: int) -> dict[str, dict]:
     }
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
+@pytest.mark.heavy  # a minute of CPU on 2 cores
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
 def test_the_clean_drivers_cost_per_unit_is_flat_from_1k_to_100k_units():
     sizes = (1_000, 10_000, 100_000)

@@ -209,7 +209,7 @@ def _reduce_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # ~15 s on an idle 2-core machine (two compiles), up to ~30 s shared
+@pytest.mark.heavy  # ~15 s on an idle 2-core machine (two compiles), ~40 s shared
 def test_the_reduced_gradient_is_the_ranks_mean_in_fp32_and_within_bf16_rounding(tmp_path):
     """fp32: every gradient bitwise (g0 + g1) / 2 of the ranks' own gradients; bf16: within
     bf16's rounding of each rank's gradient and of the sum, and not the fp32 result (it really was

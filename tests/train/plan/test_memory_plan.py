@@ -390,21 +390,24 @@ def test_the_estimate_is_within_25_percent_of_a_measured_cpu_step(dtype, B, T, o
 
 
 # three sizes: the default 4 x 128 model (1.9M parameters), 6 x 384 (22M), 8 x 640 (58M)
+# (the two larger ones compile for a minute on 2 cores: `make test-heavy`)
 COMPILED = [
     ("fp32", 8, 256, ["model.vocab_size=4096"]),
-    (
+    pytest.param(
         "bf16",
         16,
         512,
         ["model.n_layer=6", "model.n_embd=384", "model.n_head=6", "model.n_kv_head=2"]
         + ["model.vocab_size=16384", "model.max_seq_len=512"],
+        marks=pytest.mark.heavy,
     ),
-    (
+    pytest.param(
         "bf16",
         8,
         512,
         ["model.n_layer=8", "model.n_embd=640", "model.n_head=10", "model.n_kv_head=5"]
         + ["model.vocab_size=16384", "model.max_seq_len=512"],
+        marks=pytest.mark.heavy,
     ),
 ]
 

@@ -403,7 +403,7 @@ def _long_overrides(steps: int, **extra) -> list[str]:
     ] + [f"train.{k}={v}" for k, v in t.items()]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 1,000 steps on the XLA CPU backend, a minute on 2 cores
 def test_compile_count_fixed_for_1000_steps_and_after_a_resume(tmp_path):
     fresh, resumed = str(tmp_path / "fresh"), str(tmp_path / "resumed")
     make_run(Path(fresh))

@@ -37,7 +37,8 @@ from tests.fixtures.procs import finish, free_port
 from tests.fixtures.runs import base_overrides, child_env, make_run
 from tests.fixtures.xla_hosts import RECORD_ENV, RSS_ENV
 
-pytestmark = pytest.mark.xla
+# ~4.5 minutes of two and three XLA processes: `make test-heavy`
+pytestmark = [pytest.mark.xla, pytest.mark.heavy]
 
 STEPS = 6
 # Large enough that the state (16 bytes a parameter, 3.4M parameters) stands out in the resume's

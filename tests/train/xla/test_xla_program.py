@@ -83,7 +83,8 @@ def _run(tmp: Path, name: str, flags: str = "", **extra) -> tuple[dict, list[Pro
     return info, programs, str(run)
 
 
-@pytest.fixture(scope="module", params=["adamw", "muon"])
+# Muon's runs: `make test-heavy` (Muon on XLA is also trained in test_xla.py and read below)
+@pytest.fixture(scope="module", params=["adamw", pytest.param("muon", marks=pytest.mark.heavy)])
 def optimizer(request):
     return request.param
 
@@ -265,6 +266,7 @@ def fsdp_bf16(tmp_path_factory):
     )
 
 
+@pytest.mark.heavy  # its own fsdp run, a minute on 2 cores
 def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
     """Under bf16 each layer's weights are cast on their shards and gathered in bf16 inside the
     layer loops (read right after the SPMD partitioner: the CPU pipeline then widens every bf16
