@@ -12,9 +12,13 @@ cleaned corpus's file list. Nothing here opens a document; pipeline/readers/ doe
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import functools
 import logging
 import os
+import stat
+from collections.abc import Iterator
 
 from codex.core import fsio, rundir
 from codex.core.config import Config, ConfigError
@@ -44,47 +48,107 @@ def list_inputs(inputs: list[str], text_extensions: list[str]) -> tuple[list[Inp
 
     Inside directories and globs, files of other types are skipped (and listed). An explicitly
     named file of an unknown type or a missing path is an error; a glob that matches nothing is
-    logged (the stage fails if no input file is found at all).
+    logged (the stage fails if no input file is found at all). A link is listed with why it is
+    not read, if it is not (_from_entry, _read_once).
     """
     found: dict[str, InputFile] = {}
     skipped: list[str] = []
-
-    def add(path: str, size: int, explicit: bool) -> None:
-        kind = file_kind(path, text_extensions)
-        if kind is None:
-            if explicit:
+    for spec in inputs:
+        for path, info, explicit in _entries(spec):
+            kind = file_kind(path, text_extensions)
+            if kind is not None:
+                found[path] = _from_entry(path, info, kind)
+            elif explicit:
                 raise BadInputFile(
                     f"{path}: unsupported file type (want .jsonl[.gz|.zst], .parquet or a text "
                     f"extension in data.clean.text_extensions: {' '.join(text_extensions)})"
                 )
-            skipped.append(path)
-        else:
-            found[path] = InputFile(path, size, kind)
-
-    for spec in inputs:
-        fs, p = _filesystem(spec)
-        if any(c in spec for c in "*?["):
-            matches = fs.glob(p, detail=True)
-            # not an error by itself (a job may glob optional parts); no files at all is, below
-            if not matches:
-                log.warning("clean: %s matches no files", spec)
-            entries = [(name, info) for name, info in matches.items()]
-        elif fs.isdir(p):
-            entries = list(fs.find(p, detail=True).items())
-        else:
-            try:
-                info = fs.info(p)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{spec}: no such file or directory") from None
-            add(fsio._url(fs, p, spec), int(info.get("size") or 0), explicit=True)
-            continue
-        for name, info in entries:
-            if info.get("type") == "directory":
-                for sub, subinfo in fs.find(name, detail=True).items():
-                    add(fsio._url(fs, sub, spec), int(subinfo.get("size") or 0), explicit=False)
             else:
-                add(fsio._url(fs, name, spec), int(info.get("size") or 0), explicit=False)
-    return [found[k] for k in sorted(found)], sorted(skipped)
+                skipped.append(path)
+    return _read_once([found[k] for k in sorted(found)]), sorted(skipped)
+
+
+def _entries(spec: str) -> Iterator[tuple[str, dict, bool]]:
+    """(path, fsspec info, named explicitly) for each file a path, glob or directory holds. A
+    folder link inside a directory is an entry, never walked (fsspec's find does not follow it)."""
+    fs, p = _filesystem(spec)
+    if any(c in spec for c in "*?["):
+        matches = fs.glob(p, detail=True)
+        # not an error by itself (a job may glob optional parts); no files at all is, below
+        if not matches:
+            log.warning("clean: %s matches no files", spec)
+        entries = list(matches.items())
+    elif fs.isdir(p):
+        entries = list(fs.find(p, detail=True).items())
+    else:
+        local_link = not fsio.is_remote(spec) and os.path.islink(p)
+        why, nowhere = _link_problem(p) if local_link else ("", False)
+        if nowhere:  # named, and leads nowhere: as a missing file
+            raise FileNotFoundError(f"{spec}: {why}")
+        try:
+            info = fs.info(p)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{spec}: no such file or directory") from None
+        yield fsio._url(fs, p, spec), info, True
+        return
+    for name, info in entries:
+        if info.get("type") == "directory":
+            for sub, subinfo in fs.find(name, detail=True).items():
+                yield fsio._url(fs, sub, spec), subinfo, False
+        else:
+            yield fsio._url(fs, name, spec), info, False
+
+
+def _from_entry(path: str, info: dict, kind: str) -> InputFile:
+    """The input file of a listed entry; a local link carries where it leads and, when it is not
+    read (it leads nowhere or to a folder), why."""
+    if not info.get("islink"):
+        return InputFile(path, int(info.get("size") or 0), kind)
+    why, nowhere = _link_problem(path)
+    to = "" if nowhere else os.path.realpath(path)
+    if why:
+        return InputFile(path, 0, kind, link=to, not_read=why)
+    return InputFile(path, int(info.get("size") or 0), kind, link=to)
+
+
+def _link_problem(path: str) -> tuple[str, bool]:
+    """(why the local link `path` is not read, whether it leads nowhere); ("", False) for a link
+    to a file, which is read."""
+    try:
+        to = os.readlink(path)
+    except OSError:
+        to = "?"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"a link in a cycle (to {to}, which leads back to it)", True
+        if e.errno == errno.ENOENT:
+            return f"a dangling link (to {to}, which does not exist)", True
+        return f"a link that cannot be read (to {to}: {e.strerror})", True
+    if stat.S_ISDIR(st.st_mode):
+        return f"a link to a folder (to {to}), not followed: name the folder in --input", False
+    return "", False
+
+
+def _read_once(files: list[InputFile]) -> list[InputFile]:
+    """Mark the links to a file read under another name (a link back into an input folder, or a
+    second link to one file) as not read: no file is read twice. `files` sorted by path: of
+    several links to one file outside the inputs, the first is read."""
+    links = [f for f in files if f.link and not f.not_read]
+    if not links:
+        return files
+    real_dir = functools.cache(os.path.realpath)
+    read: dict[str, str] = {}  # real path -> the name it is read under
+    for f in files:
+        if f.link is None and not fsio.is_remote(f.path):
+            here = os.path.join(real_dir(os.path.dirname(f.path)), os.path.basename(f.path))
+            read.setdefault(here, f.path)
+    for f in links:
+        first = read.setdefault(f.link or "", f.path)  # f.link: a real path (links, above)
+        if first != f.path:
+            f.size, f.not_read = 0, f"a link to the file read as {first}"
+    return files
 
 
 SOURCE_KEYS = ("input", "preset", "txt_delimiter")
@@ -114,7 +178,7 @@ def clean_inputs(c) -> tuple[list[InputFile], list[str]]:
             f.preset, f.txt_delimiter = preset, None if delim is None else str(delim)
             found[f.path] = f
         skipped += skip
-    return [found[k] for k in sorted(found)], sorted(set(skipped))
+    return _read_once([found[k] for k in sorted(found)]), sorted(set(skipped))
 
 
 def _filesystem(spec: str):

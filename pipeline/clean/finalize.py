@@ -16,6 +16,7 @@ from codex.pipeline.clean.stats import (
     drop_fix,
     low_yield,
     nothing_kept,
+    rule_kinds,
     summarize,
     top_drop,
     whole_files_dropped,
@@ -95,9 +96,16 @@ def refuse_bad_outcome(stats: dict, out: str) -> None:
     nothing kept, or under 1% kept (without --allow-low-yield)."""
     failed = stats["bad_input"]["failed_files"]
     if failed:
+        links = any(f.get("link") for f in failed)
         raise CleanError(
             f"{len(failed)} input file(s) failed, the rest was cleaned (see {out}/stats.json): "
             + "; ".join(f["error"] for f in failed[:3])
+            + (
+                "; to skip links that lead nowhere, rerun with "
+                "--set data.clean.skip_unreadable_links=true (only their units are redone)"
+                if links
+                else ""
+            )
         )
     if "shards" in stats and stats["docs_out"] == 0:
         raise CleanError(
@@ -143,6 +151,14 @@ def _warn_about(stats: dict, out: str) -> None:
         summary.append(f"{len(bad['failed_files'])} failed files")
     if summary:
         log.warning("clean: bad input (details in stats.json): %s", ", ".join(summary))
+    links = stats["files"]["first_skipped_links"]
+    if links:
+        log.warning(
+            "clean: %d input link(s) not read (files.first_skipped_links in stats.json): %s",
+            stats["files"]["skipped_links"],
+            "; ".join(f"{e['path']}: {e['why']}" for e in links[:3])
+            + (" ..." if len(links) > 3 else ""),
+        )
     whole = whole_files_dropped(stats)
     if whole:
         log.warning("clean: %s", whole)
@@ -168,5 +184,5 @@ def _warn_about(stats: dict, out: str) -> None:
             top[2],
             stats["docs_in"],
             100 * top[2] / stats["docs_in"],
-            drop_fix(top[0], top[1]),
+            drop_fix(top[0], top[1], rule_kinds(stats, top[0], top[1])),
         )

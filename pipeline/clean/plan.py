@@ -34,7 +34,8 @@ log = logging.getLogger("codex.clean")
 
 # Settings that change what is written (part of the plan fingerprint); others (workers,
 # task_index) only change how it is computed.
-_RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield")
+# skip_unreadable_links: a rerun that skips the links which failed redoes only their units.
+_RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield", "skip_unreadable_links")
 
 
 @dataclass
@@ -137,7 +138,10 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
 def plan_fingerprint(c, files: list[InputFile]) -> str:
     """What the units write depends on: the settings that change it and the input files."""
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
-    listed = [(f.path, f.size, f.preset, f.txt_delimiter) for f in files]
+    listed = [
+        (f.path, f.size, f.preset, f.txt_delimiter) + ((f.not_read,) if f.not_read else ())
+        for f in files
+    ]
     blob = json.dumps({"settings": settings, "files": listed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -226,7 +230,12 @@ def held(marker: dict) -> dict:
     gives every marker its own), about half of what a marker holds; its pieces (the input it
     read, for people) left out."""
     m = {sys.intern(k): v for k, v in marker.items() if k != "pieces"}
-    for key in ("drops", "drop_bytes"):
+    for key in ("drops", "drop_bytes", "drop_kinds"):
         if isinstance(m.get(key), dict):
-            m[key] = {sys.intern(k): v for k, v in m[key].items()}
+            m[key] = {sys.intern(k): _held_keys(v) for k, v in m[key].items()}
     return m
+
+
+def _held_keys(v):
+    """A count, or a dict of counts (drop_kinds' bytes per format) with its keys interned."""
+    return {sys.intern(k): n for k, n in v.items()} if isinstance(v, dict) else v

@@ -11,15 +11,62 @@ PER_FILE_ROWS = 1000  # stats.json stays small on a corpus of a million files
 def summarize(
     ms: list[dict], filters: list[str], files: list[InputFile], skipped: list[str]
 ) -> dict:
+    """stats.json's counts from the unit markers `ms` (before the corpus-wide dedups)."""
+    drops, drop_bytes, drop_kinds = _by_rule(ms)
+    bad = [r for m in ms for r in m["bad_files"]]
+    links = {r["path"]: r["skipped_link"] for r in bad if r.get("skipped_link")}
+    rows = _per_file_rows(ms)
+    return {
+        "docs_in": sum(m["docs_in"] for m in ms),
+        "bytes_in": sum(m["bytes_in"] for m in ms),
+        "docs_out": sum(m["docs_kept"] for m in ms),
+        "bytes_out": sum(m["bytes_kept"] for m in ms),
+        "drops_total": sum(sum(v.values()) for v in drops.values()),
+        "drops": drops,  # filter -> reason -> documents
+        "drop_bytes": drop_bytes,  # filter -> reason -> input bytes
+        "drop_kinds": drop_kinds,  # "filter:reason" -> input format -> input bytes
+        "filters": filters,
+        # per input file, kept before the corpus-wide dedup: the PER_FILE_ROWS files that kept
+        # the smallest share of their bytes
+        "per_file": rows[:PER_FILE_ROWS],
+        "files": {
+            "low_yield_files": sum(
+                1 for r in rows if r["bytes_in"] and r["bytes_kept"] < 0.01 * r["bytes_in"]
+            ),
+            "inputs": len(files) - len(links),
+            "skipped_unsupported": len(skipped),
+            "first_skipped": skipped[:20],
+            # links not read (InputFile.not_read): never documents, never an input read
+            "skipped_links": len(links),
+            "first_skipped_links": [{"path": p, "why": why} for p, why in list(links.items())[:20]],
+        },
+        "bad_input": _bad_input(bad),
+        "units": len(ms),
+    }
+
+
+def _by_rule(ms: list[dict]) -> tuple[dict, dict, dict]:
+    """The markers' drops summed: documents and input bytes (filter -> reason -> n), and input
+    bytes per format ("filter:reason" -> format -> n)."""
     drops: dict[str, dict[str, int]] = {}
     drop_bytes: dict[str, dict[str, int]] = {}
+    drop_kinds: dict[str, dict[str, int]] = {}
     for m in ms:
         for counts, into in ((m["drops"], drops), (m.get("drop_bytes", {}), drop_bytes)):
             for key, n in counts.items():
                 flt, reason = key.split(":", 1)
                 into.setdefault(flt, {})
                 into[flt][reason] = into[flt].get(reason, 0) + n
-    bad = [r for m in ms for r in m["bad_files"]]
+        for key, kinds in m.get("drop_kinds", {}).items():
+            total = drop_kinds.setdefault(key, {})
+            for kind, n in kinds.items():
+                total[kind] = total.get(kind, 0) + n
+    return drops, drop_bytes, drop_kinds
+
+
+def _per_file_rows(ms: list[dict]) -> list[dict]:
+    """One row per input file, the files that kept the smallest share of their bytes first (ties
+    by path)."""
     per_file: dict[str, list[int]] = {}
     for m in ms:  # a file cut into pieces is counted by several units
         for path, counts in m.get("per_file", {}).items():
@@ -30,8 +77,12 @@ def summarize(
         {"path": p, "docs_in": c[0], "bytes_in": c[1], "docs_kept": c[2], "bytes_kept": c[3]}
         for p, c in per_file.items()
     ]
-    # the files that kept the smallest share of their bytes first (ties by path)
     rows.sort(key=lambda r: (r["bytes_kept"] / max(r["bytes_in"], 1), r["path"]))
+    return rows
+
+
+def _bad_input(bad: list[dict]) -> dict:
+    """stats.json's bad_input: the markers' file reports (FileReport) counted per problem."""
 
     def files_with(key):
         hit = [r for r in bad if r[key]]
@@ -42,49 +93,33 @@ def summarize(
         }
 
     return {
-        "docs_in": sum(m["docs_in"] for m in ms),
-        "bytes_in": sum(m["bytes_in"] for m in ms),
-        "docs_out": sum(m["docs_kept"] for m in ms),
-        "bytes_out": sum(m["bytes_kept"] for m in ms),
-        "drops_total": sum(sum(v.values()) for v in drops.values()),
-        "drops": drops,  # filter -> reason -> documents
-        "drop_bytes": drop_bytes,  # filter -> reason -> input bytes
-        "filters": filters,
-        # per input file, kept before the corpus-wide dedup: the PER_FILE_ROWS files that kept
-        # the smallest share of their bytes
-        "per_file": rows[:PER_FILE_ROWS],
-        "files": {
-            "low_yield_files": sum(
-                1 for r in rows if r["bytes_in"] and r["bytes_kept"] < 0.01 * r["bytes_in"]
-            ),
-            "inputs": len(files),
-            "skipped_unsupported": len(skipped),
-            "first_skipped": skipped[:20],
-        },
-        "bad_input": {
-            "failed_files": [{"path": r["path"], "error": r["error"]} for r in bad if r["error"]],
-            "empty_files": files_with("empty"),
-            "invalid_utf8_records": files_with("invalid_utf8_records"),
-            "nul_chars": files_with("nul_chars"),
-            "oversized_records": files_with("oversized_records"),
-            "null_values": files_with("null_values"),
-            # files that were one document each and were dropped whole (by length:too_long)
-            "whole_files_dropped": [
-                {"path": r["path"], "reason": r["dropped_whole"]}
+        "failed_files": [
+            {
+                "path": r["path"],
+                "error": r["error"],
+                **({"link": True} if r.get("unreadable_link") else {}),
+            }
+            for r in bad
+            if r["error"]
+        ],
+        "empty_files": files_with("empty"),
+        "invalid_utf8_records": files_with("invalid_utf8_records"),
+        "nul_chars": files_with("nul_chars"),
+        "oversized_records": files_with("oversized_records"),
+        "null_values": files_with("null_values"),
+        # files that were one document each and were dropped whole (by length:too_long)
+        "whole_files_dropped": [
+            {"path": r["path"], "reason": r["dropped_whole"]} for r in bad if r.get("dropped_whole")
+        ][:100],
+        "malformed_lines": {
+            "files": len({r["path"] for r in bad if r["malformed_lines"]}),
+            "count": sum(r["malformed_lines"] for r in bad),
+            "first": [
+                {"path": r["path"], "lines": r["malformed_first"]}
                 for r in bad
-                if r.get("dropped_whole")
-            ][:100],
-            "malformed_lines": {
-                "files": len({r["path"] for r in bad if r["malformed_lines"]}),
-                "count": sum(r["malformed_lines"] for r in bad),
-                "first": [
-                    {"path": r["path"], "lines": r["malformed_first"]}
-                    for r in bad
-                    if r["malformed_lines"]
-                ][:20],
-            },
+                if r["malformed_lines"]
+            ][:20],
         },
-        "units": len(ms),
     }
 
 
@@ -96,12 +131,26 @@ def top_drop(stats: dict) -> tuple[str, str, int] | None:
     return max(rows, key=lambda r: r[2]) if rows else None
 
 
-def drop_fix(flt: str, reason: str) -> str:
-    """How to stop one rule from dropping a document."""
+def rule_kinds(stats: dict, flt: str, reason: str) -> list[str]:
+    """The input formats (text, jsonl, parquet) one rule dropped bytes from, most first; [] for
+    the stats of a clean that did not count them."""
+    kinds = stats.get("drop_kinds", {}).get(f"{flt}:{reason}", {})
+    return sorted(kinds, key=lambda k: (-kinds[k], k))
+
+
+def drop_fix(flt: str, reason: str, kinds: list[str] | tuple[str, ...] = ()) -> str:
+    """How to stop one rule from dropping a document; its fixes in the order of `kinds`, the
+    formats it dropped bytes from (rule_kinds): --txt-delimiter splits text files only."""
     if (flt, reason) == ("length", "too_long"):
-        return (
-            "a text file is one document unless split: pass --txt-delimiter '\\n\\n' "
-            "(blank lines), or raise data.clean.length.max_chars / data.clean.max_record_bytes"
+        split = (
+            "a text file is one document unless split: pass --txt-delimiter '\\n\\n' (blank lines)"
+        )
+        limits = "raise data.clean.length.max_chars / data.clean.max_record_bytes"
+        if not kinds or kinds[0] == "text":
+            return f"{split}, or {limits}"
+        record = "a .jsonl line" if kinds[0] == "jsonl" else "a .parquet row"
+        return f"{record} is one document: {limits}, or split such records before cleaning" + (
+            f"; for the text files: {split}" if "text" in kinds else ""
         )
     if flt == "dedup":
         return "the documents are exact copies of each other"
@@ -138,7 +187,8 @@ def yield_problem(stats: dict) -> str:
         reverse=True,
     )[:3]
     most = ", ".join(f"{flt}:{reason} {n / 1e6:.1f} MB" for n, flt, reason in rules)
-    fix = f"; fix for {rules[0][1]}:{rules[0][2]}: {drop_fix(rules[0][1], rules[0][2])}"
+    flt, reason = rules[0][1], rules[0][2]
+    fix = f"; fix for {flt}:{reason}: {drop_fix(flt, reason, rule_kinds(stats, flt, reason))}"
     whole = whole_files_dropped(stats)
     return (
         f"clean kept {100 * stats['bytes_out'] / max(stats['bytes_in'], 1):.2f}% of the input "
@@ -168,5 +218,5 @@ def nothing_kept(stats: dict) -> str:
     flt, reason, n = top
     return (
         f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; "
-        f"fix: {drop_fix(flt, reason)}{named}"
+        f"fix: {drop_fix(flt, reason, rule_kinds(stats, flt, reason))}{named}"
     )

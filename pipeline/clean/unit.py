@@ -97,6 +97,7 @@ class _UnitCleaner:
             "bytes_kept": 0,
             "drops": {},
             "drop_bytes": {},  # input bytes per drop reason (what a low yield is made of)
+            "drop_kinds": {},  # per drop reason: input bytes per format (what orders its fixes)
         }
     )
 
@@ -127,14 +128,17 @@ class _UnitCleaner:
             if f.path not in report.error:
                 report.error = f"{f.path}: {report.error}"
             log.error("clean: file failed, continuing with the others: %s", report.error)
+        if f.not_read:  # a link not read (skipped or failed): no row in per_file
+            self.per_file.pop(f.path, None)
         return report
 
     def _clean_record(self, rec: Record, f: InputFile, report: FileReport) -> None:
         source = f.path
-        # the file is this one record (no delimiter, or none matched)
-        whole = f.kind != "parquet" and rec.nbytes >= f.size
+        # a text file that is this one record (no delimiter, or none matched); a .jsonl's line is
+        # a record whatever its size (a compressed file's lines are bigger than the file)
+        whole = f.kind == "text" and rec.nbytes >= f.size
         if rec.text is None:
-            self._drop("length:too_long", rec, "", source)
+            self._drop("length:too_long", rec, "", f)
             if whole:
                 report.dropped_whole = "length:too_long"
             return
@@ -143,7 +147,7 @@ class _UnitCleaner:
         doc = Doc(text)
         reason = apply_filters(doc, self.c, self.filters)
         if reason is not None:
-            self._drop(reason, rec, doc.text, source)
+            self._drop(reason, rec, doc.text, f)
             if whole and reason == "length:too_long":
                 report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
@@ -151,7 +155,7 @@ class _UnitCleaner:
         if "dedup" in self.filters:
             h = text_hash(data)
             if h in self.seen:
-                self._drop("dedup:duplicate", rec, doc.text, source)
+                self._drop("dedup:duplicate", rec, doc.text, f)
                 return
             self.seen.add(h)
             self.hashes += h + len(data).to_bytes(8, "little")
@@ -170,11 +174,13 @@ class _UnitCleaner:
         meta = rec.meta or {}
         return [meta.get(k) for k in self.c.metadata]
 
-    def _drop(self, reason: str, rec: Record, text: str, source: str) -> None:
+    def _drop(self, reason: str, rec: Record, text: str, f: InputFile) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
+        kinds = self.stats["drop_kinds"].setdefault(reason, {})
+        kinds[f.kind] = kinds.get(f.kind, 0) + rec.nbytes
         if self.rejected is not None:
-            self.rejected.add(text, rec.id, source, *self._meta(rec), reason)
+            self.rejected.add(text, rec.id, f.path, *self._meta(rec), reason)
 
 
 def _write_hashes(out: str, name: str, rows: bytearray) -> None:
@@ -216,9 +222,10 @@ def clean_unit(job: UnitJob) -> dict:
             report = state.clean_piece(piece)
             if report.bad():
                 reports.append(dataclasses.asdict(report))
-                # empty files are common (__init__.py): summarised at the end instead
+                # empty files (__init__.py) and links not read are common: summarised at the
+                # end instead
                 if not report.error:
-                    (log.debug if report.empty else log.warning)(
+                    (log.debug if report.empty or report.skipped_link else log.warning)(
                         "clean: bad input in %s: %s", piece.path, report.describe()
                     )
         parts = writer.close()

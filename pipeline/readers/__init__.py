@@ -59,6 +59,12 @@ def read_records(piece: Piece | InputFile, cfg, report: FileReport) -> Iterator[
     if isinstance(piece, InputFile):
         piece = Piece(piece)
     f = piece.file
+    if f.not_read:  # a link (pipeline/inputs.py): never an empty document
+        if f.unreadable and not cfg.skip_unreadable_links:
+            report.unreadable_link = True
+            raise BadInputFile(f"{f.path}: {f.not_read}")
+        report.skipped_link = f.not_read
+        return
     if f.size == 0 and f.kind != "parquet":
         report.empty = True
         if f.kind == "text" and not f.delimiter(cfg):

@@ -25,6 +25,15 @@ class InputFile:
     # a source's own settings (data.clean.sources); "" / None: data.clean.preset / txt_delimiter
     preset: str = ""
     txt_delimiter: str | None = None
+    # a local link: the real path it leads to ("" when it leads nowhere: dangling, a cycle; None
+    # when the file is no link), and why it is not read ("" when it is). docs/bad-input.md
+    link: str | None = None
+    not_read: str = ""
+
+    @property
+    def unreadable(self) -> bool:
+        """A link that leads nowhere: it fails the run unless data.clean.skip_unreadable_links."""
+        return self.link == ""
 
     def delimiter(self, cfg) -> str:
         """The text delimiter this file is read with (its source's, else data.clean's)."""
@@ -99,6 +108,8 @@ class FileReport:
     null_values: int = 0
     empty: bool = False
     dropped_whole: str = ""  # the file was one document, dropped by this rule (set by the stage)
+    skipped_link: str = ""  # a link not read, and why (InputFile.not_read)
+    unreadable_link: bool = False  # the error: a link that leads nowhere (InputFile.unreadable)
     error: str = ""
 
     def bad(self) -> bool:
@@ -110,6 +121,7 @@ class FileReport:
             or self.null_values
             or self.empty
             or self.dropped_whole
+            or self.skipped_link
             or self.error
         )
 
@@ -134,6 +146,8 @@ class FileReport:
             )
         if self.null_values:
             parts.append(f"{self.null_values} null values skipped")
+        if self.skipped_link:
+            parts.append(f"not read: {self.skipped_link}")
         return ", ".join(parts)
 
 

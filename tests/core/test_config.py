@@ -13,6 +13,7 @@ from codex.core.config import (
     to_dict,
     to_yaml,
 )
+from tests.fixtures.bad_input import invoke
 
 
 def test_overrides_are_typed_and_nested():
@@ -213,3 +214,37 @@ def test_help_shows_each_options_default_from_the_config():
     out = CliRunner().invoke(cli, ["data", "tokenize", "--help"], terminal_width=200).output
     assert f"[default: {d.data.tokenizer.vocab_size}; x>=259]" in out
     assert "[default: ]" not in out and "[default: []]" not in out  # no empty defaults shown
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("data:\n  clean:\n    workers: -1\n", "data.clean.workers"),  # an int out of range
+        ("train:\n  lr: -0.5\n", "train.lr"),  # a negative float
+        ("model:\n  n_layer: four\n", "model.n_layer"),  # a string for an int
+        ("data:\n  shard:\n    format: csv\n", "data.shard.format"),  # not one of the choices
+        ("data:\n  clean:\n    chunk_bytes: [1, 2]\n", "data.clean.chunk_bytes"),  # a list
+        ("data:\n  clean:\n    text_field: [a, b]\n", "data.clean.text_field"),  # a list, str
+        ("data:\n  clean:\n    docs_per_shard: true\n", "data.clean.docs_per_shard"),  # a bool
+        ("data:\n  clean:\n    min_yield: yes\n", "data.clean.min_yield"),  # a bool, float
+        ("model:\n  n_head: 3\n", "model.n_head"),  # a shape the model cannot take
+        ("eval:\n  checkpoint: best\n", "eval.checkpoint"),
+    ],
+)
+def test_each_bad_value_in_a_config_file_names_the_file_and_the_key(tmp_path, text, key):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    run = tmp_path / "r"
+    out = invoke(["data", "clean", "--config", str(f), "--run", str(run), "--input", "x.txt"], 2)
+    (error,) = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert f"Error: {f}: " in error and key in error, error
+    assert not run.exists()
+
+
+def test_a_value_set_after_the_file_is_refused_without_naming_the_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  lr: -0.5\n")
+    assert build_config(str(f), ["train.lr=0.1"]).train.lr == 0.1  # --set wins over the file
+    with pytest.raises(ConfigError) as e:
+        build_config(str(f), ["train.lr=-2"])
+    assert str(e.value).startswith("train.lr=-2.0 is out of range") and str(f) not in str(e.value)

@@ -8,7 +8,8 @@
 
 Built in this order, later wins: defaults -> `--model NAME` -> `--config FILE` -> a command's own
 options -> each `--set a.b.c=value`. An unknown key or a wrongly typed value is a ConfigError
-naming the key. docs/cli.md, "Config files and `--set`", has the details.
+naming the key, and the file when a file set it. docs/cli.md, "Config files and `--set`", has
+the details.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def _coerce(key: str, value, typ):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return int(f)
     if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
             return (
                 float(str(value).replace("_", ""))
@@ -118,6 +121,8 @@ def _coerce(key: str, value, typ):
         except ValueError:
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if typ is str:
+        if isinstance(value, (list, dict)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
         if isinstance(value, bool):  # YAML 1.1 reads off/no/yes/on as booleans
             raise ConfigError(
                 f"{key}: expected a string, got {value!r} (YAML reads off/on/no/yes as booleans: "
@@ -127,8 +132,11 @@ def _coerce(key: str, value, typ):
     return value
 
 
-def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
-    """Set fields of dataclass `obj` from a nested dict, validating every key."""
+def apply_dict(
+    obj, data: dict, prefix: str = "", source: str = "", origins: dict | None = None
+) -> None:
+    """Set fields of dataclass `obj` from a nested dict, validating every key. `source` ("FILE: ")
+    starts each refusal; `origins` gets it for each key set (build_config's check_values)."""
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}"
@@ -140,9 +148,14 @@ def apply_dict(obj, data: dict, prefix: str = "", source: str = "") -> None:
             raise ConfigError(f"{source}unknown config key '{key}'{_suggest(key, all_keys())}")
         typ = _field_type(type(obj), k)
         if dataclasses.is_dataclass(typ):
-            apply_dict(getattr(obj, k), v, key + ".", source)
-        else:
+            apply_dict(getattr(obj, k), v, key + ".", source, origins)
+            continue
+        try:
             setattr(obj, k, _coerce(key, v, typ))
+        except ConfigError as e:
+            raise ConfigError(f"{source}{e}", (key,)) from None
+        if origins is not None:
+            origins[key] = source
 
 
 def _leaf_type(key: str):
@@ -164,8 +177,9 @@ def set_value(cfg: Config, key: str, value) -> None:
     setattr(owner, key.rsplit(".", 1)[-1], _coerce(key, value, typ))
 
 
-def set_key(cfg: Config, assignment: str) -> None:
-    """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b])."""
+def set_key(cfg: Config, assignment: str) -> str:
+    """Apply one `section.key=value` override (value parsed as YAML: 4, 3e-4, true, [a, b]);
+    returns the key."""
     if "=" not in assignment:
         raise ConfigError(
             f"--set {assignment!r}: expected section.key=value, e.g. --set model.n_layer=4"
@@ -180,6 +194,7 @@ def set_key(cfg: Config, assignment: str) -> None:
         # A value of only whitespace is meant as typed: --set data.clean.txt_delimiter=$'\n\n'.
         value = raw.strip().strip("'\"") if raw.strip() else raw
     set_value(cfg, key, raw if isinstance(value, dict) else value)
+    return key
 
 
 def preset_path(kind: str, name: str) -> Path:
@@ -226,25 +241,35 @@ def build_config(
     from CLI options; None = not given) -> `overrides` (--set strings) -> `run`; then
     check_values."""
     cfg = Config()
+    origins: dict[str, str] = {}  # key -> "FILE: " for each value a file set
     if model:
         apply_dict(
             cfg.model,
             load_yaml(str(preset_path("model", model))),
             "model.",
             f"configs/model/{model}.yaml: ",
+            origins,
         )
         cfg.model.preset = model
     if config_file:
-        apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ")
+        apply_dict(cfg, load_yaml(config_file), "", f"{config_file}: ", origins)
     for key, value in (values or {}).items():
         if value is not None:
             set_value(cfg, key, value)
+            origins.pop(key, None)
     for o in overrides:
-        set_key(cfg, o)
+        origins.pop(set_key(cfg, o), None)
     if run:
         cfg.run = run
+        origins.pop("run", None)
     cfg.model = with_depth(cfg.model)
-    check_values(cfg)
+    try:
+        check_values(cfg)
+    except ConfigError as e:  # name the file that set the refused value, if one did
+        source = next((origins[k] for k in e.keys if k in origins), "")
+        if not source:
+            raise
+        raise ConfigError(f"{source}{e}", e.keys) from None
     return cfg
 
 
@@ -264,7 +289,9 @@ def _check_choices(obj, prefix: str = "") -> None:
             _check_choices(value, prefix + f.name + ".")
         elif typing.get_origin(typ) is typing.Literal and value not in typing.get_args(typ):
             allowed = ", ".join(str(a) for a in typing.get_args(typ))
-            raise ConfigError(f"{prefix}{f.name}: expected one of {allowed}, got {value!r}")
+            raise ConfigError(
+                f"{prefix}{f.name}: expected one of {allowed}, got {value!r}", (prefix + f.name,)
+            )
 
 
 def check_values(cfg: Config) -> None:
@@ -279,23 +306,28 @@ def check_values(cfg: Config) -> None:
     ckpt = str(cfg.eval.checkpoint)
     if ckpt != "latest" and not (ckpt.isdigit()):
         raise ConfigError(
-            f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'"
+            f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'",
+            ("eval.checkpoint",),
         )
 
 
 def _check_model_shape(m) -> None:
     """The shape rules of model/gpt.py's check_config, here so that they exit 2 before a run is
     read."""
+    shape = ("model.n_embd", "model.n_head", "model.n_kv_head")
     if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}", shape
+        )
     if (m.n_embd // m.n_head) % 2:
         raise ConfigError(
             f"model.n_embd / model.n_head = {m.n_embd // m.n_head} (the head dim) must be even "
-            "for rotary embeddings"
+            "for rotary embeddings",
+            shape,
         )
     if m.n_head % m.n_kv_head:
         raise ConfigError(
-            f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head}"
+            f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head}", shape
         )
 
 

@@ -176,6 +176,11 @@ class CleanConfig:
         0.01, "A clean keeping under this fraction of its input bytes exits 1.", ge=0, le=1
     )
     allow_low_yield: bool = setting(False, "Keep a corpus even under min_yield.")
+    skip_unreadable_links: bool = setting(
+        False,
+        "Skip an input link that leads nowhere (dangling, a cycle), counted in stats.json; "
+        "false = it fails the run, named.",
+    )
     docs_per_shard: int = setting(20_000, "Rows per parquet file a unit writes.", ge=1)
     # a unit of chunk_bytes keeps a few MB: parts that small make every later stage run a task
     # per few MB, so consecutive units' parts are packed (pipeline/clean/pack.py: pack_groups)

@@ -17,7 +17,12 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A user mistake in the configuration. The CLI turns it into a usage error (exit 2)."""
+    """A user mistake in the configuration. The CLI turns it into a usage error (exit 2). `keys`:
+    the settings it refuses, so that build_config can name the file their values came from."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys = keys
 
 
 @dataclass(frozen=True)
@@ -149,4 +154,6 @@ def check_ranges(cfg, cls=None, prefix: str = "") -> None:
         for part in leaf.key.split("."):
             value = getattr(value, part)
         if not leaf.range.holds(value):
-            raise ConfigError(f"{leaf.key}={value!r} is out of range: expected {leaf.range}")
+            raise ConfigError(
+                f"{leaf.key}={value!r} is out of range: expected {leaf.range}", (leaf.key,)
+            )

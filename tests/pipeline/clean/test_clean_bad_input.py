@@ -399,3 +399,36 @@ def test_a_rerun_of_clean_removes_the_temp_files_a_killed_run_left(tmp_path):
     invoke(_clean(run, "--input", str(src)), 0)
     assert [d.name for d in debris if d.exists()] == []
     assert parts and {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == parts
+
+
+def test_a_jsonl_record_over_the_limit_gets_the_record_fixes_not_the_text_delimiter(tmp_path):
+    """--txt-delimiter splits text files only: the fixes for a .jsonl's dropped records start
+    with the limits, whether some documents are kept (a low yield) or none is."""
+    big = json.dumps({"text": prose(0) * 200})  # ~130 kB, over the limit below
+    small = "--set=data.clean.max_record_bytes=100000"
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([big, json.dumps({"text": prose(1)})]) + "\n")
+    out = invoke(_clean(tmp_path / "r1", "--input", str(mixed), small), 1, "clean kept 0.")
+    (error,) = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert "fix for length:too_long: a .jsonl line is one document: raise" in error
+    assert "max_record_bytes" in error and "--txt-delimiter" not in error
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(big + "\n")  # one record, the whole file: not a text file dropped whole
+    out = invoke(_clean(tmp_path / "r2", "--input", str(alone), small), 1, "kept no documents")
+    assert "a .jsonl line is one document" in out and "--txt-delimiter" not in out
+    assert _stats(tmp_path / "r2")["bad_input"]["whole_files_dropped"] == []
+
+
+def test_the_length_fixes_follow_the_formats_the_rule_dropped_bytes_from():
+    from codex.pipeline.clean.stats import drop_fix, rule_kinds
+
+    stats = {"drop_kinds": {"length:too_long": {"text": 10, "jsonl": 500}}}
+    kinds = rule_kinds(stats, "length", "too_long")
+    assert kinds == ["jsonl", "text"]
+    fix = drop_fix("length", "too_long", kinds)
+    assert fix.startswith("a .jsonl line is one document: raise data.clean.length.max_chars")
+    assert fix.index("max_record_bytes") < fix.index("--txt-delimiter")  # text files: second
+    assert drop_fix("length", "too_long", ["parquet"]).startswith("a .parquet row")
+    text_first = drop_fix("length", "too_long", ["text", "jsonl"])
+    assert text_first.startswith("a text file is one document unless split: pass --txt-delimiter")
+    assert drop_fix("length", "too_long") == text_first  # stats written before formats counted

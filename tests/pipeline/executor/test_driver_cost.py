@@ -188,6 +188,10 @@ MARKER = {
     "bytes_kept": CHUNK // 3,
     "drops": {"gopher_quality:short_doc": 900, "fineweb:line_punct_ratio": 500},
     "drop_bytes": {"gopher_quality:short_doc": CHUNK // 2, "fineweb:line_punct_ratio": 9},
+    "drop_kinds": {
+        "gopher_quality:short_doc": {"text": CHUNK // 2},
+        "fineweb:line_punct_ratio": {"text": 9},
+    },
 }
 
 
