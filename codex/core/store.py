@@ -93,11 +93,11 @@ _FAILING_SINCE: dict[str, float] = {}
 
 
 def _why(e: BaseException) -> str:
-    """The error in a few words; a URL in it (gcsfs' 404 is the URL alone) said as 'its URL'."""
+    """The error in a few words; a URL in it (gcsfs' 404 is the URL alone) cut to its host."""
     if isinstance(e, FileNotFoundError):
         return "HTTP 404"
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = re.sub(r"\b\w+://\S+", "its URL", text)
+    text = re.sub(r"\b\w+://([^/\s]+)\S*", r"\1", text)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

@@ -102,6 +102,17 @@ def test_a_clean_whose_store_restarts_mid_upload_ends_as_the_local_run(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_clean_whose_store_is_down_past_the_bound_ends_in_one_line_and_a_rerun_resumes(
+    tmp_path, own_gcs_emulator
+):
+    """store_timeout_s=1 and 4 s down: exit 1 with one line naming the bucket; the rerun, with
+    the store back, ends byte-identical to the local run."""
+    ends = clean_through_outages(tmp_path, own_gcs_emulator, [4], down_s=4, bound_s=1)
+    assert "exit 1" in ends[0] and "did not answer for 1 s (store_timeout_s)" in ends[0], ends
+    print("\n".join(ends))
+
+
+@pytest.mark.slow
 def test_a_clean_onto_a_store_that_stays_down_is_named_within_the_bound(tmp_path, monkeypatch):
     make_corpus(tmp_path / "in", 2, 5)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
