@@ -43,3 +43,4 @@ def test_a_shard_whose_store_restarts_mid_upload_ends_as_the_local_run(tmp_path,
             rerun = codex(*args)
             assert rerun.returncode == 0, rerun.stdout + rerun.stderr
         assert shards_in(out) == want, f"outage after {after} markers: not the local shards"
+        print(f"shard, store killed after {after} unit markers: exit {res.returncode}")
