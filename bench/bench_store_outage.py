@@ -4,8 +4,13 @@ byte-identical to a local run, or with one `Error:` line (exit 1) after which a 
 (tests/fixtures/outage.py: clean_through_outages). Then a store that never comes back, at
 --bound seconds of store_timeout_s: how long until its one line.
 
-    python bench/bench_store_outage.py                  # 10 points: markers 1, 2, ... 19
+    python bench/bench_store_outage.py                  # 10 points: markers 1, 3, ... 19
     python bench/bench_store_outage.py --points 5 --bound 5
+
+Latest (2026-11-28, 2 cores shared with other jobs, --points 10 --bound 10): 10 of 10 runs went
+on through the outage, exit 0, byte-identical to the local run, 8.4-17.2 s each, 128 s in all;
+the dead store's line came after 10.8 s (at the default 120 s: 120.9 s; before store_timeout_s
+existed, the issue measured 7 min 20 s and a raw `Cannot connect to host` line).
 """
 
 from __future__ import annotations
