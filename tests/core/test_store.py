@@ -49,10 +49,10 @@ def test_a_lost_upload_session_is_an_io_failure_naming_the_object(own_gcs_emulat
     assert "upload_id" not in str(e.value)
 
 
-@pytest.mark.slow
-def test_an_upload_goes_on_through_a_restart_of_its_store(own_gcs_emulator):
-    """Killed mid-upload (its session holds bytes) and back 0.5 s later: the object is whole."""
-    bucket = own_gcs_emulator.new_bucket()
+def upload_through(emulator, fault: str) -> None:
+    """fsio.write_bytes of 40 MiB (8 chunks of one session) while the store, once the session
+    holds bytes, is restarted or loses its sessions: the object ends whole."""
+    bucket = emulator.new_bucket()
     data = os.urandom(40 << 20)
     failed: list[BaseException] = []
 
@@ -64,10 +64,21 @@ def test_an_upload_goes_on_through_a_restart_of_its_store(own_gcs_emulator):
 
     writer = threading.Thread(target=upload)
     writer.start()
-    own_gcs_emulator.restart_mid_upload(writer)
+    getattr(emulator, fault)(writer)
     writer.join(60)
     assert not failed, failed
     assert fsio.read_bytes(f"gs://{bucket}/big.bin") == data
+
+
+@pytest.mark.slow
+def test_an_upload_goes_on_through_a_restart_of_its_store(own_gcs_emulator):
+    upload_through(own_gcs_emulator, "restart_mid_upload")
+
+
+@pytest.mark.slow
+def test_an_upload_whose_session_the_store_loses_starts_over(own_gcs_emulator, caplog):
+    upload_through(own_gcs_emulator, "lose_sessions_mid_upload")
+    assert "UploadLost" in caplog.text  # fsio.put_object started it over
 
 
 @pytest.fixture
