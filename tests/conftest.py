@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -49,26 +46,14 @@ def gcs_emulator():
     )
     if not Path(exe).exists():
         pytest.fail("gcp-storage-emulator is not installed: pip install -e '.[dev]'")
-    port = free_port()
+    from tests.fixtures.gcs_emulator import Emulator
+
     # tests/fixtures/gcs_emulator.py: the emulator, answering objects.move as real GCS does
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.gcs_emulator"]
-        + ["start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
-        cwd=Path(__file__).resolve().parent.parent,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("GCS emulator did not start within 30 s")
+    try:
+        emulator = Emulator(None).start()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    url = emulator.url
     old = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = url
     yield url
@@ -76,11 +61,20 @@ def gcs_emulator():
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
     else:
         os.environ["STORAGE_EMULATOR_HOST"] = old
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    emulator.stop()
+
+
+@pytest.fixture
+def own_gcs_emulator(tmp_path, monkeypatch):
+    """A GCS emulator of the test's own (tests/fixtures/gcs_emulator.py: Emulator), to kill and
+    restart on its port: its objects on disk, they outlive a restart. STORAGE_EMULATOR_HOST
+    points at it for the test."""
+    from tests.fixtures.gcs_emulator import Emulator
+
+    emulator = Emulator(tmp_path / "gcs").start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)
+    yield emulator
+    emulator.stop()
 
 
 @pytest.fixture

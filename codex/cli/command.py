@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import click
 
-from codex.core import fsio, progress, runlock
+from codex.core import fsio, progress, runlock, store
 from codex.core.config import Config, ConfigError, build_config, get_value
 from codex.core.config.setting import Leaf, leaves
 
@@ -228,10 +228,12 @@ def with_config(*sections: str):
         @functools.wraps(fn)
         def wrapper(**params):
             cfg, rest = config_from_params(params)
+            store.configure(cfg.store_timeout_s, cfg.data.task.io_retries)
             fsio.require_bucket(cfg.run)
             return fn(cfg, **rest)
 
-        wrapper.config_sections = sections  # type: ignore[attr-defined]
+        # store_timeout_s: every command may touch an object store
+        wrapper.config_sections = (*sections, "store_timeout_s")  # type: ignore[attr-defined]
         return config_options(stage(wrapper))
 
     return decorate

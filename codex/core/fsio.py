@@ -4,7 +4,8 @@ Why one layer: every stage writes into the same run directory contract, locally 
 every write must be atomic so that a killed job never leaves a half-written file under its final
 name. Locally that is temp file + os.replace. On an object store an object only appears once its
 upload has finished, so writing the final name directly is already atomic per object; a stage
-that writes several objects marks completion by writing its manifest / marker object last.
+that writes several objects marks completion by writing its manifest / marker object last. An
+object is held locally and uploaded whole, again when the store loses it (codex/core/store.py).
 
 GCS: install the `gcs` extra (gcsfs). Tests point gcsfs at a local emulator through
 STORAGE_EMULATOR_HOST (see tests/conftest.py); nothing here knows about the emulator.
@@ -16,6 +17,7 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -25,6 +27,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, TypeVar
+
+from codex.core import store
 
 if TYPE_CHECKING:
     import fsspec
@@ -40,6 +44,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 RETRIES = 5  # attempts for a remote write hitting a transient error
+SPOOL_BYTES = 64 << 20  # an object being written is held in memory up to this, then on local disk
 
 
 def is_remote(path: str) -> bool:
@@ -81,6 +86,8 @@ def require_bucket(url: str) -> None:
         return
     except FileNotFoundError:
         pass
+    except store.StoreError:  # the store itself does not answer: that is the line to show
+        raise
     except Exception:  # no network, 403 on the bucket itself: not ours to judge here
         return
     raise FileNotFoundError(
@@ -118,6 +125,10 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
             raise RuntimeError(
                 f"{path}: gs:// paths need gcsfs; install it with: pip install -e '.[gcs]'"
             ) from e
+        from codex.core.gcs import BoundedGCSFileSystem
+
+        gcs = BoundedGCSFileSystem(**options, **BoundedGCSFileSystem._get_kwargs_from_urls(path))
+        return gcs, gcs._strip_protocol(path)
     # url_to_fs, not get_fs_token_paths: the latter expands globs (and fails on no match).
     fs, p = fsspec.core.url_to_fs(path, **options)
     return fs, p
@@ -230,7 +241,9 @@ def rm(path: str, recursive: bool = False) -> None:
         return
     fs, p = filesystem(path)
     if fs.exists(p):
-        fs.rm(p, recursive=recursive)
+        # gone meanwhile, or a retried delete whose first try went through: done all the same
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(p, recursive=recursive)
 
 
 def open(path: str, mode: str = "rb", **kwargs) -> IO:  # noqa: A001 - mirrors builtins.open
@@ -246,22 +259,20 @@ def open(path: str, mode: str = "rb", **kwargs) -> IO:  # noqa: A001 - mirrors b
 def atomic_open(path: str, mode: str = "wb") -> Iterator[IO]:
     """Write `path` so that readers see either the old file or the whole new one, never a part.
 
-    Local: a temp file in the same directory, fsync, os.replace. Remote: the object store's upload
-    is atomic per object (it appears only when complete); on error the upload is discarded.
+    Local: a temp file in the same directory, fsync, os.replace. Remote: the bytes are held
+    (memory, then a local temp file) and uploaded at the end (put_object: atomic per object, its
+    upload started over when the store loses it); on error nothing is uploaded.
     """
     assert mode in ("wb", "w"), mode
     if is_remote(path):
-        # An object appears only when its upload is finalised, so writing the final name is atomic;
-        # on error the upload is discarded instead of closed (closing would commit the part).
-        fs, p = filesystem(path)
-        f = fs.open(p, mode)
-        try:
-            yield f
-        except BaseException:
-            with contextlib.suppress(Exception):
-                f.discard()
-            raise
-        f.close()
+        with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
+            if mode == "wb":
+                yield spool
+            else:
+                text = io.TextIOWrapper(spool, encoding="utf-8")  # type: ignore[arg-type]
+                yield text
+                text.detach()  # flushes it, leaves the spool open
+            put_object(spool, path)  # type: ignore[arg-type]
         return
     path = os.path.abspath(_strip_file(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -329,9 +340,37 @@ def read_json(path: str):
 
 def upload(local_path: str, remote_path: str) -> None:
     """Copy a local file to any path, atomically (used by `codex data upload` and checkpoints)."""
+    if is_remote(remote_path):
+        with builtins_open(local_path, "rb") as src:
+            put_object(src, remote_path)
+        return
     with builtins_open(local_path, "rb") as src, atomic_open(remote_path, "wb") as dst:
         while chunk := src.read(8 << 20):
             dst.write(chunk)
+
+
+def put_object(src: IO[bytes], path: str) -> None:
+    """Upload the whole of `src` (a seekable binary file) as object `path`, started over from
+    src's first byte after a transient failure (the store lost the upload, a connection
+    dropped), data.task.io_retries times at most (store.SETTINGS)."""
+
+    def once() -> None:
+        fs, p = filesystem(path)
+        src.seek(0)
+        f = fs.open(p, "wb")
+        try:
+            while chunk := src.read(8 << 20):
+                f.write(chunk)
+            f.close()  # the last chunk: the object appears now
+        except BaseException:
+            # never closed after an error: closing would commit what was sent as the object;
+            # marked closed, so that no finaliser (gcsfs closes files it collects) commits it later
+            with contextlib.suppress(Exception):
+                f.discard()
+            f.closed = True
+            raise
+
+    with_retries(once, f"upload of {path}", attempts=store.SETTINGS.io_retries + 1)
 
 
 def download(remote_path: str, local_path: str) -> None:
@@ -370,12 +409,28 @@ def is_transient(e: BaseException) -> bool:
     EIO or ECONNRESET, HTTP 408/429/5xx (gcsfs' HttpError, aiohttp's, requests'), or an error
     raised from one of those (`raise ... from e`). A missing file, a refused permission or bad
     data is not: it fails the same way twice."""
-    seen = 0
-    while e is not None and seen < 8:
-        if _transient_here(e):
+    for cause in _causes(e):
+        if isinstance(cause, store.StoreError):  # a lost upload starts over; a store gone for
+            return isinstance(cause, store.UploadLost)  # good does not, whatever its cause
+        if _transient_here(cause):
             return True
-        e, seen = e.__cause__, seen + 1  # type: ignore[assignment]
     return False
+
+
+def is_store_failure(e: BaseException) -> bool:
+    """Whether the storage failed, not the file: a transient error, or an object store that gave
+    up (codex/core/store.py), or an error raised from one. A reader that skips a bad input must
+    raise these instead."""
+    return is_transient(e) or any(isinstance(c, store.StoreError) for c in _causes(e))
+
+
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    """e, what it was raised from, and so on (8 at most)."""
+    for _ in range(8):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__
 
 
 def _transient_here(e: BaseException) -> bool:

@@ -54,9 +54,14 @@ FILE_LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 # The lowest level at which another library's line reaches the terminal; WARNING for any not named.
 # gcsfs logs the errors it handles itself (a 501 it retries, a copy fallback) with their tracebacks,
 # on runs that then succeed; an error it does not handle reaches codex as an exception and is
-# reported as one line. Ray's driver warnings (resources, deprecations) are not the user's concern
-# (pipeline/executor/ray_cluster.py ran Ray's logger at ERROR before it went to the file).
-TERMINAL_LEVELS = {"gcsfs": logging.CRITICAL, "ray": logging.ERROR}
+# reported as one line. fsspec's read-ahead logs a failed read with its traceback, then raises it
+# to the reader: the same. Ray's driver warnings (resources, deprecations) are not the user's
+# concern (pipeline/executor/ray_cluster.py ran Ray's logger at ERROR before it went to the file).
+TERMINAL_LEVELS = {
+    "gcsfs": logging.CRITICAL,
+    "fsspec.prefetcher": logging.CRITICAL,
+    "ray": logging.ERROR,
+}
 
 # Libraries that print on a stderr handler of their own (and transformers and ray do not pass
 # their lines on to the root logger): adopt_library_loggers() takes those handlers off, so their

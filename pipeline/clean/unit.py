@@ -122,7 +122,7 @@ class _UnitCleaner:
             EOFError,
             ValueError,
         ) as e:
-            if fsio.is_transient(e):  # the unit is run again (executor.py), not the file failed
+            if fsio.is_store_failure(e):  # the storage failed, not the file: the unit fails
                 raise
             report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
             if f.path not in report.error:

@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from codex.core import fsio
+from codex.core import fsio, store
 from codex.core.config import ConfigError
 from codex.pipeline.executor.ray_cluster import check_ray_address, import_ray
 
@@ -26,6 +26,7 @@ class TaskPolicy:
     timeout_s: float = 0.0  # a unit running longer fails (UnitTimeout); 0: no limit
     io_retries: int = 4  # attempts more after a transient I/O error
     ray_pending: int = 16  # Ray: units queued beyond the cluster's CPUs, at least
+    store_timeout_s: float = store.StoreSettings.timeout_s  # the driver's store_timeout_s
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,16 @@ def where_for(
 
 
 def task_policy(task_cfg) -> TaskPolicy:
-    """The TaskPolicy of data.task (TaskConfig); None: the defaults."""
+    """The TaskPolicy of data.task (TaskConfig; None: the defaults) and of this process's object
+    store settings (store_timeout_s: the command set them)."""
     if task_cfg is None:
-        return TaskPolicy()
+        return TaskPolicy(store_timeout_s=store.SETTINGS.timeout_s)
     return TaskPolicy(
         memory_bytes=int(task_cfg.memory_gb * 1e9),
         timeout_s=float(task_cfg.timeout_s),
         io_retries=int(task_cfg.io_retries),
         ray_pending=int(task_cfg.ray_pending),
+        store_timeout_s=store.SETTINGS.timeout_s,
     )
 
 

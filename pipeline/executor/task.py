@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from codex.core import fsio
+from codex.core import fsio, store
 from codex.core.progress import log_file
 from codex.pipeline.executor.logs import unit_log
 from codex.pipeline.executor.policy import TaskPolicy, Where
@@ -84,8 +84,9 @@ def task_specs(fn, units: Sequence, where: Where) -> list[Task]:
 def run_task(task: Task, unit):
     """task.fn(unit) in the process that runs the unit (this one, a pool process, a Ray worker),
     its log lines in its own file, run again after a transient I/O error (a unit is idempotent),
-    stopped past its timeout."""
-    with unit_log(f"{task.phase} {task.name}", task.log_path), _deadline(task):
+    stopped past its timeout. Its object-store requests get the driver's bound and retries."""
+    bound = store.configured(task.policy.store_timeout_s, task.policy.io_retries)
+    with bound, unit_log(f"{task.phase} {task.name}", task.log_path), _deadline(task):
         return fsio.with_retries(
             lambda: task.fn(unit),
             f"{task.phase} {task.name}",

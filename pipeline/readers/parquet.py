@@ -79,6 +79,8 @@ def parquet_texts(path: str, column: str, batch_rows: int) -> Iterator[list]:
         try:
             pf = pq.ParquetFile(fh)
         except Exception as e:
+            if fsio.is_store_failure(e):  # the storage failed, not the file
+                raise
             raise BadInputFile(f"{path}: not a readable parquet file ({e})") from None
         if column not in pf.schema_arrow.names:
             raise BadInputFile(
@@ -127,6 +129,8 @@ def parquet_text_rows(
         try:
             pf = pq.ParquetFile(fh)
         except Exception as e:
+            if fsio.is_store_failure(e):  # the storage failed, not the file
+                raise
             raise BadInputFile(f"{path}: not a readable parquet file ({e})") from None
         names = pf.schema_arrow.names
         if column not in names:

@@ -92,6 +92,8 @@ def _row_groups(path: str) -> tuple[list[int], list[int]]:
         with fsio.open(path, "rb") as fh:
             meta = pq.ParquetFile(fh).metadata
     except Exception as e:
+        if fsio.is_store_failure(e):  # the storage failed, not the part
+            raise
         raise ShardDataError(f"{path}: not a readable parquet file ({e})") from None
     groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
     return [g.total_byte_size for g in groups], [g.num_rows for g in groups]

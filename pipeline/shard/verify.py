@@ -32,6 +32,8 @@ def _check_npy(
             )
             shape, _, dt = read_header(r)
         except Exception as e:
+            if fsio.is_store_failure(e):  # the storage failed, not the shard
+                raise
             return [f"{path}: not a valid .npy file ({e})"], None
         if str(dt) != dtype or len(shape) != 1:
             problems.append(

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
-from codex.core import fsio
+from codex.core import fsio, store
 from codex.train.checkpoint.xla_shards import (
     HostShards,
     HostShardsLoadPlanner,
@@ -67,7 +67,11 @@ class _HashingStream:
         try:
             return self.f.write(b)
         except OSError as e:
-            self.errors.append(OSError(e.errno, e.strerror or str(e), e.filename or self.path))
+            # an object store's error already names the object (codex/core/store.py)
+            kept = e if isinstance(e, store.StoreError) else None
+            self.errors.append(
+                kept or OSError(e.errno, e.strerror or str(e), e.filename or self.path)
+            )
             raise
 
     def __getattr__(self, name):  # tell, flush, close, fileno (fsync): the underlying file's
@@ -271,6 +275,8 @@ def _save_error(e: CheckpointException, errors: list[OSError], folder: str) -> E
         return errors[0]
     rank = min(e.failures)
     exc = e.failures[rank][0]
+    if isinstance(exc, store.StoreError):  # names its store and object already
+        return exc
     if isinstance(exc, OSError):
         return OSError(exc.errno, exc.strerror or str(exc), exc.filename or folder)
     return RuntimeError(f"{folder}: rank {rank} could not write the checkpoint ({exc!r})")

@@ -29,6 +29,7 @@ from codex.core.config.eval import EvalConfig
 from codex.core.config.model import ModelConfig, with_depth
 from codex.core.config.setting import ConfigError, check_ranges, leaves, setting, type_hints
 from codex.core.config.train import TrainConfig
+from codex.core.store import StoreSettings
 
 
 def _configs_dir() -> Path:
@@ -43,6 +44,14 @@ CONFIGS_DIR = _configs_dir()
 @dataclass
 class Config:
     run: str = setting("runs/default", "The run directory, a local path or gs://bucket/run.")
+    store_timeout_s: float = setting(
+        StoreSettings.timeout_s,
+        "How long an object store (gs://) may fail or hang every request before the command "
+        "stops with one line naming it; each request is retried until then (any command: "
+        "clean, shard, train's checkpoints).",
+        gt=0,
+        le=86_400,
+    )
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

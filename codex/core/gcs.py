@@ -1,0 +1,42 @@
+"""gcsfs as codex uses it: each request is retried by codex.core.store.retried (bounded by
+store_timeout_s, a lost upload session named) instead of gcsfs's own six tries, and a connect or
+a read that hangs ends after store_timeout_s. fsio.filesystem makes every gs:// client with it.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import gcsfs
+
+from codex.core import store
+
+# One try of a request: gcsfs's _request without its retry decorator (`decorator` keeps the
+# undecorated function as __wrapped__); where a gcsfs lacks it, its retries run inside ours.
+_ONE_TRY = getattr(gcsfs.GCSFileSystem._request, "__wrapped__", None)
+
+
+class BoundedGCSFileSystem(gcsfs.GCSFileSystem):
+    """gcsfs.GCSFileSystem whose requests go through store.retried."""
+
+    async def _request(self, method, path, *args, **kwargs):
+        url = self._format_path(path, args)
+        if _ONE_TRY is None:
+            return await store.retried(
+                lambda: super(BoundedGCSFileSystem, self)._request(method, path, *args, **kwargs),
+                url,
+                method,
+            )
+        return await store.retried(
+            lambda: _ONE_TRY(self, method, path, *args, **kwargs), url, method
+        )
+
+    @property
+    def requests_timeout(self) -> aiohttp.ClientTimeout:
+        """Each request's connect and each read wait store_timeout_s at most (aiohttp's default
+        would wait 5 min); a slow transfer that keeps moving is not cut."""
+        bound = store.SETTINGS.timeout_s
+        return aiohttp.ClientTimeout(sock_connect=bound, sock_read=bound)
+
+    @requests_timeout.setter
+    def requests_timeout(self, value) -> None:
+        """gcsfs's __init__ sets it; the bound is store_timeout_s, read on each request."""
