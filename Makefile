@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 XLA_VENV := .venv-xla
 
-.PHONY: demo test test-fast lint test-main test-xla test-heavy venv venv-xla
+.PHONY: demo test test-fast lint test-main test-main-a test-main-b test-xla test-heavy venv venv-xla
 
 venv: $(VENV)/.codex-installed
 venv-xla: $(XLA_VENV)/.codex-installed
@@ -28,11 +28,11 @@ demo: venv
 	$(VENV)/bin/codex demo
 
 # pytest exits 5 when it collects no test: that fails `make test` on purpose (a suite that runs
-# nothing must not pass). The main and XLA suites run side by side: most of their time is spent
-# waiting on subprocesses, so two suites share 2 cores well (and on a fresh machine the XLA venv
-# installs while the main suite runs).
+# nothing must not pass). The XLA suite and the main suite's two halves run side by side: most of
+# the main suite's time is spent waiting on its subprocesses, so three runs share 2 cores well
+# (and on a fresh machine the XLA venv installs while the main suite runs).
 test: lint
-	$(MAKE) -j2 --output-sync=target test-main test-xla
+	$(MAKE) -j3 --output-sync=target test-main-a test-main-b test-xla
 
 # Under 5 minutes on 2 cores: no slow, heavy or XLA test (no subprocess job, no Ray cluster).
 test-fast: venv
@@ -44,8 +44,18 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test-main: venv
-	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q --durations=15
+# The main suite in two halves of about equal time: the data side, checkpoints and the loader,
+# then the rest of training, the model and eval.
+MAIN_A := tests/core tests/cli tests/e2e tests/pipeline tests/train/checkpoint tests/train/data
+MAIN_B := tests/train tests/model tests/eval --ignore=tests/train/checkpoint --ignore=tests/train/data
+
+test-main: test-main-a test-main-b
+
+test-main-a: venv
+	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q --durations=15 $(MAIN_A)
+
+test-main-b: venv
+	$(VENV)/bin/python -m pytest -m "not xla and not heavy" -q --durations=15 $(MAIN_B)
 
 # Checks too long for every run (minutes each on 2 cores), e.g. stacked Muon on 7b's shapes.
 test-heavy: venv venv-xla
