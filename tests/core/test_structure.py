@@ -131,20 +131,22 @@ def test_every_part_says_what_it_owns():
         assert doc and "Imports" in doc, f"{init.relative_to(ROOT)}: say what it owns and imports"
 
 
+def _functions():
+    """(module name, function node, its docstring) for every function of the packages."""
+    for name, f in module_files().items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield name, node, ast.get_docstring(node) or ""
+
+
 def test_no_function_takes_more_than_six_parameters_without_a_reason():
     """A function over the limit says why in its docstring, as 'N parameters: <reason>'."""
     offenders = []
-    for name, f in module_files().items():
-        for node in ast.walk(ast.parse(f.read_text())):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            a = node.args
-            params = [
-                p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")
-            ]
-            doc = ast.get_docstring(node) or ""
-            if len(params) > MAX_PARAMETERS and f"{len(params)} parameters:" not in doc:
-                offenders.append(f"{name}.{node.name} ({len(params)})")
+    for name, node, doc in _functions():
+        a = node.args
+        params = [p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+        if len(params) > MAX_PARAMETERS and f"{len(params)} parameters:" not in doc:
+            offenders.append(f"{name}.{node.name} ({len(params)})")
     assert not offenders, offenders
 
 
@@ -153,15 +155,12 @@ MAX_FUNCTION_LINES = 80
 
 def test_no_function_runs_over_eighty_lines_without_a_reason():
     """A longer function says why in its docstring, in one line starting 'Long: '."""
-    offenders = []
-    for name, f in module_files().items():
-        for node in ast.walk(ast.parse(f.read_text())):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            length = (node.end_lineno or node.lineno) - node.lineno + 1
-            doc = ast.get_docstring(node) or ""
-            if length > MAX_FUNCTION_LINES and "Long: " not in doc:
-                offenders.append(f"{name}.{node.name} ({length} lines)")
+    offenders = [
+        f"{name}.{node.name} ({length} lines)"
+        for name, node, doc in _functions()
+        if (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_FUNCTION_LINES
+        and "Long: " not in doc
+    ]
     assert not offenders, offenders
 
 
