@@ -42,6 +42,12 @@ class Plan:
     seq_len_given: bool = True  # False: the preset's for the model
 
 
+def planned_vocab(cfg: Config) -> int:
+    """The vocab a plan counts without the run's files: model.vocab_size, else the one the
+    tokenizer will be trained to (data.tokenizer.vocab_size)."""
+    return cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
+
+
 def learning_rate(t: TrainConfig) -> float:
     """train.lr, or the optimizer's default when it is 0."""
     return t.lr or DEFAULT_LR[t.optimizer]

@@ -20,7 +20,7 @@ from codex.train.plan.batch import (
     largest_batch,
 )
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
-from codex.train.plan.plan import Plan, make_plan
+from codex.train.plan.plan import Plan, make_plan, planned_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset, list_presets, preset_model
 
 
@@ -203,8 +203,7 @@ def format_train_plan(cfg: Config, processes: int | None = None) -> list[str]:
     the same ConfigError."""
     preset = get_preset(cfg.train.hardware)
     world = (processes or 1) if preset.kind == "cpu" else preset.devices
-    vocab = cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
-    resolved, p = make_plan(cfg, preset, world, vocab=vocab)[:2]
+    resolved, p = make_plan(cfg, preset, world, vocab=planned_vocab(cfg))[:2]
     rows = [
         ("model", _model_row(cfg, resolved, p)),
         ("hardware", _hardware_row(preset)),
