@@ -1,11 +1,12 @@
-"""`codex data clean --run gs://B/rN` while its object store (a real GCS emulator, objects on disk)
-is killed after N unit markers and back 1.5 s later, at --points points: each run ends
-byte-identical to a local run, or with one `Error:` line (exit 1) after which a rerun does
-(tests/fixtures/outage.py: clean_through_outages). Then a store that never comes back, at
---bound seconds of store_timeout_s: how long until its one line.
+"""Each stage writing to gs:// while its object store (a real GCS emulator, objects on disk) is
+killed at --points points and back 1.5 s later: `codex data clean` (after N unit markers),
+`codex data shard` (after N unit markers), `codex train` (after N checkpoint objects). Each run
+ends as the local run (the same bytes; for train the same losses and weights), or with one
+`Error:` line (exit 1) after which a rerun does (tests/fixtures/outage.py). Then a store that
+never comes back, at --bound seconds of store_timeout_s: how long until its one line.
 
-    python bench/bench_store_outage.py                  # 10 points: markers 1, 3, ... 19
-    python bench/bench_store_outage.py --points 5 --bound 5
+    python bench/bench_store_outage.py                  # every stage, 10 points each
+    python bench/bench_store_outage.py --stage train --points 5 --bound 5
 
 Latest (2026-11-28, 2 cores shared with other jobs, --points 10 --bound 10): 10 of 10 runs went
 on through the outage, exit 0, byte-identical to the local run, 8.4-17.2 s each, 128 s in all;
@@ -28,7 +29,21 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 from tests.fixtures.clean import make_corpus  # noqa: E402
 from tests.fixtures.gcs_emulator import Emulator  # noqa: E402
-from tests.fixtures.outage import clean_through_outages, codex, one_error_line  # noqa: E402
+from tests.fixtures.outage import (  # noqa: E402
+    clean_through_outages,
+    codex,
+    one_error_line,
+    shard_through_outages,
+    train_through_outages,
+)
+
+# Where each stage's store goes down: clean after 1, 3, ... unit markers (23 units), shard after
+# 1, 2, ... unit markers, train after 1, 2, 4, ... checkpoint objects (4 saves of 4 objects).
+STAGES = {
+    "clean": (clean_through_outages, lambda i: 1 + 2 * i),
+    "shard": (shard_through_outages, lambda i: 1 + i),
+    "train": (train_through_outages, lambda i: 1 + 3 * i // 2),
+}
 from tests.fixtures.procs import free_port  # noqa: E402
 
 
@@ -36,16 +51,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", type=int, default=10)
     ap.add_argument("--bound", type=float, default=10.0, help="store_timeout_s of the dead store")
+    ap.add_argument("--stage", choices=[*STAGES, "all"], default="all")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         emu = Emulator(Path(tmp) / "gcs").start()
         os.environ["STORAGE_EMULATOR_HOST"] = emu.url
         try:
-            started = time.monotonic()
-            points = [1 + 2 * i for i in range(args.points)]
-            for line in clean_through_outages(Path(tmp), emu, points):
-                print(line, flush=True)
-            print(f"{args.points} outages in {time.monotonic() - started:.0f} s")
+            for stage, (through_outages, point) in STAGES.items():
+                if args.stage not in (stage, "all"):
+                    continue
+                started = time.monotonic()
+                points = [point(i) for i in range(args.points)]
+                for line in through_outages(Path(tmp) / stage, emu, points):
+                    print(f"{stage}: {line}", flush=True)
+                print(f"{stage}: {args.points} outages in {time.monotonic() - started:.0f} s")
         finally:
             emu.stop()
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{free_port()}"

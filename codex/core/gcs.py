@@ -1,9 +1,12 @@
 """gcsfs as codex uses it: each request is retried by codex.core.store.retried (bounded by
-store_timeout_s, a lost upload session named) instead of gcsfs's own six tries, and a connect or
-a read that hangs ends after store_timeout_s. fsio.filesystem makes every gs:// client with it.
+store_timeout_s, a lost upload session named) instead of gcsfs's own six tries, and a connect, a
+read or a request's body that hangs ends after store_timeout_s. fsio.filesystem makes every gs://
+client with it.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 import gcsfs
@@ -21,14 +24,17 @@ class BoundedGCSFileSystem(gcsfs.GCSFileSystem):
     async def _request(self, method, path, *args, **kwargs):
         url = self._format_path(path, args)
         if _ONE_TRY is None:
+            one = lambda: super(BoundedGCSFileSystem, self)._request(method, path, *args, **kwargs)  # noqa: E731
+        else:
+            one = lambda: _ONE_TRY(self, method, path, *args, **kwargs)  # noqa: E731
+        if kwargs.get("data"):
+            # aiohttp bounds no write: a store that takes the headers and stops reading the body
+            # would hold the upload for ever. One body (a whole small object, or one chunk of a
+            # resumable upload, gcsfs' 50 MB at most) must go through within the bound.
             return await store.retried(
-                lambda: super(BoundedGCSFileSystem, self)._request(method, path, *args, **kwargs),
-                url,
-                method,
+                lambda: asyncio.wait_for(one(), store.SETTINGS.timeout_s), url, method
             )
-        return await store.retried(
-            lambda: _ONE_TRY(self, method, path, *args, **kwargs), url, method
-        )
+        return await store.retried(one, url, method)
 
     @property
     def requests_timeout(self) -> aiohttp.ClientTimeout:

@@ -1,9 +1,11 @@
 """An object store that fails under codex (codex/core/store.py, codex/core/gcs.py, fsio's uploads),
-on a real GCS emulator killed and started again on its port, on a port where nothing listens and
-on one that accepts a connection and never answers."""
+on a real GCS emulator killed and started again on its port, on a port where nothing listens, on one
+that accepts a connection and never answers, and on one that opens an upload and stops reading
+its body."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -101,6 +103,50 @@ def test_a_store_that_stays_down_is_named_within_the_bound(how, silent_port, mon
     assert took < 3.0, took
     assert str(e.value).startswith("gs://gone-bucket did not answer for 1 s (store_timeout_s)")
     assert "r/x.json" in str(e.value) and "rerun" in str(e.value)
+
+
+@pytest.fixture
+def stalling_port():
+    """A store that opens a resumable upload, then takes a request's headers and never reads its
+    body nor answers (its receive buffers fill; the client's write waits)."""
+    ready: list[int] = []
+
+    async def handle(reader, writer) -> None:
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            if not (head.startswith("POST") and "uploadType=resumable" in head.split("\r\n")[0]):
+                await asyncio.sleep(3600)
+            session = f"http://127.0.0.1:{ready[0]}/upload/storage/v1/b/stall/o?upload_id=1"
+            writer.write(
+                f"HTTP/1.1 200 OK\r\nLocation: {session}\r\nContent-Length: 0\r\n\r\n".encode()
+            )
+            await writer.drain()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    ready.append(server.sockets[0].getsockname()[1])
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    yield ready[0]
+
+    def stop() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)
+
+    loop.call_soon_threadsafe(stop)
+
+
+@pytest.mark.slow
+def test_an_upload_whose_body_the_store_stops_reading_is_named_within_the_bound(
+    stalling_port, monkeypatch
+):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{stalling_port}")
+    started = time.monotonic()
+    with store.configured(1.0, 4), pytest.raises(store.StoreUnreachable) as e:
+        fsio.write_bytes("gs://stall/r/big.bin", os.urandom(30_000_000))  # past any socket buffer
+    took = time.monotonic() - started
+    assert took < 5.0, took
+    assert str(e.value).startswith("gs://stall did not answer for 1 s (store_timeout_s)"), e.value
 
 
 # --- the CLI: `codex data clean` onto a store that goes away -------------------------------------

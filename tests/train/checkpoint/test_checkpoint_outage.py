@@ -11,6 +11,7 @@ import torch
 
 from codex.core import store
 from codex.train.checkpoint import folders as checkpoint
+from tests.fixtures.outage import train_through_outages
 
 pytestmark = [pytest.mark.gcs, pytest.mark.slow]
 
@@ -37,3 +38,12 @@ def test_a_checkpoint_save_through_a_restart_of_its_store(own_gcs_emulator):
         checkpoint.save(run, state)
     assert checkpoint.complete_steps(run) == [1]
     assert torch.equal(checkpoint.load(run)["model"]["w"], w)
+
+
+def test_codex_train_whose_store_restarts_mid_save_ends_as_the_local_run(
+    tmp_path, own_gcs_emulator
+):
+    # The store goes down inside the first save, then inside the third (a checkpoint is 4
+    # objects here); bench/bench_store_outage.py --stage train runs 10 points.
+    for end in train_through_outages(tmp_path, own_gcs_emulator, [1, 10]):
+        print("codex train,", end)
