@@ -10,6 +10,9 @@ docs/eval.md, "Sampling", has the details.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
 from codex.core import rundir
@@ -18,7 +21,33 @@ from codex.pipeline.tokenizer.tokenizer import load_tokenizer
 from codex.train.checkpoint.read import load_model
 from codex.train.launch import open_backend
 
+log = logging.getLogger("codex.sample")
+
 BOS, EOS = "<|bos|>", "<|eos|>"
+# what a stop token means, for the line that says why generation ended
+STOP_MEANING = {EOS: "the end of a text", BOS: "the start of a new document"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A continuation and why it ended."""
+
+    text: str  # the prompt and the generated tokens, decoded together
+    new_tokens: int  # tokens generated, the stop token not counted
+    max_new_tokens: int
+    stop: str | None  # the special token that ended it; None: max_new_tokens were generated
+
+    def why(self) -> str:
+        """One line: where generation stopped and why."""
+        if self.stop is None:
+            return (
+                f"stopped after {self.new_tokens} new tokens, the limit "
+                "(--max-new-tokens, eval.max_new_tokens)"
+            )
+        return (
+            f"stopped after {self.new_tokens} of at most {self.max_new_tokens} new "
+            f"tokens: the model wrote {self.stop}, {STOP_MEANING[self.stop]}"
+        )
 
 
 def sample(
@@ -31,7 +60,27 @@ def sample(
     seed: int = 0,
     use_cache: bool = True,
 ) -> str:
-    """The prompt followed by up to `max_new_tokens` generated tokens, as text.
+    """The prompt followed by up to `max_new_tokens` generated tokens, as text (continue_prompt's
+    text).
+
+    8 parameters: keyword generation options with defaults, as Hugging Face's generate takes
+    them."""
+    return continue_prompt(
+        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, use_cache
+    ).text
+
+
+def continue_prompt(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> Sample:
+    """The prompt followed by up to `max_new_tokens` generated tokens, and why generation ended.
 
     temperature 0 is greedy (argmax); top_k 0 samples from the whole vocabulary. Generation stops
     early at <|eos|> or <|bos|> (the start of a new document). The same seed gives the same text.
@@ -51,16 +100,23 @@ def sample(
             f"the tokenizer has no {BOS} token; was it trained by `codex data tokenize`?"
         )
     stop = {bos} | ({eos} if eos is not None else set())
-    ids = [bos] + tokenizer.encode(prompt).ids
+    prompt_ids = [bos] + tokenizer.encode(prompt).ids
     was_training = model.training
     model.eval()
     try:
-        ids = generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, use_cache)
+        ids, ended = _generate(
+            model, prompt_ids, max_new_tokens, temperature, top_k, seed, stop, use_cache
+        )
     finally:
         model.train(was_training)
     # Decode prompt and continuation together: a byte-level token can complete a UTF-8 character
     # the prompt's last token started.
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return Sample(
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+        new_tokens=len(ids) - len(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        stop=None if ended is None else (BOS if ended == bos else EOS),
+    )
 
 
 @torch.no_grad()
@@ -78,6 +134,22 @@ def generate(
 
     8 parameters: keyword generation options with defaults, as Hugging Face's generate takes
     them."""
+    return _generate(model, ids, max_new_tokens, temperature, top_k, seed, stop, use_cache)[0]
+
+
+def _generate(
+    model,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    stop: set[int] | frozenset[int],
+    use_cache: bool,
+) -> tuple[list[int], int | None]:
+    """generate's ids, and the token in `stop` that ended them (None: max_new_tokens reached).
+
+    8 parameters: generate's, passed on."""
     max_seq_len = _max_seq_len(model)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -94,9 +166,9 @@ def generate(
             _xla_sync()
         nxt = pick_token(logits[0].float().cpu(), temperature, top_k, gen)
         if nxt in stop:
-            break
+            return ids, nxt
         ids.append(nxt)
-    return ids
+    return ids, None
 
 
 def _xla_sync() -> None:
@@ -132,7 +204,7 @@ def run_sample(cfg, prompt: str) -> str | None:
     """Load RUN's checkpoint cfg.eval.checkpoint and its tokenizer, and continue `prompt` with the
     cfg.eval sampling settings (max_new_tokens, temperature, top_k, seed) on cfg.train.hardware
     (CPU, CUDA or XLA, under the backend's bf16 autocast where it uses one; a preset whose
-    hardware is missing is an error, as in training).
+    hardware is missing is an error, as in training). One log line says why it stopped.
 
     Under a multi-process launch every rank generates the same text (the same seed; an XLA SPMD
     program must run on every host anyway) and only rank 0 returns it; the others return None.
@@ -144,7 +216,7 @@ def run_sample(cfg, prompt: str) -> str | None:
         model = model.to(backend.device)
         tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
         with backend.autocast():
-            text = sample(
+            out = continue_prompt(
                 model,
                 tokenizer,
                 prompt,
@@ -153,4 +225,7 @@ def run_sample(cfg, prompt: str) -> str | None:
                 top_k=e.top_k,
                 seed=e.seed,
             )
-        return text if backend.is_main else None
+        if not backend.is_main:
+            return None
+        log.info(out.why())
+        return out.text

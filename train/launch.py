@@ -10,8 +10,8 @@ Only this module knows both backends, so neither imports the other.
 from __future__ import annotations
 
 import contextlib
-import logging
 
+from codex.core.progress import command_log
 from codex.train.distributed.backend import Backend, BackendError, make_torch_backend
 from codex.train.plan.presets import get_preset
 from codex.train.plan.threads import apply_threads
@@ -25,7 +25,7 @@ def make_backend(cfg, xla_spawned: bool = False) -> Backend:
     preset = get_preset(cfg.train.hardware)
     threads = apply_threads(cfg.train.threads)  # the host side of every preset
     if launch_env()[0] == 0:
-        logging.getLogger("codex.train").info("threads: %s", threads.describe())
+        command_log().info("threads: %s", threads.describe())  # train's, eval's or sample's
     if preset.kind == "tpu":
         from codex.train.xla import (
             backend as xla_backend,  # imports torch_xla: only for TPU presets

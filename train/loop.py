@@ -458,9 +458,11 @@ def _write_train_line(
 
 
 def _memory_text(rec: dict) -> str:
-    """' | mem 12.1 GB peak / 14.0 planned' where the device reports its memory."""
+    """' | mem 12.1 GB peak / 14.0 planned' where the device reports its memory (CUDA, TPU);
+    ' | rss 0.6 GB peak' on the CPU: the process's peak resident memory, which counts the
+    interpreter and its libraries too, so it is not set against the plan."""
     if "mem_gb" not in rec:
-        return ""
+        return f" | rss {rec['rss_gb']:.1f} GB peak" if "rss_gb" in rec else ""
     used = rec.get("mem_peak_gb", rec["mem_gb"])
     return f" | mem {used:.1f} GB peak / {rec['mem_plan_gb']:.1f} planned"
 

@@ -80,6 +80,19 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def name_command(ctx: click.Context) -> None:
+    """A group's callback: the command about to run names the logger of the code every command
+    shares (codex/core/progress.py: command_log): `codex sample` logs as codex.sample, `codex
+    data clean` as codex.clean. Put back when the command ends (a program may run several)."""
+    group, name = ctx.command, ctx.invoked_subcommand
+    if not isinstance(group, click.Group) or name is None:
+        return
+    if isinstance(group.get_command(ctx, name), click.Group):
+        return  # `codex data`: its own callback names the command under it
+    before = progress.set_command(name)
+    ctx.call_on_close(lambda: progress.set_command(before))
+
+
 def run_lock(cfg, command: str):
     """Hold RUN's lease (codex/core/runlock.py) while a command writes it; a second writer exits 2.
     The tasks of a `data clean` job array write RUN/clean together: each holds a lease of its

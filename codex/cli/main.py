@@ -21,6 +21,7 @@ from codex.cli.command import (
     config_default,
     config_options,
     key_option,
+    name_command,
     preset_hosts,
     run_lock,
     stage,
@@ -50,7 +51,8 @@ _DEFAULT_MODEL = config_default("model")
     }
 )
 @click.version_option(package_name="codex")
-def cli():
+@click.pass_context
+def cli(ctx: click.Context):
     """codex: raw text to a trained, evaluated language model, on TPUs, GPUs or a laptop.
 
     \b
@@ -65,11 +67,14 @@ def cli():
       codex eval --run runs/my
     """
     setup_logging()
+    name_command(ctx)
 
 
 @cli.group()
-def data():
+@click.pass_context
+def data(ctx: click.Context):
     """Data stages: clean -> tokenize -> shard (and verify, upload)."""
+    name_command(ctx)
 
 
 # --- codex data clean -------------------------------------------------------------------------

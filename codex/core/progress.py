@@ -9,7 +9,8 @@ a TPU VM under nohup) one plain line is logged every `log_every` seconds and one
 Logging: setup_logging() puts one handler on the terminal (codex's lines at INFO, other
 libraries' at WARNING and above); log_to_file(RUN, command) adds RUN/logs/<command>.log, which gets
 every line at INFO, the libraries' (rustbpe, fsspec, gcsfs, wandb, lm-eval, datasets,
-transformers, ...) included, and the bar's line every `log_every` seconds.
+transformers, ...) included, and the bar's line every `log_every` seconds. Code every command
+shares (the backend, the bar) logs under the running command's name: command_log().
 """
 
 from __future__ import annotations
@@ -25,6 +26,30 @@ log = logging.getLogger("codex")
 
 
 _bar: Progress | None = None  # the bar drawn on the terminal now, if any
+
+# The command this process runs ("eval" for `codex eval`), in the environment so that the
+# processes it starts (torch_xla's spawn, a data stage's pool) log under it too.
+_COMMAND_ENV = "CODEX_COMMAND"
+
+
+def set_command(name: str) -> str:
+    """Name the command this process runs (the CLI does, for each command: `codex data clean` ->
+    "clean"); "" = none. Returns the name it replaces, for putting it back."""
+    old = os.environ.get(_COMMAND_ENV, "")
+    if name:
+        os.environ[_COMMAND_ENV] = name
+    else:
+        os.environ.pop(_COMMAND_ENV, None)
+    return old
+
+
+def command_log() -> logging.Logger:
+    """The logger of the command this process runs, codex.<name> (codex.train, codex.eval,
+    codex.sample, codex.clean, ...), for code every command shares: the lines of `codex sample`
+    say codex.sample, never codex.train. "codex" when no command was named (a program calling a
+    stage's function itself)."""
+    name = os.environ.get(_COMMAND_ENV, "")
+    return logging.getLogger(f"codex.{name}" if name else "codex")
 
 
 class BarAwareHandler(logging.StreamHandler):
@@ -373,12 +398,12 @@ class Progress:
         if final and state == self._logged:
             return  # the last line already said this (e.g. 100% logged by the final update)
         self._logged = state
-        log.info(self.line())
+        command_log().info(self.line())
 
     def _to_file(self) -> None:
         """On a TTY, the bar's line for the log file only (the terminal has the bar)."""
         if self.enabled and _file is not None:
-            log.info(self.line(), extra={"file_only": True})
+            command_log().info(self.line(), extra={"file_only": True})
 
     def close(self) -> None:
         global _bar

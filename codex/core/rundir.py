@@ -20,6 +20,9 @@ def clean_dir(run: str) -> str:
     return fsio.join(run, "clean")
 
 
+TOKENIZER_META = "tokenizer_meta.json"  # the tokenizer stage's contract, written last
+
+
 def tokenizer_dir(run: str) -> str:
     return fsio.join(run, "tokenizer")
 

@@ -53,7 +53,7 @@ COMPRESSION_MAX_CHARS = 2_000_000  # held-out text encoded to measure bytes/toke
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKEN_BYTES_FILE = "token_bytes.npy"
-META_FILE = "tokenizer_meta.json"
+META_FILE = rundir.TOKENIZER_META
 FORMAT_VERSION = 1
 
 

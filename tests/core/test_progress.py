@@ -30,6 +30,23 @@ def test_not_a_tty_logs_plain_lines(caplog):
     assert any("clean: 2 files" in r.getMessage() for r in caplog.records)
 
 
+def test_the_bar_and_shared_code_log_under_the_running_commands_name(caplog, monkeypatch):
+    from codex.core import progress
+
+    monkeypatch.delenv("CODEX_COMMAND", raising=False)
+    assert progress.command_log().name == "codex"  # no command named: a program calling a stage
+    assert progress.set_command("sample") == ""
+    try:
+        assert progress.command_log().name == "codex.sample"
+        with caplog.at_level(logging.INFO, logger="codex"):
+            with Progress("sample", unit="tokens", stream=io.StringIO(), log_every=0) as p:
+                p.update(1)
+        assert {r.name for r in caplog.records} == {"codex.sample"}
+    finally:
+        assert progress.set_command("") == "sample"
+    assert progress.command_log().name == "codex"
+
+
 def test_slow_rates_are_not_rounded_to_zero():
     p = Progress("train", unit="steps", stream=io.StringIO())
     p.t0 -= 10.0

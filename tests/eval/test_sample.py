@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,68 @@ def test_run_sample_loads_the_checkpoint(tmp_path):
     run, tok, model = make_eval_run(tmp_path)
     got = run_sample(eval_cfg(run, max_new_tokens=8, temperature=0), "The quick")
     assert got == sample(model, tok, "The quick", max_new_tokens=8, temperature=0)
+
+
+@pytest.mark.parametrize(("ends_at", "stop"), [(4, "<|eos|>"), (2, "<|bos|>"), (None, None)])
+def test_a_sample_says_why_it_stopped(monkeypatch, ends_at, stop):
+    """The model writing <|eos|> or <|bos|> after N tokens ends the text there, and says so; else
+    max_new_tokens ends it."""
+    from codex.eval import sample as sampling
+
+    tok = make_tokenizer()
+    model = build_model(tiny_cfg(tok.get_vocab_size()), seed=0)
+    word = tok.encode(" f").ids[0]
+    drawn = []
+
+    def pick(*_):
+        drawn.append(1)
+        return tok.token_to_id(stop) if len(drawn) == ends_at else word
+
+    monkeypatch.setattr(sampling, "pick_token", pick)
+    out = sampling.continue_prompt(model, tok, "The quick", max_new_tokens=10, temperature=0)
+    assert out.stop == stop
+    if stop is None:
+        assert out.new_tokens == 10 and len(drawn) == 10
+        assert out.why() == (
+            "stopped after 10 new tokens, the limit (--max-new-tokens, eval.max_new_tokens)"
+        )
+    else:
+        assert out.new_tokens == ends_at - 1 and len(drawn) == ends_at
+        assert out.why().startswith(
+            f"stopped after {ends_at - 1} of at most 10 new tokens: the model wrote {stop}, "
+        )
+    assert out.text == "The quick" + " f" * out.new_tokens
+    drawn.clear()
+    assert out.text == sampling.sample(model, tok, "The quick", max_new_tokens=10, temperature=0)
+
+
+def test_sample_and_eval_log_under_their_own_names(tmp_path, caplog):
+    """`codex sample` and `codex eval` log as codex.sample and codex.eval, the backend's lines
+    included (never codex.train); sample's one line says why it stopped. The name is put back
+    when the command ends."""
+    import os
+
+    from click.testing import CliRunner
+
+    from codex.cli.main import cli
+
+    run, _, _ = make_eval_run(tmp_path)
+    before = os.environ.get("CODEX_COMMAND")
+    for command, extra in (
+        ("sample", ["--prompt", "The quick", "--max-new-tokens", "3", "--temperature", "0"]),
+        ("eval", []),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            res = CliRunner().invoke(cli, [command, "--run", run, *extra])
+        assert res.exit_code == 0, res.output
+        names = {r.name for r in caplog.records if r.name.startswith("codex")}
+        assert "codex.train" not in names and "codex" not in names, names
+        threads = [r.name for r in caplog.records if r.getMessage().startswith("threads: ")]
+        assert threads == [f"codex.{command}"], threads
+        assert os.environ.get("CODEX_COMMAND") == before
+        said = [r.name for r in caplog.records if r.getMessage().startswith("stopped after ")]
+        assert said == (["codex.sample"] if command == "sample" else []), said
 
 
 # --- the loss plot --------------------------------------------------------------------------------

@@ -321,7 +321,8 @@ class TorchBackend:
             }
         if resource is None:  # pragma: no cover - Windows
             return {}
-        return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
+        # the process's peak resident memory; ru_maxrss is in KiB on Linux
+        return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
     def compile_count(self) -> int | None:
         """Graphs dynamo has compiled in this process (torch.compile on), else None: a count that

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ipaddress
-import logging
 import os
 import signal
 import socket
@@ -17,9 +16,7 @@ import sys
 from collections.abc import Mapping
 
 from codex.core import fsio
-
-log = logging.getLogger("codex.train")
-
+from codex.core.progress import command_log
 
 # NCCL's flight recorder (torchtitan's settings): the last collectives of each rank in a ring,
 # written to DUMP_FILE + rank when the watchdog sees a timeout, so a hang names the rank and the
@@ -153,4 +150,6 @@ def set_process_group_env(kind: str, run: str, rank: int) -> None:
         with contextlib.suppress(OSError):  # no folder: NCCL's dump fails, training does not
             os.makedirs(os.path.dirname(env[DUMP_FILE]), exist_ok=True)
     if env and rank == 0:
-        log.info("process group environment: %s", " ".join(f"{k}={v}" for k, v in env.items()))
+        command_log().info(
+            "process group environment: %s", " ".join(f"{k}={v}" for k, v in env.items())
+        )

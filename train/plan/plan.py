@@ -48,6 +48,30 @@ def planned_vocab(cfg: Config) -> int:
     return cfg.model.vocab_size or cfg.data.tokenizer.vocab_size
 
 
+def tokenizer_vocab(cfg: Config) -> int | None:
+    """The vocab of the run's finished tokenizer (RUN/tokenizer/tokenizer_meta.json: the number
+    training reads), read without torch for `codex train --help`. None when there is none yet, or
+    RUN is on an object store (--help makes no request) or its meta is unreadable (training says
+    what is wrong). A model.vocab_size that disagrees is the ConfigError training raises."""
+    if fsio.is_remote(cfg.run):
+        return None
+    path = fsio.join(rundir.tokenizer_dir(cfg.run), rundir.TOKENIZER_META)
+    try:
+        vocab = int(fsio.read_json(path)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    _check_model_vocab(cfg, vocab)
+    return vocab
+
+
+def _check_model_vocab(cfg: Config, vocab: int) -> None:
+    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} but the run's tokenizer has {vocab} tokens; "
+            "leave model.vocab_size at 0 (taken from the tokenizer)"
+        )
+
+
 def learning_rate(t: TrainConfig) -> float:
     """train.lr, or the optimizer's default when it is 0."""
     return t.lr or DEFAULT_LR[t.optimizer]
@@ -132,11 +156,7 @@ def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
             f"another tokenizer ({m_sha[:12]}) than {tok_dir} ({meta['sha256'][:12]}); "
             "re-run `codex data shard`"
         )
-    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} but the run's tokenizer has {vocab} tokens; "
-            "leave model.vocab_size at 0 (taken from the tokenizer)"
-        )
+    _check_model_vocab(cfg, vocab)
     token_bytes = None
     if fsio.exists(fsio.join(tok_dir, TOKEN_BYTES_FILE)):
         token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype(np.int64))

@@ -11,6 +11,7 @@ from typing import Literal
 from codex.core.config import Config
 from codex.core.config.data import TokenizerConfig
 from codex.core.config.model import ModelConfig, mlp_hidden
+from codex.train.plan import batch
 from codex.train.plan.batch import (
     MAX_DEVICE_TOKENS,
     choose_layout,
@@ -20,7 +21,7 @@ from codex.train.plan.batch import (
     largest_batch,
 )
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
-from codex.train.plan.plan import Plan, make_plan, planned_vocab
+from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset, list_presets, preset_model
 
 
@@ -57,7 +58,7 @@ def format_hardware_table() -> str:
             p.device_name,
             str(p.hosts),
             str(p.devices_per_host),
-            f"{p.memory_gb:g}",
+            _memory_cell(p),
             f"{p.peak_tflops_bf16:g}" if p.peak_tflops_bf16 else "-",
         ]
         for m in models:
@@ -76,11 +77,22 @@ def format_hardware_table() -> str:
         f"sequence length from the memory plan (bf16, AdamW, a {_vocab_k()} vocab; "
         "- = does not fit; "
         "fsdp = fits only with the weights, gradients and optimizer state sharded over every "
-        "device). `codex hardware --model NAME` shows the plan. v4/v5p names count TensorCores, "
+        "device). cpu's mem GB is the RAM free on this machine now (MemAvailable), what "
+        "train's memory plan is checked against. "
+        "`codex hardware --model NAME` shows the plan. v4/v5p names count TensorCores, "
         "v5e/v6e names count chips. hosts > 1 = multi-host: run the same command on every worker "
         "(--worker=all) with a gs:// run directory."
     )
     return "\n".join(lines)
+
+
+def _memory_cell(p: HardwarePreset) -> str:
+    """A preset's memory per device in GB; a preset without one (the CPU) is this machine's free
+    RAM, the number train's memory plan is checked against (batch.py: available_bytes)."""
+    if p.memory_gb > 0:
+        return f"{p.memory_gb:g}"
+    free = batch.available_bytes(p.kind, p.memory_gb)
+    return f"{free / 1e9:.1f} free" if free is not None else "? free"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,16 +208,18 @@ def _rows(rows: list[tuple[str, str]]) -> list[str]:
 
 
 def format_train_plan(cfg: Config, processes: int | None = None) -> list[str]:
-    """What `codex train` would run with Config `cfg`: the Plan make_plan derives without the
-    run's files or torch (the vocab: model.vocab_size, else data.tokenizer.vocab_size), formatted;
-    `codex train --help` prints it. `processes`: --nproc-per-node (the world size on a CPU preset;
-    GPU and TPU presets run one replica per device). A setting train would refuse at start raises
-    the same ConfigError."""
+    """What `codex train` would run with Config `cfg`: the Plan make_plan derives without torch,
+    formatted; `codex train --help` prints it. The vocab is the run's tokenizer's where RUN has
+    one (tokenizer_vocab), as training counts it; else planned_vocab. `processes`:
+    --nproc-per-node (the world size on a CPU preset; GPU and TPU presets run one replica per
+    device). A setting train would refuse at start raises the same ConfigError."""
     preset = get_preset(cfg.train.hardware)
     world = (processes or 1) if preset.kind == "cpu" else preset.devices
-    resolved, p = make_plan(cfg, preset, world, vocab=planned_vocab(cfg))[:2]
+    found = tokenizer_vocab(cfg)
+    vocab = found if found is not None else planned_vocab(cfg)
+    resolved, p = make_plan(cfg, preset, world, vocab=vocab)[:2]
     rows = [
-        ("model", _model_row(cfg, resolved, p)),
+        ("model", _model_row(cfg, resolved, p, found is not None)),
         ("hardware", _hardware_row(preset)),
         ("batch", _batch_row(cfg, p)),
         ("steps", _steps_row(cfg, p)),
@@ -217,19 +231,25 @@ def format_train_plan(cfg: Config, processes: int | None = None) -> list[str]:
     return _rows(rows)
 
 
-def _model_row(cfg: Config, resolved: Config, p: Plan) -> str:
+def _model_row(cfg: Config, resolved: Config, p: Plan, read: bool) -> str:
+    """read: p.vocab is the run's tokenizer's (RUN/tokenizer/tokenizer_meta.json)."""
     m = cfg.model
-    vocab = (
-        f"vocab_size={m.vocab_size}"
-        if m.vocab_size
-        else f"vocab_size=0 (the run's tokenizer's: data.tokenizer.vocab_size={p.vocab})"
-    )
+    if m.vocab_size:
+        vocab = f"vocab_size={m.vocab_size}"
+    elif read:
+        vocab = f"vocab_size=0 (the run's tokenizer's: {p.vocab})"
+    else:
+        vocab = (
+            "vocab_size=0 (the run's tokenizer's; "
+            + ("a gs:// run is not read" if "://" in cfg.run else "RUN has none yet")
+            + f": data.tokenizer.vocab_size={p.vocab})"
+        )
     return (
         f"{m.preset or 'no preset (the model.* defaults)'}: "
         + (f"depth={m.depth} -> " if m.depth else "")
         + f"n_layer={m.n_layer} n_embd={m.n_embd} n_head={m.n_head} n_kv_head={m.n_kv_head} "
         f"mlp={m.mlp} mlp_hidden={mlp_hidden(resolved.model)} max_seq_len={m.max_seq_len} "
-        f"{vocab}; {p.memory.params / 1e6:.1f}M parameters"
+        f"{vocab}; {p.memory.params / 1e6:.2f}M parameters"
     )
 
 
@@ -356,7 +376,7 @@ def memory_lines(self: MemoryPlan) -> list[str]:
     ]
     accum = f", accum {self.accum}" if self.accum > 1 else ""
     head = (
-        f"memory plan: {self.params / 1e6:.1f}M params on {self.hardware} ({mem} per device), "
+        f"memory plan: {self.params / 1e6:.2f}M params on {self.hardware} ({mem} per device), "
         f"{layout}, device batch {self.device_batch} x {self.seq_len}{accum}, {self.dtype}, "
         f"{self.attention} attention"
     )

@@ -139,13 +139,17 @@ def test_the_xla_environment_is_set_before_anything_imports_torch_xla(
     assert seen and set(seen) == {"1"}  # every import attempt, the first included, saw the setting
 
 
-def test_docs_hardware_tables_are_what_codex_hardware_prints():
+def test_docs_hardware_tables_are_what_codex_hardware_prints(monkeypatch):
     """docs/hardware.md's tables are `codex hardware`, `--model 1b`, `--model 7b` and `--model 7b
     --optimizer adamw` as printed now: a change to the plan or a preset that changes them fails
-    here until the tables are regenerated."""
+    here until the tables are regenerated. The cpu row's memory is the machine's free RAM: the
+    docs' table was printed with 16 GB free."""
     from pathlib import Path
 
+    from codex.train.plan import batch
     from codex.train.plan.report import format_model_fit
+
+    monkeypatch.setattr(batch, "available_bytes", lambda kind, gb: 16_000_000_000)
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "hardware.md").read_text()
     blocks = [b.strip("\n") for b in doc.split("```")[1::2]]
@@ -157,3 +161,20 @@ def test_docs_hardware_tables_are_what_codex_hardware_prints():
     assert format_model_fit("1b", optimizer=TrainConfig().optimizer) in blocks
     assert format_model_fit("7b", optimizer="adamw") in blocks
     assert format_model_fit("7b", optimizer="muon") in blocks
+
+
+def test_codex_hardware_shows_the_cpu_memory_trains_plan_is_checked_against(monkeypatch):
+    """One source: the cpu row's memory is batch.available_bytes, what `codex train`'s memory plan
+    is checked against and logs (memory_lines' "GB per device"), never the preset's 0."""
+    from codex.train.plan import batch
+    from codex.train.plan.plan import make_plan, planned_vocab
+    from codex.train.plan.report import memory_lines
+
+    monkeypatch.setattr(batch, "available_bytes", lambda kind, gb: 12_345_000_000)
+    res = CliRunner().invoke(cli, ["hardware"])
+    assert res.exit_code == 0, res.output
+    (row,) = [line for line in res.output.splitlines() if line.startswith("cpu ")]
+    assert row.split()[5:7] == ["12.3", "free"], row
+    cfg = build_config(overrides=["train.hardware=cpu"])
+    plan = make_plan(cfg, get_preset("cpu"), 1, vocab=planned_vocab(cfg))[1]
+    assert "(12.3 GB per device)" in memory_lines(plan.memory)[0]
