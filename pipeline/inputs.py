@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 from codex.core import fsio, rundir
 from codex.core.config import Config, ConfigError
-from codex.pipeline.clean.stats import nothing_kept, yield_problem
-from codex.pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile
+from codex.pipeline.clean.stats import nothing_kept, source_yield_problem, yield_problem
+from codex.pipeline.readers import JSONL_SUFFIXES, BadInputFile, InputFile, split_regex
 
 log = logging.getLogger("codex.clean")
 
@@ -151,16 +151,57 @@ def _read_once(files: list[InputFile]) -> list[InputFile]:
     return files
 
 
-SOURCE_KEYS = ("input", "preset", "txt_delimiter")
+SOURCE_KEYS = ("input", "preset", "txt_delimiter", "allow_low_yield")
+
+
+def source_names(c) -> list[str]:
+    """The name of each source clean counts on its own (stats.json's "sources"): the --input
+    files together first (when there are any), then each entry of data.clean.sources, named by
+    its input (and its index, if two entries share one)."""
+    names = []
+    if c.inputs:
+        names.append(c.inputs[0] if len(c.inputs) == 1 else f"--input ({len(c.inputs)} paths)")
+    for i, src in enumerate(c.sources):
+        name = str(src.get("input")) if isinstance(src, dict) else f"sources[{i}]"
+        names.append(name if name not in names else f"{name} (sources[{i}])")
+    return names
+
+
+def clean_sources(c) -> list[dict]:
+    """Each source (source_names) as {"source": name, "entry": whether it is an entry of
+    data.clean.sources, "low_yield_allowed": by --allow-low-yield or its allow_low_yield key}."""
+    names = source_names(c)
+    entries = [None] * (len(names) - len(c.sources)) + list(c.sources)
+    return [
+        {
+            "source": name,
+            "entry": src is not None,
+            "low_yield_allowed": bool(c.allow_low_yield)
+            or (isinstance(src, dict) and src.get("allow_low_yield") is True),
+        }
+        for name, src in zip(names, entries, strict=True)
+    ]
+
+
+def _check_delimiter(delim: str, key: str) -> None:
+    """A regex delimiter ('re:...') that does not compile is a usage error naming its key."""
+    try:
+        split_regex(delim, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def clean_inputs(c) -> tuple[list[InputFile], list[str]]:
     """data.clean.inputs and data.clean.sources as (files sorted by path, skipped paths); a file
-    from a source carries that source's preset and delimiter (they win over a plain --input of the
-    same file)."""
+    from a source carries that source's name, preset and delimiter (they win over a plain --input
+    of the same file)."""
     from codex.pipeline.clean.filters import PRESETS  # the presets are clean's
 
+    _check_delimiter(c.txt_delimiter, "data.clean.txt_delimiter")
+    names = source_names(c)
     files, skipped = list_inputs(c.inputs, c.text_extensions) if c.inputs else ([], [])
+    for f in files:
+        f.source = names[0]
     found = {f.path: f for f in files}
     for i, src in enumerate(c.sources):
         where = f"data.clean.sources[{i}]"
@@ -172,10 +213,17 @@ def clean_inputs(c) -> tuple[list[InputFile], list[str]]:
         preset = str(src.get("preset") or "")
         if preset and preset not in PRESETS:
             raise ConfigError(f"{where}.preset: {preset!r} is not one of {sorted(PRESETS)}")
+        if not isinstance(src.get("allow_low_yield", False), bool):
+            raise ConfigError(
+                f"{where}.allow_low_yield: {src['allow_low_yield']!r} is not true or false"
+            )
         delim = src.get("txt_delimiter")
+        if delim is not None:
+            _check_delimiter(str(delim), f"{where}.txt_delimiter")
         got, skip = list_inputs([str(src["input"])], c.text_extensions)
         for f in got:
             f.preset, f.txt_delimiter = preset, None if delim is None else str(delim)
+            f.source = names[i + (1 if c.inputs else 0)]
             found[f.path] = f
         skipped += skip
     return _read_once([found[k] for k in sorted(found)]), sorted(set(skipped))
@@ -265,6 +313,11 @@ def clean_parts(run: str) -> list[str]:
         raise ValueError(
             f"{stats_path}: {yield_problem(stats)}; rerun `codex data clean` with "
             "--allow-low-yield to use this corpus anyway"
+        )
+    if stats.get("low_source_yield"):
+        raise ValueError(
+            f"{stats_path}: {source_yield_problem(stats)}, to use this corpus anyway "
+            "(`codex data clean` redoes no unit)"
         )
     shards = stats.get("shards")
     if not isinstance(shards, list):

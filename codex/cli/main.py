@@ -87,7 +87,8 @@ def executor_options(fn):
 
 
 def _read_sources(_ctx, _param, path):
-    """--sources FILE: a YAML list of {input, preset, txt_delimiter} (data.clean.sources)."""
+    """--sources FILE: a YAML list of {input, preset, txt_delimiter, allow_low_yield}
+    (data.clean.sources)."""
     if path is None:
         return None
     import yaml
@@ -134,6 +135,9 @@ def data_clean(cfg):
     sources.yaml, one input per line, each with the settings it needs (the others: the flags):
       - {input: 'src/**/*.py', preset: code}
       - {input: wikitext-103/, txt_delimiter: blank-lines}
+      - {input: linux.txt, preset: code, txt_delimiter: 're:^// SPDX', allow_low_yield: true}
+    txt_delimiter 're:REGEX': a line the regex matches starts a document (concatenated files).
+    Each source keeping under data.clean.min_source_yield of its bytes exits 1, unless allowed.
     """
     if not cfg.data.clean.inputs and not cfg.data.clean.sources:
         raise UserError(

@@ -26,7 +26,7 @@ from codex.pipeline.clean.plan import (
     plan_units,
     read_markers,
 )
-from codex.pipeline.clean.stats import summarize
+from codex.pipeline.clean.stats import source_summary, summarize
 from codex.pipeline.clean.unit import UnitJob, clean_unit
 from codex.pipeline.clean.words import forget_pieces
 from codex.pipeline.executor import (
@@ -84,6 +84,8 @@ def run_clean(cfg) -> dict:
     with stage_pool(where, _warm) as where:
         stats = _clean(stage, c, where, listed)
     forget_pieces()  # the word cache of the units run in this process (workers=1)
+    for line in source_summary(stats):  # every finished run, refused or not
+        log.info("clean: %s", line)
     refuse_bad_outcome(stats, stage.out)
     return stats
 

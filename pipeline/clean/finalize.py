@@ -13,17 +13,20 @@ from codex.pipeline.clean.dedup import dedup_corpus
 from codex.pipeline.clean.pack import pack_parts
 from codex.pipeline.clean.plan import METADATA_THREADS, Unit
 from codex.pipeline.clean.stats import (
+    by_source,
     drop_fix,
     low_yield,
+    low_yield_sources,
     nothing_kept,
     rule_kinds,
+    source_yield_problem,
     summarize,
     top_drop,
     whole_files_dropped,
     yield_problem,
 )
 from codex.pipeline.executor import Where
-from codex.pipeline.inputs import ls_matching
+from codex.pipeline.inputs import clean_sources, ls_matching
 from codex.pipeline.stage import Stage
 
 log = logging.getLogger("codex.clean")
@@ -61,6 +64,11 @@ def finalize(
     c = stage.cfg.data.clean
     if low_yield(stats, c.min_yield) and not c.allow_low_yield:
         stats["low_yield"] = c.min_yield  # clean_parts refuses it until a rerun allows it
+    if all("per_source" in m for m in ordered):  # markers of an older clean have none
+        stats["sources"] = by_source(ordered, clean_sources(c))
+        low = low_yield_sources(stats, c.min_source_yield)
+        if low:  # as low_yield: refused until a rerun allows them
+            stats["low_source_yield"] = {"min": c.min_source_yield, "sources": low}
     replaced: list[str] = []
     # a corpus to use: its units' parts packed. One refused (failed files, low yield, nothing
     # kept) keeps its units' parts, for the rerun that redoes some units or allows it.
@@ -88,12 +96,18 @@ def finalize(
 def usable(stats: dict) -> bool:
     """Whether a finished clean's corpus is one later stages take (refuse_bad_outcome)."""
     failed = stats["bad_input"]["failed_files"]
-    return not failed and stats["docs_out"] > 0 and not stats.get("low_yield")
+    return (
+        not failed
+        and stats["docs_out"] > 0
+        and not stats.get("low_yield")
+        and not stats.get("low_source_yield")
+    )
 
 
 def refuse_bad_outcome(stats: dict, out: str) -> None:
     """Exit 1 for a run whose outputs are written but must not pass silently: failed input files,
-    nothing kept, or under 1% kept (without --allow-low-yield)."""
+    nothing kept, under 1% kept, or a source under data.clean.min_source_yield (without
+    --allow-low-yield)."""
     failed = stats["bad_input"]["failed_files"]
     if failed:
         links = any(f.get("link") for f in failed)
@@ -117,6 +131,8 @@ def refuse_bad_outcome(stats: dict, out: str) -> None:
             f"{out}: {yield_problem(stats)}; if that is right, rerun with --allow-low-yield "
             "(only the dedup pass runs again)"
         )
+    if stats.get("low_source_yield"):
+        raise CleanError(f"{out}: {source_yield_problem(stats)} (only the dedup pass runs again)")
 
 
 def sweep_temp_files(out: str) -> int:
@@ -164,10 +180,12 @@ def _warn_about(stats: dict, out: str) -> None:
         log.warning("clean: %s", whole)
     starved = stats["files"]["low_yield_files"]
     if starved:
+        under = [
+            e for e in stats["per_file"] if e["bytes_in"] and e["bytes_kept"] < 0.01 * e["bytes_in"]
+        ]
         worst = ", ".join(
-            f"{e['path']} ({100 * e['bytes_kept'] / max(e['bytes_in'], 1):.1f}%)"
-            for e in stats["per_file"][:3]
-        )
+            f"{e['path']} ({100 * e['bytes_kept'] / e['bytes_in']:.1f}%)" for e in under[:3]
+        ) + (" ..." if starved > 3 else "")
         log.warning(
             "clean: %d input file(s) kept under 1%% of their bytes (%s); per_file in %s/stats.json",
             starved,

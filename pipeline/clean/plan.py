@@ -35,7 +35,14 @@ log = logging.getLogger("codex.clean")
 # Settings that change what is written (part of the plan fingerprint); others (workers,
 # task_index) only change how it is computed.
 # skip_unreadable_links: a rerun that skips the links which failed redoes only their units.
-_RUNTIME_KEYS = ("workers", "task_index", "min_yield", "allow_low_yield", "skip_unreadable_links")
+_RUNTIME_KEYS = (
+    "workers",
+    "task_index",
+    "min_yield",
+    "min_source_yield",
+    "allow_low_yield",
+    "skip_unreadable_links",
+)
 
 
 @dataclass
@@ -138,6 +145,11 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
 def plan_fingerprint(c, files: list[InputFile]) -> str:
     """What the units write depends on: the settings that change it and the input files."""
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
+    # a source's allow_low_yield is a runtime key too: allowing it redoes no unit
+    settings["sources"] = [
+        {k: v for k, v in s.items() if k != "allow_low_yield"} if isinstance(s, dict) else s
+        for s in settings["sources"]
+    ]
     listed = [
         (f.path, f.size, f.preset, f.txt_delimiter) + ((f.not_read,) if f.not_read else ())
         for f in files
@@ -228,11 +240,21 @@ def held(marker: dict) -> dict:
     """A unit's marker as the driver keeps it until the end: its keys, and those of its counts
     per drop reason, shared with every other marker's (sys.intern) instead of a copy each (JSON
     gives every marker its own), about half of what a marker holds; its pieces (the input it
-    read, for people) left out."""
+    read, for people) left out; its per_source, for a unit of one source, that source's name
+    (stats.py: unit_sources)."""
     m = {sys.intern(k): v for k, v in marker.items() if k != "pieces"}
     for key in ("drops", "drop_bytes", "drop_kinds"):
         if isinstance(m.get(key), dict):
             m[key] = {sys.intern(k): _held_keys(v) for k, v in m[key].items()}
+    sources = m.get("per_source")
+    if isinstance(sources, dict) and len(sources) == 1:
+        # a unit of one source (most are): its own counts are that source's, so its name does
+        m["per_source"] = sys.intern(next(iter(sources)))
+    elif isinstance(sources, dict):
+        m["per_source"] = {
+            sys.intern(name): {**n, "drops": {sys.intern(k): v for k, v in n["drops"].items()}}
+            for name, n in sources.items()
+        }
     return m
 
 

@@ -138,12 +138,50 @@ def rule_kinds(stats: dict, flt: str, reason: str) -> list[str]:
     return sorted(kinds, key=lambda k: (-kinds[k], k))
 
 
-def drop_fix(flt: str, reason: str, kinds: list[str] | tuple[str, ...] = ()) -> str:
+# the rules for prose, which the code preset does not run (pipeline/clean/filters.py: PRESETS)
+_PROSE_FILTERS = ("gopher_quality", "gopher_repetition", "c4", "fineweb")
+
+# A rule's threshold setting (under data.clean.), which way to move it to keep more, and why a
+# document fails it when that is no fault of the text
+_THRESHOLDS = {
+    ("gopher_quality", "below_alpha_threshold"): (
+        "gopher_quality.max_non_alpha_words_ratio",
+        "lower",
+        "too few of its words hold a letter; spaced punctuation (WikiText's ' , ' and ' @-@ ') "
+        "makes each mark a word",
+    ),
+    ("gopher_quality", "short_doc"): ("gopher_quality.min_doc_words", "lower", ""),
+    ("gopher_quality", "not_enough_stop_words"): ("gopher_quality.min_stop_words", "lower", ""),
+    ("length", "too_short"): ("length.min_chars", "lower", ""),
+    ("c4", "too_few_sentences"): ("c4.min_num_sentences", "lower", ""),
+    ("fineweb", "line_punct_ratio"): ("fineweb.line_punct_thr", "lower", ""),
+    ("fineweb", "short_line_ratio"): ("fineweb.short_line_thr", "raise", ""),
+    ("code", "long_line"): ("code.max_line_length", "raise", ""),
+    ("code", "long_mean_line"): ("code.max_mean_line_length", "raise", ""),
+    ("code", "low_alnum_fraction"): ("code.min_alnum_fraction", "lower", ""),
+}
+
+
+def _splits(key: str) -> str:
+    """The two ways to split a text file into documents, for prose and for concatenated code
+    files, set with `key` (--txt-delimiter, or a source's txt_delimiter:)."""
+    return (
+        f"{key} blank-lines for prose, or {key} 're:REGEX' for concatenated code files (a line "
+        "the regex matches starts a document, e.g. 're:^// SPDX-License-Identifier')"
+    )
+
+
+def drop_fix(
+    flt: str, reason: str, kinds: list[str] | tuple[str, ...] = (), sources: bool = False
+) -> str:
     """How to stop one rule from dropping a document; its fixes in the order of `kinds`, the
-    formats it dropped bytes from (rule_kinds): --txt-delimiter splits text files only."""
+    formats it dropped bytes from (rule_kinds): --txt-delimiter splits text files only.
+    sources: said of a source of --sources, whose own keys (txt_delimiter, preset) come first."""
     if (flt, reason) == ("length", "too_long"):
-        split = (
-            "a text file is one document unless split: pass --txt-delimiter '\\n\\n' (blank lines)"
+        split = "a text file is one document unless split: " + (
+            f"in its sources.yaml entry, {_splits('txt_delimiter:')}"
+            if sources
+            else "pass " + _splits("--txt-delimiter")
         )
         limits = "raise data.clean.length.max_chars / data.clean.max_record_bytes"
         if not kinds or kinds[0] == "text":
@@ -154,10 +192,14 @@ def drop_fix(flt: str, reason: str, kinds: list[str] | tuple[str, ...] = ()) -> 
         )
     if flt == "dedup":
         return "the documents are exact copies of each other"
-    return (
-        f"switch that filter off with --set data.clean.{flt}.enabled=false, or use --preset code "
-        "for source code"
-    )
+    off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
+    if flt in _PROSE_FILTERS:
+        code = "preset: code in its sources.yaml entry" if sources else "--preset code"
+        off += f", or use {code} for source code"
+    if (flt, reason) not in _THRESHOLDS:
+        return off
+    key, way, why = _THRESHOLDS[(flt, reason)]
+    return f"{why + ': ' if why else ''}--set data.clean.{key}=<{way}>, or {off}"
 
 
 def whole_files_dropped(stats: dict) -> str:
@@ -169,8 +211,8 @@ def whole_files_dropped(stats: dict) -> str:
     names = ", ".join(w["path"] for w in whole[:3]) + (" ..." if len(whole) > 3 else "")
     return (
         f"{len(whole)} input file(s) were one document each and were dropped whole by "
-        f"length:too_long ({names}); split them into documents with --txt-delimiter blank-lines "
-        "(or another delimiter), or raise data.clean.length.max_chars / "
+        f"length:too_long ({names}); split them into documents: {_splits('--txt-delimiter')} "
+        "(or a source's txt_delimiter:); or raise data.clean.length.max_chars / "
         "data.clean.max_record_bytes"
     )
 
@@ -220,3 +262,138 @@ def nothing_kept(stats: dict) -> str:
         f"{n} of {stats['docs_in']} documents dropped by {flt}:{reason}; "
         f"fix: {drop_fix(flt, reason, rule_kinds(stats, flt, reason))}{named}"
     )
+
+
+def by_source(ms: list[dict], sources: list[dict]) -> list[dict]:
+    """stats.json's "sources": per source (pipeline/inputs.py: clean_sources, whose keys each row
+    keeps), what its files gave and kept in the units, before the corpus-wide dedups, and the
+    rules that dropped its bytes, most first ("filter:reason" -> documents, input bytes)."""
+    zero = {"docs_in": 0, "bytes_in": 0, "docs_kept": 0, "bytes_kept": 0}
+    rows = {s["source"]: {**s, **zero} for s in sources}
+    drops: dict[str, dict[str, list[int]]] = {name: {} for name in rows}
+    for m in ms:
+        for name, counts in unit_sources(m):
+            row = rows.setdefault(
+                name, {"source": name, "entry": False, "low_yield_allowed": False, **zero}
+            )
+            for k in zero:
+                row[k] += counts[k]
+            mine = drops.setdefault(name, {})
+            for rule, (docs, nbytes) in counts["drops"].items():
+                total = mine.setdefault(rule, [0, 0])
+                total[0] += docs
+                total[1] += nbytes
+    for name, row in rows.items():
+        ranked = sorted(drops[name].items(), key=lambda kv: (-kv[1][1], kv[0]))
+        row["drops"] = {rule: d for rule, (d, _) in ranked}
+        row["drop_bytes"] = {rule: b for rule, (_, b) in ranked}
+    return list(rows.values())
+
+
+def unit_sources(m: dict) -> list[tuple[str, dict]]:
+    """(source, its counts in the unit) for each source of a unit's marker; a held marker of one
+    source (plan.py: held) names it, and its own counts are that source's."""
+    sources = m.get("per_source", {})
+    if not isinstance(sources, str):
+        return list(sources.items())
+    drop_bytes = m.get("drop_bytes", {})
+    drops = {rule: [n, drop_bytes.get(rule, 0)] for rule, n in m["drops"].items()}
+    return [
+        (
+            sources,
+            {
+                **{k: m[k] for k in ("docs_in", "bytes_in", "docs_kept", "bytes_kept")},
+                "drops": drops,
+            },
+        )
+    ]
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / max(whole, 1):.1f}%"
+
+
+def _size(n: int) -> str:
+    """Bytes for people: 512 B, 19.4 KB, 1.10 MB, 3.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'MB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+def source_summary(stats: dict, top: int = 3) -> list[str]:
+    """The lines ending every clean: per source, documents and bytes in and kept, and the rules
+    that dropped the most of its bytes, each with its share and its fix."""
+    rows = stats.get("sources")
+    if not rows:
+        return []
+    lines = ["summary by source (kept in the units, before the corpus-wide dedups):"]
+    for row in rows:
+        lines.append(
+            f"  {row['source']}: documents {row['docs_in']} -> {row['docs_kept']}, bytes "
+            f"{_size(row['bytes_in'])} -> {_size(row['bytes_kept'])} "
+            f"({_share(row['bytes_kept'], row['bytes_in'])} kept)"
+        )
+        ranked = list(row["drop_bytes"].items())
+        # the rules that took at least 1% of the source's bytes; the first in any case
+        shown = ranked[:1] + [r for r in ranked[1:top] if r[1] * 100 >= row["bytes_in"]]
+        for rule, nbytes in shown:
+            flt, reason = rule.split(":", 1)
+            lines.append(
+                f"    dropped by {rule}: {row['drops'][rule]} documents, {_size(nbytes)} "
+                f"({_share(nbytes, row['bytes_in'])}); fix: "
+                f"{drop_fix(flt, reason, rule_kinds(stats, flt, reason), row['entry'])}"
+            )
+    near = stats.get("near_dedup", {})
+    cross = stats.get("dedup_across_units", 0) + near.get("url", 0) + near.get("minhash", 0)
+    if cross:
+        lines.append(f"  the corpus-wide dedups dropped {cross} more documents (copies)")
+    return lines
+
+
+def low_yield_sources(stats: dict, min_source_yield: float) -> list[str]:
+    """The sources that kept under `min_source_yield` of their input bytes (and read some),
+    unless allowed, worst first."""
+    rows = [
+        r
+        for r in stats.get("sources", [])
+        if r["bytes_in"]
+        and r["bytes_kept"] < min_source_yield * r["bytes_in"]
+        and not r["low_yield_allowed"]
+    ]
+    rows.sort(key=lambda r: (r["bytes_kept"] / r["bytes_in"], r["source"]))
+    return [r["source"] for r in rows]
+
+
+def source_yield_problem(stats: dict) -> str:
+    """In words, one line: the source that kept the smallest share under
+    data.clean.min_source_yield, its top rule and that rule's fix, the others named."""
+    low = stats["low_source_yield"]
+    rows = {r["source"]: r for r in stats["sources"]}
+    row = rows[low["sources"][0]]
+    text = (
+        f"source {row['source']} kept {_share(row['bytes_kept'], row['bytes_in'])} of its bytes "
+        f"({row['bytes_kept']} of {row['bytes_in']}), under data.clean.min_source_yield="
+        f"{low['min']}"
+    )
+    if row["drop_bytes"]:
+        rule, nbytes = next(iter(row["drop_bytes"].items()))
+        flt, reason = rule.split(":", 1)
+        text += (
+            f"; {rule} took {_share(nbytes, row['bytes_in'])}; fix: "
+            f"{drop_fix(flt, reason, rule_kinds(stats, flt, reason), row['entry'])}"
+        )
+    others = [rows[name] for name in low["sources"][1:]]
+    if others:
+        text += "; also under it: " + ", ".join(
+            f"{r['source']} ({_share(r['bytes_kept'], r['bytes_in'])} kept"
+            + (f", most by {next(iter(r['drop_bytes']))})" if r["drop_bytes"] else ")")
+            for r in others[:3]
+        )
+        text += " ..." if len(others) > 3 else ""
+    allow = (
+        "allow_low_yield: true in its sources.yaml entry, or --allow-low-yield (every source)"
+        if row["entry"]
+        else "--allow-low-yield"
+    )
+    return f"{text}; if that is right, rerun with {allow}"

@@ -89,6 +89,9 @@ class _UnitCleaner:
     # per input file: [documents in, bytes in, documents kept, bytes kept] (before the corpus-wide
     # dedup)
     per_file: dict = dataclasses.field(default_factory=dict)
+    # per source (InputFile.source): its counts as in `stats`, and its drops: "filter:reason" ->
+    # [documents, input bytes]
+    per_source: dict = dataclasses.field(default_factory=dict)
     stats: dict = dataclasses.field(
         default_factory=lambda: {
             "docs_in": 0,
@@ -107,6 +110,7 @@ class _UnitCleaner:
         self.filters = active_filters(self.c, f.preset)  # its source's preset, else the run's
         report = FileReport(f.path)
         counts = self.per_file.setdefault(f.path, [0, 0, 0, 0])
+        source = self._source(f)
         try:
             for rec in read_records(piece, self.c, report):
                 report.records += 1
@@ -114,6 +118,8 @@ class _UnitCleaner:
                 self.stats["bytes_in"] += rec.nbytes
                 counts[0] += 1
                 counts[1] += rec.nbytes
+                source["docs_in"] += 1
+                source["bytes_in"] += rec.nbytes
                 self._clean_record(rec, f, report)
         # ValueError: pyarrow decode errors
         except (
@@ -124,13 +130,24 @@ class _UnitCleaner:
         ) as e:
             if fsio.is_store_failure(e):  # the storage failed, not the file: the unit fails
                 raise
-            report.error = f"{type(e).__name__}: {e}" if not isinstance(e, BadInputFile) else str(e)
+            said = str(e).strip()
+            # an exception without a message (a bare EOFError) is named by its type
+            report.error = said if isinstance(e, BadInputFile) and said else type(e).__name__
+            if said and not isinstance(e, BadInputFile):
+                report.error += f": {said}"
             if f.path not in report.error:
                 report.error = f"{f.path}: {report.error}"
             log.error("clean: file failed, continuing with the others: %s", report.error)
         if f.not_read:  # a link not read (skipped or failed): no row in per_file
             self.per_file.pop(f.path, None)
         return report
+
+    def _source(self, f: InputFile) -> dict:
+        """The counts of f's source in this unit."""
+        return self.per_source.setdefault(
+            f.source,
+            {"docs_in": 0, "bytes_in": 0, "docs_kept": 0, "bytes_kept": 0, "drops": {}},
+        )
 
     def _clean_record(self, rec: Record, f: InputFile, report: FileReport) -> None:
         source = f.path
@@ -168,6 +185,9 @@ class _UnitCleaner:
         counts = self.per_file[source]
         counts[2] += 1
         counts[3] += len(data)
+        mine = self.per_source[f.source]
+        mine["docs_kept"] += 1
+        mine["bytes_kept"] += len(data)
 
     def _meta(self, rec: Record) -> list[str | None]:
         """The record's data.clean.metadata values, in that order (None: it has none)."""
@@ -179,6 +199,10 @@ class _UnitCleaner:
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
         kinds = self.stats["drop_kinds"].setdefault(reason, {})
         kinds[f.kind] = kinds.get(f.kind, 0) + rec.nbytes
+        drops = self.per_source[f.source]["drops"]  # [documents, input bytes]
+        drops.setdefault(reason, [0, 0])
+        drops[reason][0] += 1
+        drops[reason][1] += rec.nbytes
         if self.rejected is not None:
             self.rejected.add(text, rec.id, f.path, *self._meta(rec), reason)
 
@@ -248,6 +272,7 @@ def clean_unit(job: UnitJob) -> dict:
         "failed": [r["path"] for r in reports if r["error"]],
         "bad_files": reports,
         "per_file": state.per_file,
+        "per_source": state.per_source,
         **({"near_dedup": near} if near is not None else {}),  # minhash/UNIT.npy's rows
         # who ran it and when: for the log and tests, never part of the output
         "worker": worker_id(),

@@ -33,7 +33,7 @@ from codex.pipeline.readers.record import (
     Record,
     splittable,
 )
-from codex.pipeline.readers.text import read_text
+from codex.pipeline.readers.text import read_text, split_regex
 
 # what the stages import: the entries below and these
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "read_part",
     "read_records",
     "splittable",
+    "split_regex",
 ]
 
 

@@ -25,6 +25,7 @@ class InputFile:
     # a source's own settings (data.clean.sources); "" / None: data.clean.preset / txt_delimiter
     preset: str = ""
     txt_delimiter: str | None = None
+    source: str = ""  # the source it is counted under (pipeline/inputs.py: source_names)
     # a local link: the real path it leads to ("" when it leads nowhere: dangling, a cycle; None
     # when the file is no link), and why it is not read ("" when it is). docs/bad-input.md
     link: str | None = None
@@ -146,8 +147,12 @@ class FileReport:
             )
         if self.null_values:
             parts.append(f"{self.null_values} null values skipped")
+        if self.dropped_whole:
+            parts.append(f"the whole file was one document, dropped by {self.dropped_whole}")
         if self.skipped_link:
             parts.append(f"not read: {self.skipped_link}")
+        if self.error:
+            parts.append(self.error)
         return ", ".join(parts)
 
 

@@ -1,16 +1,35 @@
 """Text files: one document per file, or documents split on data.clean.txt_delimiter (a string,
-or blank-lines), read from a piece's start: a piece that starts mid-file finds its first record as
-a reader from the file's start would (first_record_start). docs/stages.md has the details.
+blank-lines, or re:REGEX, a line that starts a document), read from a piece's start: a piece that
+starts mid-file finds its first record as a reader from the file's start would
+(first_record_start). docs/stages.md has the details.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator
 
 from codex.core import fsio
 from codex.pipeline.readers.record import FileReport, Piece, Record, decode
 
 BLANK_LINES = "blank-lines"  # --txt-delimiter blank-lines: lines holding only white space
+REGEX = "re:"  # --txt-delimiter 're:^// FILE: ': a line where the regex matches starts a document
+
+
+@functools.lru_cache(maxsize=64)
+def split_regex(delim: str, key: str = "data.clean.txt_delimiter") -> re.Pattern[bytes] | None:
+    """The compiled pattern of a delimiter 're:REGEX' (None for any other delimiter); a bad
+    regex is a ValueError naming `key`, the setting it came from."""
+    if not delim.startswith(REGEX):
+        return None
+    pattern = delim[len(REGEX) :]
+    if not pattern:
+        raise ValueError(f"{key}: {delim!r} holds no regex after 're:'")
+    try:
+        return re.compile(pattern.encode("utf-8"), re.MULTILINE)
+    except re.error as e:
+        raise ValueError(f"{key}: {delim!r} is not a valid regular expression: {e}") from None
 
 
 def text_delimiter(delim: str) -> bytes:
@@ -41,6 +60,16 @@ def read_text(piece: Piece, cfg, report: FileReport) -> Iterator[Record]:
                     report.oversized_records += 1
                     yield Record(f"{f.path}@{at}", None, n)
                 else:
+                    yield Record(f"{f.path}@{at}", decode(raw, report), n)
+        return
+    pattern = split_regex(setting)
+    if pattern is not None:
+        with fsio.open(f.path, "rb") as fh:
+            for at, raw, n in _regex_records(fh, piece, pattern, limit):
+                if raw is None:
+                    report.oversized_records += 1
+                    yield Record(f"{f.path}@{at}", None, n)
+                elif raw.strip():
                     yield Record(f"{f.path}@{at}", decode(raw, report), n)
         return
     delim = text_delimiter(setting)
@@ -133,6 +162,51 @@ def _blank_line_records(fh, piece: Piece, limit: int) -> Iterator[tuple[int, byt
         pos += n
     if at >= 0:
         yield at, (b"".join(parts).removesuffix(b"\n") if parts is not None else None), size
+
+
+def _regex_records(
+    fh, piece: Piece, pattern: re.Pattern[bytes], limit: int
+) -> Iterator[tuple[int, bytes | None, int]]:
+    """--txt-delimiter 're:REGEX': a line where `pattern` matches (anywhere in it, as grep does;
+    its first MB for a longer line) starts a document and is its first line; the text before the
+    first such line is a document too. Yields (start byte, text or None when over `limit`,
+    bytes) for the documents that start in the piece. Whether a line starts one depends on that
+    line alone, so a piece from mid-file skips to its first line start and finds the same
+    documents a reader from the file's start does."""
+    start, end = piece.start, piece.end if piece.end >= 0 else 1 << 62
+    if start:
+        newline = next(_occurrences(fh, start - 1, b"\n"), None)
+        if newline is None:
+            return
+        pos, at = newline + 1, -1  # the rest of a document an earlier piece reads
+    else:
+        pos, at = 0, 0
+    size = 0  # the open document (from `at`; -1: none): its bytes, its text (None: over limit)
+    parts: list[bytes] | None = []
+    fh.seek(pos)
+    line_start = True  # whether the next block starts a line (a longer line comes in blocks)
+    search = pattern.search
+    for block in iter(functools.partial(fh.readline, 1 << 20), b""):
+        if line_start:
+            if at < 0 and pos >= end:
+                return  # no document starts in the piece
+            if search(block.removesuffix(b"\n").removesuffix(b"\r")):
+                if at >= 0 and size:
+                    yield at, (b"".join(parts) if parts is not None else None), size
+                if pos >= end:
+                    return
+                at, parts, size = pos, [], 0
+        line_start = block.endswith(b"\n")
+        n = len(block)
+        pos += n
+        if at >= 0:
+            size += n
+            if parts is not None:
+                parts.append(block)
+                if limit and size > limit:
+                    parts = None  # over max_record_bytes: count it, keep none of it
+    if at >= 0 and size:
+        yield at, (b"".join(parts) if parts is not None else None), size
 
 
 def _occurrences(fh, start: int, delim: bytes) -> Iterator[int]:

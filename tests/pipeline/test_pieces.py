@@ -157,3 +157,36 @@ def test_blank_lines_split_wikitext_style_paragraphs(tmp_path):
     cfg = build_config(overrides=["data.clean.txt_delimiter=blank-lines"]).data.clean
     got = [t for _, t, _ in records(InputFile(str(path), path.stat().st_size, "text"), cfg)]
     assert got == [" = Title = ", " First paragraph , one line . ", " Second one . \nstill two"]
+
+
+def test_regex_delimiter_pieces_equal_one_reader(tmp_path):
+    """--txt-delimiter 're:REGEX': a line the regex matches starts a document and stays its first
+    line; the text before the first one is a document; records over max_record_bytes are counted,
+    not held; at every cut point, each document is read once."""
+    cfg = build_config(
+        overrides=["data.clean.txt_delimiter=re:^// FILE: ", "data.clean.max_record_bytes=60"]
+    ).data.clean
+    rng = random.Random(5)
+    lines = ["// FILE: a.c\n", "int x;\n", "\n", "  // FILE: not at the start\n", "é\r\n", "y"]
+    lines += ["// FILE: b.c\r\n", "z" * 70 + "\n"]
+    for case in range(20):
+        text = "".join(rng.choice(lines) for _ in range(rng.randrange(1, 20)))
+        path = tmp_path / f"r{case}.txt"
+        path.write_bytes(text.encode())
+        f = InputFile(str(path), path.stat().st_size, "text")
+        whole = records(f, cfg)
+        # the reference: a new document at each line starting "// FILE: ", blank ones dropped
+        docs: list[list[str]] = [[]]
+        for line in text.splitlines(keepends=True):
+            if line.startswith("// FILE: ") and docs[-1]:
+                docs.append([])
+            docs[-1].append(line)
+        want = ["".join(d) for d in docs if "".join(d).strip()]
+        assert [t if t is not None else "" for _, t, _ in whole] == [
+            d if len(d.encode()) <= 60 else "" for d in want
+        ], text
+        assert sum(n for _, _, n in whole) == f.size - sum(
+            len("".join(d).encode()) for d in docs if not "".join(d).strip()
+        )
+        for point in range(1, f.size):
+            assert [r for p in cut(f, [point]) for r in records(p, cfg)] == whole, (text, point)

@@ -147,14 +147,15 @@ class CleanConfig:
     # what a source leaves out comes from the keys below
     sources: list[dict] = setting(
         [],
-        "Inputs with their own settings, a YAML list: "
-        "{input: PATH[, preset: web|code|all][, txt_delimiter: TEXT]}.",
+        "Inputs with their own settings, a YAML list: {input: PATH[, preset: web|code|all]"
+        "[, txt_delimiter: TEXT][, allow_low_yield: true]}.",
     )
     text_field: str = setting("text", ".jsonl(.gz/.zst): the field holding the document's text.")
     text_column: str = setting("text", ".parquet: the column holding the document's text.")
     txt_delimiter: str = setting(
         "",
-        "Split text files into documents on this string ('blank-lines', or e.g. '\\n\\n'); "
+        "Split text files into documents on this string ('blank-lines', or e.g. '\\n\\n'), or "
+        "'re:REGEX': a line the regex matches starts a document (e.g. 're:^// FILE: '); "
         '"" = a whole file is one document.',
     )
     preset: Literal["web", "code", "all"] = setting(
@@ -175,7 +176,16 @@ class CleanConfig:
     min_yield: float = setting(
         0.01, "A clean keeping under this fraction of its input bytes exits 1.", ge=0, le=1
     )
-    allow_low_yield: bool = setting(False, "Keep a corpus even under min_yield.")
+    min_source_yield: float = setting(
+        0.2,
+        "A source (an entry of sources, or the --input files) keeping under this fraction of "
+        "its input bytes exits 1, naming it; 0 = no such check.",
+        ge=0,
+        le=1,
+    )
+    allow_low_yield: bool = setting(
+        False, "Keep a corpus even under min_yield, and every source under min_source_yield."
+    )
     skip_unreadable_links: bool = setting(
         False,
         "Skip an input link that leads nowhere (dangling, a cycle), counted in stats.json; "

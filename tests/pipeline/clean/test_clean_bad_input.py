@@ -198,8 +198,9 @@ def test_a_binary_file_named_txt_is_reported_and_kept_out(tmp_path, caplog):
     (src / "good.txt").write_text(prose(1))
     (src / "blob.txt").write_bytes(np.random.default_rng(0).bytes(3000))
     run = tmp_path / "r"
+    # the blob is most of the input's bytes: kept out, it leaves the run under min_source_yield
     with caplog.at_level(logging.WARNING):
-        invoke(_clean(run, "--input", str(src)), 0)
+        invoke(_clean(run, "--input", str(src), "--set=data.clean.min_source_yield=0"), 0)
     assert warnings_with(caplog, str(src / "blob.txt"), "invalid UTF-8")
     assert {r["source"] for r in _kept(run)} == {str(src / "good.txt")}
 
@@ -362,6 +363,11 @@ def test_blank_lines_holding_white_space_split_documents(tmp_path):
         ),
         ("- {input: '{src}', preset: prose}\n", 2, ["data.clean.sources[0].preset: 'prose'"]),
         ("- {preset: code}\n", 2, ["data.clean.sources[0]: needs 'input: PATH'"]),
+        (
+            "- {input: '{src}', allow_low_yield: maybe}\n",
+            2,
+            ["data.clean.sources[0].allow_low_yield: 'maybe' is not true or false"],
+        ),
         ("- {input: '{src}'}\n- {input: '{tmp}/gone.txt'}\n", 2, ["gone.txt: no such file"]),
     ],
 )

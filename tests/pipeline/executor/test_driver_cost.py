@@ -179,6 +179,18 @@ MARKER = {
     "failed": [],
     "bad_files": [],
     "per_file": {"@PATH@": [2000, CHUNK, 600, CHUNK // 3]},
+    "per_source": {
+        "@SOURCE@": {
+            "docs_in": 2000,
+            "bytes_in": CHUNK,
+            "docs_kept": 600,
+            "bytes_kept": CHUNK // 3,
+            "drops": {
+                "gopher_quality:short_doc": [900, CHUNK // 2],
+                "fineweb:line_punct_ratio": [500, 9],
+            },
+        }
+    },
     "worker": "host:1",
     "started": 0.0,
     "finished": 1.0,
@@ -204,6 +216,7 @@ def done_unit(job: UnitJob) -> dict:
     out = job.out.split("://", 1)[1]
     text = MARKER_JSON.replace("@NAME@", name).replace("@FINGERPRINT@", job.fingerprint)
     text = text.replace("@PATH@", job.unit.pieces[0].path)
+    text = text.replace("@SOURCE@", job.unit.pieces[0].file.source)
     fs.add(f"{out}/part-{name}-000.parquet", PART)
     fs.add(f"{out}/markers/{name}.json", text.encode())
     return json.loads(text)
