@@ -24,7 +24,7 @@ log = logging.getLogger("codex.eval")
 
 
 def tokenize_to_shard(
-    cfg, run_cfg, tok_dir: str, data_paths: list[str], max_tokens: int, seq_len: int, backend
+    cfg, run_cfg, data_run: str, data_paths: list[str], max_tokens: int, seq_len: int, backend
 ):
     """Read, normalise and tokenize `data_paths` with the run's tokenizer into one temporary npy
     shard + manifest, so the exact windowing and rank split of train/loader.val_batches apply
@@ -38,10 +38,11 @@ def tokenize_to_shard(
     tokenizes the same text (deterministic) and keeps its own copy. Returns (shards_dir,
     TemporaryDirectory, documents).
 
-    7 parameters: what run_eval has resolved for it (both configs, the tokenizer folder, the paths,
-    the token budget, the length, the backend); its one caller."""
-    tok = load_tokenizer(tok_dir)
-    manifest_path = fsio.join(rundir.shards_dir(cfg.run), "manifest.json")
+    7 parameters: what run_eval has resolved for it (both configs, the run holding the tokenizer
+    and shards: train.data_run or RUN, the paths, the token budget, the length, the backend); its
+    one caller."""
+    tok = load_tokenizer(rundir.tokenizer_dir(data_run))
+    manifest_path = fsio.join(rundir.shards_dir(data_run), "manifest.json")
     append_eos = (
         fsio.read_json(manifest_path).get("append_eos", False)
         if fsio.exists(manifest_path)

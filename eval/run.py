@@ -1,6 +1,7 @@
 """`codex eval`: loss / perplexity / bits per byte of a checkpoint, written to RUN/eval/step_N.json.
 
-checkpoint (train/checkpoint/read.py) -> the run's val split, or --data text (eval/data.py)
+checkpoint (train/checkpoint/read.py) -> the val split of the run (or of the data run it trained
+on: train.data_run), or --data text (eval/data.py)
 -> evaluate() (eval/evaluate.py, the same function as training's validation)
 -> RUN/eval/step_N.json (step_N.data-<hash>.json for --data), a table, RUN/eval/loss.png
 """
@@ -48,7 +49,7 @@ def run_eval(cfg) -> dict:
 def _run_eval(cfg, backend) -> dict:
     data_paths, max_tokens = list(cfg.eval.data), cfg.eval.max_tokens
     model, run_cfg, info = load_model(cfg, cfg.eval.checkpoint)
-    tok_dir = rundir.tokenizer_dir(cfg.run)
+    tok_dir = rundir.tokenizer_dir(info["data_run"])
     token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype("int64"))
     if len(token_bytes) != run_cfg.model.vocab_size:
         raise ValueError(
@@ -66,10 +67,10 @@ def _run_eval(cfg, backend) -> dict:
 
     if data_paths:
         shards_dir, tmp, documents = tokenize_to_shard(
-            cfg, run_cfg, tok_dir, data_paths, max_tokens, T, backend
+            cfg, run_cfg, info["data_run"], data_paths, max_tokens, T, backend
         )
     else:
-        shards_dir, tmp, documents = _val_shards(cfg.run, tok_dir), None, None
+        shards_dir, tmp, documents = _val_shards(info["data_run"], tok_dir), None, None
     try:
         windows = load_split(shards_dir, "val", T).windows
         if max_tokens > 0:
@@ -95,9 +96,10 @@ def _run_eval(cfg, backend) -> dict:
     return record
 
 
-def _val_shards(run: str, tok_dir: str) -> str:
-    """RUN/shards, checked to be made with the run's tokenizer (when its manifest says which)."""
-    shards_dir = rundir.shards_dir(run)
+def _val_shards(data_run: str, tok_dir: str) -> str:
+    """The data run's shards/ (train.data_run, else RUN's), checked to be made with its tokenizer
+    (when the manifest says which)."""
+    shards_dir = rundir.shards_dir(data_run)
     manifest_path = fsio.join(shards_dir, "manifest.json")
     manifest = fsio.read_json(manifest_path) if fsio.exists(manifest_path) else None
     meta = load_meta(tok_dir)

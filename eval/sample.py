@@ -211,10 +211,10 @@ def run_sample(cfg, prompt: str) -> str | None:
     """
     e = cfg.eval
     with open_backend(cfg) as backend:
-        model, _, _ = load_model(cfg, e.checkpoint)
+        model, _, info = load_model(cfg, e.checkpoint)
         # not prepare_model: torch.compile would recompile per shape
         model = model.to(backend.device)
-        tokenizer = load_tokenizer(rundir.tokenizer_dir(cfg.run))
+        tokenizer = load_tokenizer(rundir.tokenizer_dir(info["data_run"]))
         with backend.autocast():
             out = continue_prompt(
                 model,

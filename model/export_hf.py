@@ -199,10 +199,11 @@ def export_hf(model: GPT, run_cfg, info: dict, out: str, max_shard_size: str | i
     check_export_target(out)
     m = run_cfg.model
     arch = check_exportable(m)
-    tokenizer = hf_tokenizer(info["run"], m.max_seq_len)
+    data_run = info.get("data_run", info["run"])  # the run holding its tokenizer
+    tokenizer = hf_tokenizer(data_run, m.max_seq_len)
     if len(tokenizer) != m.vocab_size:
         raise ValueError(
-            f"{rundir.tokenizer_dir(info['run'])}: {len(tokenizer)} tokens, but the checkpoint "
+            f"{rundir.tokenizer_dir(data_run)}: {len(tokenizer)} tokens, but the checkpoint "
             f"{info['path']} was trained with model.vocab_size={m.vocab_size}"
         )
     hf = build_hf_model(model, m)

@@ -23,11 +23,13 @@ from codex.core import fsio, rundir
 from codex.core.config import Config, ConfigError, save_config, to_dict
 from codex.core.progress import Progress, setup_logging
 from codex.model.gpt import flops_per_token, num_params
+from codex.pipeline.shard.manifest import small_val_split
 from codex.train.checkpoint import folders as checkpoint
 from codex.train.checkpoint.async_save import BackgroundWriter, PendingSave
 from codex.train.checkpoint.resume import resume
 from codex.train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
 from codex.train.data.loader import TrainLoader, val_batches
+from codex.train.data.token_shards import load_manifest
 from codex.train.distributed.backend import Backend, loader_layout, unwrap
 from codex.train.distributed.control import StopFlag, injected_step_fault, rank_tag
 from codex.train.launch import open_backend
@@ -120,8 +122,8 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
     cfg, backend, plan = run.cfg, run.backend, run.plan
     if run.token_bytes is None:
         raise FileNotFoundError(
-            f"{fsio.join(rundir.tokenizer_dir(cfg.run), 'token_bytes.npy')} not found: "
-            "needed for bits per byte; re-run `codex data tokenize`"
+            f"{fsio.join(rundir.tokenizer_dir(rundir.data_run(cfg)), 'token_bytes.npy')} "
+            "not found: needed for bits per byte; re-run `codex data tokenize`"
         )
     rank, world, rows = loader_layout(backend, plan.device_batch)
     # With several loaders every rank gets the same number of masked batches (val_batches), in
@@ -129,7 +131,7 @@ def validation_loss(run: Run, model: torch.nn.Module) -> dict:
     # rows left that skipped a batch would wait in the loss all-reduce while another waits in an
     # all-gather, until the collective timeout. XLA wants masked full batches in one process too.
     batches = val_batches(
-        rundir.shards_dir(cfg.run),
+        rundir.shards_dir(rundir.data_run(cfg)),
         seq_len=plan.seq_len,
         batch_size=rows,
         rank=rank,
@@ -262,7 +264,7 @@ def _make_loader(run: Run) -> TrainLoader:
     cfg, backend = run.cfg, run.backend
     rank, world, rows = loader_layout(backend, run.plan.device_batch)
     return TrainLoader(
-        rundir.shards_dir(cfg.run),
+        rundir.shards_dir(rundir.data_run(cfg)),
         seq_len=run.plan.seq_len,
         batch_size=rows,
         rank=rank,
@@ -388,6 +390,18 @@ def _log_start(run: Run, n_params: int) -> None:
         plan.layout.describe(),
     )
     log.info("\n".join(memory_lines(plan.memory)))
+    _log_data(cfg)
+
+
+def _log_data(cfg: Config) -> None:
+    """Where the tokenizer and shards come from when another run's (train.data_run), and a warning
+    when their validation split is small enough for its loss to move with noise."""
+    data = rundir.data_run(cfg)
+    if not rundir.same_dir(data, cfg.run):
+        log.info("data: the tokenizer and shards of %s (train.data_run)", data)
+    small = small_val_split(load_manifest(rundir.shards_dir(data)), rundir.shards_dir(data))
+    if small:
+        log.warning("%s", small)
 
 
 def _cpu_threads() -> str:

@@ -308,6 +308,7 @@ def _describe_train(cfg, params) -> list[str]:
     f"defaults, {_DEFAULT_MODEL.n_layer} layers {_DEFAULT_MODEL.n_embd} wide with "
     f"{_DEFAULT_MODEL.n_head} heads (codex/core/config/model.py; --set model.KEY=VALUE).",
 )
+@key_option("--data", key="train.data_run", metavar="RUN")
 @key_option("--max-steps", key="train.max_steps")
 @key_option("--batch-tokens", key="train.batch_tokens")
 @key_option("--device-batch", key="train.device_batch")
@@ -354,6 +355,7 @@ def train_cmd(cfg, nproc_per_node, compile_only):
     Example:
       codex train --run runs/web --hardware h100-8 --model 124m --batch-tokens 524288
       codex train --run runs/web --hardware h100-8 --model 124m --nproc-per-node 8
+      codex train --run runs/web-lr2 --data runs/web --set train.lr=0.002   # runs/web's shards
       PJRT_DEVICE=TPU codex train --run gs://bucket/web --hardware v6e-4 --model 124m
       codex train --hardware v6e-8 --model 7b --compile-only
     """

@@ -10,6 +10,7 @@ pipeline/shard/verify.py checks them. docs/stages.md, "The shard folder", has th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import TypeVar
@@ -106,6 +107,32 @@ def build_manifest(
         "totals": totals,
         "settings": settings,
     }
+
+
+# Under this many validation tokens a loss measured on them moves by hundredths of a nat from
+# noise alone; the suggested val_fraction stops at VAL_FRACTION_CAP, as a small corpus cannot spare
+# more of its training text.
+VAL_TOKENS_FLOOR = 1 << 16
+VAL_FRACTION_CAP = 0.1
+
+
+def small_val_split(manifest: dict, shards_dir: str) -> str | None:
+    """One line when the manifest's validation split holds fewer than VAL_TOKENS_FLOOR tokens and
+    a larger val_fraction (up to VAL_FRACTION_CAP) would give it more: how many it holds and the
+    val_fraction that would hold about the floor. None otherwise (or without totals)."""
+    val = (manifest.get("totals") or {}).get("val", {}).get("tokens")
+    fraction = float(manifest.get("val_fraction") or 0)
+    if val is None or val >= VAL_TOKENS_FLOOR or not 0 < fraction < VAL_FRACTION_CAP:
+        return None
+    want = min(VAL_FRACTION_CAP, fraction * VAL_TOKENS_FLOOR / max(val, 1))
+    digits = 1 - math.floor(math.log10(want))  # rounded up to two significant digits
+    want = min(VAL_FRACTION_CAP, math.ceil(want * 10**digits) / 10**digits)
+    return (
+        f"{shards_dir}: the validation split holds {val:,} tokens, under {VAL_TOKENS_FLOOR:,}: "
+        "its loss and bits per byte move with noise; for about "
+        f"{round(val * want / fraction):,}, remove {shards_dir} and rerun `codex data shard` "
+        f"with --val-fraction {want:g} (now {fraction:g})"
+    )
 
 
 def per_path(fn: Callable[[str], T], paths: list[str]) -> list[T]:

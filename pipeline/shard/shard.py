@@ -42,6 +42,7 @@ from codex.pipeline.shard.manifest import (
     mismatch,
     per_path,
     remove_temp_files,
+    small_val_split,
 )
 from codex.pipeline.shard.scan import scan_corpus
 from codex.pipeline.shard.write import WriteSettings, write_phase
@@ -269,3 +270,6 @@ def _log_totals(manifest: dict, out: str) -> None:
         for sp, t in ((sp, manifest["totals"][sp]) for sp in SPLITS)
     )
     log.info("shard: %s -> %s", per_split, out)
+    small = small_val_split(manifest, out)
+    if small:
+        log.warning("shard: %s", small)

@@ -212,6 +212,16 @@ def test_train_help_resolves_the_model_hardware_and_overrides():
     assert "parallel=auto -> " in _row(out, "parallel")
 
 
+def test_train_help_shows_the_cpu_presets_tokens_a_step_for_tiny():
+    out = _help("--hardware", "cpu", "--model", "tiny").output
+    batch = " ".join(_row(out, "batch").split())
+    assert "batch_tokens=8,192 a step (accum 8; train.batch_tokens=0: cpu's 8,192" in batch, batch
+    help_line = " ".join(out.split("--batch-tokens", 1)[1].split("--device-batch", 1)[0].split())
+    assert "cpu: 8192 for tiny" in help_line, help_line
+    given = " ".join(_row(_help("--model", "tiny", "--device-batch", "8").output, "batch").split())
+    assert "batch_tokens=1,024 a step (accum 1; train.batch_tokens=0: one micro-batch)" in given
+
+
 def test_train_help_alone_resolves_the_defaults():
     res = _help()
     assert res.exit_code == 0, res.output

@@ -385,8 +385,10 @@ def test_default_batch_comes_from_the_preset(tmp_path):
     with pytest.raises(ConfigError, match="does not fit"):
         device_defaults(get_preset("v5litepod-4"), build_config(model="1b").model)  # replicated
     run = make_run(tmp_path / "run")
-    out = run_train(run, device_batch=0, max_steps=1)  # a custom model shape: the 'default' entry
-    assert (out["device_batch"], out["seq_len"], out["batch_tokens"]) == (4, 16, 64)
+    # a custom model shape: the 'default' entry, 4 sequences a micro-batch, 8,192 tokens a step
+    out = run_train(run, device_batch=0, max_steps=1)
+    assert (out["device_batch"], out["seq_len"], out["batch_tokens"]) == (4, 16, 8192)
+    assert out["accum"] == 8192 // (4 * 16)
 
 
 # --- the CUDA code path's torch.compile + bf16 autocast, run on the CPU ---------------------------

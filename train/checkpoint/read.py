@@ -2,8 +2,8 @@
 the config it was trained with, and where it came from. The one place eval, sample, downstream
 tasks and export read a checkpoint (training resumes through train/checkpoint/state.py).
 
-A checkpoint whose tokenizer is not the run's current one is refused: its ids would decode to the
-wrong text and bits per byte would count the wrong bytes.
+A checkpoint whose tokenizer is not its data run's current one (train.data_run, else the run) is
+refused: its ids would decode to the wrong text and bits per byte would count the wrong bytes.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ def read_checkpoint(cfg, checkpoint: str | int = "latest"):
             f"{ckpt.step_dir(cfg.run, int(state['step']))}: "
             "the checkpoint's config has no model.vocab_size"
         )
-    _check_tokenizer(cfg.run, state)
+    data = _data_run(cfg, run_cfg, int(state["step"]))
+    _check_tokenizer(cfg.run, data, state)
     info = {
         "step": int(state["step"]),
         "train_tokens": int(state.get("tokens", 0)),
         "path": ckpt.step_dir(cfg.run, int(state["step"])),
-        "run": cfg.run,  # the run directory read now (its tokenizer), not the one training saw
+        "run": cfg.run,  # the run directory read now, not the one training saw
+        "data_run": data,  # where its tokenizer and val split are read now
         "tokenizer_sha256": str(state.get("tokenizer_sha256", "")),
         # Which exact run configuration produced these weights (model + data + training settings).
         "config_fingerprint": hashlib.sha256(
@@ -52,11 +54,24 @@ def load_model(cfg, checkpoint: str | int = "latest"):
     return model, run_cfg, info
 
 
-def _check_tokenizer(run: str, state: dict) -> None:
-    """Refuse a checkpoint whose tokenizer is not the run's current one (retrained after training):
-    its ids would decode to the wrong text and bits per byte would count the wrong bytes."""
+def _data_run(cfg, run_cfg, step: int) -> str:
+    """The run whose tokenizer and shards the checkpoint's are: this command's train.data_run
+    (--set, for a data run since moved), else the one training recorded, else cfg.run."""
+    data = cfg.train.data_run or run_cfg.train.data_run or cfg.run
+    if not rundir.same_dir(data, cfg.run) and not fsio.isdir(data):
+        raise FileNotFoundError(
+            f"{data}: no such run directory, the data run {ckpt.step_dir(cfg.run, step)} was "
+            "trained on (train.data_run); where it is now: --set train.data_run=PATH"
+        )
+    return data
+
+
+def _check_tokenizer(run: str, data: str, state: dict) -> None:
+    """Refuse a checkpoint whose tokenizer is not the data run's current one (retrained after
+    training): its ids would decode to the wrong text and bits per byte would count the wrong
+    bytes."""
     trained_with = state.get("tokenizer_sha256")
-    tok_dir = rundir.tokenizer_dir(run)
+    tok_dir = rundir.tokenizer_dir(data)
     if not trained_with or not fsio.exists(fsio.join(tok_dir, "tokenizer_meta.json")):
         # Checkpoints from before this record, or a run without its tokenizer (later steps say so).
         return

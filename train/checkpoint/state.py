@@ -218,6 +218,19 @@ def _check_same_model(cfg, saved_config: dict) -> None:
             )
 
 
+def _check_same_data(cfg, tree: dict) -> None:
+    """The data run a checkpoint was trained on (train.data_run; "" = its own run) is the one this
+    run reads: another one's windows would be other text at the loader's saved position."""
+    saved = tree["config"].get("train", {}).get("data_run", "") or cfg.run
+    data = rundir.data_run(cfg)
+    if not rundir.same_dir(saved, data):
+        raise ConfigError(
+            f"{rundir.checkpoints_dir(cfg.run)}: step {tree['step']} was trained on the data of "
+            f"{saved}, this command reads {data} (train.data_run); resume with --data {saved}, "
+            "or train on other data in a new --run"
+        )
+
+
 def _check_same_tokenizer(cfg, tree: dict, tokenizer_sha: str) -> None:
     """First: a retrained tokenizer also changes the vocabulary and the shards, so every later
     check (the model's vocab_size, the loader's window count) would fail first and name a
@@ -226,7 +239,7 @@ def _check_same_tokenizer(cfg, tree: dict, tokenizer_sha: str) -> None:
     if saved and tokenizer_sha and saved != tokenizer_sha:
         raise ValueError(
             f"{rundir.checkpoints_dir(cfg.run)}: step {tree['step']} was trained with another "
-            f"tokenizer ({saved[:12]}) than {rundir.tokenizer_dir(cfg.run)} "
+            f"tokenizer ({saved[:12]}) than {rundir.tokenizer_dir(rundir.data_run(cfg))} "
             f"({tokenizer_sha[:12]}): its token ids mean other text; use a new --run"
         )
 
@@ -241,6 +254,7 @@ def restore_training(
     model, optimizer, loader = parts.model, parts.optimizer, parts.loader
     folder = checkpoint.step_dir(cfg.run, step)
     tree = checkpoint.read_skeleton(folder)
+    _check_same_data(cfg, tree)
     _check_same_tokenizer(cfg, tree, tokenizer_sha)
     _check_same_model(cfg, tree["config"])
     opt_parts = optimizer_parts(optimizer)

@@ -95,6 +95,21 @@ def default_seq_len(preset: HardwarePreset, model_cfg: ModelConfig) -> int:
     return int(_entry(preset, model_cfg)[1]["seq_len"])
 
 
+def preset_batch_tokens(preset: HardwarePreset, model_cfg: ModelConfig) -> int:
+    """The tokens a step the preset names for this model (its entry's batch_tokens); 0 = none."""
+    return int(_entry(preset, model_cfg)[1].get("batch_tokens", 0))
+
+
+def step_tokens(t: TrainConfig, preset: HardwarePreset, model_cfg: ModelConfig, micro: int) -> int:
+    """train.batch_tokens; when it and train.device_batch are 0, the preset's batch_tokens for the
+    model (preset_batch_tokens) rounded up to whole micro-batches of `micro` tokens; 0 = one
+    micro-batch a step. A device batch given alone keeps meaning one micro-batch of it a step."""
+    target = preset_batch_tokens(preset, model_cfg)
+    if t.batch_tokens > 0 or t.device_batch > 0 or target <= 0:
+        return t.batch_tokens
+    return -(-target // micro) * micro
+
+
 def default_device_batch(
     preset: HardwarePreset,
     model_cfg: ModelConfig,
@@ -253,7 +268,8 @@ class Batch:
 def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
     """The device batch, sequence length, layout and accumulation of `cfg` on `preset` over `world`
     data-parallel ranks, each decided here once (train.device_batch and train.seq_len, else the
-    memory plan's default; train.parallel=auto resolved; the accumulation), and the memory plan
+    memory plan's default; train.parallel=auto resolved; the accumulation, from train.batch_tokens
+    or the preset's: step_tokens), and the memory plan
     at that batch checked against this machine. The run and `codex train --help` both reach it
     through train/plan/plan.py: make_plan, so they refuse the same settings with the same
     ConfigError."""
@@ -270,9 +286,10 @@ def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
             f"lower --seq-len or --set model.max_seq_len={T}"
         )
     layout = setting.layout if setting.layout != "auto" else choose_layout(m, preset, B, T, setting)
-    accum = grad_accum_steps(t.batch_tokens, B, T, world)
+    batch_tokens = step_tokens(t, preset, m, B * T * world)
+    accum = grad_accum_steps(batch_tokens, B, T, world)
     setting = dataclasses.replace(setting, layout=layout, accum=accum)
-    memory = check_fits(m, preset, B, T, setting, t.batch_tokens)
+    memory = check_fits(m, preset, B, T, setting, batch_tokens)
     return Batch(B, T, setting, t.device_batch > 0, t.seq_len > 0, memory)
 
 

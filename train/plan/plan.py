@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from codex.core import fsio, rundir
-from codex.core.config import Config, ConfigError
+from codex.core.config import Config, ConfigError, load_yaml
 from codex.core.config.model import mlp_hidden
 from codex.core.config.train import DEFAULT_LR, TrainConfig
 from codex.train.plan.batch import choose_batch
@@ -127,10 +127,20 @@ def make_plan(
 # --- run inputs -------------------------------------------------------------------------------
 
 
+def _recorded_data_run(run: str) -> str:
+    """The train.data_run the run's last training started with (RUN/checkpoints/config.yaml);
+    "" when none."""
+    path = fsio.join(rundir.checkpoints_dir(run), "config.yaml")
+    if not fsio.exists(path):
+        return ""
+    return str((load_yaml(path).get("train") or {}).get("data_run") or "")
+
+
 def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
-    """Vocab size from the run's tokenizer meta (checked against the shard manifest), token_bytes
-    for bits per byte (None when absent; validation then says what is missing), and the tokenizer's
-    sha256 (recorded in checkpoints, so eval and sample can refuse a retrained tokenizer)."""
+    """Vocab size from the tokenizer meta of the data run (rundir.data_run: train.data_run, else
+    the run), checked against its shard manifest, token_bytes for bits per byte (None when absent;
+    validation then says what is missing), and the tokenizer's sha256 (recorded in checkpoints, so
+    eval and sample can refuse a retrained tokenizer)."""
     # imported here: `codex train --help` plans without torch or the run's files
     import numpy as np
     import torch
@@ -138,21 +148,35 @@ def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
     from codex.pipeline.tokenizer.tokenizer import TOKEN_BYTES_FILE, load_meta, load_token_bytes
     from codex.train.data.token_shards import load_manifest
 
-    tok_dir = rundir.tokenizer_dir(cfg.run)
-    meta = load_meta(tok_dir)
+    data = rundir.data_run(cfg)
+    tok_dir, shards_dir = rundir.tokenizer_dir(data), rundir.shards_dir(data)
+    try:
+        if not rundir.same_dir(data, cfg.run) and not fsio.isdir(data):
+            raise FileNotFoundError("no such run directory")
+        meta = load_meta(tok_dir)
+        manifest = load_manifest(shards_dir)
+    except FileNotFoundError as e:  # a usage mistake (exit 2), naming the flag that chose the path
+        if not rundir.same_dir(data, cfg.run):
+            raise FileNotFoundError(f"--data {data} (train.data_run): {e}") from None
+        recorded = _recorded_data_run(cfg.run)
+        if not recorded:
+            raise
+        raise FileNotFoundError(
+            f"{e}; {rundir.checkpoints_dir(cfg.run)} trained on the data of {recorded}: "
+            f"resume with --data {recorded}"
+        ) from None
     vocab = int(meta["vocab_size"])
-    manifest = load_manifest(rundir.shards_dir(cfg.run))
     m_vocab = int(manifest.get("tokenizer", {}).get("vocab_size", vocab))
     if m_vocab != vocab:  # the run's data do not match: bad data (exit 1), as a sha256 mismatch
         raise ValueError(
-            f"{fsio.join(rundir.shards_dir(cfg.run), 'manifest.json')}: shards were made with "
+            f"{fsio.join(shards_dir, 'manifest.json')}: shards were made with "
             f"vocab_size {m_vocab}, but the tokenizer in {tok_dir} has {vocab}; "
             "re-run `codex data shard`"
         )
     m_sha = manifest.get("tokenizer", {}).get("sha256")
     if m_sha and meta.get("sha256") and m_sha != meta["sha256"]:
         raise ValueError(
-            f"{fsio.join(rundir.shards_dir(cfg.run), 'manifest.json')}: shards were made with "
+            f"{fsio.join(shards_dir, 'manifest.json')}: shards were made with "
             f"another tokenizer ({m_sha[:12]}) than {tok_dir} ({meta['sha256'][:12]}); "
             "re-run `codex data shard`"
         )

@@ -25,7 +25,7 @@ class HardwarePreset:
     hosts: int  # TPU VMs (workers) in the slice, one process each; 1 for GPU presets
     memory_gb: float  # per device (HBM)
     peak_tflops_bf16: float  # dense bf16 per device; MFU = achieved / (peak * devices)
-    # model preset -> {seq_len, max_device_batch (optional)}
+    # model preset -> {seq_len, max_device_batch (optional), batch_tokens (optional)}
     defaults: dict = field(default_factory=dict)
 
     @property

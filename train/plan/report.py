@@ -19,6 +19,7 @@ from codex.train.plan.batch import (
     default_seq_len,
     fsdp_offered,
     largest_batch,
+    preset_batch_tokens,
 )
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
 from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
@@ -278,8 +279,20 @@ def _batch_row(cfg: Config, p: Plan) -> str:
     return (
         f"device_batch={p.device_batch} ({b_from}) x seq_len={p.seq_len} ({t_from}) x "
         f"world={p.world_size} = {micro:,} tokens a micro-batch; batch_tokens={p.batch_tokens:,} "
-        f"a step (accum {p.accum}"
-        + ("; train.batch_tokens=0: one micro-batch)" if cfg.train.batch_tokens <= 0 else ")")
+        f"a step (accum {p.accum}" + _batch_tokens_from(cfg, p) + ")"
+    )
+
+
+def _batch_tokens_from(cfg: Config, p: Plan) -> str:
+    t = cfg.train
+    if t.batch_tokens > 0:
+        return ""
+    target = preset_batch_tokens(p.preset, cfg.model) if t.device_batch <= 0 else 0
+    if target <= 0:
+        return "; train.batch_tokens=0: one micro-batch"
+    return (
+        f"; train.batch_tokens=0: {p.preset.name}'s {target:,} for "
+        f"{cfg.model.preset or 'a custom model'}, in whole micro-batches"
     )
 
 

@@ -19,14 +19,21 @@ class TrainConfig:
     hardware: str = setting(
         "cpu", "Hardware preset: cpu, h100, h200-8, v6e-4, ... (`codex hardware`)."
     )
+    data_run: str = setting(
+        "",
+        "Train on this run's tokenizer/ and shards/ (local or gs://), nothing copied; checkpoints, "
+        'metrics and the lock stay in --run. "" = --run\'s own. Recorded: resume refuses another.',
+    )
     device_batch: int = setting(
         0, "Sequences per device per micro-batch; 0 = the memory plan's.", ge=0
     )
     seq_len: int = setting(0, "Sequence length; 0 = the preset's.", ge=0)
     batch_tokens: int = setting(
         0,
-        "Tokens per optimizer step; gradient accumulation is derived. "
-        "0 = device_batch * seq_len * world (one micro-batch a step).",
+        "Tokens per optimizer step; gradient accumulation is derived. 0 with train.device_batch "
+        "0 = the preset's batch_tokens for the model where it names one (cpu: 8192 for tiny and "
+        "custom shapes, in micro-batches of the memory plan's), else device_batch * seq_len * "
+        "world (one micro-batch a step).",
         ge=0,
     )
     max_steps: int = setting(1000, "Optimizer steps to train.", ge=0)

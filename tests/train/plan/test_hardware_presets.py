@@ -178,3 +178,23 @@ def test_codex_hardware_shows_the_cpu_memory_trains_plan_is_checked_against(monk
     cfg = build_config(overrides=["train.hardware=cpu"])
     plan = make_plan(cfg, get_preset("cpu"), 1, vocab=planned_vocab(cfg))[1]
     assert "(12.3 GB per device)" in memory_lines(plan.memory)[0]
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "world", "tokens", "accum"),
+    [
+        ("tiny", [], 1, 8192, 8),  # 8 x 128 a micro-batch, the preset's 8,192 a step
+        ("tiny", ["train.seq_len=100"], 2, 9600, 6),  # rounded up to whole micro-batches
+        ("tiny", ["train.device_batch=16"], 1, 2048, 1),  # a device batch alone: one micro-batch
+        ("tiny", ["train.batch_tokens=4096"], 1, 4096, 4),  # given: as given
+        (None, [], 1, 8192, 16),  # a custom shape: the preset's 'default' entry, 4 x 128
+        ("124m", [], 1, 1024, 1),  # an entry without batch_tokens: one micro-batch
+    ],
+)
+def test_the_cpu_presets_tokens_a_step(model, overrides, world, tokens, accum):
+    from tests.fixtures.runs import plan_without_run
+
+    cfg = build_config(model=model, overrides=["train.hardware=cpu", *overrides])
+    p = plan_without_run(cfg, get_preset("cpu"), world)
+    assert (p.batch_tokens, p.accum) == (tokens, accum)
+    assert p.batch_tokens == p.device_batch * p.seq_len * world * p.accum
