@@ -78,6 +78,26 @@ class _HashingStream:
         return getattr(self.f, name)
 
 
+class _KeepOpen:
+    """A staged object's file as DCP's writer sees it: DCP closes the streams it writes, but the
+    staged bytes must stay readable until their upload at the end of the block."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def close(self) -> None:
+        self.f.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@contextlib.contextmanager
+def _staged(path: str):
+    with fsio.atomic_open(path, "wb") as f:
+        yield _KeepOpen(f)
+
+
 class HashingFileSystem(FileSystem):
     """DCP's fsspec file system, opened through codex.core.fsio (emulator and gs:// options),
     recording
@@ -95,7 +115,13 @@ class HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as stream:
+        if "w" in mode and fsio.is_remote(str(path)):
+            # Staged whole (memory, then a temp file) and uploaded by fsio.put_object: an upload
+            # the store loses mid-flight starts over from the staged bytes (a stream could not).
+            opened = _staged(str(path))
+        else:
+            opened = super().create_stream(path, mode)
+        with opened as stream:
             if "w" not in mode:
                 yield stream
                 return

@@ -43,7 +43,7 @@ def test_a_checkpoint_save_through_a_restart_of_its_store(own_gcs_emulator):
 def test_codex_train_whose_store_restarts_mid_save_ends_as_the_local_run(
     tmp_path, own_gcs_emulator
 ):
-    # The store goes down inside the first save, then inside the third (a checkpoint is 4
-    # objects here); bench/bench_store_outage.py --stage train runs 10 points.
+    # The store goes down inside the first save, then inside the last (4 saves; the watch sees
+    # 3 objects of each); bench/bench_store_outage.py --stage train runs 10 points.
     for end in train_through_outages(tmp_path, own_gcs_emulator, [1, 10]):
         print("codex train,", end)
