@@ -490,6 +490,9 @@ FILTERS = {  # name -> function; settings are cfg.data.clean.<name>
 PRESETS = {
     "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "dedup"),
     "code": ("length", "code", "dedup"),  # prose rules (Gopher, C4, FineWeb) make no sense on code
+    # text the user chose and trusts (a book, their own notes): web pages' rules would drop its
+    # short paragraphs and dialogue, so only the length limit and the exact dedup run
+    "trusted": ("length", "dedup"),
     "all": tuple(FILTERS) + ("dedup",),
 }
 

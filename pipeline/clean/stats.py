@@ -194,8 +194,11 @@ def drop_fix(
         return "the documents are exact copies of each other"
     off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
     if flt in _PROSE_FILTERS:
-        code = "preset: code in its sources.yaml entry" if sources else "--preset code"
-        off += f", or use {code} for source code"
+        if sources:
+            off += ", or in its sources.yaml entry preset: trusted for text you chose (a book)"
+            off += " or preset: code for source code"
+        else:
+            off += ", or --preset trusted for text you chose (a book), --preset code for code"
     if (flt, reason) not in _THRESHOLDS:
         return off
     key, way, why = _THRESHOLDS[(flt, reason)]

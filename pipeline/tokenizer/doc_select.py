@@ -21,7 +21,7 @@ from codex.core.progress import Progress
 from codex.pipeline.executor import Where, run_units
 from codex.pipeline.readers import iter_text_batches
 
-log = logging.getLogger("codex.tokenizer")
+log = logging.getLogger("codex.tokenize")
 
 Key = tuple[int, int, int]  # (hash, file index, row): the order documents are selected in
 

@@ -47,7 +47,7 @@ from codex.pipeline.tokenizer.doc_select import (
     select_documents,
 )
 
-log = logging.getLogger("codex.tokenizer")
+log = logging.getLogger("codex.tokenize")
 
 COMPRESSION_MAX_CHARS = 2_000_000  # held-out text encoded to measure bytes/token
 

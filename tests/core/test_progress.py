@@ -99,15 +99,15 @@ def test_library_info_lines_go_to_the_log_file_not_the_terminal(terminal, tmp_pa
     logging.getLogger("lm_eval.evaluator").info("building contexts")
     logging.getLogger("rustbpe").warning("a rustbpe warning")
     logging.getLogger("gcsfs").error("retrying a 501")
-    logging.getLogger("codex.tokenizer").info("tokenizer: 512 tokens")
+    logging.getLogger("codex.tokenize").info("tokenizer: 512 tokens")
     shown = terminal.getvalue()
     written = Path(path).read_text()
     for line in ("merges 10 percent done", "readahead cache enabled", "building contexts"):
         assert line in written and line not in shown
     assert "a rustbpe warning" in shown and "a rustbpe warning" in written
     assert "retrying a 501" in written and "retrying a 501" not in shown
-    assert "INFO codex.tokenizer: tokenizer: 512 tokens" in shown
-    assert "INFO codex.tokenizer: tokenizer: 512 tokens" in written
+    assert "INFO codex.tokenize: tokenizer: 512 tokens" in shown
+    assert "INFO codex.tokenize: tokenizer: 512 tokens" in written
     # one header line per invocation: appended, never overwritten
     progress.log_to_file(str(tmp_path / "run"), "codex data tokenize")
     headers = [x for x in Path(path).read_text().splitlines() if x.startswith("=== ")]

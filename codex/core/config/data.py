@@ -147,7 +147,7 @@ class CleanConfig:
     # what a source leaves out comes from the keys below
     sources: list[dict] = setting(
         [],
-        "Inputs with their own settings, a YAML list: {input: PATH[, preset: web|code|all]"
+        "Inputs with their own settings, a YAML list: {input: PATH[, preset: web|code|trusted|all]"
         "[, txt_delimiter: TEXT][, allow_low_yield: true]}.",
     )
     text_field: str = setting("text", ".jsonl(.gz/.zst): the field holding the document's text.")
@@ -158,8 +158,10 @@ class CleanConfig:
         "'re:REGEX': a line the regex matches starts a document (e.g. 're:^// FILE: '); "
         '"" = a whole file is one document.',
     )
-    preset: Literal["web", "code", "all"] = setting(
-        "web", "Filters: web (prose rules), code (source code), all."
+    preset: Literal["web", "code", "trusted", "all"] = setting(
+        "web",
+        "Filters: web (prose rules for web pages), code (source code), trusted (text you chose: "
+        "only the length limit and exact dedup), all.",
     )
     workers: int = setting(
         0,

@@ -124,6 +124,7 @@ def test_presets_and_switches():
     ]
     c.preset = "code"
     assert F.active_filters(c) == ["length", "code", "dedup"]
+    assert F.active_filters(c, "trusted") == ["length", "dedup"]  # a source's own preset wins
     c.dedup.enabled = False
     assert F.active_filters(c) == ["length", "code"]
 
