@@ -32,7 +32,7 @@ from codex.model.gpt import flops_per_token
 from codex.train.distributed.backend import BackendError, unwrap
 from codex.train.optim.optimizer import make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
-from codex.train.plan.plan import Plan, make_plan
+from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset
 from codex.train.remat import apply_remat
 from codex.train.xla.flash import lower_pallas_for_tpu, xla_attention
@@ -226,7 +226,9 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
             f"is not installed. Fix: pip install 'codex[{EXTRA}]' (in a checkout: "
             f"pip install -e '.[{EXTRA}]')"
         )
-    vocab = None if _has_tokenizer(cfg) else cfg.data.tokenizer.vocab_size
+    # the run's tokenizer's vocab where it has one (as training would), else the planned one
+    found = tokenizer_vocab(cfg)
+    vocab = found if found is not None else planned_vocab(cfg)
     resolved, plan, _ = make_plan(cfg, preset, preset.devices, vocab=vocab)
     _check_host_memory(resolved, plan, preset)
     work = Path(tempfile.mkdtemp(prefix="codex-compile-"))
@@ -427,12 +429,6 @@ def _per_chip_bytes(t: torch.Tensor) -> int:
     if "last_tile_dim_replicate" in spec:
         tiles = tiles[:-1]
     return t.numel() * t.element_size() // math.prod(tiles)
-
-
-def _has_tokenizer(cfg: Config) -> bool:
-    from codex.core import fsio, rundir
-
-    return fsio.exists(fsio.join(rundir.tokenizer_dir(cfg.run), "meta.json"))
 
 
 def _check_host_memory(cfg: Config, plan: Plan, preset: HardwarePreset) -> None:

@@ -49,13 +49,15 @@ def planned_vocab(cfg: Config) -> int:
 
 
 def tokenizer_vocab(cfg: Config) -> int | None:
-    """The vocab of the run's finished tokenizer (RUN/tokenizer/tokenizer_meta.json: the number
-    training reads), read without torch for `codex train --help`. None when there is none yet, or
-    RUN is on an object store (--help makes no request) or its meta is unreadable (training says
-    what is wrong). A model.vocab_size that disagrees is the ConfigError training raises."""
-    if fsio.is_remote(cfg.run):
+    """The vocab of the data run's finished tokenizer (tokenizer/tokenizer_meta.json of
+    rundir.data_run: the number training reads), read without torch for `codex train --help` and
+    --compile-only. None when there is none yet, or the run is on an object store (--help makes
+    no request) or its meta is unreadable (training says what is wrong). A model.vocab_size that
+    disagrees is the ConfigError training raises."""
+    data = rundir.data_run(cfg)
+    if fsio.is_remote(data):
         return None
-    path = fsio.join(rundir.tokenizer_dir(cfg.run), rundir.TOKENIZER_META)
+    path = fsio.join(rundir.tokenizer_dir(data), rundir.TOKENIZER_META)
     try:
         vocab = int(fsio.read_json(path)["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -74,3 +74,18 @@ def test_the_comparison_sees_a_shape_the_plan_would_get_wrong():
     for wrong in (wider, fewer_kv):
         ours = planned(wrong)
         assert all(ours[k] != built[k] for k in built), (wrong, ours)
+
+
+def test_the_plan_counts_the_data_runs_tokenizer(tmp_path):
+    """`--help` and --compile-only count the vocab training will read: the data run's tokenizer
+    (train.data_run), else the run's own, else the planned one."""
+    from codex.core.config import build_config
+    from codex.train.plan.plan import planned_vocab, tokenizer_vocab
+    from tests.fixtures.runs import VOCAB, make_run
+
+    data = make_run(tmp_path / "main")
+    assert tokenizer_vocab(build_config(overrides=[f"run={data}"])) == VOCAB
+    other = [f"run={tmp_path / 'exp2'}"]
+    assert tokenizer_vocab(build_config(overrides=other)) is None
+    assert planned_vocab(build_config(overrides=other)) != VOCAB
+    assert tokenizer_vocab(build_config(overrides=[*other, f"train.data_run={data}"])) == VOCAB
