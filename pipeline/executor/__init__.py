@@ -69,12 +69,12 @@ def run_units(
     count: Callable[[U, Any], dict[str, float]] | None = None,
 ) -> Iterator[tuple[U, Any]]:
     """Run fn on every unit, each as a task (task.run_task: where.task's retries of transient I/O
-    errors and timeout, a log file of its own); yield (unit, result) as each finishes. When a unit
-    fails for good, no unit starts after it, those in flight finish (and are yielded), then its
-    exception is raised here, one error line naming the unit logged first (an exception raised
-    by fn that is not transient is not retried: bad input fails the same way twice; Ray retries a
-    task whose worker died). Per finished unit: progress.update(1, **count(unit, result)), e.g.
-    the bytes and documents it read."""
+    errors and of a unit past its timeout, a log file of its own); yield (unit, result) as each
+    finishes, in any order. A unit that fails for good stops no other: every unit runs (and is
+    yielded), then the first failure's exception is raised here, one error line naming the
+    failed units logged first (an exception raised by fn that is not transient is not retried:
+    bad input fails the same way twice; Ray retries a task whose worker died). Per finished
+    unit: progress.update(1, **count(unit, result)), e.g. the bytes and documents it read."""
     if not units:
         return
     tasks = task_specs(fn, units, where)

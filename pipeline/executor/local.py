@@ -21,7 +21,7 @@ from typing import Any
 
 from codex.core.progress import setup_logging
 from codex.pipeline.executor.policy import Where
-from codex.pipeline.executor.task import Task, report_failures, run_task
+from codex.pipeline.executor.task import Failures, Task, report_failures, run_task
 
 log = logging.getLogger("codex.executor")
 
@@ -30,16 +30,18 @@ POOL_START_S = 120.0
 
 
 def run_in_order(tasks: list[Task], units: Sequence) -> Generator[tuple[Any, Any]]:
-    """Every unit in this process, in order; the first that fails ends the run."""
+    """Every unit in this process, in order; one that fails stops no other: the run raises the
+    first failure's exception once every unit has run (report_failures)."""
+    failed = Failures()
     for task, unit in zip(tasks, units, strict=True):
-        failure: Exception | None = None
         try:
             result = _here(run_task, task, unit)
         except Exception as e:
-            failure = e
-        if failure is not None:
-            raise report_failures([(task, failure)], 0)
+            failed.add(task, e)
+            continue
         yield unit, result
+    if failed:
+        raise report_failures(failed, len(tasks))
 
 
 def _start_process(parent: int, warm: Callable[[], Any] | None, up: threading.Barrier) -> None:
@@ -110,8 +112,8 @@ class _Feed:
         self.running: dict[cf.Future, tuple[Task, Any]] = {}  # in the pool: future -> (task, unit)
         self.finished: queue.SimpleQueue = queue.SimpleQueue()  # futures the pool has finished
         self.broken: list[BaseException] = []  # the pool could take no unit (a process died)
-        self.failed: list[tuple[Task, BaseException]] = []  # units that failed for good
-        self.done_after = 0  # units that finished after the first failure
+        self.failed = Failures()  # units that failed for good
+        self.units = len(todo)
         self.lock = threading.Lock()  # todo, running and broken, shared with the pool's thread
 
     def feed(self, _started: cf.Future | None = None) -> None:
@@ -135,16 +137,13 @@ class _Feed:
             self.feed()
 
     def outcome(self, task: Task, unit, get: Callable[[], Any]) -> Iterator[tuple[Any, Any]]:
-        """(unit, get()) once, or nothing when get raises: the unit failed for good, no new unit
-        starts, and those in flight finish."""
+        """(unit, get()) once, or nothing when get raises: the unit failed for good (the others
+        go on; the run raises at its end)."""
         try:
             result = get()
         except Exception as e:
-            self.failed.append((task, e))
-            with self.lock:
-                self.todo.clear()
+            self.failed.add(task, e)
             return
-        self.done_after += bool(self.failed)
         yield unit, result
 
     def pool_finished(self) -> Iterator[tuple[Task, Any, cf.Future]]:
@@ -183,8 +182,8 @@ def run_pool(tasks: list[Task], units: Sequence, where: Where) -> Generator[tupl
     order (a stage puts its small units last: the processes run out of work together). So this
     process works from the start (while the others spawn and import), a phase shorter than a
     pool's start runs here whole, and no unit waits queued in the pool while a process idles at
-    the end. A unit that fails stops the feeding; the units in flight finish and are yielded
-    before its exception is raised."""
+    the end. A unit that fails stops no other: every unit runs, and the first failure's
+    exception is raised at the end (report_failures)."""
     n = min(where.workers, len(units))
     pool, started = (where.pool, where.started) if where.pool else new_pool(n - 1)
     with contextlib.nullcontext(pool) if where.pool else pool:
@@ -211,7 +210,7 @@ def _drive(feed: _Feed) -> Generator[tuple[Any, Any]]:
             yield from feed.outcome(task, unit, functools.partial(_here, run_task, task, unit))
         elif not waiting:
             if feed.failed:
-                raise report_failures(feed.failed, feed.done_after)
+                raise report_failures(feed.failed, feed.units)
             return
         else:
             feed.finished.put(feed.finished.get())  # block until the pool finishes one

@@ -23,13 +23,19 @@ from codex.core.progress import FILE_LOG_FORMAT
 log = logging.getLogger("codex.executor")
 
 
+# how often a unit's log on an object store is written again while the unit runs (when it has
+# new lines): what a unit killed mid-run (for memory, say) leaves is its log up to then
+UNIT_LOG_UPLOAD_S = 30.0
+
+
 @contextlib.contextmanager
 def unit_log(what: str, log_path: str) -> Iterator[None]:
     """While the unit `what` (its phase and name) runs, every log line of this process (codex's
     at INFO, the libraries' at the level they pass) goes to its log file too, with one line when
     it starts and one when it ends (its time, or its error and traceback). A local file is
     appended to as lines come (a retry's lines follow the earlier attempt's); a remote one (gs://)
-    is written once, at the end (an object cannot be appended to). log_path "": no file."""
+    is written from a local copy every UNIT_LOG_UPLOAD_S while the unit runs (an object cannot be
+    appended to) and once more at the end. log_path "": no file."""
     if not log_path:
         yield
         return
@@ -54,6 +60,7 @@ def unit_log(what: str, log_path: str) -> Iterator[None]:
         handler.handle(log.makeRecord(log.name, levelno, "", 0, msg, (), exc_info))
 
     line(logging.INFO, f"{what}: started on {worker_id()}")
+    uploads = _Uploads(what, path, log_path) if remote else None
     t0 = time.monotonic()
     try:
         yield
@@ -70,13 +77,45 @@ def unit_log(what: str, log_path: str) -> Iterator[None]:
         root.removeHandler(handler)
         handler.close()
         codex.setLevel(level)
-        if remote:
+        if uploads is not None:
             try:
-                fsio.upload(path, log_path)
-            except Exception as e:  # the unit's own outcome stands; its log is lost
-                log.warning("%s: could not write its log %s: %s", what, log_path, e)
+                uploads.last()
             finally:
                 os.unlink(path)
+
+
+class _Uploads:
+    """A remote unit log's local copy written to the store while the unit runs: by a thread,
+    every UNIT_LOG_UPLOAD_S when the copy has grown, then once more at the end (last)."""
+
+    def __init__(self, what: str, path: str, log_path: str):
+        self.what, self.path, self.log_path = what, path, log_path
+        self.sent = 0  # the copy's size at the last upload
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="codex-unit-log", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(UNIT_LOG_UPLOAD_S):
+            self._send(final=False)
+
+    def _send(self, final: bool) -> None:
+        try:
+            size = os.path.getsize(self.path)
+            if size != self.sent or final:
+                fsio.upload(self.path, self.log_path)
+                self.sent = size
+        except Exception as e:  # the unit's own outcome stands; its log is lost
+            if final:
+                log.warning("%s: could not write its log %s: %s", self.what, self.log_path, e)
+            else:
+                log.debug("%s: could not write its log yet: %s", self.what, e)
+
+    def last(self) -> None:
+        """Stop the thread (after an upload it has begun), then write the whole log."""
+        self.stop.set()
+        self.thread.join()
+        self._send(final=True)
 
 
 def worker_id() -> str:

@@ -1,6 +1,6 @@
 """A unit's task: what runs it (Task), how it runs in whichever process takes it (run_task: its
 I/O retries, its timeout, its log file) and the one error line for the units that failed for good
-(report_failures). docs/ray.md has the details.
+(Failures, report_failures). docs/ray.md has the details.
 """
 
 from __future__ import annotations
@@ -84,18 +84,45 @@ def task_specs(fn, units: Sequence, where: Where) -> list[Task]:
 def run_task(task: Task, unit):
     """task.fn(unit) in the process that runs the unit (this one, a pool process, a Ray worker),
     its log lines in its own file, run again after a transient I/O error (a unit is idempotent),
-    stopped past its timeout. Its object-store requests get the driver's bound and retries."""
+    stopped past its timeout and run again, data.task.io_retries times in all for each (a stalled
+    read, a node swapping: the next attempt usually passes). Its object-store requests get the
+    driver's bound and retries."""
     bound = store.configured(task.policy.store_timeout_s, task.policy.io_retries)
-    with bound, unit_log(f"{task.phase} {task.name}", task.log_path), _deadline(task):
-        return fsio.with_retries(
-            lambda: task.fn(unit),
-            f"{task.phase} {task.name}",
-            attempts=task.policy.io_retries + 1,
-        )
+    what = f"{task.phase} {task.name}"
+    with bound, unit_log(what, task.log_path):
+        attempt = 0
+        while True:
+            try:
+                with _deadline(task, attempt):
+                    return fsio.with_retries(
+                        lambda: task.fn(unit), what, attempts=task.policy.io_retries + 1
+                    )
+            except Exception as e:
+                attempt += 1
+                if attempt > task.policy.io_retries or not timed_out(e):
+                    raise
+                log.warning(
+                    "%s: ran past data.task.timeout_s=%gs and was stopped; run again (%d/%d)",
+                    what,
+                    task.policy.timeout_s,
+                    attempt,
+                    task.policy.io_retries,
+                )
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether e is a unit's UnitTimeout, or raised from one (a library that wraps what
+    interrupted it)."""
+    cause: BaseException | None = e
+    for _ in range(8):
+        if cause is None or isinstance(cause, UnitTimeout):
+            return cause is not None
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @contextlib.contextmanager
-def _deadline(task: Task) -> Iterator[None]:
+def _deadline(task: Task, attempt: int = 0) -> Iterator[None]:
     """UnitTimeout raised in the unit once task.policy.timeout_s has passed (SIGALRM: Python
     code, and a blocking read or sleep, is interrupted; a call inside a C library that does not
     return to Python is interrupted when it does). Only on a process's main thread, where units
@@ -108,7 +135,8 @@ def _deadline(task: Task) -> Iterator[None]:
     def ring(_signum, _frame):
         raise UnitTimeout(
             f"{task.phase} {task.name} ran past data.task.timeout_s={seconds:g}s and was "
-            "stopped; raise the limit, or look at that unit's input"
+            f"stopped (attempt {attempt + 1} of {task.policy.io_retries + 1}); raise the limit, "
+            "or look at that unit's input"
         )
 
     before = signal.signal(signal.SIGALRM, ring)
@@ -120,20 +148,41 @@ def _deadline(task: Task) -> Iterator[None]:
         signal.signal(signal.SIGALRM, before)
 
 
-def report_failures(failed: list[tuple[Task, BaseException]], finished: int) -> BaseException:
+class Failures:
+    """The units of a run that failed for good: every one's task, and the first one's exception
+    (a run whose every unit fails, a bug say, holds one traceback, not one a unit)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+        self.first: BaseException | None = None
+
+    def add(self, task: Task, e: BaseException) -> None:
+        self.tasks.append(task)
+        if self.first is None:
+            self.first = e
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks)
+
+
+def report_failures(failed: Failures, units: int) -> BaseException:
     """The exception to raise for the units that failed for good (the first one's), after one
-    error line naming them."""
-    task, first = failed[0]
-    names = ", ".join(t.name for t, _ in failed[:5]) + (" ..." if len(failed) > 5 else "")
+    error line naming them (up to 5) out of the run's `units`: the others all ran (a failure
+    stops no unit), so a rerun runs only these."""
+    task, first = failed.tasks[0], failed.first
+    assert first is not None
+    names = ", ".join(t.name for t in failed.tasks[:5]) + (" ..." if len(failed.tasks) > 5 else "")
     log.error(
-        "%s: unit%s %s failed (%s: %s)%s; a rerun runs only the units without a marker%s",
+        "%s: %d of %d unit(s) failed: %s (%s: %s); the other %d finished; a rerun runs only the "
+        "units without a marker%s",
         task.phase,
-        "s" if len(failed) > 1 else "",
+        len(failed.tasks),
+        units,
         names,
         type(first).__name__,
         str(first).strip().splitlines()[0] if str(first).strip() else "",
-        f"; the {finished} other unit(s) in flight finished first" if finished else "",
-        f" (its log: {task.log_path})" if task.log_path else "",
+        units - len(failed.tasks),
+        f" (the first one's log: {task.log_path})" if task.log_path else "",
     )
     with contextlib.suppress(Exception):
         first.add_note(f"in {task.phase} unit {task.name}")

@@ -307,12 +307,15 @@ class TaskConfig:
         ge=0,
     )
     timeout_s: float = setting(
-        0.0, "A unit running longer is stopped and fails, naming it; 0 = no limit.", ge=0
+        0.0,
+        "A unit running longer is stopped and run again (data.task.io_retries times), then "
+        "fails, naming it; 0 = no limit.",
+        ge=0,
     )
     io_retries: int = setting(
         4,
         "Attempts more for a unit that hit a transient I/O error (network, EIO, HTTP 429/5xx), "
-        "after 1, 2, 4, ... s.",
+        "after 1, 2, 4, ... s; and for one past data.task.timeout_s, at once.",
         ge=0,
         le=20,
     )

@@ -168,31 +168,66 @@ def test_one_worker_runs_every_unit_here():
 
 
 def slow_or_bad(folder: str, unit: int) -> int:
-    """Unit 1 fails at once; the others take a moment, then leave a file (their 'marker')."""
-    if unit == 1:
+    """Units 1 and 3 fail at once; the others take a moment, then leave a file (their
+    'marker')."""
+    if unit in (1, 3):
         raise ValueError(f"bad unit {unit}")
     time.sleep(0.3)
     open(os.path.join(folder, f"done-{unit}"), "w").close()
     return unit
 
 
-def test_a_failing_unit_lets_the_units_in_flight_finish_then_raises_naming_it(tmp_path, caplog):
-    """Unit 0 runs in the pool process when unit 1 fails in this one: unit 0 finishes, is yielded
-    (its marker kept), no later unit starts, and unit 1's own exception is raised after one
-    error line naming it."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failing_unit_stops_no_other_then_raises_naming_the_failed(tmp_path, caplog, workers):
+    """Units 1 and 3 fail, in this process or the pool's: every other unit still runs, is
+    yielded and leaves its marker; then unit 1's own exception is raised after one error line
+    naming both."""
     fn = functools.partial(slow_or_bad, str(tmp_path))
     got = []
-    with stage_pool(Where(workers=2)) as where:
+    with stage_pool(Where(workers=workers)) as where:
         cf.wait(where.started)
         with caplog.at_level("ERROR", logger="codex.executor"):
-            with pytest.raises(ValueError, match="bad unit 1"):
-                for unit, _ in run_units(fn, [0, 1, 2, 3, 4], where):
+            with pytest.raises(ValueError, match="bad unit [13]"):
+                for unit, _ in run_units(fn, [0, 1, 2, 3, 4, 5], where):
                     got.append(unit)
-    assert got == [0]  # finished after unit 1 failed, and handed on
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["done-0"]  # nothing started after
+    assert sorted(got) == [0, 2, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"done-{u}" for u in (0, 2, 4, 5)]
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert "slow_or_bad: unit 1 failed (ValueError: bad unit 1)" in line, line
-    assert "1 other unit(s) in flight finished first" in line, line
+    assert "slow_or_bad: 2 of 6 unit(s) failed: " in line, line
+    assert sorted(line.split("failed: ")[1].split(" (")[0].split(", ")) == ["1", "3"], line
+    assert "(ValueError: bad unit " in line and "the other 4 finished" in line, line
+
+
+def test_a_unit_that_fails_leaves_the_others_done_and_a_rerun_runs_only_it(tmp_path, monkeypatch):
+    """clean's second unit fails: the stage still runs every other unit (each leaves its marker),
+    then fails; a rerun runs only the failed unit and gives what an undisturbed run gives."""
+    from codex.pipeline.clean import clean as C
+    from tests.fixtures.clean import cfg_for, make_corpus, snapshot
+
+    make_corpus(tmp_path / "in", 4, 30)
+    args = ["data.clean.chunk_bytes=4000", "data.clean.workers=1"]
+    ref = C.run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args, run="ref"))
+    assert ref["units"] >= 4, ref
+    real = C.clean_unit
+
+    @functools.wraps(real)
+    def second_fails(job):
+        if job.unit.index == 1:
+            raise ValueError("unit 1 cannot be read")
+        return real(job)
+
+    monkeypatch.setattr(C, "clean_unit", second_fails)
+    cfg = cfg_for(tmp_path, [tmp_path / "in"], *args)
+    with pytest.raises(ValueError, match="unit 1 cannot be read"):
+        C.run_clean(cfg)
+    markers = tmp_path / "run" / "clean" / "markers"
+    assert len(list(markers.glob("*.json"))) == ref["units"] - 1
+    monkeypatch.setattr(C, "clean_unit", real)
+    again = C.run_clean(cfg)
+    assert again.pop("units_run") == 1
+    ref.pop("units_run")
+    assert again == ref
+    assert snapshot(tmp_path / "run") == snapshot(tmp_path / "ref")
 
 
 def flaky(folder: str, unit: int) -> int:
@@ -269,12 +304,40 @@ def sleeper(unit: int) -> int:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_unit_past_its_timeout_is_stopped_and_fails_naming_it(workers):
-    """workers=1: the unit runs in this process; 2: in the pool's (both: their main thread)."""
-    where = Where(workers=workers, task=executor.TaskPolicy(timeout_s=0.5))
+    """workers=1: the unit runs in this process; 2: in the pool's (both: their main thread).
+    Each attempt is stopped: the first, then its one retry (io_retries=1)."""
+    where = Where(workers=workers, task=executor.TaskPolicy(timeout_s=0.5, io_retries=1))
     with stage_pool(where) as where:
         cf.wait(where.started)
-        with pytest.raises(executor.UnitTimeout, match=r"sleeper [34] ran past .*timeout_s=0.5s"):
+        with pytest.raises(
+            executor.UnitTimeout, match=r"sleeper [34] ran past .*timeout_s=0.5s.*attempt 2 of 2"
+        ):
             list(run_units(sleeper, [3, 4], where))
+
+
+def slow_the_first_time(folder: str, unit: int) -> int:
+    """Hangs on its first attempt (past any timeout), returns on the next; counts attempts."""
+    tries = os.path.join(folder, f"tries-{unit}")
+    with open(tries, "a") as f:
+        f.write("x")
+    if os.path.getsize(tries) == 1:
+        time.sleep(60)
+    return unit
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_unit_that_timed_out_runs_again_and_the_stage_finishes(tmp_path, workers):
+    fn = functools.partial(slow_the_first_time, str(tmp_path))
+    policy = executor.TaskPolicy(timeout_s=0.5, io_retries=2)
+    where = Where(workers=workers, task=policy, logs=str(tmp_path / "logs"))
+    with stage_pool(where) as where:
+        cf.wait(where.started)
+        assert sorted(u for u, _ in run_units(fn, [5, 6], where)) == [5, 6]
+    for unit in (5, 6):
+        assert (tmp_path / f"tries-{unit}").read_text() == "xx"  # stopped once, then passed
+        text = (tmp_path / "logs" / "slow_the_first_time" / f"{unit}.log").read_text()
+        assert "ran past data.task.timeout_s=0.5s and was stopped; run again (1/2)" in text, text
+        assert f"slow_the_first_time {unit}: done in" in text, text
 
 
 def test_the_memory_reservation_caps_the_local_processes(caplog):
@@ -325,6 +388,49 @@ def test_a_units_log_file_on_gcs_is_written_when_it_ends(gcs_bucket):
     assert [u for u, _ in run_units(warn_and_return, [2], Where(logs=logs))] == [2]
     text = fsio.read_text(f"{logs}/warn_and_return/2.log")
     assert "WARNING codex.test: unit 2 says hello" in text and "done in" in text, text
+
+
+# A process that runs one unit with its log on gs://, written again every 0.2 s: the unit logs a
+# line, then hangs until the test kills the process (as the kernel does a unit out of memory)
+_LOGS_THEN_HANGS = """import logging, sys, time
+from codex.pipeline.executor import Where, logs, run_units
+logs.UNIT_LOG_UPLOAD_S = 0.2
+def hang_after_a_line(unit):
+    logging.getLogger("codex.test").warning("unit %d got halfway", unit)
+    time.sleep(120)
+list(run_units(hang_after_a_line, [4], Where(logs=sys.argv[1])))
+"""
+
+
+@pytest.mark.slow
+def test_a_unit_killed_mid_run_leaves_its_log_on_gcs(gcs_bucket):
+    import subprocess
+    import sys
+
+    from codex.core import fsio
+
+    logs = f"{gcs_bucket}/run/logs"
+    path = f"{logs}/hang_after_a_line/4.log"
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.Popen([sys.executable, "-c", _LOGS_THEN_HANGS, logs], env=env, cwd=root)
+    try:
+        text = ""
+        deadline = time.monotonic() + 60
+        while "got halfway" not in text and time.monotonic() < deadline:
+            assert proc.poll() is None, "the unit's process ended"
+            time.sleep(0.1)
+            text = fsio.read_text(path) if fsio.exists(path) else ""
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    text = fsio.read_text(path)  # what the killed unit left
+    assert "hang_after_a_line 4: started on" in text, text
+    assert "WARNING codex.test: unit 4 got halfway" in text, text
+    assert "done in" not in text and "failed after" not in text, text
 
 
 def test_the_ray_in_flight_limit_queues_demand_beyond_the_cpus():
