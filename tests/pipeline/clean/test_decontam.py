@@ -1,0 +1,151 @@
+"""Decontamination (pipeline/clean/decontam.py): n-gram matching after normalisation, drop and
+mark modes, counts per eval set, both local executors alike, bad eval sets exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from codex.cli.main import cli
+from codex.core.config import ConfigError
+from codex.pipeline.clean import decontam
+from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.clean.plan import plan_fingerprint
+from tests.fixtures.clean import cfg_for, prose, read_out, snapshot
+
+# 20 words; its first 13 are the injected n-gram
+QUESTION = (
+    "Which ancient philosopher argued that the unexamined life is not worth living for a "
+    "human being according to Plato"
+)
+WORDS = QUESTION.split()
+
+
+def _corpus(tmp_path, n_docs=40):
+    """Prose documents; document 3 holds the question's first 13 words, changed in case,
+    punctuation and white space; document 5 only its first 12 words; document 7 a whole
+    question of the second set."""
+    docs = [prose(k) for k in range(n_docs)]
+    thirteen = " ".join(WORDS[:13]).upper().replace(" ", ",\n  ", 3) + "!"
+    docs[3] = docs[3].replace("It was recorded", f"Some said: {thirteen} It was recorded")
+    docs[5] = docs[5].replace("It was recorded", f"Some said {' '.join(WORDS[:12])}. It was")
+    docs[7] += (
+        "\nWhat is the boiling point of water at sea level in degrees Celsius on a normal day?"
+    )
+    d = tmp_path / "in"
+    d.mkdir()
+    with open(d / "a.jsonl", "w") as fh:
+        for t in docs:
+            fh.write(json.dumps({"text": t}) + "\n")
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    with open(evals / "philo.jsonl", "w") as fh:
+        fh.write(json.dumps({"text": QUESTION, "label": 1}) + "\n")
+        fh.write(json.dumps({"text": "too short to match"}) + "\n")
+    (evals / "science.txt").write_text(
+        "What is the boiling point of water at sea level\nin degrees Celsius on a normal day?\n"
+    )
+    return d, [str(evals / "philo.jsonl"), str(evals / "science.txt")]
+
+
+def _args(sets, *more):
+    return (
+        "data.clean.decontam.enabled=true",
+        f"data.clean.decontam.eval_sets={json.dumps(sets)}",
+        "data.clean.preset=trusted",
+        *more,
+    )
+
+
+def test_ngram_hashes_see_through_case_punctuation_and_white_space():
+    a = decontam.ngram_hashes(decontam.words_of(QUESTION), 13)
+    b = decontam.ngram_hashes(decontam.words_of(QUESTION.upper().replace(" ", " ,\n\t")), 13)
+    assert len(a) == len(WORDS) - 12 and (a == b).all()
+    assert len(set(a.tolist())) == len(a)
+    assert not len(decontam.ngram_hashes(WORDS[:12], 13))
+
+
+def test_drop_mode_drops_the_13_gram_only_and_counts_per_set(tmp_path):
+    d, sets = _corpus(tmp_path)
+    stats = run_clean(cfg_for(tmp_path, [d], *_args(sets), "data.clean.keep_rejected=true"))
+    assert stats["drops"]["decontam"] == {"philo": 1, "science": 1}
+    assert stats["decontam"]["philo"]["docs"] == 1 and stats["decontam"]["science"]["docs"] == 1
+    kept = {r["text"] for r in read_out(str(tmp_path / "run"))}
+    assert len(kept) == 38  # documents 3 and 7, of the years 1003 and 1007, dropped
+    assert not any(f"year {y}." in t for t in kept for y in (1003, 1007))
+    assert any(" ".join(WORDS[:12]) in t for t in kept)  # 12 shared words: kept
+    rejected = [
+        r
+        for p in (tmp_path / "run" / "clean" / "rejected").glob("*.parquet")
+        for r in pq.read_table(p).to_pylist()
+    ]
+    assert sorted(r["reason"] for r in rejected) == ["decontam:philo", "decontam:science"]
+    saved = json.loads((tmp_path / "run" / "clean" / "stats.json").read_text())
+    assert saved["decontam"] == stats["decontam"]
+    assert list((tmp_path / "run" / "clean" / "decontam").glob("ngrams-*.npy"))
+
+
+def test_mark_mode_keeps_the_documents_with_their_set(tmp_path):
+    d, sets = _corpus(tmp_path)
+    stats = run_clean(cfg_for(tmp_path, [d], *_args(sets, "data.clean.decontam.mode=mark")))
+    assert "decontam" not in stats["drops"] and stats["decontam"]["philo"]["docs"] == 1
+    rows = read_out(str(tmp_path / "run"))
+    assert len(rows) == 40
+    marked = sorted(r["contaminated"] for r in rows if r["contaminated"])
+    assert marked == ["philo", "science"]
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_give_identical_parts(tmp_path):
+    d, sets = _corpus(tmp_path, n_docs=120)
+    args = (*_args(sets), "data.clean.chunk_bytes=20000", "data.clean.part_bytes=0")
+    s1 = run_clean(cfg_for(tmp_path, [d], *args, run="w1"))
+    s2 = run_clean(cfg_for(tmp_path, [d], *args, "data.clean.workers=2", run="w2"))
+    assert s1["units"] > 2 and s1["drops"]["decontam"] == {"philo": 1, "science": 1}
+    assert snapshot(tmp_path / "w1") == snapshot(tmp_path / "w2")
+    assert s1["decontam"] == s2["decontam"]
+
+
+def test_the_eval_sets_content_is_part_of_the_fingerprint(tmp_path):
+    d, sets = _corpus(tmp_path)
+    cfg = cfg_for(tmp_path, [d], *_args(sets))
+    c = cfg.data.clean
+    before = decontam.read_eval_sets(c.decontam).fingerprint
+    with open(sets[1], "a") as fh:
+        fh.write("one more line of the eval set that changes its n-grams entirely here\n")
+    after = decontam.read_eval_sets(c.decontam).fingerprint
+    assert before != after and plan_fingerprint(c, [], before) != plan_fingerprint(c, [], after)
+
+
+def test_bad_or_empty_eval_sets_exit_2_naming_them(tmp_path):
+    d, sets = _corpus(tmp_path)
+    (tmp_path / "evals" / "empty.txt").write_text("four words only here\n")
+    missing = str(tmp_path / "evals" / "nope.jsonl")
+    for bad, said in (
+        (missing, "cannot read"),
+        (str(tmp_path / "evals" / "empty.txt"), "no document"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            decontam.read_eval_sets(cfg_for(tmp_path, [d], *_args([bad])).data.clean.decontam)
+        result = CliRunner().invoke(
+            cli,
+            [
+                "data",
+                "clean",
+                "--run",
+                str(tmp_path / "r"),
+                "--input",
+                str(d),
+                "--preset",
+                "trusted",
+                "--set",
+                "data.clean.decontam.enabled=true",
+                "--set",
+                f"data.clean.decontam.eval_sets={json.dumps([bad])}",
+            ],
+        )
+        assert result.exit_code == 2, result.output
+        assert "data.clean.decontam.eval_sets" in result.output and bad in result.output
