@@ -22,63 +22,77 @@ from codex.core import fsio
 from codex.core.config import ConfigError
 
 _PUNCT = re.compile(r"[^\w\s]")  # punctuation and symbols; \w keeps letters, digits, "_"
-_VERSION = 1  # of the normalisation and hashing: part of the fingerprint
+_SPACES = re.compile(r"\s")  # str.split()'s white space; in UTF-8 bytes only ASCII's is found
+# the same two for ASCII text, at bytes.translate's speed
+_ASCII_DROP = bytes(b for b in range(128) if not re.match(r"[\w\s]", chr(b)))
+_ASCII_SPACE = np.zeros(256, dtype=bool)
+_ASCII_SPACE[[b for b in range(128) if chr(b).isspace()]] = True
+_VERSION = 2  # of the normalisation and hashing: part of the fingerprint
+_P = 0x9E3779B97F4A7C15  # odd: a word's polynomial hash base, invertible mod 2**64
+_POWERS: list[np.ndarray] = []  # [P**i, P**-i] mod 2**64 for i < their length
+
+
+def normalized(text: str) -> bytes:
+    """The text lowercased, punctuation removed, as UTF-8 in which the only white space is
+    ASCII's (a word is what str.split() makes of the text)."""
+    t = text.lower()
+    if t.isascii():
+        return t.encode("ascii").translate(None, _ASCII_DROP)
+    return _SPACES.sub(" ", _PUNCT.sub("", t)).encode("utf-8")
 
 
 def words_of(text: str) -> list[str]:
-    """The normalised words: lowercased, punctuation removed, split on white space."""
-    return _PUNCT.sub("", text.lower()).split()
+    """The normalised words."""
+    return normalized(text).decode("utf-8").split()
 
 
-class _WordHashes(dict):
-    """word -> 64-bit blake2b of its UTF-8 (the same in every process, unlike hash()); a cache,
-    since most words of a corpus are a few thousand distinct ones."""
-
-    def __missing__(self, word: str) -> int:
-        if len(self) > 1 << 20:  # bounded: a corpus's long tail of rare words
-            self.clear()
-        h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
-        self[word] = h
-        return h
-
-
-_WORDS = _WordHashes()
-_MULTIPLIERS: dict[int, np.ndarray] = {}
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    if not _POWERS or len(_POWERS[0]) < n:
+        size = max(n, 1 << 16)
+        ps = np.cumprod(np.full(size, _P, dtype=np.uint64))  # mod 2**64: uint64 wraps
+        inv = np.cumprod(np.full(size, pow(_P, -1, 1 << 64), dtype=np.uint64))
+        ps[1:], ps[0] = ps[:-1].copy(), 1
+        inv[1:], inv[0] = inv[:-1].copy(), 1
+        keep = size <= 1 << 22  # a rare huge document's are not kept (32 MB each)
+        _POWERS[:] = [ps, inv] if keep else _POWERS
+        return ps, inv
+    return _POWERS[0], _POWERS[1]
 
 
-def _multipliers(n: int) -> np.ndarray:
-    """n fixed odd 64-bit multipliers, one per position in an n-gram."""
-    if n not in _MULTIPLIERS:
-        _MULTIPLIERS[n] = np.array(
-            [
-                int.from_bytes(
-                    hashlib.blake2b(f"pos{j}".encode(), digest_size=8).digest(), "little"
-                )
-                | 1
-                for j in range(n)
-            ],
-            dtype=np.uint64,
-        )
-    return _MULTIPLIERS[n]
-
-
-def ngram_hashes(words: list[str], n: int) -> np.ndarray:
-    """The 64-bit hashes of the n-grams of consecutive words (none with fewer than n words): a
-    sum of word hashes times per-position multipliers (mod 2**64), then a splitmix64 finaliser."""
-    m = len(words) - n + 1
-    if m <= 0:
-        return np.empty(0, dtype=np.uint64)
-    w = np.fromiter(map(_WORDS.__getitem__, words), dtype=np.uint64, count=len(words))
-    mult = _multipliers(n)
-    h = w[:m] * mult[0]
-    for j in range(1, n):
-        h += w[j : j + m] * mult[j]
+def _mix(h: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place."""
     h ^= h >> np.uint64(30)
     h *= np.uint64(0xBF58476D1CE4E5B9)
     h ^= h >> np.uint64(27)
     h *= np.uint64(0x94D049BB133111EB)
     h ^= h >> np.uint64(31)
     return h
+
+
+_MULT = _mix(np.arange(1, 65, dtype=np.uint64)) | np.uint64(1)  # per position in an n-gram
+
+
+def ngram_hashes(text: str, n: int) -> np.ndarray:
+    """The 64-bit hashes of the n-grams of consecutive normalised words of text (none with fewer
+    than n words), in numpy, no Python step per word: a word's hash is the polynomial of its
+    UTF-8 bytes (from prefix sums), mixed; an n-gram's the sum of its words' times a multiplier
+    per position (mod 2**64), mixed."""
+    a = np.frombuffer(normalized(text), dtype=np.uint8)
+    space = np.ones(len(a) + 2, dtype=bool)
+    space[1:-1] = _ASCII_SPACE[a]
+    edges = np.flatnonzero(space[1:] != space[:-1])  # word starts and ends, alternating
+    starts, ends = edges[0::2], edges[1::2]
+    m = len(starts) - n + 1
+    if m <= 0:
+        return np.empty(0, dtype=np.uint64)
+    ps, inv = _powers(len(a))
+    prefix = np.zeros(len(a) + 1, dtype=np.uint64)
+    np.cumsum(a.astype(np.uint64) * ps[: len(a)], out=prefix[1:])
+    w = _mix((prefix[ends] - prefix[starts]) * inv[starts])
+    h = w[:m] * _MULT[0]
+    for j in range(1, n):
+        h += w[j : j + m] * _MULT[j % len(_MULT)]
+    return _mix(h)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +172,7 @@ def write_table(sets: EvalSets, n: int, out: str) -> str:
         return path
     hashes, owner = [], []
     for k, texts in enumerate(sets.docs):
-        h = np.unique(np.concatenate([ngram_hashes(words_of(t), n) for t in texts]))
+        h = np.unique(np.concatenate([ngram_hashes(t, n) for t in texts]))
         hashes.append(h)
         owner.append(np.full(len(h), k, dtype=np.uint16))
     all_h, all_o = np.concatenate(hashes), np.concatenate(owner)
@@ -174,11 +188,16 @@ def write_table(sets: EvalSets, n: int, out: str) -> str:
 # the workers
 
 
+_BITMAP_BITS = 24  # a 16 MB filter before the sorted table: most n-grams are in no eval set
+
+
 class Matcher:
     """The table of one run, loaded once per process; match() names the first eval set (in
     eval_sets' order) sharing an n-gram with a text."""
 
-    _loaded: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # path -> table; one at a time
+    _loaded: dict[
+        str, tuple[np.ndarray, np.ndarray, np.ndarray]
+    ] = {}  # path -> table; one at a time
 
     def __init__(self, path: str, names: list[str], n: int):
         if path not in Matcher._loaded:
@@ -187,13 +206,17 @@ class Matcher:
                 hashes = np.load(fh)
             with fsio.open(path.replace(".npy", "-sets.npy"), "rb") as fh:
                 sets = np.load(fh)
-            Matcher._loaded[path] = (hashes, sets)
-        self.hashes, self.sets = Matcher._loaded[path]
+            bitmap = np.zeros(1 << _BITMAP_BITS, dtype=bool)
+            bitmap[hashes >> np.uint64(64 - _BITMAP_BITS)] = True
+            Matcher._loaded[path] = (hashes, sets, bitmap)
+        self.hashes, self.sets, self.bitmap = Matcher._loaded[path]
         self.names, self.n = names, n
 
     def match(self, text: str) -> str | None:
-        h = ngram_hashes(words_of(text), self.n)
-        if not len(h) or not len(self.hashes):
+        h = ngram_hashes(text, self.n)
+        if len(h):  # only n-grams whose top bits some eval n-gram has are looked up
+            h = h[self.bitmap[h >> np.uint64(64 - _BITMAP_BITS)]]
+        if not len(h):
             return None
         at = np.searchsorted(self.hashes, h)
         np.minimum(at, len(self.hashes) - 1, out=at)

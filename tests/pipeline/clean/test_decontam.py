@@ -61,11 +61,14 @@ def _args(sets, *more):
 
 
 def test_ngram_hashes_see_through_case_punctuation_and_white_space():
-    a = decontam.ngram_hashes(decontam.words_of(QUESTION), 13)
-    b = decontam.ngram_hashes(decontam.words_of(QUESTION.upper().replace(" ", " ,\n\t")), 13)
+    a = decontam.ngram_hashes(QUESTION, 13)
+    b = decontam.ngram_hashes("  " + QUESTION.upper().replace(" ", " ,\n\t\u00a0") + "?", 13)
     assert len(a) == len(WORDS) - 12 and (a == b).all()
     assert len(set(a.tolist())) == len(a)
-    assert not len(decontam.ngram_hashes(WORDS[:12], 13))
+    assert not len(decontam.ngram_hashes(" ".join(WORDS[:12]), 13))
+    # a word's hash is its bytes': the same word in ASCII and non-ASCII text, others differ
+    words = decontam.ngram_hashes("é " + " ".join(WORDS[:13]), 13)
+    assert words[1] == a[0] and words[0] != a[0]
 
 
 def test_drop_mode_drops_the_13_gram_only_and_counts_per_set(tmp_path):
@@ -149,3 +152,16 @@ def test_bad_or_empty_eval_sets_exit_2_naming_them(tmp_path):
         )
         assert result.exit_code == 2, result.output
         assert "data.clean.decontam.eval_sets" in result.output and bad in result.output
+
+
+@pytest.mark.slow
+def test_ray_workers_read_the_table_and_give_the_same_parts(tmp_path, ray_cluster):
+    d, sets = _corpus(tmp_path, n_docs=120)
+    args = (*_args(sets, "data.clean.decontam.mode=mark"), "data.clean.chunk_bytes=20000")
+    local = run_clean(cfg_for(tmp_path, [d], *args, "data.clean.workers=1", run="local"))
+    cfg = cfg_for(tmp_path, [d], *args, run="ray")
+    cfg.data.executor, cfg.data.ray_address = "ray", ray_cluster
+    on_ray = run_clean(cfg)
+    assert local["decontam"] == on_ray["decontam"] and local["decontam"]["philo"]["docs"] == 1
+    assert snapshot(tmp_path / "local") == snapshot(tmp_path / "ray")
+    assert sum(r["contaminated"] is not None for r in read_out(str(tmp_path / "ray"))) == 2
