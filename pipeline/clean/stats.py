@@ -205,6 +205,11 @@ def drop_fix(
         )
     if flt == "dedup":
         return "the documents are exact copies of each other"
+    if flt == "decontam":
+        return (
+            f"the documents share an n-gram with eval set {reason}; to keep them with a "
+            "`contaminated` column instead: --set data.clean.decontam.mode=mark"
+        )
     off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
     if flt in _PROSE_FILTERS:
         if sources:

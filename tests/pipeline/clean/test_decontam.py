@@ -14,6 +14,7 @@ from codex.core.config import ConfigError
 from codex.pipeline.clean import decontam
 from codex.pipeline.clean.clean import run_clean
 from codex.pipeline.clean.plan import plan_fingerprint
+from codex.pipeline.clean.stats import source_summary
 from tests.fixtures.clean import cfg_for, prose, read_out, snapshot
 
 # 20 words; its first 13 are the injected n-gram
@@ -86,6 +87,9 @@ def test_drop_mode_drops_the_13_gram_only_and_counts_per_set(tmp_path):
         for r in pq.read_table(p).to_pylist()
     ]
     assert sorted(r["reason"] for r in rejected) == ["decontam:philo", "decontam:science"]
+    lines = source_summary(stats)
+    assert any("philo 1" in line and "science 1" in line for line in lines)
+    assert any("decontam:philo" in line and "mode=mark" in line for line in lines)
     saved = json.loads((tmp_path / "run" / "clean" / "stats.json").read_text())
     assert saved["decontam"] == stats["decontam"]
     assert list((tmp_path / "run" / "clean" / "decontam").glob("ngrams-*.npy"))
@@ -99,6 +103,13 @@ def test_mark_mode_keeps_the_documents_with_their_set(tmp_path):
     assert len(rows) == 40
     marked = sorted(r["contaminated"] for r in rows if r["contaminated"])
     assert marked == ["philo", "science"]
+    # a rerun resumes; one with a changed eval set is refused like any changed setting
+    again = run_clean(cfg_for(tmp_path, [d], *_args(sets, "data.clean.decontam.mode=mark")))
+    assert again["units_run"] == 0
+    with open(sets[1], "a") as fh:
+        fh.write("and one more line that makes new n-grams of this eval set for the rerun\n")
+    with pytest.raises(Exception, match="other inputs or settings"):
+        run_clean(cfg_for(tmp_path, [d], *_args(sets, "data.clean.decontam.mode=mark")))
 
 
 @pytest.mark.slow
