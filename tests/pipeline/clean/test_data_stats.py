@@ -39,6 +39,9 @@ def test_histograms_count_every_document_in_its_bin():
     # 50 characters: the bin [10**1.5, 10**1.75)
     assert h.chars[int(np.searchsorted(report.CHAR_EDGES, 50, side="right")) - 1] == 1
     assert h.scores["score"].sum() == 3 and h.scores["score"][-1] == 2
+    # "one two three": mean word length 11/3 (bin [3.5, 4)), every word with a letter
+    assert h.signals["avg_word_length"][7] == 1 and h.signals["alpha_words_ratio"][-1] == 3
+    assert report.signals("a\nb\na\na") == (1.0, 1.0, 0.0, 0.5)
 
 
 @pytest.mark.slow
@@ -55,6 +58,8 @@ def test_stats_writes_json_and_png_and_names_the_top_rule(tmp_path):
     assert groups["kept"]["docs"] == 10 and groups["dropped"]["docs"] == 5
     assert groups["dropped:gopher_quality"]["docs"] == 4
     assert sum(groups["kept"]["chars"]) == 10 and "note" not in saved
+    # the repeated line's document: every line but one a duplicate (the last bin)
+    assert groups["dropped:gopher_repetition"]["signals"]["dup_line_frac"][-1] == 1
 
 
 def test_without_rejected_rows_it_says_so_and_a_run_without_clean_exits_2(tmp_path):
