@@ -4,6 +4,7 @@ mark modes, counts per eval set, both local executors alike, bad eval sets exit 
 from __future__ import annotations
 
 import json
+import random
 
 import pyarrow.parquet as pq
 import pytest
@@ -176,3 +177,32 @@ def test_ray_workers_read_the_table_and_give_the_same_parts(tmp_path, ray_cluste
     assert local["decontam"] == on_ray["decontam"] and local["decontam"]["philo"]["docs"] == 1
     assert snapshot(tmp_path / "local") == snapshot(tmp_path / "ray")
     assert sum(r["contaminated"] is not None for r in read_out(str(tmp_path / "ray"))) == 2
+
+
+def test_every_injected_13_gram_and_nothing_else_is_dropped(tmp_path):
+    """Windows of an eval set's text injected into prose at random places, in random case and
+    punctuation: the 13-word ones are all dropped, the 12-word ones all kept."""
+    rng = random.Random(5)
+    eval_text = [
+        f"{rng.choice(['alpha', 'beta', 'gamma', 'delta'])}{rng.randrange(50)}" for _ in range(300)
+    ]
+    docs, injected = [], set()
+    for k in range(60):
+        words = prose(k).split()
+        if k % 3:
+            size = 13 if k % 3 == 1 else 12
+            at = rng.randrange(len(eval_text) - size)
+            window = [w.upper() if rng.random() < 0.3 else w for w in eval_text[at : at + size]]
+            words[rng.randrange(len(words)) : 0] = [w + rng.choice(["", ",", ";"]) for w in window]
+            injected |= {k} if size == 13 else set()
+        docs.append(" ".join(words) + f" {k}")
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in" / "a.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"text": t}) + "\n" for t in docs)
+    (tmp_path / "held.txt").write_text(
+        "\n".join(" ".join(eval_text[i : i + 9]) for i in range(0, len(eval_text), 9))
+    )
+    stats = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *_args([str(tmp_path / "held.txt")])))
+    kept = {int(r["text"].rsplit(" ", 1)[1]) for r in read_out(str(tmp_path / "run"))}
+    assert set(range(60)) - kept == injected and len(injected) == 20
+    assert stats["decontam"]["held"]["docs"] == 20
