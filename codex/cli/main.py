@@ -27,6 +27,7 @@ from codex.cli.command import (
     stage,
     with_config,
 )
+from codex.cli.data_stats import data_stats
 from codex.core import fsio, rundir, runlock
 from codex.core.config import build_config, yaml_error
 from codex.core.config.train import TrainConfig
@@ -41,8 +42,7 @@ _DEFAULT_MODEL = config_default("model")
 
 
 # show_default: every option with a default says it in --help (key_option adds the config's own
-# default, as its click default stays None: "not given"); tests/cli/test_cli_help.py checks each
-# one.
+# default, its click default staying None); tests/cli/test_cli_help.py checks each one.
 @click.group(
     context_settings={
         "help_option_names": ["-h", "--help"],
@@ -73,8 +73,11 @@ def cli(ctx: click.Context):
 @cli.group()
 @click.pass_context
 def data(ctx: click.Context):
-    """Data stages: clean -> tokenize -> shard (and verify, upload)."""
+    """Data stages: clean -> tokenize -> shard (and stats, verify, upload)."""
     name_command(ctx)
+
+
+data.add_command(data_stats)  # its own module: main.py is at the size limit
 
 
 # --- codex data clean -------------------------------------------------------------------------
@@ -531,9 +534,6 @@ def export_cmd(cfg, fmt, out, max_shard_size):
         f"step {r['step']} ({r['train_tokens']:,} tokens) -> {r['path']} ({r['architecture']}, "
         f"vocab {r['vocab_size']})"
     )
-
-
-# --- codex demo / hardware ----------------------------------------------------------------------
 
 
 @cli.command("demo")

@@ -15,7 +15,7 @@ from codex.core import fsio, rundir
 from codex.core.config import ConfigError
 from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
-from codex.pipeline.clean import near_dedup, words
+from codex.pipeline.clean import decontam, near_dedup, words
 from codex.pipeline.clean.finalize import finalize, refuse_bad_outcome, sweep_temp_files
 from codex.pipeline.clean.plan import (
     METADATA_THREADS,
@@ -100,7 +100,9 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     returns the stats. listed: inputs_and_filters(c)."""
     out = stage.out
     files, skipped, filters = listed
-    fingerprint = plan_fingerprint(c, files)
+    # read once here; the workers load the table write_table makes of them
+    evals = decontam.read_eval_sets(c.decontam) if "decontam" in filters else None
+    fingerprint = plan_fingerprint(c, files, evals.fingerprint if evals else "")
     units = plan_units(files, c)
     markers = read_markers(stage, fingerprint)
     packed_away, leftover = drop_markers_without_files(out, markers, dedup="dedup" in filters)
@@ -148,7 +150,8 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     fsio.makedirs(out)
     if c.num_tasks == 1 and sweep_temp_files(out):
         log.info("clean: removed the temp files of an interrupted earlier run")
-    jobs = [UnitJob(u, c, out, filters, fingerprint) for u in todo]
+    table = decontam.write_table(evals, c.decontam.n, out) if evals and todo else ""
+    jobs = [UnitJob(u, c, out, filters, fingerprint, table) for u in todo]
     for m in _process(jobs, where):
         markers[m["unit"]] = m
     if all(u.name in markers for u in units):

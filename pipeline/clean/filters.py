@@ -488,12 +488,14 @@ FILTERS = {  # name -> function; settings are cfg.data.clean.<name>
 }
 
 PRESETS = {
-    "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "dedup"),
-    "code": ("length", "code", "dedup"),  # prose rules (Gopher, C4, FineWeb) make no sense on code
+    # decontam and dedup are run by the unit (unit.py), after the filters
+    "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "decontam", "dedup"),
+    # prose rules (Gopher, C4, FineWeb) make no sense on code
+    "code": ("length", "code", "decontam", "dedup"),
     # text the user chose and trusts (a book, their own notes): web pages' rules would drop its
     # short paragraphs and dialogue, so only the length limit and the exact dedup run
-    "trusted": ("length", "dedup"),
-    "all": tuple(FILTERS) + ("dedup",),
+    "trusted": ("length", "decontam", "dedup"),
+    "all": tuple(FILTERS) + ("decontam", "dedup"),
 }
 
 
@@ -506,7 +508,8 @@ def active_filters(clean_cfg, preset: str = "") -> list[str]:
 
 
 def apply_filters(doc: Doc, clean_cfg, names: list[str]) -> str | None:
-    """Run the named filters (not dedup) in order; return "<filter>:<reason>" or None to keep."""
+    """Run the named filters (not decontam or dedup) in order; return "<filter>:<reason>" or None
+    to keep."""
     for name in names:
         fn = FILTERS.get(name)
         if fn is None:

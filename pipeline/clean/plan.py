@@ -142,9 +142,12 @@ def plan_units(files: list[InputFile], c) -> list[Unit]:
     return units
 
 
-def plan_fingerprint(c, files: list[InputFile]) -> str:
-    """What the units write depends on: the settings that change it and the input files."""
+def plan_fingerprint(c, files: list[InputFile], eval_sets: str = "") -> str:
+    """What the units write depends on: the settings that change it, the input files and the
+    content of decontam's eval sets (eval_sets: their fingerprint, decontam.read_eval_sets)."""
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
+    if not c.decontam.enabled:  # off: the fingerprint of a run from before the setting existed
+        del settings["decontam"]
     # a source's allow_low_yield is a runtime key too: allowing it redoes no unit
     settings["sources"] = [
         {k: v for k, v in s.items() if k != "allow_low_yield"} if isinstance(s, dict) else s
@@ -154,7 +157,10 @@ def plan_fingerprint(c, files: list[InputFile]) -> str:
         (f.path, f.size, f.preset, f.txt_delimiter) + ((f.not_read,) if f.not_read else ())
         for f in files
     ]
-    blob = json.dumps({"settings": settings, "files": listed}, sort_keys=True)
+    blob = json.dumps(
+        {"settings": settings, "files": listed, **({"eval_sets": eval_sets} if eval_sets else {})},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -42,7 +42,20 @@ def summarize(
         },
         "bad_input": _bad_input(bad),
         "units": len(ms),
+        **_decontam(ms),
     }
+
+
+def _decontam(ms: list[dict]) -> dict:
+    """stats.json's "decontam": per eval set, the documents (and their input bytes) sharing an
+    n-gram with it, dropped or marked in the units; {} when decontam did not run."""
+    sets: dict[str, dict[str, int]] = {}
+    for m in ms:
+        for name, (docs, nbytes) in m.get("decontam", {}).items():
+            row = sets.setdefault(name, {"docs": 0, "bytes": 0})
+            row["docs"] += docs
+            row["bytes"] += nbytes
+    return {"decontam": sets} if sets else {}
 
 
 def _by_rule(ms: list[dict]) -> tuple[dict, dict, dict]:
@@ -192,6 +205,11 @@ def drop_fix(
         )
     if flt == "dedup":
         return "the documents are exact copies of each other"
+    if flt == "decontam":
+        return (
+            f"the documents share an n-gram with eval set {reason}; to keep them with a "
+            "`contaminated` column instead: --set data.clean.decontam.mode=mark"
+        )
     off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
     if flt in _PROSE_FILTERS:
         if sources:
@@ -347,6 +365,13 @@ def source_summary(stats: dict, top: int = 3) -> list[str]:
                 f"({_share(nbytes, row['bytes_in'])}); fix: "
                 f"{drop_fix(flt, reason, rule_kinds(stats, flt, reason), row['entry'])}"
             )
+    if stats.get("decontam"):
+        lines.append(
+            "  decontamination, documents sharing an n-gram with each eval set: "
+            + ", ".join(
+                f"{k} {v['docs']} ({_size(v['bytes'])})" for k, v in stats["decontam"].items()
+            )
+        )
     near = stats.get("near_dedup", {})
     cross = stats.get("dedup_across_units", 0) + near.get("url", 0) + near.get("minhash", 0)
     if cross:

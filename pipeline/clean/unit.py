@@ -14,7 +14,7 @@ import numpy as np
 
 from codex.core import fsio
 from codex.core.config.data import CleanConfig
-from codex.pipeline.clean import minhash
+from codex.pipeline.clean import decontam, minhash
 from codex.pipeline.clean.dedup import text_hash
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
@@ -41,6 +41,7 @@ class UnitJob:
     out: str
     filters: list[str]
     fingerprint: str
+    decontam: str = ""  # the eval sets' table (decontam.write_table), when decontam runs
 
 
 def _numbered(folder: str, prefix: str, suffix: str = ".parquet") -> list[str]:
@@ -83,6 +84,10 @@ class _UnitCleaner:
     writer: PartWriter
     rejected: PartWriter | None
     near: minhash.UnitSignatures | None = None  # data.clean.near_dedup's rows of kept documents
+    matcher: decontam.Matcher | None = None  # data.clean.decontam's eval sets
+    mark: bool = False  # decontam's mode mark: a `contaminated` column after the metadata
+    # per eval set: [documents, input bytes] that share an n-gram with it
+    contaminated: dict = dataclasses.field(default_factory=dict)
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
@@ -168,18 +173,27 @@ class _UnitCleaner:
             if whole and reason == "length:too_long":
                 report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
+        hit = None
+        if self.matcher is not None and "decontam" in self.filters:
+            hit = self.matcher.match(doc.text)
+            if hit is not None:
+                self.contaminated[hit][0] += 1
+                self.contaminated[hit][1] += rec.nbytes
+                if not self.mark:
+                    self._drop(f"decontam:{hit}", rec, doc.text, f)
+                    return
         data = doc.text.encode("utf-8")
         if "dedup" in self.filters:
             h = text_hash(data)
             if h in self.seen:
-                self._drop("dedup:duplicate", rec, doc.text, f)
+                self._drop("dedup:duplicate", rec, doc.text, f, hit)
                 return
             self.seen.add(h)
             self.hashes += h + len(data).to_bytes(8, "little")
             if self.near is not None:
                 url = rec.meta.get(self.c.near_dedup.url_field) if rec.meta else None
                 self.near.add(doc.text, h, len(data), url)
-        self.writer.add(doc.text, rec.id, source, *self._meta(rec))
+        self.writer.add(doc.text, rec.id, source, *self._meta(rec, hit))
         self.stats["docs_kept"] += 1
         self.stats["bytes_kept"] += len(data)
         counts = self.per_file[source]
@@ -189,12 +203,15 @@ class _UnitCleaner:
         mine["docs_kept"] += 1
         mine["bytes_kept"] += len(data)
 
-    def _meta(self, rec: Record) -> list[str | None]:
-        """The record's data.clean.metadata values, in that order (None: it has none)."""
+    def _meta(self, rec: Record, hit: str | None = None) -> list[str | None]:
+        """The record's data.clean.metadata values, in that order (None: it has none), then
+        in decontam's mark mode the eval set it shares an n-gram with."""
         meta = rec.meta or {}
-        return [meta.get(k) for k in self.c.metadata]
+        return [meta.get(k) for k in self.c.metadata] + ([hit] if self.mark else [])
 
-    def _drop(self, reason: str, rec: Record, text: str, f: InputFile) -> None:
+    def _drop(
+        self, reason: str, rec: Record, text: str, f: InputFile, hit: str | None = None
+    ) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
         kinds = self.stats["drop_kinds"].setdefault(reason, {})
@@ -204,7 +221,7 @@ class _UnitCleaner:
         drops[reason][0] += 1
         drops[reason][1] += rec.nbytes
         if self.rejected is not None:
-            self.rejected.add(text, rec.id, f.path, *self._meta(rec), reason)
+            self.rejected.add(text, rec.id, f.path, *self._meta(rec, hit), reason)
 
 
 def _write_hashes(out: str, name: str, rows: bytearray) -> None:
@@ -221,7 +238,8 @@ def clean_unit(job: UnitJob) -> dict:
     unit, c, out = job.unit, job.c, job.out
     started = time.time()
     remove_unit_outputs(out, unit.name)
-    meta = tuple(c.metadata)
+    mark = bool(job.decontam) and c.decontam.mode == "mark"
+    meta = tuple(c.metadata) + (("contaminated",) if mark else ())
     writer = PartWriter(
         out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size, meta_columns=meta
     )
@@ -237,7 +255,11 @@ def clean_unit(job: UnitJob) -> dict:
         if c.keep_rejected
         else None
     )
-    state = _UnitCleaner(c, job.filters, writer, rejected)
+    state = _UnitCleaner(c, job.filters, writer, rejected, mark=mark)
+    if job.decontam:
+        names = decontam.set_names(c.decontam)
+        state.matcher = decontam.Matcher(job.decontam, names, c.decontam.n)
+        state.contaminated = {name: [0, 0] for name in names}
     if c.near_dedup.enabled:
         state.near = minhash.UnitSignatures(c.near_dedup)
     reports: list[dict] = []
@@ -274,6 +296,8 @@ def clean_unit(job: UnitJob) -> dict:
         "per_file": state.per_file,
         "per_source": state.per_source,
         **({"near_dedup": near} if near is not None else {}),  # minhash/UNIT.npy's rows
+        # per eval set: [documents, input bytes] sharing an n-gram with it (dropped or marked)
+        **({"decontam": state.contaminated} if job.decontam else {}),
         # who ran it and when: for the log and tests, never part of the output
         "worker": worker_id(),
         "started": started,

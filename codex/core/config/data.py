@@ -142,6 +142,24 @@ class NearDedupConfig:
 
 
 @dataclass
+class DecontamConfig:
+    enabled: bool = setting(
+        False, "Drop (or mark) documents sharing a word n-gram with an evaluation set."
+    )
+    eval_sets: list[str] = setting(
+        [],
+        "Evaluation set files, local or gs://: .jsonl (one document a record, text_field) or "
+        "text (the file is one document); a set is named by its file name.",
+    )
+    text_field: str = setting("text", "The field of an eval set's .jsonl records holding its text.")
+    n: int = setting(13, "Words per n-gram, after lowercasing and removing punctuation.", ge=1)
+    mode: Literal["drop", "mark"] = setting(
+        "drop",
+        "drop: reason decontam:<set>; mark: keep the document, its set in a `contaminated` column.",
+    )
+
+
+@dataclass
 class CleanConfig:
     inputs: list[str] = setting([], "Input files, globs or folders, local or gs://.")
     # what a source leaves out comes from the keys below
@@ -250,6 +268,7 @@ class CleanConfig:
     code: CodeFilterConfig = field(default_factory=CodeFilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
     # names, not "every field": a part's columns are fixed before its first row is read
     metadata: list[str] = setting(
         [],
