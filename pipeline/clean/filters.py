@@ -493,7 +493,7 @@ PRESETS = {
     # prose rules (Gopher, C4, FineWeb) make no sense on code
     "code": ("length", "code", "decontam", "dedup"),
     # text the user chose and trusts (a book, their own notes): web pages' rules would drop its
-    # short paragraphs and dialogue, so only the length limit and the exact dedup run
+    # short paragraphs and dialogue, so only the length limit and the dedups (and decontam) run
     "trusted": ("length", "decontam", "dedup"),
     "all": tuple(FILTERS) + ("decontam", "dedup"),
 }
