@@ -42,7 +42,22 @@ def summarize(
         },
         "bad_input": _bad_input(bad),
         "units": len(ms),
+        **({"languages": langs} if (langs := _languages(ms)) else {}),
     }
+
+
+def _languages(ms: list[dict]) -> dict:
+    """data.clean.lang's counts summed: language -> documents and input bytes it was found in,
+    documents and bytes kept in the units (before the corpus-wide dedups); most bytes first."""
+    total: dict[str, list[int]] = {}
+    for m in ms:
+        for lang, counts in m.get("langs", {}).items():
+            row = total.setdefault(lang, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                row[i] += n
+    keys = ("docs", "bytes", "docs_kept", "bytes_kept")
+    ranked = sorted(total.items(), key=lambda kv: (-kv[1][1], kv[0]))
+    return {lang: dict(zip(keys, row, strict=True)) for lang, row in ranked}
 
 
 def _by_rule(ms: list[dict]) -> tuple[dict, dict, dict]:

@@ -16,6 +16,7 @@ from codex.core import fsio
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import minhash
 from codex.pipeline.clean.dedup import text_hash
+from codex.pipeline.clean.fasttext_filters import score_columns
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
 from codex.pipeline.clean.plan import Unit
@@ -83,6 +84,7 @@ class _UnitCleaner:
     writer: PartWriter
     rejected: PartWriter | None
     near: minhash.UnitSignatures | None = None  # data.clean.near_dedup's rows of kept documents
+    scores: tuple[str, ...] = ()  # the score columns' names (fasttext_filters.py)
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
@@ -101,6 +103,8 @@ class _UnitCleaner:
             "drops": {},
             "drop_bytes": {},  # input bytes per drop reason (what a low yield is made of)
             "drop_kinds": {},  # per drop reason: input bytes per format (what orders its fixes)
+            # data.clean.lang: per language -> [documents, input bytes, documents kept, bytes kept]
+            "langs": {},
         }
     )
 
@@ -163,8 +167,9 @@ class _UnitCleaner:
         report.nul_chars += nuls
         doc = Doc(text)
         reason = apply_filters(doc, self.c, self.filters)
+        lang = self._count_lang(doc, rec)
         if reason is not None:
-            self._drop(reason, rec, doc.text, f)
+            self._drop(reason, rec, doc.text, f, doc)
             if whole and reason == "length:too_long":
                 report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
@@ -172,14 +177,17 @@ class _UnitCleaner:
         if "dedup" in self.filters:
             h = text_hash(data)
             if h in self.seen:
-                self._drop("dedup:duplicate", rec, doc.text, f)
+                self._drop("dedup:duplicate", rec, doc.text, f, doc)
                 return
             self.seen.add(h)
             self.hashes += h + len(data).to_bytes(8, "little")
             if self.near is not None:
                 url = rec.meta.get(self.c.near_dedup.url_field) if rec.meta else None
                 self.near.add(doc.text, h, len(data), url)
-        self.writer.add(doc.text, rec.id, source, *self._meta(rec))
+        self.writer.add(doc.text, rec.id, source, *self._meta(rec), *self._scores(doc))
+        if lang is not None:
+            lang[2] += 1
+            lang[3] += len(data)
         self.stats["docs_kept"] += 1
         self.stats["bytes_kept"] += len(data)
         counts = self.per_file[source]
@@ -194,7 +202,25 @@ class _UnitCleaner:
         meta = rec.meta or {}
         return [meta.get(k) for k in self.c.metadata]
 
-    def _drop(self, reason: str, rec: Record, text: str, f: InputFile) -> None:
+    def _scores(self, doc: Doc | None) -> list:
+        """The document's score columns, in order (None where its filters did not run)."""
+        cols = doc.columns if doc is not None else {}
+        return [cols.get(name) for name in self.scores]
+
+    def _count_lang(self, doc: Doc, rec: Record) -> list[int] | None:
+        """Count the document under its language (data.clean.lang ran on it); its row of
+        stats["langs"], None without a language."""
+        lang = doc.columns.get("lang")
+        if lang is None:
+            return None
+        row = self.stats["langs"].setdefault(lang, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += rec.nbytes
+        return row
+
+    def _drop(
+        self, reason: str, rec: Record, text: str, f: InputFile, doc: Doc | None = None
+    ) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
         kinds = self.stats["drop_kinds"].setdefault(reason, {})
@@ -204,7 +230,7 @@ class _UnitCleaner:
         drops[reason][0] += 1
         drops[reason][1] += rec.nbytes
         if self.rejected is not None:
-            self.rejected.add(text, rec.id, f.path, *self._meta(rec), reason)
+            self.rejected.add(text, rec.id, f.path, *self._meta(rec), *self._scores(doc), reason)
 
 
 def _write_hashes(out: str, name: str, rows: bytearray) -> None:
@@ -222,8 +248,14 @@ def clean_unit(job: UnitJob) -> dict:
     started = time.time()
     remove_unit_outputs(out, unit.name)
     meta = tuple(c.metadata)
+    scores = score_columns(c, job.filters)
     writer = PartWriter(
-        out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size, meta_columns=meta
+        out,
+        f"part-{unit.name}",
+        c.docs_per_shard,
+        c.row_group_size,
+        meta_columns=meta,
+        score_columns=scores,
     )
     rejected = (
         PartWriter(
@@ -233,11 +265,12 @@ def clean_unit(job: UnitJob) -> dict:
             c.row_group_size,
             with_reason=True,
             meta_columns=meta,
+            score_columns=scores,
         )
         if c.keep_rejected
         else None
     )
-    state = _UnitCleaner(c, job.filters, writer, rejected)
+    state = _UnitCleaner(c, job.filters, writer, rejected, scores=tuple(n for n, _ in scores))
     if c.near_dedup.enabled:
         state.near = minhash.UnitSignatures(c.near_dedup)
     reports: list[dict] = []
