@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--datatrove", required=True, help="python of the bench venv")
     ap.add_argument("--model", default="", help="fastText language ID model")
-    ap.add_argument("--pages", type=int, default=60, help="man pages a language")
+    ap.add_argument("--pages", type=int, default=30, help="man pages a language")
     ap.add_argument("--doc-chars", type=int, default=2000)
     ap.add_argument("--threshold", type=float, default=0.5)
     args = ap.parse_args()

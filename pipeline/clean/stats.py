@@ -362,6 +362,20 @@ def source_summary(stats: dict, top: int = 3) -> list[str]:
                 f"({_share(nbytes, row['bytes_in'])}); fix: "
                 f"{drop_fix(flt, reason, rule_kinds(stats, flt, reason), row['entry'])}"
             )
+    langs = list(stats.get("languages", {}).items())
+    if langs:  # data.clean.lang ran: the languages found, most bytes first
+        lines.append(
+            "  languages found (kept / found): "
+            + ", ".join(
+                f"{k} {v['docs_kept']}/{v['docs']} documents, {_size(v['bytes_kept'])}"
+                for k, v in langs[: top + 3]
+            )
+            + (
+                f" and {len(langs) - top - 3} more (stats.json: languages)"
+                if len(langs) > top + 3
+                else ""
+            )
+        )
     near = stats.get("near_dedup", {})
     cross = stats.get("dedup_across_units", 0) + near.get("url", 0) + near.get("minhash", 0)
     if cross:

@@ -15,6 +15,7 @@ from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import fasttext_filters as FT
 from codex.pipeline.clean import filters as F
 from codex.pipeline.clean.clean import run_clean
+from codex.pipeline.clean.stats import source_summary
 from codex.pipeline.readers.parquet import parquet_texts
 from tests.fixtures.clean import cfg_for, snapshot
 
@@ -169,6 +170,8 @@ def test_clean_with_both_filters_in_order_and_on_a_pool(models, tmp_path):
     assert {k: v["docs"] for k, v in langs.items()} == per_lang and s1["languages"] == s2[
         "languages"
     ]
+    summary = "\n".join(source_summary(s1))
+    assert "languages found (kept / found): " in summary and "fr 0/60 documents" in summary
     assert langs["fr"]["docs_kept"] == 0 and s1["drops"]["lang"] == {"fr": per_lang["fr"]}
     assert s1["drops"]["classifier"]["low_score"] == 2 * per_lang["en"] // 3
     assert langs["en"]["docs_kept"] + langs["de"]["docs_kept"] == s1["docs_out"] == 80
@@ -215,3 +218,20 @@ def test_the_packaged_lid_model_is_the_default():
     de = "Das Wetter ist heute schön, und wir gehen mit den Kindern in den Park."
     assert run_filter("lang", de, c)[0] is None
     assert run_filter("lang", "Nous allons au marché avec nos amis ce matin.", c)[0] == "lang:fr"
+
+
+@pytest.mark.slow
+def test_ray_gives_the_same_bytes_as_one_process(models, tmp_path, ray_cluster):
+    """The model loaded in each Ray worker: the same parts, rejected rows and counts."""
+    lid, cls = models
+    _corpus(tmp_path / "in")
+    local = cfg_for(tmp_path, [tmp_path / "in"], *_settings(lid, cls), run="local")
+    on_ray = cfg_for(tmp_path, [tmp_path / "in"], *_settings(lid, cls), run="ray")
+    on_ray.data.executor, on_ray.data.ray_address = "ray", ray_cluster
+    a, b = run_clean(local), run_clean(on_ray)
+    assert a["languages"] == b["languages"] and a["drops"] == b["drops"]
+    assert snapshot(tmp_path / "local") == snapshot(tmp_path / "ray") != {}
+    rejected = sorted((tmp_path / "local" / "clean" / "rejected").glob("*.parquet"))
+    assert rejected and [p.read_bytes() for p in rejected] == [
+        (tmp_path / "ray" / "clean" / "rejected" / p.name).read_bytes() for p in rejected
+    ]
