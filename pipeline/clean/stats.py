@@ -174,6 +174,8 @@ _THRESHOLDS = {
     ("code", "long_line"): ("code.max_line_length", "raise", ""),
     ("code", "long_mean_line"): ("code.max_mean_line_length", "raise", ""),
     ("code", "low_alnum_fraction"): ("code.min_alnum_fraction", "lower", ""),
+    ("lang", "low_score"): ("lang.min_score", "lower", ""),
+    ("classifier", "low_score"): ("classifier.threshold", "lower", ""),
 }
 
 
@@ -208,6 +210,8 @@ def drop_fix(
     if flt == "dedup":
         return "the documents are exact copies of each other"
     off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
+    if flt == "lang" and reason != "low_score":  # the reason is the language found
+        return f"the documents are in {reason}: add it to data.clean.lang.languages, or {off}"
     if flt in _PROSE_FILTERS:
         if sources:
             off += ", or in its sources.yaml entry preset: trusted for text you chose (a book)"

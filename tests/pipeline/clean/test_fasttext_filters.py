@@ -172,6 +172,8 @@ def test_clean_with_both_filters_in_order_and_on_a_pool(models, tmp_path):
     ]
     summary = "\n".join(source_summary(s1))
     assert "languages found (kept / found): " in summary and "fr 0/60 documents" in summary
+    assert "dropped by lang:fr: 60 documents" in summary
+    assert "add it to data.clean.lang.languages" in summary
     assert langs["fr"]["docs_kept"] == 0 and s1["drops"]["lang"] == {"fr": per_lang["fr"]}
     assert s1["drops"]["classifier"]["low_score"] == 2 * per_lang["en"] // 3
     assert langs["en"]["docs_kept"] + langs["de"]["docs_kept"] == s1["docs_out"] == 80
