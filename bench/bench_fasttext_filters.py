@@ -57,12 +57,15 @@ res = {}
 def timed(name, fn):
     fn(docs[:20])  # warm
     t = time.process_time(); got = fn(docs); res[name] = [got, time.process_time() - t]
-timed("ours_lang",
-      lambda ds: [[FT.lang_filter(d := Doc(t), c.lang), d.columns["lang"]] for t in ds])
+# each: [decision (None: kept), label, score]
+timed("ours_lang", lambda ds: [[FT.lang_filter(d := Doc(t), c.lang), d.columns["lang"],
+                                d.columns["lang_score"]] for t in ds])
 timed("dt_lang", lambda ds: [[None if lang.filter(d := Document(text=t, id="")) else "x",
-                              d.metadata["language"]] for t in ds])
-timed("ours_cls", lambda ds: [FT.classifier_filter(Doc(t), c.classifier) for t in ds])
-timed("dt_cls", lambda ds: [None if quality.filter(Document(text=t, id="")) else "x" for t in ds])
+                              d.metadata["language"], d.metadata["language_score"]] for t in ds])
+timed("ours_cls", lambda ds: [[FT.classifier_filter(d := Doc(t), c.classifier), "hq",
+                               d.columns["classifier_score"]] for t in ds])
+timed("dt_cls", lambda ds: [[None if quality.filter(d := Document(text=t, id="")) else "x", "hq",
+                             d.metadata["__label__hq"]] for t in ds])
 json.dump(res, open(out, "w"))
 """
 
@@ -191,8 +194,8 @@ def main() -> None:
         ("lang", [r[0] is None for r in ours], [r[0] is None for r in dt]),
         (
             "classifier",
-            [r is None for r in res["ours_cls"][0]],
-            [r is None for r in res["dt_cls"][0]],
+            [r[0] is None for r in res["ours_cls"][0]],
+            [r[0] is None for r in res["dt_cls"][0]],
         ),
     ):
         key = "lang" if name == "lang" else "cls"
@@ -203,9 +206,16 @@ def main() -> None:
             f"{mb / t_ours:>11.2f}{mb / t_dt:>9.2f}"
         )
     labels = agreement([r[1] for r in ours], [r[1] for r in dt])
-    print(f"lang label agreement {labels:.2f}%; ours kept {kept} as en")
+    same = {
+        k: agreement([r[2] for r in res[f"ours_{k}"][0]], [r[2] for r in res[f"dt_{k}"][0]])
+        for k in ("lang", "cls")
+    }
+    print(
+        f"lang label agreement {labels:.2f}%; scores equal (as doubles): lang {same['lang']:.2f}%, "
+        f"classifier {same['cls']:.2f}%; ours kept {kept} as en"
+    )
     found: dict[str, dict[str, int]] = {}
-    for (folder, _), (_, label) in zip(rows, ours, strict=True):
+    for (folder, _), (_, label, _score) in zip(rows, ours, strict=True):
         found.setdefault(folder, {}).setdefault(label, 0)
         found[folder][label] += 1
     for folder, labels_ in found.items():
