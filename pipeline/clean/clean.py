@@ -15,7 +15,7 @@ from codex.core import fsio, rundir
 from codex.core.config import ConfigError
 from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
-from codex.pipeline.clean import decontam, near_dedup, words
+from codex.pipeline.clean import decontam, fasttext_filters, near_dedup, words
 from codex.pipeline.clean.finalize import finalize, refuse_bad_outcome, sweep_temp_files
 from codex.pipeline.clean.plan import (
     METADATA_THREADS,
@@ -65,6 +65,7 @@ def run_clean(cfg) -> dict:
     if not c.inputs and not c.sources:
         raise ConfigError("data.clean.inputs is empty: pass --input PATH (or --sources FILE)")
     listed = inputs_and_filters(c)
+    fasttext_filters.check_config(c, listed[2])
     where = where_for(
         cfg.data,
         c.workers,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from codex.pipeline.clean.fasttext_filters import classifier_filter, lang_filter
 from codex.pipeline.clean.words import TERMINAL_PUNCTUATION, split_words, word_counts
 
 # ----------------------------------------------------------------------------------------------
@@ -54,9 +55,10 @@ def normalize(text: str) -> tuple[str, int]:
 class Doc:
     """A document and the views of it that filters share, each made once (set_text forgets
     them): Gopher's word counts, its words in order (only the repetition filter needs them), its
-    lines."""
+    lines; and the columns filters add to its row (fasttext_filters.py: score_columns)."""
 
     text: str
+    columns: dict = field(default_factory=dict, repr=False)
     _counts: tuple[int, int, int, int, int] | None = field(default=None, repr=False)
     _words: list[str] | None = field(default=None, repr=False)
     _lines: list[str] | None = field(default=None, repr=False)
@@ -480,16 +482,28 @@ FILTERS = {  # name -> function; settings are cfg.data.clean.<name>
     # gopher_quality before gopher_repetition: both read the unmodified text, so the kept set is
     # the same as datatrove's order, but the cheap one rejects most junk before the n-gram work
     "length": length_filter,
+    "lang": lang_filter,  # off by default; first after length, as in FineWeb's pipeline
     "gopher_quality": gopher_quality_filter,
     "gopher_repetition": gopher_repetition_filter,
     "c4": c4_filter,
     "fineweb": fineweb_filter,
+    "classifier": classifier_filter,  # off by default; the model-based rule after the cheap ones
     "code": code_filter,
 }
 
 PRESETS = {
     # decontam and dedup are run by the unit (unit.py), after the filters
-    "web": ("length", "gopher_quality", "gopher_repetition", "c4", "fineweb", "decontam", "dedup"),
+    "web": (
+        "length",
+        "lang",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+        "classifier",
+        "decontam",
+        "dedup",
+    ),
     # prose rules (Gopher, C4, FineWeb) make no sense on code
     "code": ("length", "code", "decontam", "dedup"),
     # text the user chose and trusts (a book, their own notes): web pages' rules would drop its

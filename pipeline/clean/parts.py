@@ -1,5 +1,5 @@
-"""Cleaned documents -> parquet parts (text, id, source [, metadata columns] [, reason]), each part
-written atomically."""
+"""Cleaned documents -> parquet parts (text, id, source [, metadata columns] [, score columns]
+[, reason]), each part written atomically."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def string_array(values: list[str]) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), len(values), buffers)
 
 
+def float_array(values: list) -> pa.Array:
+    """pa.array(values, pa.float64()) with None as null, from its buffers (string_array)."""
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+    data = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+    bits = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(pa.float64(), len(values), [bits, pa.py_buffer(data)])
+
+
 def bool_array(values: list[bool]) -> pa.Array:
     """pa.array(values, pa.bool_()) from its bits (no pandas import: string_array)."""
     bits = np.packbits(np.asarray(values, dtype=bool), bitorder="little")
@@ -47,13 +55,21 @@ class PartWriter:
         row_group_size: int,
         with_reason: bool = False,
         meta_columns: tuple[str, ...] = (),
+        score_columns: tuple[tuple[str, str], ...] = (),
     ):
+        """7 parameters: where, the part size, and the columns (fasttext_filters.py:
+        score_columns gives the last: (name, "string" | "float"), nullable)."""
         self.out_dir, self.prefix = out_dir, prefix
         self.docs_per_shard, self.row_group_size = docs_per_shard, row_group_size
         cols = [("text", pa.string()), ("id", pa.string()), ("source", pa.string())]
         # data.clean.metadata: nullable, so built by pa.array (string_array takes no nulls)
         self.nullable = set(range(3, 3 + len(meta_columns)))
         cols += [(name, pa.string()) for name in meta_columns]
+        self.floats = {
+            len(cols) + i for i, (_, kind) in enumerate(score_columns) if kind == "float"
+        }
+        self.nullable |= set(range(len(cols), len(cols) + len(score_columns)))
+        cols += [(n, pa.float64() if k == "float" else pa.string()) for n, k in score_columns]
         self.schema = pa.schema(cols + ([("reason", pa.string())] if with_reason else []))
         self.rows: list[list] = [[] for _ in self.schema.names]
         self.row_bytes = 0
@@ -64,10 +80,10 @@ class PartWriter:
         self._in_shard = 0
         self.bytes = 0  # of the parts closed so far, on disk
 
-    def add(self, *values: str | None) -> None:
+    def add(self, *values: str | float | None) -> None:
         for col, v in zip(self.rows, values, strict=False):
             col.append(v)
-        self.row_bytes += len(values[0] or "")
+        self.row_bytes += len(values[0] or "")  # type: ignore[arg-type]
         if len(self.rows[0]) >= self.row_group_size or self.row_bytes > _MAX_ROW_GROUP_BYTES:
             self._flush()
 
@@ -82,7 +98,9 @@ class PartWriter:
                 self._in_shard = 0
             take = min(len(self.rows[0]), self.docs_per_shard - self._in_shard)
             columns = [
-                pa.array(col[:take], pa.string())
+                float_array(col[:take])
+                if i in self.floats
+                else pa.array(col[:take], pa.string())
                 if i in self.nullable
                 else string_array(col[:take])
                 for i, col in enumerate(self.rows)

@@ -146,8 +146,9 @@ def plan_fingerprint(c, files: list[InputFile], eval_sets: str = "") -> str:
     """What the units write depends on: the settings that change it, the input files and the
     content of decontam's eval sets (eval_sets: their fingerprint, decontam.read_eval_sets)."""
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in _RUNTIME_KEYS}
-    if not c.decontam.enabled:  # off: the fingerprint of a run from before the setting existed
-        del settings["decontam"]
+    for name in ("decontam", "lang", "classifier"):
+        if not getattr(c, name).enabled:  # off: the fingerprint of a run from before it existed
+            del settings[name]
     # a source's allow_low_yield is a runtime key too: allowing it redoes no unit
     settings["sources"] = [
         {k: v for k, v in s.items() if k != "allow_low_yield"} if isinstance(s, dict) else s

@@ -43,6 +43,7 @@ def summarize(
         "bad_input": _bad_input(bad),
         "units": len(ms),
         **_decontam(ms),
+        **({"languages": langs} if (langs := _languages(ms)) else {}),
     }
 
 
@@ -56,6 +57,20 @@ def _decontam(ms: list[dict]) -> dict:
             row["docs"] += docs
             row["bytes"] += nbytes
     return {"decontam": sets} if sets else {}
+
+
+def _languages(ms: list[dict]) -> dict:
+    """data.clean.lang's counts summed: language -> documents and input bytes it was found in,
+    documents and bytes kept in the units (before the corpus-wide dedups); most bytes first."""
+    total: dict[str, list[int]] = {}
+    for m in ms:
+        for lang, counts in m.get("langs", {}).items():
+            row = total.setdefault(lang, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                row[i] += n
+    keys = ("docs", "bytes", "docs_kept", "bytes_kept")
+    ranked = sorted(total.items(), key=lambda kv: (-kv[1][1], kv[0]))
+    return {lang: dict(zip(keys, row, strict=True)) for lang, row in ranked}
 
 
 def _by_rule(ms: list[dict]) -> tuple[dict, dict, dict]:
@@ -172,6 +187,8 @@ _THRESHOLDS = {
     ("code", "long_line"): ("code.max_line_length", "raise", ""),
     ("code", "long_mean_line"): ("code.max_mean_line_length", "raise", ""),
     ("code", "low_alnum_fraction"): ("code.min_alnum_fraction", "lower", ""),
+    ("lang", "low_score"): ("lang.min_score", "lower", ""),
+    ("classifier", "low_score"): ("classifier.threshold", "lower", ""),
 }
 
 
@@ -211,6 +228,8 @@ def drop_fix(
             "`contaminated` column instead: --set data.clean.decontam.mode=mark"
         )
     off = f"switch that filter off with --set data.clean.{flt}.enabled=false"
+    if flt == "lang" and reason != "low_score":  # the reason is the language found
+        return f"the documents are in {reason}: add it to data.clean.lang.languages, or {off}"
     if flt in _PROSE_FILTERS:
         if sources:
             off += ", or in its sources.yaml entry preset: trusted for text you chose (a book)"
@@ -370,6 +389,20 @@ def source_summary(stats: dict, top: int = 3) -> list[str]:
             "  decontamination, documents sharing an n-gram with each eval set: "
             + ", ".join(
                 f"{k} {v['docs']} ({_size(v['bytes'])})" for k, v in stats["decontam"].items()
+            )
+        )
+    langs = list(stats.get("languages", {}).items())
+    if langs:  # data.clean.lang ran: the languages found, most bytes first
+        lines.append(
+            "  languages found (kept / found): "
+            + ", ".join(
+                f"{k} {v['docs_kept']}/{v['docs']} documents, {_size(v['bytes_kept'])}"
+                for k, v in langs[: top + 3]
+            )
+            + (
+                f" and {len(langs) - top - 3} more (stats.json: languages)"
+                if len(langs) > top + 3
+                else ""
             )
         )
     near = stats.get("near_dedup", {})

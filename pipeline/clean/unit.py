@@ -16,6 +16,7 @@ from codex.core import fsio
 from codex.core.config.data import CleanConfig
 from codex.pipeline.clean import decontam, minhash
 from codex.pipeline.clean.dedup import text_hash
+from codex.pipeline.clean.fasttext_filters import score_columns
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
 from codex.pipeline.clean.parts import PartWriter
 from codex.pipeline.clean.plan import Unit
@@ -88,6 +89,7 @@ class _UnitCleaner:
     mark: bool = False  # decontam's mode mark: a `contaminated` column after the metadata
     # per eval set: [documents, input bytes] that share an n-gram with it
     contaminated: dict = dataclasses.field(default_factory=dict)
+    scores: tuple[str, ...] = ()  # the score columns' names (fasttext_filters.py)
     seen: set = dataclasses.field(default_factory=set)
     # 16-byte hash + 8-byte length each
     hashes: bytearray = dataclasses.field(default_factory=bytearray)
@@ -106,6 +108,8 @@ class _UnitCleaner:
             "drops": {},
             "drop_bytes": {},  # input bytes per drop reason (what a low yield is made of)
             "drop_kinds": {},  # per drop reason: input bytes per format (what orders its fixes)
+            # data.clean.lang: per language -> [documents, input bytes, documents kept, bytes kept]
+            "langs": {},
         }
     )
 
@@ -168,8 +172,9 @@ class _UnitCleaner:
         report.nul_chars += nuls
         doc = Doc(text)
         reason = apply_filters(doc, self.c, self.filters)
+        lang = self._count_lang(doc, rec)
         if reason is not None:
-            self._drop(reason, rec, doc.text, f)
+            self._drop(reason, rec, doc.text, f, doc)
             if whole and reason == "length:too_long":
                 report.dropped_whole = reason  # a whole file, likely a corpus in one document
             return
@@ -180,20 +185,23 @@ class _UnitCleaner:
                 self.contaminated[hit][0] += 1
                 self.contaminated[hit][1] += rec.nbytes
                 if not self.mark:
-                    self._drop(f"decontam:{hit}", rec, doc.text, f)
+                    self._drop(f"decontam:{hit}", rec, doc.text, f, doc)
                     return
         data = doc.text.encode("utf-8")
         if "dedup" in self.filters:
             h = text_hash(data)
             if h in self.seen:
-                self._drop("dedup:duplicate", rec, doc.text, f, hit)
+                self._drop("dedup:duplicate", rec, doc.text, f, doc, hit)
                 return
             self.seen.add(h)
             self.hashes += h + len(data).to_bytes(8, "little")
             if self.near is not None:
                 url = rec.meta.get(self.c.near_dedup.url_field) if rec.meta else None
                 self.near.add(doc.text, h, len(data), url)
-        self.writer.add(doc.text, rec.id, source, *self._meta(rec, hit))
+        self.writer.add(doc.text, rec.id, source, *self._meta(rec, hit), *self._scores(doc))
+        if lang is not None:
+            lang[2] += 1
+            lang[3] += len(data)
         self.stats["docs_kept"] += 1
         self.stats["bytes_kept"] += len(data)
         counts = self.per_file[source]
@@ -209,8 +217,30 @@ class _UnitCleaner:
         meta = rec.meta or {}
         return [meta.get(k) for k in self.c.metadata] + ([hit] if self.mark else [])
 
+    def _scores(self, doc: Doc | None) -> list:
+        """The document's score columns, in order (None where its filters did not run)."""
+        cols = doc.columns if doc is not None else {}
+        return [cols.get(name) for name in self.scores]
+
+    def _count_lang(self, doc: Doc, rec: Record) -> list[int] | None:
+        """Count the document under its language (data.clean.lang ran on it); its row of
+        stats["langs"], None without a language."""
+        lang = doc.columns.get("lang")
+        if lang is None:
+            return None
+        row = self.stats["langs"].setdefault(lang, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += rec.nbytes
+        return row
+
     def _drop(
-        self, reason: str, rec: Record, text: str, f: InputFile, hit: str | None = None
+        self,
+        reason: str,
+        rec: Record,
+        text: str,
+        f: InputFile,
+        doc: Doc | None = None,
+        hit: str | None = None,
     ) -> None:
         self.stats["drops"][reason] = self.stats["drops"].get(reason, 0) + 1
         self.stats["drop_bytes"][reason] = self.stats["drop_bytes"].get(reason, 0) + rec.nbytes
@@ -221,7 +251,8 @@ class _UnitCleaner:
         drops[reason][0] += 1
         drops[reason][1] += rec.nbytes
         if self.rejected is not None:
-            self.rejected.add(text, rec.id, f.path, *self._meta(rec, hit), reason)
+            row = [*self._meta(rec, hit), *self._scores(doc), reason]
+            self.rejected.add(text, rec.id, f.path, *row)
 
 
 def _write_hashes(out: str, name: str, rows: bytearray) -> None:
@@ -240,8 +271,14 @@ def clean_unit(job: UnitJob) -> dict:
     remove_unit_outputs(out, unit.name)
     mark = bool(job.decontam) and c.decontam.mode == "mark"
     meta = tuple(c.metadata) + (("contaminated",) if mark else ())
+    scores = score_columns(c, job.filters)
     writer = PartWriter(
-        out, f"part-{unit.name}", c.docs_per_shard, c.row_group_size, meta_columns=meta
+        out,
+        f"part-{unit.name}",
+        c.docs_per_shard,
+        c.row_group_size,
+        meta_columns=meta,
+        score_columns=scores,
     )
     rejected = (
         PartWriter(
@@ -251,11 +288,13 @@ def clean_unit(job: UnitJob) -> dict:
             c.row_group_size,
             with_reason=True,
             meta_columns=meta,
+            score_columns=scores,
         )
         if c.keep_rejected
         else None
     )
-    state = _UnitCleaner(c, job.filters, writer, rejected, mark=mark)
+    scored = tuple(n for n, _ in scores)
+    state = _UnitCleaner(c, job.filters, writer, rejected, mark=mark, scores=scored)
     if job.decontam:
         names = decontam.set_names(c.decontam)
         state.matcher = decontam.Matcher(job.decontam, names, c.decontam.n)

