@@ -264,26 +264,20 @@ def _write_hashes(out: str, name: str, rows: bytearray) -> None:
         np.save(fh, hashes)
 
 
-def clean_unit(job: UnitJob) -> dict:
-    """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
-    unit, c, out = job.unit, job.c, job.out
-    started = time.time()
-    remove_unit_outputs(out, unit.name)
+def _unit_cleaner(job: UnitJob) -> _UnitCleaner:
+    """The unit's running state: its part writers (the rows' columns: text, id, source, the
+    metadata, decontam's mark, the score columns) and decontam's eval sets."""
+    c, out, name = job.c, job.out, f"part-{job.unit.name}"
     mark = bool(job.decontam) and c.decontam.mode == "mark"
     meta = tuple(c.metadata) + (("contaminated",) if mark else ())
     scores = score_columns(c, job.filters)
     writer = PartWriter(
-        out,
-        f"part-{unit.name}",
-        c.docs_per_shard,
-        c.row_group_size,
-        meta_columns=meta,
-        score_columns=scores,
+        out, name, c.docs_per_shard, c.row_group_size, meta_columns=meta, score_columns=scores
     )
     rejected = (
         PartWriter(
             fsio.join(out, "rejected"),
-            f"part-{unit.name}",
+            name,
             c.docs_per_shard,
             c.row_group_size,
             with_reason=True,
@@ -299,6 +293,16 @@ def clean_unit(job: UnitJob) -> dict:
         names = decontam.set_names(c.decontam)
         state.matcher = decontam.Matcher(job.decontam, names, c.decontam.n)
         state.contaminated = {name: [0, 0] for name in names}
+    return state
+
+
+def clean_unit(job: UnitJob) -> dict:
+    """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
+    unit, c, out = job.unit, job.c, job.out
+    started = time.time()
+    remove_unit_outputs(out, unit.name)
+    state = _unit_cleaner(job)
+    writer, rejected = state.writer, state.rejected
     if c.near_dedup.enabled:
         state.near = minhash.UnitSignatures(c.near_dedup)
     reports: list[dict] = []
