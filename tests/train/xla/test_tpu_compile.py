@@ -199,6 +199,9 @@ def test_topology_names():
 
     assert topology_name(get_preset("v6e-4")) == "v6e:2x2"
     assert topology_name(get_preset("v6e-16")) == "v6e:4x4"
+    assert topology_name(get_preset("v6e-64")) == "v6e:8x8"
+    assert topology_name(get_preset("v6e-128")) == "v6e:8x16"
+    assert topology_name(get_preset("v6e-256")) == "v6e:16x16"
     assert topology_name(get_preset("v5litepod-8")) == "v5e:2x4"
     assert topology_name(get_preset("v5p-8")) == "v5p:2x2x1"
     assert topology_name(get_preset("v4-8")) == "v4:2x2x1"
