@@ -410,8 +410,9 @@ def num_params(model: nn.Module) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, as in PaLM / nanochat:
-    6 * N (N = matmul parameters, embedding lookups excluded) + 12 * L * H * head_dim * T for the
-    attention scores and the weighted sum of values (computed in full, not halved for causality)."""
+    """Training FLOPs per token (forward + backward) for MFU, in MaxText's convention: 6 * N
+    (N = matmul parameters, embedding lookups excluded) + 6 * L * H * head_dim * T for the
+    attention scores and the weighted sum of values, the full square's 12 * L * H * head_dim * T
+    (PaLM, nanochat) halved for the causal mask: a token attends to the positions up to it."""
     hd = cfg.n_embd // cfg.n_head
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.n_head * hd * seq_len
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layer * cfg.n_head * hd * seq_len

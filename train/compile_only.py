@@ -45,7 +45,16 @@ log = logging.getLogger("codex.train")
 
 # libtpu's topology names (JAX's get_topology_desc) of each TPU family's slices, by chip count:
 # v4 and v5p name a 3-D torus (chips x x y x z), v5e and v6e a 2-D one.
-_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 256: "16x16"}
+_SHAPES_2D = {
+    1: "1x1",
+    4: "2x2",
+    8: "2x4",
+    16: "4x4",
+    32: "4x8",
+    64: "8x8",
+    128: "8x16",
+    256: "16x16",
+}
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
 
 # Per chip, from the Cloud TPU system-architecture pages: HBM bandwidth (GB/s) and ICI bandwidth
@@ -131,8 +140,9 @@ class CompileReport:
         }
 
     def modelled_mfu(self) -> float:
-        """MaxText's convention: the model's training FLOPs per step (6 N + attention, per token)
-        over the slice's peak times the modelled step time (the slowest of the three terms)."""
+        """MaxText's convention: the model's training FLOPs per step (6 N + causal attention, per
+        token: model/gpt.py's flops_per_token) over the slice's peak times the modelled step time
+        (the slowest of the three terms)."""
         seconds = max(self.modelled_step_s().values())
         peak = self.preset.peak_flops * self.preset.devices
         return self.flops_per_token * self.step_tokens / (peak * seconds) if seconds else 0.0

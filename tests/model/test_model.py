@@ -209,10 +209,11 @@ def test_flops_per_token_is_6n_plus_attention(tie):
     expected_n = num_params(m) - (n_lookup if not tie else 0)  # tied: the head matmul still counts
     assert matmul_params(cfg) == expected_n
     hd = cfg.n_embd // cfg.n_head
-    assert flops_per_token(cfg, 16) == 6 * expected_n + 12 * cfg.n_layer * cfg.n_head * hd * 16
+    # attention in MaxText's convention: causal, half of the full square's 12 L H hd T
+    assert flops_per_token(cfg, 16) == 6 * expected_n + 6 * cfg.n_layer * cfg.n_head * hd * 16
     assert (
         flops_per_token(cfg, 32) - flops_per_token(cfg, 16)
-        == 12 * cfg.n_layer * cfg.n_head * hd * 16
+        == 6 * cfg.n_layer * cfg.n_head * hd * 16
     )
 
 

@@ -92,17 +92,62 @@ class Loop:
     computations: set[str]  # what its body runs, nested Whiles' bodies excluded
     nested: list[str]  # the `while(` lines of the Whiles inside it (at any depth)
 
+    @property
+    def body(self) -> str:
+        """Its body computation's name."""
+        return _body(self.line)
+
     def carry(self) -> list[tuple[str, int]]:
         """(dtype, elements) of every array of its loop-carried tuple."""
         return arrays(self.line.split(" while(")[0])
 
     def carry_shapes(self) -> list[str]:
         """Every array of its loop-carried tuple as text without layout, e.g. 'f32[3,16,64]'."""
-        return _ARRAY_TEXT.findall(self.line.split(" while(")[0])
+        return array_texts(self.line.split(" while(")[0])
+
+
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s([a-z][\w\-]*)\(")
+# ops that only move, lay out or cast a value
+MOVES = ("transpose", "copy", "bitcast", "reshape", "convert")
+
+
+def reduction_slices(program: Program) -> list[list[str]]:
+    """Each all-reduce whose result reaches a dynamic-slice through ops of MOVES alone, each the
+    only use of the one before (what a TPU's compiler may make one reduce-scatter): the opcodes
+    between the two, e.g. ["transpose", "convert"]."""
+    out = []
+    for lines in program.computations.values():
+        ops: dict[str, str] = {}
+        users: dict[str, list[str]] = {}
+        for line in lines:
+            m = _NAMED.match(line)
+            if not m:
+                continue
+            name, rest = m.groups()
+            found = _OPCODE.search(" " + rest)
+            ops[name] = found.group(1) if found else ""
+            for used in set(re.findall(r"%([\w.\-]+)", rest)):
+                users.setdefault(used, []).append(name)
+        for name, opcode in ops.items():
+            if opcode != "all-reduce":
+                continue
+            between, at = [], name
+            while len(users.get(at, [])) == 1 and ops.get(users[at][0]) in MOVES:
+                at = users[at][0]
+                between.append(ops[at])
+            if len(users.get(at, [])) == 1 and ops.get(users[at][0]) == "dynamic-slice":
+                out.append(between)
+    return out
 
 
 def _body(while_line: str) -> str:
     return re.findall(r"body=%?([\w.\-]+)", while_line)[0]
+
+
+def array_texts(shape: str) -> list[str]:
+    """Every array in an HLO shape text, without its layout, e.g. ['f32[3,16,64]']."""
+    return _ARRAY_TEXT.findall(shape)
 
 
 def arrays(shape: str) -> list[tuple[str, int]]:

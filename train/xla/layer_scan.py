@@ -30,9 +30,10 @@ class ScannedBlocks:
     gathers one layer's weights per iteration (the slice is loop-variant: no pass can hoist the
     gather out), cast to `dtype` on its shard first when given, and each layer's gradient is
     annotated whole, then sharded, so it is summed over the batch and cut to this device's part
-    inside the backward scan (all-reduce + dynamic-slice, which a TPU pipeline makes a
-    reduce-scatter). The backward gathers the layer's weights again (ZeRO-3: nothing gathered is
-    kept from the forward). A layer without a value embedding adds zeros (the same sum)."""
+    inside the backward scan (all-reduce + dynamic-slice, which the TPU compiler makes a
+    reduce-scatter), in the compute dtype, widened on the shard after. The backward gathers the
+    layer's weights again (ZeRO-3: nothing gathered is kept from the forward). A layer without a
+    value embedding adds zeros (the same sum)."""
 
     mesh: Any
     dtype: torch.dtype | None = None  # gather the weights in it (autocast's compute dtype)
@@ -68,9 +69,14 @@ class ScannedBlocks:
         # layer's inputs (the weights' transposes, which saved would be whole gathered weights of
         # every layer); remat: a zero activation budget, it recomputes all it can
         budget = 0.0 if remat else 1.0
+        # the weights' places among the layer's inputs (the carry, then xs's leaves): their
+        # gradients leave the backward graph in the compute dtype, cast after their reduction
+        leaves = {id(t) for t in stacked.values()}
+        weights = [i for i, t in enumerate(tree_flatten((x, xs))[0]) if id(t) in leaves]
+        partition = functools.partial(_partition_saving_inputs, narrow=weights)
         with fake_trace(), torch._functorch.config.patch(activation_memory_budget=budget):
             forward, alias_input, backward = value_and_grad_partitioned(
-                one_layer, x, xs, partition_fn=_partition_saving_inputs
+                one_layer, x, xs, partition_fn=partition
             )
         layer = _PinnedLayer(self, specs, stacked, batch_spec(x.dim()), forward, backward)
         out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
@@ -138,10 +144,14 @@ class _PinnedLayer:
         annotate(grad_h, mesh, activation)
         grad_h, grad_layer = self.partitioned_backward(grad_h, (grad_y, activations))
         annotate(grad_h, mesh, activation)
-        for name, g in grad_layer["params"].items():
+        grads = grad_layer["params"]
+        for name, g in grads.items():
             if specs[name] is not None:  # the whole gradient summed over the batch, then sharded
                 annotate(g, mesh, (None,) * g.dim())
                 annotate(g, mesh, specs[name])
+            # widened to the weight's dtype on the shard, after the reduction: a convert between
+            # the all-reduce and its slice keeps a TPU from making them one reduce-scatter
+            grads[name] = g.to(self.stacked[name].dtype)
         if grad_layer.get("ve") is not None:
             annotate(grad_layer["ve"], mesh, activation)
         return grad_h, grad_layer
@@ -153,16 +163,18 @@ class _PinnedLayer:
         )
 
 
-def _partition_saving_inputs(joint, inputs, **kwargs):
+def _partition_saving_inputs(joint, inputs, narrow=(), **kwargs):
     """min_cut_rematerialization_partition, then every saved activation that is only a view or
     a cast of a layer input (a weight's transpose transposed back, t(t(W)); its bf16 copy under
     autocast) saved as that input instead, the views and casts redone in the backward. Why:
     torch_xla's scan stacks every saved activation over the layers, and tells a saved input
     (kept by reference: the stacked sharded weight) by identity only; a view of a weight would be
-    stacked as the whole gathered weight of every layer."""
+    stacked as the whole gathered weight of every layer. The gradients of the inputs at places
+    `narrow` leave the backward without autocast's widening cast (_narrow_gradients)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+    _narrow_gradients(bwd, narrow)
     n_out = kwargs["num_fwd_outputs"]
     (output,) = [n for n in fwd.graph.nodes if n.op == "output"]
     outs = list(output.args[0])
@@ -217,6 +229,33 @@ def _partition_saving_inputs(joint, inputs, **kwargs):
         fwd.recompile()
         bwd.recompile()
     return fwd, bwd
+
+
+def _narrow_gradients(bwd, places) -> None:
+    """The backward graph's gradients at `places` (of its outputs, one per layer input) returned
+    as computed, in the compute dtype, where autocast's cast of a weight made the last op a
+    widening cast to fp32: the caller reduces them first and widens each on its shard."""
+    (output,) = [n for n in bwd.graph.nodes if n.op == "output"]
+    outs = list(output.args[0])
+    changed = False
+    for i in places:
+        node = outs[i]
+        if not (
+            isinstance(node, torch.fx.Node)
+            and node.target is torch.ops.aten._to_copy.default
+            and node.kwargs.get("dtype") == torch.float32
+        ):
+            continue
+        source = node.args[0]
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if value is not None and value.dtype in (torch.bfloat16, torch.float16):
+            outs[i] = source
+            changed = True
+    if changed:
+        output.args = (type(output.args[0])(outs),)
+        bwd.graph.eliminate_dead_code()
+        bwd.graph.lint()
+        bwd.recompile()
 
 
 @functools.cache

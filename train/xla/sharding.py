@@ -3,10 +3,11 @@
     mesh = make_mesh(layout.replicas, layout.shard)        # 2-D: ("replica", "fsdp")
     model = shard_model(build_model(cfg, seed), mesh, device)
 
-Each parameter is sharded on its first dim the fsdp size divides (`param_spec`) and sent to the
-devices already sharded; the optimizer state takes its parameter's sharding (global step hooks);
-every Linear/Embedding output is constrained to the batch sharding. Each mark is asserted. The
-layout and why: docs/tpu.md, "Sharded training on TPU".
+Each parameter is sharded on its planned dim (`model_specs`: the embedding tables and the head on
+their width, the other matrices on a dim that is not the width) and sent to the devices already
+sharded; the optimizer state takes its parameter's sharding (global step hooks); every
+Linear/Embedding output is constrained to the batch sharding. Each mark is asserted. The layout
+and why: docs/tpu.md, "Sharded training on TPU".
 """
 
 from __future__ import annotations
@@ -80,16 +81,49 @@ def make_mesh(replicas: int, shard: int):
     return xs.Mesh(np.arange(replicas * shard), (replicas, shard), AXES)
 
 
-def param_spec(shape: tuple[int, ...], shard: int) -> tuple:
-    """The partition spec of a parameter of `shape` over `shard` fsdp devices (see the module
-    doc)."""
+def param_spec(shape: tuple[int, ...], shard: int, first: int | None = None) -> tuple:
+    """The partition spec of a parameter of `shape` over `shard` fsdp devices: its dim `first`
+    when given and the fsdp size divides it, else its first dim that it divides, else
+    replicated."""
     spec: list[str | None] = [None] * len(shape)
     if shard > 1:
-        for dim, size in enumerate(shape):
-            if size % shard == 0:
+        dims = list(range(len(shape)))
+        if first is not None:
+            dims.insert(0, dims.pop(first % len(shape)))
+        for dim in dims:
+            if shape[dim] % shard == 0:
                 spec[dim] = "fsdp"
                 break
     return tuple(spec)
+
+
+def model_specs(model: torch.nn.Module, shard: int) -> dict[str, tuple]:
+    """{parameter name: partition spec} of every parameter of `model` over `shard` fsdp devices
+    (a tied weight under its first name). Why each rule: docs/tpu.md, "Sharded training on TPU".
+
+    - An embedding table and the output head (`model.lm_head`, tied or not) on their width: the
+      lookup then gives each chip a slice of every token's vector, moved to the chip that holds
+      the token by an all-to-all of one chip's tokens. On the vocabulary, each chip looks up the
+      whole global batch in its rows and the partitioner all-reduces [global tokens, width].
+    - Any other matrix on its first dim that is not the model's width (the tables' width), where
+      it has one: a TPU lays a weight gradient out with the width minor, and its compiler makes
+      an all-reduce + slice a reduce-scatter only when the slice is on a major dim.
+    - Else the first dim the fsdp size divides (param_spec)."""
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    width = tables[0].embedding_dim if tables else None
+    root = {id(m.weight) for m in tables}
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, torch.nn.Linear):
+        root.add(id(head.weight))
+    specs = {}
+    for name, p in model.named_parameters():
+        first = None
+        if id(p) in root:
+            first = p.dim() - 1
+        elif p.dim() == 2:
+            first = next((d for d, n in enumerate(p.shape) if n != width and n % shard == 0), None)
+        specs[name] = param_spec(tuple(p.shape), shard, first)
+    return specs
 
 
 def batch_spec(ndim: int) -> tuple:
@@ -159,13 +193,15 @@ def shard_model(model: torch.nn.Module, mesh, device: torch.device) -> dict[str,
     import torch_xla.distributed.spmd as xs
 
     shard = mesh.mesh_shape[AXES.index("fsdp")]
+    planned = model_specs(model, shard)
+    specs = {id(p): planned[name] for name, p in model.named_parameters()}
     plan, sent = {}, {}
     for module_name, module in model.named_modules():
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in sent:  # a tied weight is sent once and shared again
-                spec = param_spec(tuple(p.shape), shard)
+                spec = specs[id(p)]
                 if p.dim() >= 2:
                     data = xm.send_cpu_data_to_device(
                         [p.detach()], device, xs.ShardingSpec(mesh, spec)

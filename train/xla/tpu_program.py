@@ -9,9 +9,16 @@ start/done pairs, continuation fusion) and how each is read: docs/tpu.md.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from codex.train.xla.hlo import CALLED, COLLECTIVES, Program, arrays, parse_text
+from codex.train.xla.hlo import (
+    CALLED,
+    COLLECTIVES,
+    Program,
+    array_texts,
+    arrays,
+    parse_text,
+)
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=")
@@ -27,6 +34,8 @@ class TpuCollective:
     overlapped: int  # compute instructions scheduled between its start and done (0: sync)
     computation: str  # the computation holding it
     runs: int = 1  # times a step runs it: the trip counts of the loops around it multiplied
+    # its arrays without layout, e.g. ["bf16[512,256]"] (a reduce-scatter: the wholes it reduces)
+    shapes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,7 +116,10 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
             place = loops.get(scheduled, "step")
             is_async, overlapped = _async(program, name, scheduled, call)
             runs = _runs(program, scheduled, callers, schedule)
-            out.append(TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name, runs))
+            shapes = array_texts(shape)
+            out.append(
+                TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name, runs, shapes)
+            )
     return TpuProgram(out, kernels)
 
 

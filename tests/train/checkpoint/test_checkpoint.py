@@ -257,6 +257,13 @@ def test_a_hosts_shards_round_trip_into_any_split(tmp_path):
     dcp_io.read_tensors(checkpoint.step_dir(run, 1), targets)
     assert targets["model"]["w"] is target
     assert torch.equal(torch.cat([split[(0, 0)], split[(3, 0)], split[(6, 0)]]), full)
+    # split on the other dim: a table written sharded on its rows (vocabulary) read into one
+    # sharded on its columns (width), as train/xla/sharding.py shards an embedding now
+    cols = {(0, 0): torch.empty(10, 2), (0, 2): torch.empty(10, 2)}
+    dcp_io.read_tensors(
+        checkpoint.step_dir(run, 1), {"model": {"w": HostShards(full.shape, full.dtype, cols)}}
+    )
+    assert torch.equal(torch.cat([cols[(0, 0)], cols[(0, 2)]], dim=1), full)
 
 
 def test_a_hosts_shards_stage_for_a_background_save(tmp_path):

@@ -10,9 +10,11 @@ The others (the topology names, the program reader, the missing-extra line) run 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,12 @@ from codex.train.plan.presets import get_preset
 from tests.fixtures import ROOT
 
 # a 3-layer model whose every weight a 16-chip fsdp divides; accumulation 2, so the step holds
-# the micro-batch While with the layer loops nested in it
+# the micro-batch While with the layer loops nested in it. Width 256: on v6e:2x2 each chip's
+# quarter of every weight fills the TPU's tiles (libtpu keeps the all-reduce of a gradient whose
+# quarter is a few KB whole, e.g. width 64's 16 x 64 ones: the size, not the layout, decides)
 SETTINGS = [
     "model.n_layer=3",
-    "model.n_embd=64",
+    "model.n_embd=256",
     "data.tokenizer.vocab_size=512",
     "train.seq_len=128",  # the flash kernel's key blocks are 128 wide
     "train.device_batch=2",
@@ -141,6 +145,64 @@ def test_fsdp_layer_loop_gathers_async_and_reduce_scatters(tmp_path_factory, opt
     ), step["collectives"]
 
 
+def _tiny_shapes() -> tuple[list[str], str, int]:
+    """(each 2-D block weight's shape, the head's, the width) of SETTINGS' model, as "[r,c]"."""
+    from dataclasses import replace
+
+    from codex.core.config import build_config
+    from codex.model.gpt import build_model
+
+    cfg = build_config(overrides=SETTINGS, model="tiny")
+    model = build_model(replace(cfg.model, vocab_size=cfg.data.tokenizer.vocab_size), seed=0)
+    text = lambda p: "[" + ",".join(map(str, p.shape)) + "]"  # noqa: E731
+    blocks = [text(p) for p in model.blocks[0].parameters() if p.dim() == 2]
+    return blocks, text(model.lm_head.weight), cfg.model.n_embd
+
+
+def _dims(shape: str) -> str:
+    return shape[shape.index("[") :]
+
+
+def _elements(shape: str) -> int:
+    return math.prod(int(d) for d in _dims(shape)[1:-1].split(",") if d)
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_fsdp_reduces_each_gradient_by_a_reduce_scatter(tmp_path_factory, optimizer):
+    """v6e:2x2 fsdp, AdamW and Muon, in the TPU compiler's program: every block matrix's gradient
+    is reduced by a reduce-scatter in the layer loop (reduced in bf16 and widened on the shard
+    after its slice, train/xla/layer_scan.py; the MLP's down projection sharded on its hidden dim,
+    train/xla/sharding.py: model_specs) and the head's in the micro-batch loop. No all-reduce in a
+    loop holds a matrix: those left are of the norm gains' 1-D gradients (MaxText does not shard
+    norm scales over fsdp: it all-reduces them whole too) and scalars. The embedding's gradient
+    is reduced by nothing (sharded on its width, its slice of every token's gradient comes by the
+    lookup's all-to-all of one chip's tokens), and no collective in the micro-batch loop holds
+    the global batch's tokens x width."""
+    step = _step(_report(tmp_path_factory, "v6e-4", "fsdp", optimizer))
+    blocks, head, width = _tiny_shapes()
+    loops = [c for c in step["collectives"] if c["place"] != "step"]
+    scattered = Counter(
+        _dims(a) for c in _where(step, "reduce-scatter", "layer loop") for a in c["shapes"]
+    )
+    assert not Counter(blocks) - scattered, (blocks, scattered)
+    micro = _where(step, "reduce-scatter", "micro-batch loop")
+    assert [_dims(a) for c in micro for a in c["shapes"]] == [head], micro
+    matrices = [
+        a for c in loops if c["kind"] == "all-reduce" for a in c["shapes"] if _dims(a).count(",")
+    ]
+    assert not matrices, matrices
+    # the head's [vocab, width] reduced once; the table's, of the same shape, never
+    reduced = [a for c in loops if "reduce" in c["kind"] for a in c["shapes"] if _dims(a) == head]
+    assert len(reduced) == 1, reduced
+    local_tokens = 2 * 128  # train.device_batch x train.seq_len
+    # per array: the compiler combines collectives into tuples
+    assert max(_elements(a) for c in loops for a in c["shapes"]) < 4 * local_tokens * width
+    inside = [c for c in loops if c["place"] == "micro-batch loop"]
+    moved = [sum(map(_elements, c["shapes"])) for c in inside if c["kind"] == "all-to-all"]
+    assert moved and set(moved) == {local_tokens * width}, moved
+
+
 @pytest.mark.xla
 @pytest.mark.slow
 def test_flash_kernels_compiled_inside_the_layer_loop(tmp_path_factory):
@@ -199,6 +261,9 @@ def test_topology_names():
 
     assert topology_name(get_preset("v6e-4")) == "v6e:2x2"
     assert topology_name(get_preset("v6e-16")) == "v6e:4x4"
+    assert topology_name(get_preset("v6e-64")) == "v6e:8x8"
+    assert topology_name(get_preset("v6e-128")) == "v6e:8x16"
+    assert topology_name(get_preset("v6e-256")) == "v6e:16x16"
     assert topology_name(get_preset("v5litepod-8")) == "v5e:2x4"
     assert topology_name(get_preset("v5p-8")) == "v5p:2x2x1"
     assert topology_name(get_preset("v4-8")) == "v4:2x2x1"

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codex.train.xla.sharding import param_spec
+from codex.train.xla.sharding import model_specs, param_spec
 from tests.fixtures.runs import make_run
 from tests.fixtures.xla import max_diff, model_at, overrides, run_eager, run_xla_script
 
@@ -141,13 +141,27 @@ emit("resume_eager", train(cfg({d["resume_eager"]!r}, {overrides("cpu", 8, 10, e
     return out
 
 
+def _tiny_specs(shard: int) -> dict[str, tuple]:
+    """The partition specs train/xla/sharding.py plans for the runs' model over `shard` devices."""
+    from dataclasses import replace
+
+    from codex.core.config import build_config
+    from codex.model.gpt import build_model
+    from tests.fixtures.runs import VOCAB
+
+    model_cfg = build_config(model="tiny").model
+    return model_specs(build_model(replace(model_cfg, vocab_size=VOCAB), seed=0), shard)
+
+
 def check_layout(layout: dict, shard: int) -> int:
     """Every parameter and each of its optimizer state tensors is sharded as planned: each of the 4
     devices holds the planned dim divided by `shard`. Returns the number of state tensors
     checked."""
     n_state = 0
+    specs = _tiny_specs(shard)
+    assert set(specs) == set(layout["params"])
     for name, p in layout["params"].items():
-        spec = param_spec(tuple(p["shape"]), shard)
+        spec = specs[name]
         assert "fsdp" in spec, (
             f"{name}: every tensor of the tiny model has a dim divisible by {shard}"
         )
@@ -169,6 +183,30 @@ def test_param_spec_rule():
     assert param_spec((6, 3), 4) == (None, None)  # else replicated
     assert param_spec((128,), 2) == ("fsdp",)
     assert param_spec((8, 8), 1) == (None, None)  # one device per copy: nothing to shard
+    assert param_spec((384, 128), 4, first=1) == (None, "fsdp")  # the dim asked for first
+    assert param_spec((384, 6), 4, first=1) == ("fsdp", None)  # else the rule above
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_specs_shard_tables_and_head_on_their_width(tie):
+    """Embedding tables (wte, value embeddings) and the head on their width, tied or not; the
+    MLP's down projection [width, hidden] on its hidden dim; every other matrix on its first dim
+    that is not the width; norms on their only dim (train/xla/sharding.py: model_specs)."""
+    from codex.core.config import build_config
+    from codex.model.gpt import build_model
+
+    overrides = ["model.vocab_size=512", "model.value_embed=true", f"model.tie_embeddings={tie}"]
+    model = build_model(build_config(model="tiny", overrides=overrides).model, seed=0)
+    specs = model_specs(model, 4)
+    assert specs["wte.weight"] == (None, "fsdp")
+    assert ("lm_head.weight" in specs) == (not tie)  # a tied head is the table, named once
+    assert specs.get("lm_head.weight", (None, "fsdp")) == (None, "fsdp")
+    tables = [n for n in specs if n.startswith("value_embeds.")]
+    assert tables and all(specs[n] == (None, "fsdp") for n in tables)
+    block = {n.split(".", 2)[2]: spec for n, spec in specs.items() if n.startswith("blocks.0.")}
+    assert block["mlp.w_down.weight"] == (None, "fsdp")
+    assert block["mlp.w_up.weight"] == block["attn.c_k.weight"] == ("fsdp", None)
+    assert block["attn_norm.weight"] == ("fsdp",)
 
 
 def test_fsdp4_and_fsdp2x2_match_eager_after_5_steps(runs):

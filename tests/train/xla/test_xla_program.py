@@ -21,8 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from codex.train.xla.hlo import Loop, Program, arrays, bytes_used, parse, partitioned, step_programs
-from codex.train.xla.sharding import param_spec
+from codex.train.xla.hlo import (
+    Loop,
+    Program,
+    array_texts,
+    arrays,
+    bytes_used,
+    parse,
+    partitioned,
+    reduction_slices,
+    step_programs,
+)
 from tests.fixtures.procs import run_xla
 from tests.fixtures.xla import PRELUDE, max_diff, model_at, overrides, results
 
@@ -44,6 +53,11 @@ m = build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model
 emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
 emit("block_shapes", [list(p.shape) for p in m.blocks[0].parameters()])
+from codex.train.xla.sharding import model_specs
+specs = model_specs(m, 4)
+emit("param_specs", list(specs.values()))
+emit("block_specs", [specs["blocks.0." + n] for n, _ in m.blocks[0].named_parameters()])
+emit("width", c.model.n_embd)
 emit("n_layer", len(m.blocks))
 from codex.train.plan.presets import get_preset
 from codex.train.plan.batch import grad_accum_steps
@@ -145,10 +159,17 @@ def _shape(dims) -> str:
     return "f32[" + ",".join(str(d) for d in dims) + "]"
 
 
-def _local(shape: list[int]) -> list[int]:
-    """A weight's shape on one of the 4 devices (train/xla/sharding.py: param_spec)."""
-    spec = param_spec(tuple(shape), 4)
+def _local(shape: list[int], spec: list) -> list[int]:
+    """A weight's shape on one of the 4 devices (train/xla/sharding.py: model_specs)."""
     return [d // 4 if axis else d for d, axis in zip(shape, spec, strict=True)]
+
+
+def _blocks(info: dict) -> list[tuple[list[int], list[int]]]:
+    """(whole shape, one device's shape) of each block weight."""
+    return [
+        (s, _local(s, spec))
+        for s, spec in zip(info["block_shapes"], info["block_specs"], strict=True)
+    ]
 
 
 def _fsdp_loops(program: Program) -> tuple[Loop, list[Loop], list[Loop]]:
@@ -184,13 +205,13 @@ def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop(fsdp):
         for loop in forward + backward:
             gathers = [c for c in program.collectives_in(loop.computations) if c.op == "all-gather"]
             assert sorted(c.elements for c in gathers) == whole, (program.path.name, gathers)
-            stacks = Counter(_shape([n_layer, *_local(s)]) for s in blocks)
+            stacks = Counter(_shape([n_layer, *local]) for _, local in _blocks(info))
             assert not stacks - Counter(loop.carry_shapes()), (stacks, loop.line[:300])
         layer = set().union(*(loop.computations for loop in forward + backward))
         outside = [
             c for c in program.collectives() if c.op == "all-gather" and c.computation not in layer
         ]
-        quarters = {tuple(_local(s)) for s in blocks}  # a whole shape may equal a quarter
+        quarters = {tuple(local) for _, local in _blocks(info)}  # a whole may equal a quarter
         for shape in blocks:
             if len(shape) == 2 and tuple(shape) not in quarters:
                 for dims in (shape, [n_layer, *shape]):
@@ -220,8 +241,36 @@ def test_fsdp_reduces_each_layer_gradient_to_a_quarter_inside_the_layer_loop(fsd
             got = sorted(c.elements * (4 if c.op == "reduce-scatter" else 1) for c in reductions)
             assert got == expected, (program.path.name, reductions)
             # the stacked weights and the stacked gradient: the multiset of quarters, twice
-            stacks = Counter(_shape([n_layer, *_local(s)]) for s in blocks)
+            stacks = Counter(_shape([n_layer, *local]) for _, local in _blocks(info))
             assert not stacks + stacks - Counter(loop.carry_shapes()), loop.line[:300]
+
+
+def test_fsdp_moves_nothing_of_the_global_batch_size_per_micro_batch(fsdp):
+    """No collective inside the micro-batch While (its body and the layer loops in it) has
+    global tokens x width elements or more, other than a weight's own gather or gradient: the
+    embedding table is sharded on its width (train/xla/sharding.py: model_specs), so the lookup
+    moves one device's tokens x width by an all-to-all, forward and backward. Sharded on the
+    vocabulary, the partitioner all-reduced the whole slice's lookup, [global tokens, width], and
+    gathered it again in the backward, every micro-batch."""
+    info, programs, _ = fsdp
+    width, local_tokens = info["width"], 2 * SEQ
+    global_tokens = 4 * local_tokens
+    weights = {tuple(sorted(s)) for s in info["param_shapes"]}
+
+    def a_weight(c) -> bool:
+        return all(tuple(sorted(_dims(a))) in weights for a in array_texts(c.shape))
+
+    for program in programs:
+        outer, _, _ = _fsdp_loops(program)
+        inside = program.collectives_in(program.reachable(outer.body))
+        big = [c for c in inside if c.elements >= global_tokens * width and not a_weight(c)]
+        assert not big, (program.path.name, big)
+        moved = [c.elements for c in inside if c.op == "all-to-all"]
+        assert moved and set(moved) == {local_tokens * width}, (program.path.name, moved)
+
+
+def _dims(array: str) -> list[int]:
+    return [int(d) for d in array.split("[")[1].rstrip("]").split(",") if d]
 
 
 def test_fsdp_carries_no_whole_gradient_and_fits_the_plan(fsdp):
@@ -233,8 +282,11 @@ def test_fsdp_carries_no_whole_gradient_and_fits_the_plan(fsdp):
     info, programs, _ = fsdp
     P, plan, n_layer = info["param_elements"], info["plan"], info["n_layer"]
     assert plan["gradients"] == -(-4 * P // 4)
-    expected = Counter(_shape(_local(s)) for s in info["param_shapes"])  # the accumulators
-    expected.update(_shape([n_layer, *_local(s)]) for s in info["block_shapes"])  # the stacks
+    expected = Counter(  # the accumulators
+        _shape(_local(s, spec))
+        for s, spec in zip(info["param_shapes"], info["param_specs"], strict=True)
+    )
+    expected.update(_shape([n_layer, *local]) for _, local in _blocks(info))  # the stacks
     for program in programs:
         for loop in program.loops():
             assert max(n for dtype, n in loop.carry() if dtype == "f32") < P, loop.line[:200]
@@ -271,7 +323,8 @@ def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
     """Under bf16 each layer's weights are cast on their shards and gathered in bf16 inside the
     layer loops (read right after the SPMD partitioner: the CPU pipeline then widens every bf16
     value, collectives included, to f32, which a TPU does not), the loops carry no whole weight
-    in either dtype, and the run trains as the fp32 one does."""
+    in either dtype, each gradient is reduced in bf16 and widened only after its slice, and the
+    run trains as the fp32 one does."""
     info, programs, _ = fsdp_bf16
     blocks, n_layer = info["block_shapes"], info["n_layer"]
     for program in programs:
@@ -283,12 +336,18 @@ def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
                 ("bf16", math.prod(s)) for s in blocks
             ), (program.path.name, gathers)
             carried = set(loop.carry_shapes())
-            quarters = {tuple(_local(s)) for s in blocks}  # a whole shape may equal a quarter
+            quarters = {tuple(local) for _, local in _blocks(info)}  # a whole may equal a quarter
             for shape in blocks:
                 if len(shape) == 2 and tuple(shape) not in quarters:
                     for dtype in ("f32", "bf16"):
                         text = _shape([n_layer, *shape]).replace("f32", dtype)
                         assert text not in carried, (shape, dtype, loop.line[:300])
+    for program in programs:
+        # each gradient's all-reduce reaches its slice with no convert between (widened to fp32
+        # on the shard after it): a TPU's compiler makes the pair one reduce-scatter
+        chains = reduction_slices(partitioned(program))
+        assert len(chains) >= len(blocks), (program.path.name, chains)
+        assert not [c for c in chains if "convert" in c], (program.path.name, chains)
     # the same data and init: bf16 autocast moves the loss by well under 2%
     fp32 = _once(tmp_path_factory, "fsdp", "adamw")[0]["loss"]
     assert abs(info["loss"] - fp32) < 0.02 * fp32
