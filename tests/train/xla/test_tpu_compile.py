@@ -242,6 +242,8 @@ def test_without_the_async_flags_no_gather_is_async(tmp_path_factory):
 
 @pytest.mark.xla
 @pytest.mark.slow
+# Muon's 16-chip compile is a minute of make test's longest suite: make test-heavy runs it
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.heavy)])
 def test_fsdp_on_16_chips_each_chip_holds_a_sixteenth(tmp_path_factory, optimizer):
     """v6e:4x4 (16 chips, 4 hosts as one global mesh) fsdp: each chip's arguments are about
     1/16 of the weights + optimizer state (within 10%): no chip holds a whole copy."""
