@@ -16,7 +16,7 @@ import zstandard
 
 from codex.core.config import build_config
 from tests.fixtures.bad_input import files_under, invoke, warnings_with
-from tests.fixtures.clean import prose
+from tests.fixtures.clean import clean_stats, kept_rows, prose
 
 
 def _zst_lines(n: int, start: int = 0) -> bytes:
@@ -27,20 +27,6 @@ def _zst_lines(n: int, start: int = 0) -> bytes:
 
 def _clean(run: Path, *args: str) -> list[str]:
     return ["data", "clean", "--run", str(run), *args]
-
-
-def _stats(run: Path) -> dict:
-    return json.loads((run / "clean" / "stats.json").read_text())
-
-
-def _kept(run: Path) -> list[dict]:
-    """The cleaned documents: {"text", "source", ...} per row of every part."""
-    import pyarrow.parquet as pq
-
-    rows: list[dict] = []
-    for part in sorted((run / "clean").glob("part-*.parquet")):
-        rows += pq.read_table(part).to_pylist()
-    return rows
 
 
 def test_a_txt_file_over_max_chars_fails_naming_the_rule_and_the_delimiter_option(tmp_path):
@@ -75,7 +61,7 @@ def test_a_txt_file_over_max_chars_fails_naming_the_rule_and_the_delimiter_optio
     assert json.loads((tmp_path / "r2" / "clean" / "stats.json").read_text())["docs_out"] == 6
 
 
-def test_a_delimiter_of_real_newlines_is_kept():
+def test_a_delimiter_of_real_newlines_iskept_rows():
     cfg = build_config(overrides=["data.clean.txt_delimiter=\n\n"])
     assert cfg.data.clean.txt_delimiter == "\n\n"
 
@@ -202,7 +188,7 @@ def test_a_binary_file_named_txt_is_reported_and_kept_out(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         invoke(_clean(run, "--input", str(src), "--set=data.clean.min_source_yield=0"), 0)
     assert warnings_with(caplog, str(src / "blob.txt"), "invalid UTF-8")
-    assert {r["source"] for r in _kept(run)} == {str(src / "good.txt")}
+    assert {r["source"] for r in kept_rows(run)} == {str(src / "good.txt")}
 
 
 def test_non_utf8_bytes_in_a_jsonl_line_are_counted_and_named(tmp_path, caplog):
@@ -213,10 +199,10 @@ def test_non_utf8_bytes_in_a_jsonl_line_are_counted_and_named(tmp_path, caplog):
     run = tmp_path / "r"
     with caplog.at_level(logging.WARNING):
         invoke(_clean(run, "--input", str(f)), 0)
-    bad = _stats(run)["bad_input"]["invalid_utf8_records"]
+    bad = clean_stats(run)["bad_input"]["invalid_utf8_records"]
     assert bad["count"] == 1 and bad["first_files"] == [str(f)]
     assert warnings_with(caplog, str(f), "invalid UTF-8 in 1 records")
-    assert len(_kept(run)) == 3  # the line is kept, its two bytes replaced
+    assert len(kept_rows(run)) == 3  # the line is kept, its two bytes replaced
 
 
 def test_a_jsonl_line_that_is_an_array_is_skipped_and_named(tmp_path, caplog):
@@ -226,7 +212,7 @@ def test_a_jsonl_line_that_is_an_array_is_skipped_and_named(tmp_path, caplog):
     run = tmp_path / "r"
     with caplog.at_level(logging.WARNING):
         invoke(_clean(run, "--input", str(f)), 0)
-    stats = _stats(run)
+    stats = clean_stats(run)
     assert stats["docs_out"] == 3
     assert stats["bad_input"]["malformed_lines"]["first"] == [
         {"path": str(f), "lines": ["line 2: not an object"]}
@@ -256,7 +242,7 @@ def test_a_truncated_parquet_input_fails_alone_naming_it(tmp_path):
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     run = tmp_path / "r"
     invoke(_clean(run, "--input", str(src)), 1, "1 input file(s) failed", str(p))
-    assert {r["source"] for r in _kept(run)} == {str(src / "good.txt")}
+    assert {r["source"] for r in kept_rows(run)} == {str(src / "good.txt")}
     invoke(["data", "tokenize", "--run", str(run)], 1, "clean did not finish", str(p))
 
 
@@ -278,7 +264,7 @@ def test_an_unreadable_input_file_fails_alone_naming_it(tmp_path):
         )
     finally:
         locked.chmod(0o644)
-    assert {r["source"] for r in _kept(tmp_path / "r")} == {str(src / "good.txt")}
+    assert {r["source"] for r in kept_rows(tmp_path / "r")} == {str(src / "good.txt")}
 
 
 def test_a_whole_file_dropped_by_a_length_rule_is_named_with_its_switch(tmp_path, caplog):
@@ -294,7 +280,7 @@ def test_a_whole_file_dropped_by_a_length_rule_is_named_with_its_switch(tmp_path
     (warned,) = warnings_with(caplog, "dropped whole")
     assert str(big) in warned and "--txt-delimiter blank-lines" in warned
     assert "small0.txt" not in warned
-    whole = _stats(run)["bad_input"]["whole_files_dropped"]
+    whole = clean_stats(run)["bad_input"]["whole_files_dropped"]
     assert whole == [{"path": str(big), "reason": "length:too_long"}]
 
 
@@ -310,7 +296,7 @@ def test_a_low_yield_clean_exits_1_until_allow_low_yield(tmp_path):
     assert not (run / "tokenizer").exists()
     markers = files_under(run / "clean" / "markers")
     invoke([*args, "--allow-low-yield"], 0)
-    assert "low_yield" not in _stats(run) and _stats(run)["docs_out"] == 1
+    assert "low_yield" not in clean_stats(run) and clean_stats(run)["docs_out"] == 1
     assert files_under(run / "clean" / "markers") == markers  # nothing was cleaned again
 
 
@@ -333,7 +319,7 @@ def test_blank_lines_holding_white_space_split_documents(tmp_path):
         ).encode()
     )
     invoke(_clean(tmp_path / "b", "--input", str(f), "--txt-delimiter", "blank-lines"), 0)
-    assert sorted(r["text"].strip() for r in _kept(tmp_path / "b")) == sorted(paras)
+    assert sorted(r["text"].strip() for r in kept_rows(tmp_path / "b")) == sorted(paras)
     quality = [f"--set=data.clean.{f}.enabled=false" for f in ("gopher_repetition", "fineweb")]
     invoke(
         _clean(
@@ -347,7 +333,7 @@ def test_blank_lines_holding_white_space_split_documents(tmp_path):
         ),
         0,
     )
-    assert _stats(tmp_path / "n")["docs_in"] == 1  # '\n\n' never matched: one document
+    assert clean_stats(tmp_path / "n")["docs_in"] == 1  # '\n\n' never matched: one document
 
 
 @pytest.mark.parametrize(
@@ -422,7 +408,7 @@ def test_a_jsonl_record_over_the_limit_gets_the_record_fixes_not_the_text_delimi
     alone.write_text(big + "\n")  # one record, the whole file: not a text file dropped whole
     out = invoke(_clean(tmp_path / "r2", "--input", str(alone), small), 1, "kept no documents")
     assert "a .jsonl line is one document" in out and "--txt-delimiter" not in out
-    assert _stats(tmp_path / "r2")["bad_input"]["whole_files_dropped"] == []
+    assert clean_stats(tmp_path / "r2")["bad_input"]["whole_files_dropped"] == []
 
 
 def test_the_length_fixes_follow_the_formats_the_rule_dropped_bytes_from():

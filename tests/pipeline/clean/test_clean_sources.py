@@ -4,15 +4,13 @@ and a concatenated code file split on a regex ('re:'). docs/stages.md, "clean"."
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tests.fixtures.bad_input import files_under, invoke, warnings_with
-from tests.fixtures.clean import c_files, prose, spaced
+from tests.fixtures.clean import c_files, clean_stats, kept_rows, prose, spaced
 
 SMALL = "--set=data.clean.length.max_chars=1500"  # stands in for the 1 MB default
 SPDX = "// SPDX-License-Identifier: GPL-2.0"
@@ -20,17 +18,6 @@ SPDX = "// SPDX-License-Identifier: GPL-2.0"
 
 def _clean(run: Path, *args: str) -> list[str]:
     return ["data", "clean", "--run", str(run), SMALL, *args]
-
-
-def _stats(run: Path) -> dict:
-    return json.loads((run / "clean" / "stats.json").read_text())
-
-
-def _kept(run: Path) -> list[dict]:
-    rows: list[dict] = []
-    for part in sorted((run / "clean").glob("part-*.parquet")):
-        rows += pq.read_table(part).to_pylist()
-    return rows
 
 
 def _infos(caplog) -> str:
@@ -65,7 +52,7 @@ def test_a_source_under_min_source_yield_fails_naming_it_until_its_switch(tmp_pa
             "txt_delimiter: 're:REGEX'",  # the fix that splits concatenated code
             "allow_low_yield: true in its sources.yaml entry",
         )
-    stats = _stats(run)
+    stats = clean_stats(run)
     assert stats["low_source_yield"] == {"min": 0.2, "sources": [str(code)]}
     rows = {r["source"]: r for r in stats["sources"]}
     assert (rows[str(wiki)]["docs_in"], rows[str(wiki)]["docs_kept"]) == (8, 3)
@@ -84,7 +71,7 @@ def test_a_source_under_min_source_yield_fails_naming_it_until_its_switch(tmp_pa
     with caplog.at_level(logging.INFO):
         invoke(_clean(run, "--sources", str(sources)), 0)
     assert files_under(run / "clean" / "markers") == markers  # no unit was cleaned again
-    assert "low_source_yield" not in _stats(run)
+    assert "low_source_yield" not in clean_stats(run)
     summary = _infos(caplog).split("summary by source")[1]
     assert f"{wiki}: documents 8 -> 3" in summary and f"{code}: documents 1 -> 0" in summary
     assert summary.index("gopher_quality:below_alpha_threshold") < summary.index(str(code))
@@ -103,7 +90,7 @@ def test_min_source_yield_holds_a_single_input_run_and_a_rerun_allowing_it_resum
     invoke([*args, "--set=data.clean.min_source_yield=0.05"], 0)
     invoke([*args, "--allow-low-yield"], 0)
     assert files_under(run / "clean" / "markers") == markers
-    assert _stats(run)["sources"][0]["low_yield_allowed"] is True
+    assert clean_stats(run)["sources"][0]["low_yield_allowed"] is True
 
 
 def test_the_summary_ends_every_clean_a_finished_one_again_too(tmp_path, caplog):
@@ -159,11 +146,11 @@ def test_a_concatenated_code_file_splits_on_a_regex_across_pieces(tmp_path):
     run = tmp_path / "r"
     # pieces of about 500 bytes: most cut a C file in two, each still read once
     invoke(_clean(run, "--sources", str(sources), "--set=data.clean.chunk_bytes=500"), 0)
-    stats = _stats(run)
+    stats = clean_stats(run)
     assert stats["units"] > 3
     (row,) = stats["sources"]
     assert (row["docs_in"], row["docs_kept"], row["bytes_in"]) == (13, 13, code.stat().st_size)
-    texts = sorted(r["text"] for r in _kept(run))
+    texts = sorted(r["text"] for r in kept_rows(run))
     assert texts[0].startswith("# a corpus")
     assert all(t.startswith(SPDX) for t in texts[1:])  # the header line stays with its file
     assert sorted(t.split("\n")[1] for t in texts[1:]) == sorted(
