@@ -50,24 +50,10 @@ class Sample:
         )
 
 
-def sample(
-    model,
-    tokenizer,
-    prompt: str,
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int = 50,
-    seed: int = 0,
-    use_cache: bool = True,
-) -> str:
-    """The prompt followed by up to `max_new_tokens` generated tokens, as text (continue_prompt's
-    text).
-
-    8 parameters: keyword generation options with defaults, as Hugging Face's generate takes
-    them."""
-    return continue_prompt(
-        model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, use_cache
-    ).text
+def sample(model, tokenizer, prompt: str, **options) -> str:
+    """The prompt followed by up to `max_new_tokens` generated tokens, as text: continue_prompt's
+    text, with its keyword options (max_new_tokens, temperature, top_k, seed, use_cache)."""
+    return continue_prompt(model, tokenizer, prompt, **options).text
 
 
 def continue_prompt(
