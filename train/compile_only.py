@@ -33,7 +33,7 @@ from codex.train.distributed.backend import BackendError, unwrap
 from codex.train.optim.optimizer import make_optimizer
 from codex.train.optim.schedule import lr_for, set_lr
 from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
-from codex.train.plan.presets import HardwarePreset, get_preset
+from codex.train.plan.presets import CHIP_LINKS, HardwarePreset, get_preset
 from codex.train.remat import apply_remat
 from codex.train.xla.flash import lower_pallas_for_tpu, xla_attention
 from codex.train.xla.platform import libtpu_init_args
@@ -57,20 +57,11 @@ _SHAPES_2D = {
 }
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
 
-# Per chip, from the Cloud TPU system-architecture pages: HBM bandwidth (GB/s) and ICI bandwidth
-# (GB/s, all links of one chip together), for the modelled step time.
-CHIP_BANDWIDTH = {
-    "v4": {"hbm": 1200.0, "ici": 300.0},
-    "v5e": {"hbm": 819.0, "ici": 200.0},
-    "v5p": {"hbm": 2765.0, "ici": 600.0},
-    "v6e": {"hbm": 1640.0, "ici": 448.0},
-}
-
 
 def topology_name(preset: HardwarePreset) -> str:
     """libtpu's name for the preset's slice, e.g. v6e-16 -> "v6e:4x4"."""
     shapes = _SHAPES_3D if preset.family in ("v4", "v5p") else _SHAPES_2D
-    if preset.family not in CHIP_BANDWIDTH or preset.devices not in shapes:
+    if preset.family not in CHIP_LINKS or preset.devices not in shapes:
         raise ConfigError(
             f"--compile-only compiles for a TPU slice, and hardware preset '{preset.name}' "
             f"({preset.kind}, {preset.devices} devices) has no TPU topology; "
@@ -131,12 +122,12 @@ class CompileReport:
         ICI, the bytes of the step's collectives (each as often as its loops run it) at the
         chip's ICI bandwidth. libtpu's cost analysis counts a While's body once, so its FLOPs
         are not used and its bytes are a lower bound wherever the step loops."""
-        bw = CHIP_BANDWIDTH[self.preset.family]
         flops = self.flops_per_token * self.step_tokens / self.preset.devices
         return {
             "compute": flops / self.preset.peak_flops,
-            "hbm": self.step.compiled["bytes_accessed"] / (bw["hbm"] * 1e9),
-            "ici": self.step.program.collective_bytes() / (bw["ici"] * 1e9),
+            "hbm": self.step.compiled["bytes_accessed"] / self.preset.hbm_bandwidth,
+            # a chip receives at most half its bidirectional ICI bandwidth
+            "ici": self.step.program.collective_bytes() / (self.preset.ici_bandwidth / 2),
         }
 
     def modelled_mfu(self) -> float:
@@ -329,8 +320,8 @@ def trace(work: Path) -> None:
         if attention == "flash":
             lower_pallas_for_tpu()
             backend.flash_attention, backend.flash_chip = True, preset.family
-        _, plan, _ = make_plan(cfg, preset, backend.world_size, vocab=cfg.model.vocab_size)
-        tcfg = cfg.train
+        resolved, plan, _ = make_plan(cfg, preset, backend.world_size, vocab=cfg.model.vocab_size)
+        tcfg = resolved.train  # train.remat=auto resolved by the plan
         model = backend.build_model(cfg.model, tcfg.seed, plan.layout)
         model = apply_remat(model, tcfg.remat, backend.kind)
         raw = unwrap(model)

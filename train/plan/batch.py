@@ -1,8 +1,9 @@
 """The batch: train.batch_tokens = device_batch x seq_len x world x accum, the tokens of one
 optimizer step. Chosen here (`choose_batch`: the device batch and sequence length, given or the
-memory plan's largest that fits, the layout train.parallel=auto resolves to, the accumulation) and
-checked here (`check_fits`: refused with the fixes that fit, exit 2). Asks memory.py for plans;
-reads no run file and imports no torch."""
+plan's; on TPU the fastest modelled step among those that fit (`fastest`, step_time.py), elsewhere
+the largest that fits; the layout train.parallel=auto resolves to, the remat, the accumulation)
+and checked here (`check_fits`: refused with the fixes that fit, exit 2). Asks memory.py for
+plans; reads no run file and imports no torch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 from codex.core.config import Config, ConfigError
 from codex.core.config.model import ModelConfig
@@ -24,6 +26,7 @@ from codex.train.plan.memory import (
     setting_for,
 )
 from codex.train.plan.presets import HardwarePreset
+from codex.train.plan.step_time import Chip, StepTime, step_time
 
 
 def micro_batches(batch_tokens: int, device_batch: int, seq_len: int, world: int) -> int:
@@ -123,10 +126,7 @@ def default_device_batch(
     as train.batch_tokens implies. The CPU preset's memory is the machine's, so there it is the
     entry's max_device_batch (chosen for step time; train's check against free RAM still refuses).
     0 = nothing fits."""
-    _, entry = _entry(preset, model_cfg)
-    cap = min(
-        int(entry.get("max_device_batch", MAX_DEVICE_TOKENS)), max(1, MAX_DEVICE_TOKENS // seq_len)
-    )
+    cap = device_cap(preset, model_cfg, seq_len)
     if preset.memory_gb <= 0:
         return cap, "replicate"
     return default_batch(model_cfg, preset, seq_len, cap, setting, batch_tokens)
@@ -231,6 +231,120 @@ def choose_layout(
     return "replicate" if fits or not fsdp_offered(preset, setting.world) else "fsdp"
 
 
+# --- the fastest configuration (TPU) ------------------------------------------------------------
+
+# A TPU step's tokens a chip when train.batch_tokens and train.device_batch are 0 and the preset
+# names none: fixed, so every configuration the search weighs does the same work and the fastest
+# has the best MFU. 64K a chip (512K tokens a step on 8 chips) is a usual batch for 1B-class models
+# and enough micro-batches to amortise a replicated step's one all-reduce.
+STEP_TOKENS_PER_DEVICE = 65536
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of a step: its device batch, its setting (layout, remat and accumulation
+    resolved), its memory plan and its modelled time."""
+
+    device_batch: int
+    setting: Setting
+    memory: MemoryPlan
+    time: StepTime
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may vary: the layouts and remats to weigh (a user's explicit one alone),
+    and the device batch (0 = any that divides the step's sequences a rank, up to cap)."""
+
+    layouts: tuple[LayoutName, ...]
+    remats: tuple[Literal["none", "block"], ...]
+    device_batch: int = 0
+    cap: int = MAX_DEVICE_TOKENS
+
+
+def candidates(
+    m: ModelConfig, preset: Chip, seq_len: int, setting: Setting, step_tokens: int, space: Space
+) -> list[Candidate]:
+    """Every configuration in `space` that does `step_tokens` tokens a step (each rank's share in
+    whole micro-batches) and fits with headroom, with its modelled step time."""
+    world = setting.ranks(preset)
+    if step_tokens <= 0 or step_tokens % (seq_len * world):
+        return []
+    seqs = step_tokens // (seq_len * world)  # sequences a rank a step
+    if space.device_batch:
+        batches = [space.device_batch] if seqs % space.device_batch == 0 else []
+    else:
+        batches = [b for b in range(1, min(seqs, space.cap) + 1) if seqs % b == 0]
+    settings = [
+        (b, dataclasses.replace(setting, layout=layout, remat=remat, accum=seqs // b))
+        for layout in space.layouts
+        for remat in space.remats
+        for b in batches
+    ]
+    # every plan first, then every time: the memory plan is decided before the time is asked
+    fit = [(b, s, p) for b, s in settings if (p := plan(m, preset, b, seq_len, s)).fits()]
+    timed = [(b, s, p, step_time(m, preset, p)) for b, s, p in fit]
+    return [Candidate(b, s, p, t) for b, s, p, t in timed if t is not None]
+
+
+def fastest(found: list[Candidate]) -> Candidate | None:
+    """The candidate with the shortest modelled step (the best MFU: they all do the same work);
+    on a tie the first, in the order candidates() makes them (replicate, no remat, small)."""
+    return min(found, key=lambda c: c.time.step_s, default=None)
+
+
+def search_space(t: TrainConfig, preset: Device, world: int, cap: int) -> Space:
+    """The layouts (train.parallel=auto: replicate and, where offered, fsdp) and remats
+    (train.remat=auto: none and block) a TPU run's search weighs; a user's explicit one alone."""
+    layouts: tuple[LayoutName, ...]
+    if t.parallel != "auto":
+        layouts = (t.parallel,)
+    else:
+        layouts = ("replicate", "fsdp") if fsdp_offered(preset, world) else ("replicate",)
+    remats: tuple[Literal["none", "block"], ...] = (
+        ("none", "block") if t.remat == "auto" else (t.remat,)
+    )
+    return Space(layouts, remats, max(0, t.device_batch), cap)
+
+
+def device_cap(preset: HardwarePreset, m: ModelConfig, seq_len: int) -> int:
+    """The largest device batch a default may take: MAX_DEVICE_TOKENS / seq_len, and the preset
+    entry's max_device_batch where it names one."""
+    _, entry = _entry(preset, m)
+    limit = int(entry.get("max_device_batch", MAX_DEVICE_TOKENS))
+    return min(limit, max(1, MAX_DEVICE_TOKENS // seq_len))
+
+
+def modelled_step_tokens(
+    t: TrainConfig, preset: HardwarePreset, m: ModelConfig, seq_len: int, world: int
+) -> int:
+    """The tokens of a TPU step the search splits: train.batch_tokens; else one micro-batch of a
+    given train.device_batch; else the preset's batch_tokens for the model; else
+    STEP_TOKENS_PER_DEVICE a chip, in whole sequences."""
+    if t.batch_tokens > 0:
+        return t.batch_tokens
+    if t.device_batch > 0:
+        return t.device_batch * seq_len * world
+    per_rank = max(1, STEP_TOKENS_PER_DEVICE // seq_len) * seq_len
+    target = preset_batch_tokens(preset, m)
+    return -(-target // (seq_len * world)) * seq_len * world if target > 0 else per_rank * world
+
+
+def best_config(
+    cfg: Config, preset: HardwarePreset, world: int, seq_len: int
+) -> tuple[Candidate | None, int]:
+    """(the fastest candidate that fits, the step's tokens) for `cfg` on a TPU preset; None when
+    nothing fits (choose_batch's old path then says why) or the preset has no step-time model."""
+    m, t = cfg.model, cfg.train
+    if not preset.has_step_model:
+        return None, 0
+    cap = device_cap(preset, m, seq_len)
+    setting = setting_for(t, preset.kind, world)
+    tokens = modelled_step_tokens(t, preset, m, seq_len, world)
+    space = search_space(t, preset, world, cap)
+    return fastest(candidates(m, preset, seq_len, setting, tokens, space)), tokens
+
+
 # --- the choice ----------------------------------------------------------------------------------
 
 
@@ -245,6 +359,7 @@ class Batch:
     device_batch_given: bool  # False: the memory plan's default
     seq_len_given: bool  # False: the preset's for the model
     memory: MemoryPlan  # bytes per device at this batch, checked against this machine
+    time: StepTime | None = None  # the modelled step (TPU presets; step_time.py)
 
     @property
     def world(self) -> int:
@@ -276,21 +391,32 @@ def choose_batch(cfg: Config, preset: HardwarePreset, world: int) -> Batch:
     m, t = cfg.model, cfg.train
     setting = setting_for(t, preset.kind, world)
     B, T = t.device_batch, t.seq_len
+    if preset.has_step_model:
+        T = T if T > 0 else default_seq_len(preset, m)
+        _check_seq_len(m, T)
+        best, tokens = best_config(cfg, preset, world, T)
+        if best is not None:  # planned at the TPU's memory, which check_fits also judges by
+            b, s = best.device_batch, best.setting
+            return Batch(b, T, s, B > 0, t.seq_len > 0, best.memory, best.time)
     if B <= 0 or T <= 0:
         dB, dT = device_defaults(preset, m, setting, t.batch_tokens)
         B = B if B > 0 else dB
         T = T if T > 0 else dT
-    if T > m.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={T} is longer than model.max_seq_len={m.max_seq_len}; "
-            f"lower --seq-len or --set model.max_seq_len={T}"
-        )
+    _check_seq_len(m, T)
     layout = setting.layout if setting.layout != "auto" else choose_layout(m, preset, B, T, setting)
     batch_tokens = step_tokens(t, preset, m, B * T * world)
     accum = grad_accum_steps(batch_tokens, B, T, world)
     setting = dataclasses.replace(setting, layout=layout, accum=accum)
     memory = check_fits(m, preset, B, T, setting, batch_tokens)
     return Batch(B, T, setting, t.device_batch > 0, t.seq_len > 0, memory)
+
+
+def _check_seq_len(m: ModelConfig, T: int) -> None:
+    if T > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={T} is longer than model.max_seq_len={m.max_seq_len}; "
+            f"lower --seq-len or --set model.max_seq_len={T}"
+        )
 
 
 # --- the refusal ---------------------------------------------------------------------------------

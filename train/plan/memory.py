@@ -142,7 +142,7 @@ def setting_for(tcfg: TrainConfig, kind: str, world: int = 0) -> Setting:
         optimizer=tcfg.optimizer,
         layout=tcfg.parallel,
         fsdp_size=tcfg.fsdp_size,
-        remat=tcfg.remat,
+        remat="none" if tcfg.remat == "auto" else tcfg.remat,  # auto: batch.py decides
         world=world,
         reduce_dtype=tcfg.reduce_dtype,
         compiled=compiled_on(kind, tcfg.compile),

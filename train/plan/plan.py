@@ -20,6 +20,7 @@ from codex.train.plan.batch import choose_batch
 from codex.train.plan.layout import Layout, layout_for
 from codex.train.plan.memory import MemoryPlan
 from codex.train.plan.presets import HardwarePreset
+from codex.train.plan.step_time import StepTime
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,7 @@ class Plan:
     preset: HardwarePreset
     device_batch_given: bool = True  # False: the memory plan's default
     seq_len_given: bool = True  # False: the preset's for the model
+    time: StepTime | None = None  # the modelled step (TPU presets: train/plan/step_time.py)
 
 
 def planned_vocab(cfg: Config) -> int:
@@ -105,6 +107,8 @@ def make_plan(
         train=replace(cfg.train, lr=learning_rate(cfg.train)),
     )
     b = choose_batch(cfg, preset, world_size)
+    # train.remat=auto resolved (the search's choice on TPU, else none): what the run applies
+    cfg = replace(cfg, train=replace(cfg.train, remat=b.setting.remat))
     layout = layout_for(b.setting.layout, b.setting.fsdp_size, world_size)
     # fsdp: keep the gathered weights from forward to backward (ZeRO-2) where the plan fits them
     layout = replace(layout, reshard_after_forward=b.memory.reshard_after_forward)
@@ -122,6 +126,7 @@ def make_plan(
         preset=preset,
         device_batch_given=b.device_batch_given,
         seq_len_given=b.seq_len_given,
+        time=b.time,
     )
     return cfg, plan, token_bytes
 

@@ -14,6 +14,17 @@ import yaml
 from codex.core.config import CONFIGS_DIR, ConfigError, preset_names, preset_path
 from codex.core.config.model import ModelConfig
 
+# Per chip, from the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
+# v6e): HBM bandwidth, bidirectional inter-chip interconnect (ICI) bandwidth over all of a chip's
+# links, and data-center network (DCN) bandwidth, which joins slices (v5e and v6e publish it per
+# host NIC: 2 x 100 and 4 x 200 Gbps over 8 chips; v4 publishes none). In GB/s, DCN in Gbit/s.
+CHIP_LINKS: dict[str, dict[str, float]] = {
+    "v4": {"hbm": 1200.0, "ici": 600.0, "dcn_gbit": 0.0},
+    "v5e": {"hbm": 819.0, "ici": 400.0, "dcn_gbit": 25.0},
+    "v5p": {"hbm": 2765.0, "ici": 1200.0, "dcn_gbit": 50.0},
+    "v6e": {"hbm": 1640.0, "ici": 800.0, "dcn_gbit": 100.0},
+}
+
 
 @dataclass
 class HardwarePreset:
@@ -36,6 +47,28 @@ class HardwarePreset:
     def peak_flops(self) -> float:
         """Per-device peak in FLOP/s (0 when unknown, e.g. the CPU: no MFU then)."""
         return float(self.peak_tflops_bf16) * 1e12
+
+    @property
+    def has_step_model(self) -> bool:
+        """Whether train/plan/step_time.py can time a step here: a TPU with its chip's links."""
+        return self.kind == "tpu" and self.ici_bandwidth > 0
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        """Per-chip HBM bandwidth in bytes/s (CHIP_LINKS; 0 when not published here: GPUs, CPU)."""
+        return CHIP_LINKS.get(self.family, {}).get("hbm", 0.0) * 1e9
+
+    @property
+    def ici_bandwidth(self) -> float:
+        """Per-chip ICI bandwidth in bytes/s, both directions of all links (CHIP_LINKS; 0 off TPU).
+        A chip receives at most half of it."""
+        return CHIP_LINKS.get(self.family, {}).get("ici", 0.0) * 1e9
+
+    @property
+    def dcn_bandwidth(self) -> float:
+        """Per-chip data-center network bandwidth in bytes/s (0 when unpublished); it joins slices,
+        and every preset is one slice, so the step-time model never needs it."""
+        return CHIP_LINKS.get(self.family, {}).get("dcn_gbit", 0.0) * 1e9 / 8
 
 
 def _load(name: str, path) -> HardwarePreset:

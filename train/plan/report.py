@@ -11,6 +11,7 @@ from typing import Literal
 from codex.core.config import Config
 from codex.core.config.data import TokenizerConfig
 from codex.core.config.model import ModelConfig, mlp_hidden
+from codex.core.config.train import TrainConfig
 from codex.train.plan import batch
 from codex.train.plan.batch import (
     MAX_DEVICE_TOKENS,
@@ -24,6 +25,7 @@ from codex.train.plan.batch import (
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
 from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset, list_presets, preset_model
+from codex.train.plan.step_time import StepTime
 
 
 def _vocab_k() -> str:
@@ -66,25 +68,37 @@ def format_hardware_table() -> str:
             if m not in p.defaults:
                 cells.append("?")
                 continue
-            T = default_seq_len(p, configs[m])
-            B, layout = default_device_batch(p, configs[m], T, Setting(layout="auto"))
-            cells.append("-" if B <= 0 else f"{B}×{T}" + (" fsdp" if layout == "fsdp" else ""))
+            cells.append(_default_cell(p, configs[m]))
         rows.append(cells)
     lines = _render(rows)
     lines.append("")
     lines.append(
         "GPU presets take any device count: h100-4 = 4 H100s per host. Launch several GPUs with "
         "codex train ... --nproc-per-node N; B×T = default device batch × "
-        f"sequence length from the memory plan (bf16, AdamW, a {_vocab_k()} vocab; "
-        "- = does not fit; "
-        "fsdp = fits only with the weights, gradients and optimizer state sharded over every "
-        "device). cpu's mem GB is the RAM free on this machine now (MemAvailable), what "
-        "train's memory plan is checked against. "
+        f"sequence length (bf16, AdamW, a {_vocab_k()} vocab; - = does not fit): on TPU the "
+        "fastest modelled step that fits (train/plan/step_time.py; fsdp = the weights, gradients "
+        "and optimizer state sharded over every device, remat = train.remat=block), elsewhere "
+        "the memory plan's largest that fits (fsdp = fits only sharded). cpu's mem GB is the RAM "
+        "free on this machine now (MemAvailable), what train's memory plan is checked against. "
         "`codex hardware --model NAME` shows the plan. v4/v5p names count TensorCores, "
         "v5e/v6e names count chips. hosts > 1 = multi-host: run the same command on every worker "
         "(--worker=all) with a gs:// run directory."
     )
     return "\n".join(lines)
+
+
+def _default_cell(p: HardwarePreset, m: ModelConfig) -> str:
+    """The device batch x seq_len a run of model `m` uses on `p` by default (layout auto; remat
+    auto on TPU, where the fastest modelled step picks them)."""
+    if p.has_step_model:
+        f = model_fit(m, p)
+        if not f.batch:
+            return "-"
+        tags = (" fsdp" if f.layout == "fsdp" else "") + (" remat" if f.remat == "block" else "")
+        return f"{f.batch}×{f.seq_len}" + tags
+    T = default_seq_len(p, m)
+    B, layout = default_device_batch(p, m, T, Setting(layout="auto"))
+    return "-" if B <= 0 else f"{B}×{T}" + (" fsdp" if layout == "fsdp" else "")
 
 
 def _memory_cell(p: HardwarePreset) -> str:
@@ -103,23 +117,51 @@ class ModelFit:
     seq_len: int
     replicate: int  # the largest device batch that fits replicated (0: none)
     fsdp: int  # the same under fsdp over every device (0: none, or fsdp does not run there)
-    batch: int  # the device batch train.parallel=auto would use (0: the model does not fit)
-    layout: str  # the layout auto picks, "-" when nothing fits
+    batch: int  # the device batch a run would use (0: the model does not fit)
+    layout: str  # the layout a run would use, "-" when nothing fits
     total_gb: float  # the plan at that batch and layout
-    remat: str = "none"  # "block" when the model fits only with train.remat=block
+    remat: str = "none"  # the run's train.remat
+    remat_batch: int = 0  # the largest device batch with train.remat=block (fsdp where offered)
+    accum: int = 1  # micro-batches a step (TPU: of the step's STEP_TOKENS_PER_DEVICE a chip)
+    time: StepTime | None = None  # the modelled step (TPU presets)
 
 
 def model_fit(m: ModelConfig, p: HardwarePreset, setting: Setting = DEFAULT_SETTING) -> ModelFit:
     """The largest device batch (a power of two) that fits with headroom replicated and under
-    fsdp, and what train.parallel=auto picks (train.plan.batch.choose_layout), in `setting`
-    (its layout aside). A model that fits in neither without remat is planned again with
-    train.remat=block, as MaxText's recipes recompute to fit a large model on a small slice."""
+    fsdp, and with remat; and what a run would use, in `setting` (its layout and remat aside).
+    On TPU that is the fastest modelled step among the configurations that fit (batch.py:
+    candidates, fastest; train.parallel and train.remat auto). Elsewhere the largest batch that
+    fits in the layout train.parallel=auto picks (choose_layout), with train.remat=block only when
+    nothing fits without it, as MaxText's recipes recompute to fit a large model on a small
+    slice."""
+    if p.has_step_model:
+        return _fastest_fit(m, p, setting)
     fit = _fit(m, p, setting)
     if not fit.batch and setting.remat == "none":
         again = _fit(m, p, dataclasses.replace(setting, remat="block"))
         if again.batch:
-            return dataclasses.replace(again, remat="block")
+            return dataclasses.replace(again, remat="block", remat_batch=again.batch)
     return fit
+
+
+def _fastest_fit(m: ModelConfig, p: HardwarePreset, setting: Setting) -> ModelFit:
+    T = default_seq_len(p, m)
+    cap = batch.device_cap(p, m, T)
+    rep = largest_batch(m, p, T, cap, dataclasses.replace(setting, layout="replicate"))
+    sharded = dataclasses.replace(setting, layout="fsdp")
+    fsdp = largest_batch(m, p, T, cap, sharded) if fsdp_offered(p) else 0
+    wide = sharded if fsdp_offered(p) else dataclasses.replace(setting, layout="replicate")
+    remat = largest_batch(m, p, T, cap, dataclasses.replace(wide, remat="block"))
+    tokens = batch.modelled_step_tokens(TrainConfig(), p, m, T, p.devices)
+    space = batch.search_space(TrainConfig(), p, p.devices, cap)
+    best = batch.fastest(batch.candidates(m, p, T, setting, tokens, space))
+    if best is None:
+        return ModelFit(T, rep, fsdp, 0, "-", 0.0, remat_batch=remat)
+    s = best.setting
+    return ModelFit(
+        T, rep, fsdp, best.device_batch, s.layout, best.memory.total / 1e9, s.remat, remat,
+        s.accum, best.time,
+    )  # fmt: skip
 
 
 def _fit(m: ModelConfig, p: HardwarePreset, setting: Setting) -> ModelFit:
@@ -142,55 +184,46 @@ def format_model_fit(
     remat: Literal["none", "block"] = "none",
 ) -> str:
     """`codex hardware --model NAME`: for every preset, the largest device batch (a power of two)
-    that fits with headroom replicated and under fsdp over every device, and the layout
-    train.parallel=auto picks (train.plan.batch.choose_layout)."""
+    that fits with headroom replicated, under fsdp over every device and with remat, and the
+    configuration a run would use (model_fit) with its memory and, on TPU, its modelled step time
+    and MFU (train/plan/step_time.py)."""
     m = preset_model(model)
     setting = Setting(dtype="bf16", optimizer=optimizer, remat=remat)
-    rows = [
-        [
-            "preset",
-            "mem GB",
-            "devices",
-            "B×T max: replicate",
-            "fsdp",
-            "fits",
-            "layout",
-            "remat",
-            "plan at B (GB)",
-        ]
-    ]
+    head = ["preset", "mem GB", "devices", "largest B×T: replicate", "fsdp", "remat"]
+    head += ["run: layout", "remat", "B×T", "micro", "GB", "step s", "MFU", "bound"]
+    rows = [head]
     for p in list_presets():
-        if p.memory_gb <= 0:
-            rows.append(
-                [p.name, "-", str(p.devices), "-", "-", "?", "-", "-", "the machine's free RAM"]
-            )
-            continue
-        f = model_fit(m, p, setting)
-        T = f.seq_len
-        rows.append(
-            [
-                p.name,
-                f"{p.memory_gb:g}",
-                str(p.devices),
-                f"{f.replicate}×{T}" if f.replicate else "-",
-                f"{f.fsdp}×{T}" if f.fsdp else "-",
-                "yes" if f.batch else "no",
-                f.layout,
-                f.remat if f.batch else "-",
-                f"{f.total_gb:.1f}" if f.batch else "-",
-            ]
-        )
+        rows.append(_fit_row(p, model_fit(m, p, setting) if p.memory_gb > 0 else None))
     n = plan(m, list_presets()[0], 1, 1).params
+    per_chip = f"{batch.STEP_TOKENS_PER_DEVICE:,}"
     return "\n".join(
         [
-            f"model {model}: {n / 1e6:.0f}M parameters ({_vocab_k()} vocab), bf16, {optimizer}, "
-            f"remat {remat} (block where only that fits); fits = at most {HEADROOM:.0%} of a "
-            "device's memory by the plan "
-            "(train/plan/memory.py), "
-            f"device batch at most {MAX_DEVICE_TOKENS} tokens"
+            f"model {model}: {n / 1e6:.0f}M parameters ({_vocab_k()} vocab), bf16, {optimizer}; "
+            f"fits = at most {HEADROOM:.0%} of a device's memory by the plan "
+            f"(train/plan/memory.py), device batch at most {MAX_DEVICE_TOKENS} tokens. run = what "
+            f"codex train uses: on TPU the fastest modelled step of {per_chip} tokens a chip "
+            "that fits (train/plan/step_time.py: FLOPs at the bf16 peak, HBM, ICI; MFU in "
+            "MaxText's convention, an upper bound), elsewhere the largest batch that fits, with "
+            "remat only where nothing fits without"
         ]
         + _render(rows)
     )
+
+
+def _fit_row(p: HardwarePreset, f: ModelFit | None) -> list[str]:
+    """One preset's cells of format_model_fit (None: the CPU, whose memory is this machine's)."""
+    if f is None:
+        return [p.name, "-", str(p.devices)] + ["-"] * 7 + ["its RAM", "-", "-", "-"]
+    T = f.seq_len
+    bt = lambda b: f"{b}×{T}" if b else "-"  # noqa: E731
+    cells = [p.name, f"{p.memory_gb:g}", str(p.devices), bt(f.replicate), bt(f.fsdp)]
+    cells.append(bt(f.remat_batch))
+    if not f.batch:
+        return cells + ["-"] * 8
+    cells += [f.layout, f.remat, bt(f.batch), str(f.accum), f"{f.total_gb:.1f}"]
+    t = f.time
+    cells += [f"{t.step_s:.3g}", f"{t.mfu:.0%}", t.bound] if t else ["-", "-", "-"]
+    return cells
 
 
 def _rows(rows: list[tuple[str, str]]) -> list[str]:

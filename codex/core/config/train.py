@@ -88,8 +88,10 @@ class TrainConfig:
     reduce_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "The dtype gradients are summed over the ranks in (CPU/CUDA; XLA reduces in fp32)."
     )
-    remat: Literal["none", "block"] = setting(
-        "none", "block: recompute every transformer block in the backward (train/remat.py)."
+    remat: Literal["auto", "none", "block"] = setting(
+        "auto",
+        "block: recompute every transformer block in the backward (train/remat.py); auto: "
+        "on TPU the plan's fastest modelled step (train/plan/step_time.py), elsewhere none.",
     )
     log_every: int = setting(10, "Log the loss every N steps.", ge=1)
     eval_every: int = setting(200, "Validate every N steps and at the last; 0 = never.", ge=0)

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from codex.cli.main import cli
 
 PLAN_DIR = Path(__file__).resolve().parents[3] / "train" / "plan"
-# memory.py sums terms computed in these leaf modules, which import nothing of the planner: the
-# walk counts them as memory's arithmetic
-MEMORY_TERMS = {"params": "memory", "activations": "memory", "owners": "memory"}
+# leaf arithmetic that memory.py and step_time.py both read (parameter counts, bytes per token),
+# which imports nothing of the planner: the walk counts a call into it as its caller's arithmetic
+LEAVES = {"params", "activations", "owners"}
 
 
 def _module_walk(args: list[str]) -> tuple[list[str], str]:
@@ -27,12 +27,14 @@ def _module_walk(args: list[str]) -> tuple[list[str], str]:
 
     def module_of(code) -> str | None:
         path = Path(code.co_filename).resolve()
-        return MEMORY_TERMS.get(path.stem, path.stem) if path.parent == PLAN_DIR else None
+        return path.stem if path.parent == PLAN_DIR else None
 
     def profile(frame, event, arg):
         if event != "call" or "." in frame.f_code.co_qualname:
             return
         mod = module_of(frame.f_code)
+        if mod in LEAVES:
+            return
         caller = frame.f_back
         if mod and (caller is None or module_of(caller.f_code) != mod):
             if not walk or walk[-1] != mod:
