@@ -301,6 +301,8 @@ def _batch_row(cfg: Config, p: Plan) -> str:
         b_from = "given"
     elif preset.memory_gb <= 0:
         b_from = f"{preset.name}'s max_device_batch"
+    elif p.time is not None:
+        b_from = "the fastest modelled step's"
     else:
         b_from = "the memory plan's"
     t_from = (
@@ -321,6 +323,8 @@ def _batch_tokens_from(cfg: Config, p: Plan) -> str:
     if t.batch_tokens > 0:
         return ""
     target = preset_batch_tokens(p.preset, cfg.model) if t.device_batch <= 0 else 0
+    if target <= 0 and p.time is not None and t.device_batch <= 0:
+        return f"; train.batch_tokens=0: {batch.STEP_TOKENS_PER_DEVICE:,} tokens a chip"
     if target <= 0:
         return "; train.batch_tokens=0: one micro-batch"
     return (
@@ -380,10 +384,25 @@ def _parallel_row(cfg: Config, p: Plan) -> str:
     memory_of = f" of {memory_gb:g} GB" if memory_gb > 0 else " (the machine's RAM)"
     return (
         f"parallel={t.parallel}"
-        + (f" -> {memory.layout} (the memory plan's choice)" if t.parallel == "auto" else "")
-        + f" fsdp_size={t.fsdp_size} remat={t.remat} dtype={t.dtype}"
+        + (f" -> {memory.layout} (the plan's choice)" if t.parallel == "auto" else "")
+        + f" fsdp_size={t.fsdp_size} remat={t.remat}"
+        + (f" -> {memory.remat}" if t.remat == "auto" else "")
+        + f" dtype={t.dtype}"
         + (f" -> {memory.dtype}" if t.dtype == "auto" else "")
         + f"; memory plan {memory.total / 1e9:.2f} GB per device{memory_of}"
+        + _time_text(p)
+    )
+
+
+def _time_text(p: Plan) -> str:
+    """The modelled step (TPU presets), for the parallel row."""
+    t = p.time
+    if t is None:
+        return ""
+    return (
+        f"; modelled step {t.step_s:.3g} s, MFU {t.mfu:.0%} ({t.bound}-bound; compute "
+        f"{t.compute_s:.3g} s, HBM {t.hbm_s:.3g} s, ICI {t.ici_s:.3g} s of which "
+        f"{t.exposed_ici_s:.3g} s not hidden: train/plan/step_time.py)"
     )
 
 
