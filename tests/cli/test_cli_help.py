@@ -17,10 +17,9 @@ from codex.cli.main import cli
 from codex.core.config import Config, build_config, load_yaml, preset_path
 from codex.core.config.setting import leaves
 from codex.core.config.train import DEFAULT_LR
-from codex.train.plan.batch import device_defaults
-from codex.train.plan.memory import setting_for
 from codex.train.plan.presets import get_preset
 from tests.fixtures.import_graph import ROOT
+from tests.fixtures.runs import plan_without_run
 
 RESOLVED = "\nResolved for this command line:\n"  # the section, not the docstring naming it
 
@@ -198,10 +197,13 @@ def test_train_help_resolves_the_model_hardware_and_overrides():
     hardware = _row(out, "hardware")
     assert f"kind={hw.kind}" in hardware and f"devices={hw.devices}" in hardware
     assert f"hosts={hw.hosts}" in hardware
-    B, T = device_defaults(hw, cfg.model, setting_for(cfg.train, hw.kind))
+    # a TPU preset: the fastest modelled step that fits, of 65,536 tokens a chip
+    p = plan_without_run(cfg, hw, hw.devices)
     batch = _row(out, "batch")
-    assert f"device_batch={B} (the memory plan's" in batch and f"seq_len={T}" in batch
-    assert f"batch_tokens={B * T * hw.devices:,} a step" in batch
+    assert f"device_batch={p.device_batch} (the fastest modelled step's" in batch, batch
+    assert f"seq_len={p.seq_len}" in batch and f"(accum {p.accum};" in batch
+    assert f"batch_tokens={65536 * hw.devices:,} a step" in batch
+    assert p.time is not None and f"MFU {p.time.mfu:.0%}" in _row(out, "parallel")
     assert "--set" in out and "train.lr=1e-3" in out
     assert "lr=0.001" in _row(out, "optimizer")
     assert f"train.max_steps={Config().train.max_steps}" in out
