@@ -258,8 +258,8 @@ class Space:
 
     layouts: tuple[LayoutName, ...]
     remats: tuple[Literal["none", "block"], ...]
+    cap: int  # the largest device batch a default may take (device_cap)
     device_batch: int = 0
-    cap: int = MAX_DEVICE_TOKENS
 
 
 def candidates(
@@ -304,7 +304,7 @@ def search_space(t: TrainConfig, preset: Device, world: int, cap: int) -> Space:
     remats: tuple[Literal["none", "block"], ...] = (
         ("none", "block") if t.remat == "auto" else (t.remat,)
     )
-    return Space(layouts, remats, max(0, t.device_batch), cap)
+    return Space(layouts, remats, cap, max(0, t.device_batch))
 
 
 def device_cap(preset: HardwarePreset, m: ModelConfig, seq_len: int) -> int:
