@@ -563,8 +563,9 @@ def demo_cmd(run, overrides):
 @click.option(
     "--model",
     default=None,
-    help="A model preset (tiny, 124m, 350m, 1b): where it fits, with which "
-    "layout and device batch, by the memory plan. Default: none, the table of presets.",
+    help="A model preset (tiny, 124m, 350m, 1b, 7b): where it fits, and what codex train runs "
+    "there (layout, remat, device batch, micro-batches; on TPU the fastest modelled step, with "
+    "its step time and MFU). Default: none, the table of presets.",
 )
 @click.option(
     "--optimizer",
@@ -575,8 +576,9 @@ def demo_cmd(run, overrides):
 )
 @stage
 def hardware_cmd(model, optimizer):
-    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch from the
-    memory plan); with --model, the plan for that model on every preset.
+    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch: on TPU
+    the fastest modelled step that fits, elsewhere the memory plan's largest); with --model, the
+    plan for that model on every preset, with the modelled step time and MFU on TPU.
 
     \b
     Example:
