@@ -115,8 +115,15 @@ def test_a_users_explicit_choice_wins_and_is_timed():
 def test_the_terms_of_the_step_time():
     m, p = preset_model("1b"), get_preset("v6e-8")
     hd = m.n_embd // m.n_head
-    # MaxText's convention: causal attention is half the full square's 12 L H hd T
+    # MaxText's convention: causal attention is half the full square's 12 L H hd T; the same
+    # count the training loop logs MFU with
     assert model_flops_per_token(m, 2048) - model_flops_per_token(m, 0) == 6 * 16 * 32 * hd * 2048
+    from codex.model.gpt import flops_per_token
+
+    for name, T in (("1b", 2048), ("7b", 1024), ("tiny", 256)):
+        assert model_flops_per_token(preset_model(name), T) == flops_per_token(
+            preset_model(name), T
+        )
     fsdp = plan(m, p, 4, 2048, Setting(layout="fsdp", accum=8))
     rep = dataclasses.replace(fsdp, layout="replicate", shards=1)
     tf, tr = step_time(m, p, fsdp), step_time(m, p, rep)
