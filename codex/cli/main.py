@@ -563,9 +563,8 @@ def demo_cmd(run, overrides):
 @click.option(
     "--model",
     default=None,
-    help="A model preset (tiny, 124m, 350m, 1b, 7b): where it fits, and what codex train runs "
-    "there (layout, remat, device batch, micro-batches; on TPU the fastest modelled step, with "
-    "its step time and MFU). Default: none, the table of presets.",
+    help="A model preset (tiny, 124m, 350m, 1b, 7b): where it fits and what codex train runs "
+    "there (on TPU with its modelled step time and MFU). Default: none, the table of presets.",
 )
 @click.option(
     "--optimizer",
@@ -576,9 +575,8 @@ def demo_cmd(run, overrides):
 )
 @stage
 def hardware_cmd(model, optimizer):
-    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch: on TPU
-    the fastest modelled step that fits, elsewhere the memory plan's largest); with --model, the
-    plan for that model on every preset, with the modelled step time and MFU on TPU.
+    """List the hardware presets (devices, memory, bf16 peak used for MFU, default batch); with
+    --model, the plan for that model on every preset, with the modelled step time and MFU on TPU.
 
     \b
     Example:
