@@ -24,6 +24,7 @@ from codex.train.plan.batch import (
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
 from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset, list_presets, preset_model
+from codex.train.plan.save_time import tpu_save_seconds
 
 
 def _vocab_k() -> str:
@@ -157,12 +158,24 @@ def format_model_fit(
             "layout",
             "remat",
             "plan at B (GB)",
+            "save s",
         ]
     ]
     for p in list_presets():
         if p.memory_gb <= 0:
             rows.append(
-                [p.name, "-", str(p.devices), "-", "-", "?", "-", "-", "the machine's free RAM"]
+                [
+                    p.name,
+                    "-",
+                    str(p.devices),
+                    "-",
+                    "-",
+                    "?",
+                    "-",
+                    "-",
+                    "the machine's free RAM",
+                    "-",
+                ]
             )
             continue
         f = model_fit(m, p, setting)
@@ -178,6 +191,7 @@ def format_model_fit(
                 f.layout,
                 f.remat if f.batch else "-",
                 f"{f.total_gb:.1f}" if f.batch else "-",
+                tpu_save_seconds(m, p, setting, f.layout),
             ]
         )
     n = plan(m, list_presets()[0], 1, 1).params
@@ -187,7 +201,9 @@ def format_model_fit(
             f"remat {remat} (block where only that fits); fits = at most {HEADROOM:.0%} of a "
             "device's memory by the plan "
             "(train/plan/memory.py), "
-            f"device batch at most {MAX_DEVICE_TOKENS} tokens"
+            f"device batch at most {MAX_DEVICE_TOKENS} tokens; save s = a checkpoint save's "
+            "seconds on a TPU slice, each host writing its share to gs:// "
+            "(train/plan/save_time.py)"
         ]
         + _render(rows)
     )
