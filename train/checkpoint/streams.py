@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
+from threading import Thread
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _item_size, _write_files_from_queue
@@ -63,9 +63,7 @@ class StreamsWriter(FileSystemWriter):
                     while True:
                         file_queue.get_nowait()
 
-        threads = [
-            threading.Thread(target=stream, daemon=True) for _ in range(1, self.thread_count)
-        ]
+        threads = [Thread(target=stream, daemon=True) for _ in range(1, self.thread_count)]
         for t in threads:
             t.start()
         stream()
