@@ -39,6 +39,7 @@ from codex.train.optim.schedule import lr_for, set_lr
 from codex.train.plan.plan import Plan, make_plan
 from codex.train.plan.presets import HardwarePreset, get_preset
 from codex.train.plan.report import memory_lines
+from codex.train.plan.save_time import hosts_of, preempt_warning, save_time
 from codex.train.remat import apply_remat
 
 log = logging.getLogger("codex.train")
@@ -390,6 +391,13 @@ def _log_start(run: Run, n_params: int) -> None:
         plan.layout.describe(),
     )
     log.info("\n".join(memory_lines(plan.memory)))
+    hosts = hosts_of(run.preset, plan.world_size)
+    late = preempt_warning(
+        save_time(plan.memory, hosts, fsio.is_remote(cfg.run), cfg.train.save_rate_gbs),
+        cfg.train.preempt_notice_s,
+    )
+    if late:
+        log.warning(late)
     _log_data(cfg)
 
 

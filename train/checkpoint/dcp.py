@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from codex.core import fsio, store
+from codex.train.checkpoint.streams import StreamsWriter
 from codex.train.checkpoint.xla_shards import (
     HostShards,
     HostShardsLoadPlanner,
@@ -142,12 +143,13 @@ class HashingFileSystem(FileSystem):
 
 
 # DCP's writer and reader with their file system swapped for HashingFileSystem (DCP's own
-# FsspecWriter/Reader would make a second, differently configured gcsfs client first).
+# FsspecWriter/Reader would make a second, differently configured gcsfs client first); the writer
+# writes a rank's share in several streams (streams.py).
 
 
 def _writer(folder: str) -> FileSystemWriter:
     # fsync locally; on gs:// an object exists only once it is complete (there is nothing to sync).
-    writer = FileSystemWriter(folder, sync_files=not fsio.is_remote(folder))
+    writer = StreamsWriter(folder, sync_files=not fsio.is_remote(folder))
     fs = HashingFileSystem()
     # torch annotates .fs as its local FileSystem; the writer takes any FileSystemBase.
     writer.fs = fs  # type: ignore[assignment]

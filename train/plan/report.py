@@ -25,6 +25,7 @@ from codex.train.plan.batch import (
 from codex.train.plan.memory import DEFAULT_SETTING, HEADROOM, MemoryPlan, Setting, plan
 from codex.train.plan.plan import Plan, make_plan, planned_vocab, tokenizer_vocab
 from codex.train.plan.presets import HardwarePreset, get_preset, list_presets, preset_model
+from codex.train.plan.save_time import tpu_save_seconds
 from codex.train.plan.step_time import StepTime
 
 
@@ -190,10 +191,12 @@ def format_model_fit(
     m = preset_model(model)
     setting = Setting(dtype="bf16", optimizer=optimizer, remat=remat)
     head = ["preset", "mem GB", "devices", "largest B×T: replicate", "fsdp", "remat"]
-    head += ["run: layout", "remat", "B×T", "micro", "GB", "step s", "MFU", "bound"]
+    head += ["run: layout", "remat", "B×T", "micro", "GB", "step s", "MFU", "bound", "save s"]
     rows = [head]
     for p in list_presets():
-        rows.append(_fit_row(p, model_fit(m, p, setting) if p.memory_gb > 0 else None))
+        f = model_fit(m, p, setting) if p.memory_gb > 0 else None
+        save = tpu_save_seconds(m, p, setting, f.layout if f and f.batch else "-")
+        rows.append(_fit_row(p, f) + [save])
     n = plan(m, list_presets()[0], 1, 1).params
     per_chip = f"{batch.STEP_TOKENS_PER_DEVICE:,}"
     return "\n".join(
@@ -204,7 +207,8 @@ def format_model_fit(
             f"codex train uses: on TPU the fastest modelled step of {per_chip} tokens a chip "
             "that fits (train/plan/step_time.py: FLOPs at the bf16 peak, HBM, ICI; MFU in "
             "MaxText's convention, an upper bound), elsewhere the largest batch that fits, with "
-            "remat only where nothing fits without"
+            "remat only where nothing fits without; save s = a checkpoint save's seconds on a TPU "
+            "slice, each host writing its share to gs:// (train/plan/save_time.py)"
         ]
         + _render(rows)
     )

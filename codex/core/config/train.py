@@ -102,6 +102,21 @@ class TrainConfig:
     async_save: bool = setting(
         False, "Write periodic checkpoints in the background while training goes on."
     )
+    # A spot or preemptible VM is told by SIGTERM and killed this long after (GCE: 30 s); the
+    # save codex makes on SIGTERM must end within it, or the steps since the last save are lost.
+    preempt_notice_s: float = setting(
+        30.0,
+        "Seconds from a preemption's SIGTERM to the kill; codex warns at start when a checkpoint "
+        "save would take longer (train/plan/save_time.py). 0 = no check.",
+        ge=0,
+    )
+    save_rate_gbs: float = setting(
+        0.0,
+        "GB/s one host writes a checkpoint at, for the save-time estimate and the preemption "
+        "warning; 0 = codex's figure for the run's store (train/plan/save_time.py). Measure "
+        "yours: python bench/bench_checkpoint_streams.py --gs gs://BUCKET/PREFIX.",
+        ge=0,
+    )
     resume: Literal["auto", "never"] = setting("auto", "auto: resume when a checkpoint exists.")
     wandb: Literal["auto", "online", "offline", "off"] = setting(
         "auto", "Weights & Biases logging; auto: online with an API key, else offline."

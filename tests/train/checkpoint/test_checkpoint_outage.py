@@ -11,15 +11,27 @@ import torch
 
 from codex.core import store
 from codex.train.checkpoint import folders as checkpoint
+from codex.train.checkpoint import streams
 from tests.fixtures.outage import train_through_outages
 
 pytestmark = [pytest.mark.gcs, pytest.mark.slow]
 
 
 def test_a_checkpoint_save_through_a_restart_of_its_store(own_gcs_emulator):
-    run = f"gs://{own_gcs_emulator.new_bucket()}/run"
-    w = torch.randn(12_000_000)  # 48 MB: its file goes up in several chunks of one session
-    state = {"step": 1, "model": {"w": w}, "rng": checkpoint.rng_state()}
+    # 48 MB: its file goes up in several chunks of one session
+    _save_through_a_restart(own_gcs_emulator, {"w": torch.randn(12_000_000)})
+
+
+def test_a_save_in_several_streams_through_a_restart_of_its_store(own_gcs_emulator, monkeypatch):
+    # 4 x 24 MB, a stream each (train/checkpoint/streams.py): several uploads in flight when it
+    # goes down
+    monkeypatch.setattr(streams, "STREAM_BYTES", 16 << 20)
+    _save_through_a_restart(own_gcs_emulator, {f"w{i}": torch.randn(6_000_000) for i in range(4)})
+
+
+def _save_through_a_restart(emulator, model: dict) -> None:
+    run = f"gs://{emulator.new_bucket()}/run"
+    state = {"step": 1, "model": model, "rng": checkpoint.rng_state()}
     failed: list[BaseException] = []
 
     def save() -> None:
@@ -30,14 +42,16 @@ def test_a_checkpoint_save_through_a_restart_of_its_store(own_gcs_emulator):
 
     saver = threading.Thread(target=save)
     saver.start()
-    own_gcs_emulator.restart_mid_upload(saver)
+    emulator.restart_mid_upload(saver)
     saver.join(300)
     if failed:  # one line naming the store and the object; the next save starts clean
         assert isinstance(failed[0], store.StoreError), repr(failed[0])
         assert str(failed[0]).startswith("gs://") and "\n" not in str(failed[0])
         checkpoint.save(run, state)
     assert checkpoint.complete_steps(run) == [1]
-    assert torch.equal(checkpoint.load(run)["model"]["w"], w)
+    loaded = checkpoint.load(run)["model"]
+    for k, w in model.items():
+        assert torch.equal(loaded[k], w), k
 
 
 def test_codex_train_whose_store_restarts_mid_save_ends_as_the_local_run(
