@@ -345,7 +345,8 @@ def test_codex_hardware_model_prints_where_it_fits():
     assert rows["v5litepod-16"][3:5] + rows["v5litepod-16"][6:7] == ["-", "4×1024", "fsdp"]
     # off TPU: the largest batch that fits, in the layout auto picks, no step time
     assert rows["h100"][3:10] == ["16×2048", "-", "-", "replicate", "none", "16×2048", "1"]
-    assert rows["h100"][11:] == ["-", "-", "-"]
+    assert rows["h100"][11:] == ["-", "-", "-", "-"]  # nor a TPU slice's save time
+    assert float(rows["v6e-16"][14]) > 0  # a TPU row's save seconds (train/plan/save_time.py)
     assert CliRunner().invoke(cli, ["hardware", "--model", "2b"]).exit_code == 2
 
 
