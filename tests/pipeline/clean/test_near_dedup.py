@@ -187,7 +187,7 @@ def datatrove_roots(edges: list[tuple[int, int]]) -> dict[int, int]:
 def test_roots_are_datatroves_union_find_roots():
     import numpy as np
 
-    from codex.pipeline.clean.near_dedup import roots
+    from codex.pipeline.clean.near_cluster import roots
 
     rng = random.Random(3)
     for trial in range(30):
@@ -326,7 +326,13 @@ def test_ray_gives_the_same_bytes_as_local(tmp_path, ray_cluster):
     docs, _ = generated_corpus(originals=80, every=4)
     urls = [{"text": d, "url": f"https://a.org/{i % 70}"} for i, d in enumerate(docs)]
     write_jsonl(tmp_path / "a.jsonl", urls)
-    common = (*NEAR, "data.clean.chunk_bytes=40000", "data.clean.metadata=[url]")
+    # partition_bytes: the cluster step in partitions and rounds, each task on any node
+    common = (
+        *NEAR,
+        "data.clean.chunk_bytes=40000",
+        "data.clean.metadata=[url]",
+        "data.clean.near_dedup.partition_bytes=3000",
+    )
     local = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, "data.clean.workers=1", run="local")
     on_ray = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, run="ray")
     on_ray.data.executor, on_ray.data.ray_address = "ray", ray_cluster
