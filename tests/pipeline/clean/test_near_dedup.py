@@ -416,3 +416,46 @@ def test_a_unit_whose_signatures_are_gone_is_cleaned_again(tmp_path, monkeypatch
     assert {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == {
         p.name: p.read_bytes() for p in whole.glob("part-*.parquet")
     }
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
+    from codex.pipeline.clean import near_cluster, near_dedup
+
+    docs, _ = generated_corpus(originals=60, every=3)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
+    common = (*NEAR, "data.clean.chunk_bytes=30000", "data.clean.near_dedup.partition_bytes=3000")
+    run_clean(cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, run="whole"))
+    cfg = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common)
+    star, ran = near_cluster.star, []
+
+    def failing(job):
+        if job.name == "large-000-000001":
+            raise RuntimeError("killed")
+        return star(job)
+
+    with monkeypatch.context() as m:
+        m.setattr(near_cluster, "star", failing)
+        with pytest.raises(RuntimeError, match="killed"):
+            run_clean(cfg)
+
+    def counted(fn):
+        def run(job):
+            ran.append(job.name)
+            return fn(job)
+
+        return run
+
+    for module, name in ((near_cluster, "star"), (near_cluster, "scatter")) + tuple(
+        (near_dedup, n) for n in ("combine_group", "reduce_block")
+    ):
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    run_clean(cfg)
+    # the tasks before it and beside it have their markers: the rerun starts at it
+    assert [n for n in ran if not n.startswith(("small-", "large-001", "large-002"))] == [
+        "large-000-000001"
+    ]
+    clean, whole = tmp_path / "run" / "clean", tmp_path / "whole" / "clean"
+    assert {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == {
+        p.name: p.read_bytes() for p in whole.glob("part-*.parquet")
+    }
