@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,10 +177,18 @@ def main() -> None:
     ap.add_argument("--partition-mb", type=float, default=64)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="DIR's pair files, if it has them")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    made = _in_child(_generate, args.dir, args.pairs, args.seed)
-    print(f"generated {made} in {time.perf_counter() - t0:.0f} s", flush=True)
+    made_at = Path(args.dir) / "made.json"
+    if args.reuse and made_at.exists():  # the pair files of an earlier run: only the cluster again
+        made = json.loads(made_at.read_text())
+        shutil.rmtree(Path(args.dir) / "near" / "cluster", ignore_errors=True)
+        shutil.rmtree(Path(args.dir) / "near" / "done", ignore_errors=True)
+    else:
+        made = _in_child(_generate, args.dir, args.pairs, args.seed)
+        made_at.write_text(json.dumps(made))
+    print(f"pairs {made} ready in {time.perf_counter() - t0:.0f} s", flush=True)
     partition_bytes = int(args.partition_mb * (1 << 20))
     got = _in_child(_cluster, args.dir, made, partition_bytes, args.workers)
     bound = 3 * partition_bytes + (200 << 20)

@@ -29,7 +29,6 @@ CLUSTER_ROW = 96
 MAX_PARTITIONS = 1 << 16
 MAX_ROUNDS = 64  # large-star and small-star converge in O(log^2 n) rounds
 RANGE_READAHEAD = 64 << 10
-READ_THREADS = 16
 _U = np.uint64
 
 
@@ -93,9 +92,8 @@ class Steps:
         if not results:
             return []
         left = [j.name for j in jobs if j.name not in got]
-        read = fsio.map_requests(
-            lambda n: fsio.read_json(done_path(self.out, n)), left, READ_THREADS
-        )
+        paths = [done_path(self.out, n) for n in left]
+        read = fsio.map_requests(fsio.read_json, paths, fsio.request_threads(paths))
         got.update(zip(left, read, strict=True))
         return [got[j.name] for j in jobs]
 
@@ -152,7 +150,9 @@ def read_split(path: str, parts: int, lo: int, hi: int | None = None) -> np.ndar
 
 def gather(paths: list[str], parts: int, part: int, width: int) -> np.ndarray:
     """Part `part` of every write_split file in `paths`, concatenated in their order."""
-    got = fsio.map_requests(lambda p: read_split(p, parts, part), paths, READ_THREADS)
+    got = fsio.map_requests(
+        lambda p: read_split(p, parts, part), paths, fsio.request_threads(paths)
+    )
     return np.concatenate(got) if got else np.zeros((0, width), np.uint64)
 
 
@@ -415,7 +415,8 @@ def _whole(files: list[PairFile]) -> tuple[np.ndarray, np.ndarray]:
         with fsio.open(path, "rb") as fh:
             return np.load(fh).reshape(-1, width)
 
-    pairs = fsio.map_requests(lambda f: load(f.path, PAIR_WIDTH), files, READ_THREADS)
+    threads = fsio.request_threads([f.path for f in files])
+    pairs = fsio.map_requests(lambda f: load(f.path, PAIR_WIDTH), files, threads)
     edges = np.zeros((sum(len(p) for p in pairs), PAIR_WIDTH + 2), np.uint64)
     at = 0
     for p, f in zip(pairs, files, strict=True):

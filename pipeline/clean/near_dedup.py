@@ -1,12 +1,12 @@
 """URL dedup and MinHash near-dedup across the whole corpus (`data.clean.near_dedup`): the step of
 `codex data clean` after the exact dedup (pipeline/clean/dedup.py), a shuffle of the rows every unit
-wrote to minhash/UNIT.npy (pipeline/clean/minhash.py) in five kinds of task: combine, url reduce,
-band reduce, cluster, rewrite.
+wrote to minhash/UNIT.npy (pipeline/clean/minhash.py): url combine, url reduce, combine, band
+reduce, the cluster step (pipeline/clean/near_cluster.py), rewrite.
 
-Every task runs through the executor's run_units and decides on sorted arrays, so the local and Ray
-runs give the same bytes. Which document of a component is kept is datatrove's rule. The tasks, the
-rule, memory and fan-in: docs/stages.md (clean's near-dedup).
-"""
+Every task runs through the executor's run_units, holds about partition_bytes of rows, writes a
+marker last (a rerun runs only those without) and decides on sorted arrays, so the local and Ray
+runs give the same bytes. Which document of a component is kept is datatrove's rule. The tasks,
+the rule, memory and fan-in: docs/stages.md (clean's near-dedup)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,13 @@ def read_rows(path: str, lo: int, hi: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(-1, shape[1])
 
 
+def _threads(out: str) -> int:
+    """Reads in flight in a task: READ_THREADS on an object store, one after another on a local
+    disk (a thread's malloc arena would keep what it freed: a worker's memory would grow task
+    by task)."""
+    return READ_THREADS if fsio.is_remote(out) else 1
+
+
 def _save(path: str, rows: np.ndarray) -> None:
     with fsio.atomic_open(path, "wb") as fh:
         np.save(fh, rows)
@@ -141,7 +148,7 @@ def _group_losers(job: CombineJob) -> np.ndarray:
         return np.zeros(0, np.uint64)
     paths = [url_path(job.out, p) for p in range(job.url_parts)]
     got = fsio.map_requests(
-        lambda p: read_split(p, job.n_units, *job.units)[:, 0], paths, READ_THREADS
+        lambda p: read_split(p, job.n_units, *job.units)[:, 0], paths, _threads(job.out)
     )
     return np.sort(np.concatenate(got))
 
@@ -156,7 +163,7 @@ def combine_group(job: CombineJob) -> dict:
     units = list(range(*job.units))
     losers = _group_losers(job)
     indexes = fsio.map_requests(
-        lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units, READ_THREADS
+        lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units, _threads(job.out)
     )
     blocks = range(*job.blocks)
     total = sum(int(ix[b, -1] - ix[b, 0]) for ix in indexes for b in blocks)
@@ -177,7 +184,7 @@ def combine_group(job: CombineJob) -> dict:
                 node = (np.uint64(units[k]) << np.uint64(32)) | (rows[:, 2] >> np.uint64(32))
                 return np.column_stack([rows, node]).astype(np.uint64).reshape(-1, 6)
 
-            block = _rows6(fsio.map_requests(read, range(len(units)), READ_THREADS))
+            block = _rows6(fsio.map_requests(read, range(len(units)), _threads(job.out)))
             if len(losers):
                 block[np.isin(block[:, 5], losers), 5] |= LOSER
             block = block[np.lexsort((block[:, 5], block[:, 1], block[:, 0]))]
@@ -247,7 +254,7 @@ def _gather(job: ReduceJob) -> tuple[np.ndarray, np.ndarray]:
         path = group_path(job.out, g, kind)
         return read_rows(path, lo, hi) if hi > lo else np.zeros((0, 6), np.uint64)
 
-    got = _rows6(fsio.map_requests(read, range(job.groups), READ_THREADS))
+    got = _rows6(fsio.map_requests(read, range(job.groups), _threads(job.out)))
     return got[:, :5], got[:, 5]
 
 
@@ -350,12 +357,17 @@ def rewrite_group(job: RewriteJob) -> dict:
     remove file, and of every URL reduce's losers); returns parts rewritten."""
     url_parts, decides, groups, n = job.shape
     lo, hi = job.units[0][0], job.units[-1][0] + 1
-    got = [read_split(url_path(job.out, p), n, lo, hi) for p in range(url_parts)]
+    got = fsio.map_requests(
+        lambda p: read_split(url_path(job.out, p), n, lo, hi), range(url_parts), _threads(job.out)
+    )
     urls = np.concatenate(got) if got else np.zeros((0, 5), np.uint64)
-    rows = [
-        np.column_stack([urls[:, 0] >> np.uint64(32), urls[:, 1:3], np.zeros(len(urls), np.uint64)])
-    ]
-    rows += [read_split(remove_path(job.out, p), groups, job.group) for p in range(decides)]
+    zero = np.zeros(len(urls), np.uint64)
+    rows = [np.column_stack([urls[:, 0] >> np.uint64(32), urls[:, 1:3], zero])]
+    rows += fsio.map_requests(
+        lambda p: read_split(remove_path(job.out, p), groups, job.group),
+        range(decides),
+        _threads(job.out),
+    )
     drops = np.concatenate(rows).astype(np.uint64).reshape(-1, 4)
     drops = drops[np.argsort(drops[:, 0], kind="stable")]
     rewritten = 0
