@@ -117,7 +117,7 @@ def test_partitions_drop_what_one_task_drops_in_bounded_memory(tmp_path, monkeyp
     check(tmp_path, 5_000, 5_000 * C.CLUSTER_ROW // 8, monkeypatch)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # ~100 s: make test-heavy
 def test_200k_pairs_in_partitions(tmp_path, monkeypatch):
     check(tmp_path, 200_000, 200_000 * C.CLUSTER_ROW // 32, monkeypatch)
 

@@ -450,7 +450,17 @@ def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
         (near_dedup, n) for n in ("combine_group", "reduce_block")
     ):
         monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    reserved = set()
+    run_units = near_cluster.run_units
+
+    def reserving(fn, units, where):
+        reserved.add(where.task.memory_bytes)
+        return run_units(fn, units, where)
+
+    monkeypatch.setattr(near_cluster, "run_units", reserving)
     run_clean(cfg)
+    # every task reserves what its partition_bytes needs (data.task.memory_gb is 0 here)
+    assert reserved == {near_dedup.task_memory(3000)} == {3 * 3000 + (200 << 20)}
     # the tasks before it and beside it have their markers: the rerun starts at it
     assert [n for n in ran if not n.startswith(("small-", "large-001", "large-002"))] == [
         "large-000-000001"
