@@ -1,18 +1,19 @@
 """URL dedup and MinHash near-dedup across the whole corpus (`data.clean.near_dedup`): the step of
 `codex data clean` after the exact dedup (pipeline/clean/dedup.py), a shuffle of the rows every unit
-wrote to minhash/UNIT.npy (pipeline/clean/minhash.py) in five kinds of task: combine, url reduce,
-band reduce, cluster, rewrite.
+wrote to minhash/UNIT.npy (pipeline/clean/minhash.py): url combine, url reduce, combine, band
+reduce, the cluster step (pipeline/clean/near_cluster.py), rewrite.
 
-Every task runs through the executor's run_units and decides on sorted arrays, so the local and Ray
-runs give the same bytes. Which document of a component is kept is datatrove's rule. The tasks, the
-rule, memory and fan-in: docs/stages.md (clean's near-dedup).
-"""
+Every task runs through the executor's run_units, holds about partition_bytes of rows, writes a
+marker last (a rerun runs only those without) and decides on sorted arrays, so the local and Ray
+runs give the same bytes. Which document of a component is kept is datatrove's rule. The tasks,
+the rule, memory and fan-in: docs/stages.md (clean's near-dedup)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,8 +21,18 @@ from codex.core import fsio
 from codex.core.config import ConfigError
 from codex.pipeline.clean.dedup import text_hash
 from codex.pipeline.clean.minhash import index_path, signatures_path
+from codex.pipeline.clean.near_cluster import (
+    PAIR_WIDTH,
+    PairFile,
+    Steps,
+    cluster_pairs,
+    marked,
+    read_split,
+    remove_path,
+    write_split,
+)
 from codex.pipeline.clean.parts import rewrite_part
-from codex.pipeline.executor import Where, run_units
+from codex.pipeline.executor import Where
 from codex.pipeline.readers import read_part
 
 log = logging.getLogger("codex.clean")
@@ -35,8 +46,14 @@ READ_THREADS = 16
 # documents of 10 TB averaging 670 bytes.
 GROUP_BITS = 12
 GROUP_BINS = 1 << GROUP_BITS
-REASONS = ("near_dedup:url", "near_dedup:minhash")  # remove.npy's reason column: 0, 1
+REASONS = ("near_dedup:url", "near_dedup:minhash")  # a drop's reason column: 0, 1
 _LOW32 = np.uint64(0xFFFFFFFF)
+LOSER = np.uint64(1 << 63)  # set in a combined row's node: a URL loser's (units < 2^31)
+PLAN_VERSION = 1  # the layout of near/: a plan of another version starts over
+# A task's memory over partition_bytes (its rows, their concatenation, sorts and gathers) and a
+# worker's own (Python, numpy, pyarrow): what a near-dedup task reserves on Ray.
+MEMORY_FACTOR = 3
+WORKER_BYTES = 200 << 20
 
 
 def check_config(c) -> None:
@@ -67,6 +84,13 @@ def read_rows(path: str, lo: int, hi: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(-1, shape[1])
 
 
+def _threads(out: str) -> int:
+    """Reads in flight in a task: READ_THREADS on an object store, one after another on a local
+    disk (a thread's malloc arena would keep what it freed: a worker's memory would grow task
+    by task)."""
+    return READ_THREADS if fsio.is_remote(out) else 1
+
+
 def _save(path: str, rows: np.ndarray) -> None:
     with fsio.atomic_open(path, "wb") as fh:
         np.save(fh, rows)
@@ -85,7 +109,7 @@ def partitions_for(rows: int, partition_bytes: int) -> int:
     return p
 
 
-# --- reduce: one hash range of one block (a band, or the URLs) ----------------------------------
+# --- combine: a group of units' blocks in one file ----------------------------------------------
 
 
 @dataclass
@@ -93,41 +117,66 @@ class CombineJob:
     out: str
     group: int
     units: tuple[int, int]  # units [first, end) in corpus order
-    blocks: int  # num_buckets + 1 (the URLs)
+    blocks: tuple[int, int]  # blocks [first, end): the bands, or (num_buckets, +1) the URLs
+    url_parts: int  # the URL reduce's files, whose losers a bands' combine leaves out (0: none)
+    n_units: int
+
+    @property
+    def kind(self) -> str:
+        return "urlgroup" if self.url_parts == 0 and self.blocks[0] > 0 else "group"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.group:06d}"
 
 
-def group_path(out: str, group: int) -> str:
-    return fsio.join(out, "near", f"group-{group:06d}.npy")
+def group_path(out: str, group: int, kind: str = "group") -> str:
+    return fsio.join(out, "near", f"{kind}-{group:06d}.npy")
 
 
-def group_index_path(out: str, group: int) -> str:
-    return fsio.join(out, "near", f"group-{group:06d}-index.npy")
+def group_index_path(out: str, group: int, kind: str = "group") -> str:
+    return fsio.join(out, "near", f"{kind}-{group:06d}-index.npy")
 
 
 def _rows6(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.uint64) if parts else np.zeros((0, 6), np.uint64)
 
 
-def combine_group(job: CombineJob) -> int:
-    """One file for a group of units, laid out as a unit's (blocks, each sorted by key, an index
-    per top byte), each row with its node (unit << 32 | doc) as a 6th column: a reduce task reads
-    one range of each group's file, not of each unit's. Holds one block of the group at a time.
-    Returns its rows."""
-    units = list(range(*job.units))
-    indexes = fsio.map_requests(
-        lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units, READ_THREADS
+def _group_losers(job: CombineJob) -> np.ndarray:
+    """The URL losers among the group's units, sorted: routed by unit from each URL reduce."""
+    if not job.url_parts:
+        return np.zeros(0, np.uint64)
+    paths = [url_path(job.out, p) for p in range(job.url_parts)]
+    got = fsio.map_requests(
+        lambda p: read_split(p, job.n_units, *job.units)[:, 0], paths, _threads(job.out)
     )
-    total = sum(int(ix[b, -1] - ix[b, 0]) for ix in indexes for b in range(job.blocks))
-    index = np.zeros((job.blocks, GROUP_BINS + 1), dtype=np.uint64)
+    return np.sort(np.concatenate(got))
+
+
+@marked
+def combine_group(job: CombineJob) -> dict:
+    """One file for a group of units, laid out as a unit's (blocks, each sorted by key, an index
+    per top 12 bits), each row with its node (unit << 32 | doc) as a 6th column: a reduce task
+    reads one range of each group's file, not of each unit's. A URL loser's band rows have LOSER
+    set in the node (routed here by unit from the URL reduces). Holds one block of the group at a
+    time. Returns its rows."""
+    units = list(range(*job.units))
+    losers = _group_losers(job)
+    indexes = fsio.map_requests(
+        lambda u: _load(index_path(job.out, f"{u:06d}"), 2), units, _threads(job.out)
+    )
+    blocks = range(*job.blocks)
+    total = sum(int(ix[b, -1] - ix[b, 0]) for ix in indexes for b in blocks)
+    index = np.zeros((len(blocks), GROUP_BINS + 1), dtype=np.uint64)
     header: dict[str, object] = {
         "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint64)),
         "fortran_order": False,
         "shape": (total, 6),
     }
     start = 0
-    with fsio.atomic_open(group_path(job.out, job.group), "wb") as fh:
+    with fsio.atomic_open(group_path(job.out, job.group, job.kind), "wb") as fh:
         np.lib.format.write_array_header_1_0(fh, header)
-        for b in range(job.blocks):
+        for i, b in enumerate(blocks):
 
             def read(k: int, b: int = b) -> np.ndarray:
                 lo, hi = (int(x) for x in indexes[k][b, [0, -1]])
@@ -135,15 +184,17 @@ def combine_group(job: CombineJob) -> int:
                 node = (np.uint64(units[k]) << np.uint64(32)) | (rows[:, 2] >> np.uint64(32))
                 return np.column_stack([rows, node]).astype(np.uint64).reshape(-1, 6)
 
-            block = _rows6(fsio.map_requests(read, range(len(units)), READ_THREADS))
+            block = _rows6(fsio.map_requests(read, range(len(units)), _threads(job.out)))
+            if len(losers):
+                block[np.isin(block[:, 5], losers), 5] |= LOSER
             block = block[np.lexsort((block[:, 5], block[:, 1], block[:, 0]))]
             top = (block[:, 0] >> np.uint64(64 - GROUP_BITS)).astype(np.int64)
-            index[b, 1:] = np.cumsum(np.bincount(top, minlength=GROUP_BINS))
-            index[b] += np.uint64(start)
+            index[i, 1:] = np.cumsum(np.bincount(top, minlength=GROUP_BINS))
+            index[i] += np.uint64(start)
             start += len(block)
             fh.write(block.tobytes())
-    _save(group_index_path(job.out, job.group), index)
-    return total
+    _save(group_index_path(job.out, job.group, job.kind), index)
+    return {"rows": total}
 
 
 def plan_groups(markers: list[dict], partition_bytes: int) -> list[tuple[int, int]]:
@@ -173,7 +224,11 @@ class ReduceJob:
     part: int
     parts: int
     urls: bool  # the URL block
-    url_files: list[str]  # the URL reduce's outputs (band jobs leave their rows out)
+    n_units: int
+
+    @property
+    def name(self) -> str:
+        return f"url-{self.part:04d}" if self.urls else f"pairs-{self.block:02d}-{self.part:04d}"
 
 
 def url_path(out: str, part: int) -> str:
@@ -184,38 +239,41 @@ def pairs_path(out: str, block: int, part: int) -> str:
     return fsio.join(out, "near", f"pairs-{block:02d}-{part:04d}.npy")
 
 
+def copies_path(out: str, part: int) -> str:
+    return fsio.join(out, "near", f"copies-{part:04d}.npy")
+
+
 def _gather(job: ReduceJob) -> tuple[np.ndarray, np.ndarray]:
     """(rows, node) of this job's hash range from every group: node = unit << 32 | doc."""
     step = GROUP_BINS // job.parts
+    kind, row = ("urlgroup", 0) if job.urls else ("group", job.block)
 
     def read(g: int) -> np.ndarray:
-        at = read_rows(group_index_path(job.out, g), job.block, job.block + 1)[0]
+        at = read_rows(group_index_path(job.out, g, kind), row, row + 1)[0]
         lo, hi = int(at[job.part * step]), int(at[(job.part + 1) * step])
-        return read_rows(group_path(job.out, g), lo, hi) if hi > lo else np.zeros((0, 6), np.uint64)
+        path = group_path(job.out, g, kind)
+        return read_rows(path, lo, hi) if hi > lo else np.zeros((0, 6), np.uint64)
 
-    got = _rows6(fsio.map_requests(read, range(job.groups), READ_THREADS))
+    got = _rows6(fsio.map_requests(read, range(job.groups), _threads(job.out)))
     return got[:, :5], got[:, 5]
 
 
-# a pair: (node, text_hash_a, text_hash_b, bytes) of a band's first document, then the other's,
-# then the band's key (first hash, digest): the cluster's order
-PAIR_WIDTH = 10
-
-
-def reduce_block(job: ReduceJob) -> int:
+@marked
+def reduce_block(job: ReduceJob) -> dict:
     """URLs: the losers of each URL -> url-PPPP.npy rows (node, hash_a, hash_b, bytes, counted),
-    sorted by node; counted is 0 for a later copy of a text in its own URL group. A band: each
-    document whose band equals an earlier one's is paired with the band's first document in corpus
-    order -> pairs-BB-PPPP.npy rows (first's node, hash_a, hash_b, bytes, then the same of the
-    other, then the band's key as minhash.band_keys orders it). Returns the rows written."""
+    by unit (read_split); counted is 0 for a later copy of a text in its own URL group. A band:
+    each document whose band equals an earlier one's is paired with the band's first document in
+    corpus order -> pairs-BB-PPPP.npy rows (first's node, hash_a, hash_b, bytes, then the same of
+    the other, then the band's key as minhash.band_keys orders it); band 0 also writes the later
+    exact copies (copies-PPPP.npy: nodes). Returns the rows written."""
     rows, node = _gather(job)
     nbytes = rows[:, 2] & _LOW32
     if job.urls:
         return _url_losers(job, rows, node, nbytes)
-    if job.url_files:  # the URL losers are not in the graph
-        losers = np.concatenate([_load(p, 5)[:, 0] for p in job.url_files])
-        keep = ~np.isin(node, losers)
-        rows, node, nbytes = rows[keep], node[keep], nbytes[keep]
+    lost = node >= LOSER  # the URL losers are not in the graph
+    if job.block == 0:
+        _later_copies(job, rows, node & ~LOSER, lost)
+    rows, node, nbytes = rows[~lost], node[~lost], nbytes[~lost]
     order = np.lexsort((node, rows[:, 1], rows[:, 0]))
     rows, node, nbytes = rows[order], node[order], nbytes[order]
     first = np.ones(len(rows), dtype=bool)
@@ -228,10 +286,24 @@ def reduce_block(job: ReduceJob) -> int:
         + [rows[head, 1], rows[head, 0]]
     )
     _save(pairs_path(job.out, job.block, job.part), pairs.astype(np.uint64).reshape(-1, PAIR_WIDTH))
-    return len(pairs)
+    return {"pairs": len(pairs)}
 
 
-def _url_losers(job: ReduceJob, rows: np.ndarray, node: np.ndarray, nbytes: np.ndarray) -> int:
+def _later_copies(job: ReduceJob, rows: np.ndarray, node: np.ndarray, lost: np.ndarray) -> None:
+    """The documents in the graph that are a later exact copy (same text hash) of another signed
+    document: equal texts have equal bands, so they meet in band 0's hash range; the earlier one
+    is in the graph too, or a URL loser. The exact dedup drops them; the cluster keeps no such
+    copy as a component's survivor."""
+    order = np.lexsort((node, rows[:, 4], rows[:, 3], rows[:, 1], rows[:, 0]))
+    r = rows[order]
+    same = np.zeros(len(r), dtype=bool)
+    same[1:] = (r[1:, :2] == r[:-1, :2]).all(axis=1) & (r[1:, 3:5] == r[:-1, 3:5]).all(axis=1)
+    later = order[same]
+    copies = np.sort(node[later[~lost[later]]])
+    _save(copies_path(job.out, job.part), copies.reshape(-1, 1))
+
+
+def _url_losers(job: ReduceJob, rows: np.ndarray, node: np.ndarray, nbytes: np.ndarray) -> dict:
     # the winner of a URL: longest, then first in corpus order
     order = np.lexsort((node, np.iinfo(np.uint64).max - nbytes, rows[:, 1], rows[:, 0]))
     rows, node, nbytes = rows[order], node[order], nbytes[order]
@@ -253,149 +325,13 @@ def _url_losers(job: ReduceJob, rows: np.ndarray, node: np.ndarray, nbytes: np.n
     )
     out = out.astype(np.uint64).reshape(-1, 5)
     out = out[np.argsort(out[:, 0], kind="stable")]
-    _save(url_path(job.out, job.part), out)
-    return len(out)
-
-
-# --- cluster: the components of every pair -----------------------------------------------------
-
-
-@dataclass
-class ClusterJob:
-    out: str
-    pair_files: list[str]
-    pair_bands: list[int]  # each pair file's band
-    url_files: list[str]
-    group_bounds: list[int]  # unit positions where rewrite groups start (and the end)
-
-
-def remove_path(out: str) -> str:
-    return fsio.join(out, "near", "remove.npy")
-
-
-def _components(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
-    """Each of n nodes' smallest node index in its component (edges a-b, indices into 0..n-1)."""
-    label = np.arange(n, dtype=np.int64)
-    while True:
-        low = np.minimum(label[a], label[b])
-        before = label.copy()
-        np.minimum.at(label, a, low)
-        np.minimum.at(label, b, low)
-        while True:  # pointer jumping: every node straight to its label's label
-            jumped = label[label]
-            if np.array_equal(jumped, label):
-                break
-            label = jumped
-        if np.array_equal(label, before):
-            return label
-
-
-def roots(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
-    """Each of n nodes' root under datatrove's MinhashDedupCluster, which unions the edges a-b
-    (indices into 0..n-1, a < b) in the order given: union by size, a's set winning a tie.
-
-    A component of two nodes has one edge (maybe repeated): its root is its first node. Only the
-    edges of bigger components go through the union-find, each edge once, at its first occurrence
-    (a repeated edge joins nothing). That loop is Python, as datatrove's is."""
-    label = _components(a, b, n)
-    root = label.copy()
-    in_big = np.bincount(label, minlength=n)[label] > 2
-    big = in_big[a]
-    if not big.any():
-        return root
-    a, b = a[big], b[big]
-    _, first = np.unique(np.column_stack([a, b]), axis=0, return_index=True)
-    first.sort()
-    parent: dict[int, int] = {}
-    size: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while (p := parent.get(x, x)) != x:
-            g = parent.get(p, p)
-            parent[x] = g  # path halving: the roots stay the same
-            x = g
-        return x
-
-    for x, y in zip(a[first].tolist(), b[first].tolist(), strict=True):
-        rx, ry = find(x), find(y)
-        if rx != ry:
-            sx, sy = size.get(rx, 1), size.get(ry, 1)
-            if sx < sy:
-                rx, ry = ry, rx
-            parent[ry] = rx
-            size[rx] = sx + sy
-    inside = np.flatnonzero(in_big)
-    root[inside] = [find(x) for x in inside.tolist()]
-    return root
-
-
-def cluster(job: ClusterJob) -> dict:
-    """near/remove.npy: rows (unit, hash_a, hash_b, reason) sorted by unit (reason: REASONS'
-    index); returns the counts and bytes per reason and each rewrite group's row offsets."""
-    pairs = [_load(p, PAIR_WIDTH) for p in job.pair_files]
-    band = np.concatenate(
-        [np.full(len(p), b, np.uint64) for p, b in zip(pairs, job.pair_bands, strict=True)]
-        or [np.zeros(0, np.uint64)]
-    )
-    edges = np.concatenate(pairs) if pairs else np.zeros((0, PAIR_WIDTH), np.uint64)
-    del pairs
-    # datatrove's order: band by band, a band's signatures by key, a signature's documents in
-    # corpus order (the first document is the same for all of a signature's pairs)
-    edges = edges[np.lexsort((edges[:, 4], edges[:, 9], edges[:, 8], band))]
-    del band
-    urls = [_load(p, 5) for p in job.url_files]
-    losers = np.concatenate(urls) if urls else np.zeros((0, 5), np.uint64)
-    del urls
-    ends = np.concatenate([edges[:, :4], edges[:, 4:8]])  # (node, hash_a, hash_b, bytes)
-    del edges
-    nodes, first, inverse = np.unique(ends[:, 0], return_index=True, return_inverse=True)
-    attrs = ends[first, 1:]
-    half = len(ends) // 2
-    root = roots(inverse[:half], inverse[half:], len(nodes))
-    del ends, inverse
-    # a later exact copy (an earlier node or URL loser with the same text hash) is the exact
-    # dedup's; a component keeps its first other node (nodes are sorted: corpus order)
-    keys = np.concatenate([nodes, losers[:, 0]])
-    hashes = np.concatenate([attrs[:, :2], losers[:, 1:3]])
-    order = np.lexsort((keys, hashes[:, 1], hashes[:, 0]))
-    h = hashes[order]
-    later_copy = np.zeros(len(keys), dtype=bool)
-    later_copy[order[1:]] = (h[1:, 0] == h[:-1, 0]) & (h[1:, 1] == h[:-1, 1])
-    keepers = np.flatnonzero(~later_copy[: len(nodes)])
-    # each component keeps its root, or where the exact dedup drops it, its first keeper
-    order = np.lexsort((keepers, keepers != root[keepers], root[keepers]))
-    ks, kl = keepers[order], root[keepers][order]
-    root = np.ones(len(ks), dtype=bool)
-    root[1:] = kl[1:] != kl[:-1]
-    gone = ks[~root]
-    removed_near = np.column_stack(
-        [
-            nodes[gone] >> np.uint64(32),
-            attrs[gone, 0],
-            attrs[gone, 1],
-            np.ones(len(gone), np.uint64),
-        ]
-    ).astype(np.uint64)
-    near_bytes = int(attrs[gone, 2].sum())
-    removed_url = np.column_stack(
-        [
-            losers[:, 0] >> np.uint64(32),
-            losers[:, 1],
-            losers[:, 2],
-            np.zeros(len(losers), np.uint64),
-        ]
-    ).astype(np.uint64)
-    rows = np.concatenate([removed_url.reshape(-1, 4), removed_near.reshape(-1, 4)])
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    _save(remove_path(job.out), rows)
-    counted = losers[:, 4] == 1
+    unit = (out[:, 0] >> np.uint64(32)).astype(np.int64)
+    write_split(url_path(job.out, job.part), out, unit, job.n_units)
+    counted = out[:, 4] == 1
     return {
         "url": int(counted.sum()),
-        "url_bytes": int(losers[counted, 3].sum()),
-        "minhash": len(removed_near),
-        "minhash_bytes": near_bytes,
-        "pairs": half,
-        "offsets": np.searchsorted(rows[:, 0], np.array(job.group_bounds, np.uint64)).tolist(),
+        "url_bytes": int(out[counted, 3].sum()),
+        "groups": np.unique(unit // REWRITE_GROUP).tolist(),
     }
 
 
@@ -406,21 +342,41 @@ def cluster(job: ClusterJob) -> dict:
 class RewriteJob:
     out: str
     c: object  # CleanConfig
+    group: int  # units [group * REWRITE_GROUP, +REWRITE_GROUP)
     units: list[tuple[int, list[str]]]  # (position in corpus order, its parts)
-    lo: int  # rows [lo, hi) of near/remove.npy are these units'
-    hi: int
+    shape: tuple[int, int, int, int]  # URL reduce files, decide files, rewrite groups, units
+
+    @property
+    def name(self) -> str:
+        return f"rewrite-{self.group:06d}"
 
 
-def rewrite_group(job: RewriteJob) -> int:
-    """Rewrite the group's parts without their dropped documents; returns parts rewritten."""
-    rows = read_rows(remove_path(job.out), job.lo, job.hi)
+@marked
+def rewrite_group(job: RewriteJob) -> dict:
+    """Rewrite the group's parts without their dropped documents (their rows of every decide's
+    remove file, and of every URL reduce's losers); returns parts rewritten."""
+    url_parts, decides, groups, n = job.shape
+    lo, hi = job.units[0][0], job.units[-1][0] + 1
+    got = fsio.map_requests(
+        lambda p: read_split(url_path(job.out, p), n, lo, hi), range(url_parts), _threads(job.out)
+    )
+    urls = np.concatenate(got) if got else np.zeros((0, 5), np.uint64)
+    zero = np.zeros(len(urls), np.uint64)
+    rows = [np.column_stack([urls[:, 0] >> np.uint64(32), urls[:, 1:3], zero])]
+    rows += fsio.map_requests(
+        lambda p: read_split(remove_path(job.out, p), groups, job.group),
+        range(decides),
+        _threads(job.out),
+    )
+    drops = np.concatenate(rows).astype(np.uint64).reshape(-1, 4)
+    drops = drops[np.argsort(drops[:, 0], kind="stable")]
     rewritten = 0
     for position, parts in job.units:
-        mine = rows[rows[:, 0] == position]
+        mine = drops[drops[:, 0] == position]
         if len(mine):
             drop = {row[1:3].tobytes(): REASONS[int(row[3])] for row in mine}
             rewritten += _rewrite_parts(job.out, parts, drop, job.c)
-    return rewritten
+    return {"parts": rewritten}
 
 
 def _rewrite_parts(out: str, parts: list[str], drop: dict[bytes, str], c) -> int:
@@ -435,63 +391,115 @@ def _rewrite_parts(out: str, parts: list[str], drop: dict[bytes, str], c) -> int
 # --- the whole shuffle --------------------------------------------------------------------------
 
 
+def plan_epoch(markers: list[dict], nd) -> str:
+    """What the near-dedup's files were made from: its settings and the units' markers (a unit
+    cleaned again changes it, and the near-dedup then starts over)."""
+    made_of = hashlib.sha256(f"{PLAN_VERSION} {nd.partition_bytes} {nd.num_buckets}".encode())
+    for m in markers:
+        made_of.update(
+            f"|{m['unit']} {m['near_dedup']['signed']} {m['near_dedup']['urls']} "
+            f"{m.get('worker')} {m.get('started')!r} {m.get('finished')!r}".encode()
+        )
+    return made_of.hexdigest()[:16]
+
+
+def _resume(out: str, epoch: str) -> set[str]:
+    """The task markers near/ holds for this epoch; near/ starts over for another epoch."""
+    folder = fsio.join(out, "near")
+    path = fsio.join(folder, "plan.json")
+    if fsio.exists(path) and fsio.read_json(path) == {"epoch": epoch}:
+        done = fsio.join(folder, "done")
+        return {fsio.basename(p) for p in fsio.listdir(done)} if fsio.isdir(done) else set()
+    fsio.rm(folder, recursive=True)
+    fsio.write_json(path, {"epoch": epoch})
+    return set()
+
+
+def task_memory(partition_bytes: int) -> int:
+    """The memory a near-dedup task reserves (Ray's memory=): MEMORY_FACTOR x partition_bytes of
+    rows and their sorts, and a worker's own."""
+    return MEMORY_FACTOR * partition_bytes + WORKER_BYTES
+
+
 def near_dedup_corpus(out: str, markers: list[dict], c, where: Where) -> dict:
     """URL dedup then MinHash near-dedup over the corpus (markers: the units' markers in corpus
-    order, unit i named i). Returns {url, url_bytes, minhash, minhash_bytes, pairs}."""
+    order, unit i named i). Each task writes a marker last, so a rerun runs only those without.
+    Returns {url, url_bytes, minhash, minhash_bytes, pairs}."""
     nd = c.near_dedup
     assert all(m["unit"] == f"{i:06d}" for i, m in enumerate(markers)), "units named by position"
     signed = sum(m["near_dedup"]["signed"] for m in markers)
     with_url = sum(m["near_dedup"]["urls"] for m in markers)
     n = len(markers)
+    memory = max(where.task.memory_bytes, task_memory(nd.partition_bytes))
+    steps = Steps(out, replace(where, task=replace(where.task, memory_bytes=memory)), set())
+    steps.done = _resume(out, plan_epoch(markers, nd))
     groups = plan_groups(markers, nd.partition_bytes)
-    combines = [CombineJob(out, g, units, nd.num_buckets + 1) for g, units in enumerate(groups)]
-    for _ in run_units(combine_group, combines, where):
-        pass
-    url_parts = partitions_for(with_url, nd.partition_bytes)
-    # the URL block is the last one of each file
+    url_parts = partitions_for(with_url, nd.partition_bytes) if with_url else 0
+    blocks = (nd.num_buckets, nd.num_buckets + 1)
+    jobs = [CombineJob(out, g, units, blocks, 0, n) for g, units in enumerate(groups)]
+    steps.run(combine_group, jobs if url_parts else [], results=False)
     url_jobs = [
-        ReduceJob(out, len(groups), nd.num_buckets, p, url_parts, True, [])
-        for p in range(url_parts if with_url else 0)
+        ReduceJob(out, len(groups), blocks[0], p, url_parts, True, n) for p in range(url_parts)
     ]
-    url_files = [url_path(out, j.part) for j in url_jobs]
-    for _ in run_units(_reduce, url_jobs, where):
-        pass
+    urls = steps.run(reduce_block, url_jobs)
+    jobs = [
+        CombineJob(out, g, units, (0, nd.num_buckets), url_parts, n)
+        for g, units in enumerate(groups)
+    ]
+    steps.run(combine_group, jobs, results=False)
     band_parts = partitions_for(signed, nd.partition_bytes)
     band_jobs = [
-        ReduceJob(out, len(groups), b, p, band_parts, False, url_files)
+        ReduceJob(out, len(groups), b, p, band_parts, False, n)
         for b in range(nd.num_buckets)
         for p in range(band_parts)
     ]
-    pairs = sum(r for _, r in run_units(_reduce, band_jobs, where))
-    bounds = list(range(0, n, REWRITE_GROUP)) + [n]
-    files = [pairs_path(out, j.block, j.part) for j in band_jobs]
-    bands = [j.block for j in band_jobs]
-    job = ClusterJob(out, files, bands, url_files, bounds)
-    [(_, got)] = list(run_units(cluster, [job], where))
-    rewrites = []
-    for g in range(len(bounds) - 1):
-        lo, hi = got["offsets"][g], got["offsets"][g + 1]
-        if hi > lo:
-            units = [(i, markers[i]["shards"]) for i in range(bounds[g], bounds[g + 1])]
-            rewrites.append(RewriteJob(out, c, units, lo, hi))
-    for _ in run_units(rewrite_group, rewrites, where):
-        pass
+    pairs = sum(r["pairs"] for r in steps.run(reduce_block, band_jobs))
+    files = [
+        PairFile(
+            pairs_path(out, j.block, j.part),
+            j.block,
+            copies_path(out, j.part) if j.block == 0 else "",
+        )
+        for j in band_jobs
+    ]
+    rewrite_groups = -(-n // REWRITE_GROUP)
+    got = cluster_pairs(steps, files, pairs, nd, (rewrite_groups, REWRITE_GROUP))
+    touched = sorted(set(got["groups"]).union(*(u["groups"] for u in urls)))
+    shape = (url_parts, got["parts"], rewrite_groups, n)
+    rewrites = [
+        RewriteJob(
+            out,
+            c,
+            g,
+            [
+                (i, markers[i]["shards"])
+                for i in range(g * REWRITE_GROUP, min(n, (g + 1) * REWRITE_GROUP))
+            ],
+            shape,
+        )
+        for g in touched
+    ]
+    steps.run(rewrite_group, rewrites, results=False)
+    url, url_bytes = sum(u["url"] for u in urls), sum(u["url_bytes"] for u in urls)
     log.info(
-        "clean: near-dedup: %d signed documents, %d pairs in %d bands x %d partitions; dropped %d "
-        "by URL, %d near-duplicates",
+        "clean: near-dedup: %d signed documents, %d pairs in %d bands x %d partitions, clustered "
+        "in %d partitions and %d rounds; dropped %d by URL, %d near-duplicates",
         signed,
         pairs,
         nd.num_buckets,
         band_parts,
-        got["url"],
+        got["parts"],
+        got["rounds"],
+        url,
         got["minhash"],
     )
-    got.pop("offsets")
-    return got
-
-
-def _reduce(job: ReduceJob) -> int:
-    return reduce_block(job)
+    return {
+        "url": url,
+        "url_bytes": url_bytes,
+        "minhash": got["minhash"],
+        "minhash_bytes": got["minhash_bytes"],
+        "pairs": pairs,
+    }
 
 
 def add_to_stats(stats: dict, got: dict) -> None:

@@ -168,9 +168,13 @@ class NearDedupConfig:
     hashes_per_bucket: int = setting(8, "MinHash values per band.", ge=1)
     seed: int = setting(1, "Seed of the MinHash permutations (datatrove's is 1).", ge=0)
     # 48 bytes a signed document per band: the partitions per band are chosen so that none is
-    # bigger (up to 4096 a band); the units are combined in groups whose band is no bigger either
+    # bigger (up to 4096 a band); the units are combined in groups whose band is no bigger either;
+    # the cluster step's partitions hold 96 bytes a pair (docs/stages.md, clean's near-dedup)
     partition_bytes: int = setting(
-        256 << 20, "Bytes of signature rows one reduce task of the near-dedup holds.", ge=1
+        256 << 20,
+        "Bytes of rows one near-dedup task holds (signatures, or pairs); each reserves 3x this "
+        "+ 200 MB on Ray.",
+        ge=1,
     )
 
 

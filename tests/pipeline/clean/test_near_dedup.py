@@ -187,7 +187,7 @@ def datatrove_roots(edges: list[tuple[int, int]]) -> dict[int, int]:
 def test_roots_are_datatroves_union_find_roots():
     import numpy as np
 
-    from codex.pipeline.clean.near_dedup import roots
+    from codex.pipeline.clean.near_cluster import roots
 
     rng = random.Random(3)
     for trial in range(30):
@@ -326,7 +326,13 @@ def test_ray_gives_the_same_bytes_as_local(tmp_path, ray_cluster):
     docs, _ = generated_corpus(originals=80, every=4)
     urls = [{"text": d, "url": f"https://a.org/{i % 70}"} for i, d in enumerate(docs)]
     write_jsonl(tmp_path / "a.jsonl", urls)
-    common = (*NEAR, "data.clean.chunk_bytes=40000", "data.clean.metadata=[url]")
+    # partition_bytes: the cluster step in partitions and rounds, each task on any node
+    common = (
+        *NEAR,
+        "data.clean.chunk_bytes=40000",
+        "data.clean.metadata=[url]",
+        "data.clean.near_dedup.partition_bytes=3000",
+    )
     local = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, "data.clean.workers=1", run="local")
     on_ray = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, run="ray")
     on_ray.data.executor, on_ray.data.ray_address = "ray", ray_cluster
@@ -407,6 +413,59 @@ def test_a_unit_whose_signatures_are_gone_is_cleaned_again(tmp_path, monkeypatch
     stats = run_clean(cfg)
     assert stats["units_run"] == 1
     whole = tmp_path / "whole" / "clean"
+    assert {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == {
+        p.name: p.read_bytes() for p in whole.glob("part-*.parquet")
+    }
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
+    from codex.pipeline.clean import near_cluster, near_dedup
+
+    docs, _ = generated_corpus(originals=60, every=3)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
+    common = (*NEAR, "data.clean.chunk_bytes=30000", "data.clean.near_dedup.partition_bytes=3000")
+    run_clean(cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, run="whole"))
+    cfg = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common)
+    star, ran = near_cluster.star, []
+
+    def failing(job):
+        if job.name == "large-000-000001":
+            raise RuntimeError("killed")
+        return star(job)
+
+    with monkeypatch.context() as m:
+        m.setattr(near_cluster, "star", failing)
+        with pytest.raises(RuntimeError, match="killed"):
+            run_clean(cfg)
+
+    def counted(fn):
+        def run(job):
+            ran.append(job.name)
+            return fn(job)
+
+        return run
+
+    for module, name in ((near_cluster, "star"), (near_cluster, "scatter")) + tuple(
+        (near_dedup, n) for n in ("combine_group", "reduce_block")
+    ):
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    reserved = set()
+    run_units = near_cluster.run_units
+
+    def reserving(fn, units, where):
+        reserved.add(where.task.memory_bytes)
+        return run_units(fn, units, where)
+
+    monkeypatch.setattr(near_cluster, "run_units", reserving)
+    run_clean(cfg)
+    # every task reserves what its partition_bytes needs (data.task.memory_gb is 0 here)
+    assert reserved == {near_dedup.task_memory(3000)} == {3 * 3000 + (200 << 20)}
+    # the tasks before it and beside it have their markers: the rerun starts at it
+    assert [n for n in ran if not n.startswith(("small-", "large-001", "large-002"))] == [
+        "large-000-000001"
+    ]
+    clean, whole = tmp_path / "run" / "clean", tmp_path / "whole" / "clean"
     assert {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == {
         p.name: p.read_bytes() for p in whole.glob("part-*.parquet")
     }
