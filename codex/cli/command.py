@@ -171,7 +171,7 @@ def key_help(key: str, *, flag: str = "") -> str:
         on, off = flag.split("/", 1)
         shown = (on if default else off).lstrip("-")
     else:
-        shown = _shown(default) if default not in ("", []) else "none"
+        shown = _shown(default) if default not in ("", [], {}) else "none"
     extra = f"; {leaf.range.as_inequality()}" if leaf.range else ""
     return f"{leaf.help}  [default: {shown}{extra}]"
 
@@ -182,6 +182,8 @@ def _metavar(leaf: Leaf) -> str:
         return "[" + "|".join(str(v) for v in typing.get_args(typ)) + "]"
     if typing.get_origin(typ) is list:
         return "YAML" if typing.get_args(typ) == (dict,) else "A,B,..."
+    if typing.get_origin(typ) is dict:
+        return "NAME:VALUE,..."
     names = {int: "INT", float: "FLOAT", bool: "BOOL"}
     return names.get(typ, "TEXT")
 

@@ -343,6 +343,12 @@ class ShardConfig:
     dtype: Literal["auto", "uint16", "uint32"] = setting(
         "auto", "Token dtype; auto: uint16 when the vocabulary fits, else uint32."
     )
+    sources: dict[str, str] = setting(
+        {},
+        "Several cleaned runs as named sources, {name: RUN}: each RUN's clean/ is sharded into "
+        "OUT/name/ and the manifest counts tokens per source (train.data.mixture weighs them); "
+        "{} = this run's clean/.",
+    )
     # BPE is quadratic in a piece's length
     chunk_chars: int = setting(
         100_000, "Longer documents are cut at line or space boundaries before encoding.", ge=1
