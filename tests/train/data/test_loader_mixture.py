@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from codex.core.config import ConfigError, build_config
+from codex.train.checkpoint import folders as checkpoint
 from codex.train.data.loader import TrainLoader
 from codex.train.data.mixture import Mixture, MixtureLoader, assign, check_sources
 from codex.train.data.token_shards import load_manifest
-from codex.train.checkpoint import folders as checkpoint
 from tests.fixtures.loader import T, write_source_shards
 from tests.fixtures.runs import (  # noqa: F401
     KILL_AT_SAVE,
@@ -164,7 +164,7 @@ def tag_sources(run: str) -> None:
 
 
 @pytest.mark.slow
-def test_codex_train_killed_and_resumed_draws_the_same_mixture(tmp_path, one_thread):
+def test_codex_train_killed_and_resumed_draws_the_same_mixture(tmp_path):
     steps = {"max_steps": 6, "save_every": 2, "data.mixture": "web:0.7,code:0.3"}
     ref_run, run = make_run(tmp_path / "ref"), make_run(tmp_path / "killed")
     for r in (ref_run, run):
