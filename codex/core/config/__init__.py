@@ -91,7 +91,7 @@ def _coerce(key: str, value, typ):
     A Literal field gets its values' type here; check_values checks the value itself."""
     typ = _value_type(typ)
     origin = typing.get_origin(typ)
-    if origin is dict or typ is dict:
+    if origin is dict:  # typed; a bare dict (a sources.yaml entry) is checked where it is used
         return _coerce_mapping(key, value, typing.get_args(typ))
     if origin is list:
         if isinstance(value, str):
@@ -162,8 +162,6 @@ def _coerce_mapping(key: str, value, args: tuple) -> dict:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{key}: expected a mapping (e.g. {{a: 1, b: 2}}), got {value!r}")
-    if not args:
-        return value
     kt, vt = args
     return {_coerce(key, k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
 

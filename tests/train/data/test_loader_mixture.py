@@ -21,6 +21,7 @@ from codex.train.checkpoint import folders as checkpoint
 from codex.train.data.loader import TrainLoader
 from codex.train.data.mixture import Mixture, MixtureLoader, assign, check_sources
 from codex.train.data.token_shards import load_manifest
+from tests.fixtures.bad_input import invoke
 from tests.fixtures.loader import T, write_source_shards
 from tests.fixtures.runs import (  # noqa: F401
     KILL_AT_SAVE,
@@ -182,3 +183,11 @@ def test_codex_train_killed_and_resumed_draws_the_same_mixture(tmp_path):
     assert a["loader"]["mixture"]["sources"]["code"]["drawn"] == 7  # 6 steps x 4 rows x 0.3
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_codex_train_with_an_unknown_source_exits_2_naming_the_sources(tmp_path):
+    run = make_run(tmp_path / "run")
+    tag_sources(run)
+    args = train_cli_args(run, **{"data.mixture": "web:0.5,books:0.5"})
+    invoke(["train", *args], 2, "train.data.mixture: no source 'books'", "(its sources: web, code)")
+    assert not (Path(run) / "checkpoints" / "step_00000001").exists()
