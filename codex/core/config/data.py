@@ -182,7 +182,8 @@ class DecontamConfig:
     eval_sets: list[str] = setting(
         [],
         "Evaluation set files, local or gs://: .jsonl (one document a record, text_field) or "
-        "text (the file is one document); a set is named by its file name.",
+        "text (the file is one document); a set is named by its file name. lm-eval:TASK: an "
+        "lm-eval task's documents (pip install 'codex[tasks]').",
     )
     text_field: str = setting("text", "The field of an eval set's .jsonl records holding its text.")
     n: int = setting(13, "Words per n-gram, after lowercasing and removing punctuation.", ge=1)
