@@ -171,7 +171,7 @@ def key_help(key: str, *, flag: str = "") -> str:
         on, off = flag.split("/", 1)
         shown = (on if default else off).lstrip("-")
     else:
-        shown = _shown(default) if default not in ("", [], {}) else "none"
+        shown = _shown(default) if default not in ("", []) else "none"
     extra = f"; {leaf.range.as_inequality()}" if leaf.range else ""
     return f"{leaf.help}  [default: {shown}{extra}]"
 
