@@ -88,11 +88,12 @@ def assign(credits: list[int], weights: tuple[int, ...]) -> int:
     """One position of smooth weighted round robin (nginx's): every credit grows by its weight,
     the largest (the first on a tie) is drawn and gives back the weights' sum. `credits` is
     updated; returns the source drawn."""
-    total = 0
+    total, best, most = 0, -1, 0
     for i, w in enumerate(weights):
-        credits[i] += w
+        c = credits[i] = credits[i] + w
         total += w
-    best = max(range(len(credits)), key=lambda i: (weights[i] > 0, credits[i], -i))
+        if w > 0 and (best < 0 or c > most):
+            best, most = i, c
     credits[best] -= total
     return best
 
@@ -191,13 +192,15 @@ class MixtureLoader(TrainLoader):
         g, draws, credits = state
         n = self.batch_size * self.world_size
         credits, draws = list(credits), list(draws)
-        src = np.empty(n, np.int64)
-        k = np.empty(n, np.int64)
+        src, k = [0] * n, [0] * n
+        steady = self.weights_at(g) == self.weights_at(g + n - 1) and len(self._weights) < 3
+        weights = self.weights_at(g)
         for i in range(n):
-            s = assign(credits, self.weights_at(g + i))
+            s = assign(credits, weights if steady else self.weights_at(g + i))
             src[i], k[i] = s, draws[s]
             draws[s] += 1
-        return src, k, (g + n, tuple(draws), tuple(credits))
+        after = (g + n, tuple(draws), tuple(credits))
+        return np.array(src, np.int64), np.array(k, np.int64), after
 
     def window_ids_of(self, src: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Window ids in the loader's split of each (source, draw index)."""

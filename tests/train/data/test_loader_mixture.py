@@ -191,3 +191,18 @@ def test_codex_train_with_an_unknown_source_exits_2_naming_the_sources(tmp_path)
     args = train_cli_args(run, **{"data.mixture": "web:0.5,books:0.5"})
     invoke(["train", *args], 2, "train.data.mixture: no source 'books'", "(its sources: web, code)")
     assert not (Path(run) / "checkpoints" / "step_00000001").exists()
+
+
+def test_a_resume_on_another_world_size_goes_on_with_the_same_global_stream(shards):
+    ranks = [loader(shards, rank=r, world_size=2) for r in range(2)]
+    for _ in range(7):
+        for r in ranks:
+            next(r)
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict()  # the state is global
+    one = loader(shards, B=8)
+    one.load_state_dict(state)
+    for _ in range(5):
+        x = next(one)[0]
+        parts = [next(r)[0] for r in ranks]
+        assert torch.equal(x[0::2], parts[0]) and torch.equal(x[1::2], parts[1])
