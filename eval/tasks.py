@@ -27,9 +27,10 @@ import warnings
 import torch
 
 from codex.core import fsio, rundir
-from codex.core.config import CONFIGS_DIR, ConfigError
+from codex.core.config import ConfigError
 from codex.core.progress import adopt_library_loggers
 from codex.model.export_hf import export_hf
+from codex.pipeline.lm_eval_tasks import shipped_tasks
 from codex.train.checkpoint.read import load_model
 from codex.train.distributed.backend import BackendError
 from codex.train.plan.presets import get_preset
@@ -125,34 +126,11 @@ def _lm_eval(tasks_path: str, tasks: list[str]):
     adopt_library_loggers()  # datasets, huggingface_hub (imported by lm_eval): to the log file
     if tasks_path and not os.path.isdir(tasks_path):
         raise ConfigError(f"eval.tasks_path: {tasks_path} is not a directory of task YAMLs")
-    paths = [p for p in (tasks_path, _shipped_tasks()) if p]
+    paths = [p for p in (tasks_path, shipped_tasks()) if p]
     local = TaskManager(include_path=paths, include_defaults=False)
     if all(t in local.all_tasks for t in tasks):
         return lm_eval, local
     return lm_eval, TaskManager(include_path=paths)
-
-
-_SHIPPED: list[str] = []  # the materialised copy of configs/tasks, made once per process
-
-
-def _shipped_tasks() -> str:
-    """configs/tasks (the example tasks codex ships) as lm-eval can load them: a temporary copy
-    whose YAMLs name their data files by absolute path (datasets resolves a relative one against
-    the working directory, not the YAML's folder)."""
-    src = CONFIGS_DIR / "tasks"
-    if not src.is_dir():
-        return ""
-    if not _SHIPPED:
-        dst = tempfile.mkdtemp(prefix="codex-tasks-")
-        for f in sorted(src.iterdir()):
-            text = f.read_text()
-            if f.suffix == ".yaml":
-                for data in sorted(src.glob("*.jsonl")):
-                    text = text.replace(f": {data.name}", f": {data}")
-            with open(os.path.join(dst, f.name), "w") as out:
-                out.write(text)
-        _SHIPPED.append(dst)
-    return _SHIPPED[0]
 
 
 @contextlib.contextmanager

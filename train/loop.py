@@ -16,6 +16,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from codex.train.checkpoint.async_save import BackgroundWriter, PendingSave
 from codex.train.checkpoint.resume import resume
 from codex.train.checkpoint.state import StepRecord, TrainingParts, restore_training, save_training
 from codex.train.data.loader import TrainLoader, val_batches
+from codex.train.data.mixture import Mixture, MixtureLoader
 from codex.train.data.token_shards import load_manifest
 from codex.train.distributed.backend import Backend, loader_layout, unwrap
 from codex.train.distributed.control import StopFlag, injected_step_fault, rank_tag
@@ -264,10 +266,7 @@ def _make_loader(run: Run) -> TrainLoader:
     # it builds batches in pinned memory and copies them with non_blocking=True.
     cfg, backend = run.cfg, run.backend
     rank, world, rows = loader_layout(backend, run.plan.device_batch)
-    return TrainLoader(
-        rundir.shards_dir(rundir.data_run(cfg)),
-        seq_len=run.plan.seq_len,
-        batch_size=rows,
+    options: dict[str, Any] = dict(
         rank=rank,
         world_size=world,
         seed=cfg.train.seed,
@@ -275,6 +274,12 @@ def _make_loader(run: Run) -> TrainLoader:
         device=backend.pinned_copy_device,
         bos_aligned=cfg.train.bos_aligned,
     )
+    shards = rundir.shards_dir(rundir.data_run(cfg))
+    if cfg.train.data.mixture:
+        per_step = run.plan.batch_tokens // run.plan.seq_len  # the global positions of a step
+        mixture = Mixture.from_config(cfg.train.data, per_step)
+        return MixtureLoader(shards, run.plan.seq_len, rows, mixture, **options)
+    return TrainLoader(shards, seq_len=run.plan.seq_len, batch_size=rows, **options)
 
 
 def _clip_and_step(parts: TrainingParts, max_norm: float) -> torch.Tensor:

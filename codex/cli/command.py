@@ -182,6 +182,8 @@ def _metavar(leaf: Leaf) -> str:
         return "[" + "|".join(str(v) for v in typing.get_args(typ)) + "]"
     if typing.get_origin(typ) is list:
         return "YAML" if typing.get_args(typ) == (dict,) else "A,B,..."
+    if typing.get_origin(typ) is dict:
+        return "NAME:VALUE,..."
     names = {int: "INT", float: "FLOAT", bool: "BOOL"}
     return names.get(typ, "TEXT")
 

@@ -6,6 +6,7 @@ removed, split on white space; each n-gram hashed to 64 bits. The driver reads t
 (read_eval_sets: their content is part of the plan's fingerprint) and writes their sorted hashes
 to RUN/clean/decontam/ngrams-<fingerprint>.npy (write_table); every worker, local or Ray, loads
 that file once per process (Matcher) and looks a document's n-grams up with np.searchsorted.
+A set `lm-eval:TASK` is an lm-eval task's documents (pipeline/lm_eval_tasks.py).
 docs/stages.md, "Decontamination", has the formats.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from codex.core import fsio
 from codex.core.config import ConfigError
+from codex.pipeline.lm_eval_tasks import TASK_PREFIX, task_texts
 
 _PUNCT = re.compile(r"[^\w\s]")  # punctuation and symbols; \w keeps letters, digits, "_"
 _SPACES = re.compile(r"\s")  # str.split()'s white space; in UTF-8 bytes only ASCII's is found
@@ -107,6 +109,8 @@ class EvalSets:
 
 
 def _set_name(path: str) -> str:
+    if path.startswith(TASK_PREFIX):
+        return path[len(TASK_PREFIX) :]
     return fsio.basename(path.rstrip("/")).split(".")[0]
 
 
@@ -143,11 +147,17 @@ def read_eval_sets(dc) -> EvalSets:
         name = _set_name(path)
         if name in names:
             raise ConfigError(f"data.clean.decontam.eval_sets: two sets named {name!r} ({path})")
-        try:
-            data = fsio.read_bytes(path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"data.clean.decontam.eval_sets: cannot read {path}: {e}") from None
-        texts = _documents(path, data, dc.text_field)
+        if path.startswith(TASK_PREFIX):
+            texts = task_texts(name, "data.clean.decontam.eval_sets")
+            data = "\0".join(texts).encode()
+        else:
+            try:
+                data = fsio.read_bytes(path)
+            except (OSError, ValueError) as e:
+                raise ConfigError(
+                    f"data.clean.decontam.eval_sets: cannot read {path}: {e}"
+                ) from None
+            texts = _documents(path, data, dc.text_field)
         if not any(len(words_of(t)) >= dc.n for t in texts):
             raise ConfigError(
                 f"data.clean.decontam.eval_sets: {path} holds no document of {dc.n} words or more "

@@ -45,6 +45,7 @@ from codex.pipeline.shard.manifest import (
     small_val_split,
 )
 from codex.pipeline.shard.scan import scan_corpus
+from codex.pipeline.shard.sources import run_sources
 from codex.pipeline.shard.write import WriteSettings, write_phase
 from codex.pipeline.stage import Stage
 from codex.pipeline.tokenizer.tokenizer import load_meta, load_tokenizer
@@ -203,10 +204,12 @@ def _encode_template(
     )
 
 
-def run_shard(cfg: Config) -> dict:
-    """Tokenize RUN/clean into shards under cfg.data.shard.out (default RUN/shards); returns the
-    manifest."""
+def run_shard(cfg: Config, files: list[str] | None = None) -> dict:
+    """Tokenize RUN/clean (or these cleaned parts) into shards under cfg.data.shard.out (default
+    RUN/shards); returns the manifest. With data.shard.sources, each source's (sources.py)."""
     s = cfg.data.shard
+    if s.sources and files is None:
+        return run_sources(cfg, run_shard)
     _validate(cfg)
     check_executor(cfg.data)
     stage = Stage(
@@ -217,7 +220,7 @@ def run_shard(cfg: Config) -> dict:
     tok_dir = rundir.tokenizer_dir(cfg.run)
     _, meta = _load_tokenizer(tok_dir)
     dtype = _dtype_for(meta["vocab_size"], s.dtype, tok_dir)
-    files = clean_parts(cfg.run)
+    files = clean_parts(cfg.run) if files is None else files
     sizes = dict(zip(files, per_path(fsio.size, files), strict=True))  # a request a part on GCS
     where = where_for(cfg.data, s.workers, sum(sizes.values()), AUTO_BYTES_PER_WORKER, run=cfg.run)
     settings = _settings(cfg, meta, dtype, _inputs_fingerprint(sizes))

@@ -5,6 +5,7 @@ from click.testing import CliRunner
 
 from codex.cli.main import cli
 from codex.core.config import (
+    CONFIGS_DIR,
     ConfigError,
     all_keys,
     build_config,
@@ -229,6 +230,9 @@ def test_help_shows_each_options_default_from_the_config():
         ("data:\n  clean:\n    min_yield: yes\n", "data.clean.min_yield"),  # a bool, float
         ("model:\n  n_head: 3\n", "model.n_head"),  # a shape the model cannot take
         ("eval:\n  checkpoint: best\n", "eval.checkpoint"),
+        ("train:\n  data:\n    mixture: {web: -1}\n", "train.data.mixture"),
+        ("train:\n  data:\n    mixture: [web]\n", "train.data.mixture"),
+        ("data:\n  shard:\n    sources: {a/b: runs/x}\n", "data.shard.sources"),
     ],
 )
 def test_each_bad_value_in_a_config_file_names_the_file_and_the_key(tmp_path, text, key):
@@ -248,3 +252,14 @@ def test_a_value_set_after_the_file_is_refused_without_naming_the_file(tmp_path)
     with pytest.raises(ConfigError) as e:
         build_config(str(f), ["train.lr=-2"])
     assert str(e.value).startswith("train.lr=-2.0 is out of range") and str(f) not in str(e.value)
+
+
+def test_mappings_from_yaml_and_set_and_the_fineweb_recipe_parses():
+    want = {"web": 0.7, "code": 0.3}
+    for value in ("web:0.7,code:0.3", "web=0.7, code=0.3", "{web: 0.7, code: 0.3}"):
+        assert build_config(overrides=[f"train.data.mixture={value}"]).train.data.mixture == want
+    cfg = build_config(str(CONFIGS_DIR / "runs" / "fineweb.yaml"))
+    assert set(cfg.data.shard.sources) == set(cfg.train.data.mixture) == {"web", "code"}
+    c = cfg.data.clean
+    assert c.lang.enabled and c.classifier.enabled and c.near_dedup.enabled and c.decontam.enabled
+    assert cfg.train.data.mixture_schedule[0]["step"] == 18000

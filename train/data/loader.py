@@ -98,7 +98,8 @@ class TrainLoader:
         )
         self._orders: dict[int, tuple[np.ndarray, list]] = {}
         self._plans: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._state = (0, 0)  # (epoch, position) of the next batch the consumer will receive
+        # (epoch, position) of the next batch the consumer will receive
+        self._state: tuple = (0, 0)
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop: threading.Event | None = None
@@ -114,9 +115,11 @@ class TrainLoader:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         epoch, position = self._state
+        return {"epoch": epoch, "position": position, **self.order_settings()}
+
+    def order_settings(self) -> dict:
+        """What the order depends on besides the position (a resume checks them)."""
         return {
-            "epoch": epoch,
-            "position": position,
             "seed": self.seed,
             "seq_len": self.seq_len,
             "windows": self.split.windows,
@@ -125,16 +128,15 @@ class TrainLoader:
         }
 
     def load_state_dict(self, d: dict) -> None:
+        if "mixture" in d:
+            raise ValueError(
+                "loader state was saved by a run with train.data.mixture: resume with the same "
+                "mixture (train/data/mixture.py)"
+            )
         for key in ("epoch", "position"):
             if key not in d:
                 raise ValueError(f"loader state has no '{key}' (got keys {sorted(d)})")
-        mine = self.state_dict()
-        for key in ("seed", "seq_len", "windows", "shuffle_shards", "bos_aligned"):
-            if key in d and int(d[key]) != mine[key]:
-                raise ValueError(
-                    f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
-                    "the data order would differ, so resuming exactly is impossible"
-                )
+        self.check_saved(d)
         if not 0 <= int(d["position"]) < self.split.windows or int(d["epoch"]) < 0:
             raise ValueError(
                 f"loader state epoch={d['epoch']} position={d['position']} is out of range "
@@ -142,6 +144,16 @@ class TrainLoader:
             )
         self.close()
         self._state = (int(d["epoch"]), int(d["position"]))
+
+    def check_saved(self, d: dict) -> None:
+        """The saved state's order settings are this loader's, else a ValueError naming one."""
+        mine = self.order_settings()
+        for key in ("seed", "seq_len", "windows", "shuffle_shards", "bos_aligned"):
+            if key in d and int(d[key]) != mine[key]:
+                raise ValueError(
+                    f"loader state was saved with {key}={d[key]}, this run has {key}={mine[key]}: "
+                    "the data order would differ, so resuming exactly is impossible"
+                )
 
     # -- batches -------------------------------------------------------------------------------
     def _order(self, epoch: int):
@@ -225,10 +237,14 @@ class TrainLoader:
         )
         return x, y, (nxt_epoch, nxt_pos)
 
+    def _batch(self, state):
+        """(x, y, state after) of the batch at `state` (MixtureLoader draws its own)."""
+        return self._make(*state)
+
     def _worker(self, q: queue.Queue, stop: threading.Event, state) -> None:
         try:
             while not stop.is_set():
-                item = self._make(*state)
+                item = self._batch(state)
                 state = item[2]
                 while not stop.is_set():
                     try:
@@ -249,7 +265,7 @@ class TrainLoader:
 
     def __next__(self):
         if self.prefetch <= 0:
-            x, y, state = self._make(*self._state)
+            x, y, state = self._batch(self._state)
         else:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()

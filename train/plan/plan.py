@@ -188,6 +188,10 @@ def _read_vocab(cfg: Config) -> tuple[int, torch.Tensor | None, str]:
             "re-run `codex data shard`"
         )
     _check_model_vocab(cfg, vocab)
+    if cfg.train.data.mixture:
+        from codex.train.data.mixture import check_sources
+
+        check_sources(cfg.train.data, manifest, shards_dir)
     token_bytes = None
     if fsio.exists(fsio.join(tok_dir, TOKEN_BYTES_FILE)):
         token_bytes = torch.from_numpy(load_token_bytes(tok_dir).astype(np.int64))

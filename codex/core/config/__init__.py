@@ -28,7 +28,7 @@ from codex.core.config.data import DataConfig
 from codex.core.config.eval import EvalConfig
 from codex.core.config.model import ModelConfig, with_depth
 from codex.core.config.setting import ConfigError, check_ranges, leaves, setting, type_hints
-from codex.core.config.train import TrainConfig
+from codex.core.config.train import SOURCE_NAME, TrainConfig, check_mixture
 from codex.core.store import StoreSettings
 
 
@@ -91,6 +91,8 @@ def _coerce(key: str, value, typ):
     A Literal field gets its values' type here; check_values checks the value itself."""
     typ = _value_type(typ)
     origin = typing.get_origin(typ)
+    if origin is dict:  # typed; a bare dict (a sources.yaml entry) is checked where it is used
+        return _coerce_mapping(key, value, typing.get_args(typ))
     if origin is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v] if value else []
@@ -139,6 +141,36 @@ def _coerce(key: str, value, typ):
             )
         return "" if value is None else str(value)
     return value
+
+
+def _coerce_mapping(key: str, value, args: tuple) -> dict:
+    """A mapping setting from YAML ({a: 0.7, b: 0.3}) or a --set string (a:0.7,b:0.3 or
+    a=0.7,b=0.3); each value coerced to the mapping's value type, named `key.name`."""
+    if isinstance(value, str):
+        text = value.strip()
+        parsed = _yaml_or_none(text) if text.startswith("{") else None
+        if parsed is None and text:
+            parsed = {}
+            for item in (i for i in text.split(",") if i.strip()):
+                sep = "=" if "=" in item else ":"
+                name, found, v = item.partition(sep)
+                if not found or not name.strip():
+                    raise ConfigError(f"{key}: expected NAME:VALUE,..., got {value!r}")
+                parsed[name.strip()] = v.strip()
+        value = parsed or {}
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping (e.g. {{a: 1, b: 2}}), got {value!r}")
+    kt, vt = args
+    return {_coerce(key, k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
+
+
+def _yaml_or_none(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
 
 
 def apply_dict(
@@ -310,6 +342,8 @@ def check_values(cfg: Config) -> None:
     _check_choices(cfg)
     check_ranges(cfg)
     _check_model_shape(cfg.model)
+    check_mixture(cfg.train.data)
+    _check_shard_sources(cfg.data.shard.sources)
     if cfg.model.preset:
         preset_path("model", cfg.model.preset)  # a ConfigError naming the presets there are
     ckpt = str(cfg.eval.checkpoint)
@@ -318,6 +352,21 @@ def check_values(cfg: Config) -> None:
             f"eval.checkpoint={ckpt!r}: expected a step number (e.g. 2000) or 'latest'",
             ("eval.checkpoint",),
         )
+
+
+def _check_shard_sources(sources: dict) -> None:
+    """data.shard.sources: each a folder-safe name and a run."""
+    for name, run in sources.items():
+        if not SOURCE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"data.shard.sources: {name!r} is not a source name (letters, digits, _ . -)",
+                ("data.shard.sources",),
+            )
+        if not run:
+            raise ConfigError(
+                f"data.shard.sources.{name}: expected the run holding its clean/",
+                ("data.shard.sources",),
+            )
 
 
 def _check_model_shape(m) -> None:

@@ -186,7 +186,8 @@ class DecontamConfig:
     eval_sets: list[str] = setting(
         [],
         "Evaluation set files, local or gs://: .jsonl (one document a record, text_field) or "
-        "text (the file is one document); a set is named by its file name.",
+        "text (the file is one document); a set is named by its file name. lm-eval:TASK: an "
+        "lm-eval task's documents (pip install 'codex[tasks]').",
     )
     text_field: str = setting("text", "The field of an eval set's .jsonl records holding its text.")
     n: int = setting(13, "Words per n-gram, after lowercasing and removing punctuation.", ge=1)
@@ -346,6 +347,12 @@ class ShardConfig:
     out: str = setting("", 'Where shards go (any fsspec URL); "" = RUN/shards.')
     dtype: Literal["auto", "uint16", "uint32"] = setting(
         "auto", "Token dtype; auto: uint16 when the vocabulary fits, else uint32."
+    )
+    sources: dict[str, str] = setting(
+        {},
+        "Several cleaned runs as named sources, {name: RUN}: each RUN's clean/ is sharded into "
+        "OUT/name/ and the manifest counts tokens per source (train.data.mixture weighs them); "
+        "{} = this run's clean/.",
     )
     # BPE is quadratic in a piece's length
     chunk_chars: int = setting(

@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Literal
 
-from codex.core.config.setting import setting
+from codex.core.config.setting import ConfigError, setting
 
 # train.lr when left at 0, per optimizer: the best of bench/bench_quality.py's sweeps (README,
 # "Speed to quality"). With Muon, AdamW trains only embeddings, head and norms, which take a
 # higher rate. Not scaled with the width: (n_embd / 128) ** -0.5, nanochat's AdamW scaling, lost
 # at 4 x 256 (2.177 vs 2.158 bits per byte at 0.006; bench_quality depth4 vs depth4_lr6e-3).
 DEFAULT_LR = {"muon": 0.006, "adamw": 0.003}
+
+
+@dataclass
+class TrainDataConfig:
+    """What the training loader draws (train/data/mixture.py; docs/training.md, "Mixtures")."""
+
+    mixture: dict[str, float] = setting(
+        {},
+        "Weights per source of the shards (data.shard.sources' names), e.g. {web: 0.7, code: "
+        "0.3} or web:0.7,code:0.3; each step's sequences follow them; {} = every window once "
+        "an epoch, whatever its source.",
+    )
+    mixture_schedule: list[dict] = setting(
+        [],
+        "Weights that take over at a step, a YAML list: [{step: 1000, mixture: {web: 0.5, "
+        "code: 0.5}}, ...]; before the first, train.data.mixture.",
+    )
 
 
 @dataclass
@@ -167,3 +185,50 @@ class TrainConfig:
     shuffle_shards: int = setting(
         0, "Block shuffle over groups of K shards (bounded gs:// cache); 0 = full shuffle.", ge=0
     )
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_mixture(d: TrainDataConfig) -> None:
+    """train.data.mixture and each mixture of train.data.mixture_schedule: source names, weights
+    >= 0 summing to more than 0; schedule steps increasing. A ConfigError naming the key."""
+    check_weights("train.data.mixture", d.mixture, "train.data.mixture")
+    last = -1
+    for i, entry in enumerate(d.mixture_schedule):
+        key = f"train.data.mixture_schedule[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"step", "mixture"}:
+            raise ConfigError(
+                f"{key}: expected {{step: N, mixture: {{NAME: WEIGHT, ...}}}}",
+                ("train.data.mixture_schedule",),
+            )
+        step = entry["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step <= last:
+            raise ConfigError(
+                f"{key}.step: expected an integer step after {max(last, 0)}, got {step!r}",
+                ("train.data.mixture_schedule",),
+            )
+        last = step
+        if not isinstance(entry["mixture"], dict):
+            raise ConfigError(f"{key}.mixture: expected a mapping NAME: WEIGHT", (key,))
+        check_weights(f"{key}.mixture", entry["mixture"], "train.data.mixture_schedule")
+        if not d.mixture:
+            raise ConfigError(
+                f"{key}: a schedule changes train.data.mixture, which is empty: set it too",
+                ("train.data.mixture_schedule",),
+            )
+
+
+def check_weights(key: str, weights: dict, top: str) -> None:
+    """Source names and weights of one mixture (an empty one is allowed: no mixture); `top`: the
+    setting that holds it."""
+    for name, w in weights.items():
+        if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{key}: {name!r} is not a source name (letters, digits, _ . -)", (top,)
+            )
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            raise ConfigError(f"{key}.{name}: the weight must be a number >= 0, got {w!r}", (top,))
+    if weights and not sum(weights.values()) > 0:
+        raise ConfigError(f"{key}: the weights add up to 0; give one source a weight > 0", (top,))

@@ -206,3 +206,24 @@ def test_every_injected_13_gram_and_nothing_else_is_dropped(tmp_path):
     kept = {int(r["text"].rsplit(" ", 1)[1]) for r in read_out(str(tmp_path / "run"))}
     assert set(range(60)) - kept == injected and len(injected) == 20
     assert stats["decontam"]["held"]["docs"] == 20
+
+
+@pytest.mark.slow
+def test_an_lm_eval_task_is_an_eval_set(tmp_path, monkeypatch):
+    """`lm-eval:codex_example` (the task codex ships, offline): its prompts with their gold
+    answers are the set; a document holding one ("One, two, three, four, five") is dropped as
+    decontam:codex_example, one holding a wrong answer is kept."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs = [prose(k) for k in range(6)]
+    docs[1] += "\nShe counted: one, two, three, four, five!"
+    docs[2] += "\nShe counted: one, two, three, four, apple."
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in" / "a.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"text": t}) + "\n" for t in docs)
+    args = _args(["lm-eval:codex_example"], "data.clean.decontam.n=5")
+    stats = run_clean(cfg_for(tmp_path, [tmp_path / "in"], *args))
+    assert stats["drops"]["decontam"] == {"codex_example": 1}
+    kept = {r["text"] for r in read_out(str(tmp_path / "run"))}
+    assert docs[1] not in kept and docs[2] in kept and len(kept) == 5
