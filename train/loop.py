@@ -396,12 +396,11 @@ def _log_start(run: Run, n_params: int) -> None:
         plan.layout.describe(),
     )
     log.info("\n".join(memory_lines(plan.memory)))
-    hosts = hosts_of(run.preset, plan.world_size)
-    late = preempt_warning(
-        save_time(plan.memory, hosts, fsio.is_remote(cfg.run), cfg.train.save_rate_gbs),
-        cfg.train.preempt_notice_s,
-    )
-    if late:
+    save = save_time(
+        plan.memory, hosts_of(run.preset, plan.world_size), fsio.is_remote(cfg.run),
+        cfg.train.save_rate_gbs,
+    )  # fmt: skip
+    if late := preempt_warning(save, cfg.train.preempt_notice_s):
         log.warning(late)
     _log_data(cfg)
 
