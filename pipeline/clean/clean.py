@@ -17,6 +17,7 @@ from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
 from codex.pipeline.clean import decontam, fasttext_filters, near_dedup, words
 from codex.pipeline.clean.finalize import finalize, refuse_bad_outcome, sweep_temp_files
+from codex.pipeline.clean.parts import marker_path
 from codex.pipeline.clean.plan import (
     METADATA_THREADS,
     drop_markers_without_files,
@@ -27,7 +28,7 @@ from codex.pipeline.clean.plan import (
     read_markers,
 )
 from codex.pipeline.clean.stats import source_summary, summarize
-from codex.pipeline.clean.unit import UnitJob, clean_unit
+from codex.pipeline.clean.unit import UnitJob, clean_unit, marker_files
 from codex.pipeline.clean.words import forget_pieces
 from codex.pipeline.executor import (
     Where,
@@ -106,6 +107,7 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     fingerprint = plan_fingerprint(c, files, evals.fingerprint if evals else "")
     units = plan_units(files, c)
     markers = read_markers(stage, fingerprint)
+    earlier = dict(markers)  # what a unit done again removes first: its earlier marker's files
     packed_away, leftover = drop_markers_without_files(out, markers, dedup="dedup" in filters)
     mine = units[c.task_index :: c.num_tasks]
     todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
@@ -113,7 +115,7 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
         finished = stage.finished()
         if not todo and len(markers) == len(units) and finished and finished.get("packed"):
             # done, parts packed: what a deletion left after stats.json, then nothing
-            fsio.map_requests(fsio.rm, [fsio.join(out, p) for p in leftover], METADATA_THREADS)
+            fsio.rm_many([fsio.join(out, p) for p in leftover], METADATA_THREADS)
             return {**finished, "units_run": 0}
         # the dedups and the packing read every unit's parts: units whose parts were packed
         # and deleted are cleaned again with the others
@@ -123,11 +125,8 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
                 len(todo),
                 len(packed_away),
             )
-        fsio.map_requests(
-            fsio.rm,
-            [fsio.join(out, "markers", f"{u}.json") for u in packed_away],
-            METADATA_THREADS,
-        )
+        gone = [marker_path(out, u) for u in packed_away]
+        fsio.rm_many(gone, METADATA_THREADS)
         for u in packed_away:
             del markers[u]
         todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
@@ -152,7 +151,10 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     if c.num_tasks == 1 and sweep_temp_files(out):
         log.info("clean: removed the temp files of an interrupted earlier run")
     table = decontam.write_table(evals, c.decontam.n, out) if evals and todo else ""
-    jobs = [UnitJob(u, c, out, filters, fingerprint, table) for u in todo]
+    jobs = [
+        UnitJob(u, c, out, filters, fingerprint, table, _files_of(out, earlier.get(u.name)))
+        for u in todo
+    ]
     for m in _process(jobs, where):
         markers[m["unit"]] = m
     if all(u.name in markers for u in units):
@@ -168,6 +170,10 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
         stats = summarize([markers[u.name] for u in mine], filters, files, skipped)
         stats["units_run"] = len(todo)
     return stats
+
+
+def _files_of(out: str, marker: dict | None) -> tuple[str, ...]:
+    return marker_files(out, marker) if marker else ()
 
 
 def _process(jobs: list[UnitJob], where: Where) -> list[dict]:

@@ -20,6 +20,7 @@ from codex.core import fsio
 from codex.core.config import ConfigError
 from codex.pipeline.clean.filters import active_filters
 from codex.pipeline.clean.pack import packed_units
+from codex.pipeline.clean.parts import hash_path, marker_path
 from codex.pipeline.inputs import clean_inputs, ls_matching
 from codex.pipeline.readers import (
     BadInputFile,
@@ -204,7 +205,7 @@ def drop_markers_without_files(
             leftover += [p for p in m["shards"] if p in parts]
             packed_away.update([name] if missing else [])
             missing = []
-        if dedup and f"{name}.npy" not in hashes:
+        if dedup and fsio.basename(hash_path(out, name)) not in hashes:
             missing.append(f"hashes/{name}.npy")
         if "near_dedup" in m:
             missing += [
@@ -217,7 +218,7 @@ def drop_markers_without_files(
                 ", ".join(missing[:3]),
                 "is" if len(missing) == 1 else "are",
             )
-            fsio.rm(fsio.join(out, "markers", f"{name}.json"))
+            fsio.rm(marker_path(out, name))
             del markers[name]
     return packed_away, leftover
 
