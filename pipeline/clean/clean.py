@@ -10,6 +10,7 @@ cleaned. The flow, the resume and the job array are in docs/stages.md ("clean").
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
 
 from codex.core import fsio, rundir
 from codex.core.config import ConfigError
@@ -20,6 +21,7 @@ from codex.pipeline.clean.finalize import finalize, refuse_bad_outcome, sweep_te
 from codex.pipeline.clean.parts import marker_path
 from codex.pipeline.clean.plan import (
     METADATA_THREADS,
+    Unit,
     drop_markers_without_files,
     held,
     inputs_and_filters,
@@ -107,8 +109,10 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     fingerprint = plan_fingerprint(c, files, evals.fingerprint if evals else "")
     units = plan_units(files, c)
     markers = read_markers(stage, fingerprint)
-    earlier = dict(markers)  # what a unit done again removes first: its earlier marker's files
     packed_away, leftover = drop_markers_without_files(out, markers, dedup="dedup" in filters)
+    # what a unit done again removes first: its earlier marker's files (a failed unit's marker
+    # stays in markers until it is done again)
+    earlier = {u: markers[u] for u in packed_away}
     mine = units[c.task_index :: c.num_tasks]
     todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
     if packed_away or leftover:
@@ -151,10 +155,13 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     if c.num_tasks == 1 and sweep_temp_files(out):
         log.info("clean: removed the temp files of an interrupted earlier run")
     table = decontam.write_table(evals, c.decontam.n, out) if evals and todo else ""
-    jobs = [
-        UnitJob(u, c, out, filters, fingerprint, table, _files_of(out, earlier.get(u.name)))
-        for u in todo
-    ]
+
+    # made as each is handed out: a million units' jobs are not held at once
+    def job(u: Unit) -> UnitJob:
+        before = earlier.get(u.name) or markers.get(u.name)
+        return UnitJob(u, c, out, filters, fingerprint, table, _files_of(out, before))
+
+    jobs = _Jobs(todo, job)
     for m in _process(jobs, where):
         markers[m["unit"]] = m
     if all(u.name in markers for u in units):
@@ -172,11 +179,29 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     return stats
 
 
+class _Jobs(Sequence[UnitJob]):
+    """The UnitJob of each unit to do, made when asked for."""
+
+    def __init__(self, units: list[Unit], make: Callable[[Unit], UnitJob]):
+        self.units, self.make = units, make
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.make(u) for u in self.units[i]]
+        return self.make(self.units[i])
+
+    def __iter__(self) -> Iterator[UnitJob]:
+        return map(self.make, self.units)
+
+
 def _files_of(out: str, marker: dict | None) -> tuple[str, ...]:
     return marker_files(out, marker) if marker else ()
 
 
-def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
+def _process(jobs: Sequence[UnitJob], where: Where) -> list[dict]:
     if not jobs:
         return []
     done: list[dict] = []
