@@ -90,7 +90,9 @@ class TaskSpecs(Sequence[Task]):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         name = unit_name(self.units[i], i)
-        path = fsio.join(self.logs, self.phase, f"{name}.log") if self.logs else ""
+        # on an object store, a hash of the name first (fsio.spread): logs written at once spread
+        path = fsio.join(self.logs, self.phase, f"{fsio.spread(self.logs, name)}.log")
+        path = path if self.logs else ""
         return Task(self.fn, self.phase, name, self.policy, path)
 
 

@@ -403,7 +403,8 @@ def test_a_units_log_file_on_gcs_is_written_when_it_ends(gcs_bucket):
 
     logs = f"{gcs_bucket}/run/logs"
     assert [u for u, _ in run_units(warn_and_return, [2], Where(logs=logs))] == [2]
-    text = fsio.read_text(f"{logs}/warn_and_return/2.log")
+    # its name starts with a hash of the unit's, as every unit object's on gs:// (fsio.spread)
+    text = fsio.read_text(f"{logs}/warn_and_return/{fsio.spread(logs, '2')}.log")
     assert "WARNING codex.test: unit 2 says hello" in text and "done in" in text, text
 
 
@@ -427,7 +428,7 @@ def test_a_unit_killed_mid_run_leaves_its_log_on_gcs(gcs_bucket):
     from codex.core import fsio
 
     logs = f"{gcs_bucket}/run/logs"
-    path = f"{logs}/hang_after_a_line/4.log"
+    path = f"{logs}/hang_after_a_line/{fsio.spread(logs, '4')}.log"
     root = str(Path(__file__).resolve().parents[3])
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
