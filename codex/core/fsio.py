@@ -52,6 +52,8 @@ LISTING_OPTIONS = {"use_listings_cache": False}
 # paths a remote batch deletion sends in one request (GCS's JSON API takes 100 a batch)
 DELETE_BATCH = 100
 SPOOL_BYTES = 64 << 20  # an object being written is held in memory up to this, then on local disk
+# an object up to this is uploaded in one request; a bigger one through an upload session
+SIMPLE_UPLOAD_BYTES = 8 << 20
 
 
 def is_remote(path: str) -> bool:
@@ -412,13 +414,17 @@ def upload(local_path: str, remote_path: str) -> None:
 
 
 def put_object(src: IO[bytes], path: str) -> None:
-    """Upload the whole of `src` (a seekable binary file) as object `path`, started over from
-    src's first byte after a transient failure (the store lost the upload, a connection
-    dropped), data.task.io_retries times at most (store.SETTINGS)."""
+    """Upload the whole of `src` (a seekable binary file) as object `path`, in one request up to
+    SIMPLE_UPLOAD_BYTES; started over from src's first byte after a transient failure (the store
+    lost the upload, a connection dropped), data.task.io_retries times at most (store.SETTINGS)."""
 
     def once() -> None:
         fs, p = filesystem(path)
+        size = src.seek(0, os.SEEK_END)
         src.seek(0)
+        if size <= SIMPLE_UPLOAD_BYTES:  # one request (gcsfs: a simple upload), not a session's two
+            fs.pipe_file(p, src.read())
+            return
         f = fs.open(p, "wb")
         try:
             while chunk := src.read(8 << 20):

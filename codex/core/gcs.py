@@ -48,6 +48,17 @@ class BoundedGCSFileSystem(gcsfs.GCSFileSystem):
     def requests_timeout(self, value) -> None:
         """gcsfs's __init__ sets it; the bound is store_timeout_s, read on each request."""
 
+    async def _info(self, path, generation=None, **kwargs):
+        """An object's metadata in one request: gcsfs asks for the object and lists its name as
+        a folder at once, two requests for every open for reading. A folder, or a path that is
+        not an object, goes on to gcsfs' own."""
+        if generation is None and "/" in self._strip_protocol(path).rstrip("/"):
+            try:
+                return await self._get_object(path)
+            except FileNotFoundError:
+                pass
+        return await super()._info(path, generation=generation, **kwargs)
+
     def names_under(self, path: str) -> Iterator[str]:
         """The names (not paths) of the objects and prefixes directly under folder `path`, a page
         of up to 1,000 a request, asked for without their metadata (`fields`): a folder of a
