@@ -559,8 +559,9 @@ def test_removing_a_units_old_outputs_lists_and_probes_nothing(counting_fs):
         for i in range(others):
             for path in (f"part-{i:06d}-000.parquet", f"rejected/part-{i:06d}-000.parquet"):
                 CountingFS.add(f"run{others}/clean/{path}", PART)
-            CountingFS.add(f"run{others}/clean/hashes/{i:06d}.npy", PART)
-            CountingFS.add(f"run{others}/clean/markers/{i:06d}.json", b"{}")
+            name = fsio.spread(out, f"{i:06d}")  # as on an object store
+            CountingFS.add(f"run{others}/clean/hashes/{name}.npy", PART)
+            CountingFS.add(f"run{others}/clean/markers/{name}.json", b"{}")
         CountingFS.add(f"run{others}/clean/part-000003-001.parquet", PART)
         CountingFS.add(f"run{others}/clean/rejected/part-000003-000-dedup.parquet", PART)
         marker = {
