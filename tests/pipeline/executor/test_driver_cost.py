@@ -45,8 +45,8 @@ LISTING = ("ls", "find", "glob")
 PAGE = 1000  # entries a listing request answers (GCS's JSON API)
 BATCH = 100  # paths a batch deletion sends in one request (gcsfs, on GCS)
 # a unit's virtual objects (CountingFS.done): its part, its marker
-UNIT_PART = re.compile(r"(.+)/part-(\d{6})-000\.parquet")
-UNIT_MARKER = re.compile(r"(.+)/markers/(\d{6})\.json")
+UNIT_PART = re.compile(r"(.+)/part-(\d{6,})-000\.parquet")
+UNIT_MARKER = re.compile(r"(.+)/markers/(\d{6,})\.json")
 
 
 def gcs_entry(path: str, size: int) -> dict:
