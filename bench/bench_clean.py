@@ -5,6 +5,8 @@
     python bench/bench_clean.py --pin --repeats 3      # 1 worker on core 0 vs 2 on cores 0,1
     python bench/bench_clean.py --pin --repeats 5 --ceiling   # + what two cores give this machine
     python bench/bench_clean.py --against 'caf9f80^' --repeats 3   # per core vs issue 27's filing
+    python bench/bench_clean.py --workers 1 --corpus prose --mb 20   # prose only
+    python bench/bench_clean.py --workers 1 --corpus code --preset code --mb 20   # code only
 
 Input: the Python stdlib's .py files plus ../shared/data/*.txt when present (paragraphs), written
 as JSONL files (one document per record) and repeated until --mb MB; each repeat gets a distinct
@@ -59,15 +61,27 @@ LocalPipelineExecutor(pipeline=[JsonlReader(inp), GopherRepetitionFilter(), Goph
 """
 
 
-def build_input(folder: Path, mb: int, files: int = 16) -> int:
+def build_input(folder: Path, mb: int, files: int = 16, corpus: str = "mixed") -> int:
+    """corpus: mixed (the stdlib's .py files, then the shared .txt paragraphs), code (the .py
+    files only) or prose (the .txt files only, paragraphs joined into documents of ~3,000
+    characters, as web pages are)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs = []
-    for p in sorted(stdlib.rglob("*.py")):
+    for p in sorted(stdlib.rglob("*.py")) if corpus != "prose" else []:
         if "site-packages" not in p.parts:
             docs.append(p.read_bytes().decode("utf-8", "replace"))
     shared = ROOT.parent / "shared" / "data"
-    for p in sorted(shared.glob("*.txt")) if shared.exists() else []:
-        docs += [d for d in p.read_text(errors="replace").split("\n\n") if d.strip()]
+    for p in sorted(shared.glob("*.txt")) if shared.exists() and corpus != "code" else []:
+        paragraphs = [d for d in p.read_text(errors="replace").split("\n\n") if d.strip()]
+        if corpus == "prose":
+            doc: list[str] = []
+            for para in paragraphs:
+                doc.append(para)
+                if sum(map(len, doc)) >= 3000:
+                    docs.append("\n\n".join(doc))
+                    doc = []
+        else:
+            docs += paragraphs
     folder.mkdir(parents=True, exist_ok=True)
     outs = [open(folder / f"part{i:02d}.jsonl", "w") for i in range(files)]
     total, k, rep = 0, 0, 0
@@ -83,12 +97,13 @@ def build_input(folder: Path, mb: int, files: int = 16) -> int:
     return total
 
 
-def clean_code(inp: Path, run: Path, workers: int) -> str:
-    """The Python that runs `codex data clean` (preset web, fineweb off) on inp into run."""
+def clean_code(inp: Path, run: Path, workers: int, preset: str = "web") -> str:
+    """The Python that runs `codex data clean` (preset web unless told, fineweb off) on inp into
+    run."""
     return (
         "from codex.core.config import build_config\n"
         "from codex.pipeline.clean.clean import run_clean\n"
-        "cfg = build_config(overrides=['data.clean.preset=web', "
+        f"cfg = build_config(overrides=['data.clean.preset={preset}', "
         "'data.clean.fineweb.enabled=false', "
         # the corpus is mostly source code, which the prose rules drop: well under min_yield
         "'data.clean.allow_low_yield=true', "
@@ -208,6 +223,8 @@ def main() -> None:
         help="with --pin: also time two independent 1-worker runs on half the files each",
     )
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn")
+    ap.add_argument("--corpus", choices=["mixed", "code", "prose"], default="mixed")
+    ap.add_argument("--preset", default="web", help="codex's filter preset (web, code, trusted)")
     ap.add_argument(
         "--against",
         default="",
@@ -218,7 +235,7 @@ def main() -> None:
     args = ap.parse_args()
     compile_bytecode(ROOT)
     tmp = Path(tempfile.mkdtemp(prefix="bench_clean_"))
-    size = build_input(tmp / "in", args.mb)
+    size = build_input(tmp / "in", args.mb, corpus=args.corpus)
     print(f"input: {size / 1e6:.0f} MB in 16 JSONL files ({tmp / 'in'})")
     if args.against:
         against(args.against, tmp, size, args.repeats)
@@ -227,7 +244,7 @@ def main() -> None:
         halves = split_input(tmp / "in", tmp)
     rows, ceiling = [], []
     for i, w in enumerate([int(x) for x in args.workers.split(",")] * args.repeats):
-        code = clean_code(tmp / "in", tmp / f"codex{i}", w)
+        code = clean_code(tmp / "in", tmp / f"codex{i}", w, args.preset)
         pin = set(range(w)) if args.pin else None
         if args.ceiling and w == 2:  # the machine's own ceiling, in the same round
             ceiling.append(independent_halves(halves, tmp / f"half{i}"))

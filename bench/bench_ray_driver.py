@@ -1,5 +1,6 @@
-"""The Ray driver's cost per finished unit as the tasks in flight grow: old (a ray.wait over every
-task in flight for each finished unit) against new (each task's future calls back into a queue).
+"""The Ray driver's rate and cost per finished unit as the tasks in flight grow: old (a unit a
+task, each task's future calling back into a queue) against new (several short units a task:
+ray_tasks._Batches), and the older ray.wait over every task in flight for each finished unit.
 
     python bench/bench_ray_driver.py                                  # 1k, 4k, 16k, 64k in flight
     python bench/bench_ray_driver.py --in-flight 1000 4000 --units 2000 --seconds 10   # quicker
@@ -12,15 +13,17 @@ reservation), so only --slots run at once: a node with 32,000 free CPUs would ot
 Python worker per task it can place, which this machine cannot hold.
 
 For each in-flight count L and each mode, run_units runs no-op units with the in-flight limit set
-to L (the real run_ray: submission, _Limit, head watch, results). The units wait at a gate until
-the driver has submitted all L; measured from then over the next --units finished units or
---seconds, whichever comes first: units a second, and the driver's CPU per unit
-(time.process_time: its Python and Ray's threads in it).
-Modes: old = the ray.wait the driver called per unit before; new = ray_tasks._Finished (futures);
-fraction = a ray.wait for 1/8 of those in flight with a 0.1 s timeout, the other way to amortise
-the scan. Each measurement runs in a driver process of its own (its job's workers started by 500
-units first), which exits with its units in flight. "start s" is submitting the L units. The
-1-minute load average is printed with each row: this machine may be shared.
+to L tasks (the real run_ray: batching, submission, _Limit, head watch, results). The units wait
+at a gate until the driver has submitted all L tasks; measured from then over the next --units
+finished units or --seconds, whichever comes first: units a second, and the driver's CPU per
+unit (time.process_time: its Python and Ray's threads in it).
+Modes: old = a unit a task (ray_tasks.MAX_BATCH 1), futures (ray_tasks._Finished); new = the
+executor's batches (enough units that the batches are not cut by what is left); wait = the
+ray.wait over every task in flight the driver called per unit before that; fraction = a ray.wait
+for 1/8 of those in flight with a 0.1 s timeout. Each measurement runs in a driver process of its
+own (its job's workers started by 500 units first), which exits with its units in flight.
+"start s" is submitting the L tasks; "units/task" the mean batch handed out. The 1-minute load
+average is printed with each row: this machine may be shared.
 """
 
 from __future__ import annotations
@@ -81,7 +84,24 @@ class WaitFraction(WaitEach):
         return [(ref, functools.partial(self.ray.get, ref)) for ref in done]
 
 
-MODES = {"old": WaitEach, "new": ray_tasks._Finished, "fraction": WaitFraction}
+MODES = {
+    "old": ray_tasks._Finished,
+    "new": ray_tasks._Finished,
+    "wait": WaitEach,
+    "fraction": WaitFraction,
+}
+
+
+class Counted(ray_tasks._Batches):
+    """The executor's batches, counted: tasks and units handed out."""
+
+    tasks = units = 0
+
+    def take(self, limit: int) -> list:
+        batch = super().take(limit)
+        Counted.tasks += 1
+        Counted.units += len(batch)
+        return batch
 
 
 def free_port() -> int:
@@ -157,6 +177,9 @@ def measure(address: str, in_flight: int, mode: str, units: int, seconds: float)
     gate until all in_flight are submitted: the clock starts then, with none finished, so no
     backlog of units finished meanwhile is counted as done in the window."""
     ray_tasks.in_flight_limit = lambda cpus, pending: in_flight
+    if mode != "new":
+        ray_tasks.MAX_BATCH = 1  # a unit a task
+    ray_tasks._Batches = Counted  # type: ignore[misc]
     policy = executor.TaskPolicy(memory_bytes=TASK_MEMORY, ray_pending=0)
     where = executor.Where("ray", 1, address, policy)
     # the job's workers started first (a new driver's job gets new ones): a stage keeps the driver
@@ -165,6 +188,7 @@ def measure(address: str, in_flight: int, mode: str, units: int, seconds: float)
     where = stage.__enter__()
     for _ in executor.run_units(noop_unit, list(range(WARM_UNITS)), where):
         pass
+    Counted.tasks = Counted.units = 0
     gate = tempfile.mktemp(prefix="codex-bench-gate-")
     started: dict[str, float] = {}
 
@@ -177,7 +201,9 @@ def measure(address: str, in_flight: int, mode: str, units: int, seconds: float)
     n = 0
     try:
         fn = functools.partial(gated_unit, gate)
-        run = executor.run_units(fn, list(range(in_flight + units + 1)), where)
+        # the new mode's first batches are FIRST_BATCH units, when SHARES x as many are left
+        per_task = ray_tasks.SHARES * ray_tasks.FIRST_BATCH if mode == "new" else 1
+        run = executor.run_units(fn, range(in_flight * per_task + units + 1), where)
         _LEFT_OPEN.append(run)  # never closed: closing it would cancel the units in flight
         for _ in run:
             n += 1
@@ -194,6 +220,7 @@ def measure(address: str, in_flight: int, mode: str, units: int, seconds: float)
         "units_per_s": n / wall,
         "driver_cpu_us_per_unit": cpu / n * 1e6,
         "start_s": started["t"] - t_start,
+        "units_per_task": Counted.units / max(1, Counted.tasks),
         "load_1min": os.getloadavg()[0],
     }
 
@@ -228,7 +255,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=32000, help="the node's logical CPUs")
     ap.add_argument("--slots", type=int, default=4, help="units that run at once")
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1000, 4000, 16000, 64000])
-    ap.add_argument("--modes", nargs="+", default=["old", "new", "fraction"], choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=["old", "new"], choices=MODES)
     ap.add_argument("--units", type=int, default=5000, help="finished units measured, at most")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds measured, at most")
     ap.add_argument("--out", help="write the rows as JSON here")
@@ -240,7 +267,7 @@ def main() -> None:
     rows = []
     try:
         print(f"{'in flight':>9} {'mode':>8} {'units':>6} {'units/s':>8} "
-              f"{'CPU us/unit':>11} {'start s':>7} {'load':>5}")  # fmt: skip
+              f"{'CPU us/unit':>11} {'start s':>7} {'units/task':>10} {'load':>5}")  # fmt: skip
         for in_flight in args.in_flight:
             for mode in args.modes:
                 r = measure_in_a_process(address, in_flight, mode, args.units, args.seconds)
@@ -248,7 +275,7 @@ def main() -> None:
                 print(
                     f"{in_flight:>9} {mode:>8} {r['units']:>6} {r['units_per_s']:>8.0f} "
                     f"{r['driver_cpu_us_per_unit']:>11.0f} {r['start_s']:>7.1f} "
-                    f"{r['load_1min']:>5.1f}",
+                    f"{r['units_per_task']:>10.1f} {r['load_1min']:>5.1f}",
                     flush=True,
                 )
     finally:

@@ -242,9 +242,12 @@ def _filesystem(spec: str):
 
 
 def ls_matching(folder: str, pattern: str) -> list[str]:
-    """Paths in `folder` whose name matches `pattern`; [] when there is none (fsio.glob fails on
-    an empty remote match)."""
-    return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(fsio.basename(p), pattern)]
+    """Paths in `folder` whose name matches `pattern`, sorted; [] when there is none (fsio.glob
+    fails on an empty remote match). On an object store from its names alone (fsio.list_names):
+    a folder of a million parts holds no million listing entries."""
+    if not fsio.is_remote(folder):
+        return [p for p in fsio.listdir(folder) if fnmatch.fnmatch(fsio.basename(p), pattern)]
+    return [fsio.join(folder, n) for n in fsio.list_names(folder) if fnmatch.fnmatch(n, pattern)]
 
 
 def input_files(cfg: Config) -> list[str]:
@@ -331,4 +334,5 @@ def clean_parts(run: str) -> list[str]:
             f"{fsio.join(clean, missing[0])}: listed in {stats_path} but missing "
             f"({len(missing)} of {len(shards)} files); rerun `codex data clean` in a new --run"
         )
-    return sorted(fsio.join(clean, name) for name in shards)
+    # in the corpus's order, as stats.json lists them (names need not sort so: fsio.spread)
+    return [fsio.join(clean, name) for name in shards]

@@ -44,7 +44,16 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 RETRIES = 5  # attempts for a remote write hitting a transient error
+# Every remote filesystem without fsspec's listing cache: gcsfs keeps each listing (every object's
+# metadata, ~3 KB an entry) without expiry, per thread's instance; a driver that lists a folder of
+# a million parts would hold gigabytes. codex lists a folder once where it needs to and keeps
+# what it needs of it.
+LISTING_OPTIONS = {"use_listings_cache": False}
+# paths a remote batch deletion sends in one request (GCS's JSON API takes 100 a batch)
+DELETE_BATCH = 100
 SPOOL_BYTES = 64 << 20  # an object being written is held in memory up to this, then on local disk
+# an object up to this is uploaded in one request; a bigger one through an upload session
+SIMPLE_UPLOAD_BYTES = 8 << 20
 
 
 def is_remote(path: str) -> bool:
@@ -127,10 +136,11 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
             ) from e
         from codex.core.gcs import BoundedGCSFileSystem
 
-        gcs = BoundedGCSFileSystem(**options, **BoundedGCSFileSystem._get_kwargs_from_urls(path))
+        kwargs = {**options, **LISTING_OPTIONS, **BoundedGCSFileSystem._get_kwargs_from_urls(path)}
+        gcs = BoundedGCSFileSystem(**kwargs)
         return gcs, gcs._strip_protocol(path)
     # url_to_fs, not get_fs_token_paths: the latter expands globs (and fails on no match).
-    fs, p = fsspec.core.url_to_fs(path, **options)
+    fs, p = fsspec.core.url_to_fs(path, **options, **LISTING_OPTIONS)
     return fs, p
 
 
@@ -191,6 +201,31 @@ def listdir(path: str) -> list[str]:
     return sorted(_url(fs, e, path) for e in fs.ls(p, detail=False))
 
 
+def list_names(path: str) -> list[str]:
+    """The names (not paths) of the entries directly under folder `path`, sorted; [] when there
+    are none. A filesystem with `names_under` (codex/core/gcs.py) is asked a page of names at a
+    time, without each object's metadata; any other through its ls."""
+    local = _local(path)
+    if local is not None:
+        return sorted(os.listdir(local)) if os.path.isdir(local) else []
+    fs, p = filesystem(path)
+    names_under = getattr(fs, "names_under", None)
+    if names_under is not None:
+        return sorted(names_under(p))
+    return [basename(e) for e in listdir(path) if e.rstrip("/") != path.rstrip("/")]
+
+
+def spread(folder: str, name: str) -> str:
+    """The name an object of a numbered series (a unit's part, marker, hash file) gets in
+    `folder`: on an object store a short hash of the name first, so that series written at once
+    spread over the bucket's key range (GCS splits a bucket's load by name ranges, and sequential
+    names all land on the last; its guidelines ask for a hash prefix); a local folder keeps the
+    name as it is. Readers find such objects through a marker or manifest, never by number."""
+    if not is_remote(folder):
+        return name
+    return f"{hashlib.md5(name.encode()).hexdigest()[:4]}-{name}"
+
+
 def join_inside(base: str, rel: str, where: str) -> str:
     """join(base, rel) for a path read from a file (a manifest entry): refused with a ValueError
     naming `where` when it is absolute, a URL, or climbs out of `base` with '..'. A manifest must
@@ -240,10 +275,33 @@ def rm(path: str, recursive: bool = False) -> None:
             os.remove(local)
         return
     fs, p = filesystem(path)
-    if fs.exists(p):
-        # gone meanwhile, or a retried delete whose first try went through: done all the same
+    # one request, no existence check first: a missing object (never written, gone meanwhile,
+    # a retried delete whose first try went through) is done all the same
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(p, recursive=recursive)
+
+
+def rm_many(paths: Sequence[str], threads: int = 16) -> None:
+    """rm each of `paths` (files; a missing one is done all the same). Remote: in batches of
+    DELETE_BATCH paths a request (gcsfs sends a batch deletion as one request), the batches on
+    up to `threads` threads."""
+    if not paths:
+        return
+    if not is_remote(paths[0]):
+        for path in paths:
+            rm(path)
+        return
+    fs, _ = filesystem(paths[0])
+    batches = [
+        [fs._strip_protocol(p) for p in paths[i : i + DELETE_BATCH]]
+        for i in range(0, len(paths), DELETE_BATCH)
+    ]
+
+    def delete(batch: list[str]) -> None:
         with contextlib.suppress(FileNotFoundError):
-            fs.rm(p, recursive=recursive)
+            fs.rm(batch)
+
+    map_requests(delete, batches, threads)
 
 
 def open(path: str, mode: str = "rb", **kwargs) -> IO:  # noqa: A001 - mirrors builtins.open
@@ -320,8 +378,14 @@ def write_json(path: str, obj) -> None:
 
 
 def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    """The whole file. Remote: one request (fsspec's cat_file), not an open's two (the object's
+    metadata, then its bytes)."""
+    local = _local(path)
+    if local is not None:
+        with builtins_open(local, "rb") as f:
+            return f.read()
+    fs, p = filesystem(path)
+    return fs.cat_file(p)
 
 
 def read_text(path: str) -> str:
@@ -350,13 +414,17 @@ def upload(local_path: str, remote_path: str) -> None:
 
 
 def put_object(src: IO[bytes], path: str) -> None:
-    """Upload the whole of `src` (a seekable binary file) as object `path`, started over from
-    src's first byte after a transient failure (the store lost the upload, a connection
-    dropped), data.task.io_retries times at most (store.SETTINGS)."""
+    """Upload the whole of `src` (a seekable binary file) as object `path`, in one request up to
+    SIMPLE_UPLOAD_BYTES; started over from src's first byte after a transient failure (the store
+    lost the upload, a connection dropped), data.task.io_retries times at most (store.SETTINGS)."""
 
     def once() -> None:
         fs, p = filesystem(path)
+        size = src.seek(0, os.SEEK_END)
         src.seek(0)
+        if size <= SIMPLE_UPLOAD_BYTES:  # one request (gcsfs: a simple upload), not a session's two
+            fs.pipe_file(p, src.read())
+            return
         f = fs.open(p, "wb")
         try:
             while chunk := src.read(8 << 20):

@@ -10,6 +10,7 @@ cleaned. The flow, the resume and the job array are in docs/stages.md ("clean").
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
 
 from codex.core import fsio, rundir
 from codex.core.config import ConfigError
@@ -17,8 +18,10 @@ from codex.core.config.data import CleanConfig
 from codex.core.progress import Progress
 from codex.pipeline.clean import decontam, fasttext_filters, near_dedup, words
 from codex.pipeline.clean.finalize import finalize, refuse_bad_outcome, sweep_temp_files
+from codex.pipeline.clean.parts import marker_path
 from codex.pipeline.clean.plan import (
     METADATA_THREADS,
+    Unit,
     drop_markers_without_files,
     held,
     inputs_and_filters,
@@ -27,7 +30,7 @@ from codex.pipeline.clean.plan import (
     read_markers,
 )
 from codex.pipeline.clean.stats import source_summary, summarize
-from codex.pipeline.clean.unit import UnitJob, clean_unit
+from codex.pipeline.clean.unit import UnitJob, clean_unit, marker_files
 from codex.pipeline.clean.words import forget_pieces
 from codex.pipeline.executor import (
     Where,
@@ -107,13 +110,16 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     units = plan_units(files, c)
     markers = read_markers(stage, fingerprint)
     packed_away, leftover = drop_markers_without_files(out, markers, dedup="dedup" in filters)
+    # what a unit done again removes first: its earlier marker's files (a failed unit's marker
+    # stays in markers until it is done again)
+    earlier = {u: markers[u] for u in packed_away}
     mine = units[c.task_index :: c.num_tasks]
     todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
     if packed_away or leftover:
         finished = stage.finished()
         if not todo and len(markers) == len(units) and finished and finished.get("packed"):
             # done, parts packed: what a deletion left after stats.json, then nothing
-            fsio.map_requests(fsio.rm, [fsio.join(out, p) for p in leftover], METADATA_THREADS)
+            fsio.rm_many([fsio.join(out, p) for p in leftover], METADATA_THREADS)
             return {**finished, "units_run": 0}
         # the dedups and the packing read every unit's parts: units whose parts were packed
         # and deleted are cleaned again with the others
@@ -123,11 +129,8 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
                 len(todo),
                 len(packed_away),
             )
-        fsio.map_requests(
-            fsio.rm,
-            [fsio.join(out, "markers", f"{u}.json") for u in packed_away],
-            METADATA_THREADS,
-        )
+        gone = [marker_path(out, u) for u in packed_away]
+        fsio.rm_many(gone, METADATA_THREADS)
         for u in packed_away:
             del markers[u]
         todo = [u for u in mine if u.name not in markers or markers[u.name]["failed"]]
@@ -152,7 +155,13 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     if c.num_tasks == 1 and sweep_temp_files(out):
         log.info("clean: removed the temp files of an interrupted earlier run")
     table = decontam.write_table(evals, c.decontam.n, out) if evals and todo else ""
-    jobs = [UnitJob(u, c, out, filters, fingerprint, table) for u in todo]
+
+    # made as each is handed out: a million units' jobs are not held at once
+    def job(u: Unit) -> UnitJob:
+        before = earlier.get(u.name) or markers.get(u.name)
+        return UnitJob(u, c, out, filters, fingerprint, table, _files_of(out, before))
+
+    jobs = _Jobs(todo, job)
     for m in _process(jobs, where):
         markers[m["unit"]] = m
     if all(u.name in markers for u in units):
@@ -170,7 +179,29 @@ def _clean(stage: Stage, c: CleanConfig, where: Where, listed: tuple) -> dict:
     return stats
 
 
-def _process(jobs: list[UnitJob], where: Where) -> list[dict]:
+class _Jobs(Sequence[UnitJob]):
+    """The UnitJob of each unit to do, made when asked for."""
+
+    def __init__(self, units: list[Unit], make: Callable[[Unit], UnitJob]):
+        self.units, self.make = units, make
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.make(u) for u in self.units[i]]
+        return self.make(self.units[i])
+
+    def __iter__(self) -> Iterator[UnitJob]:
+        return map(self.make, self.units)
+
+
+def _files_of(out: str, marker: dict | None) -> tuple[str, ...]:
+    return marker_files(out, marker) if marker else ()
+
+
+def _process(jobs: Sequence[UnitJob], where: Where) -> list[dict]:
     if not jobs:
         return []
     done: list[dict] = []

@@ -18,7 +18,7 @@ import numpy as np
 
 from codex.core import fsio
 from codex.core.config import ConfigError
-from codex.pipeline.clean.parts import rewrite_part
+from codex.pipeline.clean.parts import hash_path, rewrite_part
 from codex.pipeline.executor import Where, run_units
 from codex.pipeline.readers import read_part
 
@@ -207,7 +207,7 @@ def combine_group(job: CombineJob) -> dict:
     indexed by partition; its later copies -> copies-GGGGGG.npy as (unit, h0, h1, bytes) sorted
     by unit; then its marker."""
     folder = dedup_dir(job.out)
-    paths = [(fsio.join(job.out, "hashes", f"{u}.npy"),) for u in job.units]
+    paths = [(hash_path(job.out, u),) for u in job.units]
     pieces = _read_all(read_npy, paths)
     sizes = np.array([len(p) for p in pieces], dtype=np.int64)
     h = np.concatenate(pieces) if pieces else np.zeros((0, 3), dtype=np.uint64)

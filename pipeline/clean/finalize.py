@@ -76,10 +76,10 @@ def finalize(
         stats["shards"], replaced = pack_parts(stage, ordered, where)
         stats["packed"] = bool(replaced)
     if c.num_tasks == 1:  # what killed unit attempts left (a Ray retry): one listing a folder
-        sweep_temp_files(stage.out)
+        sweep_temp_files(stage.out)  # (none on an object store)
     stage.commit(stats)
     # once stats.json lists the packed parts, the units' own are not needed
-    fsio.map_requests(fsio.rm, [fsio.join(stage.out, p) for p in replaced], METADATA_THREADS)
+    fsio.rm_many([fsio.join(stage.out, p) for p in replaced], METADATA_THREADS)
     log.info(
         "clean: %d -> %d documents (%.1f -> %.1f MB), %d dropped: %s",
         stats["docs_in"],
@@ -138,7 +138,10 @@ def refuse_bad_outcome(stats: dict, out: str) -> None:
 def sweep_temp_files(out: str) -> int:
     """Remove the temp files of writes a killed run left anywhere in the clean folder (its parts,
     hash files, markers, dedup files, stats). Only for a run that is the folder's one writer: the
-    tasks of a job array write it together."""
+    tasks of a job array write it together. None on an object store: a write there is one upload,
+    whole or absent (fsio.atomic_open), so there is nothing to list for."""
+    if fsio.is_remote(out):
+        return 0
     gone = 0
     for sub in ("", "rejected", "hashes", "markers", "dedup", "minhash", "near"):
         for path in ls_matching(fsio.join(out, sub) if sub else out, ".tmp-*"):

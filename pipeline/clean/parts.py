@@ -15,6 +15,22 @@ from codex.core import fsio
 _MAX_ROW_GROUP_BYTES = 256 << 20  # a row group is cut early only if its text would exceed this
 
 
+def part_prefix(out: str, unit: str) -> str:
+    """The name a unit's parts start with (PREFIX-000.parquet, ...), in out/ and out/rejected/:
+    part-UNIT, on an object store with a hash of the unit first (fsio.spread)."""
+    return f"part-{fsio.spread(out, unit)}"
+
+
+def marker_path(out: str, unit: str) -> str:
+    """A unit's marker: out/markers/UNIT.json (fsio.spread on an object store)."""
+    return fsio.join(out, "markers", f"{fsio.spread(out, unit)}.json")
+
+
+def hash_path(out: str, unit: str) -> str:
+    """A unit's hash file: out/hashes/UNIT.npy (fsio.spread on an object store)."""
+    return fsio.join(out, "hashes", f"{fsio.spread(out, unit)}.npy")
+
+
 def string_array(values: list[str]) -> pa.Array:
     """pa.array(values, pa.string()), put together from its buffers: pyarrow's constructors
     (pa.array, pa.table) import pandas on their first call where it is installed, about 0.3 s of

@@ -12,7 +12,10 @@ import hashlib
 import json
 import logging
 import sys
+import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +23,7 @@ from codex.core import fsio
 from codex.core.config import ConfigError
 from codex.pipeline.clean.filters import active_filters
 from codex.pipeline.clean.pack import packed_units
+from codex.pipeline.clean.parts import hash_path, marker_path
 from codex.pipeline.inputs import clean_inputs, ls_matching
 from codex.pipeline.readers import (
     BadInputFile,
@@ -204,7 +208,7 @@ def drop_markers_without_files(
             leftover += [p for p in m["shards"] if p in parts]
             packed_away.update([name] if missing else [])
             missing = []
-        if dedup and f"{name}.npy" not in hashes:
+        if dedup and fsio.basename(hash_path(out, name)) not in hashes:
             missing.append(f"hashes/{name}.npy")
         if "near_dedup" in m:
             missing += [
@@ -217,7 +221,7 @@ def drop_markers_without_files(
                 ", ".join(missing[:3]),
                 "is" if len(missing) == 1 else "are",
             )
-            fsio.rm(fsio.join(out, "markers", f"{name}.json"))
+            fsio.rm(marker_path(out, name))
             del markers[name]
     return packed_away, leftover
 
@@ -239,32 +243,66 @@ def read_markers(stage: Stage, fingerprint: str) -> dict[str, dict]:
     return markers
 
 
-def _read_marker(path: str) -> dict:
+def _read_marker(path: str) -> Any:
     return held(fsio.read_json(path))
 
 
-def held(marker: dict) -> dict:
-    """A unit's marker as the driver keeps it until the end: its keys, and those of its counts
-    per drop reason, shared with every other marker's (sys.intern) instead of a copy each (JSON
-    gives every marker its own), about half of what a marker holds; its pieces (the input it
-    read, for people) left out; its per_source, for a unit of one source, that source's name
-    (stats.py: unit_sources)."""
-    m = {sys.intern(k): v for k, v in marker.items() if k != "pieces"}
-    for key in ("drops", "drop_bytes", "drop_kinds"):
-        if isinstance(m.get(key), dict):
-            m[key] = {sys.intern(k): _held_keys(v) for k, v in m[key].items()}
-    sources = m.get("per_source")
-    if isinstance(sources, dict) and len(sources) == 1:
-        # a unit of one source (most are): its own counts are that source's, so its name does
-        m["per_source"] = sys.intern(next(iter(sources)))
-    elif isinstance(sources, dict):
-        m["per_source"] = {
-            sys.intern(name): {**n, "drops": {sys.intern(k): v for k, v in n["drops"].items()}}
-            for name, n in sources.items()
-        }
-    return m
+# what a marker records for people (what the unit read): the driver does not keep it
+_NOT_HELD = ("pieces",)
+# the keys the driver reads of every unit in the middle of a run, kept as they are
+_HOT = ("unit", "shards", "part_bytes", "failed")
+_ABSENT = object()
 
 
-def _held_keys(v):
-    """A count, or a dict of counts (drop_kinds' bytes per format) with its keys interned."""
-    return {sys.intern(k): n for k, n in v.items()} if isinstance(v, dict) else v
+class Held(Mapping):
+    """A unit's marker as the driver keeps it until the end of the run, read as the dict it was
+    (less _NOT_HELD): its _HOT keys as they are, the rest (the counts) as compressed JSON, about
+    a quarter of the dict, decoded when asked for. The marker decoded last is kept: a pass over
+    the markers (stats.py) reads several keys of each in turn. Its per_source, for a unit of one
+    source, is that source's name (stats.py: unit_sources)."""
+
+    __slots__ = ("unit", "shards", "part_bytes", "failed", "_rest")
+    _last: tuple[Any, Any] = (None, None)  # (the Held decoded last, its dict)
+
+    def __init__(self, marker: dict):
+        self.unit = sys.intern(marker["unit"])
+        self.shards = marker.get("shards", _ABSENT)
+        self.part_bytes = marker.get("part_bytes", _ABSENT)
+        self.failed = marker.get("failed", _ABSENT)
+        rest = {k: v for k, v in marker.items() if k not in _HOT and k not in _NOT_HELD}
+        sources = rest.get("per_source")
+        if isinstance(sources, dict) and len(sources) == 1:
+            rest["per_source"] = next(iter(sources))
+        self._rest = zlib.compress(json.dumps(rest, separators=(",", ":")).encode(), 1)
+
+    def _decoded(self) -> dict:
+        last, rest = Held._last
+        if last is not self:
+            rest = json.loads(zlib.decompress(self._rest))
+            Held._last = (self, rest)
+        return rest
+
+    def __getitem__(self, key: str):
+        if key in _HOT:
+            value = getattr(self, key)
+            if value is _ABSENT:
+                raise KeyError(key)
+            return value
+        return self._decoded()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in _HOT if getattr(self, k) is not _ABSENT)
+        yield from self._decoded()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        if key in _HOT:
+            return getattr(self, str(key)) is not _ABSENT
+        return key in self._decoded()
+
+
+def held(marker: dict) -> Any:
+    """A unit's marker as the driver keeps it (Held: read as a dict, never written)."""
+    return Held(marker)

@@ -18,7 +18,7 @@ from codex.pipeline.clean import decontam, minhash
 from codex.pipeline.clean.dedup import text_hash
 from codex.pipeline.clean.fasttext_filters import score_columns
 from codex.pipeline.clean.filters import Doc, active_filters, apply_filters, normalize
-from codex.pipeline.clean.parts import PartWriter
+from codex.pipeline.clean.parts import PartWriter, hash_path, marker_path, part_prefix
 from codex.pipeline.clean.plan import Unit
 from codex.pipeline.executor import worker_id
 from codex.pipeline.readers import (
@@ -43,36 +43,52 @@ class UnitJob:
     filters: list[str]
     fingerprint: str
     decontam: str = ""  # the eval sets' table (decontam.write_table), when decontam runs
+    # the files an earlier run's marker of this unit lists (marker_files), removed first
+    previous: tuple[str, ...] = ()
+
+
+def marker_files(out: str, marker: dict) -> tuple[str, ...]:
+    """Every file a unit's marker vouches for, in the order a retry removes them
+    (remove_unit_outputs): the marker first (a marker never outlives the files it lists, whenever
+    the removal is interrupted), the corpus-wide dedups' rejected rows of each part, the rejected
+    parts and the parts, last first, the hash file, near-dedup's files. A marker written before
+    markers listed their rejected parts: those are probed by name."""
+    name = marker["unit"]
+    rejected = fsio.join(out, "rejected")
+    parts = [fsio.join(out, p) for p in marker.get("shards", ())]
+    if "rejected" in marker:
+        gone = [fsio.join(rejected, p) for p in marker["rejected"]]
+    else:
+        gone = _numbered(rejected, part_prefix(out, name))
+    rows = [
+        fsio.join(rejected, fsio.basename(p).replace(".parquet", f"-{kind}.parquet"))
+        for p in parts
+        for kind in ("dedup", "near")
+    ]
+    files = [marker_path(out, name), *rows, *reversed(gone + parts)]
+    files.append(hash_path(out, name))
+    if "near_dedup" in marker:
+        files += minhash.unit_files(out, name)
+    return tuple(files)
 
 
 def _numbered(folder: str, prefix: str, suffix: str = ".parquet") -> list[str]:
     """The files folder/PREFIX-000SUFFIX, -001, ... that exist, probed by exact name up to the
-    first missing one: a PartWriter writes them in order, and they are removed last first
-    (remove_unit_outputs), so what exists is always such a run from 000. One request a file
-    (plus one), never a listing of the folder: that holds every unit's files."""
+    first missing one (a PartWriter writes them in order)."""
     found: list[str] = []
     while fsio.exists(path := fsio.join(folder, f"{prefix}-{len(found):03d}{suffix}")):
         found.append(path)
     return found
 
 
-def remove_unit_outputs(out: str, name: str) -> None:
-    """Delete what an earlier attempt at this unit may have left, by exact names (a few requests
-    whatever the number of units): its marker first (a marker never outlives the files it lists,
-    whenever this is interrupted), then its parts (a stale count) last first, the dedup's
-    rejected rows of each, and its hash file. The temp files of a write that was killed (a Ray
-    retry after the worker died) are swept once per run (finalize.py:
-    sweep_temp_files)."""
-    fsio.rm(fsio.join(out, "markers", f"{name}.json"))
-    rejected = fsio.join(out, "rejected")
-    parts = _numbered(out, f"part-{name}")
-    for k in range(len(parts)):  # the corpus-wide dedup's rows taken out of part k
-        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-dedup.parquet"))
-        fsio.rm(fsio.join(rejected, f"part-{name}-{k:03d}-near.parquet"))  # near_dedup's
-    for path in reversed(_numbered(rejected, f"part-{name}") + parts):
-        fsio.rm(path)
-    fsio.rm(fsio.join(out, "hashes", f"{name}.npy"))
-    for path in minhash.unit_files(out, name):
+def remove_unit_outputs(previous: tuple[str, ...]) -> None:
+    """Delete what an earlier run of this unit left: the files its marker lists (marker_files,
+    read by the driver), by exact name, in that order; no listing and no existence check, one
+    request a file. A unit without a marker needs none: its earlier attempt (killed, or a Ray
+    retry after its worker died) wrote the files this one writes, under the same names (the
+    plan fingerprint fixes them), and a remote write is whole or absent. The temp files of a
+    local write that was killed are swept once per run (finalize.py: sweep_temp_files)."""
+    for path in previous:
         fsio.rm(path)
 
 
@@ -260,14 +276,14 @@ def _write_hashes(out: str, name: str, rows: bytearray) -> None:
     by hash (the dedup's combine merges sorted files)."""
     hashes = np.frombuffer(bytes(rows), dtype=np.uint64).reshape(-1, 3)
     hashes = hashes[np.lexsort((hashes[:, 1], hashes[:, 0]))]
-    with fsio.atomic_open(fsio.join(out, "hashes", f"{name}.npy"), "wb") as fh:
+    with fsio.atomic_open(hash_path(out, name), "wb") as fh:
         np.save(fh, hashes)
 
 
 def _unit_cleaner(job: UnitJob) -> _UnitCleaner:
     """The unit's running state: its part writers (the rows' columns: text, id, source, the
     metadata, decontam's mark, the score columns) and decontam's eval sets."""
-    c, out, name = job.c, job.out, f"part-{job.unit.name}"
+    c, out, name = job.c, job.out, part_prefix(job.out, job.unit.name)
     mark = bool(job.decontam) and c.decontam.mode == "mark"
     meta = tuple(c.metadata) + (("contaminated",) if mark else ())
     scores = score_columns(c, job.filters)
@@ -300,7 +316,7 @@ def clean_unit(job: UnitJob) -> dict:
     """Clean one unit; write its parts, its hash file, then its marker. Returns the marker."""
     unit, c, out = job.unit, job.c, job.out
     started = time.time()
-    remove_unit_outputs(out, unit.name)
+    remove_unit_outputs(job.previous)
     state = _unit_cleaner(job)
     writer, rejected = state.writer, state.rejected
     if c.near_dedup.enabled:
@@ -318,8 +334,7 @@ def clean_unit(job: UnitJob) -> dict:
                         "clean: bad input in %s: %s", piece.path, report.describe()
                     )
         parts = writer.close()
-        if rejected is not None:
-            rejected.close()
+        rejected_parts = rejected.close() if rejected is not None else []
     except BaseException:
         writer.abort()
         if rejected is not None:
@@ -333,6 +348,7 @@ def clean_unit(job: UnitJob) -> dict:
         "fingerprint": job.fingerprint,
         "pieces": [[p.path, p.start, p.end] for p in unit.pieces],
         "shards": parts,
+        **({"rejected": rejected_parts} if rejected is not None else {}),  # under rejected/
         "part_bytes": writer.bytes,  # its parts' size on disk: what pack_groups packs by
         "failed": [r["path"] for r in reports if r["error"]],
         "bad_files": reports,
@@ -348,5 +364,5 @@ def clean_unit(job: UnitJob) -> dict:
         **state.stats,
     }
     # last: the unit is done
-    fsio.write_json(fsio.join(out, "markers", f"{unit.name}.json"), marker)
+    fsio.write_json(marker_path(out, unit.name), marker)
     return marker

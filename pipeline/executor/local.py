@@ -29,7 +29,7 @@ log = logging.getLogger("codex.executor")
 POOL_START_S = 120.0
 
 
-def run_in_order(tasks: list[Task], units: Sequence) -> Generator[tuple[Any, Any]]:
+def run_in_order(tasks: Sequence[Task], units: Sequence) -> Generator[tuple[Any, Any]]:
     """Every unit in this process, in order; one that fails stops no other: the run raises the
     first failure's exception once every unit has run (report_failures)."""
     failed = Failures()
@@ -174,7 +174,7 @@ class _Feed:
             fut.cancel()
 
 
-def run_pool(tasks: list[Task], units: Sequence, where: Where) -> Generator[tuple[Any, Any]]:
+def run_pool(tasks: Sequence[Task], units: Sequence, where: Where) -> Generator[tuple[Any, Any]]:
     """Every unit's task, on where.workers processes: this one and a pool of the others (the
     stage's, else one for this call). The pool's processes are fed by _Feed; this process runs
     units too, handing on what the pool finished in between, then waits for the pool's last.

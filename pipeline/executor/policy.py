@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from codex.core import fsio, store
 from codex.core.config import ConfigError
@@ -27,6 +27,17 @@ class TaskPolicy:
     io_retries: int = 4  # attempts more after a transient I/O error
     ray_pending: int = 16  # Ray: units queued beyond the cluster's CPUs, at least
     store_timeout_s: float = store.StoreSettings.timeout_s  # the driver's store_timeout_s
+    # data.task.memory_gb_by_phase, timeout_s_by_phase: (phase, memory_bytes), (phase, timeout_s)
+    memory_by_phase: tuple[tuple[str, int], ...] = ()
+    timeout_by_phase: tuple[tuple[str, float], ...] = ()
+
+    def for_phase(self, phase: str) -> TaskPolicy:
+        """This policy with `phase`'s own memory and timeout, where it has them."""
+        memory = dict(self.memory_by_phase).get(phase, self.memory_bytes)
+        timeout = dict(self.timeout_by_phase).get(phase, self.timeout_s)
+        if (memory, timeout) == (self.memory_bytes, self.timeout_s):
+            return self
+        return replace(self, memory_bytes=memory, timeout_s=timeout)
 
 
 @dataclass(frozen=True)
@@ -122,13 +133,36 @@ def task_policy(task_cfg) -> TaskPolicy:
     store settings (store_timeout_s: the command set them)."""
     if task_cfg is None:
         return TaskPolicy(store_timeout_s=store.SETTINGS.timeout_s)
+    memory = _by_phase("data.task.memory_gb_by_phase", task_cfg.memory_gb_by_phase)
+    timeouts = _by_phase("data.task.timeout_s_by_phase", task_cfg.timeout_s_by_phase)
     return TaskPolicy(
         memory_bytes=int(task_cfg.memory_gb * 1e9),
         timeout_s=float(task_cfg.timeout_s),
         io_retries=int(task_cfg.io_retries),
         ray_pending=int(task_cfg.ray_pending),
         store_timeout_s=store.SETTINGS.timeout_s,
+        memory_by_phase=tuple((k, int(v * 1e9)) for k, v in memory),
+        timeout_by_phase=tuple(timeouts),
     )
+
+
+def _by_phase(key: str, items: list[str]) -> list[tuple[str, float]]:
+    """PHASE=NUMBER items as (phase, number); a ConfigError naming the key and the item for
+    one that is not."""
+    got = []
+    for item in items:
+        phase, _, value = str(item).partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not phase.strip().isidentifier() or number < 0:
+            raise ConfigError(
+                f"{key}: {item!r} is not PHASE=NUMBER (a unit function's name and a number "
+                ">= 0), e.g. clean_unit=4"
+            )
+        got.append((phase.strip(), number))
+    return got
 
 
 def machine_memory() -> int:

@@ -66,19 +66,39 @@ def unit_name(unit: Any, position: int) -> str:
     return re.sub(r"[^A-Za-z0-9._@-]", "_", name)[-100:]
 
 
-def task_specs(fn, units: Sequence, where: Where) -> list[Task]:
-    """Every unit's Task: its phase (fn's name), its name, where.task and its log file's path."""
-    logs = where.logs or (os.path.dirname(log_file() or "") if log_file() else "")
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    phase = getattr(inner, "__name__", "unit")
-    tasks = []
-    for i, unit in enumerate(units):
-        name = unit_name(unit, i)
-        path = fsio.join(logs, phase, f"{name}.log") if logs else ""
-        tasks.append(Task(fn, phase, name, where.task, path))
-    return tasks
+class TaskSpecs(Sequence[Task]):
+    """Every unit's Task (its phase: fn's name; its name; where.task with the phase's own memory
+    and timeout; its log file's path), made when asked for: a run of a million units holds no
+    million Tasks."""
+
+    def __init__(self, fn, units: Sequence, where: Where):
+        self.fn, self.units = fn, units
+        self.logs = where.logs or (os.path.dirname(log_file() or "") if log_file() else "")
+        inner = fn
+        while isinstance(inner, functools.partial):
+            inner = inner.func
+        self.phase = getattr(inner, "__name__", "unit")
+        self.policy = where.task.for_phase(self.phase)  # its memory and timeout
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __iter__(self) -> Iterator[Task]:
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        name = unit_name(self.units[i], i)
+        # on an object store, a hash of the name first (fsio.spread): logs written at once spread
+        path = fsio.join(self.logs, self.phase, f"{fsio.spread(self.logs, name)}.log")
+        path = path if self.logs else ""
+        return Task(self.fn, self.phase, name, self.policy, path)
+
+
+def task_specs(fn, units: Sequence, where: Where) -> TaskSpecs:
+    """Every unit's Task, made as each is asked for (TaskSpecs)."""
+    return TaskSpecs(fn, units, where)
 
 
 def run_task(task: Task, unit):

@@ -150,3 +150,23 @@ def test_a_rename_on_the_emulator_is_one_move(gcs_bucket, caplog):
     fs.invalidate_cache()
     assert fsio.read_text(f"{gcs_bucket}/a/x.json") == "payload"
     assert not fsio.exists(f"{gcs_bucket}/a/x.tmp")
+
+
+@pytest.mark.gcs
+def test_gcs_names_are_listed_without_a_listing_cache_and_deleted_in_batches(gcs_bucket):
+    """A folder's names come a page at a time, names only (its sub-folders too); no listing is
+    kept in the filesystem's cache (gcsfs would keep every entry for ever); a batch deletion
+    leaves nothing, and deleting what is not there is no error."""
+    paths = [f"{gcs_bucket}/run/clean/part-{i:03d}.parquet" for i in range(5)]
+    for p in paths:
+        fsio.write_text(p, "x")
+    fsio.write_text(f"{gcs_bucket}/run/clean/markers/000.json", "{}")
+    names = fsio.list_names(f"{gcs_bucket}/run/clean")
+    assert names == ["markers", *(fsio.basename(p) for p in paths)], names
+    assert fsio.list_names(f"{gcs_bucket}/run/none") == []
+    fs, _ = fsio.filesystem(paths[0])
+    fsio.listdir(f"{gcs_bucket}/run/clean")
+    assert not fs.dircache.use_listings_cache and not list(fs.dircache)
+    fsio.rm_many([*paths, f"{gcs_bucket}/run/clean/never.parquet"])
+    fsio.rm(f"{gcs_bucket}/run/clean/never.parquet")
+    assert fsio.list_names(f"{gcs_bucket}/run/clean") == ["markers"]

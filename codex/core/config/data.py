@@ -391,6 +391,17 @@ class TaskConfig:
         ge=0,
         le=1_000_000,
     )
+    memory_gb_by_phase: list[str] = setting(
+        [],
+        "A phase's own memory_gb: PHASE=GB items, a phase being its unit's function (clean_unit, "
+        "combine_group, reduce_partition, rewrite_group, pack_group, scan_file, "
+        "shard_encode_unit, ...), e.g. reduce_partition=2,pack_group=1; others get memory_gb.",
+    )
+    timeout_s_by_phase: list[str] = setting(
+        [],
+        "A phase's own timeout_s: PHASE=SECONDS items (as memory_gb_by_phase), e.g. "
+        "clean_unit=600; others get timeout_s.",
+    )
 
 
 @dataclass

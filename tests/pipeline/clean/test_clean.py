@@ -406,6 +406,49 @@ def test_gcs_round_trip(tmp_path, gcs_bucket):
     assert fsio.read_json(f"{gcs_bucket}/run/clean/stats.json")["docs_out"] == local["docs_out"]
 
 
+@pytest.mark.gcs
+def test_on_gcs_unit_names_are_spread_and_a_unit_asks_nothing_before_it_writes(
+    tmp_path, gcs_bucket, monkeypatch
+):
+    """On gs:// a unit's part, marker and hash file names start with a hash of the unit
+    (fsio.spread: GCS spreads load by name ranges), a local run's names are as they were, and a
+    unit's only requests for its outputs are their uploads: no listing, no existence check,
+    no deletion of what a first attempt cannot have left."""
+    from codex.core.gcs import BoundedGCSFileSystem
+    from codex.pipeline.clean import clean as C
+
+    make_corpus(tmp_path / "in", 3, 10)
+    for p in sorted((tmp_path / "in").iterdir()):
+        fsio.upload(str(p), f"{gcs_bucket}/raw/{p.name}")
+    asked: list[tuple[str, str]] = []
+    in_unit = []
+    request = BoundedGCSFileSystem._request
+
+    async def counted(self, method, path, *args, **kwargs):
+        if in_unit:
+            asked.append((method, self._format_path(path, args) + str(kwargs.get("prefix", ""))))
+        return await request(self, method, path, *args, **kwargs)
+
+    def unit(job):
+        in_unit.append(1)
+        try:
+            return clean_unit(job)
+        finally:
+            in_unit.clear()
+
+    clean_unit = C.clean_unit
+    monkeypatch.setattr(BoundedGCSFileSystem, "_request", counted)
+    monkeypatch.setattr(C, "clean_unit", unit)
+    local = run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="local"))
+    remote = run_clean(cfg_for(tmp_path, [f"{gcs_bucket}/raw"], run=f"{gcs_bucket}/run"))
+    assert all(n.startswith("part-000") for n in local["shards"]), local["shards"]
+    spread = fsio.spread(f"{gcs_bucket}/run", "000000")
+    assert remote["shards"][0].startswith(f"part-{spread}") and spread != "000000"
+    assert fsio.exists(f"{gcs_bucket}/run/clean/markers/{spread}.json")
+    outputs = [(m, u) for m, u in asked if "raw" not in u]  # not its input
+    assert outputs and all(m == "POST" for m, _ in outputs), outputs
+
+
 def test_a_low_yield_clean_exits_1_and_downstream_refuses_it_until_allowed(tmp_path, caplog):
     """The user's report: WikiText's blank lines hold a space, so '\\n\\n' never matched, the
     whole file was one document dropped as too long, and clean kept 0.02% with exit 0."""
@@ -874,7 +917,7 @@ def test_a_retried_unit_removes_its_marker_before_its_files(tmp_path):
     run_clean(cfg_for(tmp_path, [tmp_path / "in"], run="r"))
     out = str(tmp_path / "r" / "clean")
     (marker,) = (tmp_path / "r" / "clean" / "markers").glob("*.json")
-    U.remove_unit_outputs(out, marker.stem)
+    U.remove_unit_outputs(U.marker_files(out, json.loads(marker.read_text())))
     assert not marker.exists() and not list((tmp_path / "r" / "clean").glob("part-*"))
 
 

@@ -354,6 +354,23 @@ def test_the_memory_reservation_caps_the_local_processes(caplog):
     assert "1 worker(s) fit in this machine's" in caplog.text
 
 
+def test_a_phase_gets_its_own_memory_and_timeout_and_a_bad_item_names_its_key():
+    from codex.core.config import ConfigError, build_config
+    from codex.pipeline.executor.task import task_specs
+
+    by_phase = "data.task.memory_gb_by_phase=slow=2,pack_group=1"
+    cfg = build_config(overrides=[by_phase, "data.task.timeout_s_by_phase=slow=30"])
+    cfg.data.task.memory_gb = 0.5
+    where = executor.where_for(cfg.data, 1)
+    (mine,) = task_specs(slow, [1], where)
+    (other,) = task_specs(warn_and_return, [1], where)
+    assert (mine.policy.memory_bytes, mine.policy.timeout_s) == (2_000_000_000, 30.0)
+    assert (other.policy.memory_bytes, other.policy.timeout_s) == (500_000_000, 0.0)
+    cfg.data.task.timeout_s_by_phase = ["slow:30"]
+    with pytest.raises(ConfigError, match="data.task.timeout_s_by_phase: 'slow:30' is not PHASE"):
+        executor.where_for(cfg.data, 1)
+
+
 def warn_and_return(unit: int) -> int:
     import logging
 
@@ -386,7 +403,8 @@ def test_a_units_log_file_on_gcs_is_written_when_it_ends(gcs_bucket):
 
     logs = f"{gcs_bucket}/run/logs"
     assert [u for u, _ in run_units(warn_and_return, [2], Where(logs=logs))] == [2]
-    text = fsio.read_text(f"{logs}/warn_and_return/2.log")
+    # its name starts with a hash of the unit's, as every unit object's on gs:// (fsio.spread)
+    text = fsio.read_text(f"{logs}/warn_and_return/{fsio.spread(logs, '2')}.log")
     assert "WARNING codex.test: unit 2 says hello" in text and "done in" in text, text
 
 
@@ -410,7 +428,7 @@ def test_a_unit_killed_mid_run_leaves_its_log_on_gcs(gcs_bucket):
     from codex.core import fsio
 
     logs = f"{gcs_bucket}/run/logs"
-    path = f"{logs}/hang_after_a_line/4.log"
+    path = f"{logs}/hang_after_a_line/{fsio.spread(logs, '4')}.log"
     root = str(Path(__file__).resolve().parents[3])
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

@@ -497,3 +497,40 @@ def test_the_ray_driver_scans_no_list_of_the_tasks_in_flight_per_finished_unit(
         got = [u for u, _ in executor.run_units(_noop, list(range(700)), where)]
     assert sorted(got) == list(range(700))  # each unit once
     assert sum(scanned) / len(got) < 1, (len(scanned), sum(scanned))
+
+
+def _noop_or_bad(unit: int) -> int:
+    if unit == 777:
+        raise ValueError(f"bad unit {unit}")
+    return unit
+
+
+@pytest.mark.slow
+def test_short_units_run_several_a_ray_task_and_one_that_fails_fails_alone(
+    ray_cluster, monkeypatch, caplog
+):
+    """4,000 no-op units, 16 tasks in flight: the driver hands them out in batches (far fewer
+    tasks than units, the last ones single units), every unit is handed on once, and unit 777's
+    failure fails it alone, in one line naming it."""
+    from codex.pipeline import executor
+    from codex.pipeline.executor import ray_tasks
+
+    monkeypatch.setattr(ray_tasks, "in_flight_limit", lambda cpus, pending: 16)
+    taken: list[int] = []
+    take = ray_tasks._Batches.take
+
+    def counting(self, limit: int) -> list:
+        batch = take(self, limit)
+        taken.append(len(batch))
+        return batch
+
+    monkeypatch.setattr(ray_tasks._Batches, "take", counting)
+    where = executor.Where("ray", 2, ray_cluster, executor.TaskPolicy(ray_pending=0))
+    got = []
+    with caplog.at_level(logging.ERROR, logger="codex.executor"):
+        with pytest.raises(ValueError, match="bad unit 777"):
+            for unit, _ in executor.run_units(_noop_or_bad, list(range(4000)), where):
+                got.append(unit)
+    assert sorted(got) == [u for u in range(4000) if u != 777]
+    assert sum(taken) == 4000 and len(taken) < 4000 / 4 and taken[-1] == 1, taken
+    assert "_noop_or_bad: 1 of 4000 unit(s) failed: 777 (ValueError" in caplog.text
