@@ -423,7 +423,10 @@ def put_object(src: IO[bytes], path: str) -> None:
         size = src.seek(0, os.SEEK_END)
         src.seek(0)
         if size <= SIMPLE_UPLOAD_BYTES:  # one request (gcsfs: a simple upload), not a session's two
-            fs.pipe_file(p, src.read())
+            try:
+                fs.pipe_file(p, src.read())
+            except store.StoreUnreachable as e:
+                raise store.writing(e, p.split("/", 1)[-1]) from e
             return
         f = fs.open(p, "wb")
         try:

@@ -131,6 +131,15 @@ def _unreachable(target: Target, method: str, e: BaseException) -> StoreUnreacha
     )
 
 
+def writing(e: StoreUnreachable, name: str) -> StoreUnreachable:
+    """`e` naming the object `name` it was writing, for a request whose URL does not carry it (a
+    simple upload names its object in the body)."""
+    head, sep, rest = str(e).partition(" (store_timeout_s)")
+    if not sep or rest.startswith(" ("):
+        return e
+    return StoreUnreachable(f"{head}{sep} (writing {name}){rest}")
+
+
 async def retried(attempt: Callable[[], Awaitable[T]], url: str, method: str) -> T:
     """attempt() (one request to `url`), again after a transient error, 0.5, 1, 2, ... s apart,
     until the store has failed for store_timeout_s: then StoreUnreachable. A failed request on an
