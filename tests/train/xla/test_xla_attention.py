@@ -1,5 +1,6 @@
 """The default attention on a TPU preset holds no T x T scores: read in the optimized HLO of the
-compiled training step (v6e-4's mesh on 4 XLA CPU devices, train.allow_cpu_xla), dumped with
+compiled training step, forward and backward (v6e-4's mesh on 4 XLA CPU devices, fsdp, so the
+attention runs inside the scanned layer loop; accumulation 2; train.allow_cpu_xla), dumped with
 --xla_dump_to by the real training loop, as tests/train/xla/test_xla_program.py does.
 
 On the XLA CPU backend the Pallas kernel cannot run, so model.attention=auto runs blockwise
@@ -72,7 +73,7 @@ def _run(tmp: Path, name: str, attention: str | None) -> tuple[dict, set[tuple[i
     dump = tmp / f"dump-{name}"
     ov = overrides(
         "v6e-4", 1, STEPS, eval_every=0, seq_len=T, batch_tokens=T * 4 * ACCUM, log_every=STEPS
-    ) + [f"model.max_seq_len={T}"]
+    ) + [f"model.max_seq_len={T}", "train.parallel=fsdp"]
     if attention:
         ov.append(f"model.attention={attention}")
     proc = run_xla(
