@@ -183,8 +183,11 @@ def _check_reduce_scatters(step: dict, chips: int, extra=()) -> dict:
     reduced = [a for c in loops if "reduce" in c["kind"] for a in c["shapes"] if _dims(a) == head]
     assert len(reduced) == 1, reduced
     local_tokens = 2 * 128  # train.device_batch x train.seq_len
-    # per array: the compiler combines collectives into tuples
-    assert max(_elements(a) for c in loops for a in c["shapes"]) < chips * local_tokens * width
+    # per array (the compiler combines collectives into tuples), weights' shapes aside (the head's
+    # [vocab, width] outgrows a small batch, and does not grow with it)
+    weights = {head, *blocks}
+    batch = [_elements(a) for c in loops for a in c["shapes"] if _dims(a) not in weights]
+    assert max(batch) < chips * local_tokens * width
     inside = [c for c in loops if c["place"] == "micro-batch loop"]
     moved = [sum(map(_elements, c["shapes"])) for c in inside if c["kind"] == "all-to-all"]
     assert moved and set(moved) == {local_tokens * width}, moved
@@ -242,17 +245,30 @@ def test_fsdp_on_16_chips_gathers_while_the_layer_computes(tmp_path_factory, opt
 @pytest.mark.xla
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.xfail(
-    strict=True,
-    reason="libtpu 0.0.21 all-reduces every block and head gradient whole on v6e:4x4 and slices "
-    "the shard after (docs/tpu.md, 'What it showed')",
+@pytest.mark.parametrize(
+    "hardware",
+    [
+        "v6e-8",
+        pytest.param(
+            "v6e-16",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="libtpu 0.0.21 all-reduces every block and head gradient whole on 16 "
+                "chips and slices the shard after (docs/tpu.md, 'What it showed')",
+            ),
+        ),
+    ],
 )
-def test_fsdp_on_16_chips_reduces_each_gradient_by_a_reduce_scatter(tmp_path_factory, optimizer):
-    """v6e:4x4 fsdp, AdamW and Muon, width 512: the 2x2 check above (each block matrix's and the
-    head's gradient by a reduce-scatter, no matrix all-reduced in a loop, the embedding's by the
-    lookup's all-to-all, nothing of the global batch's size)."""
-    step = _step(_report(tmp_path_factory, "v6e-16", "fsdp", optimizer, WIDE_16))
-    print("v6e:4x4", optimizer, _check_reduce_scatters(step, 16, WIDE_16))
+def test_fsdp_on_8_and_16_chips_reduces_each_gradient_by_a_reduce_scatter(
+    tmp_path_factory, optimizer, hardware
+):
+    """v6e:2x4 (8 chips, 2 hosts) and v6e:4x4 (16 chips, 4 hosts) fsdp, AdamW and Muon, width
+    512: the 2x2 check above (each block matrix's and the head's gradient by a reduce-scatter, no
+    matrix all-reduced in a loop, the embedding's by the lookup's all-to-all, nothing of the
+    global batch's size)."""
+    step = _step(_report(tmp_path_factory, hardware, "fsdp", optimizer, WIDE_16))
+    chips = get_preset(hardware).devices
+    print(hardware, optimizer, _check_reduce_scatters(step, chips, WIDE_16), step["compile_s"])
 
 
 @pytest.mark.xla
