@@ -249,7 +249,7 @@ def compile_only(cfg: Config, libtpu_flags: bool = True) -> CompileReport:
         topology,
     )
     user = os.environ.get("LIBTPU_INIT_ARGS", "")
-    args = libtpu_init_args(user) if libtpu_flags else user
+    args = libtpu_init_args(user, preset.family) if libtpu_flags else user
     compiled = _compile(topology, [path for _, path in trace["programs"]], args, work)
     report = CompileReport(
         preset=preset,

@@ -320,6 +320,21 @@ def test_libtpu_flags_are_added_and_a_users_value_wins():
     assert sorted(merged[2:]) == sorted(f for f in ours if "async_all_gather=" not in f)
 
 
+def test_v6e_gets_maxtexts_chip_flags_and_a_users_value_wins():
+    """v6e: scoped VMEM and the all-reduce-scatter layout beside the async-collective flags;
+    other chips (v5p's MaxText extra, data-parallel overlap, changes nothing on one slice): the
+    async flags alone."""
+    v6e = platform.libtpu_init_args("", "v6e").split()
+    assert v6e[: len(platform.LIBTPU_FLAGS)] == list(platform.LIBTPU_FLAGS)
+    assert "--xla_tpu_scoped_vmem_limit_kib=98304" in v6e
+    assert "--xla_tpu_assign_all_reduce_scatter_layout=true" in v6e
+    for chip in ("v5p", "v5e", "v4", ""):
+        assert platform.libtpu_init_args("", chip).split() == list(platform.LIBTPU_FLAGS)
+    user = "--xla_tpu_scoped_vmem_limit_kib=65536"
+    merged = platform.libtpu_init_args(user, "v6e").split()
+    assert merged[0] == user and not [a for a in merged[1:] if "scoped_vmem" in a]
+
+
 def test_the_tpu_path_sets_libtpu_flags_before_importing_torch_xla(monkeypatch):
     """check_platform on PJRT_DEVICE=TPU (here it then fails: no torch_xla, or no TPU) has put the
     flags into the environment first, keeping the user's."""
@@ -331,7 +346,8 @@ def test_the_tpu_path_sets_libtpu_flags_before_importing_torch_xla(monkeypatch):
         platform.check_platform(cfg, get_preset("v6e-4"))
     args = os.environ["LIBTPU_INIT_ARGS"].split()
     assert args[0] == user and "--xla_tpu_enable_async_collective_fusion=true" in args
-    assert len(args) == len(platform.LIBTPU_FLAGS)  # ours, less the one the user set
+    assert len(args) == len(platform.libtpu_flags("v6e"))  # ours, less the one the user set
+    assert "--xla_tpu_scoped_vmem_limit_kib=98304" in args  # v6e-4's chip flags too
     monkeypatch.setattr(os, "environ", {**env, "PJRT_DEVICE": "CPU"})
     with pytest.raises(BackendError):
         platform.check_platform(cfg, get_preset("v6e-4"))

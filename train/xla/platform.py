@@ -1,8 +1,8 @@
 """Before the XLA runtime starts: the no-silent-fallback platform check (a TPU preset needs
 PJRT_DEVICE=TPU and TPU chips; PJRT_DEVICE=CPU only with train.allow_cpu_xla), libtpu's flags
-(LIBTPU_INIT_ARGS: async collectives, set on TPU before torch_xla is imported), the
-flash-attention requirements, and where XLA's persistent compilation cache lives. Nothing here
-starts the runtime.
+(LIBTPU_INIT_ARGS: async collectives and the chip's MaxText flags, set on TPU before torch_xla
+is imported), the flash-attention requirements, and where XLA's persistent compilation cache
+lives. Nothing here starts the runtime.
 """
 
 from __future__ import annotations
@@ -36,24 +36,47 @@ LIBTPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
 )
 
+# MaxText's further flags for its dense recipes on v6e (same commit; benchmarks/
+# maxtext_trillium_model_configs.py, e.g. llama3_1-8b-8192; xla_flags_library.py names the groups):
+# DENSE_VMEM_LIMIT_FLAG, the scoped VMEM a fusion may use (the rest prefetches the next op's
+# operands), and LAYOUT_FOR_ALL_REDUCE_SCATTER ("better memory layout for all-reduce", for its
+# rewrite into a reduce-scatter). Each changes libtpu's program for codex's fsdp step
+# (tests/train/xla/test_tpu_compile.py). Not set: DATA_PARALLEL_OVERLAP, all that MaxText's v5p
+# dense recipes add to continuation fusion (maxtext_v5p_model_configs.py, llama2_7b_v5p_*), and
+# most of its v6e ones: it pipelines data-parallel all-reduces over DCN (between slices), and a
+# one-slice program, the only kind codex builds, came out byte for byte the same with it on v6e
+# and v5p (docs/tpu.md).
+SCOPED_VMEM = ("--xla_tpu_scoped_vmem_limit_kib=98304",)
+LAYOUT_FOR_REDUCE_SCATTER = (
+    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true",
+    "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1",
+    "--xla_tpu_assign_all_reduce_scatter_layout=true",
+)
+CHIP_FLAGS = {"v6e": SCOPED_VMEM + LAYOUT_FOR_REDUCE_SCATTER}
+
+
+def libtpu_flags(chip: str = "") -> tuple[str, ...]:
+    """codex's libtpu flags on `chip` (a preset's family: v6e, v5p, v5e, v4; "" for none)."""
+    return LIBTPU_FLAGS + CHIP_FLAGS.get(chip, ())
+
 
 def _flag_name(arg: str) -> str:
     return arg.lstrip("-").split("=", 1)[0]
 
 
-def libtpu_init_args(user: str) -> str:
-    """LIBTPU_INIT_ARGS with LIBTPU_FLAGS: the user's string kept as given, and each of ours
+def libtpu_init_args(user: str, chip: str = "") -> str:
+    """LIBTPU_INIT_ARGS with libtpu_flags(chip): the user's string kept as given, and each of ours
     appended unless the user's sets that flag (to any value): the user's value wins."""
     given = {_flag_name(a) for a in user.split()}
-    ours = [f for f in LIBTPU_FLAGS if _flag_name(f) not in given]
+    ours = [f for f in libtpu_flags(chip) if _flag_name(f) not in given]
     return " ".join([user.strip(), *ours]).strip()
 
 
-def set_libtpu_flags() -> None:
+def set_libtpu_flags(chip: str = "") -> None:
     """LIBTPU_INIT_ARGS in this process's environment (inherited by spawn's processes), before
     torch_xla is imported: the import adds its own defaults to it, and libtpu reads it when the
     runtime starts."""
-    os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""))
+    os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""), chip)
 
 
 # --- the no-silent-fallback check -------------------------------------------------------------
@@ -81,7 +104,7 @@ def check_platform(cfg, preset) -> str:
     # torch_xla reads them once, at import: this is the first import on the XLA path.
     set_xla_import_env()
     if pjrt == "TPU":
-        set_libtpu_flags()
+        set_libtpu_flags(preset.family)
     try:
         import torch_xla  # noqa: F401
     except ImportError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ def compile_programs(topology: str, protos: list[str]) -> list[dict]:
     """Compile each HLO proto for `topology` (e.g. "v6e:2x2") with libtpu: an HloModuleProto
     (*.hlo_module.pb) or an HloProto as XLA dumps it; each program's TPU text is written to
     PROTO + ".tpu.txt"."""
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) so that one process owns a host's TPUs; a
+    # compile-only client owns none, and a second compile (another run, a test) must not abort
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     import jax
 
     # torch_xla's modules carry GSPMD shardings (mhlo.sharding); Shardy would ignore them.

@@ -106,6 +106,8 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
         ]
         if name.startswith("async_collective_fusion"):
             continue  # a started collective's continuation steps, fused into compute: not a new one
+        if any('custom_call_target="AsyncCollectiveDone"' in line for line in lines):
+            continue  # the done half of an async pair repeats its collective: counted at the start
         for line in lines:
             kind = _collective_kind(line, name)
             if kind is None:

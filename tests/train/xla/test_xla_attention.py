@@ -1,6 +1,8 @@
 """The default attention on a TPU preset holds no T x T scores: read in the optimized HLO of the
-compiled training step (v6e-4's mesh on 4 XLA CPU devices, train.allow_cpu_xla), dumped with
---xla_dump_to by the real training loop, as tests/train/xla/test_xla_program.py does.
+compiled training step, forward and backward (v6e-4's mesh on 4 XLA CPU devices, accumulation 2,
+train.allow_cpu_xla; under fsdp too, the attention inside the scanned layer loop, in make
+test-heavy), dumped with --xla_dump_to by the real training loop, as
+tests/train/xla/test_xla_program.py does.
 
 On the XLA CPU backend the Pallas kernel cannot run, so model.attention=auto runs blockwise
 attention in XLA ops (model/attention.py: blockwise_causal); T = 512 with the default blocks of
@@ -66,13 +68,15 @@ def largest(shapes: set[tuple[int, ...]], n: int = 4) -> list[tuple[int, ...]]:
     return sorted(shapes, key=size, reverse=True)[:n]
 
 
-def _run(tmp: Path, name: str, attention: str | None) -> tuple[dict, set[tuple[int, ...]]]:
+def _run(
+    tmp: Path, name: str, attention: str | None, parallel: str = "auto"
+) -> tuple[dict, set[tuple[int, ...]]]:
     """The child's results (plus the compiled steps' buffer totals, "step_bytes") and the shape
     of every f32 array in every program it compiled."""
     dump = tmp / f"dump-{name}"
     ov = overrides(
         "v6e-4", 1, STEPS, eval_every=0, seq_len=T, batch_tokens=T * 4 * ACCUM, log_every=STEPS
-    ) + [f"model.max_seq_len={T}"]
+    ) + [f"model.max_seq_len={T}", f"train.parallel={parallel}"]
     if attention:
         ov.append(f"model.attention={attention}")
     proc = run_xla(
@@ -100,6 +104,17 @@ def test_default_attention_on_a_tpu_preset_holds_no_t_by_t_buffer(runs):
     found = square_buffers(shapes, T)
     assert not found, f"f32 buffers [.., >=T, >=T] with the default attention: {found}"
     print("default attention, largest f32 buffers:", largest(shapes))
+
+
+@pytest.mark.heavy
+def test_default_attention_under_fsdp_holds_no_t_by_t_buffer(tmp_path):
+    """fsdp: the blocks run in torch_xla's layer scan (forward and backward scans), blockwise
+    attention inside them; still no [.., >=T, >=T] f32 buffer in any compiled program."""
+    info, shapes = _run(tmp_path, "fsdp", None, parallel="fsdp")
+    assert info["attention"] == "auto" and info["block"] < T
+    found = square_buffers(shapes, T)
+    assert not found, f"f32 buffers [.., >=T, >=T] with the default attention under fsdp: {found}"
+    print("default attention under fsdp, largest f32 buffers:", largest(shapes))
 
 
 def test_sdpa_holds_the_t_by_t_probabilities(runs):
