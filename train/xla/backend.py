@@ -101,6 +101,11 @@ class XLABackend:
             )
         self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
         xla_sharding.shard_model(model, self.mesh, self.device)
+        if hasattr(model, "blocks_runner") and layout.shard > 1:
+            from codex.train.xla.layer_scan import ScannedBlocks
+
+            # validation's forward: the same layer loop as the training step's (forward only)
+            model.blocks_runner = ScannedBlocks(self.mesh, self.autocast_dtype, train=False)
         return self.prepare_model(model)
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:

@@ -37,24 +37,25 @@ class ScannedBlocks:
 
     mesh: Any
     dtype: torch.dtype | None = None  # gather the weights in it (autocast's compute dtype)
+    # False: installed for the run (validation): a forward with gradients (train.xla_step=traced)
+    # runs the blocks one by one; the cached step's body installs its own for the trace
+    train: bool = True
 
     def __call__(
         self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        """GPT.blocks_runner's call: the blocks' output for input `x` (see GPT.blocks)."""
+        """GPT.blocks_runner's call: the blocks' output for input `x` (see GPT.blocks). Without
+        gradients (validation) the forward loop alone (forward_only)."""
         from torch_xla.experimental.scan import value_and_grad_partitioned
 
+        if not torch.is_grad_enabled():
+            return self.forward_only(model, x, cos, sin, idx)
+        if not self.train:
+            for i, block in enumerate(model.blocks):
+                x = block(x, cos, sin, model.value_embedding(i, idx))
+            return x
         blocks = list(model.blocks)
-        specs, stacked = self._stacked_weights(blocks)
-        n = len(blocks)
-        xs: dict = {
-            "params": stacked,
-            "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
-        }
-        ves = [model.value_embedding(i, idx) for i in range(n)]
-        like = next((v for v in ves if v is not None), None)
-        if like is not None:
-            xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
+        specs, stacked, xs = self._layer_inputs(model, x, cos, sin, idx)
         template = blocks[0]
         # train.remat=block replaced each block's forward by a checkpointed one; under the scan the
         # partitioner of the layer's forward and backward graphs rematerialises instead
@@ -81,6 +82,47 @@ class ScannedBlocks:
         layer = _PinnedLayer(self, specs, stacked, batch_spec(x.dim()), forward, backward)
         out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
         return out
+
+    def forward_only(self, model, x, cos, sin, idx) -> torch.Tensor:
+        """The blocks' forward as one While over the layers, nothing kept for a backward: each
+        layer's weights gathered inside the loop (as the training step's forward loop does), so
+        validation under fsdp holds one gathered layer at a time."""
+        from torch_xla.experimental.scan import _scan_impl_pytree
+
+        specs, _, xs = self._layer_inputs(model, x, cos, sin, idx)
+        template, mesh, activation = model.blocks[0], self.mesh, batch_spec(x.dim())
+
+        def one_layer(h, layer):
+            params = {
+                name: gathered(t, specs[name], mesh, self.dtype)
+                for name, t in layer["params"].items()
+            }
+            if "ve" in layer:
+                annotate(layer["ve"], mesh, activation)
+            annotate(h, mesh, activation)
+            with _reparametrize_module(template, params):
+                out = type(template).forward(template, h, *layer["rope"], layer.get("ve"))
+            annotate(out, mesh, activation)
+            return out, None
+
+        out, _ = _scan_impl_pytree(one_layer, x, xs)
+        return out
+
+    def _layer_inputs(self, model, x, cos, sin, idx) -> tuple[dict, dict, dict]:
+        """(weight specs, stacked weights, the scan's xs: the stacks, the RoPE tables and the
+        value embeddings, one per layer; a layer without one adds zeros)."""
+        blocks = list(model.blocks)
+        specs, stacked = self._stacked_weights(blocks)
+        n = len(blocks)
+        xs: dict = {
+            "params": stacked,
+            "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
+        }
+        ves = [model.value_embedding(i, idx) for i in range(n)]
+        like = next((v for v in ves if v is not None), None)
+        if like is not None:
+            xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
+        return specs, stacked, xs
 
     def _stacked_weights(self, blocks: list) -> tuple[dict, dict]:
         """({weight name: its partition spec}, {weight name: [n_layer, ...] stack}): each stack
@@ -112,17 +154,7 @@ class _PinnedLayer:
     saved_weights: dict[int, str] = field(default_factory=dict)
 
     def gathered(self, t: torch.Tensor, spec) -> torch.Tensor:
-        """A weight slice: sharded as its parameter, cast to the compute dtype on the shard, then
-        whole (the layer's all-gather here). Under autocast the layer casts every weight to that
-        dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
-        if spec is None:
-            return t
-        mesh, dtype = self.scan.mesh, self.scan.dtype
-        annotate(t, mesh, spec)
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        annotate(t, mesh, (None,) * t.dim())
-        return t
+        return gathered(t, spec, self.scan.mesh, self.scan.dtype)
 
     def forward(self, h, layer):
         mesh, activation = self.scan.mesh, self.activation
@@ -161,6 +193,19 @@ class _PinnedLayer:
         self.saved_weights.update(
             {i: leaves[id(a)] for i, a in enumerate(activations) if id(a) in leaves}
         )
+
+
+def gathered(t: torch.Tensor, spec, mesh, dtype: torch.dtype | None) -> torch.Tensor:
+    """A weight slice: sharded as its parameter, cast to the compute dtype `dtype` on the shard,
+    then whole (the layer's all-gather here). Under autocast the layer casts every weight to that
+    dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
+    if spec is None:
+        return t
+    annotate(t, mesh, spec)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    annotate(t, mesh, (None,) * t.dim())
+    return t
 
 
 def _partition_saving_inputs(joint, inputs, narrow=(), **kwargs):

@@ -343,8 +343,9 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
 def _blocks_scanned(model, mesh, dtype: torch.dtype | None):
     """While the body is traced: model's blocks run as one scanned layer (ScannedBlocks), their
     weights gathered in `dtype` (autocast's) when given."""
+    before = model.blocks_runner  # the backend's validation runner (train=False), if any
     model.blocks_runner = ScannedBlocks(mesh, dtype)
     try:
         yield
     finally:
-        model.blocks_runner = None
+        model.blocks_runner = before

@@ -353,6 +353,62 @@ def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
     assert abs(info["loss"] - fp32) < 0.02 * fp32
 
 
+VALIDATION = """
+from dataclasses import replace
+from codex.model.gpt import mlp_hidden
+from codex.train.launch import make_backend
+from codex.train.plan.layout import Layout
+from tests.fixtures.runs import VOCAB
+c = build_config(overrides={ov!r}, model="tiny")
+backend = make_backend(c)
+m = backend.build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model)), 0,
+                        Layout("fsdp", shard=4))
+g = torch.Generator().manual_seed(1)
+batches = [tuple(torch.randint(0, VOCAB, (8, {seq}), generator=g) for _ in range(2))
+           for _ in range(2)]
+token_bytes = torch.ones(VOCAB, dtype=torch.int64)
+emit("scanned", evaluate(m, batches, token_bytes, backend)["loss"])
+m.blocks_runner = None  # the blocks one by one: the reference
+emit("unrolled", evaluate(m, batches, token_bytes, backend)["loss"])
+emit("block_shapes", [list(p.shape) for p in m.blocks[0].parameters()])
+emit("n_layer", len(m.blocks))
+"""
+
+
+def test_validation_under_fsdp_runs_the_layer_loop(tmp_path):
+    """Validation under fsdp (eval/evaluate.py through the XLA backend's model) runs the blocks
+    as the training step's forward layer loop does (train/xla/layer_scan.py: forward_only): its
+    program holds a While whose body all-gathers every block weight once, one layer's worth, and
+    no block weight is gathered outside it. The blocks run one by one (the reference) gather
+    every layer's weights in the program itself, and give the same loss."""
+    dump = tmp_path / "dump"
+    ov = overrides("v6e-4", 2, 1, parallel="fsdp", seq_len=SEQ, allow_cpu_xla=True) + MODEL
+    proc = run_xla(
+        PRELUDE + VALIDATION.format(ov=ov, seq=SEQ),
+        devices=4,
+        env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "OMP_NUM_THREADS": "1"},
+    )
+    info = results(proc)
+    assert abs(info["scanned"] - info["unrolled"]) < 1e-5, info
+    whole = sorted(math.prod(s) for s in info["block_shapes"])
+    matrices = [math.prod(s) for s in info["block_shapes"] if len(s) == 2]
+    programs = [parse(p) for p in sorted(dump.glob("*after_optimizations.txt"))]
+    looped = [p for p in programs if p.whiles]
+    assert looped, "validation compiled no While"
+    for program in looped:
+        (loop,) = program.loops()
+        gathers = [c for c in program.collectives_in(loop.computations) if c.op == "all-gather"]
+        assert sorted(c.elements for c in gathers) == whole, (program.path.name, gathers)
+        outside = [c for c in program.collectives() if c.op == "all-gather" and not c.in_loop]
+        # the matrices (a norm's size may be the final norm's, gathered outside as the root)
+        assert not [c for c in outside if c.elements in matrices], (program.path.name, outside)
+    reference = [p for p in programs if not p.whiles]
+    unrolled = [c.elements for p in reference for c in p.collectives() if c.op == "all-gather"]
+    # the reference gathers each matrix of every layer outside any loop: the check can see one
+    got = Counter(n for n in unrolled if n in matrices)
+    assert got >= Counter(matrices * info["n_layer"]), unrolled
+
+
 def test_replicate_program_within_the_memory_plan(replicate):
     info, programs, _ = replicate
     for program in programs:
