@@ -10,15 +10,17 @@ The collectives this places: docs/tpu.md, "Where the step's collectives run".
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from codex.model.gpt import STACKED
 from codex.train.xla.sharding import annotate, batch_spec, fake_trace, planned_spec
 
 
@@ -52,7 +54,8 @@ class ScannedBlocks:
             return self.forward_only(model, x, cos, sin, idx)
         if not self.train:
             for i, block in enumerate(model.blocks):
-                x = block(x, cos, sin, model.value_embedding(i, idx))
+                with _reparametrize_module(block, layer_weights(model, i)):
+                    x = block(x, cos, sin, model.value_embedding(i, idx))
             return x
         blocks = list(model.blocks)
         specs, stacked, xs = self._layer_inputs(model, x, cos, sin, idx)
@@ -111,9 +114,8 @@ class ScannedBlocks:
     def _layer_inputs(self, model, x, cos, sin, idx) -> tuple[dict, dict, dict]:
         """(weight specs, stacked weights, the scan's xs: the stacks, the RoPE tables and the
         value embeddings, one per layer; a layer without one adds zeros)."""
-        blocks = list(model.blocks)
-        specs, stacked = self._stacked_weights(blocks)
-        n = len(blocks)
+        specs, stacked = self._stacked_weights(model)
+        n = len(model.blocks)
         xs: dict = {
             "params": stacked,
             "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
@@ -124,10 +126,15 @@ class ScannedBlocks:
             xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
         return specs, stacked, xs
 
-    def _stacked_weights(self, blocks: list) -> tuple[dict, dict]:
-        """({weight name: its partition spec}, {weight name: [n_layer, ...] stack}): each stack
-        sharded as its weight, on a new leading layer dim."""
-        per_layer = [dict(b.named_parameters()) for b in blocks]
+    def _stacked_weights(self, model) -> tuple[dict, dict]:
+        """({weight name: one layer's partition spec}, {weight name: [n_layer, ...] stack}): the
+        stacks the model keeps (stack_blocks), or each made here from the blocks' weights, sharded
+        as its weight, on a new leading layer dim (a stacked copy of the weights every step)."""
+        if STACKED in model._modules:
+            stacked = dict(model.get_submodule(STACKED).named_parameters())
+            layer = {n: planned_spec(w) for n, w in stacked.items()}
+            return {n: None if s is None else s[1:] for n, s in layer.items()}, stacked
+        per_layer = [dict(b.named_parameters()) for b in model.blocks]
         specs = {n: planned_spec(w) for n, w in per_layer[0].items()}
         stacked = {}
         for name, spec in specs.items():
@@ -135,6 +142,37 @@ class ScannedBlocks:
             if spec is not None:
                 annotate(stacked[name], self.mesh, (None, *spec))
         return specs, stacked
+
+
+def stack_blocks(model: torch.nn.Module) -> None:
+    """Keep `model`'s block weights stacked (before it is sharded; CPU): each block weight of
+    every layer as one [n_layer, ...] Parameter of `model.stacked_blocks` (a copy of block 0's
+    modules: the same names), the blocks' own slots emptied. The layer loops read the stacks as
+    they are; any other forward (layer_weights) reads a layer's slices. Checkpoints keep the
+    per-layer names (train/checkpoint/state.py)."""
+    blocks = list(cast(torch.nn.ModuleList, model.blocks))
+    holder = copy.deepcopy(blocks[0])
+    for module_name, module in holder.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            layers = [b.get_parameter(full).detach() for b in blocks]
+            module._parameters[name] = torch.nn.Parameter(
+                torch.stack(layers), requires_grad=p.requires_grad
+            )
+    for block in blocks:
+        for module in block.modules():
+            for name in module._parameters:
+                module._parameters[name] = None
+    model.add_module(STACKED, holder)
+
+
+def layer_weights(model: torch.nn.Module, i: int) -> dict[str, torch.Tensor]:
+    """{block weight name: layer i's slice of its stack} ({} when the blocks hold their own)."""
+    if STACKED not in model._modules:
+        return {}
+    return {n: w[i] for n, w in model.get_submodule(STACKED).named_parameters()}
 
 
 @dataclass
