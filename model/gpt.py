@@ -191,6 +191,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+# The module a backend may keep the blocks' weights in, stacked: one [n_layer, ...] Parameter per
+# block weight name, the blocks' own slots empty (XLA fsdp: train/xla/layer_scan.py). Checkpoints
+# keep the per-layer names (train/checkpoint/state.py).
+STACKED = "stacked_blocks"
+
+
 class GPT(nn.Module):
     rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
     rope_sin: torch.Tensor

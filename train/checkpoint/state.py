@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import codex
 from codex.core import rundir
 from codex.core.config import ConfigError, to_dict
+from codex.model.gpt import STACKED
 from codex.train.checkpoint import async_save, xla_shards
 from codex.train.checkpoint import dcp as dcp_io
 from codex.train.checkpoint import folders as checkpoint
@@ -50,7 +51,7 @@ def _local(t: torch.Tensor) -> torch.Tensor | xla_shards.HostShards:
 def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
     """{name: {"state": {fqn: {key: tensor}},
     "param_groups": [{hyperparameters, "params": [fqn]}]}}."""
-    names = _names(model)
+    names, stacked = _names(model), stacked_layers(model)
     out = {}
     for key, opt in optimizer_parts(optimizer).items():
         state = {
@@ -62,12 +63,117 @@ def optimizer_tree(model: torch.nn.Module, optimizer) -> dict:
         groups = [
             {
                 **{k: v for k, v in g.items() if k != "params"},
-                "params": [names[id(p)] for p in g["params"]],
+                "params": [n for p in g["params"] for n in _layer_names(names[id(p)], stacked)],
             }
             for g in opt.param_groups
         ]
+        state = _unstacked(state, stacked)
         out[key] = {"state": state, "param_groups": groups}
     return out
+
+
+def stacked_layers(model: torch.nn.Module) -> dict[str, int]:
+    """{name: n_layer} of the weights `model` keeps stacked (model/gpt.py: STACKED), which a
+    checkpoint holds under the per-layer names "blocks.{i}.<name>"."""
+    prefix = STACKED + "."
+    return {n: p.shape[0] for n, p in model.named_parameters() if n.startswith(prefix)}
+
+
+def _layer_names(name: str, stacked: dict[str, int]) -> list[str]:
+    if name not in stacked:
+        return [name]
+    rest = name[len(STACKED) + 1 :]
+    return [f"blocks.{i}.{rest}" for i in range(stacked[name])]
+
+
+def _stack_of(name: str, stacked: dict[str, int]) -> tuple[str, int] | None:
+    """(the stacked name, layer) of a per-layer name "blocks.{i}.<name>" kept stacked, else None."""
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit():
+        key = f"{STACKED}.{parts[2]}"
+        if key in stacked:
+            return key, int(parts[1])
+    return None
+
+
+def _layer(v: Any, i: int, view: bool = False) -> Any:
+    """Layer i of a stacked value (a 0-dim tensor, AdamW's step count, is every layer's; a dict,
+    one parameter's optimizer state, by key); view: a view into `v` (a load target)."""
+    if isinstance(v, dict):
+        return {k: _layer(x, i, view) for k, x in v.items()}
+    if isinstance(v, xla_shards.HostShards):
+        return xla_shards.layer(v, i)
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0:
+            return v if view else v.clone()
+        return v[i] if view else v[i].clone()
+    return v
+
+
+def _unstacked(tree: dict, stacked: dict[str, int]) -> dict:
+    """{name: value} with each stacked entry as its per-layer entries (copies)."""
+    out = {}
+    for name, v in tree.items():
+        if name in stacked:
+            out.update({n: _layer(v, i) for i, n in enumerate(_layer_names(name, stacked))})
+        else:
+            out[name] = v
+    return out
+
+
+def _targets(saved: dict, current: dict, stacks: dict, part: tuple) -> dict:
+    """Load targets of the saved {name: leaf}: where the model keeps a per-layer name's weight
+    stacked (current: {name: tensor} holds the stack), a view of layer i of the stack's target,
+    made once and kept in stacks[(part, stacked name)]; else _target."""
+    stacked = {n: t.shape[0] for n, t in current.items() if n.startswith(STACKED + ".")}
+    out = {}
+    for name, leaf in saved.items():
+        where = _stack_of(name, stacked)
+        if where is None or not dcp_io.is_tensor_leaf(leaf):
+            out[name] = _target(leaf, current.get(name)) if dcp_io.is_tensor_leaf(leaf) else leaf
+            continue
+        key, i = where
+        like = current[key]
+        if leaf[dcp_io.TENSOR] != list(like.shape[1:]):  # a scalar (AdamW's step count)
+            out[name] = _target(leaf, None)
+            continue
+        if (part, key) not in stacks:
+            stacks[(part, key)] = _target({**leaf, dcp_io.TENSOR: list(like.shape)}, like)
+        out[name] = _layer(stacks[(part, key)], i, view=True)
+    return out
+
+
+def _restacked(loaded: dict, stacks: dict, part: tuple) -> dict:
+    """Loaded {name: value} with the per-layer entries of stacked weights replaced by their
+    stacks' targets (filled through the per-layer views)."""
+    out = {k: v for k, v in loaded.items() if _stack_of(k, {n: 0 for p, n in stacks}) is None}
+    out.update({name: t for (p, name), t in stacks.items() if p == part})
+    return out
+
+
+def _restacked_optimizer(saved: dict, loaded: dict, stacks: dict, key: str) -> tuple[dict, dict]:
+    """A saved optimizer part (per-layer names) and its loaded state as the stacked model has
+    them: one entry per stack, its tensors the stacks' targets, a scalar layer 0's."""
+    stacked = {name: 0 for _, name in stacks}
+    state, got = {}, {}
+    for fqn, st in saved["state"].items():
+        where = _stack_of(fqn, stacked)
+        if where is None:
+            state[fqn], got[fqn] = st, loaded[fqn]
+        elif where[1] == 0:
+            name = where[0]
+            state[name] = st
+            got[name] = {k: stacks.get(((key, k), name), loaded[fqn].get(k)) for k in st}
+    groups = [
+        {**g, "params": list(dict.fromkeys(_fold(n, stacked) for n in g["params"]))}
+        for g in saved["param_groups"]
+    ]
+    return {**saved, "state": state, "param_groups": groups}, got
+
+
+def _fold(name: str, stacked: dict) -> str:
+    where = _stack_of(name, stacked)
+    return name if where is None else where[0]
 
 
 @dataclass
@@ -103,8 +209,10 @@ def save_training(
     """Every rank: write everything a resumed run needs to continue exactly. writer (this rank's
     BackgroundWriter, train.async_save): copy the state now and write it in the writer's process
     while training goes on; wait() on the result."""
+    stacked = stacked_layers(parts.model)
+    model_tree = {k: _local(v) for k, v in parts.model.state_dict().items()}
     state = {
-        "model": {k: _local(v) for k, v in parts.model.state_dict().items()},
+        "model": _unstacked(model_tree, stacked),
         "optimizer": optimizer_tree(parts.model, parts.optimizer),
         "rng": {f"rank_{control.rank}": checkpoint.rng_state()},
         "step": record.step,
@@ -164,20 +272,24 @@ def _load_model(model: torch.nn.Module, loaded: dict) -> None:
         )
 
 
-def _optimizer_targets(model: torch.nn.Module, saved: dict) -> dict:
+def _optimizer_targets(model: torch.nn.Module, saved: dict, stacks: dict) -> dict:
     params = dict(model.named_parameters())
-    return {
-        key: {
-            "state": {
-                fqn: {
-                    k: _target(v, params.get(fqn)) if dcp_io.is_tensor_leaf(v) else v
-                    for k, v in st.items()
-                }
-                for fqn, st in part["state"].items()
-            }
+    out = {}
+    for key, part in saved.items():
+        keys = {k for st in part["state"].values() for k in st}
+        by_key = {  # {state key: {fqn: target}}: a stacked weight's per-layer views share a stack
+            k: _targets(
+                {fqn: st[k] for fqn, st in part["state"].items() if k in st},
+                params,
+                stacks,
+                (key, k),
+            )
+            for k in keys
         }
-        for key, part in saved.items()
-    }
+        out[key] = {
+            "state": {fqn: {k: by_key[k][fqn] for k in st} for fqn, st in part["state"].items()}
+        }
+    return out
 
 
 def _torch_format(
@@ -268,10 +380,10 @@ def restore_training(
             f"train.optimizer={name(tree['optimizer'])}, this run uses {name(opt_parts)}: "
             "resume with the same optimizer or use a new --run"
         )
-    sd = model.state_dict()
+    stacks: dict = {}  # the targets of weights kept stacked, filled through per-layer views
     targets = {
-        "model": {k: _target(v, sd.get(k)) for k, v in tree["model"].items()},
-        "optimizer": _optimizer_targets(model, tree["optimizer"]),
+        "model": _targets(tree["model"], model.state_dict(), stacks, ("model",)),
+        "optimizer": _optimizer_targets(model, tree["optimizer"], stacks),
     }
     rng_key = f"rank_{control.rank}"
     if rng_key in tree["rng"]:
@@ -284,13 +396,13 @@ def restore_training(
             control.rank,
         )
     dcp_io.read_tensors(folder, targets, control)
-    _load_model(model, targets["model"])
-    saved = {
-        key: _torch_format(
-            model, opt, tree["optimizer"][key], _on_device(targets["optimizer"][key]["state"])
+    _load_model(model, _restacked(targets["model"], stacks, ("model",)))
+    saved = {}
+    for key, opt in opt_parts.items():
+        part, got = _restacked_optimizer(
+            tree["optimizer"][key], targets["optimizer"][key]["state"], stacks, key
         )
-        for key, opt in opt_parts.items()
-    }
+        saved[key] = _torch_format(model, opt, part, _on_device(got))
     load_optimizer_state(optimizer, saved if isinstance(optimizer, Optimizers) else saved["adamw"])
     loader.load_state_dict(tree["loader"])
     if "rng" in targets:

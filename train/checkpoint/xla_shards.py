@@ -210,3 +210,14 @@ def place(param: torch.Tensor, target: HostShards) -> None:
     """Swap the loaded pieces into `param` (its sharding kept; the object, which the optimizer
     refers to, too)."""
     param.data = to_device(target).to(param.dtype)
+
+
+def layer(shards: HostShards, i: int) -> HostShards:
+    """Layer i of a stacked [n_layer, ...] tensor's pieces: each piece's slice i (a view, so a
+    load into it fills the stacked piece), at the piece's offsets without the layer dim."""
+    pieces: dict[Offsets, torch.Tensor] = {}
+    for offsets, piece in shards.pieces.items():
+        if offsets[0] != 0 or piece.shape[0] != shards.shape[0]:
+            raise ValueError(f"a stacked tensor of shape {tuple(shards.shape)} split by layer")
+        pieces[offsets[1:]] = piece[i]
+    return HostShards(shards.shape[1:], shards.dtype, pieces)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from codex.model.gpt import STACKED
 from codex.train.plan.owners import balanced_owners, wide
 
 # modded-nanogpt's quintic: fast growth of small singular values
@@ -125,9 +126,10 @@ class Muon(torch.optim.Optimizer):
         self.place_update: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
+                if p.ndim != 2 and not (p.ndim == 3 and shard_across is None):
                     raise ValueError(
-                        f"Muon is for 2-D weights; got a parameter of shape {tuple(p.shape)}"
+                        f"Muon is for 2-D weights (or one process's stacks of them); "
+                        f"got a parameter of shape {tuple(p.shape)}"
                     )
 
     def _momentum(self, p: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -168,6 +170,8 @@ class Muon(torch.optim.Optimizer):
                     functools.partial(self._iterate, steps=steps),
                     self.ns_dtype,
                 )
+            elif any(p.ndim == 3 for p in params):
+                updates = self._stacked_updates(params, momentum, steps)
             else:
                 updates = self._replicated_updates(params, momentum, steps)
             lr, wd = group["lr"], group["weight_decay"]
@@ -184,6 +188,33 @@ class Muon(torch.optim.Optimizer):
                     p.add_(update * scale)
                 else:
                     p.add_(update, alpha=scale)
+
+    def _stacked_updates(
+        self, params: list[torch.Tensor], momentum: float, steps: int
+    ) -> dict[int, torch.Tensor]:
+        """Every parameter's update where some are stacks of matrices [n, rows, cols] (one block
+        weight of every layer, kept stacked: XLA fsdp), in one process: each wide shape's matrices
+        iterated as one stack made of whole parameters (each orthogonalised on its own, as
+        _replicated_updates does), the update of a stack a stack."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(wide(p.shape[-2:]), []).append(i)
+        out: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            parts = []
+            for i in members:
+                blended = _as_wide(self._blended(params, momentum, i)).to(self.ns_dtype)
+                parts.append(blended if blended.ndim == 3 else blended.unsqueeze(0))
+            stack = torch.cat(parts) if len(parts) > 1 else parts[0]
+            iterated = self._iterate(stack, steps)
+            start = 0
+            for i, part in zip(members, parts, strict=True):
+                update = iterated[start : start + part.size(0)]
+                start += part.size(0)
+                p = params[i]
+                update = update.mT if p.size(-2) > p.size(-1) else update
+                out[i] = update if p.ndim == 3 else update[0]
+        return out
 
     def _replicated_updates(
         self, params: list[torch.Tensor], momentum: float, steps: int
@@ -419,5 +450,8 @@ class Optimizers:
 
 
 def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
-    """A block's 2-D weight (attention and MLP projections): what Muon updates."""
+    """A block's 2-D weight (attention and MLP projections): what Muon updates; or the stack of
+    one such weight of every block, [n_layer, rows, cols] (model/gpt.py: STACKED)."""
+    if name.startswith(STACKED + "."):
+        return p.ndim == 3
     return p.ndim == 2 and name.startswith("blocks.")

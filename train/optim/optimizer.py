@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from codex.core.config import ConfigError
+from codex.model.gpt import STACKED
 from codex.train.optim.muon import Muon, Optimizers, is_hidden_matrix
 
 
@@ -30,8 +31,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         leaf = name.rsplit(".", 1)[-1]
         is_norm = "norm" in name.lower() or "ln_" in name.lower()
+        stacked = name.startswith(STACKED + ".")  # [n_layer, ...]: one weight of every block
         if (
-            p.ndim < 2
+            p.ndim - stacked < 2
             or id(p) in no_decay_ids
             or is_norm
             or "wte" in name.split(".")

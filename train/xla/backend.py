@@ -100,7 +100,15 @@ class XLABackend:
                 "drives the mesh): use --xla-mode spmd or train.parallel=replicate"
             )
         self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
+        scanned = hasattr(model, "blocks_runner") and layout.shard > 1
+        if scanned:
+            from codex.train.xla.layer_scan import ScannedBlocks, stack_blocks
+
+            stack_blocks(model)  # the block weights [n_layer, ...] for the run, sharded
         xla_sharding.shard_model(model, self.mesh, self.device)
+        if scanned:
+            # validation's forward: the same layer loop as the training step's (forward only)
+            model.blocks_runner = ScannedBlocks(self.mesh, self.autocast_dtype, train=False)
         return self.prepare_model(model)
 
     def set_grad_sync(self, model: torch.nn.Module, on: bool) -> None:

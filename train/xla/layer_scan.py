@@ -10,15 +10,17 @@ The collectives this places: docs/tpu.md, "Where the step's collectives run".
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from codex.model.gpt import STACKED
 from codex.train.xla.sharding import annotate, batch_spec, fake_trace, planned_spec
 
 
@@ -37,24 +39,26 @@ class ScannedBlocks:
 
     mesh: Any
     dtype: torch.dtype | None = None  # gather the weights in it (autocast's compute dtype)
+    # False: installed for the run (validation): a forward with gradients (train.xla_step=traced)
+    # runs the blocks one by one; the cached step's body installs its own for the trace
+    train: bool = True
 
     def __call__(
         self, model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        """GPT.blocks_runner's call: the blocks' output for input `x` (see GPT.blocks)."""
+        """GPT.blocks_runner's call: the blocks' output for input `x` (see GPT.blocks). Without
+        gradients (validation) the forward loop alone (forward_only)."""
         from torch_xla.experimental.scan import value_and_grad_partitioned
 
+        if not torch.is_grad_enabled():
+            return self.forward_only(model, x, cos, sin, idx)
+        if not self.train:
+            for i, block in enumerate(model.blocks):
+                with _reparametrize_module(block, layer_weights(model, i)):
+                    x = block(x, cos, sin, model.value_embedding(i, idx))
+            return x
         blocks = list(model.blocks)
-        specs, stacked = self._stacked_weights(blocks)
-        n = len(blocks)
-        xs: dict = {
-            "params": stacked,
-            "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
-        }
-        ves = [model.value_embedding(i, idx) for i in range(n)]
-        like = next((v for v in ves if v is not None), None)
-        if like is not None:
-            xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
+        specs, stacked, xs = self._layer_inputs(model, x, cos, sin, idx)
         template = blocks[0]
         # train.remat=block replaced each block's forward by a checkpointed one; under the scan the
         # partitioner of the layer's forward and backward graphs rematerialises instead
@@ -82,10 +86,55 @@ class ScannedBlocks:
         out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
         return out
 
-    def _stacked_weights(self, blocks: list) -> tuple[dict, dict]:
-        """({weight name: its partition spec}, {weight name: [n_layer, ...] stack}): each stack
-        sharded as its weight, on a new leading layer dim."""
-        per_layer = [dict(b.named_parameters()) for b in blocks]
+    def forward_only(self, model, x, cos, sin, idx) -> torch.Tensor:
+        """The blocks' forward as one While over the layers, nothing kept for a backward: each
+        layer's weights gathered inside the loop (as the training step's forward loop does), so
+        validation under fsdp holds one gathered layer at a time."""
+        from torch_xla.experimental.scan import _scan_impl_pytree
+
+        specs, _, xs = self._layer_inputs(model, x, cos, sin, idx)
+        template, mesh, activation = model.blocks[0], self.mesh, batch_spec(x.dim())
+
+        def one_layer(h, layer):
+            params = {
+                name: gathered(t, specs[name], mesh, self.dtype)
+                for name, t in layer["params"].items()
+            }
+            if "ve" in layer:
+                annotate(layer["ve"], mesh, activation)
+            annotate(h, mesh, activation)
+            with _reparametrize_module(template, params):
+                out = type(template).forward(template, h, *layer["rope"], layer.get("ve"))
+            annotate(out, mesh, activation)
+            return out, None
+
+        out, _ = _scan_impl_pytree(one_layer, x, xs)
+        return out
+
+    def _layer_inputs(self, model, x, cos, sin, idx) -> tuple[dict, dict, dict]:
+        """(weight specs, stacked weights, the scan's xs: the stacks, the RoPE tables and the
+        value embeddings, one per layer; a layer without one adds zeros)."""
+        specs, stacked = self._stacked_weights(model)
+        n = len(model.blocks)
+        xs: dict = {
+            "params": stacked,
+            "rope": (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape)),
+        }
+        ves = [model.value_embedding(i, idx) for i in range(n)]
+        like = next((v for v in ves if v is not None), None)
+        if like is not None:
+            xs["ve"] = torch.stack([torch.zeros_like(like) if v is None else v for v in ves])
+        return specs, stacked, xs
+
+    def _stacked_weights(self, model) -> tuple[dict, dict]:
+        """({weight name: one layer's partition spec}, {weight name: [n_layer, ...] stack}): the
+        stacks the model keeps (stack_blocks), or each made here from the blocks' weights, sharded
+        as its weight, on a new leading layer dim (a stacked copy of the weights every step)."""
+        if STACKED in model._modules:
+            stacked = dict(model.get_submodule(STACKED).named_parameters())
+            layer = {n: planned_spec(w) for n, w in stacked.items()}
+            return {n: None if s is None else s[1:] for n, s in layer.items()}, stacked
+        per_layer = [dict(b.named_parameters()) for b in model.blocks]
         specs = {n: planned_spec(w) for n, w in per_layer[0].items()}
         stacked = {}
         for name, spec in specs.items():
@@ -93,6 +142,37 @@ class ScannedBlocks:
             if spec is not None:
                 annotate(stacked[name], self.mesh, (None, *spec))
         return specs, stacked
+
+
+def stack_blocks(model: torch.nn.Module) -> None:
+    """Keep `model`'s block weights stacked (before it is sharded; CPU): each block weight of
+    every layer as one [n_layer, ...] Parameter of `model.stacked_blocks` (a copy of block 0's
+    modules: the same names), the blocks' own slots emptied. The layer loops read the stacks as
+    they are; any other forward (layer_weights) reads a layer's slices. Checkpoints keep the
+    per-layer names (train/checkpoint/state.py)."""
+    blocks = list(cast(torch.nn.ModuleList, model.blocks))
+    holder = copy.deepcopy(blocks[0])
+    for module_name, module in holder.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            layers = [b.get_parameter(full).detach() for b in blocks]
+            module._parameters[name] = torch.nn.Parameter(
+                torch.stack(layers), requires_grad=p.requires_grad
+            )
+    for block in blocks:
+        for module in block.modules():
+            for name in module._parameters:
+                module._parameters[name] = None
+    model.add_module(STACKED, holder)
+
+
+def layer_weights(model: torch.nn.Module, i: int) -> dict[str, torch.Tensor]:
+    """{block weight name: layer i's slice of its stack} ({} when the blocks hold their own)."""
+    if STACKED not in model._modules:
+        return {}
+    return {n: w[i] for n, w in model.get_submodule(STACKED).named_parameters()}
 
 
 @dataclass
@@ -112,17 +192,7 @@ class _PinnedLayer:
     saved_weights: dict[int, str] = field(default_factory=dict)
 
     def gathered(self, t: torch.Tensor, spec) -> torch.Tensor:
-        """A weight slice: sharded as its parameter, cast to the compute dtype on the shard, then
-        whole (the layer's all-gather here). Under autocast the layer casts every weight to that
-        dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
-        if spec is None:
-            return t
-        mesh, dtype = self.scan.mesh, self.scan.dtype
-        annotate(t, mesh, spec)
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        annotate(t, mesh, (None,) * t.dim())
-        return t
+        return gathered(t, spec, self.scan.mesh, self.scan.dtype)
 
     def forward(self, h, layer):
         mesh, activation = self.scan.mesh, self.activation
@@ -161,6 +231,19 @@ class _PinnedLayer:
         self.saved_weights.update(
             {i: leaves[id(a)] for i, a in enumerate(activations) if id(a) in leaves}
         )
+
+
+def gathered(t: torch.Tensor, spec, mesh, dtype: torch.dtype | None) -> torch.Tensor:
+    """A weight slice: sharded as its parameter, cast to the compute dtype `dtype` on the shard,
+    then whole (the layer's all-gather here). Under autocast the layer casts every weight to that
+    dtype before any use, so the cast moves no result, and the gather moves half the bytes."""
+    if spec is None:
+        return t
+    annotate(t, mesh, spec)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    annotate(t, mesh, (None,) * t.dim())
+    return t
 
 
 def _partition_saving_inputs(joint, inputs, narrow=(), **kwargs):

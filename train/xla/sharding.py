@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from codex.model.gpt import STACKED
+
 AXES = ("replica", "fsdp")
 BATCH_AXES = ("replica", "fsdp")  # dim 0 of a batch or an activation: over every device
 
@@ -108,7 +110,9 @@ def model_specs(model: torch.nn.Module, shard: int) -> dict[str, tuple]:
     - Any other matrix on its first dim that is not the model's width (the tables' width), where
       it has one: a TPU lays a weight gradient out with the width minor, and its compiler makes
       an all-reduce + slice a reduce-scatter only when the slice is on a major dim.
-    - Else the first dim the fsdp size divides (param_spec)."""
+    - Else the first dim the fsdp size divides (param_spec).
+    - A block weight kept stacked over the layers (model/gpt.py: STACKED) as one layer's weight,
+      its layer dim whole."""
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     width = tables[0].embedding_dim if tables else None
     root = {id(m.weight) for m in tables}
@@ -117,12 +121,15 @@ def model_specs(model: torch.nn.Module, shard: int) -> dict[str, tuple]:
         root.add(id(head.weight))
     specs = {}
     for name, p in model.named_parameters():
+        stacked = name.startswith(STACKED + ".")
+        shape = tuple(p.shape[1:] if stacked else p.shape)
         first = None
         if id(p) in root:
-            first = p.dim() - 1
-        elif p.dim() == 2:
-            first = next((d for d, n in enumerate(p.shape) if n != width and n % shard == 0), None)
-        specs[name] = param_spec(tuple(p.shape), shard, first)
+            first = len(shape) - 1
+        elif len(shape) == 2:
+            first = next((d for d, n in enumerate(shape) if n != width and n % shard == 0), None)
+        spec = param_spec(shape, shard, first)
+        specs[name] = (None, *spec) if stacked else spec
     return specs
 
 

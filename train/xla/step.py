@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.weak import WeakIdKeyDictionary
 
 from codex.train.xla.layer_scan import ScannedBlocks
 from codex.train.xla.sharding import (
@@ -117,6 +118,7 @@ class DeviceAccumulation:
                 sharding = torch_xla._XLAC._get_xla_op_sharding(p)
                 if sharding:
                     torch_xla._XLAC._xla_mark_sharding(g, sharding)
+            _read_through(params, t.sources, outputs[len(params) :])
         for p, g in zip(params, grads, strict=True):
             if p.grad is None:
                 p.grad = g
@@ -213,6 +215,30 @@ class DeviceAccumulation:
         if not _is_sharded(p) or p.dtype == self.gather_dtype:
             return None
         return self.gather_dtype
+
+
+# parameter -> its value as the last step's While passed it through (unchanged), for the update
+_CARRIED = WeakIdKeyDictionary()
+
+
+def _read_through(params: list, sources: list, carried: list) -> None:
+    """Remember each parameter the While carried as the While's output (take_carried): the
+    update reads that, the loop's own buffer, so XLA need not copy a donated parameter into the
+    loop to keep its value for the update (a copy of every stacked block weight, each step)."""
+    import torch_xla
+
+    for (kind, ref), out in zip(sources, carried, strict=True):
+        if kind == "param":
+            p = params[ref]
+            sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+            if sharding:
+                torch_xla._XLAC._xla_mark_sharding(out, sharding)
+            _CARRIED[p] = out
+
+
+def take_carried(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s value as this step's While passed it through, once, else `p` itself."""
+    return _CARRIED.pop(p, p)
 
 
 def stack_micro_batches(loader, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,8 +369,9 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
 def _blocks_scanned(model, mesh, dtype: torch.dtype | None):
     """While the body is traced: model's blocks run as one scanned layer (ScannedBlocks), their
     weights gathered in `dtype` (autocast's) when given."""
+    before = model.blocks_runner  # the backend's validation runner (train=False), if any
     model.blocks_runner = ScannedBlocks(mesh, dtype)
     try:
         yield
     finally:
-        model.blocks_runner = None
+        model.blocks_runner = before

@@ -19,6 +19,7 @@ import torch
 
 from codex.train.optim.optimizer import clip_grad_norm
 from codex.train.xla.sharding import planned_spec, shard_optimizer_state
+from codex.train.xla.step import take_carried
 
 
 @dataclass
@@ -52,6 +53,8 @@ class CachedUpdate:
             _init_state(self.optimizer)  # before a trace only: not every step's work
             self._traced = self._trace(params)
             tensors = _tensors(params, self.optimizer)  # the state's new tensors (_reown)
+        # the weights as the step's While passed them through (fsdp): the loop's own buffers
+        tensors[: len(params)] = [take_carried(p) for p in params]
         lr_t = _lr_on_device(lr, params[0].device)
         inputs = [
             tensors[ref] if kind == "tensor" else lr_t if kind == "lr" else ref

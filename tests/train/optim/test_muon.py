@@ -397,3 +397,45 @@ def test_ranks_orthogonalise_each_matrix_once_on_its_owner_and_match_one_process
     for r in ranks:
         for got, want in zip(r["params"], reference, strict=True):
             assert (got - want.detach()).abs().max().item() <= 1e-6
+
+
+def test_stacked_block_weights_update_as_their_layers():
+    """XLA fsdp keeps each block weight stacked [n_layer, ...] (train/xla/layer_scan.py:
+    stack_blocks): Muon iterates a stack as its layers' matrices, AdamW's groups see a stacked
+    norm as a norm, and two steps give every layer exactly the per-layer model's weights."""
+    import copy
+
+    from codex.core.config import build_config
+    from codex.model.gpt import build_model
+    from codex.train.optim.optimizer import make_optimizer
+    from codex.train.xla.layer_scan import stack_blocks
+
+    overrides = ["train.optimizer=muon", "train.lr=0.001", "model.vocab_size=300"]
+    c = build_config(model="tiny", overrides=overrides)
+    layers = build_model(c.model, seed=0)
+    stacked = copy.deepcopy(layers)
+    stack_blocks(stacked)
+    g = torch.Generator().manual_seed(0)
+    for p in layers.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    n = len(layers.blocks)
+    per_layer = dict(layers.named_parameters())
+    for name, p in stacked.named_parameters():
+        rest = name.split(".", 1)[1]
+        p.grad = (
+            torch.stack([per_layer[f"blocks.{i}.{rest}"].grad for i in range(n)])
+            if name.startswith("stacked_blocks.")
+            else per_layer[name].grad.clone()
+        )
+    a, b = make_optimizer(layers, c.train), make_optimizer(stacked, c.train)
+    assert [len(g["params"]) for g in b.optimizers["muon"].param_groups] == [7]
+    for _ in range(2):
+        a.step()
+        b.step()
+    got = dict(stacked.named_parameters())
+    for name, p in layers.named_parameters():
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            assert torch.equal(p, got[f"stacked_blocks.{rest}"][int(i)]), name
+        else:
+            assert torch.equal(p, got[name]), name

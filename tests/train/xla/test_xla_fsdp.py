@@ -142,15 +142,19 @@ emit("resume_eager", train(cfg({d["resume_eager"]!r}, {overrides("cpu", 8, 10, e
 
 
 def _tiny_specs(shard: int) -> dict[str, tuple]:
-    """The partition specs train/xla/sharding.py plans for the runs' model over `shard` devices."""
+    """The partition specs train/xla/sharding.py plans for the runs' model over `shard` devices,
+    its block weights stacked over the layers as the XLA backend keeps them."""
     from dataclasses import replace
 
     from codex.core.config import build_config
     from codex.model.gpt import build_model
+    from codex.train.xla.layer_scan import stack_blocks
     from tests.fixtures.runs import VOCAB
 
     model_cfg = build_config(model="tiny").model
-    return model_specs(build_model(replace(model_cfg, vocab_size=VOCAB), seed=0), shard)
+    model = build_model(replace(model_cfg, vocab_size=VOCAB), seed=0)
+    stack_blocks(model)
+    return model_specs(model, shard)
 
 
 def check_layout(layout: dict, shard: int) -> int:

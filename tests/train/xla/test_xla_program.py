@@ -52,6 +52,7 @@ emit("loss", train(c, evaluate)["loss"])
 m = build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model)), seed=0)
 emit("param_elements", sum(p.numel() for p in m.parameters()))
 emit("param_shapes", [list(p.shape) for p in m.parameters()])
+emit("param_names", [n for n, _ in m.named_parameters()])
 emit("block_shapes", [list(p.shape) for p in m.blocks[0].parameters()])
 from codex.train.xla.sharding import model_specs
 specs = model_specs(m, 4)
@@ -275,18 +276,20 @@ def _dims(array: str) -> list[int]:
 
 def test_fsdp_carries_no_whole_gradient_and_fits_the_plan(fsdp):
     """No fp32 buffer of P or more elements is carried by any While. The micro-batch While
-    carries every parameter's fp32 gradient accumulator as its quarter and the stacked block
-    weights as quarters, and less than P fp32 elements in all (with the root gathered whole and
-    the RoPE tables; ZeRO-2 carried 2 P, replicate carries 2 P). The compiled program's buffers
-    (XLA's memory report) stay within the plan's total."""
+    carries every parameter's fp32 gradient accumulator as its quarter, a block weight's stacked
+    over the layers as the weight is (train/xla/layer_scan.py: stack_blocks), and the stacked
+    block weights as quarters, and less than P fp32 elements in all (with the root gathered whole
+    and the RoPE tables; ZeRO-2 carried 2 P, replicate carries 2 P). The compiled program's
+    buffers (XLA's memory report) stay within the plan's total."""
     info, programs, _ = fsdp
     P, plan, n_layer = info["param_elements"], info["plan"], info["n_layer"]
     assert plan["gradients"] == -(-4 * P // 4)
-    expected = Counter(  # the accumulators
-        _shape(_local(s, spec))
-        for s, spec in zip(info["param_shapes"], info["param_specs"], strict=True)
+    root = zip(info["param_names"], info["param_shapes"], info["param_specs"], strict=True)
+    expected = Counter(  # the root's accumulators
+        _shape(_local(s, spec)) for name, s, spec in root if not name.startswith("blocks.")
     )
-    expected.update(_shape([n_layer, *local]) for _, local in _blocks(info))  # the stacks
+    for _ in range(2):  # the stacks and their accumulators
+        expected.update(_shape([n_layer, *local]) for _, local in _blocks(info))
     for program in programs:
         for loop in program.loops():
             assert max(n for dtype, n in loop.carry() if dtype == "f32") < P, loop.line[:200]
@@ -296,6 +299,54 @@ def test_fsdp_carries_no_whole_gradient_and_fits_the_plan(fsdp):
         carried = Counter(outer.carry_shapes())
         assert not expected - carried, (expected - carried, program.path.name)
         assert bytes_used(program) <= plan["total"], (program.path.name, plan)
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+\[[\d,]*\])\S*\s+([\w\-]+)\((.*)$")
+
+
+def _stack_builders(program: Program, info: dict) -> list[str]:
+    """What builds an f32 stack [n_layer, ...] of a block weight (whole or one device's quarter)
+    in `program`: any concatenate of that shape, and any copy of that shape that a While takes
+    in, other than of a broadcast (a zero accumulator). XLA's in-place optimizer update copies
+    its moments (read and written in one program) outside any While; those are not weights."""
+    n_layer = info["n_layer"]
+    stacks = {_shape([n_layer, *dims]) for pair in _blocks(info) for dims in pair}
+    out = []
+    for lines in program.computations.values():
+        defs = {m.group(1): m.groups()[1:] for line in lines if (m := _DEF.match(line))}
+        for shape, op, args in defs.values():
+            if op == "concatenate" and shape in stacks:
+                out.append(f"{shape} concatenate({args[:80]}")
+        for line in lines:
+            loop = re.search(r"\swhile\(%([\w.\-]+)\)", line)
+            if not loop or defs.get(loop.group(1), ("", ""))[1] != "tuple":
+                continue
+            for name in re.findall(r"%([\w.\-]+)", defs[loop.group(1)][2]):
+                shape, op, args = defs.get(name, ("", "", ""))
+                if op == "copy" and shape in stacks and not args.startswith("%broadcast"):
+                    out.append(f"{shape} copy({args[:80]} into a While")
+    return out
+
+
+def test_fsdp_keeps_the_block_weights_stacked(fsdp):
+    """The block weights, their gradient accumulators and their optimizer state are kept stacked
+    [n_layer, ...] and sharded for the whole run (train/xla/layer_scan.py: stack_blocks): no
+    concatenate in any compiled program builds an f32 stack of a block weight, and no copy of
+    one enters a While (per-layer weights were stacked by a concatenate at every step; a
+    stacked weight the update reads after the loop was copied into it, until the update read
+    the loop's own output: train/xla/step.py, _read_through)."""
+    info, programs, run = fsdp
+    dump = sorted(Path(run).parent.glob("dump-*/*after_optimizations.txt"))
+    assert dump and programs
+    for program in [parse(p) for p in dump]:
+        built = _stack_builders(program, info)
+        assert not built, (program.path.name, built)
+    # the check sees the loop's stacked weights themselves: each While of the step takes them in
+    for program in programs:
+        outer, _, _ = _fsdp_loops(program)
+        assert set(_shape([info["n_layer"], *q]) for _, q in _blocks(info)) <= set(
+            outer.carry_shapes()
+        )
 
 
 def test_fsdp_trains_as_replicate(fsdp, replicate):
@@ -351,6 +402,72 @@ def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
     # the same data and init: bf16 autocast moves the loss by well under 2%
     fp32 = _once(tmp_path_factory, "fsdp", "adamw")[0]["loss"]
     assert abs(info["loss"] - fp32) < 0.02 * fp32
+
+
+VALIDATION = """
+from dataclasses import replace
+from codex.model.gpt import mlp_hidden
+from codex.train.launch import make_backend
+from codex.train.plan.layout import Layout
+from tests.fixtures.runs import VOCAB
+c = build_config(overrides={ov!r}, model="tiny")
+backend = make_backend(c)
+m = backend.build_model(replace(c.model, vocab_size=VOCAB, mlp_hidden=mlp_hidden(c.model)), 0,
+                        Layout("fsdp", shard=4))
+g = torch.Generator().manual_seed(1)
+batches = [tuple(torch.randint(0, VOCAB, (8, {seq}), generator=g) for _ in range(2))
+           for _ in range(2)]
+token_bytes = torch.ones(VOCAB, dtype=torch.int64)
+emit("scanned", evaluate(m, batches, token_bytes, backend)["loss"])
+from torch.nn.utils.stateless import _reparametrize_module
+from codex.train.xla.layer_scan import layer_weights
+
+def one_by_one(model, x, cos, sin, idx):  # the reference: each block on its layer's slices
+    for i, block in enumerate(model.blocks):
+        with _reparametrize_module(block, layer_weights(model, i)):
+            x = block(x, cos, sin, model.value_embedding(i, idx))
+    return x
+
+m.blocks_runner = one_by_one
+emit("unrolled", evaluate(m, batches, token_bytes, backend)["loss"])
+emit("block_shapes", [list(p.shape[1:]) for p in m.stacked_blocks.parameters()])
+emit("n_layer", len(m.blocks))
+"""
+
+
+def test_validation_under_fsdp_runs_the_layer_loop(tmp_path):
+    """Validation under fsdp (eval/evaluate.py through the XLA backend's model) runs the blocks
+    as the training step's forward layer loop does (train/xla/layer_scan.py: forward_only): its
+    program holds a While whose body all-gathers every block weight once, one layer's worth, and
+    no block weight is gathered outside it. The blocks run one by one on their layers' slices of
+    the stacked weights (the reference) gather every layer's weights outside any loop, and give
+    the same loss."""
+    dump = tmp_path / "dump"
+    ov = overrides("v6e-4", 2, 1, parallel="fsdp", seq_len=SEQ, allow_cpu_xla=True) + MODEL
+    proc = run_xla(
+        PRELUDE + VALIDATION.format(ov=ov, seq=SEQ),
+        devices=4,
+        env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "OMP_NUM_THREADS": "1"},
+    )
+    info = results(proc)
+    assert abs(info["scanned"] - info["unrolled"]) < 1e-5, info
+    whole = sorted(math.prod(s) for s in info["block_shapes"])
+    matrices = [math.prod(s) for s in info["block_shapes"] if len(s) == 2]
+    programs = [parse(p) for p in sorted(dump.glob("*after_optimizations.txt"))]
+    looped = [p for p in programs if p.whiles]
+    assert looped, "validation compiled no While"
+    for program in looped:
+        (loop,) = program.loops()
+        gathers = [c for c in program.collectives_in(loop.computations) if c.op == "all-gather"]
+        assert sorted(c.elements for c in gathers) == whole, (program.path.name, gathers)
+        outside = [c for c in program.collectives() if c.op == "all-gather" and not c.in_loop]
+        # the matrices (a norm's size may be the final norm's, gathered outside as the root)
+        assert not [c for c in outside if c.elements in matrices], (program.path.name, outside)
+    reference = [p for p in programs if not p.whiles]
+    unrolled = [c.elements for p in reference for c in p.collectives() if c.op == "all-gather"]
+    # the reference gathers every layer's weights outside any loop (a layer's or a whole stack
+    # at a time): the check can see them
+    assert reference and sum(unrolled) >= len(reference) * info["n_layer"] * sum(whole), unrolled
 
 
 def test_replicate_program_within_the_memory_plan(replicate):
