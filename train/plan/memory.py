@@ -354,11 +354,12 @@ def reduce_buffer_bytes(m: ModelConfig, w: Where) -> int:
 
 
 def stacked_bytes(m: ModelConfig, w: Where) -> int:
-    """TPU fsdp's layer loop: the stacked block weights and one micro-batch's stacked gradient,
-    both fp32 and sharded like the weights."""
+    """TPU fsdp's layer loop: one micro-batch's stacked fp32 gradient of the block weights, sharded
+    like them (the backward loop builds it before adding it into the accumulators). The weights
+    themselves are kept stacked for the run (train/xla/layer_scan.py: stack_blocks): no copy."""
     if not (w.tpu and w.layout == "fsdp"):
         return 0
-    return 2 * -(-4 * m.n_layer * block_params(m) // w.shards)
+    return -(-4 * m.n_layer * block_params(m) // w.shards)
 
 
 def plan(
