@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,6 +20,7 @@ from codex.core.config import ConfigError
 from codex.core.config.data import NearDedupConfig
 from codex.pipeline.clean import minhash as M
 from codex.pipeline.clean.clean import run_clean
+from tests.fixtures import ROOT
 from tests.fixtures.clean import cfg_for
 
 _spec = importlib.util.spec_from_file_location(
@@ -418,8 +423,24 @@ def test_a_unit_whose_signatures_are_gone_is_cleaned_again(tmp_path, monkeypatch
     }
 
 
+KILLED_IN_A_TASK = """
+import os, signal
+from pathlib import Path
+from codex.pipeline.clean import near_cluster
+from codex.pipeline.clean.clean import run_clean
+from tests.fixtures.clean import cfg_for
+star = near_cluster.star
+def killed(job):
+    if job.name == "large-000-000001":
+        os.killpg(0, signal.SIGKILL)
+    return star(job)
+near_cluster.star = killed
+run_clean(cfg_for(Path({tmp!r}), [Path({tmp!r}) / "a.jsonl"], *{common!r}))
+"""
+
+
 @pytest.mark.slow
-def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
+def test_a_rerun_after_a_task_is_killed_redoes_only_it(tmp_path, monkeypatch):
     from codex.pipeline.clean import near_cluster, near_dedup
 
     docs, _ = generated_corpus(originals=60, every=3)
@@ -427,17 +448,19 @@ def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
     common = (*NEAR, "data.clean.chunk_bytes=30000", "data.clean.near_dedup.partition_bytes=3000")
     run_clean(cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common, run="whole"))
     cfg = cfg_for(tmp_path, [tmp_path / "a.jsonl"], *common)
-    star, ran = near_cluster.star, []
-
-    def failing(job):
-        if job.name == "large-000-000001":
-            raise RuntimeError("killed")
-        return star(job)
-
-    with monkeypatch.context() as m:
-        m.setattr(near_cluster, "star", failing)
-        with pytest.raises(RuntimeError, match="killed"):
-            run_clean(cfg)
+    ran: list[str] = []
+    # the whole clean SIGKILLed (its process group: a machine lost) inside one star task
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_A_TASK.format(tmp=str(tmp_path), common=common)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = {p.stem for p in (tmp_path / "run" / "clean" / "near" / "done").iterdir()}
+    assert done and "large-000-000001" not in done
 
     def counted(fn):
         def run(job):
@@ -461,10 +484,10 @@ def test_a_rerun_after_a_failed_task_redoes_only_it(tmp_path, monkeypatch):
     run_clean(cfg)
     # every task reserves what its partition_bytes needs (data.task.memory_gb is 0 here)
     assert reserved == {near_dedup.task_memory(3000)} == {3 * 3000 + (200 << 20)}
-    # the tasks before it and beside it have their markers: the rerun starts at it
-    assert [n for n in ran if not n.startswith(("small-", "large-001", "large-002"))] == [
-        "large-000-000001"
-    ]
+    # the tasks finished before the kill have their markers: the rerun starts at the killed one
+    # and runs only what had not finished (no combine, reduce or scatter task again)
+    assert ran[0] == "large-000-000001" and not set(ran) & done, (ran, sorted(done))
+    assert all(n.startswith(("small-", "large-")) for n in ran), ran
     clean, whole = tmp_path / "run" / "clean", tmp_path / "whole" / "clean"
     assert {p.name: p.read_bytes() for p in clean.glob("part-*.parquet")} == {
         p.name: p.read_bytes() for p in whole.glob("part-*.parquet")
