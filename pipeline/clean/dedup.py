@@ -118,7 +118,7 @@ def plan_dedup(markers: list[dict], partition_bytes: int) -> Plan:
 # --- files: .npy of uint64 rows of 4, the first rows an index of row ranges -------------------
 
 
-def _npy_start(fh) -> tuple[tuple[int, ...], int]:
+def npy_start(fh) -> tuple[tuple[int, ...], int]:
     """An open .npy file's shape and the byte offset where its data starts."""
     version = np.lib.format.read_magic(fh)
     if version == (1, 0):
@@ -159,7 +159,7 @@ def read_indexed(path: str, entries: int, i: int) -> np.ndarray:
     open, two reads."""
     remote = {"block_size": RANGE_READAHEAD} if fsio.is_remote(path) else {}
     with fsio.open(path, "rb", **remote) as fh:
-        _, start = _npy_start(fh)
+        _, start = npy_start(fh)
         fh.seek(start + 8 * i)
         lo, hi = (int(x) for x in np.frombuffer(fh.read(16), dtype=np.uint64))
         fh.seek(start + 32 * (index_rows(entries) + lo))

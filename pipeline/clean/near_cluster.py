@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from codex.core import fsio
+from codex.pipeline.clean.dedup import npy_start
 from codex.pipeline.executor import Where, run_units
 
 # a pair: (node, text_hash_a, text_hash_b, bytes) of a band's first document, then the other's,
@@ -129,14 +130,8 @@ def read_split(path: str, parts: int, lo: int, hi: int | None = None) -> np.ndar
     hi = lo + 1 if hi is None else hi
     remote = {"block_size": RANGE_READAHEAD} if fsio.is_remote(path) else {}
     with fsio.open(path, "rb", **remote) as fh:
-        version = np.lib.format.read_magic(fh)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, _, _ = read_header(fh)
-        start, width = fh.tell(), shape[1]
+        shape, start = npy_start(fh)
+        width = shape[1]
         fh.seek(start + 8 * lo)
         a = int(np.frombuffer(fh.read(8), np.uint64)[0])
         fh.seek(start + 8 * hi)
