@@ -706,7 +706,10 @@ def test_the_plan_is_within_15_percent_of_what_a_step_holds_on_2_gloo_ranks(layo
         buckets = got["sharded"] - got["reduced"]
         checks["reduction buckets"] = (p.reduce_buffers, buckets)
     else:
-        assert p.reduce_buffers == 0 and got["sharded"] == got["reduced"]
+        # no reduction buckets: what the reduce-scatter holds is the gradients, give or take
+        # the allocator's few hundred bytes of scalars (a bucket is a share of the gradients)
+        assert p.reduce_buffers == 0
+        assert abs(got["sharded"] - got["reduced"]) <= 0.01 * got["reduced"], got
     off = {
         k: f"{a / 1e6:.2f} vs {b / 1e6:.2f} MB" for k, (a, b) in checks.items() if not within(a, b)
     }
