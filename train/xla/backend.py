@@ -32,6 +32,7 @@ from codex.train.plan.world import set_xla_import_env
 from codex.train.xla import sharding as xla_sharding
 from codex.train.xla.flash import use_flash_attention, xla_attention
 from codex.train.xla.platform import cache_dir, check_attention, check_platform
+from codex.train.xla.reduce_scatter import set_phases
 
 log = logging.getLogger("codex.xla")
 
@@ -62,6 +63,7 @@ class XLABackend:
     lagged_logs: bool = True  # a log step never drains the device (train/loop.py: _log_train)
     max_compiles: int = 0
     mesh: Any = None
+    chips_per_host: int = 1  # the slice's: fsdp reduces across hosts, then within one
     flash_attention: bool = False  # flash runs (train/xla/flash.py: xla_attention)
     flash_chip: str | None = None  # the chip whose flash block sizes apply; None: this VM's
     # train.xla_step: cached = micro-batches in one While (train/xla/step.py)
@@ -100,6 +102,7 @@ class XLABackend:
                 "drives the mesh): use --xla-mode spmd or train.parallel=replicate"
             )
         self.mesh, self._specs = xla_sharding.make_mesh(layout.replicas, layout.shard), {}
+        set_phases(self.mesh, self.chips_per_host)
         scanned = hasattr(model, "blocks_runner") and layout.shard > 1
         if scanned:
             from codex.train.xla.layer_scan import ScannedBlocks, stack_blocks
@@ -339,6 +342,7 @@ def _spmd_backend(make: Callable[..., XLABackend], preset, platform: str, fix: s
         devices_per_loader=local,
         global_values=True,
         mesh=mesh,
+        chips_per_host=preset.devices_per_host,
     )
 
 

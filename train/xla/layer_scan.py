@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from codex.model.gpt import STACKED
+from codex.train.xla.reduce_scatter import WeightGradReducer
 from codex.train.xla.sharding import annotate, batch_spec, fake_trace, planned_spec
 
 
@@ -30,12 +31,12 @@ class ScannedBlocks:
     weights. The stack of each weight keeps the weight's sharding on a new leading layer dim, and
     inside the scan the layer's slice is annotated with that sharding again, so the partitioner
     gathers one layer's weights per iteration (the slice is loop-variant: no pass can hoist the
-    gather out), cast to `dtype` on its shard first when given, and each layer's gradient is
-    annotated whole, then sharded, so it is summed over the batch and cut to this device's part
-    inside the backward scan (all-reduce + dynamic-slice, which the TPU compiler makes a
-    reduce-scatter), in the compute dtype, widened on the shard after. The backward gathers the
-    layer's weights again (ZeRO-3: nothing gathered is kept from the forward). A layer without a
-    value embedding adds zeros (the same sum)."""
+    gather out), cast to `dtype` on its shard first when given, and each layer's matrix gradients
+    are reduce-scattered to their weights' sharding inside the backward scan, written by hand
+    (train/xla/reduce_scatter.py), in the compute dtype, widened on the shard after; any other
+    gradient (a norm gain's) is annotated whole, then sharded: the partitioner's all-reduce. The
+    backward gathers the layer's weights again (ZeRO-3: nothing gathered is kept from the
+    forward). A layer without a value embedding adds zeros (the same sum)."""
 
     mesh: Any
     dtype: torch.dtype | None = None  # gather the weights in it (autocast's compute dtype)
@@ -74,15 +75,26 @@ class ScannedBlocks:
         # every layer); remat: a zero activation budget, it recomputes all it can
         budget = 0.0 if remat else 1.0
         # the weights' places among the layer's inputs (the carry, then xs's leaves): their
-        # gradients leave the backward graph in the compute dtype, cast after their reduction
-        leaves = {id(t) for t in stacked.values()}
-        weights = [i for i, t in enumerate(tree_flatten((x, xs))[0]) if id(t) in leaves]
-        partition = functools.partial(_partition_saving_inputs, narrow=weights)
+        # gradients leave the backward graph in the compute dtype, cast after their reduction;
+        # a sharded matrix's is reduce-scattered there by hand (train/xla/reduce_scatter.py)
+        names = {id(t): name for name, t in stacked.items()}
+        flat = tree_flatten((x, xs))[0]
+        weights = {i: names[id(t)] for i, t in enumerate(flat) if id(t) in names}
+        reducers = {
+            i: WeightGradReducer(self.mesh, specs[name])
+            for i, name in weights.items()
+            if specs[name] is not None and "fsdp" in specs[name]
+        }
+        by_hand: set[int] = set()
+        partition = functools.partial(
+            _partition_saving_inputs, narrow=list(weights), reduce=(reducers, by_hand)
+        )
         with fake_trace(), torch._functorch.config.patch(activation_memory_budget=budget):
             forward, alias_input, backward = value_and_grad_partitioned(
                 one_layer, x, xs, partition_fn=partition
             )
         layer = _PinnedLayer(self, specs, stacked, batch_spec(x.dim()), forward, backward)
+        layer.reduced = {weights[i] for i in by_hand}
         out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
         return out
 
@@ -190,6 +202,8 @@ class _PinnedLayer:
     # which of the backward's saved activations are the layer's weights (torch_xla's scan saves
     # its inputs by reference): {index: weight name}, learnt when the forward runs
     saved_weights: dict[int, str] = field(default_factory=dict)
+    # the weights whose gradient the backward graph reduce-scatters itself (_reduce_by_hand)
+    reduced: set[str] = field(default_factory=set)
 
     def gathered(self, t: torch.Tensor, spec) -> torch.Tensor:
         return gathered(t, spec, self.scan.mesh, self.scan.dtype)
@@ -216,8 +230,9 @@ class _PinnedLayer:
         annotate(grad_h, mesh, activation)
         grads = grad_layer["params"]
         for name, g in grads.items():
-            if specs[name] is not None:  # the whole gradient summed over the batch, then sharded
-                annotate(g, mesh, (None,) * g.dim())
+            if specs[name] is not None:  # summed over the batch and sharded
+                if name not in self.reduced:  # by the partitioner: whole, then cut
+                    annotate(g, mesh, (None,) * g.dim())
                 annotate(g, mesh, specs[name])
             # widened to the weight's dtype on the shard, after the reduction: a convert between
             # the all-reduce and its slice keeps a TPU from making them one reduce-scatter
@@ -246,18 +261,21 @@ def gathered(t: torch.Tensor, spec, mesh, dtype: torch.dtype | None) -> torch.Te
     return t
 
 
-def _partition_saving_inputs(joint, inputs, narrow=(), **kwargs):
+def _partition_saving_inputs(joint, inputs, narrow=(), reduce=({}, set()), **kwargs):
     """min_cut_rematerialization_partition, then every saved activation that is only a view or
     a cast of a layer input (a weight's transpose transposed back, t(t(W)); its bf16 copy under
     autocast) saved as that input instead, the views and casts redone in the backward. Why:
     torch_xla's scan stacks every saved activation over the layers, and tells a saved input
     (kept by reference: the stacked sharded weight) by identity only; a view of a weight would be
     stacked as the whole gathered weight of every layer. The gradients of the inputs at places
-    `narrow` leave the backward without autocast's widening cast (_narrow_gradients)."""
+    `narrow` leave the backward without autocast's widening cast (_narrow_gradients); those at
+    `reduce`'s places are reduced there by hand (_reduce_by_hand)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kwargs)
     _narrow_gradients(bwd, narrow)
+    reducers, by_hand = reduce
+    by_hand.update(_reduce_by_hand(bwd, reducers))
     n_out = kwargs["num_fwd_outputs"]
     (output,) = [n for n in fwd.graph.nodes if n.op == "output"]
     outs = list(output.args[0])
@@ -339,6 +357,44 @@ def _narrow_gradients(bwd, places) -> None:
         bwd.graph.eliminate_dead_code()
         bwd.graph.lint()
         bwd.recompile()
+
+
+def _reduce_by_hand(bwd, reducers: dict) -> set[int]:
+    """Each weight gradient at `reducers`' places (output index -> WeightGradReducer) that the
+    backward graph computes as mm(t(a), b), seen through an even number of transposes (the
+    tokens contracted: a [N, m], b [N, n]), computed by its reducer instead: summed over the
+    devices and sharded as its weight. Returns the places so replaced."""
+    aten = torch.ops.aten
+    (output,) = [n for n in bwd.graph.nodes if n.op == "output"]
+    outs = list(output.args[0])
+    done = set()
+    for i, reducer in reducers.items():
+        node, flips = outs[i], 0
+        while isinstance(node, torch.fx.Node) and node.target is aten.t.default:
+            node, flips = node.args[0], flips + 1
+        if flips % 2 or not (isinstance(node, torch.fx.Node) and node.target is aten.mm.default):
+            continue
+        left, right = node.args
+        if not (isinstance(left, torch.fx.Node) and left.target is aten.t.default):
+            continue
+        a, b = left.args[0], right
+        if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+            continue
+        if a.meta["val"].shape[0] != b.meta["val"].shape[0]:
+            continue
+        name = f"reduce_scatter_{i}"
+        bwd.add_submodule(name, reducer)
+        with bwd.graph.inserting_before(node):
+            reduced = bwd.graph.call_module(name, (a, b))
+        reduced.meta = dict(node.meta)
+        node.replace_all_uses_with(reduced)
+        bwd.graph.erase_node(node)
+        done.add(i)
+    if done:
+        bwd.graph.eliminate_dead_code()
+        bwd.graph.lint()
+        bwd.recompile()
+    return done
 
 
 @functools.cache

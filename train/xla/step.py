@@ -23,6 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.weak import WeakIdKeyDictionary
 
 from codex.train.xla.layer_scan import ScannedBlocks
+from codex.train.xla.reduce_scatter import head_forward
 from codex.train.xla.sharding import (
     AXES,
     annotate,
@@ -368,10 +369,17 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
 @contextlib.contextmanager
 def _blocks_scanned(model, mesh, dtype: torch.dtype | None):
     """While the body is traced: model's blocks run as one scanned layer (ScannedBlocks), their
-    weights gathered in `dtype` (autocast's) when given."""
+    weights gathered in `dtype` (autocast's) when given, and a sharded output head's weight
+    gradient reduce-scattered by hand (train/xla/reduce_scatter.py)."""
     before = model.blocks_runner  # the backend's validation runner (train=False), if any
     model.blocks_runner = ScannedBlocks(mesh, dtype)
+    head = getattr(model, "lm_head", None)
+    spec = planned_spec(head.weight) if isinstance(head, torch.nn.Linear) else None
+    if isinstance(head, torch.nn.Linear) and spec is not None and "fsdp" in spec:
+        head.forward = functools.partial(head_forward, head, mesh, spec)  # type: ignore[method-assign]
     try:
         yield
     finally:
         model.blocks_runner = before
+        if head is not None:
+            vars(head).pop("forward", None)

@@ -113,7 +113,10 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
             if kind is None:
                 continue
             shape = line.split("=", 1)[1].strip()
-            shape = shape[: shape.index(" " + kind.replace("reduce-scatter", "all-reduce"))]
+            fused = kind == "reduce-scatter" and name.startswith("all-reduce-scatter")
+            shape = shape[: shape.index(" " + ("all-reduce" if fused else kind))]
+            if kind == "reduce-scatter" and not fused:
+                shape = _scattered_whole(shape, line)
             scheduled, call = _scheduled_in(name, callers, schedule)
             place = loops.get(scheduled, "step")
             is_async, overlapped = _async(program, name, scheduled, call)
@@ -123,6 +126,22 @@ def read_program(text: str, n_layer: int) -> TpuProgram:
                 TpuCollective(kind, nbytes(shape), place, is_async, overlapped, name, runs, shapes)
             )
     return TpuProgram(out, kernels)
+
+
+def _scattered_whole(shape: str, line: str) -> str:
+    """A reduce-scatter instruction's result `shape` (each chip's shard) as the whole it reduces:
+    its scattered dim times the group's size (the fused form's all-reduce shows the whole)."""
+    (dim,) = re.findall(r"dimensions=\{(\d+)\}", line)
+    listed = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]<=", line)
+    size = len(listed[1].split(",")) if listed else int(iota[1]) if iota else 1
+    wholes = []
+    for text in array_texts(shape):
+        dtype, dims = text[:-1].split("[")
+        sizes = dims.split(",")
+        sizes[int(dim)] = str(int(sizes[int(dim)]) * size)
+        wholes.append(f"{dtype}[{','.join(sizes)}]")
+    return "(" + ", ".join(wholes) + ")" if len(wholes) > 1 else wholes[0]
 
 
 def _collective_kind(line: str, computation: str) -> str | None:

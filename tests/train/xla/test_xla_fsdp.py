@@ -325,3 +325,50 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
     backend = XLABackend(mode="spawn", loader_world=1, **base)
     with pytest.raises(ConfigError, match="train.parallel=fsdp on TPU runs under --xla-mode spmd"):
         backend.build_model(tiny, 0, Layout("fsdp", shard=4, replicas=1))
+
+
+PHASED = """
+import numpy as np
+import torch_xla, torch_xla.runtime as xr
+from codex.train.xla.reduce_scatter import _phase_groups, reduced_weight_grad, set_phases, phases
+from codex.train.xla.sharding import annotate, batch_spec, make_mesh
+xr.use_spmd()
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(64, 8, generator=g), torch.randn(64, 12, generator=g)
+out = {}
+for replicas, shard, per_host, spec in [(1, 4, 2, ("fsdp", None)), (1, 4, 4, (None, "fsdp")),
+                                        (2, 2, 1, ("fsdp", None))]:
+    mesh = make_mesh(replicas, shard)
+    set_phases(mesh, per_host)
+    ad, bd = a.to(torch_xla.device()), b.to(torch_xla.device())
+    annotate(ad, mesh, batch_spec(2)); annotate(bd, mesh, batch_spec(2))
+    got = reduced_weight_grad(ad, bd, mesh, spec, phases(mesh))
+    sharding = torch_xla._XLAC._get_xla_sharding_spec(got)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([got])
+    out[f"{replicas}x{shard}/{per_host}/{spec.index('fsdp')}"] = {
+        "diff": (got.cpu() - a.t() @ b).abs().max().item(), "phases": phases(mesh),
+        "scatters": hlo.count(" reduce-scatter("), "all_reduces": hlo.count(" all-reduce("),
+        "sharding": sharding}
+out["groups"] = [s for s in _phase_groups(np.arange(8).reshape(1, 8), (2, 4))]
+emit("phased", out)
+"""
+
+
+@pytest.mark.slow
+def test_reduced_weight_grad_sums_every_devices_tokens_in_phases():
+    """reduced_weight_grad on 4 XLA CPU devices (train/xla/reduce_scatter.py): a^T b of the tokens
+    spread over every device, reduce-scattered to the weight's sharding in two phases (2 hosts of
+    2 chips), in one (one host), on the weight's second dim, and with 2 replicas (a
+    reduce-scatter over fsdp, then an all-reduce of the shard): equal to the product on the host
+    each time, sharded as asked."""
+    out = run_xla_script(PHASED, devices=DEVICES)["phased"]
+    two, one, replicas = (out[k] for k in ("1x4/2/0", "1x4/4/1", "2x2/1/0"))
+    for case in (two, one, replicas):
+        assert case["diff"] < 1e-4, out
+    assert (two["phases"], two["scatters"], two["all_reduces"]) == ([2, 2], 2, 0), two
+    assert (one["phases"], one["scatters"], one["all_reduces"]) == ([4], 1, 0), one
+    assert (replicas["scatters"], replicas["all_reduces"]) == (1, 1), replicas
+    assert "devices=[4,1]" in two["sharding"] and "devices=[1,4]" in one["sharding"], out
+    # 8 devices as 2 hosts of 4: across the hosts (the same chip of each), then within a host
+    across, within = [2, [[0, 4], [1, 5], [2, 6], [3, 7]]], [4, [[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert out["groups"] == [across, within]

@@ -394,10 +394,15 @@ def test_fsdp_gathers_layers_in_bf16_under_bf16(fsdp_bf16, tmp_path_factory):
                         text = _shape([n_layer, *shape]).replace("f32", dtype)
                         assert text not in carried, (shape, dtype, loop.line[:300])
     for program in programs:
-        # each gradient's all-reduce reaches its slice with no convert between (widened to fp32
-        # on the shard after it): a TPU's compiler makes the pair one reduce-scatter
-        chains = reduction_slices(partitioned(program))
-        assert len(chains) >= len(blocks), (program.path.name, chains)
+        # each block matrix's gradient reduce-scattered in bf16 (written by hand, widened to fp32
+        # on the shard after it), and any gradient's all-reduce left reaching its slice with no
+        # convert between: a TPU's compiler makes such a pair one reduce-scatter
+        split = partitioned(program)
+        scattered = [c for c in split.collectives() if c.op == "reduce-scatter"]
+        matrices = [s for s in blocks if len(s) == 2]
+        assert len(scattered) >= len(matrices), (program.path.name, split.collectives())
+        assert all(arrays(c.shape)[0][0] == "bf16" for c in scattered), scattered
+        chains = reduction_slices(split)
         assert not [c for c in chains if "convert" in c], (program.path.name, chains)
     # the same data and init: bf16 autocast moves the loss by well under 2%
     fp32 = _once(tmp_path_factory, "fsdp", "adamw")[0]["loss"]
