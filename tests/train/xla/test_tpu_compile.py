@@ -174,10 +174,12 @@ def _check_reduce_scatters(step: dict, chips: int, extra=()) -> dict:
     """The gradient reductions of an fsdp step's TPU program (test below); returns the counts."""
     blocks, head, width = _tiny_shapes(extra)
     loops = [c for c in step["collectives"] if c["place"] != "step"]
+    # each block matrix's whole (or its transpose: one sharded on dim 1 scatters that)
+    either = lambda s: min(_dims(s), _transposed(s))  # noqa: E731
     scattered = Counter(
-        _dims(a) for c in _where(step, "reduce-scatter", "layer loop") for a in c["shapes"]
+        either(a) for c in _where(step, "reduce-scatter", "layer loop") for a in c["shapes"]
     )
-    assert not Counter(blocks) - scattered, (blocks, scattered)
+    assert not Counter(map(either, blocks)) - scattered, (blocks, scattered)
     # the head's: reduce-scatters in the micro-batch loop, the first of the whole (computed as
     # [width, vocab]), each later phase of a shard of it
     heads = {head, _transposed(head)}
@@ -196,7 +198,7 @@ def _check_reduce_scatters(step: dict, chips: int, extra=()) -> dict:
     local_tokens = 2 * 128  # train.device_batch x train.seq_len
     # per array (the compiler combines collectives into tuples), weights' shapes aside (the head's
     # [vocab, width] outgrows a small batch, and does not grow with it)
-    weights = {*heads, *blocks}
+    weights = {*heads, *blocks, *map(_transposed, blocks)}
     batch = [_elements(a) for c in loops for a in c["shapes"] if _dims(a) not in weights]
     assert max(batch) < chips * local_tokens * width
     inside = [c for c in loops if c["place"] == "micro-batch loop"]

@@ -330,7 +330,8 @@ def test_auto_picks_fsdp_on_tpu_and_refusals():
 PHASED = """
 import numpy as np
 import torch_xla, torch_xla.runtime as xr
-from codex.train.xla.reduce_scatter import _phase_groups, reduced_weight_grad, set_phases, phases
+from codex.train.xla.reduce_scatter import _at_most_8, _phase_groups, reduced_weight_grad
+from codex.train.xla.reduce_scatter import phases, set_phases
 from codex.train.xla.sharding import annotate, batch_spec, make_mesh
 xr.use_spmd()
 g = torch.Generator().manual_seed(0)
@@ -350,6 +351,7 @@ for replicas, shard, per_host, spec in [(1, 4, 2, ("fsdp", None)), (1, 4, 4, (No
         "scatters": hlo.count(" reduce-scatter("), "all_reduces": hlo.count(" all-reduce("),
         "sharding": sharding}
 out["groups"] = [s for s in _phase_groups(np.arange(8).reshape(1, 8), (2, 4))]
+out["split"] = [_at_most_8(n) for n in (8, 16, 64, 12)]
 emit("phased", out)
 """
 
@@ -368,7 +370,9 @@ def test_reduced_weight_grad_sums_every_devices_tokens_in_phases():
     assert (two["phases"], two["scatters"], two["all_reduces"]) == ([2, 2], 2, 0), two
     assert (one["phases"], one["scatters"], one["all_reduces"]) == ([4], 1, 0), one
     assert (replicas["scatters"], replicas["all_reduces"]) == (1, 1), replicas
-    assert "devices=[4,1]" in two["sharding"] and "devices=[1,4]" in one["sharding"], out
+    assert "devices=[4,1]" in two["sharding"], out  # dim 1's: the transpose of such a shard
     # 8 devices as 2 hosts of 4: across the hosts (the same chip of each), then within a host
     across, within = [2, [[0, 4], [1, 5], [2, 6], [3, 7]]], [4, [[0, 1, 2, 3], [4, 5, 6, 7]]]
     assert out["groups"] == [across, within]
+    # no phase of more than 8 (16 hosts' one was an all-reduce on v6e:8x8)
+    assert out["split"] == [[8], [4, 4], [8, 8], [3, 4]], out["split"]
