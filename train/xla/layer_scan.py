@@ -87,14 +87,15 @@ class ScannedBlocks:
         }
         by_hand: set[int] = set()
         partition = functools.partial(
-            _partition_saving_inputs, narrow=list(weights), reduce=(reducers, by_hand)
+            _partition_reducing, narrow=list(weights), reducers=reducers, by_hand=by_hand
         )
         with fake_trace(), torch._functorch.config.patch(activation_memory_budget=budget):
             forward, alias_input, backward = value_and_grad_partitioned(
                 one_layer, x, xs, partition_fn=partition
             )
-        layer = _PinnedLayer(self, specs, stacked, batch_spec(x.dim()), forward, backward)
-        layer.reduced = {weights[i] for i in by_hand}
+        reduced = {weights[i] for i in by_hand}
+        activation = batch_spec(x.dim())
+        layer = _PinnedLayer(self, specs, stacked, activation, forward, backward, reduced=reduced)
         out, _ = _LayerScan.apply(layer.forward, alias_input, layer.backward, layer.remember, x, xs)
         return out
 
@@ -261,21 +262,26 @@ def gathered(t: torch.Tensor, spec, mesh, dtype: torch.dtype | None) -> torch.Te
     return t
 
 
-def _partition_saving_inputs(joint, inputs, narrow=(), reduce=({}, set()), **kwargs):
+def _partition_reducing(joint, inputs, narrow, reducers: dict, by_hand: set, **kwargs):
+    """_partition_saving_inputs, then the gradients at `reducers`' places reduced by hand in the
+    backward graph (_reduce_by_hand); the places it replaced are added to `by_hand`."""
+    fwd, bwd = _partition_saving_inputs(joint, inputs, narrow=narrow, **kwargs)
+    by_hand.update(_reduce_by_hand(bwd, reducers))
+    return fwd, bwd
+
+
+def _partition_saving_inputs(joint, inputs, narrow=(), **kwargs):
     """min_cut_rematerialization_partition, then every saved activation that is only a view or
     a cast of a layer input (a weight's transpose transposed back, t(t(W)); its bf16 copy under
     autocast) saved as that input instead, the views and casts redone in the backward. Why:
     torch_xla's scan stacks every saved activation over the layers, and tells a saved input
     (kept by reference: the stacked sharded weight) by identity only; a view of a weight would be
     stacked as the whole gathered weight of every layer. The gradients of the inputs at places
-    `narrow` leave the backward without autocast's widening cast (_narrow_gradients); those at
-    `reduce`'s places are reduced there by hand (_reduce_by_hand)."""
+    `narrow` leave the backward without autocast's widening cast (_narrow_gradients)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fwd, bwd = min_cut_rematerialization_partition(joint, inputs, **kwargs)
     _narrow_gradients(bwd, narrow)
-    reducers, by_hand = reduce
-    by_hand.update(_reduce_by_hand(bwd, reducers))
     n_out = kwargs["num_fwd_outputs"]
     (output,) = [n for n in fwd.graph.nodes if n.op == "output"]
     outs = list(output.args[0])

@@ -12,7 +12,6 @@ uses it for each block matrix (train/xla/layer_scan.py), the head's backward for
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
-from codex.train.xla.sharding import AXES, batch_spec
+from codex.train.xla.sharding import AXES, batch_spec, manual_sharding
 
 # mesh -> the fsdp reduce-scatter's phases: the group sizes, outermost (the hosts) first
 _PHASES = WeakIdKeyDictionary()
@@ -79,7 +78,7 @@ def reduced_weight_grad(
         g = xla._xla_spmd_reduce_scatter("sum", g, 1.0, 0, size, groups)
     if ids.shape[0] > 1:  # the replicas' shards: summed whole, as a replicated weight's
         g = xla._xla_spmd_all_reduce("sum", g, 1.0, ids.T.tolist())
-    xla._mark_manual_sharding(g, _manual_sharding())
+    xla._mark_manual_sharding(g, manual_sharding())
     whole = (a.shape[1], b.shape[1])
     return xla._spmd_shard_to_full_shape(g, mesh.get_op_sharding(spec), whole, g.dtype)
 
@@ -94,15 +93,6 @@ def _phase_groups(ids: np.ndarray, sizes: tuple[int, ...]) -> list[tuple[int, li
         groups = np.moveaxis(per_replica, k + 1, -1).reshape(-1, size)
         out.append((size, groups.tolist()))
     return out
-
-
-@functools.cache
-def _manual_sharding():
-    """torch_xla's OpSharding of type MANUAL (made on first use: torch_xla is imported late)."""
-    import torch_xla
-    from torch_xla.distributed.spmd import ShardingType
-
-    return torch_xla._XLAC.OpSharding([], [], [], ShardingType.MANUAL)
 
 
 class WeightGradReducer(torch.nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import numpy as np
 import torch
@@ -74,6 +75,15 @@ def annotate(t: torch.Tensor, mesh, spec: tuple) -> None:
     import torch_xla
 
     torch_xla._XLAC._xla_annotate_custom_sharding(t, mesh.get_op_sharding(spec))
+
+
+@functools.cache
+def manual_sharding():
+    """torch_xla's OpSharding of type MANUAL (made on first use: torch_xla is imported late)."""
+    import torch_xla
+    from torch_xla.distributed.spmd import ShardingType
+
+    return torch_xla._XLAC.OpSharding([], [], [], ShardingType.MANUAL)
 
 
 def make_mesh(replicas: int, shard: int):

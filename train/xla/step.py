@@ -28,6 +28,7 @@ from codex.train.xla.sharding import (
     AXES,
     annotate,
     batch_spec,
+    manual_sharding,
     per_device_trace,
     planned_spec,
     sharding_of,
@@ -311,15 +312,6 @@ def _special_scalars(on: bool):
         torch_xla._XLAC._set_xla_handle_special_scalars(before)
 
 
-@functools.cache
-def _manual_sharding():
-    """torch_xla's OpSharding of type MANUAL (made on first use: torch_xla is imported late)."""
-    import torch_xla
-    from torch_xla.distributed.spmd import ShardingType
-
-    return torch_xla._XLAC.OpSharding([], [], [], ShardingType.MANUAL)
-
-
 def _is_sharded(t: torch.Tensor) -> bool:
     return sharding_of(t) not in ("", "{replicated}")
 
@@ -355,7 +347,7 @@ def _mean_over_devices(t: torch.Tensor, mesh, like: torch.Tensor | None = None) 
 
     n = mesh.size()
     stacked = t.unsqueeze(0)
-    torch_xla._XLAC._mark_manual_sharding(stacked, _manual_sharding())
+    torch_xla._XLAC._mark_manual_sharding(stacked, manual_sharding())
     full = torch_xla._XLAC._spmd_shard_to_full_shape(
         stacked, mesh.get_op_sharding(batch_spec(stacked.dim())), (n, *t.shape), stacked.dtype
     )
